@@ -1,0 +1,5 @@
+import sys
+
+from precsearch.cli import main
+
+sys.exit(main())

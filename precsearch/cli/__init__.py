@@ -1,0 +1,52 @@
+"""Command-line entry point: a thin layer over the Python API.
+
+Each subcommand lives in its own module in this package and exposes ``register(subparsers)``, which adds an
+argparse parser whose ``func`` default runs the command. Modules are discovered, so adding a command never
+touches this file. Errors a user can fix (``PrecsearchError``, missing files) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+
+from precsearch import __version__
+from precsearch.errors import PrecsearchError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="precsearch",
+        description="Search mixed low-precision float assignments for training CNNs, and train under them.",
+    )
+    parser.add_argument("--version", action="version", version=f"precsearch {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{module_info.name}")
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (PrecsearchError, FileNotFoundError, PermissionError, IsADirectoryError) as error:
+        print(f"precsearch {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"precsearch {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
