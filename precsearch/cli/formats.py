@@ -1,0 +1,52 @@
+"""`precsearch formats`: the named formats and their ranges, or how values round in chosen formats."""
+
+from __future__ import annotations
+
+import argparse
+
+import pandas as pd
+import torch
+
+from precsearch import formats
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "formats",
+        help="list float formats, or round values in them",
+        description=f"List float formats, or round values in them. Spec grammar: {formats.GRAMMAR}.",
+    )
+    parser.add_argument("specs", nargs="*", help="formats to show (default: every named format)")
+    parser.add_argument("--round", nargs="+", type=float, metavar="X", help="values to round in each format")
+    parser.add_argument("--rounding", default="nearest", choices=formats.ROUNDINGS)
+    parser.add_argument("--overflow", default=None, choices=formats.OVERFLOWS)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    fmts = [formats.get_format(s) for s in args.specs] or list(formats.NAMED_FORMATS.values())
+    if args.round:
+        values = torch.tensor(args.round, dtype=torch.float32)
+        table = pd.DataFrame({"x": values.tolist()})
+        generator = torch.Generator().manual_seed(0)
+        for fmt in fmts:
+            table[fmt.name] = formats.quantize(values, fmt, args.rounding, args.overflow, generator).tolist()
+    else:
+        table = pd.DataFrame(
+            {
+                "format": f.name,
+                "E": f.exp,
+                "M": f.man,
+                "bias": f.bias,
+                "bits": f.bits,
+                "max": f.max,
+                "min_normal": f.min_normal,
+                "min_subnormal": f.min_subnormal,
+                "inf": f.has_inf,
+                "nan": f.has_nan,
+                "overflow default": f.default_overflow,
+            }
+            for f in fmts
+        )
+    print(table.to_string(index=False))
+    return 0

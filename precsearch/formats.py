@@ -1,0 +1,422 @@
+"""Floating-point formats of any (E, M, bias, specials): rounding, bit packing and range statistics.
+
+Every format here is simulated inside float32: ``quantize`` returns float32 tensors whose values all lie in
+the format. That needs every value of the format to be a float32, so a format's normal range must sit inside
+float32's normal range (min normal >= 2**-126, max <= float32 max); ``get_format`` rejects the others.
+
+Special codes come in three families:
+
+* ``ieee``: the top exponent code is reserved for inf (mantissa 0) and NaN (fp16, bf16, e5m2, ml_dtypes' e4m3).
+* ``fn``: no inf; only the all-ones code is NaN (OCP's float8_e4m3fn).
+* ``none``: every code is finite (QPyTorch and the Lee et al. reference code; also OCP's fp6/fp4, whose
+  ``fn`` names mean "finite, no NaN").
+
+Overflow semantics (``overflow=``) apply to finite values that round above the format's max:
+``"inf"`` gives +-inf, ``"saturate"`` gives +-max, ``"nan"`` gives NaN. The default is ``"inf"`` for formats
+with inf and ``"saturate"`` otherwise (torch's float8_e4m3fn cast saturates; ml_dtypes gives NaN: pass
+``overflow="nan"`` for that). Infinite inputs stay infinite in formats that have inf; in the others they
+follow the overflow mode. NaN stays NaN. Since the result is float32, ``"inf"`` and ``"nan"`` may be used
+with any format (the Lee et al. reference lets gradients overflow to inf so the loss scaler reacts), but
+``encode`` accepts only values the format can represent.
+
+Rounding is round-half-to-even, or stochastic (unbiased: the result is one of the two neighbours, rounding up
+with probability proportional to the distance from the lower one), driven by a counter-based hash of the
+element index and a seed drawn from a ``torch.Generator``, so results are reproducible and need no large
+random tensor. Tensors of at least ``COMPILE_MIN_NUMEL`` elements go through ``torch.compile`` when it works;
+any compile failure falls back silently to eager mode (set ``PRECSEARCH_COMPILE=0`` to disable compiling).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from precsearch.errors import PrecsearchError
+
+__all__ = [
+    "FloatFormat",
+    "NAMED_FORMATS",
+    "get_format",
+    "quantize",
+    "encode",
+    "decode",
+    "stats",
+]
+
+log = logging.getLogger(__name__)
+
+ROUNDINGS = ("nearest", "stochastic")
+OVERFLOWS = ("inf", "saturate", "nan")
+SPECIALS = ("ieee", "fn", "none")
+GRAMMAR = "e<E>m<M>[b<shift>][fn|s], 1 <= E <= 8, 0 <= M <= 23 (e.g. e5m2, e4m3b4s, e6m9s, e4m3fn)"
+COMPILE_MIN_NUMEL = 1 << 18
+
+_FP32_MAX = torch.finfo(torch.float32).max
+_FP32_MIN_NORMAL = 2.0**-126
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """Sign + ``exp`` exponent bits + ``man`` mantissa bits, exponent ``bias``, and a family of special codes."""
+
+    exp: int
+    man: int
+    bias: int
+    special: str = "ieee"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.exp <= 8 and 0 <= self.man <= 23):
+            raise PrecsearchError(f"format e{self.exp}m{self.man}: E must be in 1..8 and M in 0..23 ({GRAMMAR})")
+        if self.special not in SPECIALS:
+            raise PrecsearchError(f"format special codes {self.special!r}: use one of {', '.join(SPECIALS)}")
+        if self.special == "ieee" and self.exp == 1:
+            raise PrecsearchError("format e1: an IEEE-like format needs E >= 2 (the top code is inf/NaN); use 's'")
+        if self.special == "fn" and self.exp + self.man < 2:
+            raise PrecsearchError(f"format e{self.exp}m{self.man}fn: too few bits for a NaN code and a finite value")
+        if not self.name:
+            object.__setattr__(self, "name", self._spec())
+        if self.min_normal < _FP32_MIN_NORMAL or self.max > _FP32_MAX:
+            raise PrecsearchError(
+                f"format {self.name}: its range (min normal {self.min_normal:.3g}, max {self.max:.3g}) leaves "
+                "float32's normal range, so it cannot be simulated in float32; lower the bias shift or E"
+            )
+
+    def _spec(self) -> str:
+        shift = self.bias - (2 ** (self.exp - 1) - 1)
+        suffix = {"ieee": "", "fn": "fn", "none": "s"}[self.special]
+        return f"e{self.exp}m{self.man}" + (f"b{shift}" if shift else "") + suffix
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exp + self.man
+
+    @property
+    def has_inf(self) -> bool:
+        return self.special == "ieee"
+
+    @property
+    def has_nan(self) -> bool:
+        return self.special in ("ieee", "fn")
+
+    @property
+    def is_fp32(self) -> bool:
+        return (self.exp, self.man, self.bias, self.special) == (8, 23, 127, "ieee")
+
+    @property
+    def emin(self) -> int:
+        """Unbiased exponent of the smallest normal number."""
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Unbiased exponent of the largest finite number."""
+        # IEEE reserves the top exponent code; so does fn when M = 0 (its one top code is the NaN).
+        reserved = self.special == "ieee" or (self.special == "fn" and self.man == 0)
+        return 2**self.exp - 1 - reserved - self.bias
+
+    @property
+    def max(self) -> float:
+        # An fn format with M > 0 loses the all-ones mantissa at the top exponent to NaN.
+        lost_ulps = 2 if self.special == "fn" and self.man > 0 else 1
+        return (2.0 - lost_ulps * 2.0**-self.man) * 2.0**self.emax
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0**self.emin
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive value (equal to min_normal when M = 0: no subnormals then)."""
+        return 2.0 ** (self.emin - self.man)
+
+    @property
+    def default_overflow(self) -> str:
+        return "inf" if self.has_inf else "saturate"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        if self.bits <= 8:
+            return torch.uint8
+        return torch.int16 if self.bits <= 16 else torch.int32
+
+
+def _standard(exp: int, man: int, special: str = "ieee", name: str = "", shift: int = 0) -> FloatFormat:
+    return FloatFormat(exp, man, 2 ** (exp - 1) - 1 + shift, special, name)
+
+
+NAMED_FORMATS: dict[str, FloatFormat] = {
+    fmt.name: fmt
+    for fmt in (
+        _standard(8, 23, name="fp32"),
+        _standard(5, 10, name="fp16"),
+        _standard(8, 7, name="bf16"),
+        _standard(5, 2, name="fp8_e5m2"),
+        _standard(4, 3, "fn", name="fp8_e4m3fn"),
+        _standard(4, 3, name="fp8_e4m3"),
+        _standard(3, 4, name="fp8_e3m4"),
+        _standard(3, 2, "none", name="fp6_e3m2fn"),
+        _standard(2, 3, "none", name="fp6_e2m3fn"),
+        _standard(2, 1, "none", name="fp4_e2m1fn"),
+    )
+}
+
+_SPEC_RE = re.compile(r"e(\d+)m(\d+)(?:b([+-]?\d+))?(fn|s)?")
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(spec: str) -> FloatFormat:
+    key = spec.strip().lower()
+    if key in NAMED_FORMATS:
+        return NAMED_FORMATS[key]
+    match = _SPEC_RE.fullmatch(key)
+    if not match:
+        raise PrecsearchError(
+            f"unknown float format {spec!r}: use a name ({', '.join(NAMED_FORMATS)}) or a spec {GRAMMAR}"
+        )
+    exp, man, shift, suffix = int(match[1]), int(match[2]), int(match[3] or 0), match[4]
+    if not (1 <= exp <= 8 and 0 <= man <= 23):
+        raise PrecsearchError(f"format {spec!r}: E must be in 1..8 and M in 0..23 ({GRAMMAR})")
+    special = {None: "ieee", "fn": "fn", "s": "none"}[suffix]
+    return _standard(exp, man, special, shift=shift)
+
+
+def get_format(spec: str | FloatFormat) -> FloatFormat:
+    """A ``FloatFormat`` from a name (``fp8_e5m2``), a spec string (``e4m3b4s``) or a ``FloatFormat``."""
+    if isinstance(spec, FloatFormat):
+        return spec
+    if not isinstance(spec, str):
+        raise PrecsearchError(f"float format must be a name, a spec string or a FloatFormat, not {spec!r}")
+    return _parse(spec)
+
+
+# ----------------------------------------------------------------------------------------------- rounding
+
+
+def _check_tensor(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"expected a floating-point tensor, got {got}")
+    if x.dtype == torch.float64:
+        raise TypeError("float64 input would be rounded twice (to float32, then to the format): pass float32")
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _hash_bits(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """31 pseudo-random bits per element: murmur3's 32-bit finalizer on (index, seed), in int64 arithmetic."""
+    mask = 0xFFFFFFFF
+    h = (index * 0x9E3779B1 + seed) & mask
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & mask
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & mask
+    return (h ^ (h >> 16)) >> 1
+
+
+@dataclass(frozen=True)
+class _KernelKey:
+    man: int
+    emin: int
+    max_bits: int
+    stochastic: bool
+    overflow: str
+    keep_inf: bool
+
+
+@functools.lru_cache(maxsize=64)
+def _make_kernel(key: _KernelKey):
+    """A rounding function with the format's constants baked in (so torch.compile specializes on them).
+
+    It works on float32 bit patterns. Results in the normal range drop ``23 - man`` bits of the input's own
+    pattern (a carry into the exponent is the correct rounding up). Below the format's min normal, nearest
+    rounding is ``(|x| + C) - C`` in float32, with C chosen so that float32's ulp at C is the format's min
+    subnormal (exact IEEE addition does the round-half-to-even); stochastic rounding there adds noise to the
+    significand counted in min-subnormal quanta.
+    """
+    drop = 23 - key.man
+    mask = (1 << drop) - 1
+    min_normal_bits = (key.emin + 127) << 23
+    min_subnormal = 2.0 ** (key.emin - key.man)
+    magic = 2.0 ** (key.emin - key.man + 23)
+    on_overflow = {"saturate": key.max_bits, "inf": 0x7F800000, "nan": 0x7FC00000}[key.overflow]
+    # Inputs that stay as they are: NaN always, and inf too when the format has inf.
+    keep_from = 0x7F800000 if key.keep_inf else 0x7F800001
+
+    def kernel(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int32)
+        sign = bits & -0x80000000
+        mag = bits & 0x7FFFFFFF
+        if key.stochastic:
+            index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+            noise = _hash_bits(index, seed).to(torch.int32)
+            normal = (mag + (noise & mask)) & ~mask
+            exp_field = mag >> 23
+            significand = (mag & 0x7FFFFF) | ((exp_field > 0).to(torch.int32) << 23)
+            shift = torch.clamp(drop + key.emin + 127 - torch.clamp(exp_field, min=1), min=0, max=25)
+            quanta = (significand + (noise & ((1 << shift) - 1))) >> shift
+            subnormal = (quanta.to(torch.float32) * min_subnormal).view(torch.int32)
+        else:
+            normal = (mag + ((mask >> 1) + ((mag >> drop) & 1))) & ~mask
+            subnormal = ((mag.view(torch.float32) + magic) - magic).view(torch.int32)
+        rounded = torch.where(mag < min_normal_bits, subnormal, normal)
+        rounded = torch.where(rounded > key.max_bits, on_overflow, rounded)
+        rounded = torch.where(mag >= keep_from, mag, rounded)
+        return (rounded | sign).view(torch.float32)
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(key: _KernelKey):
+    return torch.compile(_make_kernel(key), dynamic=False)
+
+
+_compile_broken = os.environ.get("PRECSEARCH_COMPILE", "1") == "0"
+
+
+def _round(x: torch.Tensor, key: _KernelKey, seed: torch.Tensor) -> torch.Tensor:
+    """Run the kernel: compiled for large tensors while torch.compile works here, eager otherwise."""
+    global _compile_broken
+    if _compile_broken or x.numel() < COMPILE_MIN_NUMEL:
+        return _make_kernel(key)(x, seed)
+    flat = x.reshape(-1)
+    torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel per format serves every tensor size
+    try:
+        # Each format is a recompile of the same function: allow as many as the kernel cache holds.
+        with torch._dynamo.config.patch(recompile_limit=64):
+            return _compiled(key)(flat, seed).view(x.shape)
+    except Exception as error:  # any compiler failure: eager for the rest of the process
+        log.debug("torch.compile of the quantizer failed (%s); using eager mode", error)
+        _compile_broken = True
+        return _make_kernel(key)(x, seed)
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | FloatFormat,
+    rounding: str = "nearest",
+    overflow: str | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Round ``x`` to the nearest value of ``fmt`` (or stochastically), returned as float32.
+
+    fp32 returns ``x`` itself (float32 input) so that high-precision tensors are untouched.
+    """
+    fmt = get_format(fmt)
+    x = _check_tensor(x)
+    if rounding not in ROUNDINGS:
+        raise PrecsearchError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDINGS)}")
+    overflow = overflow or fmt.default_overflow
+    if overflow not in OVERFLOWS:
+        raise PrecsearchError(f"unknown overflow mode {overflow!r}: use one of {', '.join(OVERFLOWS)}")
+    if fmt.is_fp32:
+        return x
+    stochastic = rounding == "stochastic"
+    seed = torch.zeros((), dtype=torch.int64)
+    if stochastic:
+        device = generator.device if generator is not None else "cpu"
+        seed = torch.randint(0, 2**31 - 1, (), generator=generator, device=device, dtype=torch.int64)
+    key = _KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), stochastic, overflow, fmt.has_inf)
+    return _round(x.contiguous(), key, seed.to(x.device))
+
+
+# ------------------------------------------------------------------------------------------ bit packing
+
+
+def encode(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
+    """Bit patterns of ``x`` in ``fmt``: uint8 per element for <= 8 bits, int16 for <= 16, else int32.
+
+    ``x`` is rounded to nearest first (with the format's default overflow); values the format cannot hold
+    (inf without an inf code, NaN without a NaN code) raise ``PrecsearchError``.
+    """
+    fmt = get_format(fmt)
+    q = quantize(_check_tensor(x), fmt)
+    bits = q.view(torch.int32)
+    mag = bits & 0x7FFFFFFF
+    is_nan = mag > 0x7F800000
+    is_inf = mag == 0x7F800000
+    if (not fmt.has_inf and bool(is_inf.any())) or (not fmt.has_nan and bool(is_nan.any())):
+        raise PrecsearchError(
+            f"cannot encode inf/NaN in {fmt.name}, which has no such code: clamp or quantize the values first"
+        )
+    sign = (bits >> 31) & 1
+    exp32 = mag >> 23
+    normal = exp32 >= fmt.emin + 127
+    exp_code = torch.where(normal, exp32 - 127 + fmt.bias, 0)
+    man_code = torch.where(
+        normal,
+        (mag & 0x7FFFFF) >> (23 - fmt.man),
+        (q.abs() / fmt.min_subnormal).to(torch.int32),
+    )
+    top = 2**fmt.exp - 1
+    all_ones_man = 2**fmt.man - 1
+    if fmt.has_inf:
+        exp_code = torch.where(is_inf | is_nan, top, exp_code)
+        man_code = torch.where(is_inf, 0, torch.where(is_nan, 1 << max(fmt.man - 1, 0), man_code))
+    elif fmt.has_nan:
+        exp_code = torch.where(is_nan, top, exp_code)
+        man_code = torch.where(is_nan, all_ones_man, man_code)
+    codes = (sign << (fmt.bits - 1)) | (exp_code << fmt.man) | man_code
+    if fmt.storage_dtype == torch.int16:
+        codes = torch.where(codes >= 2**15, codes - 2**16, codes)
+    return codes.to(fmt.storage_dtype)
+
+
+def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
+    """float32 values of ``encode``'s bit patterns."""
+    fmt = get_format(fmt)
+    if codes.dtype != fmt.storage_dtype:
+        raise TypeError(f"{fmt.name} codes must be {fmt.storage_dtype}, got {codes.dtype}")
+    c = codes.to(torch.int32) & ((1 << fmt.bits) - 1)
+    sign = (c >> (fmt.bits - 1)) & 1
+    exp_code = (c >> fmt.man) & (2**fmt.exp - 1)
+    man_code = c & (2**fmt.man - 1)
+    normal_bits = ((exp_code - fmt.bias + 127) << 23) | (man_code << (23 - fmt.man))
+    subnormal = man_code.to(torch.float32) * fmt.min_subnormal
+    value = torch.where(exp_code > 0, normal_bits.view(torch.float32), subnormal)
+    top = 2**fmt.exp - 1
+    if fmt.has_inf:
+        special = torch.where(man_code == 0, math.inf, math.nan)
+        value = torch.where(exp_code == top, special, value)
+    elif fmt.has_nan:
+        value = torch.where((exp_code == top) & (man_code == 2**fmt.man - 1), math.nan, value)
+    return torch.where(sign.bool(), -value, value)
+
+
+# ------------------------------------------------------------------------------------------- statistics
+
+
+def stats(x: torch.Tensor, fmt: str | FloatFormat) -> dict[str, float]:
+    """Fractions of ``x`` that overflow ``fmt``, underflow to zero, or land on a subnormal, under nearest rounding.
+
+    ``overflow`` counts finite values that round above max plus infinite values; ``underflow`` counts nonzero
+    values that round to zero; ``subnormal`` counts values that round to a nonzero subnormal; ``nan`` counts NaN.
+    """
+    fmt = get_format(fmt)
+    x = _check_tensor(x)
+    n = max(x.numel(), 1)
+    if fmt.is_fp32:
+        return {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "nan": float(x.isnan().sum()) / n}
+    mag = quantize(x.abs(), fmt, overflow="inf")
+    absx = x.abs()
+    counts = {
+        "overflow": (mag == math.inf).sum(),
+        "underflow": ((mag == 0) & (absx > 0)).sum(),
+        "subnormal": ((mag > 0) & (mag < fmt.min_normal)).sum(),
+        "nan": x.isnan().sum(),
+    }
+    return {key: float(value) / n for key, value in counts.items()}

@@ -1,0 +1,39 @@
+"""The CLI entry point: version, help, the formats command, and user errors as one line with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from precsearch import __version__
+from precsearch.cli import main
+
+
+def test_version_and_help(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as stop:
+        assert stop.code == 0
+    assert __version__ in capsys.readouterr().out
+    proc = subprocess.run([sys.executable, "-m", "precsearch", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "formats" in proc.stdout
+
+
+def test_formats_lists_named_formats_and_rounds_values(capsys):
+    assert main(["formats"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_e4m3fn" in out and "448" in out
+    assert main(["formats", "e4m3b4s", "--round", "29", "31"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # 29 is a tie between 28 and 30 (even mantissa wins); 31 saturates to max 30.
+    assert [float(v) for v in lines[1].split()] == [29.0, 28.0]
+    assert [float(v) for v in lines[2].split()] == [31.0, 30.0]
+
+
+def test_bad_format_exits_2_with_one_line_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "precsearch", "formats", "e9m2"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "E must be in 1..8" in proc.stderr

@@ -1,0 +1,468 @@
+"""precsearch.formats against independent oracles: torch's casts, ml_dtypes, hand tables, and a pure-Python
+enumeration of each format's values from its definition."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from precsearch import formats
+from precsearch.errors import PrecsearchError
+from precsearch.formats import decode, encode, get_format, quantize, stats
+
+# ------------------------------------------------------------------------------------------ test values
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element-wise: equal values with equal signs (so -0 != +0), or both NaN."""
+    return ((a == b) & (a.signbit() == b.signbit())) | (a.isnan() & b.isnan())
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((~same(a, b)).sum())
+
+
+def probe_values(format_values: np.ndarray, n_random: int = 200_000, seed: int = 0) -> torch.Tensor:
+    """Every value of a format, the midpoints between neighbours (exact ties), one float32 ulp either side of
+    each value and midpoint, values just past max, random values across every binade, +-0, +-inf and NaN."""
+    vals = np.unique(np.abs(format_values[np.isfinite(format_values)]).astype(np.float64))
+    mids = (vals[:-1] + vals[1:]) / 2
+    top = vals[-1]
+    step = vals[-1] - vals[-2]
+    beyond = np.array([top + step / 2, top + step / 4, top + 3 * step / 4, top + step, 2 * top, 1e30])
+    with np.errstate(over="ignore"):  # past-max probes of bf16 overflow float32 to inf: intended
+        centre = np.concatenate([vals, mids, beyond]).astype(np.float32)
+    up = np.nextafter(centre, np.float32(np.inf))
+    down = np.nextafter(centre, np.float32(0))
+    rng = np.random.default_rng(seed)
+    lo, hi = math.log2(vals[1]) - 3, math.log2(top) + 2
+    with np.errstate(over="ignore"):
+        rand = (2.0 ** rng.uniform(lo, hi, n_random)).astype(np.float32)
+    specials = np.array([0.0, np.inf, np.nan], dtype=np.float32)
+    allv = np.concatenate([centre, up, down, rand, specials])
+    return torch.from_numpy(np.concatenate([allv, -allv]))
+
+
+ML_DTYPES = {
+    # our name: (ml_dtypes type, overflow mode matching ml_dtypes, NaN handled by ml_dtypes as NaN)
+    "fp8_e5m2": (ml_dtypes.float8_e5m2, None, True),
+    "fp8_e4m3fn": (ml_dtypes.float8_e4m3fn, "nan", True),
+    "fp8_e4m3": (ml_dtypes.float8_e4m3, None, True),
+    "fp8_e3m4": (ml_dtypes.float8_e3m4, None, True),
+    "fp6_e3m2fn": (ml_dtypes.float6_e3m2fn, None, False),
+    "fp6_e2m3fn": (ml_dtypes.float6_e2m3fn, None, False),
+    "fp4_e2m1fn": (ml_dtypes.float4_e2m1fn, None, False),
+    "bf16": (ml_dtypes.bfloat16, None, True),
+}
+
+TORCH_DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def all_ml_values(dtype) -> np.ndarray:
+    n_bits = np.dtype(dtype).itemsize * 8
+    codes = np.arange(2**n_bits, dtype=np.uint16 if n_bits == 16 else np.uint8)
+    return codes.view(dtype).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------- format properties
+
+
+@pytest.mark.parametrize("name", list(ML_DTYPES))
+def test_named_format_ranges_match_ml_dtypes(name):
+    fmt = get_format(name)
+    info = ml_dtypes.finfo(ML_DTYPES[name][0])
+    assert fmt.max == float(info.max)
+    assert fmt.min_normal == float(info.smallest_normal)
+    assert fmt.min_subnormal == float(info.smallest_subnormal)
+    assert fmt.bits == info.bits
+    has_inf = bool(np.isinf(all_ml_values(ML_DTYPES[name][0])).any())
+    assert fmt.has_inf == has_inf
+
+
+@pytest.mark.parametrize(
+    ("spec", "bits", "max_", "min_normal", "min_subnormal", "has_inf", "has_nan"),
+    [
+        # Hand-computed: (1,5,2) with every code finite, bias 15: top code 31 -> 2^16 * 1.75.
+        ("e5m2s", 8, 114688.0, 2.0**-14, 2.0**-16, False, False),
+        # (1,4,3), bias 7 + 4 = 11: max 2^(15-11) * 1.875 = 30, min normal 2^-10, min subnormal 2^-13.
+        ("e4m3b4s", 8, 30.0, 2.0**-10, 2.0**-13, False, False),
+        # (1,6,9), bias 31: max 2^32 * (2 - 2^-9), min normal 2^-30, min subnormal 2^-39.
+        ("e6m9s", 16, 2.0**32 * (2 - 2.0**-9), 2.0**-30, 2.0**-39, False, False),
+        # IEEE-like e5m2: top code reserved, max 2^15 * 1.75.
+        ("e5m2", 8, 57344.0, 2.0**-14, 2.0**-16, True, True),
+        ("fp32", 32, float(torch.finfo(torch.float32).max), 2.0**-126, 2.0**-149, True, True),
+        ("fp16", 16, 65504.0, 2.0**-14, 2.0**-24, True, True),
+    ],
+)
+def test_format_ranges_hand_table(spec, bits, max_, min_normal, min_subnormal, has_inf, has_nan):
+    fmt = get_format(spec)
+    assert (fmt.bits, fmt.max, fmt.min_normal, fmt.min_subnormal) == (bits, max_, min_normal, min_subnormal)
+    assert (fmt.has_inf, fmt.has_nan) == (has_inf, has_nan)
+
+
+def test_get_format_accepts_name_spec_and_format():
+    fmt = get_format("e4m3b4s")
+    assert get_format(fmt) is fmt
+    assert get_format("E4M3B4S") == fmt
+    assert (fmt.exp, fmt.man, fmt.bias) == (4, 3, 11)
+    assert str(fmt) == "e4m3b4s"
+    assert get_format("e5m2") == get_format("fp8_e5m2").__class__(5, 2, 15, "ieee", "e5m2")
+    assert get_format("e4m3fn").max == get_format("fp8_e4m3fn").max == 448.0
+    assert get_format("fp8_e4m3fn").storage_dtype == torch.uint8
+    assert get_format("e6m9s").storage_dtype == torch.int16
+
+
+# ---------------------------------------------------------------------------------- bit-exact vs oracles
+
+
+@pytest.mark.parametrize("name", list(TORCH_DTYPES))
+def test_quantize_bit_exact_against_torch_cast(name):
+    dtype = TORCH_DTYPES[name]
+    n_bits = torch.finfo(dtype).bits
+    codes = torch.arange(2**n_bits, dtype=torch.int32).to(torch.int16 if n_bits == 16 else torch.uint8)
+    values = codes.view(dtype).float().numpy()
+    x = probe_values(values, n_random=400_000)
+    assert x.numel() >= 1_000_000 or n_bits == 8
+    assert mismatches(quantize(x, name), x.to(dtype).float()) == 0
+
+
+def test_e4m3fn_saturates_like_torch_and_gives_nan_like_ml_dtypes():
+    x = probe_values(all_ml_values(ml_dtypes.float8_e4m3fn))
+    torch_ref = x.to(torch.float8_e4m3fn).float()
+    assert mismatches(quantize(x, "fp8_e4m3fn"), torch_ref) == 0
+    assert mismatches(quantize(x, "fp8_e4m3fn", overflow="saturate"), torch_ref) == 0
+    ml_ref = torch.from_numpy(x.numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    assert mismatches(quantize(x, "fp8_e4m3fn", overflow="nan"), ml_ref) == 0
+    # The two semantics really differ past max: 470 -> 448 (torch) or NaN (ml_dtypes); 464 is a tie -> 448.
+    probe = torch.tensor([470.0, 464.0, math.inf])
+    assert quantize(probe, "fp8_e4m3fn").tolist() == [448.0, 448.0, 448.0]
+    assert quantize(probe, "fp8_e4m3fn", overflow="nan")[1].item() == 448.0
+    assert quantize(probe, "fp8_e4m3fn", overflow="nan")[[0, 2]].isnan().all()
+
+
+@pytest.mark.parametrize("name", list(ML_DTYPES))
+def test_quantize_bit_exact_against_ml_dtypes(name):
+    dtype, overflow, nan_ok = ML_DTYPES[name]
+    x = probe_values(all_ml_values(dtype))
+    if not nan_ok:
+        # ml_dtypes maps NaN to -0 in formats without a NaN code; float32 output keeps NaN here (documented).
+        x = x[~x.isnan()]
+    ref = torch.from_numpy(x.numpy().astype(dtype).astype(np.float32))
+    assert mismatches(quantize(x, name, overflow=overflow), ref) == 0
+
+
+def test_probe_volume_is_over_a_million_values():
+    total = sum(probe_values(all_ml_values(d)).numel() for d, _, _ in ML_DTYPES.values())
+    assert total >= 1_000_000
+
+
+# ------------------------------------------------------------------------- no-special-codes hand tables
+
+HAND_ROUNDING = [
+    # (spec, input, expected) worked out by hand from the format definitions.
+    ("e4m3b4s", 30.0, 30.0),
+    ("e4m3b4s", 29.0, 28.0),  # tie 28 (mantissa 110) / 30 (111): even wins
+    ("e4m3b4s", 29.5, 30.0),
+    ("e4m3b4s", 31.0, 30.0),  # tie 30 / 32 rounds up past max: saturates (default)
+    ("e4m3b4s", 1000.0, 30.0),
+    ("e4m3b4s", 1.0625, 1.0),  # tie 1.0 / 1.125 -> 1.0
+    ("e4m3b4s", 1.1875, 1.25),  # tie 1.125 / 1.25 -> 1.25
+    ("e4m3b4s", 2.0**-14, 0.0),  # half the min subnormal: tie with 0 -> 0
+    ("e4m3b4s", 2.0**-14 * 1.0001, 2.0**-13),
+    ("e4m3b4s", 3 * 2.0**-14, 2.0**-12),  # 1.5 quanta -> 2 quanta
+    ("e4m3b4s", -29.0, -28.0),
+    ("e4m3b4s", 0.1, 0.1015625),  # 0.1 = 1.6 * 2^-4 -> 1.625 * 2^-4
+    ("e5m2s", 65536.0, 65536.0),  # finite here (inf in IEEE e5m2)
+    ("e5m2s", 114688.0, 114688.0),
+    ("e5m2s", 122880.0, 114688.0),  # tie past max -> saturate
+    ("e5m2s", 1.125, 1.0),  # tie 1.0 / 1.25 -> 1.0
+    ("e5m2s", 1.375, 1.5),  # tie 1.25 / 1.5 -> 1.5
+    ("e5m2s", 3 * 2.0**-17, 2.0**-15),
+    ("e6m9s", 1 + 2.0**-10, 1.0),
+    ("e6m9s", 1 + 3 * 2.0**-10, 1 + 2.0**-8),
+    ("e6m9s", 2.0**-40, 0.0),
+    ("e6m9s", 3 * 2.0**-40, 2.0**-38),
+    ("e6m9s", 1e10, 2.0**32 * (2 - 2.0**-9)),
+]
+
+
+@pytest.mark.parametrize(("spec", "value", "expected"), HAND_ROUNDING)
+def test_no_special_codes_hand_rounding(spec, value, expected):
+    assert quantize(torch.tensor([value]), spec).item() == expected
+
+
+def test_overflow_modes():
+    x = torch.tensor([1000.0, -1000.0, math.inf, -math.inf, math.nan, 1.0])
+    sat = quantize(x, "e4m3b4s")
+    assert sat[:4].tolist() == [30.0, -30.0, 30.0, -30.0] and sat[4].isnan() and sat[5] == 1.0
+    to_inf = quantize(x, "e4m3b4s", overflow="inf")
+    assert to_inf[:4].tolist() == [math.inf, -math.inf, math.inf, -math.inf]
+    to_nan = quantize(x, "e4m3b4s", overflow="nan")
+    assert to_nan[:5].isnan().all() and to_nan[5] == 1.0
+    # A format with inf keeps inf inputs as inf even when finite overflow saturates.
+    fp16_sat = quantize(x, "fp16", overflow="saturate")
+    assert fp16_sat[:4].tolist() == [1000.0, -1000.0, math.inf, -math.inf]
+    assert quantize(torch.tensor([70000.0]), "fp16", overflow="saturate").item() == 65504.0
+    assert quantize(torch.tensor([70000.0]), "fp16").item() == math.inf
+
+
+def test_fp32_is_untouched_and_other_float_inputs_upcast_exactly():
+    x = torch.randn(100)
+    assert quantize(x, "fp32") is x
+    h = torch.randn(100).half()
+    assert torch.equal(quantize(h, "fp16"), h.float())
+
+
+# ------------------------------------------------------------------------------------ stochastic rounding
+
+
+@pytest.mark.parametrize(("spec", "value"), [("bf16", 1.0 + 2.0**-9), ("e4m3b4s", 0.3), ("e4m3b4s", 2.6 * 2.0**-13)])
+def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours(spec, value):
+    n = 100_000
+    x = torch.full((n,), value)
+    gen = torch.Generator().manual_seed(1234)
+    q = quantize(x, spec, rounding="stochastic", generator=gen)
+    lo = quantize(torch.tensor([value]), spec, overflow="inf")  # nearest is one of the two neighbours
+    neighbours = sorted({float(v) for v in q.unique()})
+    assert len(neighbours) == 2
+    a, b = neighbours
+    assert a < value < b and lo.item() in (a, b)
+    p = (value - a) / (b - a)
+    sigma = (b - a) * math.sqrt(p * (1 - p) / n)
+    assert abs(q.double().mean().item() - value) < 3 * sigma
+
+
+def test_stochastic_rounding_reproducible_from_generator():
+    x = torch.randn(10_000)
+    q1 = quantize(x, "e5m2", rounding="stochastic", generator=torch.Generator().manual_seed(7))
+    q2 = quantize(x, "e5m2", rounding="stochastic", generator=torch.Generator().manual_seed(7))
+    q3 = quantize(x, "e5m2", rounding="stochastic", generator=torch.Generator().manual_seed(8))
+    assert torch.equal(q1, q2)
+    assert not torch.equal(q1, q3)
+    # Representable values are left alone by stochastic rounding too.
+    exact = quantize(x, "e5m2")
+    assert torch.equal(quantize(exact, "e5m2", rounding="stochastic"), exact)
+
+
+@pytest.mark.slow
+def test_compiled_path_matches_eager_bit_for_bit(monkeypatch):
+    n = formats.COMPILE_MIN_NUMEL * 2
+    x = torch.randn(n) * torch.exp2(torch.randint(-20, 20, (n,)).float())
+    for spec, rounding in [("e4m3b4s", "nearest"), ("fp8_e5m2", "stochastic")]:
+        compiled = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
+        assert not formats._compile_broken, "torch.compile failed here, so the compiled path went untested"
+        monkeypatch.setattr(formats, "_compile_broken", True)
+        eager = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
+        monkeypatch.setattr(formats, "_compile_broken", False)
+        assert mismatches(compiled, eager) == 0
+
+
+# -------------------------------------------------------------------------------------------- encode
+
+
+def small_formats() -> list[str]:
+    names = [n for n, f in formats.NAMED_FORMATS.items() if f.bits <= 16]
+    return names + ["e5m2s", "e4m3b4s", "e6m9s", "e3m0", "e2m0s", "e1m2s", "e5m10b-3fn", "e7m8"]
+
+
+@pytest.mark.parametrize("spec", small_formats())
+def test_encode_decode_round_trip_over_every_code(spec):
+    fmt = get_format(spec)
+    codes = torch.arange(2**fmt.bits, dtype=torch.int32)
+    if fmt.storage_dtype == torch.int16:
+        codes = torch.where(codes >= 2**15, codes - 2**16, codes)
+    codes = codes.to(fmt.storage_dtype)
+    values = decode(codes, fmt)
+    assert mismatches(quantize(values, fmt), values) == 0
+    back = encode(values, fmt)
+    assert back.dtype == fmt.storage_dtype
+    nan = values.isnan()
+    assert torch.equal(back[~nan], codes[~nan])
+    assert decode(back[nan], fmt).isnan().all()
+    assert int(values.isnan().sum()) == expected_nan_codes(fmt)
+
+
+def expected_nan_codes(fmt) -> int:
+    if fmt.special == "ieee":
+        return 2 * (2**fmt.man - 1)
+    return 2 if fmt.special == "fn" else 0
+
+
+@pytest.mark.parametrize("name", [n for n in ML_DTYPES])
+def test_decode_matches_ml_dtypes_bit_patterns(name):
+    dtype = ML_DTYPES[name][0]
+    fmt = get_format(name)
+    raw = all_ml_values(dtype)
+    n_codes = 2**fmt.bits
+    codes = torch.arange(n_codes, dtype=torch.int32)
+    if fmt.storage_dtype == torch.int16:
+        codes = torch.where(codes >= 2**15, codes - 2**16, codes)
+    ours = decode(codes.to(fmt.storage_dtype), fmt)
+    assert mismatches(ours, torch.from_numpy(raw[:n_codes])) == 0
+
+
+def test_storage_is_one_byte_per_element_for_8_bit_formats():
+    x = torch.randn(1000)
+    for spec in ["fp8_e5m2", "e4m3b4s", "fp4_e2m1fn", "fp6_e3m2fn"]:
+        codes = encode(x, spec)
+        assert codes.dtype == torch.uint8 and codes.element_size() * codes.numel() == 1000
+    assert encode(x, "e6m9s").element_size() == 2
+
+
+def test_encode_rejects_values_the_format_cannot_hold():
+    with pytest.raises(PrecsearchError, match="no such code"):
+        encode(torch.tensor([math.nan]), "e4m3b4s")
+    with pytest.raises(PrecsearchError, match="no such code"):
+        encode(torch.tensor([1.0, math.nan]), "fp4_e2m1fn")
+    # Overflow follows the format's default (saturate without inf), so inf itself is encodable as max.
+    assert decode(encode(torch.tensor([math.inf]), "fp8_e4m3fn"), "fp8_e4m3fn").item() == 448.0
+
+
+# ------------------------------------------------------------------------------------------- statistics
+
+
+def test_stats_counts_overflow_underflow_subnormal():
+    fmt = get_format("e4m3b4s")
+    x = torch.tensor(
+        [100.0, -31.0, math.inf, 2.0**-14, -2.0**-15, 2.0**-12, 2.0**-11 * 0.99, 1.0, 0.0, math.nan]
+    )
+    # overflow: 100, -31 (tie past max), inf; underflow: 2^-14 (tie to 0), 2^-15; subnormal: 2^-12, ~2^-11.
+    s = stats(x, fmt)
+    assert s == {"overflow": 0.3, "underflow": 0.2, "subnormal": 0.2, "nan": 0.1}
+    assert stats(torch.randn(10), "fp32")["overflow"] == 0.0
+
+
+# -------------------------------------------------------------------------------------- property-based
+
+
+def reference_values(fmt) -> list[tuple[float, int]]:
+    """Non-negative finite values of a format with their codes, computed in Python from the definition."""
+    out = []
+    for exp_code in range(2**fmt.exp):
+        for man_code in range(2**fmt.man):
+            if fmt.special == "ieee" and exp_code == 2**fmt.exp - 1:
+                continue
+            if fmt.special == "fn" and exp_code == 2**fmt.exp - 1 and man_code == 2**fmt.man - 1:
+                continue
+            if exp_code == 0:
+                value = man_code * 2.0 ** (1 - fmt.bias - fmt.man)
+            else:
+                value = (1 + man_code / 2**fmt.man) * 2.0 ** (exp_code - fmt.bias)
+            out.append((value, (exp_code << fmt.man) | man_code))
+    return sorted(out)
+
+
+def reference_round(value: float, table: list[tuple[float, int]], man: int) -> float:
+    """Round-half-to-even of a non-negative finite value against an explicit table; overflow -> inf.
+
+    The value one code past max (max plus the ulp of max's binade) stands for overflow, with that code's parity.
+    """
+    values = [v for v, _ in table]
+    top, top_code = table[-1]
+    top_ulp = 2.0 ** (math.frexp(top)[1] - 1 - man)
+    extended = values + [top + top_ulp]
+    codes = [c for _, c in table] + [top_code + 1]
+    i = bisect.bisect_right(extended, value) - 1
+    if i >= len(extended) - 1:
+        return math.inf
+    lo, hi = extended[i], extended[i + 1]
+    if value == lo:
+        return lo
+    if value - lo < hi - value:
+        pick = i
+    elif value - lo > hi - value:
+        pick = i + 1
+    else:
+        pick = i if codes[i] % 2 == 0 else i + 1
+    return math.inf if pick == len(extended) - 1 else extended[pick]
+
+
+format_specs = st.builds(
+    lambda e, m, shift, suffix: f"e{e}m{m}" + (f"b{shift}" if shift else "") + suffix,
+    st.integers(2, 8),
+    st.integers(0, 6),
+    st.integers(-3, 6),
+    st.sampled_from(["", "s", "fn"]),
+)
+
+
+def valid_format(spec):
+    try:
+        return get_format(spec)
+    except PrecsearchError:
+        return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=format_specs, data=st.data())
+def test_nearest_rounding_matches_python_reference(spec, data):
+    fmt = valid_format(spec)
+    if fmt is None or fmt.exp > 5:
+        return
+    table = reference_values(fmt)
+    assert max(v for v, _ in table) == fmt.max
+    assert min(v for v, _ in table if v > 0) == fmt.min_subnormal
+    values = data.draw(
+        st.lists(
+            st.floats(0, fmt.max * 1.25, width=32, allow_subnormal=True) | st.sampled_from([v for v, _ in table]),
+            min_size=1,
+            max_size=40,
+        )
+    )
+    x = torch.tensor(values, dtype=torch.float32)
+    ours = quantize(x, fmt, overflow="inf")
+    expected = torch.tensor([reference_round(float(v), table, fmt.man) for v in x.tolist()])
+    assert mismatches(ours, expected) == 0
+    assert mismatches(quantize(-x, fmt, overflow="inf"), -expected) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=format_specs, values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=50))
+def test_quantize_idempotent_and_encodable(spec, values):
+    fmt = valid_format(spec)
+    if fmt is None:
+        return
+    x = torch.tensor(values, dtype=torch.float32)
+    q = quantize(x, fmt, overflow="saturate")
+    assert mismatches(quantize(q, fmt), q) == 0
+    assert (q.abs() <= fmt.max).all()
+    assert mismatches(decode(encode(q, fmt), fmt), q) == 0
+    sr = quantize(x, fmt, rounding="stochastic", overflow="saturate", generator=torch.Generator().manual_seed(0))
+    assert mismatches(quantize(sr, fmt), sr) == 0
+    down = quantize(x, fmt, overflow="saturate")  # stochastic result is within one neighbour of nearest
+    assert ((sr - down).abs() <= (down.abs() * 2.0**-fmt.man + fmt.min_subnormal) * 2).all()
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match=r"fp8_e5m2.*e<E>m<M>"):
+        get_format("fp7")
+    with pytest.raises(ValueError, match="E must be in 1..8"):
+        get_format("e9m2")
+    with pytest.raises(ValueError, match="M in 0..23"):
+        get_format("e5m24")
+    with pytest.raises(ValueError, match="float32's normal range"):
+        get_format("e8m7b2")
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize(torch.arange(4), "fp16")
+    with pytest.raises(TypeError, match="float64"):
+        quantize(torch.zeros(4, dtype=torch.float64), "fp16")
+    with pytest.raises(ValueError, match="unknown rounding"):
+        quantize(torch.zeros(4), "fp16", rounding="up")
+    with pytest.raises(ValueError, match="unknown overflow"):
+        quantize(torch.zeros(4), "fp16", overflow="wrap")
+    with pytest.raises(PrecsearchError):
+        get_format(3)
