@@ -48,5 +48,5 @@ def run(args: argparse.Namespace) -> int:
             }
             for f in fmts
         )
-    print(table.to_string(index=False))
+    print(table.to_string(index=False, float_format="{:.8g}".format))
     return 0
