@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PrecsearchError, FileNotFoundError, PermissionError, IsADirectoryError) as error:
         print(f"precsearch {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"precsearch {args.command}: interrupted", file=sys.stderr)
         return 130
