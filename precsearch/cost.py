@@ -1,0 +1,315 @@
+"""Memory of a precision assignment, from a TensorGraph, and autograd's saved bytes, predicted and measured.
+
+Two countings of activation memory, which differ and are both reported:
+- the paper's: every op's output is an activation tensor (`CostModel.bytes(..., kinds=("activation",))`,
+  i.e. `activation_bytes`); it prices what an assignment holds, tensor by tensor, at numel x bits / 8.
+- autograd's: only what backward needs is kept (`saved_activation_bytes`): conv saves its input, ReLU its
+  output, add/cat/flatten nothing, max-pool its input plus int64 indices, ... each storage once, stored at
+  the whole bytes of its format's storage dtype. `measure_saved_bytes` measures the same on a real forward.
+For ResNet-18 the paper's counting is larger, because BN outputs and residual sums are never saved.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from precsearch.errors import PrecsearchError
+from precsearch.formats import FloatFormat, get_format
+from precsearch.graph import ASSIGNABLE_KINDS, KINDS, OpInfo, TensorGraph, forward_error, op_type_key, training_mode
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+FP32 = get_format("fp32")
+PAPER_HIGH = "e6m9s"
+PAPER_LOW: dict[str, str] = {
+    "weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s",
+}
+Spec = str | FloatFormat
+
+# What autograd saves for backward, per op type (keys as `op_type_key` spells them), measured on torch 2.13:
+#   inputs: every input activation; pair: every input activation when the op has two tensor operands (a
+#   product needs the other factor; scaling by a number saves nothing); output: its own output;
+#   pool: its input unless the output is 1x1 (adaptive average pooling to 1 is a mean and saves nothing);
+#   indices: int64 argmax indices of the output's size; bnstats: per-channel fp32 vectors (save_mean,
+#   save_invstd, and running_mean/var when tracked); mask/channelmask: dropout's float32 mask of the output's
+#   size / of (N, C). Parameters autograd saves are weights, counted as such, never here.
+_GEMM = ("inputs",)
+_SAVE_RULES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "convtranspose1d", "convtranspose2d", "convtranspose3d",
+                     "linear"), _GEMM),
+    **dict.fromkeys(("batchnorm", "batchnorm1d", "batchnorm2d", "batchnorm3d", "syncbatchnorm"),
+                    ("inputs", "bnstats")),
+    **dict.fromkeys(("relu", "sigmoid", "tanh", "softmax", "logsoftmax", "exp"), ("output",)),
+    **dict.fromkeys(("relu6", "hardtanh", "silu", "hardswish", "hardsigmoid", "gelu", "elu", "leakyrelu", "mish",
+                     "softplus", "avgpool1d", "avgpool2d", "avgpool3d", "layernorm", "groupnorm"), ("inputs",)),
+    **dict.fromkeys(("adaptiveavgpool1d", "adaptiveavgpool2d", "adaptiveavgpool3d"), ("pool",)),
+    **dict.fromkeys(("maxpool1d", "maxpool2d", "maxpool3d", "adaptivemaxpool1d", "adaptivemaxpool2d",
+                     "adaptivemaxpool3d"), ("inputs", "indices")),
+    **dict.fromkeys(("add", "sub", "cat", "stack", "neg", "pad", "mean", "sum", "clone", "identity"), ()),
+    **dict.fromkeys(("mul", "div", "matmul", "mm", "bmm"), ("pair",)),
+    "dropout": ("mask",),
+    **dict.fromkeys(("dropout1d", "dropout2d", "dropout3d"), ("channelmask",)),
+}
+_UNKNOWN_RULE = ("inputs", "output")
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One storage autograd keeps for backward, as predicted: an activation (`tensor` is its id, and it is
+    stored at its assigned format) or an op's fp32/int64 byproduct (`tensor` None)."""
+
+    key: str
+    tensor: str | None
+    numel: int
+    itemsize: int | None
+    saved_by: tuple[str, ...]
+
+
+def _storage_bytes(fmt: FloatFormat) -> int:
+    """Bytes per element when a tensor is stored packed in `fmt`: 4 for fp32, else the storage dtype's."""
+    return 4 if fmt.is_fp32 else fmt.storage_dtype.itemsize
+
+
+class CostModel:
+    """Prices assignments of one TensorGraph. `high` and `low` (per assignable kind) are the two formats a
+    group decision chooses between (`bytes_batch`, `group_assignment`); they default to the paper's."""
+
+    def __init__(self, graph: TensorGraph, high: Spec = PAPER_HIGH, low: Mapping[str, Spec] | None = None) -> None:
+        self.graph = graph
+        self.high = get_format(high)
+        low = dict(PAPER_LOW if low is None else low)
+        missing = [kind for kind in ASSIGNABLE_KINDS if kind not in low]
+        extra = sorted(set(low) - set(ASSIGNABLE_KINDS))
+        if missing or extra:
+            raise PrecsearchError(f"low formats must name exactly the kinds {', '.join(ASSIGNABLE_KINDS)}; "
+                                  f"missing {missing or 'none'}, unknown {extra or 'none'}")
+        self.low = {kind: get_format(spec) for kind, spec in low.items()}
+        self.ids = list(graph.tensors)
+        infos = list(graph.tensors.values())
+        self._numel = np.array([info.numel for info in infos], dtype=np.float64)
+        self._kind = np.array([KINDS.index(info.kind) for info in infos])
+        self._index = {tid: i for i, tid in enumerate(self.ids)}
+        self._assignable = np.isin(self._kind, [KINDS.index(k) for k in ASSIGNABLE_KINDS])
+        groups = np.array([info.group for info in infos])
+        self.n_groups = len(graph.groups)
+        high_bits = np.where(self._assignable, self.high.bits, 0) * self._numel
+        low_bits = np.array([self.low[info.kind].bits if info.kind in self.low else 0 for info in infos]) * self._numel
+        # (n_groups, 2) table: bits of each group's assignable tensors when held high / low.
+        self.group_bits = np.zeros((self.n_groups, 2))
+        np.add.at(self.group_bits[:, 0], groups, high_bits)
+        np.add.at(self.group_bits[:, 1], groups, low_bits)
+        self._all_high_bits = self.group_bits[:, 0].sum()
+        self._low_minus_high = self.group_bits[:, 1] - self.group_bits[:, 0]
+        self._group_numel = np.zeros(self.n_groups)
+        np.add.at(self._group_numel, groups, np.where(self._assignable, self._numel, 0))
+        self._group_of = groups
+        self.saved = _predict_saved(graph)
+
+    # ------------------------------------------------------------------------------------------ memory
+
+    def _formats(self, assignment: Mapping[str, Spec] | None) -> dict[str, FloatFormat]:
+        formats = {}
+        for tid, spec in (assignment or {}).items():
+            info = self.graph.tensors.get(tid)
+            if info is None:
+                raise PrecsearchError(f"assignment names unknown tensor {tid!r}; use ids from the graph "
+                                      f"(e.g. {self.ids[min(1, len(self.ids) - 1)]!r})")
+            if info.kind not in ASSIGNABLE_KINDS:
+                raise PrecsearchError(f"tensor {tid!r} is a {info.kind}, always fp32; assign only "
+                                      f"{', '.join(ASSIGNABLE_KINDS)} tensors")
+            formats[tid] = get_format(spec)
+        return formats
+
+    def _tensor_bits(self, assignment: Mapping[str, Spec] | None) -> np.ndarray:
+        """Bits per tensor in graph order: numel x format bits (fp32 where unassigned)."""
+        per_element = np.full(len(self.ids), 32.0)
+        for tid, fmt in self._formats(assignment).items():
+            per_element[self._index[tid]] = fmt.bits
+        return per_element * self._numel
+
+    def _mask(self, kinds: Iterable[str]) -> np.ndarray:
+        kinds = list(kinds)
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            raise PrecsearchError(f"unknown tensor kind(s) {unknown}; choose from {', '.join(KINDS)}")
+        return np.isin(self._kind, [KINDS.index(k) for k in kinds])
+
+    def bits(self, assignment: Mapping[str, Spec] | None = None, kinds: Iterable[str] = ASSIGNABLE_KINDS) -> int:
+        """Total bits of the tensors of `kinds` (default: the four assignable kinds) under `assignment`
+        (tensor id -> format; unnamed tensors are fp32)."""
+        return int(self._tensor_bits(assignment)[self._mask(kinds)].sum())
+
+    def bytes(self, assignment: Mapping[str, Spec] | None = None, kinds: Iterable[str] = ASSIGNABLE_KINDS) -> float:
+        """`bits(...) / 8`: the paper's counting, every tensor of `kinds` at numel x bits / 8."""
+        return self.bits(assignment, kinds) / 8
+
+    def activation_bytes(self, assignment: Mapping[str, Spec] | None = None) -> float:
+        """The paper's activation memory: every op output (BN, ReLU, add, pool, cat included) at its format."""
+        return self.bytes(assignment, kinds=("activation",))
+
+    def breakdown(self, assignment: Mapping[str, Spec] | None = None) -> pd.DataFrame:
+        """MiB by group (rows, plus a `total` row) and by kind (columns, plus a `total` column); master weights
+        and momentum are fp32."""
+        import pandas as pd
+
+        mib = self._tensor_bits(assignment) / 8 / MIB
+        table = np.zeros((self.n_groups, len(KINDS)))
+        np.add.at(table, (self._group_of, self._kind), mib)
+        frame = pd.DataFrame(table, columns=list(KINDS), index=pd.RangeIndex(self.n_groups, name="group"))
+        frame["total"] = frame.sum(axis=1)
+        frame.loc["total"] = frame.sum(axis=0)
+        return frame
+
+    def memory_ratio(self, assignment: Mapping[str, Spec]) -> float:
+        """Share of the assignable tensors' elements held in fewer bits than the high format. (The paper's
+        ratio over group decisions, which also counts weight grads whose low format equals the high one, is
+        `ratio_batch`.)"""
+        low = [tid for tid, fmt in self._formats(assignment).items() if fmt.bits < self.high.bits]
+        return float(sum(self._numel[self._index[tid]] for tid in low) / self._numel[self._assignable].sum())
+
+    # ---------------------------------------------------------------------------- group decisions
+
+    def _decisions(self, decisions: Any) -> np.ndarray:
+        matrix = np.asarray(decisions)
+        matrix = matrix.reshape(1, -1) if matrix.ndim == 1 else matrix
+        if matrix.ndim != 2 or matrix.shape[1] != self.n_groups:
+            raise PrecsearchError(f"decisions must have shape (n, {self.n_groups}) (one column per group), "
+                                  f"got {np.shape(decisions)}")
+        return matrix.astype(np.float64, copy=False)
+
+    def group_assignment(self, decisions: Any) -> dict[str, FloatFormat]:
+        """The tensor -> format assignment of one row of group decisions (True = low) for every assignable
+        tensor."""
+        row = self._decisions(decisions)
+        if row.shape[0] != 1:
+            raise PrecsearchError(f"group_assignment takes one row of decisions, got {row.shape[0]}")
+        low_groups = row[0].astype(bool)
+        return {tid: (self.low[info.kind] if low_groups[info.group] else self.high)
+                for tid, info in self.graph.tensors.items() if info.kind in ASSIGNABLE_KINDS}
+
+    def bytes_batch(self, decisions: Any) -> np.ndarray:
+        """Bytes of the assignable tensors for each row of an (n, n_groups) decision matrix (True = low): the
+        product [1 - D, D] @ `group_bits`, computed as all-high bits + D @ (low - high) (exact in float64)."""
+        low = self._decisions(decisions)
+        return (self._all_high_bits + low @ self._low_minus_high) / 8
+
+    def ratio_batch(self, decisions: Any) -> np.ndarray:
+        """The paper's low-precision ratio per row: share of assignable elements in groups decided low."""
+        return self._decisions(decisions) @ self._group_numel / self._group_numel.sum()
+
+    # ------------------------------------------------------------------------- autograd saved bytes
+
+    def saved_activation_bytes(self, assignment: Mapping[str, Spec] | None = None) -> int:
+        """Bytes autograd keeps for backward, as predicted from the graph (see `_SAVE_RULES`): every saved
+        storage once, a saved activation at its format's storage bytes (4 for fp32, 1 for <= 8 bits, 2 for
+        <= 16), byproducts at their own dtype. Parameters are weights and are not counted here."""
+        return sum(self._saved_bytes(assignment))
+
+    def _saved_bytes(self, assignment: Mapping[str, Spec] | None) -> list[int]:
+        formats = self._formats(assignment)
+        return [s.numel * (s.itemsize or _storage_bytes(formats.get(s.tensor, FP32))) for s in self.saved]
+
+    def saved_dataframe(self, assignment: Mapping[str, Spec] | None = None) -> pd.DataFrame:
+        """One row per predicted saved storage: key, tensor, numel, bytes, saved_by."""
+        import pandas as pd
+
+        rows = [{"key": s.key, "tensor": s.tensor, "numel": s.numel, "saved_by": s.saved_by, "bytes": size}
+                for s, size in zip(self.saved, self._saved_bytes(assignment), strict=True)]
+        return pd.DataFrame(rows, columns=["key", "tensor", "numel", "bytes", "saved_by"])
+
+
+def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
+    """Apply `_SAVE_RULES` to every op whose output needs a gradient; one entry per storage."""
+    requires_grad: dict[str, bool] = {}
+    root: dict[str, str] = {}  # activation id -> activation owning its storage (in-place ops share it)
+    entries: dict[str, SavedTensor] = {}
+    unknown: set[str] = set()
+
+    def save(key: str, tensor: str | None, numel: int, itemsize: int | None, op: str) -> None:
+        entry = entries.get(key) or SavedTensor(key, tensor, numel, itemsize, ())
+        entries[key] = replace(entry, saved_by=(*entry.saved_by, op))
+
+    for op in graph.ops:
+        trainable = any(f"{pid}_grad" in graph.tensors for pid in op.params)
+        needs_grad = trainable or any(requires_grad.get(t, False) for t in op.input_tensors)
+        for tid in op.outputs:
+            requires_grad[tid] = needs_grad
+            in_place = op.attrs.get("inplace") and op.input_tensors
+            root[tid] = root[op.input_tensors[0]] if in_place else tid
+        if op.role == "input" or not needs_grad:
+            continue
+        rule = _SAVE_RULES.get(op_type_key(op.module_type))
+        if rule is None:
+            unknown.add(op.module_type)
+            rule = _UNKNOWN_RULE
+        for item in rule:
+            for saved in _rule_items(item, op, graph, trainable):
+                if isinstance(saved, str):
+                    save(root[saved], root[saved], graph.tensors[root[saved]].numel, None, op.name)
+                else:
+                    save(f"{op.name}:{item}", None, *saved, op.name)
+    if unknown:
+        log.warning("no autograd save rule for op type(s) %s; assuming they save their inputs and output",
+                    ", ".join(sorted(unknown)))
+    return list(entries.values())
+
+
+def _rule_items(item: str, op: OpInfo, graph: TensorGraph, trainable: bool) -> list[str | tuple[int, int]]:
+    """What one rule item saves for `op`: activation ids, or (numel, itemsize) of a byproduct."""
+    output = graph.tensors[op.outputs[0]] if op.outputs else None
+    if item == "inputs" or (item == "pair" and len(op.input_tensors) >= 2):
+        if op.role == "gemm" and op.params and not trainable:
+            return []  # a frozen GEMM needs no weight gradient, so it keeps no input
+        return list(op.input_tensors)
+    if output is None:
+        return []
+    if item == "output":
+        return [output.id]
+    if item == "pool" and any(d != 1 for d in output.shape[2:]):
+        return list(op.input_tensors)
+    if item == "indices":
+        return [(output.numel, 8)]
+    if item == "bnstats" and op.input_tensors:
+        channels = graph.tensors[op.input_tensors[0]].shape[1]
+        return [(channels * (4 if op.attrs.get("running_stats", True) else 2), 4)]
+    dropping = op.attrs.get("p", 0.5) > 0 and op.attrs.get("training", True)
+    if item == "mask" and dropping:
+        return [(output.numel, 4)]
+    if item == "channelmask" and dropping:
+        return [(output.shape[0] * output.shape[1], 4)]
+    return []
+
+
+def measure_saved_bytes(model: nn.Module, example_input: torch.Tensor, include_parameters: bool = False) -> int:
+    """Bytes autograd really keeps for backward after one training-mode forward of `model` on `example_input`:
+    every tensor passed to `torch.autograd.graph.saved_tensors_hooks`, deduplicated by untyped storage, the
+    model's parameter storages excluded unless `include_parameters`. The model's modes, buffers and torch's
+    RNG state are restored afterwards."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if include_parameters or storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with training_mode(model):
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = model(example_input)
+        except Exception as error:  # whatever the model raises becomes one clear line
+            raise forward_error(type(model).__name__, model, example_input, error) from error
+        del output  # saved tensors stay alive until here, so their storage addresses are distinct
+    return sum(storages.values())
