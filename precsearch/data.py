@@ -1,0 +1,356 @@
+"""Image classification datasets for proxy and full training, all held in memory as float32 tensors.
+
+`load_dataset(name, ...)` returns `(train, val)`: `ImageDataset`s of images (N, 3, H, W) normalized per
+channel with the training split's mean and std, and int64 labels. Names:
+
+- `digits` (default, no download): scikit-learn's bundled 1,797 handwritten 8x8 digits, resized bilinearly
+  to `image_size`, replicated to 3 channels, split train/val by a seeded stratified draw (1,437 / 360).
+- `cifar10` / `cifar100`: the python-pickle layout under `root` (`cifar-10-batches-py/data_batch_1..5` and
+  `test_batch`; `cifar-100-python/train` and `test`, fine labels). The test set serves as validation.
+- `imagefolder`: `root/train/<class>/*.png|jpg|...` and `root/val/<class>/...`, read with Pillow.
+- `synthetic`: seeded Gaussian images with a per-class pattern added (so it is learnable), for speed tests.
+
+Nothing is downloaded and nothing is cached on disk. `make_loader` wraps a dataset in a DataLoader whose
+shuffling comes from an explicit seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from precsearch.errors import PrecsearchError
+
+__all__ = ["DATASETS", "ImageDataset", "describe", "load_dataset", "make_loader"]
+
+log = logging.getLogger(__name__)
+
+_DESCRIPTIONS = {
+    "digits": "scikit-learn's bundled 8x8 handwritten digits (1,797 images, 10 classes); no download",
+    "cifar10": "CIFAR-10 python-pickle files under --data-root (cifar-10-batches-py); never downloaded",
+    "cifar100": "CIFAR-100 python-pickle files under --data-root (cifar-100-python), fine labels",
+    "imagefolder": "root/train/<class>/*.png|jpg and root/val/<class>/*, resized to the image size",
+    "synthetic": "seeded random images with a per-class pattern, for speed tests",
+}
+DATASETS: tuple[str, ...] = tuple(_DESCRIPTIONS)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+
+class ImageDataset(TensorDataset):
+    """Images (N, 3, H, W) float32, normalized per channel, and int64 labels; knows its class names."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes: Sequence[str],
+                 mean: torch.Tensor, std: torch.Tensor) -> None:
+        super().__init__(images, labels)
+        self.images = images
+        self.labels = labels
+        self.classes = tuple(classes)
+        self.mean = mean
+        self.std = std
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        channels, height, width = self.images.shape[1:]
+        return channels, height, width
+
+
+def describe() -> dict[str, str]:
+    """One line per dataset name, for CLI help."""
+    return dict(_DESCRIPTIONS)
+
+
+def _resize(images: torch.Tensor, image_size: int) -> torch.Tensor:
+    """Bilinear resize of (N, C, H, W) float images to square `image_size` (antialiased when shrinking)."""
+    if tuple(images.shape[-2:]) == (image_size, image_size):
+        return images
+    return F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False,
+                         antialias=True)
+
+
+def _normalized_pair(train_images: torch.Tensor, train_labels: torch.Tensor, val_images: torch.Tensor,
+                     val_labels: torch.Tensor, classes: Sequence[str]) -> tuple[ImageDataset, ImageDataset]:
+    """Normalize both splits by the train split's per-channel mean and std (std 1 for a constant channel)."""
+    mean = train_images.mean(dim=(0, 2, 3))
+    std = train_images.std(dim=(0, 2, 3))
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    shape = (1, -1, 1, 1)
+
+    def make(images: torch.Tensor, labels: torch.Tensor) -> ImageDataset:
+        normalized = ((images - mean.view(shape)) / std.view(shape)).to(torch.float32).contiguous()
+        return ImageDataset(normalized, labels.to(torch.int64), classes, mean, std)
+
+    return make(train_images, train_labels), make(val_images, val_labels)
+
+
+def _uint8_to_float(images: np.ndarray, image_size: int) -> torch.Tensor:
+    """(N, 3, H, W) uint8 -> float32 in [0, 1], resized."""
+    return _resize(torch.from_numpy(np.ascontiguousarray(images)).to(torch.float32).div_(255.0), image_size)
+
+
+def _load_digits(image_size: int, seed: int, val_fraction: float) -> tuple[ImageDataset, ImageDataset]:
+    """sklearn's digits (0..16 grey levels) scaled to [0, 1], resized, 3 channels, stratified seeded split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    images = torch.from_numpy(bunch.images).to(torch.float32).div_(16.0).unsqueeze(1)
+    images = _resize(images, image_size).expand(-1, 3, -1, -1)
+    labels = torch.from_numpy(bunch.target).to(torch.int64)
+    train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=val_fraction,
+                                          stratify=bunch.target, random_state=seed)
+    train_idx, val_idx = torch.from_numpy(np.sort(train_idx)), torch.from_numpy(np.sort(val_idx))
+    classes = [str(c) for c in bunch.target_names]
+    return _normalized_pair(images[train_idx], labels[train_idx], images[val_idx], labels[val_idx], classes)
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickler that only rebuilds numpy arrays, so a tampered dataset file cannot run code."""
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+        ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only numpy arrays are expected")
+        return super().find_class(module, name)
+
+
+def _read_cifar_file(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR pickle -> (N, 3, 32, 32) uint8 images and int64 labels; one-line errors naming the file."""
+    expected = f"a CIFAR python pickle dict with 'data' (N x 3072 uint8) and '{label_key}'"
+    try:
+        with path.open("rb") as handle:
+            raw = _ArrayUnpickler(handle, encoding="latin1").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as exc:
+        raise PrecsearchError(f"cannot read {path}: {exc}; expected {expected}") from exc
+    if not isinstance(raw, dict):
+        raise PrecsearchError(f"{path} holds a {type(raw).__name__}; expected {expected}")
+    entry = {(k.decode("latin1") if isinstance(k, bytes) else k): v for k, v in raw.items()}
+    if "data" not in entry or label_key not in entry:
+        raise PrecsearchError(f"{path} has keys {sorted(map(str, entry))}; expected {expected}")
+    data = np.asarray(entry["data"])
+    labels = np.asarray(entry[label_key], dtype=np.int64)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
+        raise PrecsearchError(f"{path} has data {data.dtype} {data.shape} and {len(labels)} labels; "
+                              f"expected {expected}, one label per row")
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def _read_label_names(path: Path, key: str, count: int) -> list[str]:
+    """Class names from the meta file when present and sane, else '0', '1', ..."""
+    fallback = [str(i) for i in range(count)]
+    if not path.is_file():
+        return fallback
+    try:
+        with path.open("rb") as handle:
+            raw = _ArrayUnpickler(handle, encoding="latin1").load()
+        names = {(k.decode("latin1") if isinstance(k, bytes) else k): v for k, v in raw.items()}[key]
+        names = [n.decode("latin1") if isinstance(n, bytes) else str(n) for n in names]
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        log.warning("ignoring class names in %s (%s); using numbers", path, exc)
+        return fallback
+    return names if len(names) == count else fallback
+
+
+_CIFAR_LAYOUT = {
+    # name: (folder, train files, test file, label key, meta file, names key, class count)
+    "cifar10": ("cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "labels",
+                "batches.meta", "label_names", 10),
+    "cifar100": ("cifar-100-python", ("train",), "test", "fine_labels", "meta", "fine_label_names", 100),
+}
+
+
+def _require_directory(root: str | os.PathLike[str] | None, name: str, expected: str) -> Path:
+    """`root` as a Path that exists, is a directory and is not empty; one-line errors otherwise."""
+    if root is None:
+        raise PrecsearchError(f"dataset {name} reads local files; give the folder that holds {expected} "
+                              "(--data-root DIR)")
+    path = Path(root).expanduser()
+    if not path.exists():
+        raise PrecsearchError(f"dataset directory {path} does not exist; expected a folder with {expected}")
+    if not path.is_dir():
+        raise PrecsearchError(f"dataset path {path} is not a directory; expected a folder with {expected}")
+    if not any(path.iterdir()):
+        raise PrecsearchError(f"dataset directory {path} is empty; expected {expected}")
+    return path
+
+
+def _load_cifar(name: str, root: str | os.PathLike[str] | None,
+                image_size: int) -> tuple[ImageDataset, ImageDataset]:
+    folder, train_files, test_file, label_key, meta_file, names_key, count = _CIFAR_LAYOUT[name]
+    expected = f"{folder}/ with {', '.join(train_files)} and {test_file}"
+    path = _require_directory(root, name, expected)
+    base = path / folder if (path / folder).is_dir() else path
+    missing = [f for f in (*train_files, test_file) if not (base / f).is_file()]
+    if missing:
+        raise PrecsearchError(f"{base} lacks {', '.join(missing)}; expected the {name} layout: {expected}")
+    train = [_read_cifar_file(base / f, label_key) for f in train_files]
+    test_images, test_labels = _read_cifar_file(base / test_file, label_key)
+    train_images = np.concatenate([images for images, _ in train])
+    train_labels = np.concatenate([labels for _, labels in train])
+    for file_labels, where in ((train_labels, base), (test_labels, base / test_file)):
+        if file_labels.size and (file_labels.min() < 0 or file_labels.max() >= count):
+            raise PrecsearchError(f"{where} has labels outside 0..{count - 1}; expected {name} labels")
+    classes = _read_label_names(base / meta_file, names_key, count)
+    return _normalized_pair(_uint8_to_float(train_images, image_size), torch.from_numpy(train_labels),
+                            _uint8_to_float(test_images, image_size), torch.from_numpy(test_labels), classes)
+
+
+def _read_image_folder(
+    split_dir: Path, classes: Sequence[str], image_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every image under split_dir/<class>/ as (N, 3, size, size) uint8 and its class index."""
+    from PIL import Image, UnidentifiedImageError
+
+    images, labels = [], []
+    for index, class_name in enumerate(classes):
+        class_dir = split_dir / class_name
+        files = sorted(p for p in class_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) \
+            if class_dir.is_dir() else []
+        for file in files:
+            try:
+                with Image.open(file) as image:
+                    rgb = image.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
+            except (UnidentifiedImageError, OSError) as exc:
+                raise PrecsearchError(f"cannot read image {file} ({exc}); remove it or replace it") from exc
+            images.append(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
+            labels.append(index)
+    if not images:
+        return np.zeros((0, 3, image_size, image_size), np.uint8), np.zeros(0, np.int64)
+    return np.stack(images), np.asarray(labels, dtype=np.int64)
+
+
+def _image_classes(split_dir: Path) -> list[str]:
+    """Sorted names of the class folders under split_dir that hold at least one image."""
+    return sorted(d.name for d in split_dir.iterdir()
+                  if d.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in d.iterdir()))
+
+
+def _load_image_folder(root: str | os.PathLike[str] | None,
+                       image_size: int) -> tuple[ImageDataset, ImageDataset]:
+    expected = "train/<class>/*.png and val/<class>/*.png"
+    path = _require_directory(root, "imagefolder", expected)
+    for split in ("train", "val"):
+        if not (path / split).is_dir():
+            raise PrecsearchError(f"{path} has no {split}/ folder; expected the layout {expected}")
+    classes = _image_classes(path / "train")
+    if not classes:
+        raise PrecsearchError(f"{path / 'train'} has no class folders holding images "
+                              f"({', '.join(IMAGE_SUFFIXES)}); expected {expected}")
+    unknown = sorted(set(_image_classes(path / "val")) - set(classes))
+    if unknown:
+        raise PrecsearchError(f"{path / 'val'} has classes {', '.join(unknown)} that train/ lacks; "
+                              "give every val class a train folder")
+    train_images, train_labels = _read_image_folder(path / "train", classes, image_size)
+    val_images, val_labels = _read_image_folder(path / "val", classes, image_size)
+    if len(val_labels) == 0:
+        raise PrecsearchError(f"{path / 'val'} holds no images; expected {expected}")
+    return _normalized_pair(_uint8_to_float(train_images, image_size), torch.from_numpy(train_labels),
+                            _uint8_to_float(val_images, image_size), torch.from_numpy(val_labels), classes)
+
+
+def _load_synthetic(image_size: int, seed: int, num_classes: int, train_size: int,
+                    val_size: int) -> tuple[ImageDataset, ImageDataset]:
+    """Gaussian noise plus a fixed random pattern per class: seeded, and learnable for smoke training."""
+    generator = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(num_classes, 3, image_size, image_size, generator=generator)
+
+    def draw(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = torch.randint(0, num_classes, (count,), generator=generator)
+        noise = torch.randn(count, 3, image_size, image_size, generator=generator)
+        return noise + patterns[labels], labels
+
+    train_images, train_labels = draw(train_size)
+    val_images, val_labels = draw(val_size)
+    classes = [str(i) for i in range(num_classes)]
+    return _normalized_pair(train_images, train_labels, val_images, val_labels, classes)
+
+
+def _positive_int(value: Any, what: str) -> int:
+    """`value` if it is a positive int (not a bool), else a one-line error naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PrecsearchError(f"{what}={value!r} must be a positive integer")
+    return value
+
+
+def _fraction(value: float | None) -> float:
+    """The digits validation share: 0.2 unless given, strictly between 0 and 1."""
+    fraction = 0.2 if value is None else value
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction < 1:
+        raise PrecsearchError(f"val_fraction={value!r} must lie strictly between 0 and 1, e.g. 0.2")
+    return float(fraction)
+
+
+def load_dataset(
+    name: str = "digits",
+    root: str | os.PathLike[str] | None = None,
+    image_size: int = 32,
+    *,
+    seed: int = 0,
+    val_fraction: float | None = None,
+    num_classes: int | None = None,
+    train_size: int | None = None,
+    val_size: int | None = None,
+) -> tuple[ImageDataset, ImageDataset]:
+    """Train and validation datasets by name; see the module docstring for the names.
+
+    `root` is the data folder (cifar10, cifar100, imagefolder only). `seed` fixes the digits split and the
+    synthetic draw. `val_fraction` (digits, default 0.2) is the stratified validation share.
+    `num_classes`, `train_size`, `val_size` (synthetic only; defaults 10, 1024, 256) size the synthetic data.
+    """
+    if name not in DATASETS:
+        raise PrecsearchError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    image_size = _positive_int(image_size, "image_size")
+    synthetic_options = {"num_classes": num_classes, "train_size": train_size, "val_size": val_size}
+    misplaced = [key for key, value in synthetic_options.items() if value is not None and name != "synthetic"]
+    if val_fraction is not None and name != "digits":
+        misplaced.append("val_fraction")
+    if root is not None and name in ("digits", "synthetic"):
+        misplaced.append("root")
+    if misplaced:
+        raise PrecsearchError(f"option(s) {', '.join(misplaced)} do not apply to dataset {name}; drop them")
+    if name == "digits":
+        train, val = _load_digits(image_size, seed, _fraction(val_fraction))
+    elif name in _CIFAR_LAYOUT:
+        train, val = _load_cifar(name, root, image_size)
+    elif name == "imagefolder":
+        train, val = _load_image_folder(root, image_size)
+    else:
+        train, val = _load_synthetic(
+            image_size, seed,
+            num_classes=_positive_int(10 if num_classes is None else num_classes, "num_classes"),
+            train_size=_positive_int(1024 if train_size is None else train_size, "train_size"),
+            val_size=_positive_int(256 if val_size is None else val_size, "val_size"),
+        )
+    log.info("dataset %s: %d train / %d val images of %s, %d classes", name, len(train), len(val),
+             train.image_shape, train.num_classes)
+    return train, val
+
+
+def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                drop_last: bool = False) -> DataLoader:
+    """A single-process DataLoader whose shuffling is drawn from `torch.Generator().manual_seed(seed)`.
+
+    The same seed gives the same batch order in every run, independent of torch's global RNG.
+    """
+    batch_size = _positive_int(batch_size, "batch_size")
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                      generator=generator, num_workers=0)
