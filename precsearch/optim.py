@@ -1,0 +1,391 @@
+"""Weight updates that survive low precision: fp32 master weights, or low-precision weights updated with
+nearest rounding, stochastic rounding or Kahan summation, and optimizer state held in a chosen format.
+
+``LowPrecisionOptimizer`` wraps an ordinary torch optimizer (SGD, Adam, AdamW). The inner optimizer always
+computes its update in float32 on the weight values; the wrapper decides what the model keeps:
+
+* ``master_weights=True`` (Micikevicius et al. 2018): an fp32 master copy receives the update and the model
+  parameter holds ``quantize(master, weight_format)`` (rounded stochastically with ``update="stochastic"``).
+* ``master_weights=False`` (pure 16-bit training, Zamirai et al., "Revisiting BFloat16 Training"): the
+  parameter itself is the low-precision weight. The update ``u = quantize(new - old)`` (a low-precision
+  tensor, as pure 16-bit arithmetic would produce) is applied with ``update=``
+
+  - ``"nearest"``: ``w = Q(w + u)``; updates under half an ulp of ``w`` are lost;
+  - ``"stochastic"``: ``w = SR(w + u)``, unbiased, so small updates survive on average;
+  - ``"kahan"``: ``y = Q(u - c); s = Q(w + y); c = Qc(Qc(s - w) - y); w = s`` with a compensation buffer
+    ``c`` in ``compensation_format`` (default: the weight's own format, 2 bytes per parameter for bf16).
+
+Sums are formed in float32 and rounded once to the format, so a result differs from a correctly rounded
+low-precision add only when the float32 sum itself was inexact and lands on a midpoint of the format.
+
+Optimizer state (momentum, Adam moments) is rounded to ``state_format`` after every step. Range rule: a state
+holding gradient-sized values needs at least 5 exponent bits (fp16's range, the narrowest the seed papers
+use for gradients); Adam's second moments hold squared gradients, whose exponents span twice the range, so
+they need at least 8 (bf16/fp32). ``state_format`` may name one format or map state names to formats.
+
+Memory per parameter (``update_bytes_per_param``, bits / 8 so sub-byte formats count as packed):
+``weight = bits(weight_format)/8``, ``master_weight = 4 if master_weights``,
+``compensation = bits(compensation_format)/8 if kahan``, ``optimizer_state = sum over the optimizer's state
+tensors of bits(state format or fp32)/8`` (SGD: 1 tensor with momentum, else 0; Adam/AdamW: 2, 3 with amsgrad).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from precsearch.errors import PrecsearchError
+from precsearch.formats import FloatFormat, get_format, quantize
+
+__all__ = [
+    "UPDATES",
+    "SUPPORTED_OPTIMIZERS",
+    "UpdateConfig",
+    "LowPrecisionOptimizer",
+    "apply_update",
+    "update_bytes_per_param",
+    "from_config",
+]
+
+log = logging.getLogger(__name__)
+
+UPDATES = ("nearest", "stochastic", "kahan")
+SUPPORTED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+# Minimum exponent bits of a state format, per state tensor name (see the module docstring).
+_STATE_MIN_EXP = {"momentum_buffer": 5, "exp_avg": 5, "exp_avg_sq": 8, "max_exp_avg_sq": 8}
+
+FormatSpec = str | FloatFormat
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """How weights are stored and updated: the ``optimizer`` entry of a policy (plus ``master_weights``)."""
+
+    weight_format: str = "bf16"
+    update: str = "nearest"
+    master_weights: bool = True
+    state_format: str | dict[str, str] | None = None
+    compensation_format: str | None = None
+    seed: int | None = None  # seeds the stochastic-rounding generator when none is passed
+
+    def __post_init__(self) -> None:
+        if self.update not in UPDATES:
+            raise PrecsearchError(f"unknown weight update {self.update!r}: use one of {', '.join(UPDATES)}")
+        if self.update == "kahan" and self.master_weights:
+            raise PrecsearchError(
+                "update 'kahan' compensates low-precision weights; with master_weights=True the fp32 master needs "
+                "none: set master_weights=False or update='nearest'"
+            )
+        weight = get_format(self.weight_format)
+        if self.compensation_format is not None:
+            if self.update != "kahan":
+                raise PrecsearchError("compensation_format is only used by update='kahan': drop it or use kahan")
+            comp = get_format(self.compensation_format)
+            if comp.bits > weight.bits:
+                raise PrecsearchError(
+                    f"Kahan buffer format {comp} ({comp.bits} bits) is wider than the weight format {weight} "
+                    f"({weight.bits} bits): use the weight's format or a narrower one"
+                )
+        for spec in _state_specs(self.state_format).values():
+            get_format(spec)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> UpdateConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise PrecsearchError(
+                f"unknown optimizer setting(s) {', '.join(unknown)}: use {', '.join(sorted(known))}"
+            )
+        return cls(**dict(config))
+
+
+def _state_specs(state_format: str | Mapping[str, str] | None) -> dict[str, str]:
+    """``{state name: format}``; a single spec applies to every known state name."""
+    if state_format is None:
+        return {}
+    if isinstance(state_format, (str, FloatFormat)):
+        return dict.fromkeys(_STATE_MIN_EXP, str(state_format))
+    unknown = sorted(set(state_format) - set(_STATE_MIN_EXP))
+    if unknown:
+        raise PrecsearchError(
+            f"unknown optimizer state {', '.join(unknown)} in state_format: use {', '.join(_STATE_MIN_EXP)}"
+        )
+    return {name: str(spec) for name, spec in state_format.items()}
+
+
+def _optimizer_kind(optimizer: torch.optim.Optimizer | str | type) -> str:
+    if isinstance(optimizer, str):
+        kind = optimizer.lower()
+        if kind in SUPPORTED_OPTIMIZERS:
+            return kind
+    else:
+        cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+        for kind, supported in SUPPORTED_OPTIMIZERS.items():
+            if cls is supported:
+                return kind
+    name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", type(optimizer).__name__)
+    raise PrecsearchError(
+        f"optimizer {name} is not supported by LowPrecisionOptimizer: use torch.optim "
+        + ", ".join(cls.__name__ for cls in SUPPORTED_OPTIMIZERS.values())
+    )
+
+
+def _state_names(kind: str, group: Mapping[str, Any]) -> list[str]:
+    """Names of the per-parameter float state tensors the optimizer keeps for a parameter group."""
+    if kind == "sgd":
+        return ["momentum_buffer"] if group.get("momentum", 0) else []
+    return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad", False) else [])
+
+
+def _check_state_range(kind: str, specs: Mapping[str, str]) -> None:
+    for name, spec in specs.items():
+        fmt = get_format(spec)
+        relevant = name == "momentum_buffer" if kind == "sgd" else name != "momentum_buffer"
+        if relevant and fmt.exp < _STATE_MIN_EXP[name]:
+            raise PrecsearchError(
+                f"state format {fmt} has {fmt.exp} exponent bits, too few for {name} (needs >= "
+                f"{_STATE_MIN_EXP[name]}): use e.g. {'bf16' if _STATE_MIN_EXP[name] == 8 else 'fp16 or bf16'}"
+            )
+
+
+def _bytes_per_param(
+    kind: str,
+    weight: FloatFormat,
+    update: str,
+    master_weights: bool,
+    state_specs: Mapping[str, str],
+    compensation: FloatFormat | None,
+    group: Mapping[str, Any],
+) -> dict[str, float]:
+    low = not weight.is_fp32
+    state_bits = sum(get_format(state_specs.get(name, "fp32")).bits for name in _state_names(kind, group))
+    return {
+        "weight": weight.bits / 8,
+        "master_weight": 4.0 if master_weights and low else 0.0,
+        "compensation": (compensation or weight).bits / 8 if update == "kahan" and low else 0.0,
+        "optimizer_state": state_bits / 8,
+    }
+
+
+def update_bytes_per_param(
+    optimizer: torch.optim.Optimizer | str | type,
+    config: UpdateConfig | Mapping[str, Any],
+    momentum: bool = True,
+    amsgrad: bool = False,
+) -> dict[str, float]:
+    """Bytes per parameter of the weight, its fp32 master, its Kahan buffer and its optimizer state.
+
+    ``momentum`` (SGD) and ``amsgrad`` (Adam/AdamW) say which state tensors exist; the cost model multiplies
+    these by each parameter's element count.
+    """
+    kind = _optimizer_kind(optimizer)
+    cfg = config if isinstance(config, UpdateConfig) else UpdateConfig.from_dict(config)
+    comp = None if cfg.compensation_format is None else get_format(cfg.compensation_format)
+    group = {"momentum": 1.0 if momentum else 0.0, "amsgrad": amsgrad}
+    return _bytes_per_param(kind, get_format(cfg.weight_format), cfg.update, cfg.master_weights,
+                            _state_specs(cfg.state_format), comp, group)
+
+
+def apply_update(
+    weight: torch.Tensor,
+    delta: torch.Tensor,
+    fmt: FormatSpec,
+    update: str = "nearest",
+    compensation: torch.Tensor | None = None,
+    compensation_format: FormatSpec | None = None,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Add ``delta`` to the low-precision ``weight`` in place, by ``update`` rule (see the module docstring).
+
+    ``compensation`` (Kahan only) is a buffer like ``weight``, zero at the start, updated in place.
+    """
+    if update not in UPDATES:
+        raise PrecsearchError(f"unknown weight update {update!r}: use one of {', '.join(UPDATES)}")
+    u = quantize(delta, fmt)
+    if update == "nearest":
+        weight.copy_(quantize(weight + u, fmt))
+    elif update == "stochastic":
+        weight.copy_(quantize(weight + u, fmt, rounding="stochastic", generator=generator))
+    else:
+        if compensation is None:
+            raise PrecsearchError("update 'kahan' needs a compensation buffer (zeros like the weight)")
+        cfmt = compensation_format or fmt
+        y = quantize(u - compensation, fmt)
+        s = quantize(weight + y, fmt)
+        compensation.copy_(quantize(quantize(s - weight, cfmt) - y, cfmt))
+        weight.copy_(s)
+
+
+class LowPrecisionOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so its parameters live in ``weight_format`` (see the module docstring).
+
+    ``weight_format`` is one format, or a mapping from parameter tensor to format (parameters missing from
+    it, and fp32 ones, are left to the inner optimizer untouched). Shares ``param_groups`` and ``state`` with
+    the inner optimizer, so learning-rate schedulers and loss scalers work on either.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        weight_format: FormatSpec | Mapping[torch.Tensor, FormatSpec] = "bf16",
+        update: str = "nearest",
+        master_weights: bool = True,
+        state_format: str | Mapping[str, str] | None = None,
+        generator: torch.Generator | None = None,
+        compensation_format: FormatSpec | None = None,
+    ) -> None:
+        self._kind = _optimizer_kind(optimizer)
+        formats = weight_format if isinstance(weight_format, Mapping) else None
+        comp_spec = None if compensation_format is None else str(get_format(compensation_format))
+        for spec in {str(get_format(s)) for s in (formats.values() if formats is not None else [weight_format])}:
+            UpdateConfig(weight_format=spec, update=update, master_weights=master_weights,
+                         compensation_format=comp_spec)  # validates the combination for every weight format
+        self._state_specs = _state_specs(state_format)
+        _check_state_range(self._kind, self._state_specs)
+        self.optimizer = optimizer
+        self.update = update
+        self.master_weights = master_weights
+        self.generator = generator
+        self._compensation_format = None if compensation_format is None else get_format(compensation_format)
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._format: dict[torch.Tensor, FloatFormat] = {}
+        self._master: dict[torch.Tensor, torch.Tensor] = {}
+        self._compensation: dict[torch.Tensor, torch.Tensor] = {}
+        with torch.no_grad():
+            for p in self._params():
+                fmt = get_format(formats.get(p, "fp32")) if formats is not None else get_format(weight_format)
+                if fmt.is_fp32:
+                    continue
+                self._format[p] = fmt
+                if master_weights:
+                    self._master[p] = p.detach().clone(memory_format=torch.preserve_format).float()
+                    p.copy_(self._round(self._master[p], fmt))
+                else:
+                    p.copy_(quantize(p.detach().float(), fmt))
+                    if update == "kahan":
+                        self._compensation[p] = torch.zeros_like(p)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _round(self, master: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+        rounding = "stochastic" if self.update == "stochastic" else "nearest"
+        return quantize(master, fmt, rounding=rounding, generator=self.generator)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One inner step in float32 on the weight values, then the weights written back per the config."""
+        if closure is not None:
+            raise PrecsearchError("LowPrecisionOptimizer.step takes no closure: compute the loss before step()")
+        active = [p for p in self._params() if p.grad is not None and p in self._format]
+        old = {}
+        for p in active:
+            if self.master_weights:
+                p.copy_(self._master[p])
+            else:
+                old[p] = p.detach().clone()
+        self.optimizer.step()
+        for p in active:
+            fmt = self._format[p]
+            if self.master_weights:
+                self._master[p].copy_(p)
+                p.copy_(self._round(self._master[p], fmt))
+            else:
+                new = p.detach().clone()
+                p.copy_(old[p])
+                apply_update(p, new - old[p], fmt, self.update, self._compensation.get(p),
+                             self._compensation_format, self.generator)
+        self._round_state()
+        return None
+
+    def _round_state(self) -> None:
+        if not self._state_specs:
+            return
+        for p in self._params():
+            state = self.state.get(p, {})
+            for name, spec in self._state_specs.items():
+                tensor = state.get(name)
+                if isinstance(tensor, torch.Tensor) and tensor.shape == p.shape:
+                    tensor.copy_(quantize(tensor, spec))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def master(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master copy of ``param`` (None without master weights or for fp32 parameters)."""
+        return self._master.get(param)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of weights, fp32 masters, Kahan buffers and optimizer state, by the module's formula."""
+        totals = {"weight": 0.0, "master_weight": 0.0, "compensation": 0.0, "optimizer_state": 0.0}
+        for group in self.param_groups:
+            for p in group["params"]:
+                per = _bytes_per_param(self._kind, self._format.get(p, get_format("fp32")), self.update,
+                                       self.master_weights, self._state_specs, self._compensation_format, group)
+                for key, value in per.items():
+                    totals[key] += value * p.numel()
+        return {key: int(round(value)) for key, value in totals.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        params = self._params()
+        return {
+            "inner": self.optimizer.state_dict(),
+            "master": {i: self._master[p].clone() for i, p in enumerate(params) if p in self._master},
+            "compensation": {i: self._compensation[p].clone() for i, p in enumerate(params) if p in self._compensation},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = sorted({"inner", "master", "compensation"} - set(state_dict))
+        if missing:
+            raise PrecsearchError(f"LowPrecisionOptimizer state lacks {', '.join(missing)}: pass its own state_dict()")
+        self.optimizer.load_state_dict(state_dict["inner"])
+        params = self._params()
+        for key, table in (("master", self._master), ("compensation", self._compensation)):
+            saved = {int(i): t for i, t in state_dict[key].items()}
+            if set(saved) != {i for i, p in enumerate(params) if p in table}:
+                raise PrecsearchError(f"LowPrecisionOptimizer state has {key} buffers for other parameters: "
+                                      "load it into an optimizer built with the same settings")
+            for i, tensor in saved.items():
+                table[params[i]].copy_(tensor)
+        with torch.no_grad():
+            for p, master in self._master.items():
+                p.copy_(self._round(master, self._format[p]))
+
+    def __repr__(self) -> str:
+        return (f"LowPrecisionOptimizer({type(self.optimizer).__name__}, update={self.update!r}, "
+                f"master_weights={self.master_weights}, state={self._state_specs or 'fp32'})")
+
+
+def from_config(
+    optimizer: torch.optim.Optimizer,
+    config: Mapping[str, Any],
+    weight_format: FormatSpec | Mapping[torch.Tensor, FormatSpec] | None = None,
+    generator: torch.Generator | None = None,
+) -> LowPrecisionOptimizer:
+    """A ``LowPrecisionOptimizer`` from a policy's ``optimizer`` dict (keys: ``UpdateConfig``'s fields).
+
+    ``weight_format`` (e.g. the runtime's per-parameter formats from the policy) overrides the config's.
+    """
+    cfg = UpdateConfig.from_dict(config)
+    if generator is None and cfg.seed is not None:
+        generator = torch.Generator().manual_seed(cfg.seed)
+    return LowPrecisionOptimizer(
+        optimizer,
+        weight_format=cfg.weight_format if weight_format is None else weight_format,
+        update=cfg.update,
+        master_weights=cfg.master_weights,
+        state_format=cfg.state_format,
+        generator=generator,
+        compensation_format=cfg.compensation_format,
+    )
