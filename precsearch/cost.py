@@ -7,6 +7,11 @@ Two countings of activation memory, which differ and are both reported:
   output, add/cat/flatten nothing, max-pool its input plus int64 indices, ... each storage once, stored at
   the whole bytes of its format's storage dtype. `measure_saved_bytes` measures the same on a real forward.
 For ResNet-18 the paper's counting is larger, because BN outputs and residual sums are never saved.
+
+Weight-update memory (fp32 masters, Kahan buffers, optimizer state) depends on the training configuration:
+`update_bytes` and `breakdown(..., optimizer=...)` price it with `precsearch.optim`'s own per-parameter rule,
+so the cost model and the optimizer cannot disagree. Without an optimizer, every trainable parameter keeps an
+fp32 master copy and an fp32 SGD momentum (the graph's `master_weight` and `optimizer_state` tensors).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 from precsearch.errors import PrecsearchError
 from precsearch.formats import FloatFormat, get_format
 from precsearch.graph import ASSIGNABLE_KINDS, KINDS, OpInfo, TensorGraph, forward_error, op_type_key, training_mode
+from precsearch.optim import UpdateConfig, update_bytes_per_param
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -114,6 +120,9 @@ class CostModel:
         self._group_numel = np.zeros(self.n_groups)
         np.add.at(self._group_numel, groups, np.where(self._assignable, self._numel, 0))
         self._group_of = groups
+        # ids of the trainable weights (those the graph gives a master copy), the ones an optimizer updates
+        self._trainable = [tid for tid, info in graph.tensors.items()
+                           if info.kind == "weight" and f"{tid}_master" in graph.tensors]
         self.saved = _predict_saved(graph)
 
     # ------------------------------------------------------------------------------------------ memory
@@ -158,18 +167,78 @@ class CostModel:
         """The paper's activation memory: every op output (BN, ReLU, add, pool, cat included) at its format."""
         return self.bytes(assignment, kinds=("activation",))
 
-    def breakdown(self, assignment: Mapping[str, Spec] | None = None) -> pd.DataFrame:
-        """MiB by group (rows, plus a `total` row) and by kind (columns, plus a `total` column); master weights
-        and momentum are fp32."""
+    def breakdown(
+        self,
+        assignment: Mapping[str, Spec] | None = None,
+        optimizer: str | None = None,
+        config: UpdateConfig | Mapping[str, Any] | None = None,
+        momentum: bool = True,
+        amsgrad: bool = False,
+    ) -> pd.DataFrame:
+        """MiB by group (rows, plus a `total` row) and by kind (columns, plus a `total` column).
+
+        Without `optimizer`, master weights and momentum are fp32. With it, the `master_weight`,
+        `compensation` and `optimizer_state` columns are `update_bytes`'s under `config`, each weight at its
+        format in `assignment` (unnamed: fp32), as the runtime hands the policy's formats to the optimizer."""
         import pandas as pd
 
         mib = self._tensor_bits(assignment) / 8 / MIB
         table = np.zeros((self.n_groups, len(KINDS)))
         np.add.at(table, (self._group_of, self._kind), mib)
         frame = pd.DataFrame(table, columns=list(KINDS), index=pd.RangeIndex(self.n_groups, name="group"))
+        if optimizer is not None:
+            per_tensor = self._update_table(optimizer, config, assignment or {}, momentum, amsgrad)
+            groups = [self._group_of[self._index[tid]] for tid in self._trainable]
+            frame.insert(frame.columns.get_loc("master_weight") + 1, "compensation", 0.0)
+            for kind in ("master_weight", "compensation", "optimizer_state"):
+                column = np.zeros(self.n_groups)
+                np.add.at(column, groups, per_tensor[kind] / MIB)
+                frame[kind] = column
         frame["total"] = frame.sum(axis=1)
         frame.loc["total"] = frame.sum(axis=0)
         return frame
+
+    def update_bytes(
+        self,
+        optimizer: str = "sgd",
+        config: UpdateConfig | Mapping[str, Any] | None = None,
+        weight_formats: Mapping[str, Spec] | None = None,
+        momentum: bool = True,
+        amsgrad: bool = False,
+    ) -> dict[str, float]:
+        """Bytes of every trainable parameter's `weight`, fp32 `master_weight`, Kahan `compensation` buffer
+        and `optimizer_state` (the keys of `precsearch.optim.update_bytes_per_param`) when training with
+        `optimizer` ("sgd", "adam", "adamw") under `config` (an `UpdateConfig` or a policy's optimizer dict,
+        master_weights included).
+
+        Each weight is in `config`'s weight_format, or with `weight_formats` (an assignment; other kinds
+        ignored) in its format there, fp32 where unnamed, as `LowPrecisionOptimizer` treats a format mapping.
+        `momentum` (SGD) and `amsgrad` (Adam/AdamW) say which state tensors exist."""
+        per_tensor = self._update_table(optimizer, config, weight_formats, momentum, amsgrad)
+        return {kind: float(values.sum()) for kind, values in per_tensor.items()}
+
+    def _update_table(
+        self,
+        optimizer: str,
+        config: UpdateConfig | Mapping[str, Any] | None,
+        weight_formats: Mapping[str, Spec] | None,
+        momentum: bool,
+        amsgrad: bool,
+    ) -> dict[str, np.ndarray]:
+        """Update kind -> bytes of each trainable parameter (in `_trainable` order), by optim's rule."""
+        cfg = config if isinstance(config, UpdateConfig) else UpdateConfig.from_dict(config or {})
+        default = get_format(cfg.weight_format)
+        per_format = {default: update_bytes_per_param(optimizer, cfg, momentum, amsgrad)}  # validates all
+        formats = None if weight_formats is None else self._formats(weight_formats)
+        table = {kind: np.zeros(len(self._trainable)) for kind in per_format[default]}
+        for row, tid in enumerate(self._trainable):
+            fmt = default if formats is None else formats.get(tid, FP32)
+            if fmt not in per_format:  # `replace` re-validates the config for this weight format
+                per_format[fmt] = update_bytes_per_param(optimizer, replace(cfg, weight_format=str(fmt)),
+                                                         momentum, amsgrad)
+            for kind, size in per_format[fmt].items():
+                table[kind][row] = size * self._numel[self._index[tid]]
+        return table
 
     def memory_ratio(self, assignment: Mapping[str, Spec]) -> float:
         """Share of the assignable tensors' elements held in fewer bits than the high format. (The paper's

@@ -191,8 +191,10 @@ def update_bytes_per_param(
     cfg = config if isinstance(config, UpdateConfig) else UpdateConfig.from_dict(config)
     comp = None if cfg.compensation_format is None else get_format(cfg.compensation_format)
     group = {"momentum": 1.0 if momentum else 0.0, "amsgrad": amsgrad}
-    return _bytes_per_param(kind, get_format(cfg.weight_format), cfg.update, cfg.master_weights,
-                            _state_specs(cfg.state_format), comp, group)
+    state_specs = _state_specs(cfg.state_format)
+    _check_state_range(kind, state_specs)  # price only what LowPrecisionOptimizer accepts
+    return _bytes_per_param(kind, get_format(cfg.weight_format), cfg.update, cfg.master_weights, state_specs,
+                            comp, group)
 
 
 def apply_update(

@@ -3,10 +3,6 @@ chunked layers against torch's Linear/Conv2d, the swamping claim against fp64, a
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,17 +14,6 @@ from precsearch.accumulate import ChunkedConv2d, ChunkedLinear, chunked_matmul, 
 from precsearch.errors import PrecsearchError
 
 NEAR_FP32 = "e8m22"  # one mantissa bit short of fp32: exercises every loop, results within fp32 tolerance
-
-
-def seeds_benchmark():
-    """benchmarks/reproduce_seeds.py: the claims' harness, run here at test size (one source of truth)."""
-    if "reproduce_seeds" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_seeds.py"
-        spec = importlib.util.spec_from_file_location("reproduce_seeds", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["reproduce_seeds"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["reproduce_seeds"]
 
 
 def loop_matmul(a: np.ndarray, b: np.ndarray, dtype, chunk: int | None) -> np.ndarray:
@@ -60,8 +45,8 @@ def test_chunked_matmul_matches_a_scalar_loop(fmt, dtype, chunk) -> None:
     np.testing.assert_array_equal(ours, loop_matmul(a.numpy(), b.numpy(), dtype, chunk))
 
 
-def test_summing_16384_values_in_e6m9s_sequential_swamps_chunked_does_not() -> None:
-    errors = seeds_benchmark().accumulation_errors(16384)
+def test_summing_16384_values_in_e6m9s_sequential_swamps_chunked_does_not(seeds) -> None:
+    errors = seeds.accumulation_errors(16384)
     assert errors["sequential"] > 0.5  # the running sum stalls near 2**10: each U(0,1) addend < half an ulp
     assert errors["chunk 64"] < 1e-2
 
@@ -162,8 +147,7 @@ def test_bad_input_raises_clear_errors() -> None:
 
 
 @pytest.mark.slow
-def test_fp8_digits_training_is_within_one_point_of_fp32() -> None:
-    seeds = seeds_benchmark()
+def test_fp8_digits_training_is_within_one_point_of_fp32(seeds) -> None:
     fp32 = seeds.fp8_digits(False, seed=0, steps=300, lr=0.01).accuracy
     fp8 = seeds.fp8_digits(True, seed=0, steps=300, lr=0.01).accuracy
     assert fp32 > 90.0  # a trained model, so the comparison means something

@@ -3,10 +3,6 @@ formats, against torch's own bfloat16 arithmetic, plain fp32 optimizers and hand
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -17,17 +13,6 @@ from precsearch.optim import LowPrecisionOptimizer, UpdateConfig, apply_update, 
 from precsearch.scaling import DynamicLossScaler
 
 BF16_ULP_1 = 2.0**-7  # bf16 spacing in [1, 2)
-
-
-def seeds_benchmark():
-    """benchmarks/reproduce_seeds.py: the claims' harness, run here at test size (one source of truth)."""
-    if "reproduce_seeds" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce_seeds.py"
-        spec = importlib.util.spec_from_file_location("reproduce_seeds", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["reproduce_seeds"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["reproduce_seeds"]
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +29,7 @@ def fixed_grad_run(optimizer: torch.optim.Optimizer, param: nn.Parameter, grads:
 # ------------------------------------------------------------------------------------------ the bf16 sums
 
 
-def test_bf16_thousand_small_additions_nearest_stochastic_kahan() -> None:
-    seeds = seeds_benchmark()
+def test_bf16_thousand_small_additions_nearest_stochastic_kahan(seeds) -> None:
     assert torch.equal(seeds.bf16_sum("nearest"), torch.ones(4096))  # every 1e-3 update cancelled
 
     kahan = seeds.bf16_sum("kahan")
@@ -207,8 +191,7 @@ def test_fp32_parameters_are_left_to_the_inner_optimizer() -> None:
 
 
 @pytest.mark.slow
-def test_pure_bf16_digits_nearest_loses_stochastic_and_kahan_match_fp32() -> None:
-    seeds = seeds_benchmark()
+def test_pure_bf16_digits_nearest_loses_stochastic_and_kahan_match_fp32(seeds) -> None:
     runs = {mode: seeds.bf16_digits(mode, seed=0, steps=1000, lr=0.003) for mode in seeds.MODES}
     fp32 = runs["fp32"].accuracy
     assert runs["nearest"].unchanged > 0.5  # most updates fall under half an ulp: nearest drops them
