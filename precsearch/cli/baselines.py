@@ -1,0 +1,42 @@
+"""`precsearch baselines MODEL ...`: prior-work policies and the paper's sweep under the same proxies."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from precsearch.cli.search import add_data_arguments, add_space_arguments, space_argument
+from precsearch.strategies import BASELINES
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "baselines", help="train prior-work baselines and the paper's sweep into one table",
+        description="Proxy-train the prior-work policies and the paper's technique at r = 0, 0.1, ..., 1 with "
+                    "the space's proxy budget; writes baselines.csv and baselines/*.json into --out. In a search "
+                    "run directory with the same settings, sweep points the search trained are reused.")
+    add_space_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="DIR", help="output (or search run) directory")
+    parser.add_argument("--names", default=",".join(BASELINES), metavar="LIST",
+                        help=f"comma-separated baselines (default all: {','.join(BASELINES)})")
+    parser.add_argument("--ablations", action="store_true",
+                        help="also sweep with groups ordered smallest-first and randomly")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_data_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from precsearch.search import DataSpec, run_baselines
+
+    names = [name.strip() for name in args.names.split(",") if name.strip()]
+    table = run_baselines(
+        args.model, space_argument(args), DataSpec(args.data, args.data_root), out_dir=args.out,
+        proxy_steps=args.proxy_steps, seed=args.seed, device=args.device, names=names, ablations=args.ablations,
+        batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress)
+    for _, row in table.iterrows():
+        state = f"diverged: {row['reason']}" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
+        reused = f" (reused {row['reused']})" if row["reused"] else ""
+        print(f"{row['source']:>9} {row['name']:<9} memory {row['memory']:.3f}  {state}{reused}")
+    print(f"table: {args.out}/baselines.csv; policies: {args.out}/baselines/")
+    return 0

@@ -1,0 +1,90 @@
+"""`precsearch demo`: a real small search on the bundled digits data, the baselines, and the report.
+
+The configuration is fixed so the run is comparable across machines: tiny_cnn, the paper's HFP8 space
+(per group: (1,6,9) high, (1,4,3)+bias 4 / (1,5,2) low), 16x16 digits, batch 64, 150-step proxies, 24 trials
+on two worker processes, then the seven prior-work baselines under the same proxies and the report. It
+prints its own wall time and the policy it would hand to training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from precsearch.errors import PrecsearchError
+
+MODEL = "tiny_cnn"
+TRIALS = 24
+JOBS = 2
+MAX_DROP = 0.01
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo", help="run a small real search on the bundled digits data (a few minutes on 2 cores)",
+        description="Search tiny_cnn's precision assignments in the paper's HFP8 space on the bundled digits "
+                    "data, train the prior-work baselines under the same proxies, and write the report.")
+    parser.add_argument("--out", default="runs/demo", metavar="DIR", help="run directory (default runs/demo)")
+    parser.add_argument("--trials", type=int, default=TRIALS, metavar="N", help=f"trials (default {TRIALS})")
+    parser.add_argument("--jobs", type=int, default=JOBS, metavar="N", help=f"worker processes (default {JOBS})")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    parser.set_defaults(func=run)
+
+
+def _clear_previous_demo(out: Path) -> None:
+    """Start fresh over an earlier demo in the same folder; refuse to touch anything else."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    run_file = out / "run.json"
+    previous = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    if previous.get("model") != MODEL or previous.get("space", {}).get("name") != "hfp8":
+        raise PrecsearchError(f"{out} exists and holds something other than a demo run; give another --out")
+    shutil.rmtree(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    from precsearch.report import write_report
+    from precsearch.search import Budget, run_baselines, run_search
+    from precsearch.spaces import paper_space
+
+    start = time.perf_counter()
+    out = Path(args.out)
+    _clear_previous_demo(out)
+    space = paper_space()
+    print(f"precsearch demo: {MODEL} on digits ({space.proxy.image_size}x{space.proxy.image_size}), space "
+          f"{space.name}, {args.trials} trials of {space.proxy.steps}-step proxies on {args.jobs} worker(s)")
+    result = run_search(MODEL, space, "digits", trials=args.trials, out_dir=out, jobs=args.jobs,
+                        budget=Budget(), seed=0, device=args.device,
+                        threads=1 if args.jobs == 1 else None)
+    search_time = time.perf_counter() - start
+    baselines = run_baselines(MODEL, space, "digits", out_dir=out, seed=0, device=args.device, threads=1)
+    png, md = write_report(out)
+    wall = time.perf_counter() - start
+    trials = result.trials
+    high = trials[trials["decisions"] == "H" * len(trials["decisions"].iloc[0])]
+    reference = float(high["val_accuracy"].iloc[0])
+    front = result.pareto
+    print(f"\nsearch: {len(trials)} trials ({int(trials['trained'].sum() - (trials['duplicate_of'] != '').sum())} "
+          f"proxies trained) in {search_time:.0f} s; all-high proxy accuracy {reference:.4f}")
+    print("Pareto front (memory as a share of the all-high assignment):")
+    for _, row in front.iterrows():
+        mark = "  <= 60% memory, within 1 point" if (row["memory"] <= 0.6
+                                                      and row["val_accuracy"] >= reference - MAX_DROP) else ""
+        print(f"  trial {int(row['number']):3d}  memory {row['memory']:.3f}  accuracy {row['val_accuracy']:.4f}"
+              f"  [{row['origin']}]{mark}")
+    print("baselines (same proxies):")
+    for _, row in baselines[baselines["source"] == "baseline"].iterrows():
+        state = "diverged" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
+        print(f"  {row['name']:<9} memory {row['memory']:.3f}  {state}")
+    if result.best is not None:
+        print(f"best.json: trial {int(result.best['number'])}, memory {result.best['memory']:.3f}, accuracy "
+              f"{result.best['val_accuracy']:.4f} (least memory within 1 point of all-high)")
+    print(f"\npolicies: {out / 'policies'}/ and {out / 'best.json'}\nreport:   {md} and {png}")
+    print(f"train under the best policy: precsearch train {MODEL} --policy {out / 'best.json'} --epochs 10 "
+          f"--metrics {out / 'train.csv'}")
+    print(f"demo wall time: {wall:.0f} s")
+    return 0

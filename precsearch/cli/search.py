@@ -1,0 +1,108 @@
+"""`precsearch search MODEL ...`: search precision assignments with Optuna and short proxies.
+
+Also holds the argument helpers the other training commands (baselines, train, demo) share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from precsearch.data import DATASETS
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """--data, --data-root, --image-size, --batch-size, --device, --seed."""
+    parser.add_argument("--data", default="digits", metavar="NAME",
+                        help=f"dataset: {', '.join(DATASETS)} (default digits, bundled, no download)")
+    parser.add_argument("--data-root", default=None, metavar="DIR",
+                        help="folder of a local dataset (cifar10, cifar100, imagefolder)")
+    parser.add_argument("--image-size", type=int, default=None, metavar="PX",
+                        help="resize images to PX x PX (default: the space's proxy.image_size)")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="N", help="training batch size")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    parser.add_argument("--seed", type=int, default=0, help="seed of model init, batches, rounding, sampler")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch threads per process (default: torch's own; with --jobs, cores / jobs); "
+                             "1 is fastest for small proxies")
+
+
+def add_space_arguments(parser: argparse.ArgumentParser) -> None:
+    """MODEL, --space, --proxy-steps."""
+    parser.add_argument("model", metavar="MODEL",
+                        help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
+    parser.add_argument("--space", default=None, metavar="YAML",
+                        help="search space file (see search_spaces/README.md; default: the paper's HFP8 space, "
+                             "as search_spaces/hfp8.yaml)")
+    parser.add_argument("--proxy-steps", type=int, default=None, metavar="S",
+                        help="SGD steps per proxy (default: the space's proxy.steps)")
+
+
+def space_argument(args: argparse.Namespace) -> Any:
+    """The --space file, or the built-in paper space when none is given."""
+    from precsearch.spaces import paper_space
+
+    return args.space if args.space is not None else paper_space()
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "search", help="search precision assignments (Optuna + proxy training)",
+        description="Search mixed-precision assignments of MODEL: memory from the cost model, accuracy from "
+                    "short proxy trainings. Writes trials.csv, pareto.csv, policies/ and best.json into --out.")
+    add_space_arguments(parser)
+    parser.add_argument("--trials", type=int, default=40, metavar="N", help="trials in the study (default 40)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="run directory")
+    parser.add_argument("--storage", default=None, metavar="URL",
+                        help="Optuna storage URL (sqlite:///f.db, postgresql://...) or journal file path "
+                             "(default: DIR/study.journal)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes on the study")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the search in --out (with no other process working on its study)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--max-memory", type=float, default=None, metavar="R",
+                        help="single objective: best accuracy with memory <= R x all-high")
+    budget.add_argument("--max-accuracy-drop", type=float, default=None, metavar="D",
+                        help="single objective: least memory with accuracy >= all-high - D (0.01 = 1 point)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_data_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from precsearch.search import Budget, DataSpec, SearchInterrupted, run_search
+
+    budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop)
+    try:
+        result = run_search(
+            args.model, space_argument(args), DataSpec(args.data, args.data_root), trials=args.trials,
+            proxy_steps=args.proxy_steps, out_dir=args.out, storage=args.storage, jobs=args.jobs,
+            resume=args.resume, budget=budget, seed=args.seed, device=args.device, batch_size=args.batch_size,
+            image_size=args.image_size, threads=args.threads, progress=not args.no_progress)
+    except SearchInterrupted as stop:
+        done = int(stop.result.trials["state"].isin(["COMPLETE", "PRUNED"]).sum()) if len(stop.result.trials) else 0
+        print(f"precsearch search: interrupted; {done} finished trial(s) saved in {args.out}; "
+              "continue with --resume", file=sys.stderr)
+        return 130
+    print(summarize(result))
+    return 0
+
+
+def summarize(result: Any) -> str:
+    """A few lines: trials, the front, the budget's pick, where the files are."""
+    trials = result.trials
+    lines = [f"{len(trials)} trials ({int((trials['state'] == 'COMPLETE').sum())} complete, "
+             f"{int(trials['diverged'].sum())} diverged, {int((trials['state'] == 'FAIL').sum())} failed) "
+             f"in {result.wall_time:.1f} s; Pareto front: {len(result.pareto)} point(s)"]
+    for _, row in result.pareto.iterrows():
+        lines.append(f"  trial {int(row['number']):4d}: memory {row['memory']:.3f} of all-high, "
+                     f"proxy accuracy {row['val_accuracy']:.4f}  [{row['origin']}]")
+    if result.best is not None:
+        lines.append(f"best.json: trial {int(result.best['number'])} (memory {result.best['memory']:.3f}, "
+                     f"accuracy {result.best['val_accuracy']:.4f})")
+    else:
+        lines.append("no trial meets the budget; best.json not written")
+    lines.append(f"outputs: {result.out_dir}/trials.csv, pareto.csv, policies/, best.json; "
+                 f"plot with: precsearch report {result.out_dir}")
+    return "\n".join(lines)

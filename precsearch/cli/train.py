@@ -1,0 +1,64 @@
+"""`precsearch train MODEL --policy FILE ...`: full training under a policy, metrics to a CSV."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from precsearch.cli.search import add_data_arguments
+from precsearch.errors import PrecsearchError
+from precsearch.proxy import ProxyConfig
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a model under a policy file",
+        description="Train MODEL under a policy (e.g. a search's best.json) with SGD + momentum and a cosine "
+                    "schedule; validation accuracy and loss go to --metrics after every evaluation.")
+    parser.add_argument("model", metavar="MODEL", help="the model the policy was made for (e.g. tiny_cnn)")
+    parser.add_argument("--policy", required=True, metavar="FILE", help="policy JSON file")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, metavar="N", help="SGD steps")
+    length.add_argument("--epochs", type=float, default=None, metavar="E", help="epochs (default 10)")
+    recipe = ProxyConfig()
+    parser.add_argument("--lr", type=float, default=recipe.lr, help=f"peak learning rate (default {recipe.lr})")
+    parser.add_argument("--momentum", type=float, default=recipe.momentum)
+    parser.add_argument("--weight-decay", type=float, default=recipe.weight_decay)
+    parser.add_argument("--eval-every", type=int, default=None, metavar="N",
+                        help="evaluate every N steps (default: every epoch)")
+    parser.add_argument("--metrics", default=None, metavar="CSV", help="write metrics to this CSV file")
+    add_data_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from precsearch.data import load_dataset
+    from precsearch.policy import Policy
+    from precsearch.proxy import train_policy
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise PrecsearchError(f"--threads {args.threads} must be at least 1")
+        torch.set_num_threads(args.threads)
+    policy = Policy.load(args.policy)
+    if policy.input_shape is None:
+        raise PrecsearchError(f"policy {args.policy} has no input_shape; make it with precsearch search")
+    image_size = args.image_size or policy.input_shape[-1]
+    batch_size = args.batch_size or policy.batch_size or 64
+    if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
+        raise PrecsearchError("--steps and --epochs must be positive")
+    data = load_dataset(args.data, root=args.data_root, image_size=image_size)
+    per_epoch = max(1, len(data[0]) // batch_size)
+    steps = args.steps or max(1, round((args.epochs or 10) * per_epoch))
+    config = ProxyConfig(steps=steps, batch_size=batch_size, image_size=image_size, lr=args.lr,
+                         momentum=args.momentum, weight_decay=args.weight_decay)
+    result = train_policy(args.model, policy, data, steps, seed=args.seed, device=args.device, config=config,
+                          eval_every=args.eval_every, metrics=args.metrics)
+    status = f"diverged ({result.reason})" if result.diverged else "trained"
+    print(f"{status}: {result.steps_run} steps in {result.wall_time:.1f} s; validation accuracy "
+          f"{result.val_accuracy:.4f}, loss {result.val_loss:.4f}; {len(result.promotions)} promotion(s)")
+    if args.metrics:
+        print(f"metrics: {args.metrics}")
+    return 0

@@ -1,0 +1,216 @@
+"""Reports of a run directory: the memory-accuracy tradeoff as a PNG and a markdown table.
+
+Everything comes from the files a search and ``precsearch baselines`` leave in the run directory
+(``trials.csv``, ``pareto.csv``, ``baselines.csv``, ``run.json``), so the Pareto front, the paper's sweep
+and the prior-work baselines are shown side by side with numbers from the same proxies. Memory is the
+cost model's bytes of the assignable tensors relative to the space's all-high assignment.
+
+Figures are made with ``matplotlib.figure.Figure`` (rendered by the Agg canvas), never through pyplot, so
+a headless CLI needs no display and a notebook keeps its own backend (pass ``ax`` to draw into it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from precsearch.errors import PrecsearchError
+from precsearch.proxy import atomic_write_text
+
+__all__ = ["RunTables", "load_run", "plot_tradeoff", "summary_table", "sweep_points", "write_report"]
+
+_R_PATTERN = re.compile(r"paper r=(\d+(?:\.\d+)?)")
+
+
+@dataclass
+class RunTables:
+    """The tables of one run directory (``baselines`` is empty when no baselines were run)."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    trials: pd.DataFrame
+    pareto: pd.DataFrame
+    baselines: pd.DataFrame
+    best: dict[str, Any] | None
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    """A table with its text columns as strings ('' where empty) and its numbers as numbers."""
+    try:
+        frame = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
+    for column in ("origin", "reason", "error", "name", "source", "reused"):
+        if column in frame:
+            frame[column] = frame[column].astype(object).where(frame[column].notna(), "").astype(str)
+    return frame
+
+
+def load_run(run_dir: str | Path) -> RunTables:
+    """Read a run directory written by ``precsearch search`` (and optionally ``precsearch baselines``)."""
+    run_dir = Path(run_dir)
+    trials_file = run_dir / "trials.csv"
+    baselines_file = run_dir / "baselines.csv"
+    if not trials_file.is_file() and not baselines_file.is_file():
+        raise PrecsearchError(f"{run_dir} holds no trials.csv or baselines.csv; give a run directory written by "
+                              "precsearch search or precsearch baselines")
+    config = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    trials = _read_csv(trials_file) if trials_file.is_file() else pd.DataFrame()
+    pareto = _read_csv(run_dir / "pareto.csv") if (run_dir / "pareto.csv").is_file() else pd.DataFrame()
+    baselines = _read_csv(baselines_file) if baselines_file.is_file() else pd.DataFrame()
+    best = None
+    if (run_dir / "best.json").is_file():
+        best = json.loads((run_dir / "best.json").read_text()).get("provenance")
+    return RunTables(run_dir, config, trials, pareto, baselines, best)
+
+
+def sweep_points(trials: pd.DataFrame) -> pd.DataFrame:
+    """The paper's sweep from a trials table: one row per target r (points that coincide share a trial)."""
+    rows = []
+    if trials.empty or "origin" not in trials:
+        return pd.DataFrame(rows)
+    for _, row in trials[trials["trained"].astype(bool)].iterrows():
+        for match in _R_PATTERN.finditer(str(row["origin"])):
+            rows.append({**row.to_dict(), "r": float(match.group(1))})
+    frame = pd.DataFrame(rows)
+    return frame.sort_values("r").drop_duplicates("r") if not frame.empty else frame
+
+
+def _entry(source: str, name: str, row: pd.Series) -> dict[str, Any]:
+    return {
+        "source": source,
+        "name": name,
+        "memory": float(row["memory"]),
+        "MiB": float(row["bytes"]) / 2**20 if not pd.isna(row.get("bytes", math.nan)) else math.nan,
+        "val_accuracy": float(row["val_accuracy"]),
+        "val_loss": float(row["val_loss"]),
+        "diverged": bool(row["diverged"]),
+        "promotions": int(row["promotions"]) if not pd.isna(row.get("promotions", math.nan)) else 0,
+    }
+
+
+def summary_table(tables: RunTables) -> pd.DataFrame:
+    """Pareto front, the paper's sweep and the baselines in one table (memory relative to all-high)."""
+    entries = [_entry("pareto", f"trial {int(row['number'])}", row) for _, row in tables.pareto.iterrows()]
+    sweep = sweep_points(tables.trials)
+    if sweep.empty and not tables.baselines.empty:
+        sweep = tables.baselines[tables.baselines["source"] == "paper"]
+    entries += [_entry("paper sweep", f"r={row['r']:.1f}", row) for _, row in sweep.iterrows()]
+    if not tables.baselines.empty:
+        for _, row in tables.baselines[tables.baselines["source"] != "paper"].iterrows():
+            source = "baseline" if row["source"] == "baseline" else f"ablation ({row['source']})"
+            entries.append(_entry(source, str(row["name"]), row))
+    return pd.DataFrame(entries)
+
+
+def _by_point(frame: pd.DataFrame, column: str) -> dict[tuple[float, float], list[Any]]:
+    """Values of ``column`` grouped by (memory, accuracy), so coinciding points get one label."""
+    points: dict[tuple[float, float], list[Any]] = {}
+    for _, row in frame.iterrows():
+        points.setdefault((float(row["memory"]), float(row["val_accuracy"])), []).append(row[column])
+    return points
+
+
+def plot_tradeoff(tables: RunTables, ax: Any = None) -> Figure:
+    """Memory (x, ratio to all-high) against proxy validation accuracy (y): every trial, the Pareto front,
+    the paper's sweep and the baselines; diverged proxies are drawn at their accuracy with an x."""
+    if ax is None:
+        fig = Figure(figsize=(7.5, 5))
+        ax = fig.subplots()
+    else:
+        fig = ax.figure
+    trials = tables.trials
+    if not trials.empty:
+        trained = trials[trials["trained"].astype(bool)]
+        ok, bad = trained[~trained["diverged"].astype(bool)], trained[trained["diverged"].astype(bool)]
+        ax.scatter(ok["memory"], ok["val_accuracy"], s=18, color="0.7", label="trials", zorder=1)
+        if not bad.empty:
+            ax.scatter(bad["memory"], bad["val_accuracy"], s=30, marker="x", color="0.4", label="diverged",
+                       zorder=1)
+    if not tables.pareto.empty:
+        front = tables.pareto.sort_values("memory")
+        ax.step(front["memory"], front["val_accuracy"], where="post", color="tab:red", zorder=3)
+        ax.scatter(front["memory"], front["val_accuracy"], s=40, color="tab:red", label="Pareto front", zorder=3)
+    sweep = sweep_points(trials)
+    if sweep.empty and not tables.baselines.empty:
+        sweep = tables.baselines[tables.baselines["source"] == "paper"]
+    if not sweep.empty:
+        ax.plot(sweep["memory"], sweep["val_accuracy"], "o--", color="tab:blue", ms=5, label="paper sweep (r)",
+                zorder=2)
+        for index, ((memory, accuracy), rs) in enumerate(_by_point(sweep, "r").items()):
+            label = f"r={rs[0]:.1f}" if len(rs) == 1 else f"r={rs[0]:.1f}-{rs[-1]:.1f}"
+            ax.annotate(label, (memory, accuracy), fontsize=7, color="tab:blue", xytext=(3, -9 - 8 * (index % 2)),
+                        textcoords="offset points")
+    if not tables.baselines.empty:
+        others = tables.baselines[tables.baselines["source"] == "baseline"]
+        ax.scatter(others["memory"], others["val_accuracy"], marker="s", s=40, color="tab:green",
+                   label="baselines", zorder=4)
+        labelled = others.assign(label=[f"{row['name']}{' (diverged)' if bool(row['diverged']) else ''}"
+                                        for _, row in others.iterrows()])
+        points = sorted(_by_point(labelled, "label").items())
+        for index, ((memory, accuracy), names) in enumerate(points):
+            ax.annotate(", ".join(names), (memory, accuracy), fontsize=7, color="tab:green",
+                        xytext=(4, 4 + 8 * (index % 3)), textcoords="offset points")
+    ax.set_xlabel("memory (ratio to all-high, cost model)")
+    ax.set_ylabel("proxy validation accuracy")
+    title = tables.config.get("model", "")
+    space = tables.config.get("space", {}).get("name", "")
+    ax.set_title(f"{title} / {space}: memory vs accuracy" if title else "memory vs accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def _markdown(frame: pd.DataFrame) -> str:
+    """A GitHub markdown table (pandas' to_markdown needs tabulate, which we do not depend on)."""
+    if frame.empty:
+        return "(no rows)\n"
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return "nan" if math.isnan(value) else f"{value:.4f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``report.png`` and ``report.md`` into ``run_dir``; returns their paths."""
+    tables = load_run(run_dir)
+    run_dir = Path(run_dir)
+    fig = plot_tradeoff(tables)
+    png = run_dir / "report.png"
+    temp = run_dir / ".report.png.tmp"
+    fig.savefig(temp, dpi=130, format="png")
+    temp.replace(png)
+    table = summary_table(tables)
+    config = tables.config
+    lines = [f"# precsearch report: {run_dir.name}", ""]
+    if config:
+        proxy = config.get("space", {}).get("proxy", {})
+        lines.append(f"- model: `{config.get('model')}`, data: `{config.get('data', {}).get('name')}`, space: "
+                     f"`{config.get('space', {}).get('name')}`, seed {config.get('seed')}")
+        if proxy:
+            lines.append("- proxies: " + ", ".join(f"{key} {value}" for key, value in proxy.items()))
+    if not tables.trials.empty:
+        states = tables.trials["state"].value_counts().to_dict()
+        diverged = int(tables.trials["diverged"].astype(bool).sum())
+        lines.append(f"- trials: {len(tables.trials)} ({', '.join(f'{n} {s}' for s, n in states.items())}), "
+                     f"{diverged} diverged")
+    if tables.best:
+        lines.append(f"- best.json: trial {tables.best.get('trial')} ({tables.best.get('role')})")
+    lines += ["", "Memory is the cost model's bytes of weights, activations and their gradients relative to the "
+              "all-high assignment (promoted tensors counted high); accuracy is the proxy's validation accuracy.",
+              "", "![tradeoff](report.png)", "", _markdown(table)]
+    md = run_dir / "report.md"
+    atomic_write_text(md, "\n".join(lines))
+    return png, md

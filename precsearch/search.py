@@ -1,0 +1,991 @@
+"""The search: Optuna studies over precision assignments, scored by the cost model and short proxies.
+
+``run_search`` traces the model once, seeds an Optuna study with the paper's technique at r = 0, 0.1, ..., 1
+plus all-high and all-low (``enqueue_trial``), and lets a TPE sampler propose further assignments. Each
+trial decides one level per unit of the space, prices it with ``cost.CostModel`` (no training) and trains a
+proxy under the resulting policy.
+
+Objectives. By default two, both minimized: memory (bytes of the assignable tensors relative to all-high,
+counting tensors the divergence guard promoted as high) and the proxy's validation error (or loss, per the
+space). Under a budget the study has one objective and can prune with Optuna's ``PercentilePruner`` on the
+proxy's running training loss: ``max_memory=R`` maximizes accuracy among assignments within R of the
+all-high memory (an assignment over R is not trained at all), ``max_accuracy_drop=D`` minimizes memory
+among assignments whose accuracy is within D (a fraction: 0.01 = 1 point) of the all-high proxy.
+
+Bookkeeping rules:
+
+* A diverged proxy is a COMPLETE trial whose constraint ``diverged`` is violated (``Trial.set_constraint``,
+  which replaces ``constraints_func`` in Optuna 5), so the sampler learns from it. A trial that raises is
+  FAILED with the error in its ``error`` user attr, and the study goes on.
+* Identical assignments are trained once: a trial whose assignment key matches a finished trial copies its
+  results (``duplicate_of``) instead of training.
+* Storage is any Optuna storage URL, or a journal file (the default: ``study.journal`` in the run
+  directory), so ``resume=True`` continues an interrupted search without losing a completed trial; trials a
+  killed process left RUNNING are failed as ``interrupted`` and queued again. ``jobs=N`` runs N worker
+  processes on the same study.
+* After every trial the outputs are rewritten atomically from the storage: ``trials.csv``, ``pareto.csv``,
+  ``policies/`` (one policy per Pareto point) and ``best.json`` (the point the budget picks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import multiprocessing
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pandas as pd
+import torch
+from optuna.trial import FrozenTrial, TrialState
+from tqdm.auto import tqdm
+
+from precsearch.cost import CostModel
+from precsearch.data import ImageDataset, load_dataset
+from precsearch.errors import PrecsearchError
+from precsearch.graph import TensorGraph, trace
+from precsearch.policy import Policy
+from precsearch.proxy import ProxyResult, atomic_write_text, build_model, resolve_device, run_proxy
+from precsearch.spaces import SearchSpace, load_space
+from precsearch.strategies import (
+    BASELINES,
+    assign,
+    assignment_key,
+    baseline_policies,
+    low_share,
+    seed_candidates,
+    sweep,
+    uniform,
+    units,
+)
+
+__all__ = [
+    "Budget",
+    "DataSpec",
+    "SearchContext",
+    "SearchResult",
+    "atomic_write_text",
+    "pareto_front",
+    "run_baselines",
+    "run_search",
+]
+
+log = logging.getLogger(__name__)
+
+STUDY_NAME = "precsearch"
+JOURNAL_NAME = "study.journal"
+RUN_FILE = "run.json"
+DEFAULT_ACCURACY_DROP = 0.01
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+METRICS = (
+    "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
+    "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
+    "memory_planned", "low_share", "trained", "device",
+)
+
+
+# ------------------------------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Which dataset the proxies train on: a name of ``precsearch.data`` and, for local data, its folder."""
+
+    name: str = "digits"
+    root: str | None = None
+
+    def load(self, image_size: int, seed: int = 0) -> tuple[ImageDataset, ImageDataset]:
+        return load_dataset(self.name, root=self.root, image_size=image_size, seed=seed)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """At most one of: ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction)."""
+
+    max_memory: float | None = None
+    max_accuracy_drop: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_memory is not None and self.max_accuracy_drop is not None:
+            raise PrecsearchError("give either --max-memory or --max-accuracy-drop, not both")
+        if self.max_memory is not None and not 0.0 < self.max_memory <= 1.0:
+            raise PrecsearchError(f"max memory {self.max_memory} must be a ratio of all-high memory in (0, 1]")
+        if self.max_accuracy_drop is not None and not 0.0 <= self.max_accuracy_drop <= 1.0:
+            raise PrecsearchError(f"max accuracy drop {self.max_accuracy_drop} must be a fraction in [0, 1] "
+                                  "(0.01 = 1 point)")
+
+    @property
+    def single_objective(self) -> bool:
+        return self.max_memory is not None or self.max_accuracy_drop is not None
+
+    def describe(self) -> str:
+        if self.max_memory is not None:
+            return f"best accuracy with memory <= {self.max_memory:g} of all-high"
+        drop = DEFAULT_ACCURACY_DROP if self.max_accuracy_drop is None else self.max_accuracy_drop
+        return f"least memory with accuracy within {100 * drop:g} point(s) of all-high"
+
+
+# ---------------------------------------------------------------------------------------------- context
+
+
+@dataclass
+class SearchContext:
+    """Everything one process needs to run trials: data, traced graph, cost model, space and budget."""
+
+    model: str
+    space: SearchSpace
+    data_spec: DataSpec
+    budget: Budget
+    seed: int
+    device: str
+    data: tuple[ImageDataset, ImageDataset]
+    graph: TensorGraph
+    cost: CostModel
+    high_bytes: float = 0.0
+    units: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, model: str, space: SearchSpace, data_spec: DataSpec, budget: Budget, seed: int,
+               device: str, data: tuple[ImageDataset, ImageDataset] | None = None) -> SearchContext:
+        """Load the data (unless given), build and trace the model at the proxy's batch and image size."""
+        if data is None:
+            data = data_spec.load(space.proxy.image_size, seed=0)
+        torch.manual_seed(seed)
+        network = build_model(model, num_classes=data[0].num_classes)
+        example = torch.zeros(1, *data[0].image_shape)
+        graph = trace(network, example, batch_size=space.proxy.batch_size)
+        context = cls(model=model, space=space, data_spec=data_spec, budget=budget, seed=seed, device=device,
+                      data=data, graph=graph, cost=CostModel(graph))
+        context.units = units(graph, space)
+        context.high_bytes = float(context.cost.bytes(uniform(graph, space, "high").assignment))
+        return context
+
+    @property
+    def levels(self) -> list[str]:
+        return list(self.space.levels)
+
+    def decisions(self, params: Mapping[str, Any]) -> dict[str, str]:
+        return {unit: str(params.get(unit, "high")) for unit in self.units}
+
+    def key(self, params: Mapping[str, Any]) -> str:
+        return assignment_key(assign(self.graph, self.space, self.decisions(params)))
+
+    def memory(self, assignment: Mapping[str, str], promoted: list[str] = ()) -> tuple[float, float]:
+        """(ratio to all-high, bytes) of an assignment; promoted tensors count at the high format."""
+        effective = dict(assignment)
+        for tensor_id in promoted:
+            if tensor_id in effective:
+                effective[tensor_id] = self.space.high
+        size = float(self.cost.bytes(effective))
+        return size / self.high_bytes, size
+
+    def policy(self, assignment: Mapping[str, str], provenance: Mapping[str, Any]) -> Policy:
+        """The policy file for an assignment under this space's numerics (rounding, scaling, guard); the
+        policy's ``predicted`` comes from the cost model (``Policy.from_assignment``)."""
+        space = self.space
+        return Policy.from_assignment(
+            self.graph, dict(assignment),
+            model=self.model,
+            high_format=space.high,
+            rounding=dict(space.rounding),
+            overflow=dict(space.overflow),
+            loss_scaling=dict(space.loss_scaling),
+            promotion_threshold=space.promotion_threshold,
+            master_weights=space.master_weights,
+            optimizer=dict(space.optimizer),
+            provenance=dict(provenance),
+        )
+
+    def constraints(self, result: ProxyResult | None, memory: float, reference: float | None) -> dict[str, float]:
+        """Constraint values (feasible when all <= 0): divergence (or untrained), then the budget's bound."""
+        constraints = {"diverged": 1.0 if result is None or result.diverged else 0.0}
+        if self.budget.max_memory is not None:
+            constraints["memory_budget"] = memory - self.budget.max_memory
+        if self.budget.max_accuracy_drop is not None:
+            accuracy = result.val_accuracy if result is not None else 0.0
+            constraints["accuracy_drop"] = (reference or 0.0) - self.budget.max_accuracy_drop - accuracy
+        return constraints
+
+    def score(self, result: ProxyResult) -> float:
+        """The accuracy-side objective value (finite, so Optuna stores it even for a diverged proxy)."""
+        if self.space.accuracy_objective == "val_loss":
+            return min(result.val_loss, 1e6) if math.isfinite(result.val_loss) else 1e6
+        return result.val_error
+
+    def values(self, memory: float, result: ProxyResult) -> list[float]:
+        if self.budget.max_memory is not None:
+            return [self.score(result)]
+        if self.budget.max_accuracy_drop is not None:
+            return [memory]
+        return [memory, self.score(result)]
+
+
+# ------------------------------------------------------------------------------------------- the objective
+
+
+def _feasible(trial: FrozenTrial) -> bool:
+    """A completed trial whose constraints all hold (a trial without constraints was never judged)."""
+    constraints = trial.constraints
+    return trial.state == TrialState.COMPLETE and bool(constraints) and all(v <= 0 for v in constraints.values())
+
+
+def _set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
+    for name, value in constraints.items():
+        trial.set_constraint(name, value)
+
+
+def _finished_with_key(study: optuna.Study, key: str, number: int) -> FrozenTrial | None:
+    for other in study.get_trials(deepcopy=False, states=FINISHED):
+        if other.number != number and other.user_attrs.get("key") == key:
+            return other
+    return None
+
+
+def _wait_for_running(study: optuna.Study, key: str, number: int, since: float) -> FrozenTrial | None:
+    """Wait for another worker of this session training the same assignment; its result, or None."""
+    while True:
+        running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                   if t.number < number and t.user_attrs.get("key") == key
+                   and t.datetime_start is not None and t.datetime_start.timestamp() >= since]
+        if not running:
+            return _finished_with_key(study, key, number)
+        time.sleep(0.5)
+
+
+class Objective:
+    """Optuna objective: decide, price, reuse or train, record. One instance per worker process."""
+
+    def __init__(self, context: SearchContext, session_start: float) -> None:
+        self.context = context
+        self.session_start = session_start
+
+    def __call__(self, trial: optuna.Trial) -> Any:
+        try:
+            return self._run(trial)
+        except optuna.TrialPruned:
+            raise
+        except KeyboardInterrupt:
+            trial.set_user_attr("interrupted", True)
+            raise
+        except Exception as error:
+            trial.set_user_attr("error", f"{type(error).__name__}: {error}"[:2000])
+            raise
+
+    def _run(self, trial: optuna.Trial) -> Any:
+        context = self.context
+        levels = context.levels
+        decisions = {unit: trial.suggest_categorical(unit, levels) for unit in context.units}
+        assignment = assign(context.graph, context.space, decisions)
+        key = assignment_key(assignment)
+        planned, _ = context.memory(assignment)
+        trial.set_user_attr("key", key)
+        trial.set_user_attr("memory_planned", planned)
+        trial.set_user_attr("low_share", low_share(context.graph, context.space, decisions))
+        study = trial.study
+        previous = _finished_with_key(study, key, trial.number) or _wait_for_running(
+            study, key, trial.number, self.session_start)
+        if previous is not None:
+            return self._reuse(trial, previous)
+        reference = _reference_accuracy(study)
+        if context.budget.max_memory is not None and planned > context.budget.max_memory:
+            return self._untrained(trial, planned, "over the memory budget")
+        if context.budget.max_accuracy_drop is not None:
+            best = _best_feasible_memory(study)
+            if best is not None and planned >= best:
+                trial.set_user_attr("reason", f"cannot beat the best feasible memory {best:.4f}")
+                raise optuna.TrialPruned(f"memory {planned:.4f} >= best feasible {best:.4f}")
+        if key == study.user_attrs.get("reference_key"):
+            result = ProxyResult.from_dict(study.user_attrs["reference_result"])
+            trial.set_user_attr("duplicate_of", "reference")
+        else:
+            policy = context.policy(assignment, {"trial": trial.number})
+            result = run_proxy(context.model, policy, context.data, context.space.proxy.steps, seed=context.seed,
+                               device=context.device, config=context.space.proxy,
+                               report=self._pruning_hook(trial) if context.budget.single_objective else None)
+        memory, size = context.memory(assignment, result.promotions)
+        record = result.to_dict()
+        record.pop("loss_curve")
+        record.update(memory=memory, bytes=size, trained=True)
+        for name, value in record.items():
+            trial.set_user_attr(name, value)
+        _set_constraints(trial, context.constraints(result, memory, reference))
+        trial.set_user_attr("loss_curve", [round(v, 5) for v in result.loss_curve])
+        return context.values(memory, result)
+
+    def _pruning_hook(self, trial: optuna.Trial) -> Callable[[int, float], None]:
+        def report(step: int, loss: float) -> None:
+            trial.report(loss, step)
+            if trial.should_prune():
+                trial.set_user_attr("reason", f"pruned at step {step} (running loss {loss:.3g})")
+                raise optuna.TrialPruned(f"pruned at step {step}")
+
+        return report
+
+    def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> Any:
+        """Copy a finished trial's results for the same assignment instead of training again."""
+        for name in (*METRICS, "loss_curve", "reason"):
+            if name in previous.user_attrs:
+                trial.set_user_attr(name, previous.user_attrs[name])
+        trial.set_user_attr("duplicate_of", previous.number)
+        if previous.state == TrialState.PRUNED:
+            raise optuna.TrialPruned(f"same assignment as pruned trial {previous.number}")
+        _set_constraints(trial, previous.constraints)
+        return previous.values
+
+    def _untrained(self, trial: optuna.Trial, memory: float, reason: str) -> Any:
+        """A completed, infeasible trial that was priced but not worth training."""
+        context = self.context
+        trial.set_user_attr("trained", False)
+        trial.set_user_attr("reason", reason)
+        trial.set_user_attr("memory", memory)
+        _set_constraints(trial, context.constraints(None, memory, None))
+        return [1e6 if context.space.accuracy_objective == "val_loss" else 1.0]
+
+
+def _reference_accuracy(study: optuna.Study) -> float | None:
+    result = study.user_attrs.get("reference_result")
+    return None if result is None else float(result["val_accuracy"])
+
+
+def _best_feasible_memory(study: optuna.Study) -> float | None:
+    feasible = [t.values[0] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if _feasible(t)]
+    return min(feasible) if feasible else None
+
+
+# ------------------------------------------------------------------------------------------------ storage
+
+
+def _open_storage(storage: str | None, out_dir: Path) -> optuna.storages.BaseStorage:
+    """An Optuna storage from a URL (``sqlite:///...``, ``postgresql://...``), a journal file path, or the
+    default journal file in the run directory; unreachable storage is a one-line PrecsearchError."""
+    from optuna.storages import JournalStorage, RDBStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    target = _storage_target(storage, out_dir)
+    try:
+        if "://" in target:
+            return RDBStorage(target, engine_kwargs={"pool_pre_ping": True})
+        path = Path(target)
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"folder {path.parent} does not exist")
+        _repair_journal(path)
+        return JournalStorage(JournalFileBackend(str(path)))
+    except Exception as error:  # drivers raise anything from ImportError to OperationalError
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise PrecsearchError(f"cannot open study storage {target}: {reason}; check the URL or path "
+                              "(leave --storage out to use a journal file in --out)") from None
+
+
+def _repair_journal(path: Path) -> None:
+    """Drop a torn last line (a write cut by kill -9) so appends after it stay readable."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as journal:
+        journal.seek(-1, os.SEEK_END)
+        if journal.read(1) == b"\n":
+            return
+        journal.seek(0)
+        data = journal.read()
+        keep = data.rfind(b"\n") + 1
+        journal.truncate(keep)
+        log.warning("journal %s ended in a partial record (interrupted write); dropped %d bytes",
+                    path, len(data) - keep)
+
+
+def _storage_target(storage: str | None, out_dir: Path) -> str:
+    return storage or str(out_dir / JOURNAL_NAME)
+
+
+def _sampler(context: SearchContext, worker: int) -> optuna.samplers.BaseSampler:
+    with warnings.catch_warnings():  # multivariate TPE is marked experimental; it models joint group choices
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=context.seed * 1000 + worker, n_startup_trials=5, multivariate=True)
+
+
+def _pruner(context: SearchContext) -> optuna.pruners.BasePruner:
+    if not context.budget.single_objective:
+        return optuna.pruners.NopPruner()
+    steps = context.space.proxy.steps
+    return optuna.pruners.PercentilePruner(75.0, n_startup_trials=5, n_warmup_steps=steps // 4)
+
+
+def _load_study(context: SearchContext, storage: optuna.storages.BaseStorage, worker: int) -> optuna.Study:
+    return optuna.load_study(study_name=STUDY_NAME, storage=storage, sampler=_sampler(context, worker),
+                             pruner=_pruner(context))
+
+
+def _config(context: SearchContext) -> dict[str, Any]:
+    """What must match for a resumed study to mean the same thing."""
+    return {
+        "model": context.model,
+        "space": context.space.to_dict(),
+        "data": dataclasses.asdict(context.data_spec),
+        "seed": context.seed,
+        "budget": dataclasses.asdict(context.budget),
+        "graph_fingerprint": context.graph.fingerprint(),
+    }
+
+
+# -------------------------------------------------------------------------------------------- trial upkeep
+
+
+def _counted(trial: FrozenTrial) -> bool:
+    """A trial that used up budget: finished, or failed by its own error (not an interruption)."""
+    if trial.state in FINISHED:
+        return True
+    return trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted")
+
+
+def _done(study: optuna.Study) -> int:
+    return sum(_counted(t) for t in study.get_trials(deepcopy=False))
+
+
+def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage, context: SearchContext) -> int:
+    """Fail trials a dead process left RUNNING, and queue again every interrupted assignment not done yet.
+
+    Called only when resuming, before any worker starts, so every RUNNING trial belongs to a dead process.
+    """
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
+        storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+    trials = study.get_trials(deepcopy=False)
+    pending = {context.key(_params_of(t)) for t in trials
+               if t.state in (*FINISHED, TrialState.WAITING) and len(_params_of(t)) == len(context.units)}
+    queued = 0
+    for trial in trials:
+        params = _params_of(trial)
+        if trial.state != TrialState.FAIL or not trial.user_attrs.get("interrupted"):
+            continue
+        if len(params) != len(context.units) or context.key(params) in pending:
+            continue
+        pending.add(context.key(params))
+        origin = trial.user_attrs.get("origin", [f"requeued trial {trial.number}"])
+        study.enqueue_trial(params, user_attrs={"origin": origin})
+        queued += 1
+    return queued
+
+
+def _params_of(trial: FrozenTrial) -> dict[str, Any]:
+    return dict(trial.system_attrs.get("fixed_params") or trial.params)
+
+
+def _seed_study(study: optuna.Study, context: SearchContext) -> None:
+    for candidate, origins in seed_candidates(context.graph, context.space):
+        study.enqueue_trial(candidate.decisions, user_attrs={"origin": origins})
+
+
+def _ensure_reference(study: optuna.Study, context: SearchContext) -> None:
+    """For an accuracy-drop budget, train the all-high proxy first so every trial can test its constraint."""
+    if context.budget.max_accuracy_drop is None or "reference_result" in study.user_attrs:
+        return
+    candidate = uniform(context.graph, context.space, "high")
+    policy = context.policy(candidate.assignment, {"strategy": "all-high reference"})
+    result = run_proxy(context.model, policy, context.data, context.space.proxy.steps, seed=context.seed,
+                       device=context.device, config=context.space.proxy)
+    study.set_user_attr("reference_key", candidate.key)
+    study.set_user_attr("reference_result", result.to_dict())
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
+    attrs = trial.user_attrs
+    params = _params_of(trial)
+    accuracy = attrs.get("val_accuracy")
+    row = {
+        "number": trial.number,
+        "state": trial.state.name,
+        "origin": "; ".join(attrs.get("origin", [])) or "sampler",
+        "memory": attrs.get("memory", math.nan),
+        "memory_planned": attrs.get("memory_planned", math.nan),
+        "bytes": attrs.get("bytes", math.nan),
+        "low_share": attrs.get("low_share", math.nan),
+        "val_accuracy": math.nan if accuracy is None else accuracy,
+        "val_error": math.nan if accuracy is None else 1.0 - accuracy,
+        "val_loss": attrs.get("val_loss", math.nan),
+        "trained": bool(attrs.get("trained", False)),
+        "diverged": bool(attrs.get("diverged", False)),
+        "feasible": _feasible(trial),
+        "reason": attrs.get("reason", ""),
+        "promotions": len(attrs.get("promotions", [])),
+        "skipped_steps": attrs.get("skipped_steps", math.nan),
+        "steps_run": attrs.get("steps_run", math.nan),
+        "wall_time": attrs.get("wall_time", math.nan),
+        "duplicate_of": attrs.get("duplicate_of", ""),
+        "error": attrs.get("error", ""),
+        "key": attrs.get("key", context.key(params) if len(params) == len(context.units) else ""),
+        "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
+    }
+    return row
+
+
+def _level_code(level: str, context: SearchContext) -> str:
+    """One character per unit for the decisions column: H, L, or the choice's index among the levels."""
+    if level == "high":
+        return "H"
+    if level == "low":
+        return "L"
+    return str(context.levels.index(level)) if level in context.levels else "?"
+
+
+def trials_frame(study: optuna.Study, context: SearchContext) -> pd.DataFrame:
+    """One row per started trial (queued ones are not trials yet) with origin, memory, proxy metrics, state."""
+    rows = [_trial_row(t, context) for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING]
+    return pd.DataFrame(rows)
+
+
+def pareto_front(frame: pd.DataFrame, objective: str = "val_error") -> pd.DataFrame:
+    """Non-dominated trained, non-diverged trials in (memory, objective), one per assignment, by memory."""
+    if frame.empty:
+        return frame
+    ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]]
+    ok = ok.sort_values(["memory", objective, "number"]).drop_duplicates("key")
+    front, best = [], math.inf
+    for index, row in ok.iterrows():
+        if row[objective] < best:
+            front.append(index)
+            best = row[objective]
+    return ok.loc[front]
+
+
+def _reference(frame: pd.DataFrame, context: SearchContext, study: optuna.Study) -> float | None:
+    """The all-high proxy accuracy, from the reference run or the all-high trial."""
+    reference = _reference_accuracy(study)
+    if reference is not None:
+        return reference
+    key = uniform(context.graph, context.space, "high").key
+    rows = frame[(frame["key"] == key) & frame["trained"]] if not frame.empty else frame
+    return None if rows.empty else float(rows["val_accuracy"].iloc[0])
+
+
+def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None) -> pd.Series | None:
+    """The point the budget picks among trained, non-diverged trials (None when none qualifies).
+
+    ``max_memory``: best accuracy within the memory bound (then least memory). Otherwise least memory with
+    accuracy within ``max_accuracy_drop`` (default 1 point) of the all-high proxy (then best accuracy).
+    """
+    if frame.empty:
+        return None
+    ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]]
+    if budget.max_memory is not None:
+        ok = ok[ok["memory"] <= budget.max_memory + 1e-12]
+        ok = ok.sort_values(["val_accuracy", "memory", "number"], ascending=[False, True, True])
+    else:
+        if reference is None:
+            return None
+        drop = DEFAULT_ACCURACY_DROP if budget.max_accuracy_drop is None else budget.max_accuracy_drop
+        ok = ok[ok["val_accuracy"] >= reference - drop - 1e-12]
+        ok = ok.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True])
+    return None if ok.empty else ok.iloc[0]
+
+
+def _policy_for_row(row: pd.Series, study: optuna.Study, context: SearchContext, role: str) -> Policy:
+    trial = study.get_trials(deepcopy=False)[int(row["number"])]
+    assignment = assign(context.graph, context.space, context.decisions(_params_of(trial)))
+    provenance = {
+        "strategy": str(row["origin"]), "role": role, "trial": int(row["number"]), "space": context.space.name,
+        "space_fingerprint": context.space.fingerprint(), "seed": context.seed,
+        "proxy_steps": context.space.proxy.steps, "data": context.data_spec.name,
+        "proxy": {"val_accuracy": float(row["val_accuracy"]), "val_loss": float(row["val_loss"]),
+                  "memory": float(row["memory"]), "promotions": int(row["promotions"])},
+    }
+    return context.policy(assignment, provenance)
+
+
+def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame,
+                                                                                   pd.Series | None]:
+    """Rewrite trials.csv, pareto.csv, policies/ and best.json from the storage (each file atomically)."""
+    frame = trials_frame(study, context)
+    objective = context.space.accuracy_objective
+    front = pareto_front(frame, objective)
+    atomic_write_text(out_dir / "trials.csv", frame.to_csv(index=False))
+    atomic_write_text(out_dir / "pareto.csv", front.to_csv(index=False))
+    policies = out_dir / "policies"
+    policies.mkdir(exist_ok=True)
+    wanted = set()
+    for _, row in front.iterrows():
+        name = f"trial_{int(row['number']):04d}.json"
+        wanted.add(name)
+        if not (policies / name).is_file():
+            _policy_for_row(row, study, context, "pareto").save(policies / name)
+    for stale in policies.glob("trial_*.json"):
+        if stale.name not in wanted:
+            stale.unlink()
+    best = choose_best(frame, context.budget, _reference(frame, context, study))
+    if best is not None:
+        _policy_for_row(best, study, context, f"best: {context.budget.describe()}").save(out_dir / "best.json")
+    return frame, front, best
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Optuna's per-trial INFO lines and the runtime's per-promotion warnings would tear the progress bar;
+    both are recorded in the trials table instead (``-v`` keeps the runtime's messages)."""
+    verbosity = optuna.logging.get_verbosity()
+    runtime = logging.getLogger("precsearch.runtime")
+    level = runtime.level
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        runtime.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+        runtime.setLevel(level)
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads for the duration (None: leave as is). Small proxies run best on one."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class SearchResult:
+    """What a search left in its run directory, as tables."""
+
+    out_dir: Path
+    trials: pd.DataFrame
+    pareto: pd.DataFrame
+    best: pd.Series | None
+    wall_time: float
+    interrupted: bool = False
+
+
+class _Progress:
+    """A tqdm bar of counted trials with the budget's best-so-far in its postfix."""
+
+    def __init__(self, total: int, done: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, initial=min(done, total), desc="search", unit="trial", disable=not enabled,
+                        dynamic_ncols=True)
+        self.done = done
+
+    def update(self, done: int, front: pd.DataFrame, best: pd.Series | None) -> None:
+        if done > self.done:
+            self.bar.update(min(done, self.bar.total) - min(self.done, self.bar.total))
+            self.done = done
+        postfix = {"front": len(front)}
+        if best is not None:
+            postfix["best"] = f"mem {best['memory']:.3f} acc {best['val_accuracy']:.3f}"
+        self.bar.set_postfix(postfix, refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _budget_callback(trials: int) -> Callable[[optuna.Study, FrozenTrial], None]:
+    def stop(study: optuna.Study, trial: FrozenTrial) -> None:
+        if _done(study) >= trials:
+            study.stop()
+
+    return stop
+
+
+def _parent_watch(parent: int) -> Callable[[optuna.Study, FrozenTrial], None]:
+    def watch(study: optuna.Study, trial: FrozenTrial) -> None:
+        if os.getppid() != parent:
+            study.stop()
+
+    return watch
+
+
+@dataclass(frozen=True)
+class _WorkerSetup:
+    model: str
+    space: SearchSpace
+    data_spec: DataSpec
+    budget: Budget
+    seed: int
+    device: str
+    storage: str
+    trials: int
+    threads: int
+    session_start: float
+
+
+def _worker(setup: _WorkerSetup, index: int, parent: int) -> None:
+    """One ``--jobs`` worker process: its own context and sampler on the shared study."""
+    torch.set_num_threads(setup.threads)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with contextlib.suppress(KeyboardInterrupt):  # the parent reports the interruption
+        context = SearchContext.create(setup.model, setup.space, setup.data_spec, setup.budget, setup.seed,
+                                       setup.device)
+        study = _load_study(context, _open_storage(setup.storage, Path(".")), index)
+        study.optimize(Objective(context, setup.session_start), n_trials=setup.trials, catch=(Exception,),
+                       callbacks=[_budget_callback(setup.trials), _parent_watch(parent)])
+
+
+def _check_resume(out_dir: Path, resume: bool, config: dict[str, Any]) -> None:
+    run_file = out_dir / RUN_FILE
+    if resume:
+        if not run_file.is_file():
+            raise PrecsearchError(f"nothing to resume in {out_dir} (no {RUN_FILE}); drop --resume to start a search")
+        previous = json.loads(run_file.read_text(encoding="utf-8"))
+        differ = [key for key in config if previous.get(key) != config[key]]
+        if differ:
+            raise PrecsearchError(f"{out_dir} holds a search with different {', '.join(differ)}; resume it with "
+                                  "the same model, space, data, seed and budget, or choose another --out")
+    elif out_dir.exists() and any(out_dir.iterdir()):
+        raise PrecsearchError(f"{out_dir} is not empty; pass --resume to continue the search in it, or choose "
+                              "another --out")
+
+
+def run_search(
+    model_spec: str,
+    space: SearchSpace | str | Path,
+    data: DataSpec | str = "digits",
+    trials: int = 40,
+    proxy_steps: int | None = None,
+    out_dir: str | Path = "runs/search",
+    storage: str | None = None,
+    jobs: int = 1,
+    resume: bool = False,
+    budget: Budget | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    *,
+    batch_size: int | None = None,
+    image_size: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+) -> SearchResult:
+    """Search assignments of ``model_spec`` in ``space``; outputs go to ``out_dir`` (see the module docstring).
+
+    Everything a user can get wrong (model, data, space, storage, budget) is checked before ``out_dir`` is
+    created, so a bad call leaves nothing behind. Ctrl-C stops after the running trial is marked
+    interrupted; completed trials are kept and written out, and ``resume=True`` picks up from there.
+    """
+    start = time.perf_counter()
+    if isinstance(space, str | Path):
+        space = load_space(space)
+    space = space.with_proxy(steps=proxy_steps, batch_size=batch_size, image_size=image_size)
+    data_spec = DataSpec(data) if isinstance(data, str) else data
+    budget = budget or Budget()
+    if trials < 1 or jobs < 1 or (threads is not None and threads < 1):
+        raise PrecsearchError(f"trials={trials}, jobs={jobs} and threads={threads} must be at least 1")
+    resolve_device(device)
+    out_dir = Path(out_dir)
+    context = SearchContext.create(model_spec, space, data_spec, budget, seed, device)
+    config = _config(context)
+    _check_resume(out_dir, resume, config)
+    if storage is not None:
+        _open_storage(storage, out_dir)  # fail on a bad URL before anything is written
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _quiet(), _threads(threads):
+        try:
+            study = _create_study(context, storage, out_dir, resume)
+        except BaseException:
+            if created:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            raise
+        atomic_write_text(out_dir / RUN_FILE, json.dumps({**config, "storage": storage}, indent=2))
+        bar = _Progress(trials, _done(study), progress)
+        interrupted = False
+        try:
+            _ensure_reference(study, context)
+            if jobs == 1:
+                _optimize_here(study, context, trials, out_dir, bar)
+            else:
+                _optimize_workers(study, context, trials, jobs, _storage_target(storage, out_dir), out_dir, bar,
+                                  threads)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            bar.close()
+            frame, front, best = export(study, context, out_dir)
+    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, interrupted)
+    if interrupted:
+        raise SearchInterrupted(result)
+    return result
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a search; ``result`` holds what was saved."""
+
+    def __init__(self, result: SearchResult) -> None:
+        super().__init__("search interrupted")
+        self.result = result
+
+
+def _create_study(context: SearchContext, storage: str | None, out_dir: Path, resume: bool) -> optuna.Study:
+    backend = _open_storage(storage, out_dir)
+    names = {summary.study_name for summary in optuna.get_all_study_summaries(backend)}
+    if STUDY_NAME in names and not resume:
+        raise PrecsearchError(f"storage {_storage_target(storage, out_dir)} already holds a precsearch study; "
+                              "pass --resume or give another --storage")
+    if STUDY_NAME not in names:
+        directions = ["minimize"] if context.budget.single_objective else ["minimize", "minimize"]
+        study = optuna.create_study(storage=backend, study_name=STUDY_NAME, directions=directions,
+                                    sampler=_sampler(context, 0), pruner=_pruner(context))
+        study.set_user_attr("config", _config(context))
+        _seed_study(study, context)
+        return study
+    study = _load_study(context, backend, 0)
+    if study.user_attrs.get("config") != _config(context):
+        raise PrecsearchError("the study in this storage was made with a different model, space, data, seed or "
+                              "budget; resume with the same settings or give another --storage")
+    queued = _requeue_interrupted(study, backend, context)
+    if queued:
+        log.info("queued %d interrupted trial(s) again", queued)
+    return study
+
+
+def _optimize_here(study: optuna.Study, context: SearchContext, trials: int, out_dir: Path,
+                   bar: _Progress) -> None:
+    def after(study: optuna.Study, trial: FrozenTrial) -> None:
+        _, front, best = export(study, context, out_dir)
+        bar.update(_done(study), front, best)
+
+    remaining = trials - _done(study)
+    if remaining <= 0:
+        return
+    study.optimize(Objective(context, time.time()), n_trials=remaining, catch=(Exception,),
+                   callbacks=[after, _budget_callback(trials)])
+
+
+def _optimize_workers(study: optuna.Study, context: SearchContext, trials: int, jobs: int, storage: str,
+                      out_dir: Path, bar: _Progress, threads: int | None) -> None:
+    remaining = trials - _done(study)
+    if remaining <= 0:
+        return
+    setup = _WorkerSetup(context.model, context.space, context.data_spec, context.budget, context.seed,
+                         context.device, storage, trials, threads or max(1, (os.cpu_count() or 1) // jobs),
+                         time.time())
+    spawn = multiprocessing.get_context("spawn")
+    workers = [spawn.Process(target=_worker, args=(setup, index + 1, os.getpid()), daemon=False)
+               for index in range(jobs)]
+    for worker in workers:
+        worker.start()
+    seen = -1
+    try:
+        while any(worker.is_alive() for worker in workers):
+            for worker in workers:
+                worker.join(timeout=1.0 / jobs)
+            done = _done(study)
+            if done != seen:
+                seen = done
+                _, front, best = export(study, context, out_dir)
+                bar.update(done, front, best)
+    except KeyboardInterrupt:
+        for worker in workers:
+            worker.join(timeout=30)
+        raise
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join()
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+
+
+def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[str, Any]]:
+    """Trained rows of a search in ``out_dir`` made with the same proxies, by assignment key."""
+    run_file, trials_file = out_dir / RUN_FILE, out_dir / "trials.csv"
+    if not run_file.is_file() or not trials_file.is_file():
+        return {}
+    previous = json.loads(run_file.read_text(encoding="utf-8"))
+    config = _config(context)
+    if any(previous.get(key) != config[key] for key in config if key != "budget"):
+        return {}
+    frame = pd.read_csv(trials_file)
+    frame = frame[frame["trained"].astype(bool) & (frame["state"] == "COMPLETE")].sort_values("number")
+    reusable: dict[str, dict[str, Any]] = {}
+    for _, row in frame.iterrows():
+        reusable.setdefault(row["key"], row.to_dict())  # the trial that trained it, not a later duplicate
+    return reusable
+
+
+_COPIED = ("memory", "bytes", "val_accuracy", "val_loss", "diverged", "reason", "promotions", "wall_time")
+
+
+def run_baselines(
+    model_spec: str,
+    space: SearchSpace | str | Path,
+    data: DataSpec | str = "digits",
+    out_dir: str | Path = "runs/baselines",
+    proxy_steps: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    *,
+    names: tuple[str, ...] | list[str] = BASELINES,
+    ablations: bool = False,
+    batch_size: int | None = None,
+    image_size: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Train the prior-work baselines and the paper's sweep (plus its ablations) under the same proxies.
+
+    Writes ``baselines.csv`` (rewritten after each proxy) and ``baselines/<source>_<name>.json`` policies.
+    In a search's run directory made with the same model, space, data and seed, sweep points the search
+    already trained are reused, not trained again; so are sweep points that coincide with each other.
+    """
+    if isinstance(space, str | Path):
+        space = load_space(space)
+    space = space.with_proxy(steps=proxy_steps, batch_size=batch_size, image_size=image_size)
+    data_spec = DataSpec(data) if isinstance(data, str) else data
+    unknown = [name for name in names if name not in BASELINES]
+    if unknown:
+        raise PrecsearchError(f"unknown baseline {unknown[0]!r}; use any of {', '.join(BASELINES)}")
+    if threads is not None and threads < 1:
+        raise PrecsearchError(f"threads={threads} must be at least 1")
+    resolve_device(device)
+    context = SearchContext.create(model_spec, space, data_spec, Budget(), seed, device)
+    out_dir = Path(out_dir)
+    known = {key: {**row, "reused": f"trial {int(row['number'])}"}
+             for key, row in _reusable_trials(out_dir, context).items()}
+    todo: list[tuple[str, str, Policy, float | None, str]] = [
+        ("baseline", name, policy.replace(model=model_spec), None, "")
+        for name, policy in baseline_policies(context.graph, names).items()]
+    for order in ("largest", "smallest", "random") if ablations else ("largest",):
+        for candidate in sweep(context.graph, space, order=order, seed=seed):
+            policy = context.policy(candidate.assignment, {"strategy": candidate.strategy, "r": candidate.r})
+            todo.append(("paper" if order == "largest" else order, f"r={candidate.r:.1f}", policy, candidate.r,
+                         candidate.key))
+    (out_dir / "baselines").mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    with _quiet(), _threads(threads):
+        for source, name, policy, r, key in tqdm(todo, desc="baselines", unit="proxy", disable=not progress):
+            row: dict[str, Any] = {"source": source, "name": name, "r": math.nan if r is None else r, "key": key}
+            if key in known:
+                row.update({field: known[key][field] for field in (*_COPIED, "reused")})
+            else:
+                result = run_proxy(model_spec, policy, context.data, space.proxy.steps, seed=seed, device=device,
+                                   config=space.proxy)
+                memory, size = context.memory(policy.assignment(context.graph), result.promotions)
+                row.update(memory=memory, bytes=size, val_accuracy=result.val_accuracy, val_loss=result.val_loss,
+                           diverged=result.diverged, reason=result.reason, promotions=len(result.promotions),
+                           wall_time=result.wall_time, reused="")
+                if key:
+                    known[key] = {**row, "reused": f"{source} {name}"}
+            path = out_dir / "baselines" / f"{source}_{name.replace('=', '')}.json"
+            proxy = {"val_accuracy": float(row["val_accuracy"]), "memory": float(row["memory"]),
+                     "diverged": bool(row["diverged"])}
+            policy.replace(provenance={**policy.provenance, "source": source, "name": name, "proxy": proxy}).save(path)
+            rows.append({**row, "policy": str(path.relative_to(out_dir))})
+            atomic_write_text(out_dir / "baselines.csv", pd.DataFrame(rows).to_csv(index=False))
+    return pd.DataFrame(rows)

@@ -1,0 +1,317 @@
+"""Search spaces: which formats a search may give each tensor, at what granularity, with which proxy budget.
+
+A space is a small YAML file (see ``search_spaces/README.md``) loaded and validated into a frozen
+``SearchSpace``. Validation is strict on purpose: an unknown key or an impossible format raises a one-line
+``PrecsearchError`` that lists what is allowed, because a typo in a space file would otherwise silently
+search the wrong thing for hours.
+
+A space defines named *levels*. Every decision unit (a group, or a single tensor) takes one level, and a
+level maps each tensor kind to a format. ``high`` and ``low`` always exist; a ``categorical`` space adds
+the named ``choices``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from precsearch.errors import PrecsearchError
+from precsearch.formats import OVERFLOWS, ROUNDINGS, get_format
+from precsearch.optim import UPDATES, UpdateConfig
+from precsearch.proxy import ProxyConfig
+from precsearch.scaling import make_scaler
+
+__all__ = [
+    "GRANULARITIES",
+    "KINDS",
+    "LOSS_SCALING_MODES",
+    "OBJECTIVES",
+    "SearchSpace",
+    "PAPER_SPACE",
+    "load_space",
+    "paper_space",
+    "parse_space",
+]
+
+KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
+GRANULARITIES: tuple[str, ...] = ("group", "tensor", "categorical")
+OBJECTIVES: tuple[str, ...] = ("val_error", "val_loss")
+LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
+LOSS_SCALING_KEYS: tuple[str, ...] = (
+    "mode", "scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "underflow_rate",
+    "max_scale", "grad_format",
+)
+TOP_KEYS: tuple[str, ...] = (
+    "name", "description", "high", "low", "granularity", "choices", "rounding", "overflow", "loss_scaling",
+    "promotion_threshold", "master_weights", "optimizer", "proxy", "objectives",
+)
+OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format")
+RESERVED_LEVELS: tuple[str, ...] = ("high", "low")
+# The paper's reference code: forward tensors saturate, backward tensors overflow to inf so the scaler reacts.
+DEFAULT_OVERFLOW: dict[str, str] = {
+    "weight": "saturate", "activation": "saturate", "weight_grad": "inf", "activation_grad": "inf",
+}
+
+# The paper's space (Lee, Sharma, Aiken 2023) as plain data; search_spaces/hfp8.yaml says the same in YAML
+# (a test holds them equal). The demo builds on it, so it works without the repository's files.
+PAPER_SPACE: dict[str, Any] = {
+    "name": "hfp8",
+    "high": "e6m9s",
+    "low": {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"},
+    "granularity": "group",
+    "rounding": "nearest",
+    "overflow": dict(DEFAULT_OVERFLOW),
+    "loss_scaling": {"mode": "dynamic", "init_scale": 65536},
+    "promotion_threshold": 0.01,
+    "master_weights": True,
+    "objectives": ["memory", "val_error"],
+}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """A validated search space. ``levels`` maps level name -> {kind: format spec}; "high" comes first."""
+
+    name: str
+    high: str
+    low: dict[str, str]
+    granularity: str = "group"
+    choices: dict[str, dict[str, str]] = field(default_factory=dict)
+    rounding: dict[str, str] = field(default_factory=lambda: {kind: "nearest" for kind in KINDS})
+    overflow: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_OVERFLOW))
+    loss_scaling: dict[str, Any] = field(default_factory=lambda: {"mode": "dynamic", "init_scale": 2.0**16})
+    promotion_threshold: float | None = 0.01
+    master_weights: bool = False
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    objectives: tuple[str, ...] = ("memory", "val_error")
+    description: str = ""
+
+    @property
+    def levels(self) -> dict[str, dict[str, str]]:
+        """Level name -> {kind: spec}, in search order: high, low, then the categorical choices."""
+        levels = {"high": {kind: self.high for kind in KINDS}, "low": dict(self.low)}
+        if self.granularity == "categorical":
+            levels.update(self.choices)
+        return levels
+
+    @property
+    def accuracy_objective(self) -> str:
+        """The proxy metric minimized next to memory: ``val_error`` or ``val_loss``."""
+        return self.objectives[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML/JSON-ready) that ``parse_space`` turns back into an equal space."""
+        data = dataclasses.asdict(self)
+        data["objectives"] = list(self.objectives)
+        if self.granularity != "categorical":
+            data.pop("choices")
+        return data
+
+    def fingerprint(self) -> str:
+        """Stable hash of the settings that change what a trial trains (not name or description)."""
+        data = self.to_dict()
+        data.pop("name")
+        data.pop("description")
+        return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def with_proxy(self, **changes: Any) -> SearchSpace:
+        """A copy whose proxy budget has ``changes`` applied (None values are ignored)."""
+        changes = {key: value for key, value in changes.items() if value is not None}
+        if not changes:
+            return self
+        return dataclasses.replace(self, proxy=_proxy_config({**dataclasses.asdict(self.proxy), **changes},
+                                                             self.name))
+
+
+def _unknown(keys: Any, allowed: tuple[str, ...], where: str) -> None:
+    unknown = [str(key) for key in keys if key not in allowed]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise PrecsearchError(f"unknown key {unknown[0]!r}{hint} in {where}; allowed keys: {', '.join(allowed)}")
+
+
+def _format(spec: Any, where: str) -> str:
+    """The spec string after checking that precsearch.formats can build it (its error lists the formats)."""
+    if not isinstance(spec, str):
+        raise PrecsearchError(f"{where}: a format must be a string such as e4m3b4s or fp16, not {spec!r}")
+    try:
+        get_format(spec)
+    except PrecsearchError as error:
+        raise PrecsearchError(f"{where}: {error}") from None
+    return spec.strip().lower()
+
+
+def _per_kind(value: Any, where: str, check: Any, default: Mapping[str, Any]) -> dict[str, Any]:
+    """A value per tensor kind from a single value (all kinds) or a {kind: value} mapping (others default)."""
+    if value is None:
+        return dict(default)
+    if isinstance(value, Mapping):
+        _unknown(value, KINDS, where)
+        return {kind: check(value[kind], f"{where}.{kind}") if kind in value else default[kind] for kind in KINDS}
+    return {kind: check(value, where) for kind in KINDS}
+
+
+def _choice(allowed: tuple[str, ...]) -> Any:
+    def check(value: Any, where: str) -> str:
+        if value not in allowed:
+            raise PrecsearchError(f"{where}: {value!r} is not allowed; use one of {', '.join(allowed)}")
+        return value
+
+    return check
+
+
+def _number(value: Any, where: str, low: float, high: float = math.inf, integer: bool = False) -> Any:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if not ok or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+        raise PrecsearchError(f"{where}={value!r} must be {kind} {bounds}")
+    return int(value) if integer else float(value)
+
+
+def _proxy_config(raw: Any, where: str) -> ProxyConfig:
+    if not isinstance(raw, Mapping):
+        raise PrecsearchError(f"{where}: proxy must be a mapping of {', '.join(ProxyConfig.KEYS)}")
+    _unknown(raw, ProxyConfig.KEYS, f"{where}: proxy")
+    values: dict[str, Any] = {}
+    for name in ProxyConfig.KEYS:
+        if name not in raw:
+            continue
+        default = getattr(ProxyConfig, name)
+        integer = isinstance(default, int)
+        low = 1 if name in ("steps", "batch_size", "image_size") else 0
+        values[name] = _number(raw[name], f"{where}: proxy.{name}", low, integer=integer)
+    return ProxyConfig(**values)
+
+
+def _loss_scaling(raw: Any, where: str) -> dict[str, Any]:
+    if isinstance(raw, str):
+        raw = {"mode": raw}
+    if not isinstance(raw, Mapping):
+        raise PrecsearchError(f"{where}: loss_scaling must be a mode ({', '.join(LOSS_SCALING_MODES)}) "
+                              "or a mapping with a mode")
+    _unknown(raw, LOSS_SCALING_KEYS, f"{where}: loss_scaling")
+    scaling = dict(raw)
+    scaling["mode"] = _choice(LOSS_SCALING_MODES)(scaling.get("mode", "dynamic"), f"{where}: loss_scaling.mode")
+    for key, value in scaling.items():
+        if key == "grad_format":
+            scaling[key] = _format(value, f"{where}: loss_scaling.grad_format")
+        elif key != "mode":
+            scaling[key] = _number(value, f"{where}: loss_scaling.{key}", 0.0, integer=key == "growth_interval")
+    options = {key: value for key, value in scaling.items() if key != "mode"}
+    try:
+        make_scaler(scaling["mode"], **options)
+    except PrecsearchError as error:
+        raise PrecsearchError(f"{where}: {error}") from None
+    return scaling
+
+
+def _optimizer(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:
+    """Weight-update settings, checked by precsearch.optim against the low weight format."""
+    if not isinstance(raw, Mapping):
+        raise PrecsearchError(f"{where}: optimizer must be a mapping of {', '.join(OPTIMIZER_KEYS)}")
+    _unknown(raw, OPTIMIZER_KEYS, f"{where}: optimizer")
+    settings = dict(raw)
+    if "update" in settings:
+        settings["update"] = _choice(UPDATES)(settings["update"], f"{where}: optimizer.update")
+    try:
+        UpdateConfig(weight_format=weight_format, master_weights=master_weights, **settings)
+    except (PrecsearchError, TypeError) as error:
+        raise PrecsearchError(f"{where}: optimizer: {error}") from None
+    return settings
+
+
+def _objectives(raw: Any, where: str) -> tuple[str, ...]:
+    allowed = ", ".join(f"[memory, {name}]" for name in OBJECTIVES)
+    if (not isinstance(raw, list | tuple) or len(raw) != 2 or raw[0] != "memory"
+            or raw[1] not in OBJECTIVES):
+        raise PrecsearchError(f"{where}: objectives {raw!r} are not supported; use one of {allowed}")
+    return tuple(raw)
+
+
+def _choices(raw: Any, high: str, where: str) -> dict[str, dict[str, str]]:
+    if not isinstance(raw, Mapping) or not raw:
+        raise PrecsearchError(f"{where}: a categorical space needs choices: a mapping of level name -> "
+                              "format (all kinds) or {kind: format}")
+    levels = {}
+    for name, value in raw.items():
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_LEVELS:
+            raise PrecsearchError(f"{where}: choice name {name!r} must be an identifier other than "
+                                  f"{' and '.join(RESERVED_LEVELS)}")
+        levels[name] = _per_kind(value, f"{where}: choices.{name}", _format, {kind: high for kind in KINDS})
+    return levels
+
+
+def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
+    """Validate a space given as plain data (a parsed YAML mapping); ``where`` names it in errors."""
+    if not isinstance(raw, Mapping):
+        raise PrecsearchError(f"{where} must be a YAML mapping with keys {', '.join(TOP_KEYS)}")
+    _unknown(raw, TOP_KEYS, where)
+    if "high" not in raw or "low" not in raw:
+        raise PrecsearchError(f"{where} must name a high format and low formats (keys high and low)")
+    high = _format(raw["high"], f"{where}: high")
+    low = _per_kind(raw["low"], f"{where}: low", _format, {kind: high for kind in KINDS})
+    granularity = _choice(GRANULARITIES)(raw.get("granularity", "group"), f"{where}: granularity")
+    if "choices" in raw and granularity != "categorical":
+        raise PrecsearchError(f"{where}: choices apply only to granularity categorical; drop them or set it")
+    choices = _choices(raw.get("choices"), high, where) if granularity == "categorical" else {}
+    defaults = SearchSpace(name="", high=high, low=low)
+    threshold = raw.get("promotion_threshold", defaults.promotion_threshold)
+    if threshold is not None:
+        threshold = _number(threshold, f"{where}: promotion_threshold", 0.0, 1.0)
+        if threshold == 0.0:
+            raise PrecsearchError(f"{where}: promotion_threshold must be in (0, 1], or null to turn the guard off")
+    master_weights = raw.get("master_weights", defaults.master_weights)
+    if not isinstance(master_weights, bool):
+        raise PrecsearchError(f"{where}: master_weights must be true or false, not {master_weights!r}")
+    name = raw.get("name", "space")
+    if not isinstance(name, str) or not name:
+        raise PrecsearchError(f"{where}: name must be a non-empty string")
+    return SearchSpace(
+        name=name,
+        description=str(raw.get("description", "")).strip(),
+        high=high,
+        low=low,
+        granularity=granularity,
+        choices=choices,
+        rounding=_per_kind(raw.get("rounding"), f"{where}: rounding", _choice(ROUNDINGS), defaults.rounding),
+        overflow=_per_kind(raw.get("overflow"), f"{where}: overflow", _choice(OVERFLOWS), defaults.overflow),
+        loss_scaling=_loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), where),
+        promotion_threshold=threshold,
+        master_weights=master_weights,
+        optimizer=_optimizer(raw.get("optimizer", {}), low["weight"], master_weights, where),
+        proxy=_proxy_config(raw.get("proxy", {}), where),
+        objectives=_objectives(raw.get("objectives", list(defaults.objectives)), where),
+    )
+
+
+def load_space(path: str | Path) -> SearchSpace:
+    """Read and validate a space YAML file; a missing, unreadable or invalid file is a PrecsearchError."""
+    path = Path(path)
+    if not path.is_file():
+        raise PrecsearchError(f"search space file {path} does not exist; give a YAML file such as "
+                              "search_spaces/hfp8.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        reason = str(error).replace("\n", " ")
+        raise PrecsearchError(f"cannot read search space {path}: {reason}; fix the YAML") from None
+    return parse_space(raw, where=f"search space {path}")
+
+
+def paper_space(**changes: Any) -> SearchSpace:
+    """The paper's HFP8 space, with top-level keys of a space file replaced by ``changes``."""
+    return parse_space({**PAPER_SPACE, **changes}, where="the paper's space")

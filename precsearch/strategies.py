@@ -1,0 +1,194 @@
+"""Assignment strategies: the paper's technique, its ablations, uniform assignments and prior-work baselines.
+
+An assignment maps every assignable tensor id (weights, activations and their gradients) to a format spec.
+Strategies speak in *decisions*: one level name ("high", "low", or a categorical choice of the space) per
+decision unit. A unit is a group (``g<index>``, the paper's granularity, also used by categorical spaces)
+or a single tensor (its id) for ``granularity: tensor``. ``assign`` turns decisions into an assignment.
+
+The paper's technique (Lee, Sharma, Aiken, TMLR 2023) for a memory-saving target ``r`` in [0, 1]: order the
+groups by their share of tensor memory (of the assignable tensors, all at the high format), largest first
+with ties broken by execution order, and demote whole groups to the low formats until the low share reaches
+``r``. Its divergence guard (promote a tensor to high once its overflow fraction passes a threshold) is the
+policy's ``promotion_threshold`` and stays on. The ablations order the groups smallest first or randomly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from precsearch.errors import PrecsearchError
+from precsearch.policy import Policy, baseline
+from precsearch.spaces import KINDS, SearchSpace
+
+__all__ = [
+    "BASELINES",
+    "ORDERS",
+    "R_GRID",
+    "Candidate",
+    "assign",
+    "assignment_key",
+    "baseline_policies",
+    "group_sizes",
+    "low_share",
+    "paper_assignment",
+    "seed_candidates",
+    "sweep",
+    "uniform",
+    "units",
+]
+
+BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
+ORDERS: tuple[str, ...] = ("largest", "smallest", "random")
+R_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One assignment with the decisions that made it, the strategy's name and its low-precision share."""
+
+    strategy: str
+    decisions: dict[str, str]
+    assignment: dict[str, str]
+    low_share: float
+    r: float | None = None
+
+    @property
+    def key(self) -> str:
+        return assignment_key(self.assignment)
+
+
+def assignment_key(assignment: Mapping[str, Any]) -> str:
+    """Stable hash of an assignment (id -> spec): equal assignments, equal keys, whatever the order."""
+    items = sorted((tensor_id, str(spec)) for tensor_id, spec in assignment.items())
+    return hashlib.sha1(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def _assignable(graph: Any) -> list[Any]:
+    """The graph's assignable tensors in execution order."""
+    return [info for info in graph.tensors.values() if info.kind in KINDS]
+
+
+def units(graph: Any, space: SearchSpace) -> dict[str, list[str]]:
+    """Decision unit name -> tensor ids it decides, in execution order (groups ``g<i>`` or single tensors)."""
+    if space.granularity == "tensor":
+        return {info.id: [info.id] for info in _assignable(graph)}
+    grouped: dict[str, list[str]] = {}
+    for info in sorted(_assignable(graph), key=lambda t: t.group):
+        grouped.setdefault(f"g{info.group}", []).append(info.id)
+    return grouped
+
+
+def group_sizes(graph: Any) -> dict[int, int]:
+    """Group index -> total elements of its assignable tensors (its share of memory when all are high)."""
+    sizes: dict[int, int] = {}
+    for info in _assignable(graph):
+        sizes[info.group] = sizes.get(info.group, 0) + int(info.numel)
+    return dict(sorted(sizes.items()))
+
+
+def assign(graph: Any, space: SearchSpace, decisions: Mapping[str, str]) -> dict[str, str]:
+    """The assignment (every assignable id -> spec) for one level per unit; undecided units stay high."""
+    levels = space.levels
+    kinds = {info.id: info.kind for info in _assignable(graph)}
+    assignment = {tensor_id: space.high for tensor_id in kinds}
+    for unit, tensor_ids in units(graph, space).items():
+        level = decisions.get(unit, "high")
+        if level not in levels:
+            raise PrecsearchError(f"level {level!r} for {unit} is not in space {space.name}; "
+                                  f"use one of {', '.join(levels)}")
+        for tensor_id in tensor_ids:
+            assignment[tensor_id] = levels[level][kinds[tensor_id]]
+    return assignment
+
+
+def low_share(graph: Any, space: SearchSpace, decisions: Mapping[str, str]) -> float:
+    """Fraction of assignable elements whose unit is not at the high level."""
+    total, low = 0, 0
+    numel = {info.id: int(info.numel) for info in _assignable(graph)}
+    for unit, tensor_ids in units(graph, space).items():
+        size = sum(numel[tensor_id] for tensor_id in tensor_ids)
+        total += size
+        if decisions.get(unit, "high") != "high":
+            low += size
+    return low / total if total else 0.0
+
+
+def _unit_decisions(graph: Any, space: SearchSpace, group_levels: Mapping[int, str]) -> dict[str, str]:
+    """Per-group levels expressed in the space's units (a tensor unit takes its group's level)."""
+    if space.granularity == "tensor":
+        return {info.id: group_levels.get(info.group, "high") for info in _assignable(graph)}
+    return {f"g{group}": level for group, level in group_levels.items()}
+
+
+def _candidate(graph: Any, space: SearchSpace, strategy: str, decisions: dict[str, str],
+               r: float | None = None) -> Candidate:
+    return Candidate(strategy=strategy, decisions=decisions, assignment=assign(graph, space, decisions),
+                     low_share=low_share(graph, space, decisions), r=r)
+
+
+def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "largest",
+                     seed: int = 0) -> Candidate:
+    """The paper's technique at memory-saving target ``r``: demote whole groups, in ``order``, until the low
+    share reaches ``r``. ``order`` "largest" is the paper; "smallest" and "random" (seeded) are its ablations.
+    """
+    if not 0.0 <= r <= 1.0:
+        raise PrecsearchError(f"r={r} must lie in [0, 1]")
+    if order not in ORDERS:
+        raise PrecsearchError(f"unknown group order {order!r}; use one of {', '.join(ORDERS)}")
+    sizes = group_sizes(graph)
+    groups = list(sizes)  # execution order
+    if order == "largest":
+        groups.sort(key=lambda g: -sizes[g])  # stable: ties keep execution order
+    elif order == "smallest":
+        groups.sort(key=lambda g: sizes[g])
+    else:
+        permutation = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
+        groups = [groups[i] for i in permutation]
+    total = sum(sizes.values())
+    levels: dict[int, str] = dict.fromkeys(sizes, "high")
+    demoted = 0
+    for group in groups:
+        if total == 0 or demoted / total >= r - 1e-12:
+            break
+        levels[group] = "low"
+        demoted += sizes[group]
+    name = "paper" if order == "largest" else f"paper-{order}"
+    return _candidate(graph, space, name, _unit_decisions(graph, space, levels), r=r)
+
+
+def sweep(graph: Any, space: SearchSpace, rs: Iterable[float] = R_GRID, order: str = "largest",
+          seed: int = 0) -> list[Candidate]:
+    """The technique at each target in ``rs`` (default 0, 0.1, ..., 1)."""
+    return [paper_assignment(graph, r, space, order=order, seed=seed) for r in rs]
+
+
+def uniform(graph: Any, space: SearchSpace, level: str) -> Candidate:
+    """Every unit at one level: ``uniform(graph, space, "high")`` is all-high, ``"low"`` all-low."""
+    decisions = dict.fromkeys(units(graph, space), level)
+    return _candidate(graph, space, f"all-{level}", decisions, r=None)
+
+
+def seed_candidates(graph: Any, space: SearchSpace) -> list[tuple[Candidate, list[str]]]:
+    """The search's starting points, each assignment once: all-high, the paper's sweep, all-low.
+
+    Returns (candidate, origins) pairs; origins name every seed that produced the same assignment
+    (e.g. ["all-high", "paper r=0.0"]) so the report can mark the sweep even where points coincide.
+    """
+    ordered = [(uniform(graph, space, "high"), "all-high")]
+    ordered += [(candidate, f"paper r={candidate.r:.1f}") for candidate in sweep(graph, space)]
+    ordered.append((uniform(graph, space, "low"), "all-low"))
+    seen: dict[str, tuple[Candidate, list[str]]] = {}
+    for candidate, origin in ordered:
+        seen.setdefault(candidate.key, (candidate, []))[1].append(origin)
+    return list(seen.values())
+
+
+def baseline_policies(graph: Any, names: Sequence[str] = BASELINES) -> dict[str, Policy]:
+    """Prior-work policies (precsearch.policy.baseline) for ``graph``, by name."""
+    return {name: baseline(name, graph) for name in names}

@@ -1,0 +1,163 @@
+"""The search commands end to end: search -> best.json -> train, baselines, report, bad input, kill -9 + resume."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pandas as pd
+import pytest
+import yaml
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from precsearch.cli import main
+from precsearch.spaces import PAPER_SPACE
+
+TINY = ["--proxy-steps", "4", "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def space_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spaces") / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**PAPER_SPACE, "proxy": {"eval_batch_size": 64}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def searched(space_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    code = main(["search", "tiny_cnn", "--space", str(space_file), "--trials", "5", "--out", str(out),
+                 "--no-progress", *TINY])
+    assert code == 0
+    return out
+
+
+def test_search_prints_its_front_and_writes_outputs(searched, capsys):
+    for name in ("trials.csv", "pareto.csv", "best.json", "run.json"):
+        assert (searched / name).is_file()
+    assert any((searched / "policies").iterdir())
+
+
+def test_best_json_trains_under_precsearch_train(searched, tmp_path, capsys):
+    metrics = tmp_path / "metrics.csv"
+    code = main(["train", "tiny_cnn", "--policy", str(searched / "best.json"), "--steps", "6", "--eval-every", "3",
+                 "--metrics", str(metrics), "--device", "cpu", "--threads", "1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "trained: 6 steps" in out
+    rows = list(csv.DictReader(metrics.open()))
+    assert [row["step"] for row in rows] == ["3", "6"]
+    assert 0.0 <= float(rows[-1]["val_accuracy"]) <= 1.0
+
+
+def test_baselines_reuse_the_sweep_and_report_draws_everything(searched, space_file, capsys):
+    code = main(["baselines", "tiny_cnn", "--space", str(space_file), "--out", str(searched), "--names", "fp32,fp8",
+                 "--no-progress", *TINY])
+    assert code == 0
+    table = pd.read_csv(searched / "baselines.csv", keep_default_na=False)
+    assert table["name"].tolist()[:2] == ["fp32", "fp8"]
+    sweep = table[table["source"] == "paper"]
+    assert len(sweep) == 11
+    trials = pd.read_csv(searched / "trials.csv", keep_default_na=False)
+    # every sweep point the search trained is reused from it, the others trained once here
+    searched_keys = set(trials[trials["trained"].astype(str) == "True"]["key"])
+    for _, row in sweep.iterrows():
+        assert row["reused"].startswith("trial ") == (row["key"] in searched_keys)
+    assert main(["report", str(searched)]) == 0
+    assert "report.png" in capsys.readouterr().out
+    text = (searched / "report.md").read_text()
+    assert "| baseline | fp8 |" in text and "| paper sweep | r=0.5 |" in text and "| pareto |" in text
+
+
+def _bad_space(tmp_path, **changes):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**PAPER_SPACE, **changes}))
+    return str(path)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("model", "unknown model 'resnet99'"),
+    ("dataset", "unknown dataset 'mnist'"),
+    ("space file", "does not exist"),
+    ("space key", "unknown key 'sampler'"),
+    ("space format", "E must be in 1..8"),
+    ("storage url", "cannot open study storage postgresql://nohost/db"),
+    ("storage dir", "cannot open study storage sqlite:///"),
+    ("empty data dir", "is empty"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(case, needle, space_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    model, options = "tiny_cnn", ["--space", str(space_file)]
+    if case == "model":
+        model = "resnet99"
+    elif case == "dataset":
+        options += ["--data", "mnist"]
+    elif case == "space file":
+        options = ["--space", str(tmp_path / "missing.yaml")]
+    elif case == "space key":
+        options = ["--space", _bad_space(tmp_path, sampler="tpe")]
+    elif case == "space format":
+        options = ["--space", _bad_space(tmp_path, low="e9m3")]
+    elif case == "storage url":
+        options += ["--storage", "postgresql://nohost/db"]
+    elif case == "storage dir":
+        options += ["--storage", f"sqlite:///{tmp_path}/no/such/dir/study.db"]
+    else:
+        (tmp_path / "empty").mkdir()
+        options += ["--data", "cifar10", "--data-root", str(tmp_path / "empty")]
+    code = main(["search", model, *options, "--trials", "2", "--out", str(out), "--no-progress", *TINY])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_other_commands_reject_bad_input(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no trials.csv" in capsys.readouterr().err
+    assert main(["baselines", "tiny_cnn", "--names", "fp7", "--out", str(tmp_path / "b"), *TINY]) == 2
+    assert "unknown baseline 'fp7'" in capsys.readouterr().err
+    assert main(["train", "tiny_cnn", "--policy", str(tmp_path / "none.json"), "--steps", "1"]) == 2
+    assert not (tmp_path / "b").exists()
+
+
+def _completed(journal) -> dict[int, tuple[float, ...]]:
+    storage = JournalStorage(JournalFileBackend(str(journal)))
+    try:
+        study = optuna.load_study(study_name="precsearch", storage=storage)
+    except KeyError:  # not created yet
+        return {}
+    return {t.number: tuple(t.values) for t in study.get_trials(states=(TrialState.COMPLETE,))}
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_keeps_every_completed_trial(space_file, tmp_path):
+    out = tmp_path / "run"
+    args = ["search", "tiny_cnn", "--space", str(space_file), "--trials", "8", "--out", str(out), "--no-progress",
+            "--proxy-steps", "40", "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1"]
+    process = subprocess.Popen([sys.executable, "-m", "precsearch", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and process.poll() is None:
+            if (out / "study.journal").is_file() and _completed(out / "study.journal"):
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, "the search finished before it could be killed; give it more work"
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    before = _completed(out / "study.journal")
+    assert 1 <= len(before) < 8
+    assert main([*args, "--resume"]) == 0
+    after = _completed(out / "study.journal")
+    assert all(after.get(number) == values for number, values in before.items())
+    trials = pd.read_csv(out / "trials.csv")
+    assert int((trials["state"] == "COMPLETE").sum()) == 8

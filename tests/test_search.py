@@ -1,0 +1,294 @@
+"""The Optuna search: seeds, bookkeeping of diverged / failed / duplicate trials, resume, budgets, outputs."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pandas as pd
+import pytest
+import torch
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from precsearch import search
+from precsearch.errors import PrecsearchError
+from precsearch.formats import get_format
+from precsearch.graph import trace
+from precsearch.policy import Policy
+from precsearch.proxy import build_model
+from precsearch.search import Budget, SearchInterrupted, run_search
+from precsearch.spaces import KINDS, paper_space
+from precsearch.strategies import R_GRID
+
+PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
+SPACE = paper_space(proxy=PROXY)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny proxies run fastest on one thread (and are not slowed by other busy cores)."""
+    with search._threads(1):
+        yield
+
+
+def _search(out, trials, **kwargs):
+    kwargs.setdefault("space", SPACE)
+    return run_search("tiny_cnn", data="digits", trials=trials, out_dir=out, device="cpu", progress=False, **kwargs)
+
+
+def _study(out) -> optuna.Study:
+    storage = JournalStorage(JournalFileBackend(str(out / "study.journal")))
+    return optuna.load_study(study_name="precsearch", storage=storage)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("search") / "run"
+    return out, _search(out, 14)
+
+
+def _graph():
+    torch.manual_seed(0)
+    return trace(build_model("tiny_cnn", 10), torch.zeros(1, 3, 8, 8), batch_size=16)
+
+
+def test_outputs_exist_and_seeds_come_first(run):
+    out, result = run
+    for name in ("trials.csv", "pareto.csv", "best.json", "run.json", "study.journal"):
+        assert (out / name).is_file()
+    trials = pd.read_csv(out / "trials.csv", keep_default_na=False)
+    assert len(trials) == 14 and set(trials["state"]) == {"COMPLETE"}
+    origins = "; ".join(trials["origin"])
+    assert all(f"paper r={r:.1f}" in origins for r in R_GRID) and "all-high" in origins and "all-low" in origins
+    seeded = trials[trials["origin"] != "sampler"]
+    assert list(seeded["number"]) == list(range(len(seeded)))  # enqueued trials run before sampled ones
+
+
+def test_no_assignment_is_trained_twice(run):
+    _, result = run
+    trials = result.trials
+    fresh = trials[trials["duplicate_of"] == ""]
+    assert fresh["key"].is_unique
+    duplicates = trials[trials["duplicate_of"] != ""]
+    assert len(duplicates) > 0  # tiny_cnn has 4 groups: 16 assignments, so a 14-trial study repeats some
+    for _, row in duplicates.iterrows():
+        original = trials.set_index("number").loc[int(row["duplicate_of"])]
+        assert original["key"] == row["key"]
+        assert (original["val_accuracy"], original["memory"]) == (row["val_accuracy"], row["memory"])
+        assert row["wall_time"] == original["wall_time"]  # copied, not re-measured
+
+
+def test_memory_column_matches_a_hand_count(run):
+    _, result = run
+    graph = _graph()
+    infos = [graph.tensors[tid] for tid in graph.assignable_ids()]
+    high_bits = sum(info.numel * get_format(SPACE.high).bits for info in infos)
+    low_bits = sum(info.numel * get_format(SPACE.low[info.kind]).bits for info in infos)
+    all_low = result.trials[result.trials["decisions"] == "LLLL"].iloc[0]
+    assert all_low["memory"] == pytest.approx(low_bits / high_bits)
+    assert result.trials[result.trials["decisions"] == "HHHH"].iloc[0]["memory"] == pytest.approx(1.0)
+
+
+def test_pareto_front_is_the_non_dominated_set(run):
+    out, result = run
+    trials = result.trials
+    ok = trials[trials["feasible"] & trials["trained"]].drop_duplicates("key")
+    front = pd.read_csv(out / "pareto.csv")
+    points = list(zip(ok["memory"], ok["val_error"], strict=True))
+
+    def dominated(m, e):
+        return any((m2 <= m and e2 <= e) and (m2 < m or e2 < e) for m2, e2 in points)
+
+    expected = {(m, e) for m, e in points if not dominated(m, e)}
+    assert set(zip(front["memory"], front["val_error"], strict=True)) == expected
+    files = sorted(p.name for p in (out / "policies").glob("*.json"))
+    assert files == sorted(f"trial_{n:04d}.json" for n in front["number"])
+
+
+def test_policy_files_reproduce_their_trials_assignment(run):
+    out, result = run
+    graph = _graph()
+    for _, row in pd.read_csv(out / "pareto.csv").iterrows():
+        policy = Policy.load(out / "policies" / f"trial_{int(row['number']):04d}.json")
+        assignment = policy.assignment(graph)
+        levels = dict(zip([f"g{i}" for i in range(4)], row["decisions"], strict=True))
+        for tid, spec in assignment.items():
+            info = graph.tensors[tid]
+            expected = SPACE.low[info.kind] if levels[f"g{info.group}"] == "L" else SPACE.high
+            assert spec == expected
+        assert policy.provenance["trial"] == int(row["number"])
+        assert policy.provenance["proxy"]["val_accuracy"] == pytest.approx(row["val_accuracy"])
+
+
+def test_best_json_is_least_memory_within_one_point_of_all_high(run):
+    out, result = run
+    trials = result.trials
+    reference = float(trials[trials["decisions"] == "HHHH"]["val_accuracy"].iloc[0])
+    ok = trials[trials["feasible"] & (trials["val_accuracy"] >= reference - 0.01 - 1e-12)]
+    best = Policy.load(out / "best.json")
+    chosen = trials.set_index("number").loc[best.provenance["trial"]]
+    assert chosen["memory"] == pytest.approx(ok["memory"].min())
+
+
+def test_run_json_records_the_config(run):
+    out, _ = run
+    config = json.loads((out / "run.json").read_text())
+    assert config["model"] == "tiny_cnn" and config["space"]["proxy"]["steps"] == 4 and config["seed"] == 0
+
+
+def test_diverged_trials_are_complete_and_infeasible(tmp_path):
+    wild = paper_space(proxy={**PROXY, "steps": 30, "lr": 1e4})
+    result = _search(tmp_path / "run", 3, space=wild)
+    assert set(result.trials["state"]) == {"COMPLETE"}
+    assert result.trials["diverged"].all() and not result.trials["feasible"].any()
+    started = [t for t in _study(tmp_path / "run").trials if t.state != TrialState.WAITING]
+    assert len(started) == 3
+    for trial in started:
+        assert trial.state == TrialState.COMPLETE and trial.constraints["diverged"] > 0
+        assert trial.user_attrs["reason"]
+    assert result.pareto.empty and result.best is None and not (tmp_path / "run" / "best.json").exists()
+
+
+def _failing(monkeypatch, error, on_call):
+    real = search.run_proxy
+    calls = {"n": 0}
+
+    def proxy(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == on_call:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search, "run_proxy", proxy)
+
+
+def test_a_raising_trial_is_failed_and_the_study_goes_on(tmp_path, monkeypatch):
+    _failing(monkeypatch, RuntimeError("boom"), on_call=2)
+    result = _search(tmp_path / "run", 6)
+    states = result.trials["state"].tolist()
+    assert states.count("FAIL") == 1 and states.count("COMPLETE") == 5
+    failed = result.trials[result.trials["state"] == "FAIL"].iloc[0]
+    assert failed["error"] == "RuntimeError: boom" and failed["number"] == 1
+
+
+def test_interrupt_keeps_completed_trials_and_resume_finishes(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _failing(monkeypatch, KeyboardInterrupt(), on_call=3)
+    with pytest.raises(SearchInterrupted) as stop:
+        _search(out, 6)
+    saved = pd.read_csv(out / "trials.csv", keep_default_na=False)
+    assert saved["state"].tolist() == ["COMPLETE", "COMPLETE", "FAIL"]
+    assert stop.value.result.interrupted
+    interrupted_key = _study(out).trials[2].user_attrs["key"]
+    monkeypatch.undo()
+    result = _search(out, 6, resume=True)
+    trials = result.trials
+    assert trials.iloc[:2]["key"].tolist() == saved.iloc[:2]["key"].tolist()
+    before = saved.iloc[:2]["val_accuracy"].astype(float).tolist()
+    assert trials.iloc[:2]["val_accuracy"].tolist() == pytest.approx(before)
+    assert int(trials["state"].isin(["COMPLETE"]).sum()) == 6  # the interrupted trial does not use budget
+    retried = trials[(trials["key"] == interrupted_key) & (trials["state"] == "COMPLETE")]
+    assert len(retried) == 1 and retried.iloc[0]["duplicate_of"] == ""
+
+
+def test_a_trial_left_running_by_a_killed_process_is_requeued(tmp_path):
+    out = tmp_path / "run"
+    first = _search(out, 2).trials
+    study = _study(out)
+    orphan = study.ask()  # pops the next enqueued assignment into RUNNING, as a kill -9 would leave it
+    orphan_params = dict(orphan.params) or study.trials[orphan.number].system_attrs["fixed_params"]
+    result = _search(out, 4, resume=True)
+    trials = result.trials
+    assert trials.set_index("number").loc[orphan.number, "state"] == "FAIL"
+    assert trials.iloc[:2]["val_accuracy"].tolist() == first["val_accuracy"].tolist()
+    assert int((trials["state"] == "COMPLETE").sum()) == 4
+    study = _study(out)
+    assert any(t.params == orphan_params and t.state == TrialState.COMPLETE for t in study.trials)
+
+
+def test_max_memory_budget(tmp_path):
+    result = _search(tmp_path / "run", 8, budget=Budget(max_memory=0.6))
+    trials = result.trials
+    over = trials[trials["memory_planned"] > 0.6]
+    assert len(over) > 0 and not over["trained"].any() and not over["feasible"].any()
+    assert set(over["reason"]) == {"over the memory budget"}
+    under = trials[trials["trained"] & ~trials["diverged"]]
+    assert result.best["memory"] <= 0.6
+    assert result.best["val_accuracy"] == under["val_accuracy"].max()
+
+
+def test_max_accuracy_drop_budget(tmp_path):
+    result = _search(tmp_path / "run", 6, budget=Budget(max_accuracy_drop=0.05))
+    reference = _study(tmp_path / "run").user_attrs["reference_result"]["val_accuracy"]
+    trials = result.trials
+    high = trials[trials["decisions"] == "HHHH"].iloc[0]
+    assert high["duplicate_of"] == "reference" and high["val_accuracy"] == reference  # not trained twice
+    ok = trials[trials["trained"] & ~trials["diverged"] & (trials["val_accuracy"] >= reference - 0.05)]
+    assert result.best["memory"] == ok["memory"].min()
+
+
+def test_budget_validation():
+    with pytest.raises(PrecsearchError, match="not both"):
+        Budget(max_memory=0.5, max_accuracy_drop=0.01)
+    with pytest.raises(PrecsearchError, match=r"\(0, 1\]"):
+        Budget(max_memory=1.5)
+    with pytest.raises(PrecsearchError, match="0.01 = 1 point"):
+        Budget(max_accuracy_drop=2)
+
+
+def test_storage_url_and_errors(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(PrecsearchError, match="cannot open study storage"):
+        _search(out, 2, storage=f"sqlite:///{tmp_path}/missing/dir/study.db")
+    assert not out.exists()
+    result = _search(out, 2, storage=f"sqlite:///{tmp_path}/study.db")
+    assert (tmp_path / "study.db").is_file() and not (out / "study.journal").exists()
+    assert len(result.trials) == 2
+
+
+def test_out_dir_rules(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(PrecsearchError, match="not empty; pass --resume"):
+        _search(out, 2)
+    with pytest.raises(PrecsearchError, match="nothing to resume"):
+        _search(tmp_path / "fresh", 2, resume=True)
+    assert not (tmp_path / "fresh").exists()
+    _search(tmp_path / "done", 2)
+    with pytest.raises(PrecsearchError, match="different seed"):
+        _search(tmp_path / "done", 3, resume=True, seed=1)
+
+
+def test_categorical_and_tensor_spaces_search(tmp_path):
+    space = paper_space(proxy=PROXY, granularity="categorical", choices={"half": "fp16"})
+    trials = _search(tmp_path / "cat", 4, space=space).trials
+    assert set(trials["state"]) == {"COMPLETE"}
+    per_tensor = paper_space(proxy=PROXY, granularity="tensor")
+    trials = _search(tmp_path / "tensor", 3, space=per_tensor).trials
+    graph = _graph()
+    assert len(trials.iloc[0]["decisions"]) == len(graph.assignable_ids())
+    assert {graph.tensors[t].kind for t in graph.assignable_ids()} == set(KINDS)
+
+
+@pytest.mark.slow
+def test_parallel_workers_share_the_study(tmp_path):
+    result = _search(tmp_path / "run", 10, jobs=2)
+    trials = result.trials
+    counted = int(trials["state"].isin(["COMPLETE", "PRUNED"]).sum())
+    assert 10 <= counted <= 11  # each worker checks the budget after its own trial
+    fresh = trials[trials["trained"] & (trials["duplicate_of"] == "")]
+    assert fresh["key"].is_unique
+
+
+def test_a_torn_journal_record_is_dropped_on_resume(tmp_path):
+    out = tmp_path / "run"
+    first = _search(out, 2).trials
+    with (out / "study.journal").open("ab") as journal:
+        journal.write(b'{"op_code": 5, "worker_id": "x", "trial_id": 9')  # a write cut short by kill -9
+    trials = _search(out, 3, resume=True).trials
+    assert trials.iloc[:2]["key"].tolist() == first["key"].tolist()
+    assert int((trials["state"] == "COMPLETE").sum()) == 3
+    assert (out / "study.journal").read_bytes().endswith(b"\n")

@@ -1,0 +1,187 @@
+"""The paper's assignment technique, its ablations, uniform assignments and the seed set of the search."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from precsearch.cost import CostModel
+from precsearch.errors import PrecsearchError
+from precsearch.graph import trace
+from precsearch.policy import Policy
+from precsearch.spaces import KINDS, paper_space, parse_space
+from precsearch.strategies import (
+    BASELINES,
+    R_GRID,
+    assign,
+    assignment_key,
+    baseline_policies,
+    group_sizes,
+    paper_assignment,
+    seed_candidates,
+    sweep,
+    uniform,
+    units,
+)
+
+SPACE = paper_space()
+
+
+class Ladder(nn.Module):
+    """Convs of varied widths and resolutions, so group sizes differ a lot (seven groups with the input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = [3, 8, 24, 4, 16, 6]
+        self.convs = nn.ModuleList(nn.Conv2d(a, b, 3, padding=1) for a, b in zip(widths, widths[1:], strict=False))
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, conv in enumerate(self.convs):
+            x = torch.relu(conv(x))
+            if index == 1:
+                x = nn.functional.max_pool2d(x, 2)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(Ladder(), torch.zeros(1, 3, 8, 8), batch_size=4)
+
+
+def _sizes_from_frame(graph) -> dict[int, int]:
+    """Group sizes computed independently from the graph's DataFrame."""
+    frame = graph.to_dataframe()
+    frame = frame[frame["kind"].isin(KINDS)]
+    return {int(g): int(n) for g, n in frame.groupby("group")["numel"].sum().items()}
+
+
+def _low_groups(candidate) -> set[int]:
+    return {int(unit[1:]) for unit, level in candidate.decisions.items() if level == "low"}
+
+
+def test_group_sizes_match_the_graph(graph):
+    assert group_sizes(graph) == _sizes_from_frame(graph)
+    assert len(group_sizes(graph)) == len(graph.groups) == 7
+
+
+def test_endpoints_are_all_high_and_all_low(graph):
+    assert paper_assignment(graph, 0.0, SPACE).assignment == uniform(graph, SPACE, "high").assignment
+    assert paper_assignment(graph, 1.0, SPACE).assignment == uniform(graph, SPACE, "low").assignment
+    low = uniform(graph, SPACE, "low").assignment
+    assert all(low[tid] == SPACE.low[graph.tensors[tid].kind] for tid in graph.assignable_ids())
+    assert set(low) == set(graph.assignable_ids())
+
+
+@pytest.mark.parametrize("r", R_GRID)
+def test_largest_groups_demoted_first_until_the_share_reaches_r(graph, r):
+    sizes = _sizes_from_frame(graph)
+    total = sum(sizes.values())
+    order = sorted(sizes, key=lambda g: (-sizes[g], g))
+    candidate = paper_assignment(graph, r, SPACE)
+    demoted = _low_groups(candidate)
+    # A prefix of the largest-first order ...
+    assert demoted == set(order[:len(demoted)])
+    share = sum(sizes[g] for g in demoted) / total
+    assert share >= r - 1e-12 and candidate.low_share == pytest.approx(share)
+    # ... and the shortest such prefix: without its last group the share is below r.
+    if demoted:
+        assert share - sizes[order[len(demoted) - 1]] / total < r
+
+
+def test_low_share_agrees_with_the_cost_models_ratio(graph):
+    cost = CostModel(graph)
+    for candidate in sweep(graph, SPACE):
+        decisions = np.zeros(len(graph.groups))
+        decisions[sorted(_low_groups(candidate))] = 1
+        assert candidate.low_share == pytest.approx(float(cost.ratio_batch(decisions)[0]))
+    # and memory falls as r grows
+    memory = [cost.bytes(c.assignment) for c in sweep(graph, SPACE)]
+    assert all(a >= b for a, b in zip(memory, memory[1:], strict=False))
+
+
+def test_smallest_first_ablation(graph):
+    sizes = _sizes_from_frame(graph)
+    order = sorted(sizes, key=lambda g: (sizes[g], g))
+    candidate = paper_assignment(graph, 0.3, SPACE, order="smallest")
+    assert candidate.strategy == "paper-smallest"
+    assert _low_groups(candidate) == set(order[:len(_low_groups(candidate))])
+
+
+def test_random_ablation_is_seeded(graph):
+    runs = {seed: [paper_assignment(graph, 0.5, SPACE, order="random", seed=seed).key for _ in range(2)]
+            for seed in range(6)}
+    assert all(a == b for a, b in runs.values())
+    assert len({keys[0] for keys in runs.values()}) > 1
+
+
+def _stand_in(sizes: list[int]) -> SimpleNamespace:
+    """A graph-like object: one activation per group with the given sizes (groups in execution order)."""
+    tensors = {f"op{g}:activation": SimpleNamespace(id=f"op{g}:activation", kind="activation", numel=n, group=g)
+               for g, n in enumerate(sizes)}
+    return SimpleNamespace(tensors=tensors)
+
+
+def test_ties_go_to_execution_order():
+    graph = _stand_in([5, 10, 10, 5])
+    assert _low_groups(paper_assignment(graph, 0.3, SPACE)) == {1}
+    assert _low_groups(paper_assignment(graph, 0.6, SPACE)) == {1, 2}
+    assert _low_groups(paper_assignment(graph, 0.7, SPACE)) == {0, 1, 2}
+    assert _low_groups(paper_assignment(graph, 0.1, SPACE, order="smallest")) == {0}
+
+
+def test_bad_arguments():
+    graph = _stand_in([1, 2])
+    with pytest.raises(PrecsearchError, match=r"\[0, 1\]"):
+        paper_assignment(graph, 1.5, SPACE)
+    with pytest.raises(PrecsearchError, match="largest, smallest, random"):
+        paper_assignment(graph, 0.5, SPACE, order="middle")
+    with pytest.raises(PrecsearchError, match="high, low"):
+        assign(graph, SPACE, {"g0": "medium"})
+
+
+def test_tensor_granularity_matches_group_decisions(graph):
+    per_tensor = parse_space({**SPACE.to_dict(), "granularity": "tensor"})
+    assert list(units(graph, per_tensor)) == graph.assignable_ids()
+    for r in (0.2, 0.7):
+        assert paper_assignment(graph, r, per_tensor).assignment == paper_assignment(graph, r, SPACE).assignment
+
+
+def test_categorical_choice_assigns_its_formats(graph):
+    space = parse_space({**SPACE.to_dict(), "granularity": "categorical",
+                         "choices": {"half": "fp16", "e5": {"activation": "e5m2s"}}})
+    decisions = dict.fromkeys(units(graph, space), "high") | {"g1": "half", "g2": "e5"}
+    assignment = assign(graph, space, decisions)
+    for tid in graph.assignable_ids():
+        info = graph.tensors[tid]
+        expected = {1: "fp16", 2: "e5m2s" if info.kind == "activation" else "e6m9s"}.get(info.group, "e6m9s")
+        assert assignment[tid] == expected
+
+
+def test_seed_candidates_are_distinct_and_cover_the_sweep(graph):
+    seeds = seed_candidates(graph, SPACE)
+    keys = [candidate.key for candidate, _ in seeds]
+    assert len(keys) == len(set(keys))
+    origins = [origin for _, names in seeds for origin in names]
+    assert sorted(origins) == sorted(["all-high", "all-low", *(f"paper r={r:.1f}" for r in R_GRID)])
+    by_origin = {origin: candidate for candidate, names in seeds for origin in names}
+    assert by_origin["paper r=0.0"].key == by_origin["all-high"].key
+    assert by_origin["paper r=1.0"].key == by_origin["all-low"].key
+
+
+def test_assignment_key_ignores_order_and_sees_changes():
+    a = {"x:activation": "e6m9s", "y:weight": "e4m3b4s"}
+    assert assignment_key(a) == assignment_key(dict(reversed(list(a.items()))))
+    assert assignment_key(a) != assignment_key({**a, "y:weight": "e6m9s"})
+
+
+def test_baseline_policies_cover_the_graph(graph):
+    policies = baseline_policies(graph)
+    assert list(policies) == list(BASELINES)
+    for policy in policies.values():
+        assert isinstance(policy, Policy)
+        assert set(policy.assignment(graph)) == set(graph.assignable_ids())
