@@ -1,0 +1,555 @@
+"""The policy file: which float format every training tensor uses, and how training enforces it.
+
+A ``Policy`` is what a search (or a hand) produces and what ``precsearch.runtime.apply_policy`` loads into
+ordinary training. It is a versioned JSON document (``schema_version`` 1), written with sorted keys and one
+entry per line so that two policies diff cleanly.
+
+Resolving a tensor's format, in the spirit of torch.ao's QConfigMapping (most specific rule wins):
+
+1. ``overrides[id]``: an exact tensor id of the graph (``"layer1.0.conv1:weight"``);
+2. ``overrides[glob]``: a glob over ids (``"layer4.*:activation"``); the longest pattern wins, ties go to the
+   alphabetically first;
+3. ``module_types[type][kind]``: the producing module's class name or function name (``"Conv2d"``,
+   ``"add"``) and the tensor kind;
+4. ``defaults[kind]``;
+5. nothing matched: fp32, and ``check`` reports the tensor as not covered.
+
+Master weights and optimizer state are not assigned here: master copies are fp32 when ``master_weights`` is
+true, and the optimizer settings (``optimizer``) say how the update is rounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from precsearch.cost import CostModel
+from precsearch.errors import PrecsearchError
+from precsearch.formats import OVERFLOWS, ROUNDINGS, FloatFormat, get_format
+from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace
+from precsearch.scaling import make_scaler
+
+__all__ = [
+    "BASELINES",
+    "KINDS",
+    "PAPER_OVERFLOW",
+    "SCHEMA_VERSION",
+    "Policy",
+    "PolicyReport",
+    "baseline",
+]
+
+SCHEMA_VERSION = 1
+KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
+BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
+LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
+OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format")
+OPTIMIZER_UPDATES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
+# The paper's reference code (and HFP8): forward tensors saturate, gradients overflow to inf so the scaler reacts.
+PAPER_OVERFLOW: dict[str, str] = {
+    "weight": "saturate", "activation": "saturate", "weight_grad": "inf", "activation_grad": "inf",
+}
+_GLOB_CHARS = frozenset("*?[")
+_FIELDS = (
+    "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
+    "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
+    "predicted", "provenance",
+)
+_FILE_KEYS = (*_FIELDS, "schema_version", "formats")
+
+
+def _is_glob(key: str) -> bool:
+    return not _GLOB_CHARS.isdisjoint(key)
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def _spec(value: Any, where: str) -> str:
+    """A normalized format spec after checking that precsearch.formats can build it (its error lists them)."""
+    if isinstance(value, FloatFormat):
+        return value.name
+    if not isinstance(value, str):
+        raise PrecsearchError(f"{where}: a format must be a string such as e4m3b4s or fp16, not {value!r}")
+    try:
+        get_format(value)
+    except PrecsearchError as error:
+        raise PrecsearchError(f"{where}: {error}") from None
+    return value.strip().lower()
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise PrecsearchError(f"{where} must be a mapping with string keys, not {type(value).__name__}")
+    return value
+
+
+def _kinds(value: Any, where: str) -> Mapping[str, Any]:
+    value = _mapping(value, where)
+    unknown = sorted(set(value) - set(KINDS))
+    if unknown:
+        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(KINDS)}")
+    return value
+
+
+def _choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
+    if value not in allowed:
+        raise PrecsearchError(f"{where}: {value!r} is not allowed; use one of {', '.join(allowed)}")
+    return value
+
+
+def _json_data(value: Any, where: str) -> dict[str, Any]:
+    """A mapping that JSON can write as is (checked now so that save never fails half-way)."""
+    value = dict(_mapping(value, where))
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise PrecsearchError(f"{where} must hold only JSON data (str, number, bool, list, dict): {error}") from None
+    return value
+
+
+def _optional_int(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PrecsearchError(f"{where} must be a positive integer or null, not {value!r}")
+    return value
+
+
+def _loss_scaling(value: Any, where: str) -> dict[str, Any]:
+    """``{"mode": ..., **options}``; the options are checked by building the scaler once."""
+    if isinstance(value, str):
+        value = {"mode": value}
+    value = dict(_mapping(value, where))
+    mode = _choice(value.pop("mode", "none"), LOSS_SCALING_MODES, f"{where}.mode")
+    try:
+        make_scaler(mode, **value)
+    except PrecsearchError as error:
+        raise PrecsearchError(f"{where}: {error}") from None
+    return {"mode": mode, **_json_data(value, where)}
+
+
+def _optimizer(value: Any, where: str) -> dict[str, Any]:
+    value = dict(_mapping(value, where))
+    unknown = sorted(set(value) - set(OPTIMIZER_KEYS))
+    if unknown:
+        raise PrecsearchError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(OPTIMIZER_KEYS)}")
+    if "update" in value:
+        _choice(value["update"], OPTIMIZER_UPDATES, f"{where}.update")
+    if "state_format" in value:
+        value["state_format"] = _spec(value["state_format"], f"{where}.state_format")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- policy
+
+
+@dataclass
+class PolicyReport:
+    """What ``Policy.check`` found: rules naming nothing in the model, tensors no rule covers, graph identity."""
+
+    model: str
+    policy_fingerprint: str | None
+    graph_fingerprint: str
+    missing: list[str] = field(default_factory=list)
+    uncovered: list[str] = field(default_factory=list)
+
+    @property
+    def fingerprint_matches(self) -> bool:
+        return self.policy_fingerprint is None or self.policy_fingerprint == self.graph_fingerprint
+
+    @property
+    def ok(self) -> bool:
+        return self.fingerprint_matches and not self.missing and not self.uncovered
+
+    def summary(self) -> str:
+        """A few human-readable lines (what ``precsearch`` commands print)."""
+        lines = [f"policy for {self.model or '<unnamed model>'}: graph fingerprint "
+                 + ("matches" if self.fingerprint_matches
+                    else f"differs ({self.policy_fingerprint} in the policy, {self.graph_fingerprint} here)")]
+        if self.missing:
+            lines.append(f"{len(self.missing)} rule(s) name nothing in this model: {', '.join(self.missing)}")
+        if self.uncovered:
+            lines.append(f"{len(self.uncovered)} tensor(s) covered by no rule (kept fp32): "
+                         + ", ".join(self.uncovered))
+        return "\n".join(lines)
+
+
+@dataclass
+class Policy:
+    """A precision assignment plus everything training needs to enforce it; see the module docstring."""
+
+    model: str = ""
+    graph_fingerprint: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    batch_size: int | None = None
+    defaults: dict[str, str] = field(default_factory=dict)
+    overrides: dict[str, str] = field(default_factory=dict)
+    module_types: dict[str, dict[str, str]] = field(default_factory=dict)
+    high_format: str = "fp32"
+    rounding: dict[str, str] = field(default_factory=dict)
+    overflow: dict[str, str] = field(default_factory=dict)
+    loss_scaling: dict[str, Any] = field(default_factory=lambda: {"mode": "none"})
+    promotion_threshold: float | None = 0.01
+    master_weights: bool = True
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    predicted: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "policy") -> None:
+        """Check every field and normalize format specs; a ``PrecsearchError`` names the first problem."""
+        if not isinstance(self.model, str):
+            raise PrecsearchError(f"{where}: model must be a model spec string, not {self.model!r}")
+        if self.graph_fingerprint is not None and not isinstance(self.graph_fingerprint, str):
+            raise PrecsearchError(f"{where}: graph_fingerprint must be a string or null")
+        if self.input_shape is not None:
+            shape = self.input_shape
+            if not isinstance(shape, list | tuple) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape
+            ):
+                raise PrecsearchError(f"{where}: input_shape must be a list of positive integers, not {shape!r}")
+            self.input_shape = tuple(shape)
+        self.batch_size = _optional_int(self.batch_size, f"{where}: batch_size")
+        self.defaults = {k: _spec(v, f"{where}: defaults.{k}")
+                         for k, v in _kinds(self.defaults, f"{where}: defaults").items()}
+        self.overrides = {k: _spec(v, f"{where}: overrides[{k!r}]")
+                          for k, v in _mapping(self.overrides, f"{where}: overrides").items()}
+        self.module_types = {
+            name: {k: _spec(v, f"{where}: module_types.{name}.{k}")
+                   for k, v in _kinds(rules, f"{where}: module_types.{name}").items()}
+            for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
+        }
+        self.high_format = _spec(self.high_format, f"{where}: high_format")
+        self.rounding = {k: _choice(v, ROUNDINGS, f"{where}: rounding.{k}")
+                         for k, v in _kinds(self.rounding, f"{where}: rounding").items()}
+        self.overflow = {k: _choice(v, OVERFLOWS, f"{where}: overflow.{k}")
+                         for k, v in _kinds(self.overflow, f"{where}: overflow").items()}
+        self.loss_scaling = _loss_scaling(self.loss_scaling, f"{where}: loss_scaling")
+        threshold = self.promotion_threshold
+        if threshold is not None:
+            if (isinstance(threshold, bool) or not isinstance(threshold, int | float)
+                    or not math.isfinite(threshold) or not 0 < threshold <= 1):
+                raise PrecsearchError(f"{where}: promotion_threshold must be in (0, 1] or null, not {threshold!r}")
+            self.promotion_threshold = float(threshold)
+        if not isinstance(self.master_weights, bool):
+            raise PrecsearchError(f"{where}: master_weights must be true or false, not {self.master_weights!r}")
+        self.optimizer = _optimizer(self.optimizer, f"{where}: optimizer")
+        self.predicted = _json_data(self.predicted, f"{where}: predicted")
+        self.provenance = _json_data(self.provenance, f"{where}: provenance")
+
+    # -- resolution ---------------------------------------------------------------------------------------
+
+    def explain(self, tensor: TensorInfo) -> tuple[str, str]:
+        """(format spec, the rule that chose it) for a ``TensorInfo``, by the documented precedence."""
+        if tensor.id in self.overrides:
+            return self.overrides[tensor.id], f"override {tensor.id!r}"
+        for pattern in self._globs():
+            if fnmatch.fnmatchcase(tensor.id, pattern):
+                return self.overrides[pattern], f"override {pattern!r}"
+        rule = self.module_types.get(tensor.module_type, {})
+        if tensor.kind in rule:
+            return rule[tensor.kind], f"module type {tensor.module_type}"
+        if tensor.kind in self.defaults:
+            return self.defaults[tensor.kind], f"default for {tensor.kind}"
+        return "fp32", "no rule"
+
+    def format_for(self, tensor: TensorInfo) -> str:
+        """The format spec of a ``TensorInfo`` (fp32 for master weights and anything no rule covers)."""
+        if tensor.kind == "optimizer_state":
+            return self.optimizer.get("state_format", "fp32")
+        if tensor.kind not in KINDS:
+            return "fp32"
+        return self.explain(tensor)[0]
+
+    def assignment(self, graph: TensorGraph) -> dict[str, str]:
+        """Tensor id -> format spec for every assignable tensor of ``graph`` (a ``TensorGraph``)."""
+        return {tensor_id: self.format_for(graph.tensors[tensor_id]) for tensor_id in graph.assignable_ids()}
+
+    def formats(self) -> dict[str, FloatFormat]:
+        """Every format the policy names, by spec (the file lists them with their parameters)."""
+        specs = {*self.defaults.values(), *self.overrides.values(), self.high_format}
+        specs |= {spec for rules in self.module_types.values() for spec in rules.values()}
+        if "state_format" in self.optimizer:
+            specs.add(self.optimizer["state_format"])
+        return {spec: get_format(spec) for spec in sorted(specs)}
+
+    def _globs(self) -> list[str]:
+        return sorted((key for key in self.overrides if _is_glob(key)), key=lambda key: (-len(key), key))
+
+    @classmethod
+    def from_assignment(cls, graph: TensorGraph, assignment: Mapping[str, Any], **fields: Any) -> Policy:
+        """A compact policy for ``graph`` giving exactly ``assignment`` (ids not named are fp32).
+
+        Each kind's most common format becomes its default and the rest become exact-id overrides. The
+        model identity comes from the graph; ``fields`` set any other field (and may override those). The
+        cost model's prediction is filled in.
+        """
+        unknown = sorted(set(assignment) - set(graph.assignable_ids()))
+        if unknown:
+            raise PrecsearchError(f"assignment names {len(unknown)} id(s) the graph lacks, e.g. {unknown[0]!r}; "
+                                  "build it from this model's graph")
+        specs = {tensor_id: _spec(assignment.get(tensor_id, "fp32"), f"assignment[{tensor_id!r}]")
+                 for tensor_id in graph.assignable_ids()}
+        defaults: dict[str, str] = {}
+        for kind in KINDS:
+            counts = Counter(spec for tensor_id, spec in specs.items() if graph.tensors[tensor_id].kind == kind)
+            if counts:
+                defaults[kind] = counts.most_common(1)[0][0]
+        overrides = {tensor_id: spec for tensor_id, spec in specs.items()
+                     if spec != defaults[graph.tensors[tensor_id].kind]}
+        values: dict[str, Any] = {**_identity(graph), "defaults": defaults, "overrides": overrides, **fields}
+        return cls(**values).fill_predicted(graph)
+
+    def fill_predicted(self, graph: TensorGraph) -> Policy:
+        """Set ``predicted`` from precsearch.cost for ``graph``: bytes, the fp32 bytes, their ratio, saved bytes."""
+        cost = CostModel(graph)
+        assignment = self.assignment(graph)
+        total, fp32 = cost.bytes(assignment), cost.bytes({})
+        self.predicted = {
+            "bytes": int(total),
+            "fp32_bytes": int(fp32),
+            "ratio": float(total) / float(fp32) if fp32 else 1.0,
+            "low_share": float(cost.memory_ratio(assignment)),
+            "saved_activation_bytes": int(cost.saved_activation_bytes(assignment)),
+        }
+        return self
+
+    # -- checking against a model -------------------------------------------------------------------------
+
+    def check(self, model_or_graph: nn.Module | TensorGraph, example_input: torch.Tensor | None = None
+              ) -> PolicyReport:
+        """Report the rules that name nothing in the model and the tensors no rule covers, by name.
+
+        Takes a ``TensorGraph`` or an ``nn.Module`` (traced with ``example_input``, or a batch of two zeros of
+        the policy's ``input_shape``).
+        """
+        graph = self._graph(model_or_graph, example_input)
+        ids = set(graph.tensors)
+        missing = [f"override {key!r}" for key in sorted(self.overrides)
+                   if (key not in ids if not _is_glob(key) else not fnmatch.filter(ids, key))]
+        types = {info.module_type for info in graph.tensors.values()}
+        missing += [f"module type {name!r}" for name in sorted(self.module_types) if name not in types]
+        uncovered = [tensor_id for tensor_id in graph.assignable_ids()
+                     if self.explain(graph.tensors[tensor_id])[1] == "no rule"]
+        return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered)
+
+    def verify(self, graph: TensorGraph, strict: bool = True) -> PolicyReport:
+        """``check`` that raises when the policy was made for another graph (unless ``strict`` is False)."""
+        report = self.check(graph)
+        if strict and not report.fingerprint_matches:
+            lacking = [item for item in report.missing if item.startswith("override")]
+            detail = f"; {len(lacking)} override(s) name nothing here, e.g. {lacking[0]}" if lacking else ""
+            raise PrecsearchError(
+                f"policy was made for {self.model or 'another model'} (graph {self.graph_fingerprint}), "
+                f"but this model's graph is {report.graph_fingerprint}{detail}; make a policy for this model "
+                "(or pass strict=False to apply it anyway)"
+            )
+        return report
+
+    def _graph(self, model_or_graph: nn.Module | TensorGraph, example_input: torch.Tensor | None) -> TensorGraph:
+        if isinstance(model_or_graph, TensorGraph):
+            return model_or_graph
+        if example_input is None:
+            example_input = self.example_input(model_or_graph)
+        return trace(model_or_graph, example_input, batch_size=self.batch_size)
+
+    def example_input(self, model: nn.Module | None = None, batch: int = 2) -> torch.Tensor:
+        """Zeros of ``(batch, *input_shape)`` on the model's device, for tracing."""
+        if self.input_shape is None:
+            raise PrecsearchError("policy has no input_shape; pass an example input")
+        device = next((p.device for p in model.parameters()), None) if model is not None else None
+        return torch.zeros(batch, *self.input_shape, device=device)
+
+    # -- files --------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document: every field, the schema version and the formats used with their parameters."""
+        self.validate()
+        data = {name: getattr(self, name) for name in _FIELDS}
+        data["input_shape"] = list(self.input_shape) if self.input_shape is not None else None
+        data["schema_version"] = SCHEMA_VERSION
+        data["formats"] = {spec: _format_entry(fmt) for spec, fmt in self.formats().items()}
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write atomically: a temp file in the same directory, fsync, rename; on failure nothing is left."""
+        path = Path(path)
+        text = self.to_json()  # fails (validation, serialization) before anything touches the disk
+        tmp_name = None
+        try:
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp_name, path)
+            tmp_name = None
+        except OSError as error:
+            raise PrecsearchError(f"cannot write policy {path}: {error.strerror or error}; "
+                                  "choose a writable path") from None
+        finally:
+            if tmp_name is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp_name)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "policy") -> Policy:
+        """Validate a parsed document (schema version, keys, types, formats); errors name ``where``."""
+        if not isinstance(data, Mapping):
+            raise PrecsearchError(f"{where}: expected a JSON object, found {type(data).__name__}")
+        version = data.get("schema_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PrecsearchError(f"{where}: missing or invalid schema_version {version!r}; "
+                                  f"a policy file needs schema_version {SCHEMA_VERSION}")
+        if version > SCHEMA_VERSION:
+            raise PrecsearchError(f"{where}: schema_version {version} was written by a newer precsearch "
+                                  f"(this one reads {SCHEMA_VERSION}); upgrade precsearch")
+        unknown = sorted(set(data) - set(_FILE_KEYS))
+        if unknown:
+            raise PrecsearchError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(_FILE_KEYS)}")
+        try:
+            policy = cls(**{name: data[name] for name in _FIELDS if name in data})
+        except PrecsearchError as error:
+            raise PrecsearchError(f"{where}: {str(error).removeprefix('policy: ')}") from None
+        _check_listed_formats(data.get("formats", {}), where)
+        return policy
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Policy:
+        """Read and validate a policy file; corrupt, truncated, newer or invalid files raise PrecsearchError."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise PrecsearchError(f"policy {path}: not a text file (corrupted?); write it again with "
+                                  "Policy.save") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            state = "empty" if not text.strip() else "truncated or corrupted"
+            raise PrecsearchError(f"policy {path}: {state} JSON ({error.msg} at line {error.lineno} column "
+                                  f"{error.colno}); write it again with Policy.save") from None
+        return cls.from_dict(data, where=f"policy {path}")
+
+    def replace(self, **changes: Any) -> Policy:
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+def _format_entry(fmt: FloatFormat) -> dict[str, Any]:
+    return {"bits": fmt.bits, "exp": fmt.exp, "man": fmt.man, "bias": fmt.bias, "special": fmt.special,
+            "max": fmt.max, "min_subnormal": fmt.min_subnormal}
+
+
+def _check_listed_formats(listed: Any, where: str) -> None:
+    """The file's ``formats`` table is informative, but it must agree with how this precsearch reads the specs."""
+    for spec, entry in _mapping(listed, f"{where}: formats").items():
+        fmt = get_format(_spec(spec, f"{where}: formats"))
+        expected = _format_entry(fmt)
+        if not isinstance(entry, Mapping):
+            raise PrecsearchError(f"{where}: formats.{spec} must be a mapping of its parameters")
+        for key, value in entry.items():
+            if key not in expected:
+                raise PrecsearchError(f"{where}: formats.{spec}: unknown key {key!r}; allowed: {', '.join(expected)}")
+            if value != expected[key]:
+                raise PrecsearchError(f"{where}: formats.{spec}.{key} is {value!r} but this precsearch reads "
+                                      f"{spec} as {key}={expected[key]!r}; the file was written by an "
+                                      "incompatible precsearch")
+
+
+def _identity(graph: TensorGraph) -> dict[str, Any]:
+    """The policy fields that tie it to one model's graph."""
+    return {
+        "model": graph.model_name,
+        "graph_fingerprint": graph.fingerprint(),
+        "input_shape": tuple(graph.input_shape) if graph.input_shape is not None else None,
+        "batch_size": graph.batch_size,
+    }
+
+
+# ------------------------------------------------------------------------------------------- baselines
+
+
+def _gemm_operands(graph: TensorGraph, op: OpInfo) -> set[str]:
+    """The tensors a GEMM op multiplies: its weights, its input activations and its output's gradient.
+
+    Forward computes Y = X W; backward computes dX = dY W and dW = X dY, so X, W and dY are its operands.
+    """
+    ids = {info.id for info in graph.tensors.values() if info.kind == "weight" and info.op == op.name}
+    ids |= {f"{name}:activation" for name in op.inputs}
+    ids.add(f"{op.name}:activation_grad")
+    return ids & set(graph.tensors)
+
+
+def _first_last_gemm_operands(graph: TensorGraph) -> set[str]:
+    gemms = [op for op in graph.ops if op.role == "gemm"]
+    if not gemms:
+        return set()
+    return _gemm_operands(graph, gemms[0]) | _gemm_operands(graph, gemms[-1])
+
+
+def baseline(name: str, graph: TensorGraph) -> Policy:
+    """A prior-work policy for any traced model (a ``TensorGraph``), with the cost model's prediction.
+
+    * ``fp32``: everything fp32, no loss scaling.
+    * ``fp16`` / ``bf16`` / ``fp8``: the format alone: every weight, activation and gradient in it (``fp8`` is
+      ``fp8_e5m2``, IEEE-like with inf: the one 8-bit format with range enough for data and gradients), fp32
+      master weights, no loss scaling, IEEE overflow to inf.
+    * ``mpt`` (Micikevicius et al. 2018): fp16 tensors, fp32 master weights, dynamic loss scaling from 2^16.
+    * ``hfp8`` (Sun et al. 2019, the paper's pi_op): every GEMM's operands low: weights and input activations
+      ``e4m3b4s``, the gradient of its output ``e5m2s``; weight gradients ``e6m9s``; the first and last GEMM
+      and every other tensor high (``e6m9s``); forward saturates, gradients overflow to inf; dynamic scaling.
+    * ``wang_fp8`` (Wang et al. 2018): weights, activations and activation gradients ``e5m2s``, weight
+      gradients ``e6m9s``, the first and last GEMM's operands 16-bit ``e6m9s``, stochastic rounding in the
+      weight update; dynamic scaling.
+
+    No baseline enables the promotion guard: they reproduce prior work, which had none.
+    """
+    if name not in BASELINES:
+        raise PrecsearchError(f"unknown baseline {name!r}; use one of {', '.join(BASELINES)}")
+    dynamic = {"mode": "dynamic", "init_scale": 2.0**16}
+    common: dict[str, Any] = {"promotion_threshold": None, "provenance": {"strategy": f"baseline:{name}"}}
+    if name in ("fp32", "fp16", "bf16", "fp8", "mpt"):
+        spec = {"fp8": "fp8_e5m2", "mpt": "fp16"}.get(name, name)
+        policy = Policy(**_identity(graph), defaults=dict.fromkeys(KINDS, spec), high_format="fp32",
+                        loss_scaling=dynamic if name == "mpt" else {"mode": "none"}, **common)
+        return policy.fill_predicted(graph)
+    high = "e6m9s"
+    first_last = _first_last_gemm_operands(graph)
+    if name == "hfp8":
+        low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s"}
+        operands: set[str] = set()
+        for op in graph.ops:
+            if op.role == "gemm":
+                operands |= _gemm_operands(graph, op)
+        low_ids = operands - first_last
+        overrides = {tensor_id: low[graph.tensors[tensor_id].kind] for tensor_id in sorted(low_ids)}
+        defaults = dict.fromkeys(KINDS, high)
+        optimizer: dict[str, Any] = {}
+    else:
+        defaults = {"weight": "e5m2s", "activation": "e5m2s", "activation_grad": "e5m2s", "weight_grad": high}
+        overrides = {tensor_id: high for tensor_id in sorted(first_last)}
+        optimizer = {"update": "stochastic"}
+    policy = Policy(**_identity(graph), defaults=defaults, overrides=overrides, high_format=high,
+                    overflow=dict(PAPER_OVERFLOW), loss_scaling=dynamic, optimizer=optimizer, **common)
+    return policy.fill_predicted(graph)

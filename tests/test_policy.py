@@ -1,0 +1,305 @@
+"""Policy files: schema, precedence, compact assignments, checks against models, atomic saves, baselines."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from precsearch.cost import CostModel
+from precsearch.errors import PrecsearchError
+from precsearch.formats import NAMED_FORMATS, get_format
+from precsearch.graph import trace
+from precsearch.models import build
+from precsearch.policy import BASELINES, KINDS, SCHEMA_VERSION, Policy, baseline
+
+PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(build("tiny_cnn"), torch.zeros(2, 3, 32, 32), batch_size=8)
+
+
+@pytest.fixture
+def policy(graph) -> Policy:
+    return Policy(model="tiny_cnn", graph_fingerprint=graph.fingerprint(), input_shape=(3, 32, 32), batch_size=8,
+                  defaults=dict(PAPER_LOW), overrides={"linear:activation": "fp32", "conv*:weight": "fp16"},
+                  module_types={"BatchNorm2d": {"weight": "bf16"}}, high_format="e6m9s",
+                  rounding={"weight_grad": "stochastic"}, overflow={"activation_grad": "inf"},
+                  loss_scaling={"mode": "dynamic", "init_scale": 1024.0}, provenance={"strategy": "test"})
+
+
+# ------------------------------------------------------------------------------------------ resolution
+
+
+def test_precedence_exact_then_longest_glob_then_module_type_then_default(graph):
+    policy = Policy(
+        defaults={"weight": "e5m2s", "activation": "e4m3b4s"},
+        overrides={"conv1:weight": "fp32", "conv*": "fp16", "conv*:weight": "bf16", "*:weight": "e3m4s"},
+        module_types={"Conv2d": {"weight": "e6m9s"}, "BatchNorm2d": {"weight": "e2m5s"}},
+    )
+    fmt = {tid: policy.explain(graph.tensors[tid]) for tid in graph.tensors if graph.tensors[tid].kind in KINDS}
+    assert fmt["conv1:weight"] == ("fp32", "override 'conv1:weight'")  # exact beats every glob
+    assert fmt["conv2:weight"] == ("bf16", "override 'conv*:weight'")  # longest matching glob wins
+    assert fmt["conv2:activation"] == ("fp16", "override 'conv*'")
+    assert fmt["bn1:weight"] == ("e3m4s", "override '*:weight'")  # a glob beats the module type rule
+    assert fmt["bn1:bias"] == ("e2m5s", "module type BatchNorm2d")  # a bias is of kind weight too
+    assert fmt["linear:bias"] == ("e5m2s", "default for weight")
+    assert fmt["relu1:activation"] == ("e4m3b4s", "default for activation")
+    assert fmt["relu1:activation_grad"] == ("fp32", "no rule")
+
+
+def test_module_type_rule_beats_default(graph):
+    policy = Policy(defaults={"weight": "e5m2s"}, module_types={"BatchNorm2d": {"weight": "bf16"}})
+    assert policy.format_for(graph.tensors["bn1:weight"]) == "bf16"
+    assert policy.format_for(graph.tensors["conv1:weight"]) == "e5m2s"
+    # master copies and momentum are not assigned: fp32, or the optimizer's state format
+    assert policy.format_for(graph.tensors["conv1:weight_master"]) == "fp32"
+    with_state = Policy(defaults={"weight": "e5m2s"}, optimizer={"state_format": "bf16"})
+    assert with_state.format_for(graph.tensors["conv1:weight_momentum"]) == "bf16"
+
+
+def test_from_assignment_reproduces_the_assignment_compactly(graph):
+    ids = graph.assignable_ids()
+    assignment = {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in ids}
+    assignment["conv2:weight"] = "e6m9s"
+    assignment["pool1:activation_grad"] = "fp16"
+    policy = Policy.from_assignment(graph, assignment, provenance={"strategy": "unit"})
+    assert policy.assignment(graph) == assignment
+    assert policy.overrides == {"conv2:weight": "e6m9s", "pool1:activation_grad": "fp16"}
+    assert policy.defaults == PAPER_LOW
+    assert policy.graph_fingerprint == graph.fingerprint() and policy.batch_size == 8
+    cost = CostModel(graph)
+    assert policy.predicted["bytes"] == int(cost.bytes(assignment))
+    assert policy.predicted["saved_activation_bytes"] == cost.saved_activation_bytes(assignment)
+
+
+def test_from_assignment_rejects_ids_of_another_graph(graph):
+    with pytest.raises(PrecsearchError, match="graph lacks.*'layer1.0.conv1:weight'"):
+        Policy.from_assignment(graph, {"layer1.0.conv1:weight": "fp16"})
+
+
+# ---------------------------------------------------------------------------------------------- check
+
+
+def test_check_reports_missing_rules_and_uncovered_tensors_by_name(graph):
+    policy = Policy(defaults={"weight": "e5m2s", "activation": "e5m2s", "weight_grad": "e6m9s"},
+                    overrides={"conv9:weight": "fp16", "layer*:activation": "fp16", "relu1:activation_grad": "fp16"},
+                    module_types={"GELU": {"activation": "bf16"}})
+    report = policy.check(graph)
+    assert report.missing == ["override 'conv9:weight'", "override 'layer*:activation'", "module type 'GELU'"]
+    expected = [tid for tid in graph.assignable_ids()
+                if graph.tensors[tid].kind == "activation_grad" and tid != "relu1:activation_grad"]
+    assert report.uncovered == expected
+    assert not report.ok and "conv9:weight" in report.summary() and "conv1:activation_grad" in report.summary()
+
+
+def test_check_traces_a_model_from_the_policy_input_shape(policy):
+    report = policy.check(build("tiny_cnn"))
+    assert report.fingerprint_matches and report.uncovered == []
+    assert report.missing == []
+
+
+def test_policy_for_another_model_is_refused_unless_not_strict(policy):
+    other = trace(build("tiny_cnn", width=0.5), torch.zeros(2, 3, 32, 32), batch_size=8)
+    with pytest.raises(PrecsearchError, match=r"policy was made for tiny_cnn \(graph [0-9a-f]+\).*strict=False"):
+        policy.verify(other)
+    report = policy.verify(other, strict=False)
+    assert not report.fingerprint_matches
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def test_save_load_round_trip_is_sorted_versioned_and_lists_formats(policy, tmp_path):
+    path = policy.save(tmp_path / "p.json")
+    text = path.read_text()
+    data = json.loads(text)
+    assert list(data) == sorted(data) and data["schema_version"] == SCHEMA_VERSION
+    assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
+    assert '    "conv*:weight": "fp16",\n' in text  # one override per line: diffs stay readable
+    fmt = get_format("e4m3b4s")
+    assert data["formats"]["e4m3b4s"] == {"bits": 8, "exp": 4, "man": 3, "bias": fmt.bias, "special": "none",
+                                          "max": 30.0, "min_subnormal": 2.0**-13}
+    assert set(data["formats"]) == {"e4m3b4s", "e5m2s", "e6m9s", "fp16", "fp32", "bf16"}
+    loaded = Policy.load(path)
+    assert loaded == policy
+    assert loaded.input_shape == (3, 32, 32)
+    assert loaded.loss_scaling == {"mode": "dynamic", "init_scale": 1024.0}
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    return path
+
+
+def _edited(policy: Policy, tmp_path: Path, **changes) -> Path:
+    data = policy.to_dict()
+    data.update(changes)
+    return _write(tmp_path, json.dumps(data))
+
+
+def test_truncated_and_corrupted_files_are_named(policy, tmp_path):
+    text = policy.to_json()
+    for broken, what in ((text[: len(text) // 2], "truncated or corrupted"), ("", "empty"),
+                         ("{\"schema_version\": 1,,}", "truncated or corrupted")):
+        path = _write(tmp_path, broken)
+        with pytest.raises(PrecsearchError, match=f"policy {path}: {what} JSON .*line") as info:
+            Policy.load(path)
+        assert "\n" not in str(info.value)
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(PrecsearchError, match="not a text file"):
+        Policy.load(binary)
+    with pytest.raises(PrecsearchError, match="expected a JSON object, found list"):
+        Policy.load(_write(tmp_path, "[1, 2]"))
+
+
+def test_unknown_format_lists_the_named_formats_and_the_grammar(policy, tmp_path):
+    path = _edited(policy, tmp_path, defaults={"weight": "float7"})
+    with pytest.raises(PrecsearchError) as info:
+        Policy.load(path)
+    message = str(info.value)
+    assert message.startswith(f"policy {path}: defaults.weight: ")
+    assert all(name in message for name in NAMED_FORMATS) and "e<E>m<M>" in message
+    with pytest.raises(PrecsearchError, match=r"overrides\['conv1:weight'\]: format 'e9m2': E must be in 1..8"):
+        Policy.load(_edited(policy, tmp_path, overrides={"conv1:weight": "e9m2"}))
+
+
+def test_newer_schema_unknown_keys_and_wrong_types_are_refused(policy, tmp_path):
+    cases = [
+        ({"schema_version": SCHEMA_VERSION + 1}, "written by a newer precsearch.*upgrade precsearch"),
+        ({"schema_version": "1"}, "invalid schema_version '1'"),
+        ({"colour": "blue"}, "unknown key 'colour'; allowed keys: model"),
+        ({"batch_size": "8"}, "batch_size must be a positive integer"),
+        ({"batch_size": True}, "batch_size must be a positive integer"),
+        ({"master_weights": "yes"}, "master_weights must be true or false"),
+        ({"defaults": ["fp16"]}, "defaults must be a mapping"),
+        ({"defaults": {"weights": "fp16"}}, "unknown tensor kind 'weights'"),
+        ({"rounding": {"weight": "up"}}, r"rounding.weight: 'up' is not allowed"),
+        ({"overflow": {"activation": "wrap"}}, r"overflow.activation: 'wrap' is not allowed"),
+        ({"promotion_threshold": 2}, r"promotion_threshold must be in \(0, 1\]"),
+        ({"loss_scaling": {"mode": "magic"}}, r"loss_scaling.mode: 'magic' is not allowed"),
+        ({"loss_scaling": {"mode": "dynamic", "init_scal": 2}}, "loss_scaling: loss scaling 'dynamic': bad option"),
+        ({"optimizer": {"update": "round"}}, r"optimizer.update: 'round' is not allowed"),
+        ({"input_shape": [3, -1]}, "input_shape must be a list of positive integers"),
+        ({"formats": {"e4m3b4s": {"bits": 8, "max": 448.0}}}, r"formats.e4m3b4s.max is 448.0 but .* max=30.0"),
+    ]
+    for changes, pattern in cases:
+        path = _edited(policy, tmp_path, **changes)
+        with pytest.raises(PrecsearchError, match=pattern) as info:
+            Policy.load(path)
+        assert str(info.value).startswith(f"policy {path}: ") and "\n" not in str(info.value)
+
+
+def test_failed_save_leaves_no_file_behind(policy, tmp_path, monkeypatch):
+    target = tmp_path / "p.json"
+    policy.provenance["trial"] = object()  # not JSON
+    with pytest.raises(PrecsearchError, match="provenance must hold only JSON data"):
+        policy.save(target)
+    assert list(tmp_path.iterdir()) == []
+
+    policy.provenance.pop("trial")
+    policy.save(target)
+    before = target.read_bytes()
+    policy.provenance["trial"] = 7
+
+    def broken_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(PrecsearchError, match=f"cannot write policy {target}: No space left on device"):
+        policy.save(target)
+    assert target.read_bytes() == before  # the old file is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # and no temp file is left
+
+    def read_only(*args, **kwargs):  # what mkstemp raises in a read-only directory (root is exempt from it)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(PrecsearchError, match="cannot write policy .*: Permission denied; choose a writable path"):
+        policy.save(tmp_path / "other.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_save_into_read_only_directory(policy, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(stat.S_IREAD | stat.S_IEXEC)
+    try:
+        with pytest.raises(PrecsearchError, match="cannot write policy .*choose a writable path"):
+            policy.save(folder / "p.json")
+        assert list(folder.iterdir()) == []
+    finally:
+        folder.chmod(stat.S_IRWXU)
+
+
+def test_constructing_a_bad_policy_in_code_fails_early():
+    with pytest.raises(PrecsearchError, match="policy: high_format: unknown float format 'fp99'"):
+        Policy(high_format="fp99")
+    with pytest.raises(PrecsearchError, match="optimizer: unknown key 'lr'"):
+        Policy(optimizer={"lr": 0.1})
+
+
+# ------------------------------------------------------------------------------------------- baselines
+
+
+def test_every_baseline_builds_and_predicts_from_the_cost_model(graph):
+    cost = CostModel(graph)
+    fp32_bytes = cost.bytes({})
+    for name in BASELINES:
+        policy = baseline(name, graph)
+        assert policy.check(graph).ok, name
+        assignment = policy.assignment(graph)
+        assert policy.predicted["bytes"] == int(cost.bytes(assignment))
+        assert policy.predicted["ratio"] == pytest.approx(cost.bytes(assignment) / fp32_bytes)
+        assert policy.provenance == {"strategy": f"baseline:{name}"}
+        Policy.from_dict(json.loads(policy.to_json()))  # every baseline survives its own file format
+    assert baseline("fp32", graph).predicted["ratio"] == 1.0
+    assert baseline("fp16", graph).predicted["ratio"] == 0.5
+    assert baseline("fp8", graph).predicted["ratio"] == 0.25
+    with pytest.raises(PrecsearchError, match="unknown baseline 'fp4'; use one of fp32, fp16"):
+        baseline("fp4", graph)
+
+
+def test_uniform_and_mixed_precision_baselines(graph):
+    ids = graph.assignable_ids()
+    for name, spec in (("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8_e5m2")):
+        policy = baseline(name, graph)
+        assert set(policy.assignment(graph).values()) == {spec}
+        assert policy.loss_scaling == {"mode": "none"} and policy.master_weights
+    mpt = baseline("mpt", graph)
+    assert mpt.assignment(graph) == dict.fromkeys(ids, "fp16")
+    assert mpt.master_weights and mpt.loss_scaling == {"mode": "dynamic", "init_scale": 2.0**16}
+
+
+def test_hfp8_keeps_only_the_inner_gemm_operands_low(graph):
+    # tiny_cnn: conv1 (first GEMM), conv2, linear (last GEMM). conv2 computes pool1:activation x conv2:weight;
+    # its backward multiplies conv2:activation_grad. Only those are low; everything else is e6m9s.
+    assignment = baseline("hfp8", graph).assignment(graph)
+    low = {tid: spec for tid, spec in assignment.items() if spec != "e6m9s"}
+    assert low == {"pool1:activation": "e4m3b4s", "conv2:weight": "e4m3b4s", "conv2:activation_grad": "e5m2s"}
+    policy = baseline("hfp8", graph)
+    assert policy.overflow == {"weight": "saturate", "activation": "saturate", "weight_grad": "inf",
+                               "activation_grad": "inf"}
+    assert policy.promotion_threshold is None and policy.high_format == "e6m9s"
+
+
+def test_wang_fp8_is_e5m2_data_with_16_bit_first_and_last_layers(graph):
+    policy = baseline("wang_fp8", graph)
+    assignment = policy.assignment(graph)
+    high = {"x:activation", "conv1:weight", "conv1:activation_grad",  # first GEMM's operands
+            "pool2:activation", "linear:weight", "linear:bias", "linear:activation_grad"}  # last GEMM's
+    for tid, spec in assignment.items():
+        kind = graph.tensors[tid].kind
+        expected = "e6m9s" if tid in high or kind == "weight_grad" else "e5m2s"
+        assert spec == expected, tid
+    assert policy.optimizer == {"update": "stochastic"}
