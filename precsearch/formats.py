@@ -276,29 +276,32 @@ def _make_kernel(key: _KernelKey):
     return kernel
 
 
-@functools.lru_cache(maxsize=64)
-def _compiled(key: _KernelKey):
-    return torch.compile(_make_kernel(key), dynamic=False)
-
-
 _compile_broken = os.environ.get("PRECSEARCH_COMPILE", "1") == "0"
 
 
-def _round(x: torch.Tensor, key: _KernelKey, seed: torch.Tensor) -> torch.Tensor:
-    """Run the kernel: compiled for large tensors while torch.compile works here, eager otherwise."""
+@functools.lru_cache(maxsize=192)
+def _compiled(kernel):
+    return torch.compile(kernel, dynamic=False)
+
+
+def _run(kernel, flat: torch.Tensor, *args):
+    """Run a kernel on a flat tensor: compiled for large tensors while torch.compile works here, else eager.
+
+    Kernels are made per format (constants baked in); each is a recompile of the same code, so the
+    recompile limit is raised to what the kernel caches hold. Any compiler failure means eager mode for the
+    rest of the process.
+    """
     global _compile_broken
-    if _compile_broken or x.numel() < COMPILE_MIN_NUMEL:
-        return _make_kernel(key)(x, seed)
-    flat = x.reshape(-1)
+    if _compile_broken or flat.numel() < COMPILE_MIN_NUMEL:
+        return kernel(flat, *args)
     torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel per format serves every tensor size
     try:
-        # Each format is a recompile of the same function: allow as many as the kernel cache holds.
-        with torch._dynamo.config.patch(recompile_limit=64):
-            return _compiled(key)(flat, seed).view(x.shape)
-    except Exception as error:  # any compiler failure: eager for the rest of the process
-        log.debug("torch.compile of the quantizer failed (%s); using eager mode", error)
+        with torch._dynamo.config.patch(recompile_limit=192):
+            return _compiled(kernel)(flat, *args)
+    except Exception as error:
+        log.debug("torch.compile of a formats kernel failed (%s); using eager mode", error)
         _compile_broken = True
-        return _make_kernel(key)(x, seed)
+        return kernel(flat, *args)
 
 
 def _float_bits(value: float) -> int:
@@ -330,50 +333,86 @@ def quantize(
     if stochastic:
         device = generator.device if generator is not None else "cpu"
         seed = torch.randint(0, 2**31 - 1, (), generator=generator, device=device, dtype=torch.int64)
-    key = _KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), stochastic, overflow, fmt.has_inf)
-    return _round(x.contiguous(), key, seed.to(x.device))
+    kernel = _make_kernel(_KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), stochastic, overflow, fmt.has_inf))
+    return _run(kernel, x.reshape(-1), seed.to(x.device)).view(x.shape)
 
 
 # ------------------------------------------------------------------------------------------ bit packing
 
 
+def _nearest_key(fmt: FloatFormat) -> _KernelKey:
+    return _KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), False, fmt.default_overflow, fmt.has_inf)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_encoder(fmt: FloatFormat):
+    """Round to nearest and assemble the format's bit pattern in one pass; also count unencodable values."""
+    round_nearest = _make_kernel(_nearest_key(fmt))
+    normal_from = (fmt.emin + 127) << 23
+    top = 2**fmt.exp - 1
+    quiet_nan = 1 << max(fmt.man - 1, 0)
+
+    def encoder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = round_nearest(x, torch.zeros((), dtype=torch.int64, device=x.device))
+        bits = q.view(torch.int32)
+        mag = bits & 0x7FFFFFFF
+        is_nan = mag > 0x7F800000
+        is_inf = mag == 0x7F800000
+        normal = mag >= normal_from
+        exp_code = torch.where(normal, (mag >> 23) - 127 + fmt.bias, 0)
+        man_code = torch.where(
+            normal, (mag & 0x7FFFFF) >> (23 - fmt.man), (q.abs() / fmt.min_subnormal).to(torch.int32)
+        )
+        if fmt.has_inf:
+            exp_code = torch.where(is_inf | is_nan, top, exp_code)
+            man_code = torch.where(is_inf, 0, torch.where(is_nan, quiet_nan, man_code))
+        elif fmt.has_nan:
+            exp_code = torch.where(is_nan, top, exp_code)
+            man_code = torch.where(is_nan, 2**fmt.man - 1, man_code)
+        codes = (((bits >> 31) & 1) << (fmt.bits - 1)) | (exp_code << fmt.man) | man_code
+        if fmt.storage_dtype == torch.int16:
+            codes = torch.where(codes >= 2**15, codes - 2**16, codes)
+        unencodable = (is_inf & (not fmt.has_inf)) | (is_nan & (not fmt.has_nan))
+        return codes.to(fmt.storage_dtype), unencodable.sum()
+
+    return encoder
+
+
+@functools.lru_cache(maxsize=64)
+def _make_decoder(fmt: FloatFormat):
+    """float32 values of bit patterns: normal codes rebuilt as float32 bits, subnormals as multiples."""
+    top = 2**fmt.exp - 1
+
+    def decoder(codes: torch.Tensor) -> torch.Tensor:
+        c = codes.to(torch.int32) & ((1 << fmt.bits) - 1)
+        exp_code = (c >> fmt.man) & top
+        man_code = c & (2**fmt.man - 1)
+        normal_bits = ((exp_code - fmt.bias + 127) << 23) | (man_code << (23 - fmt.man))
+        subnormal = man_code.to(torch.float32) * fmt.min_subnormal
+        value = torch.where(exp_code > 0, normal_bits.view(torch.float32), subnormal)
+        if fmt.has_inf:
+            value = torch.where(exp_code == top, torch.where(man_code == 0, math.inf, math.nan), value)
+        elif fmt.has_nan:
+            value = torch.where((exp_code == top) & (man_code == 2**fmt.man - 1), math.nan, value)
+        return torch.where(((c >> (fmt.bits - 1)) & 1).bool(), -value, value)
+
+    return decoder
+
+
 def encode(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     """Bit patterns of ``x`` in ``fmt``: uint8 per element for <= 8 bits, int16 for <= 16, else int32.
 
-    ``x`` is rounded to nearest first (with the format's default overflow); values the format cannot hold
-    (inf without an inf code, NaN without a NaN code) raise ``PrecsearchError``.
+    ``x`` is rounded to nearest first (with the format's default overflow), in the same pass; values the
+    format cannot hold (inf without an inf code, NaN without a NaN code) raise ``PrecsearchError``.
     """
     fmt = get_format(fmt)
-    q = quantize(_check_tensor(x), fmt)
-    bits = q.view(torch.int32)
-    mag = bits & 0x7FFFFFFF
-    is_nan = mag > 0x7F800000
-    is_inf = mag == 0x7F800000
-    if (not fmt.has_inf and bool(is_inf.any())) or (not fmt.has_nan and bool(is_nan.any())):
+    x = _check_tensor(x)
+    codes, unencodable = _run(_make_encoder(fmt), x.reshape(-1))
+    if unencodable.item():
         raise PrecsearchError(
             f"cannot encode inf/NaN in {fmt.name}, which has no such code: clamp or quantize the values first"
         )
-    sign = (bits >> 31) & 1
-    exp32 = mag >> 23
-    normal = exp32 >= fmt.emin + 127
-    exp_code = torch.where(normal, exp32 - 127 + fmt.bias, 0)
-    man_code = torch.where(
-        normal,
-        (mag & 0x7FFFFF) >> (23 - fmt.man),
-        (q.abs() / fmt.min_subnormal).to(torch.int32),
-    )
-    top = 2**fmt.exp - 1
-    all_ones_man = 2**fmt.man - 1
-    if fmt.has_inf:
-        exp_code = torch.where(is_inf | is_nan, top, exp_code)
-        man_code = torch.where(is_inf, 0, torch.where(is_nan, 1 << max(fmt.man - 1, 0), man_code))
-    elif fmt.has_nan:
-        exp_code = torch.where(is_nan, top, exp_code)
-        man_code = torch.where(is_nan, all_ones_man, man_code)
-    codes = (sign << (fmt.bits - 1)) | (exp_code << fmt.man) | man_code
-    if fmt.storage_dtype == torch.int16:
-        codes = torch.where(codes >= 2**15, codes - 2**16, codes)
-    return codes.to(fmt.storage_dtype)
+    return codes.view(x.shape)
 
 
 def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
@@ -381,20 +420,7 @@ def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     fmt = get_format(fmt)
     if codes.dtype != fmt.storage_dtype:
         raise TypeError(f"{fmt.name} codes must be {fmt.storage_dtype}, got {codes.dtype}")
-    c = codes.to(torch.int32) & ((1 << fmt.bits) - 1)
-    sign = (c >> (fmt.bits - 1)) & 1
-    exp_code = (c >> fmt.man) & (2**fmt.exp - 1)
-    man_code = c & (2**fmt.man - 1)
-    normal_bits = ((exp_code - fmt.bias + 127) << 23) | (man_code << (23 - fmt.man))
-    subnormal = man_code.to(torch.float32) * fmt.min_subnormal
-    value = torch.where(exp_code > 0, normal_bits.view(torch.float32), subnormal)
-    top = 2**fmt.exp - 1
-    if fmt.has_inf:
-        special = torch.where(man_code == 0, math.inf, math.nan)
-        value = torch.where(exp_code == top, special, value)
-    elif fmt.has_nan:
-        value = torch.where((exp_code == top) & (man_code == 2**fmt.man - 1), math.nan, value)
-    return torch.where(sign.bool(), -value, value)
+    return _run(_make_decoder(fmt), codes.reshape(-1)).view(codes.shape)
 
 
 # ------------------------------------------------------------------------------------------- statistics

@@ -262,10 +262,15 @@ def test_compiled_path_matches_eager_bit_for_bit(monkeypatch):
     for spec, rounding in [("e4m3b4s", "nearest"), ("fp8_e5m2", "stochastic")]:
         compiled = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
         assert not formats._compile_broken, "torch.compile failed here, so the compiled path went untested"
+        compiled_codes = encode(x, spec)
+        compiled_back = decode(compiled_codes, spec)
         monkeypatch.setattr(formats, "_compile_broken", True)
         eager = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
-        monkeypatch.setattr(formats, "_compile_broken", False)
+        eager_codes = encode(x, spec)
         assert mismatches(compiled, eager) == 0
+        assert torch.equal(compiled_codes, eager_codes)
+        assert mismatches(compiled_back, decode(eager_codes, spec)) == 0
+        monkeypatch.setattr(formats, "_compile_broken", False)
 
 
 # -------------------------------------------------------------------------------------------- encode
