@@ -6,25 +6,14 @@
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import pandas as pd
 import torch
+from timing import median_seconds  # benchmarks/timing.py (the script's folder is on sys.path)
 from torch import nn
 
 from precsearch.accumulate import ChunkedConv2d, ChunkedLinear
-
-
-def median_seconds(fn: Callable[[], None], repeats: int = 5) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def step(layer: nn.Module, x: torch.Tensor) -> Callable[[], None]:

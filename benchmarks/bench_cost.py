@@ -9,25 +9,14 @@ Prints medians. Goal (issue 3): >= 1e5 assignments per second for ResNet-18.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
+from timing import median_seconds  # benchmarks/timing.py (the script's folder is on sys.path)
 
 from precsearch.cost import CostModel
 from precsearch.graph import trace
 from precsearch.models import INPUT_SHAPE, build
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -9,23 +9,12 @@ float_quantize is timed too when it happens to be importable (it is not a depend
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import pandas as pd
 import torch
+from timing import median_seconds  # benchmarks/timing.py (the script's folder is on sys.path)
 
 from precsearch import formats
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (and compilation)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -40,6 +29,9 @@ def main() -> None:
     for spec in ("fp8_e5m2", "e4m3b4s"):
         cases[f"quantize {spec} nearest"] = lambda s=spec: formats.quantize(x, s)
         cases[f"quantize {spec} stochastic"] = lambda s=spec: formats.quantize(x, s, "stochastic", generator=gen)
+    codes = formats.encode(x, "e4m3b4s")
+    cases["encode e4m3b4s (round + pack to uint8)"] = lambda: formats.encode(x, "e4m3b4s")
+    cases["decode e4m3b4s"] = lambda: formats.decode(codes, "e4m3b4s")
     try:
         from qtorch.quant import float_quantize
 
