@@ -231,8 +231,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so its parameters live in ``weight_format`` (see the module docstring).
 
     ``weight_format`` is one format, or a mapping from parameter tensor to format (parameters missing from
-    it, and fp32 ones, are left to the inner optimizer untouched). Shares ``param_groups`` and ``state`` with
-    the inner optimizer, so learning-rate schedulers and loss scalers work on either.
+    it, and fp32 ones, are left to the inner optimizer untouched); ``set_format`` changes one parameter's
+    format later. Shares ``param_groups`` and ``state`` with the inner optimizer, so learning-rate schedulers
+    and loss scalers work on either.
     """
 
     def __init__(
@@ -323,6 +324,36 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def set_format(self, param: torch.Tensor, fmt: FormatSpec) -> None:
+        """Keep ``param`` in ``fmt`` from now on (the runtime calls this when its divergence guard promotes a weight).
+
+        Without master weights the weight and its Kahan buffer are re-rounded to ``fmt`` (values already on
+        its grid, as after a widening, are left as they are); with master weights the model's copy is rounded
+        again from the master. ``fp32`` hands the parameter back to the inner optimizer.
+        """
+        if not any(param is p for p in self._params()):
+            raise PrecsearchError("set_format: the parameter is not one this optimizer updates; pass one of its "
+                                  "param_groups' parameters")
+        fmt = get_format(fmt)
+        if fmt.is_fp32:
+            if param in self._master:
+                param.copy_(self._master.pop(param))
+            self._format.pop(param, None)
+            self._compensation.pop(param, None)
+            return
+        UpdateConfig(weight_format=str(fmt), update=self.update, master_weights=self.master_weights,
+                     compensation_format=None if self._compensation_format is None else str(self._compensation_format))
+        self._format[param] = fmt
+        if self.master_weights:
+            master = self._master.setdefault(param, param.detach().clone(memory_format=torch.preserve_format).float())
+            param.copy_(self._round(master, fmt))
+            return
+        param.copy_(quantize(param.detach().float(), fmt))
+        if self.update == "kahan":
+            compensation = self._compensation.setdefault(param, torch.zeros_like(param))
+            compensation.copy_(quantize(compensation, self._compensation_format or fmt))
 
     def master(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master copy of ``param`` (None without master weights or for fp32 parameters)."""

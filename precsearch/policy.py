@@ -16,6 +16,9 @@ Resolving a tensor's format, in the spirit of torch.ao's QConfigMapping (most sp
 
 Master weights and optimizer state are not assigned here: master copies are fp32 when ``master_weights`` is
 true, and the optimizer settings (``optimizer``) say how the update is rounded.
+
+``accumulation`` (optional, off by default) makes the GEMMs of the layers it names sum in a low format, forward
+and backward, by Wang et al.'s chunk-based accumulation (precsearch.accumulate); see ``Accumulation``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precsearch.accumulate import DEFAULT_ACC, DEFAULT_CHUNK, ChunkedConv2d, ChunkedLinear, swap_chunked_layers
 from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.formats import OVERFLOWS, ROUNDINGS, FloatFormat, get_format
@@ -43,6 +47,7 @@ from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace
 from precsearch.scaling import make_scaler
 
 __all__ = [
+    "Accumulation",
     "BASELINES",
     "KINDS",
     "PAPER_OVERFLOW",
@@ -58,6 +63,9 @@ BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wan
 LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
 OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format")
 OPTIMIZER_UPDATES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
+ACCUMULATION_KEYS: tuple[str, ...] = ("format", "chunk", "layers")
+# Traced as single GEMM ops, so a model whose layers were already swapped traces like the plain one.
+CHUNKED_LAYERS: tuple[type[nn.Module], ...] = (ChunkedLinear, ChunkedConv2d)
 # The paper's reference code (and HFP8): forward tensors saturate, gradients overflow to inf so the scaler reacts.
 PAPER_OVERFLOW: dict[str, str] = {
     "weight": "saturate", "activation": "saturate", "weight_grad": "inf", "activation_grad": "inf",
@@ -66,7 +74,7 @@ _GLOB_CHARS = frozenset("*?[")
 _FIELDS = (
     "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
     "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
-    "predicted", "provenance",
+    "accumulation", "predicted", "provenance",
 )
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
 
@@ -154,6 +162,59 @@ def _optimizer(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
+@dataclass(frozen=True)
+class Accumulation:
+    """Simulated low-precision GEMM sums (Wang et al. 2018) in the Linear/Conv2d layers that ``layers`` names.
+
+    ``format``: the accumulation format (Wang et al.: 16-bit ``e6m9s``); ``chunk``: the chunk length CL (>= 1;
+    None sums sequentially, the swamping-prone baseline that chunking fixes); ``layers``: glob patterns over
+    module qualified names (``"layer*.conv?"``), every Linear/Conv2d by default. ``apply_policy`` swaps the
+    layers for precsearch.accumulate's chunked ones, forward and backward, before it instruments the model.
+
+    Costly: a chunked layer makes CL + K/CL rounding passes in Python, 26x to 1000x the time of the plain
+    layer on CPU, so no baseline turns it on. Wang et al.'s full recipe is
+    ``baseline("wang_fp8", graph).replace(accumulation=Accumulation("e6m9s", 64))``.
+    """
+
+    format: str = DEFAULT_ACC
+    chunk: int | None = DEFAULT_CHUNK
+    layers: tuple[str, ...] = ("*",)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "format", _spec(self.format, "accumulation.format"))
+        chunk = self.chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise PrecsearchError(f"accumulation.chunk must be an integer >= 1, or null for sequential sums, "
+                                  f"not {chunk!r}")
+        layers = self.layers
+        if (not isinstance(layers, list | tuple) or not layers
+                or not all(isinstance(pattern, str) and pattern for pattern in layers)):
+            raise PrecsearchError(f"accumulation.layers must be a non-empty list of glob patterns over module "
+                                  f"names such as [\"*\"], not {layers!r}")
+        object.__setattr__(self, "layers", tuple(layers))
+
+    def apply(self, model: nn.Module) -> list[str]:
+        """Swap the chosen layers of ``model`` in place for chunked ones (same Parameters); their names."""
+        return swap_chunked_layers(model, self.layers, self.format, self.chunk)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "chunk": self.chunk, "layers": list(self.layers)}
+
+
+def _accumulation(value: Any, where: str) -> Accumulation | None:
+    if value is None or isinstance(value, Accumulation):
+        return value
+    value = _mapping(value, f"{where}: accumulation")
+    unknown = sorted(set(value) - set(ACCUMULATION_KEYS))
+    if unknown:
+        raise PrecsearchError(f"{where}: accumulation: unknown key {unknown[0]!r}; allowed keys: "
+                              f"{', '.join(ACCUMULATION_KEYS)}")
+    try:
+        return Accumulation(**value)
+    except PrecsearchError as error:
+        raise PrecsearchError(f"{where}: {error}") from None
+
+
 # ---------------------------------------------------------------------------------------------- policy
 
 
@@ -206,6 +267,7 @@ class Policy:
     promotion_threshold: float | None = 0.01
     master_weights: bool = True
     optimizer: dict[str, Any] = field(default_factory=dict)
+    accumulation: Accumulation | None = None
     predicted: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -250,6 +312,7 @@ class Policy:
         if not isinstance(self.master_weights, bool):
             raise PrecsearchError(f"{where}: master_weights must be true or false, not {self.master_weights!r}")
         self.optimizer = _optimizer(self.optimizer, f"{where}: optimizer")
+        self.accumulation = _accumulation(self.accumulation, where)
         self.predicted = _json_data(self.predicted, f"{where}: predicted")
         self.provenance = _json_data(self.provenance, f"{where}: provenance")
 
@@ -287,6 +350,8 @@ class Policy:
         specs |= {spec for rules in self.module_types.values() for spec in rules.values()}
         if "state_format" in self.optimizer:
             specs.add(self.optimizer["state_format"])
+        if self.accumulation is not None:
+            specs.add(self.accumulation.format)
         return {spec: get_format(spec) for spec in sorted(specs)}
 
     def _globs(self) -> list[str]:
@@ -345,6 +410,10 @@ class Policy:
                    if (key not in ids if not _is_glob(key) else not fnmatch.filter(ids, key))]
         types = {info.module_type for info in graph.tensors.values()}
         missing += [f"module type {name!r}" for name in sorted(self.module_types) if name not in types]
+        if self.accumulation is not None:
+            layers = {op.name.partition("#")[0] for op in graph.ops if op.module_type in ("Linear", "Conv2d")}
+            missing += [f"accumulation layers {pattern!r}" for pattern in self.accumulation.layers
+                        if not fnmatch.filter(layers, pattern)]
         uncovered = [tensor_id for tensor_id in graph.assignable_ids()
                      if self.explain(graph.tensors[tensor_id])[1] == "no rule"]
         return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered)
@@ -367,7 +436,7 @@ class Policy:
             return model_or_graph
         if example_input is None:
             example_input = self.example_input(model_or_graph)
-        return trace(model_or_graph, example_input, batch_size=self.batch_size)
+        return trace(model_or_graph, example_input, batch_size=self.batch_size, leaf_modules=CHUNKED_LAYERS)
 
     def example_input(self, model: nn.Module | None = None, batch: int = 2) -> torch.Tensor:
         """Zeros of ``(batch, *input_shape)`` on the model's device, for tracing."""
@@ -383,6 +452,10 @@ class Policy:
         self.validate()
         data = {name: getattr(self, name) for name in _FIELDS}
         data["input_shape"] = list(self.input_shape) if self.input_shape is not None else None
+        if self.accumulation is None:
+            del data["accumulation"]  # optional: files without it read as before, in older precsearch too
+        else:
+            data["accumulation"] = self.accumulation.to_dict()
         data["schema_version"] = SCHEMA_VERSION
         data["formats"] = {spec: _format_entry(fmt) for spec, fmt in self.formats().items()}
         return data

@@ -39,11 +39,16 @@ What it enforces, per tensor id of the graph:
   then skips the step as it would for inf.
 * statistics: overflow fractions always when counted; underflow / subnormal / NaN fractions when
   ``stats_every`` is set (every n-th step, since they cost a few passes over each tensor).
+* accumulation: with ``policy.accumulation`` the layers it names are swapped, in the user's model, for
+  precsearch.accumulate's chunked Linear/Conv2d (same Parameters), whose forward and backward GEMMs sum in
+  the accumulation format; ``accumulation_layers`` lists them and ``unwrap`` puts the plain layers back. The
+  model is traced before the swap, so the graph, its fingerprint and ``module_types`` rules (``"Conv2d"``)
+  are those of the plain model; the swap is a change of arithmetic, not of what tensors are stored.
 
 Everything is simulated in float32 (models must be float32) and is device-agnostic; the overflow test reads
-one scalar per rounded tensor, a host sync on CUDA. Known limits: with ``master_weights=False`` a promoted
-weight is rounded in the high format in the forward, but ``LowPrecisionOptimizer`` keeps updating it in its
-first format; adaptive loss scaling scales a GEMM's gradient after the rounding of that gradient (the
+one scalar per rounded tensor, a host sync on CUDA. With ``master_weights=False`` a promoted weight moves to
+the high format in the optimizers ``wrap_optimizer`` returned too (``LowPrecisionOptimizer.set_format``).
+Known limit: adaptive loss scaling scales a GEMM's gradient after the rounding of that gradient (the
 scaler's points are the GEMM nodes), so it protects the products the GEMM's backward forms, as in Zhao et
 al., not the rounding of its own output gradient.
 """
@@ -66,8 +71,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from precsearch import formats as F
 from precsearch.errors import PrecsearchError
 from precsearch.graph import TensorGraph, trace
-from precsearch.optim import from_config
-from precsearch.policy import Policy
+from precsearch.optim import LowPrecisionOptimizer, from_config
+from precsearch.policy import CHUNKED_LAYERS, Policy
 from precsearch.scaling import LossScaler, make_scaler
 
 __all__ = ["PrecisionModel", "Promotion", "SavedBytes", "apply_policy"]
@@ -355,7 +360,8 @@ class _RoundActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, model: PrecisionModel, act: _Slot, grad: _Slot | None) -> torch.Tensor:
         ctx.model, ctx.grad = model, grad
-        return model._quantize(x, act)
+        # not a view (quantize may return one): autograd forbids in-place ops (ReLU(inplace)) on a view output
+        return model._quantize(x, act).detach()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -441,6 +447,9 @@ class PrecisionModel(nn.Module):
         self.stats_every = stats_every
         self._generator = torch.Generator().manual_seed(seed)
         self._handles: list[Any] = []
+        self._optimizers: list[LowPrecisionOptimizer] = []  # wrapped ones, told about weight promotions
+        self._plain_layers: dict[str, nn.Module] = {}
+        self.accumulation_layers = self._swap_accumulation()
         self._grad_queue: list[_Member] = []
         self.slots = self._make_slots()
         self._packer = _Packer(model)
@@ -458,6 +467,17 @@ class PrecisionModel(nn.Module):
                         len(self.unenforced), ", ".join(self.unenforced))
 
     # -- set-up -------------------------------------------------------------------------------------------
+
+    def _swap_accumulation(self) -> list[str]:
+        """Swap the policy's accumulation layers for chunked ones; keep the plain ones for ``unwrap``."""
+        if self.policy.accumulation is None:
+            return []
+        before = dict(self.module.named_modules())
+        names = self.policy.accumulation.apply(self.module)
+        self._plain_layers = {name: before[name] for name in names}
+        log.info("chunked %s accumulation (CL=%s) in %d layer(s)", self.policy.accumulation.format,
+                 self.policy.accumulation.chunk, len(names))
+        return names
 
     def _make_slots(self) -> dict[str, _Slot]:
         slots = {}
@@ -535,6 +555,10 @@ class PrecisionModel(nn.Module):
         source = self.graph.graph_module
         graph = copy.deepcopy(source.graph)
         gm = fx.GraphModule(source, graph, type(self.module).__name__)
+        traced = dict(gm.named_modules())
+        for name in self.accumulation_layers:  # the graph was traced before the swap
+            if name in traced:
+                gm.set_submodule(name, self.module.get_submodule(name))
         nodes = {node.name: node for node in graph.nodes}
         last_placeholder = [node for node in graph.nodes if node.op == "placeholder"][-1]
         carried: dict[fx.Node, dict[int, _Slot]] = {}  # node -> the rounded activation slot of each output
@@ -635,10 +659,21 @@ class PrecisionModel(nn.Module):
         old = slot.fmt
         slot.set_format(self.high)
         slot.promoted = True
+        if slot.kind == "weight" and not self.policy.master_weights:
+            self._promote_in_optimizers(slot)
         self.promotions.append(Promotion(slot.id, self.step_count, fraction, old.name, self.high.name))
         log.warning("promoted %s from %s to %s at step %d: %.2f%% of its values overflowed",
                     slot.id, old.name, self.high.name, self.step_count, 100 * fraction)
         return True
+
+    def _promote_in_optimizers(self, slot: _Slot) -> None:
+        """Pure low-precision weights: the optimizers must now keep the promoted weight in its new format."""
+        params = [param for param, weight_slot in self._weights.values() if weight_slot is slot]
+        for optimizer in self._optimizers:
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            for param in params:
+                if id(param) in held:
+                    optimizer.set_format(param, slot.fmt)
 
     def _activation(self, t: torch.Tensor, act: _Slot, grad: _Slot | None) -> torch.Tensor:
         self._observe(t, act)
@@ -749,7 +784,9 @@ class PrecisionModel(nn.Module):
         else:
             formats = {param: slot.fmt for param, slot in self._weights.values()}
         settings["master_weights"] = self.policy.master_weights
-        return from_config(optimizer, settings, weight_format=formats, generator=self._generator)
+        wrapped = from_config(optimizer, settings, weight_format=formats, generator=self._generator)
+        self._optimizers.append(wrapped)
+        return wrapped
 
     # -- reports ------------------------------------------------------------------------------------------
 
@@ -797,6 +834,10 @@ class PrecisionModel(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for name, layer in self._plain_layers.items():
+            layer.train(self.module.get_submodule(name).training)
+            self.module.set_submodule(name, layer)
+        self._plain_layers.clear()
         return self.module
 
 
@@ -804,9 +845,10 @@ def _is_module(model: nn.Module, op: Any) -> bool:
     """Whether ``op`` is a call of one of the model's submodules (not a function call)."""
     base = op.name.partition("#")[0]
     try:
-        return type(model.get_submodule(base)).__name__ == op.module_type
+        module = model.get_submodule(base)
     except AttributeError:
         return False
+    return op.module_type in {cls.__name__ for cls in type(module).__mro__}  # a chunked Conv2d is a Conv2d
 
 
 def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor | None = None, *,
@@ -815,7 +857,8 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
 
     ``example_input`` (default: zeros of the policy's input shape) is used to trace the model at the
     policy's batch size; a policy made for another graph raises unless ``strict=False``. ``seed`` seeds
-    stochastic rounding; ``stats_every`` turns on underflow statistics every n-th step.
+    stochastic rounding; ``stats_every`` turns on underflow statistics every n-th step. The layers of
+    ``policy.accumulation`` are swapped in ``model`` itself (``accumulation_layers`` names them).
     """
     if not isinstance(policy, Policy):
         raise PrecsearchError(f"apply_policy needs a precsearch Policy, got {type(policy).__name__}")
@@ -825,7 +868,8 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                               "call model.float() first")
     if example_input is None:
         example_input = policy.example_input(model)
-    graph = trace(model, example_input, batch_size=policy.batch_size or example_input.shape[0])
+    graph = trace(model, example_input, batch_size=policy.batch_size or example_input.shape[0],
+                  leaf_modules=CHUNKED_LAYERS)
     policy.verify(graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every)
 

@@ -187,6 +187,53 @@ def test_fp32_parameters_are_left_to_the_inner_optimizer() -> None:
     assert quantize(high.detach(), "bf16").ne(high.detach()).all()
 
 
+def test_set_format_rerounds_weight_and_kahan_buffer_or_leaves_them_when_wider() -> None:
+    generator = torch.Generator().manual_seed(0)
+    param = nn.Parameter(torch.randn(256, generator=generator))
+    optimizer = LowPrecisionOptimizer(torch.optim.SGD([param], lr=1.0), "fp16", "kahan", master_weights=False)
+    fixed_grad_run(optimizer, param, [torch.randn(256, generator=generator) * 1e-4 for _ in range(3)])
+    weight, buffer = param.detach().clone(), optimizer.state_dict()["compensation"][0]
+    assert not torch.equal(weight, bf16(weight)) and not torch.equal(buffer, bf16(buffer))  # fp16 values
+    optimizer.set_format(param, "bf16")  # narrower: both re-rounded (torch's own cast as the oracle)
+    assert torch.equal(param.detach(), bf16(weight))
+    assert torch.equal(optimizer.state_dict()["compensation"][0], bf16(buffer))
+    fixed_grad_run(optimizer, param, [torch.randn(256, generator=generator) * 1e-2])
+    assert torch.equal(param.detach(), bf16(param.detach())) and optimizer.memory_bytes()["weight"] == 512
+
+    e5m2 = nn.Parameter(torch.randn(256, generator=generator))
+    optimizer = LowPrecisionOptimizer(torch.optim.SGD([e5m2], lr=0.1), "fp8_e5m2", master_weights=False)
+    before = e5m2.detach().clone()
+    optimizer.set_format(e5m2, "fp16")  # wider: every fp8_e5m2 value is an fp16 value, nothing changes
+    assert torch.equal(e5m2.detach(), before)
+    fixed_grad_run(optimizer, e5m2, [torch.randn(256, generator=generator)])
+    after = e5m2.detach()
+    assert torch.equal(after, after.half().float())
+    assert not torch.equal(after, after.to(torch.float8_e5m2).float())  # updated in fp16, not in fp8
+
+
+def test_set_format_with_master_weights_to_fp32_and_bad_calls() -> None:
+    generator = torch.Generator().manual_seed(1)
+    init, grads = torch.randn(64, generator=generator), [torch.randn(64, generator=generator) for _ in range(4)]
+    plain = nn.Parameter(init.clone())
+    fixed_grad_run(torch.optim.SGD([plain], lr=0.1), plain, grads)
+    param = nn.Parameter(init.clone())
+    optimizer = LowPrecisionOptimizer(torch.optim.SGD([param], lr=0.1), "bf16", master_weights=True)
+    fixed_grad_run(optimizer, param, grads[:2])
+    optimizer.set_format(param, "fp16")  # the model's copy is rounded again from the fp32 master
+    assert torch.equal(param.detach(), optimizer.master(param).half().float())
+    optimizer.set_format(param, "fp32")  # handed back to the inner optimizer: the fp32 trajectory exactly
+    fixed_grad_run(optimizer, param, grads[2:])
+    assert optimizer.master(param) is None and torch.equal(param.detach(), plain.detach())
+
+    stranger = nn.Parameter(torch.zeros(3))
+    with pytest.raises(PrecsearchError, match="not one this optimizer updates"):
+        optimizer.set_format(stranger, "bf16")
+    kahan = LowPrecisionOptimizer(torch.optim.SGD([stranger], lr=0.1), "fp16", "kahan", master_weights=False,
+                                  compensation_format="bf16")
+    with pytest.raises(PrecsearchError, match="wider than the weight format"):
+        kahan.set_format(stranger, "fp8_e5m2")
+
+
 # --------------------------------------------------------------------------------------- digits (slow)
 
 

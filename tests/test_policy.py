@@ -16,7 +16,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats import NAMED_FORMATS, get_format
 from precsearch.graph import trace
 from precsearch.models import build
-from precsearch.policy import BASELINES, KINDS, SCHEMA_VERSION, Policy, baseline
+from precsearch.policy import BASELINES, KINDS, SCHEMA_VERSION, Accumulation, Policy, baseline
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 
@@ -249,6 +249,52 @@ def test_constructing_a_bad_policy_in_code_fails_early():
         Policy(optimizer={"lr": 0.1})
 
 
+# ---------------------------------------------------------------------------------------- accumulation
+
+
+def test_accumulation_round_trips_and_a_file_without_it_is_unchanged(policy, tmp_path):
+    plain = json.loads(policy.to_json())
+    assert "accumulation" not in plain and policy.accumulation is None  # old files read and write as before
+    assert Policy.load(_write(tmp_path, json.dumps(plain))).accumulation is None
+    chunked = policy.replace(accumulation={"format": "fp16", "chunk": None, "layers": ["conv*"]})
+    assert chunked.accumulation == Accumulation("fp16", None, ("conv*",))
+    data = json.loads(chunked.save(tmp_path / "p.json").read_text())
+    assert data["schema_version"] == 1
+    assert data["accumulation"] == {"format": "fp16", "chunk": None, "layers": ["conv*"]}
+    assert data["formats"]["fp16"]["man"] == 10  # the accumulation format is listed with the others
+    loaded = Policy.load(tmp_path / "p.json")
+    assert loaded == chunked and loaded.accumulation.layers == ("conv*",)
+    # defaults: Wang et al.'s 16-bit (1,6,9) sums, chunks of 64, every layer
+    assert Policy(accumulation={}).accumulation == Accumulation("e6m9s", 64, ("*",))
+
+
+def test_bad_accumulation_values_are_refused_naming_file_and_field(policy, tmp_path):
+    cases = [
+        ({"chunk": 0}, "accumulation.chunk must be an integer >= 1, or null"),
+        ({"chunk": 2.5}, "accumulation.chunk must be an integer >= 1"),
+        ({"chunk": True}, "accumulation.chunk must be an integer >= 1"),
+        ({"format": "e9m2"}, "accumulation.format: format 'e9m2': E must be in 1..8"),
+        ({"format": 16}, "accumulation.format: a format must be a string"),
+        ({"layers": "conv*"}, "accumulation.layers must be a non-empty list of glob patterns"),
+        ({"layers": []}, "accumulation.layers must be a non-empty list"),
+        ({"chunks": 64}, "accumulation: unknown key 'chunks'; allowed keys: format, chunk, layers"),
+    ]
+    for value, pattern in cases:
+        path = _edited(policy, tmp_path, accumulation=value)
+        with pytest.raises(PrecsearchError, match=pattern) as info:
+            Policy.load(path)
+        assert str(info.value).startswith(f"policy {path}: accumulation") and "\n" not in str(info.value)
+    with pytest.raises(PrecsearchError, match="accumulation must be a mapping"):
+        Policy.load(_edited(policy, tmp_path, accumulation="e6m9s"))
+    with pytest.raises(PrecsearchError, match="^accumulation.chunk must be"):
+        Accumulation(chunk=-1)
+
+
+def test_check_names_accumulation_patterns_that_match_no_layer(graph):
+    report = Policy(accumulation={"layers": ["conv?", "layer4.*"]}).check(graph)
+    assert report.missing == ["accumulation layers 'layer4.*'"]
+
+
 # ------------------------------------------------------------------------------------------- baselines
 
 
@@ -263,6 +309,7 @@ def test_every_baseline_builds_and_predicts_from_the_cost_model(graph):
         assert policy.predicted["ratio"] == pytest.approx(cost.bytes(assignment) / fp32_bytes)
         assert policy.provenance == {"strategy": f"baseline:{name}"}
         Policy.from_dict(json.loads(policy.to_json()))  # every baseline survives its own file format
+        assert policy.accumulation is None  # costly: never on by default
     assert baseline("fp32", graph).predicted["ratio"] == 1.0
     assert baseline("fp16", graph).predicted["ratio"] == 0.5
     assert baseline("fp8", graph).predicted["ratio"] == 0.25

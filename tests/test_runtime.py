@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from precsearch.accumulate import ChunkedConv2d, ChunkedLinear, chunked_matmul, swap_chunked_layers
 from precsearch.cost import CostModel, measure_saved_bytes
 from precsearch.errors import PrecsearchError
 from precsearch.formats import quantize
 from precsearch.graph import trace
 from precsearch.models import build
 from precsearch.optim import LowPrecisionOptimizer
-from precsearch.policy import KINDS, Policy, baseline
+from precsearch.policy import KINDS, Accumulation, Policy, baseline
 from precsearch.runtime import PrecisionModel, apply_policy
 from precsearch.scaling import AdaptiveLossScaler, DynamicLossScaler
 
@@ -388,6 +389,88 @@ def test_packed_saved_bytes_match_the_cost_model_across_the_zoo(name):
         wrapped.unwrap()
 
 
+def test_a_promoted_pure_low_precision_weight_is_updated_in_the_high_format():
+    model = _model()
+    policy = _policy(defaults={"weight": "e5m2s"}, high_format="e6m9s", master_weights=False,
+                     promotion_threshold=1e-3)
+    wrapped = apply_policy(model, policy)
+    optimizer = wrapped.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.no_grad():
+        model.linear.weight[0, 0] = 2.0**18  # past e5m2s's max (114688) in 1/320 of the weight: promoted at once
+    for step in range(2):
+        optimizer.zero_grad()
+        x, y = _batch(seed=step)
+        F.cross_entropy(wrapped(x), y).backward()
+        optimizer.step()
+    assert [p.id for p in wrapped.promotions] == ["linear:weight"]
+    weight = model.linear.weight.detach()
+    assert _representable(weight, "e6m9s") and not _representable(weight, "e5m2s")  # the optimizer followed
+    assert _representable(model.conv2.weight.detach(), "e5m2s") and _representable(model.linear.bias, "e5m2s")
+
+
+# ------------------------------------------------------------------------------------------ accumulation
+
+
+def test_accumulation_swaps_exactly_the_matched_layers_and_unwrap_restores_them():
+    model = _model()
+    plain = trace(model, torch.zeros(2, *SHAPE), batch_size=8)
+    params = dict(model.named_parameters())
+    convs = {name: m for name, m in model.named_modules() if type(m) is nn.Conv2d}
+    wrapped = apply_policy(model, _policy(accumulation={"format": "e6m9s", "chunk": 16, "layers": ["conv*"]}))
+    assert wrapped.accumulation_layers == sorted(convs) == ["conv1", "conv2"]
+    assert {name for name, m in model.named_modules() if isinstance(m, ChunkedConv2d)} == set(convs)
+    assert type(model.linear) is nn.Linear and model.conv2.chunk == 16
+    assert all(p is params[name] for name, p in model.named_parameters())  # optimizers built before stay valid
+    assert wrapped.graph.fingerprint() == plain.fingerprint()
+    assert wrapped.unwrap() is model and all(model.get_submodule(name) is m for name, m in convs.items())
+
+
+def test_a_swapped_linear_computes_chunked_matmul_of_what_it_receives():
+    model = _model()
+    wrapped = apply_policy(model, _policy(accumulation={"format": "e6m9s", "chunk": 4, "layers": ["lin*"]}))
+    assert isinstance(model.linear, ChunkedLinear) and wrapped.accumulation_layers == ["linear"]
+    seen = {}
+
+    def hook(module, args, output):  # inside the wrapper's forward: the weights are the rounded copies
+        seen.update(x=args[0].detach(), w=module.weight.detach(), b=module.bias.detach(), out=output.detach())
+
+    model.linear.register_forward_hook(hook)
+    wrapped(_batch()[0])
+    expected = quantize(chunked_matmul(seen["x"], seen["w"].t(), "e6m9s", 4) + seen["b"], "e6m9s")
+    assert torch.equal(seen["out"], expected)
+    assert _representable(seen["w"], "e4m3b4s")  # the policy's weight format still applies
+    assert not torch.equal(seen["out"], F.linear(seen["x"], seen["w"], seen["b"]))  # 16-bit sums, not fp32
+
+
+def test_wang_fp8_with_chunked_accumulation_trains_with_finite_gradients():
+    graph = trace(_model(), torch.zeros(2, *SHAPE), batch_size=8)
+    plain = baseline("wang_fp8", graph)
+    grads = {}
+    for name, policy in (("chunked", plain.replace(accumulation=Accumulation("e6m9s", 64))), ("plain", plain)):
+        model = _model()
+        wrapped = apply_policy(model, policy)
+        optimizer = wrapped.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        before = model.conv2.weight.detach().clone()
+        x, y = _batch()
+        wrapped.scaler.scale(F.cross_entropy(wrapped(x), y)).backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        wrapped.scaler.step(optimizer)
+        wrapped.scaler.update()
+        assert all(torch.isfinite(g).all() for g in grads[name].values()), name
+        assert not torch.equal(before, model.conv2.weight), name  # the step was taken
+    assert wrapped.accumulation_layers == [] and not torch.equal(grads["chunked"]["conv2.weight"],
+                                                                  grads["plain"]["conv2.weight"])
+
+
+def test_a_model_with_chunked_layers_still_traces_them_as_gemms():
+    model = _model()
+    plain = trace(model, torch.zeros(2, *SHAPE), batch_size=8)
+    swap_chunked_layers(model, None, "e6m9s", 64)
+    wrapped = apply_policy(model, _policy())
+    assert wrapped.graph.tracer == "fx" and wrapped.graph.fingerprint() == plain.fingerprint()
+    assert [op.name for op in wrapped.graph.ops if op.role == "gemm"] == ["conv1", "conv2", "linear"]
+
+
 # ------------------------------------------------------------------------------------ hooks, checks
 
 
@@ -407,6 +490,19 @@ def test_untraceable_models_are_rounded_through_module_hooks():
     assert _representable(seen["bn.in"], "e4m3b4s") and seen["bn.in"].abs().sum() > 0
     assert wrapped.saved_bytes().activation > 0
     assert wrapped.unwrap() is model and model.conv._forward_hooks == {}
+
+
+def test_untraceable_models_keep_their_chunked_layers_rounded_through_hooks():
+    torch.manual_seed(0)
+    model = Untraceable()
+    policy = Policy(input_shape=SHAPE, batch_size=8, defaults=dict(PAPER_LOW), accumulation={"layers": ["fc"]})
+    with pytest.warns(UserWarning, match="torch.fx could not trace"):
+        wrapped = apply_policy(model, policy, strict=False)
+    assert wrapped.accumulation_layers == ["fc"] and wrapped.unenforced == ["relu"]
+    seen = {}
+    model.fc.register_forward_hook(lambda m, args, out: seen.update(out=out.detach()))  # after the rounder
+    wrapped(_batch()[0])
+    assert _representable(seen["out"], "e4m3b4s") and seen["out"].abs().sum() > 0
 
 
 def test_a_policy_for_another_model_is_refused():
