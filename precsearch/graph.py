@@ -351,6 +351,8 @@ class _LeafSpec:
     def __call__(self, module: nn.Module, qualname: str) -> bool:
         if isinstance(module, self.types) or type(module).__name__ in self.names or qualname in self.names:
             return True
+        if isinstance(module, GEMM_MODULES):  # subclasses too (e.g. precsearch.accumulate's chunked layers)
+            return True
         return self.default.is_leaf_module(module, qualname)
 
 

@@ -355,3 +355,14 @@ def test_example_input_of_the_wrong_shape():
         trace(build("tiny_cnn"), [1, 2, 3])
     with pytest.raises(PrecsearchError, match="batch size must be a positive integer"):
         trace(build("tiny_cnn"), _example(), batch_size=0)
+
+
+def test_subclasses_of_conv_and_linear_are_gemm_leaves():
+    from precsearch.accumulate import swap_chunked_layers
+
+    model = build("tiny_cnn")
+    swapped = swap_chunked_layers(model, ["*"], "e6m9s", 64)
+    graph = trace(model, torch.randn(2, 3, 32, 32))
+    gemms = [op.name for op in graph.ops if op.role == "gemm"]
+    assert graph.graph_module is not None  # FX, not the hook fallback
+    assert sorted(gemms) == sorted(swapped)
