@@ -662,7 +662,7 @@ class PrecisionModel(nn.Module):
         if slot.kind == "weight" and not self.policy.master_weights:
             self._promote_in_optimizers(slot)
         self.promotions.append(Promotion(slot.id, self.step_count, fraction, old.name, self.high.name))
-        log.warning("promoted %s from %s to %s at step %d: %.2f%% of its values overflowed",
+        log.info("promoted %s from %s to %s at step %d: %.2f%% of its values overflowed",
                     slot.id, old.name, self.high.name, self.step_count, 100 * fraction)
         return True
 

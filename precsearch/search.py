@@ -634,19 +634,13 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Optuna's per-trial INFO lines and the runtime's per-promotion warnings would tear the progress bar;
-    both are recorded in the trials table instead (``-v`` keeps the runtime's messages)."""
+    """Optuna's per-trial INFO lines would tear the progress bar; trials are recorded in the trials table."""
     verbosity = optuna.logging.get_verbosity()
-    runtime = logging.getLogger("precsearch.runtime")
-    level = runtime.level
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if logging.getLogger().getEffectiveLevel() > logging.INFO:
-        runtime.setLevel(logging.ERROR)
     try:
         yield
     finally:
         optuna.logging.set_verbosity(verbosity)
-        runtime.setLevel(level)
 
 
 @contextlib.contextmanager
