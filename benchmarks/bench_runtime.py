@@ -37,6 +37,7 @@ def main() -> int:
     import torch.nn.functional as F
 
     from precsearch.cost import CostModel, measure_saved_bytes
+    from precsearch.formats import COMPILE_MIN_NUMEL
     from precsearch.graph import trace
     from precsearch.models import build
     from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
@@ -56,7 +57,7 @@ def main() -> int:
     )
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"quantizer compile {'off' if args.eager else 'on (tensors >= 2^18 elements)'}")
+          f"quantizer compile {'off' if args.eager else f'on (tensors >= {COMPILE_MIN_NUMEL:,} elements)'}")
     print(f"ResNet-18 width {args.width}, batch {args.batch}, SGD(lr=0.1, momentum=0.9, wd=5e-4)\n")
 
     wrapped = apply_policy(copy.deepcopy(plain), paper_low)

@@ -56,7 +56,7 @@ ROUNDINGS = ("nearest", "stochastic")
 OVERFLOWS = ("inf", "saturate", "nan")
 SPECIALS = ("ieee", "fn", "none")
 GRAMMAR = "e<E>m<M>[b<shift>][fn|s], 1 <= E <= 8, 0 <= M <= 23 (e.g. e5m2, e4m3b4s, e6m9s, e4m3fn)"
-COMPILE_MIN_NUMEL = 1 << 18
+COMPILE_MIN_NUMEL = 1 << 14
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _FP32_MIN_NORMAL = 2.0**-126
