@@ -48,6 +48,7 @@ __all__ = [
     "encode",
     "decode",
     "stats",
+    "spec_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,22 @@ def get_format(spec: str | FloatFormat) -> FloatFormat:
     if not isinstance(spec, str):
         raise PrecsearchError(f"float format must be a name, a spec string or a FloatFormat, not {spec!r}")
     return _parse(spec)
+
+
+def spec_name(value: object, where: str) -> str:
+    """``value`` as a lower-case spec string after checking that it names a format; errors start with ``where``.
+
+    For config files (policies, search spaces) that store formats as the strings their users wrote.
+    """
+    if isinstance(value, FloatFormat):
+        return value.name
+    if not isinstance(value, str):
+        raise PrecsearchError(f"{where}: a format must be a string such as e4m3b4s or fp16, not {value!r}")
+    try:
+        get_format(value)
+    except PrecsearchError as error:
+        raise PrecsearchError(f"{where}: {error}") from None
+    return value.strip().lower()
 
 
 # ----------------------------------------------------------------------------------------------- rounding

@@ -42,7 +42,7 @@ from torch import nn
 from precsearch.accumulate import DEFAULT_ACC, DEFAULT_CHUNK, ChunkedConv2d, ChunkedLinear, swap_chunked_layers
 from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.formats import OVERFLOWS, ROUNDINGS, FloatFormat, get_format
+from precsearch.formats import OVERFLOWS, ROUNDINGS, FloatFormat, get_format, spec_name
 from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace
 from precsearch.scaling import make_scaler
 
@@ -86,17 +86,6 @@ def _is_glob(key: str) -> bool:
 # ------------------------------------------------------------------------------------------- validation
 
 
-def _spec(value: Any, where: str) -> str:
-    """A normalized format spec after checking that precsearch.formats can build it (its error lists them)."""
-    if isinstance(value, FloatFormat):
-        return value.name
-    if not isinstance(value, str):
-        raise PrecsearchError(f"{where}: a format must be a string such as e4m3b4s or fp16, not {value!r}")
-    try:
-        get_format(value)
-    except PrecsearchError as error:
-        raise PrecsearchError(f"{where}: {error}") from None
-    return value.strip().lower()
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
@@ -158,7 +147,7 @@ def _optimizer(value: Any, where: str) -> dict[str, Any]:
     if "update" in value:
         _choice(value["update"], OPTIMIZER_UPDATES, f"{where}.update")
     if "state_format" in value:
-        value["state_format"] = _spec(value["state_format"], f"{where}.state_format")
+        value["state_format"] = spec_name(value["state_format"], f"{where}.state_format")
     return value
 
 
@@ -181,7 +170,7 @@ class Accumulation:
     layers: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "format", _spec(self.format, "accumulation.format"))
+        object.__setattr__(self, "format", spec_name(self.format, "accumulation.format"))
         chunk = self.chunk
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise PrecsearchError(f"accumulation.chunk must be an integer >= 1, or null for sequential sums, "
@@ -288,16 +277,16 @@ class Policy:
                 raise PrecsearchError(f"{where}: input_shape must be a list of positive integers, not {shape!r}")
             self.input_shape = tuple(shape)
         self.batch_size = _optional_int(self.batch_size, f"{where}: batch_size")
-        self.defaults = {k: _spec(v, f"{where}: defaults.{k}")
+        self.defaults = {k: spec_name(v, f"{where}: defaults.{k}")
                          for k, v in _kinds(self.defaults, f"{where}: defaults").items()}
-        self.overrides = {k: _spec(v, f"{where}: overrides[{k!r}]")
+        self.overrides = {k: spec_name(v, f"{where}: overrides[{k!r}]")
                           for k, v in _mapping(self.overrides, f"{where}: overrides").items()}
         self.module_types = {
-            name: {k: _spec(v, f"{where}: module_types.{name}.{k}")
+            name: {k: spec_name(v, f"{where}: module_types.{name}.{k}")
                    for k, v in _kinds(rules, f"{where}: module_types.{name}").items()}
             for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
         }
-        self.high_format = _spec(self.high_format, f"{where}: high_format")
+        self.high_format = spec_name(self.high_format, f"{where}: high_format")
         self.rounding = {k: _choice(v, ROUNDINGS, f"{where}: rounding.{k}")
                          for k, v in _kinds(self.rounding, f"{where}: rounding").items()}
         self.overflow = {k: _choice(v, OVERFLOWS, f"{where}: overflow.{k}")
@@ -369,7 +358,7 @@ class Policy:
         if unknown:
             raise PrecsearchError(f"assignment names {len(unknown)} id(s) the graph lacks, e.g. {unknown[0]!r}; "
                                   "build it from this model's graph")
-        specs = {tensor_id: _spec(assignment.get(tensor_id, "fp32"), f"assignment[{tensor_id!r}]")
+        specs = {tensor_id: spec_name(assignment.get(tensor_id, "fp32"), f"assignment[{tensor_id!r}]")
                  for tensor_id in graph.assignable_ids()}
         defaults: dict[str, str] = {}
         for kind in KINDS:
@@ -537,7 +526,7 @@ def _format_entry(fmt: FloatFormat) -> dict[str, Any]:
 def _check_listed_formats(listed: Any, where: str) -> None:
     """The file's ``formats`` table is informative, but it must agree with how this precsearch reads the specs."""
     for spec, entry in _mapping(listed, f"{where}: formats").items():
-        fmt = get_format(_spec(spec, f"{where}: formats"))
+        fmt = get_format(spec_name(spec, f"{where}: formats"))
         expected = _format_entry(fmt)
         if not isinstance(entry, Mapping):
             raise PrecsearchError(f"{where}: formats.{spec} must be a mapping of its parameters")

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats import OVERFLOWS, ROUNDINGS, get_format
+from precsearch.formats import OVERFLOWS, ROUNDINGS, spec_name
 from precsearch.optim import UPDATES, UpdateConfig
 from precsearch.proxy import ProxyConfig
 from precsearch.scaling import make_scaler
@@ -141,15 +141,6 @@ def _unknown(keys: Any, allowed: tuple[str, ...], where: str) -> None:
         raise PrecsearchError(f"unknown key {unknown[0]!r}{hint} in {where}; allowed keys: {', '.join(allowed)}")
 
 
-def _format(spec: Any, where: str) -> str:
-    """The spec string after checking that precsearch.formats can build it (its error lists the formats)."""
-    if not isinstance(spec, str):
-        raise PrecsearchError(f"{where}: a format must be a string such as e4m3b4s or fp16, not {spec!r}")
-    try:
-        get_format(spec)
-    except PrecsearchError as error:
-        raise PrecsearchError(f"{where}: {error}") from None
-    return spec.strip().lower()
 
 
 def _per_kind(value: Any, where: str, check: Any, default: Mapping[str, Any]) -> dict[str, Any]:
@@ -208,7 +199,7 @@ def _loss_scaling(raw: Any, where: str) -> dict[str, Any]:
     scaling["mode"] = _choice(LOSS_SCALING_MODES)(scaling.get("mode", "dynamic"), f"{where}: loss_scaling.mode")
     for key, value in scaling.items():
         if key == "grad_format":
-            scaling[key] = _format(value, f"{where}: loss_scaling.grad_format")
+            scaling[key] = spec_name(value, f"{where}: loss_scaling.grad_format")
         elif key != "mode":
             scaling[key] = _number(value, f"{where}: loss_scaling.{key}", 0.0, integer=key == "growth_interval")
     options = {key: value for key, value in scaling.items() if key != "mode"}
@@ -251,7 +242,7 @@ def _choices(raw: Any, high: str, where: str) -> dict[str, dict[str, str]]:
         if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_LEVELS:
             raise PrecsearchError(f"{where}: choice name {name!r} must be an identifier other than "
                                   f"{' and '.join(RESERVED_LEVELS)}")
-        levels[name] = _per_kind(value, f"{where}: choices.{name}", _format, {kind: high for kind in KINDS})
+        levels[name] = _per_kind(value, f"{where}: choices.{name}", spec_name, {kind: high for kind in KINDS})
     return levels
 
 
@@ -262,8 +253,8 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     _unknown(raw, TOP_KEYS, where)
     if "high" not in raw or "low" not in raw:
         raise PrecsearchError(f"{where} must name a high format and low formats (keys high and low)")
-    high = _format(raw["high"], f"{where}: high")
-    low = _per_kind(raw["low"], f"{where}: low", _format, {kind: high for kind in KINDS})
+    high = spec_name(raw["high"], f"{where}: high")
+    low = _per_kind(raw["low"], f"{where}: low", spec_name, {kind: high for kind in KINDS})
     granularity = _choice(GRANULARITIES)(raw.get("granularity", "group"), f"{where}: granularity")
     if "choices" in raw and granularity != "categorical":
         raise PrecsearchError(f"{where}: choices apply only to granularity categorical; drop them or set it")

@@ -471,3 +471,12 @@ def test_bad_input_errors():
         quantize(torch.zeros(4), "fp16", overflow="wrap")
     with pytest.raises(PrecsearchError):
         get_format(3)
+
+
+def test_spec_name_normalizes_and_prefixes_errors():
+    assert formats.spec_name(" E4M3B4S ", "policy p.json: defaults.weight") == "e4m3b4s"
+    assert formats.spec_name(get_format("fp16"), "x") == "fp16"
+    with pytest.raises(PrecsearchError, match=r"^space s.yaml: high: unknown float format 'fp7'"):
+        formats.spec_name("fp7", "space s.yaml: high")
+    with pytest.raises(PrecsearchError, match="must be a string"):
+        formats.spec_name(8, "x")
