@@ -34,6 +34,7 @@ import math
 import os
 import re
 import struct
+import types
 from dataclasses import dataclass
 
 import torch
@@ -298,27 +299,39 @@ _compile_broken = os.environ.get("PRECSEARCH_COMPILE", "1") == "0"
 
 @functools.lru_cache(maxsize=192)
 def _compiled(kernel):
-    return torch.compile(kernel, dynamic=False)
+    """``kernel`` compiled under a code object of its own, so each format has its own compile cache entry
+    (no recompiles, no recompile limit to raise) however many formats a process uses."""
+    own_code = kernel.__code__.replace(co_name=f"{kernel.__name__}_{id(kernel):x}")
+    fresh = types.FunctionType(own_code, kernel.__globals__, own_code.co_name, kernel.__defaults__,
+                               kernel.__closure__)
+    return torch.compile(fresh, dynamic=False)
 
 
 def _run(kernel, flat: torch.Tensor, *args):
     """Run a kernel on a flat tensor: compiled for large tensors while torch.compile works here, else eager.
 
-    Kernels are made per format (constants baked in); each is a recompile of the same code, so the
-    recompile limit is raised to what the kernel caches hold. Any compiler failure means eager mode for the
-    rest of the process.
+    Any compiler failure means eager mode for the rest of the process.
     """
     global _compile_broken
     if _compile_broken or flat.numel() < COMPILE_MIN_NUMEL:
         return kernel(flat, *args)
     torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel per format serves every tensor size
     try:
-        with torch._dynamo.config.patch(recompile_limit=192):
-            return _compiled(kernel)(flat, *args)
+        return _compiled(kernel)(flat, *args)
     except Exception as error:
         log.debug("torch.compile of a formats kernel failed (%s); using eager mode", error)
         _compile_broken = True
         return kernel(flat, *args)
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_seed(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _rounding_kernel(fmt: FloatFormat, stochastic: bool, overflow: str):
+    return _make_kernel(_KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), stochastic, overflow, fmt.has_inf))
 
 
 def _float_bits(value: float) -> int:
@@ -346,12 +359,12 @@ def quantize(
     if fmt.is_fp32:
         return x
     stochastic = rounding == "stochastic"
-    seed = torch.zeros((), dtype=torch.int64)
     if stochastic:
         device = generator.device if generator is not None else "cpu"
-        seed = torch.randint(0, 2**31 - 1, (), generator=generator, device=device, dtype=torch.int64)
-    kernel = _make_kernel(_KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), stochastic, overflow, fmt.has_inf))
-    return _run(kernel, x.reshape(-1), seed.to(x.device)).view(x.shape)
+        seed = torch.randint(0, 2**31 - 1, (), generator=generator, device=device, dtype=torch.int64).to(x.device)
+    else:
+        seed = _zero_seed(x.device)
+    return _run(_rounding_kernel(fmt, stochastic, overflow), x.reshape(-1), seed).view(x.shape)
 
 
 # ------------------------------------------------------------------------------------------ bit packing
