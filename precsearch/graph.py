@@ -32,7 +32,7 @@ import os
 import tempfile
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -730,19 +730,26 @@ def trace(model: nn.Module, example_input: torch.Tensor, batch_size: int | None 
     return _assemble(ops, name, target, tuple(example_input.shape[1:]), "fx" if gm is not None else "hooks", gm)
 
 
-def _trace_fx(gm: torch.fx.GraphModule, name: str, model: nn.Module, x: torch.Tensor,
-              grow: bool) -> tuple[list[_RawOp], dict[str, list[Any]]]:
-    """Raw ops of the traced graph with shapes at the example batch, and shapes at one more sample if `grow`."""
-    runs = []
+def _record(make_recorder: Callable[[], Any], name: str, model: nn.Module, x: torch.Tensor, grow: bool,
+            fx_error: BaseException | None) -> list[Any]:
+    """Run a fresh recorder on the example, and on one more sample if `grow`; the recorders, in that order."""
+    recorders = []
     for sample in (x, _grow(x)) if grow else (x,):
-        recorder = _ShapeRecorder(gm)
+        recorder = make_recorder()
         try:
             output = recorder.run(sample)
         except Exception as error:  # whatever the model raises becomes one clear line
-            raise forward_error(name, model, sample, error, None) from error
+            raise forward_error(name, model, sample, error, fx_error) from error
         if not _returns_float(output):
             raise _no_tensor(name, output)
-        runs.append(recorder.records)
+        recorders.append(recorder)
+    return recorders
+
+
+def _trace_fx(gm: torch.fx.GraphModule, name: str, model: nn.Module, x: torch.Tensor,
+              grow: bool) -> tuple[list[_RawOp], dict[str, list[Any]]]:
+    """Raw ops of the traced graph with shapes at the example batch, and shapes at one more sample if `grow`."""
+    runs = [recorder.records for recorder in _record(lambda: _ShapeRecorder(gm), name, model, x, grow, None)]
     ops = _fx_ops(gm, runs[0])
     if not grow:
         return ops, {}
@@ -754,16 +761,8 @@ def _trace_hooks(model: nn.Module, leaf: _LeafSpec, name: str, x: torch.Tensor, 
     """Raw ops from module hooks (see `_HookRecorder`), and shapes at one more sample if `grow`."""
     parameters = list(inspect.signature(model.forward).parameters)
     input_name = parameters[0] if parameters else "input"
-    runs = []
-    for sample in (x, _grow(x)) if grow else (x,):
-        recorder = _HookRecorder(model, leaf, input_name)
-        try:
-            output = recorder.run(sample)
-        except Exception as error:  # whatever the model raises becomes one clear line
-            raise forward_error(name, model, sample, error, fx_error) from error
-        if not _returns_float(output):
-            raise _no_tensor(name, output)
-        runs.append(recorder.ops)
+    runs = [recorder.ops for recorder in
+            _record(lambda: _HookRecorder(model, leaf, input_name), name, model, x, grow, fx_error)]
     if not grow:
         return runs[0], {}
     if [op.name for op in runs[0]] != [op.name for op in runs[1]]:
