@@ -17,6 +17,9 @@ Resolving a tensor's format, in the spirit of torch.ao's QConfigMapping (most sp
 Master weights and optimizer state are not assigned here: master copies are fp32 when ``master_weights`` is
 true, and the optimizer settings (``optimizer``) say how the update is rounded.
 
+``compression`` (``none`` by default, or ``adacomp``) is how data-parallel training exchanges gradients
+(precsearch.comm), so a search may treat it as one more dimension beside the formats.
+
 ``accumulation`` (optional, off by default) makes the GEMMs of the layers it names sum in a low format, forward
 and backward, by Wang et al.'s chunk-based accumulation (precsearch.accumulate); see ``Accumulation``.
 """
@@ -49,6 +52,7 @@ from precsearch.scaling import make_scaler
 __all__ = [
     "Accumulation",
     "BASELINES",
+    "COMPRESSIONS",
     "KINDS",
     "PAPER_OVERFLOW",
     "SCHEMA_VERSION",
@@ -61,6 +65,7 @@ SCHEMA_VERSION = 1
 KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
 BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
 LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
+COMPRESSIONS: tuple[str, ...] = ("none", "adacomp")
 OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format")
 OPTIMIZER_UPDATES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
 ACCUMULATION_KEYS: tuple[str, ...] = ("format", "chunk", "layers")
@@ -74,7 +79,7 @@ _GLOB_CHARS = frozenset("*?[")
 _FIELDS = (
     "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
     "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
-    "accumulation", "predicted", "provenance",
+    "accumulation", "compression", "predicted", "provenance",
 )
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
 
@@ -257,6 +262,7 @@ class Policy:
     master_weights: bool = True
     optimizer: dict[str, Any] = field(default_factory=dict)
     accumulation: Accumulation | None = None
+    compression: str = "none"
     predicted: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -302,6 +308,7 @@ class Policy:
             raise PrecsearchError(f"{where}: master_weights must be true or false, not {self.master_weights!r}")
         self.optimizer = _optimizer(self.optimizer, f"{where}: optimizer")
         self.accumulation = _accumulation(self.accumulation, where)
+        self.compression = _choice(self.compression, COMPRESSIONS, f"{where}: compression")
         self.predicted = _json_data(self.predicted, f"{where}: predicted")
         self.provenance = _json_data(self.provenance, f"{where}: provenance")
 
@@ -445,6 +452,8 @@ class Policy:
             del data["accumulation"]  # optional: files without it read as before, in older precsearch too
         else:
             data["accumulation"] = self.accumulation.to_dict()
+        if self.compression == "none":
+            del data["compression"]  # optional like accumulation: files without it read as before
         data["schema_version"] = SCHEMA_VERSION
         data["formats"] = {spec: _format_entry(fmt) for spec, fmt in self.formats().items()}
         return data

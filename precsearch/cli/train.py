@@ -1,4 +1,8 @@
-"""`precsearch train MODEL --policy FILE ...`: full training under a policy, metrics to a CSV."""
+"""`precsearch train MODEL --policy FILE ...`: full training under a policy, metrics to a CSV.
+
+With ``--nproc N`` it trains data-parallel in N processes (precsearch.comm), with or without a policy, and
+``--compress adacomp`` (or a policy's ``compression``) compresses their gradient exchange.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 
 from precsearch.cli.search import add_data_arguments
 from precsearch.errors import PrecsearchError
+from precsearch.policy import COMPRESSIONS
 from precsearch.proxy import ProxyConfig
 
 
@@ -16,7 +21,14 @@ def register(subparsers: Any) -> None:
         description="Train MODEL under a policy (e.g. a search's best.json) with SGD + momentum and a cosine "
                     "schedule; validation accuracy and loss go to --metrics after every evaluation.")
     parser.add_argument("model", metavar="MODEL", help="the model the policy was made for (e.g. tiny_cnn)")
-    parser.add_argument("--policy", required=True, metavar="FILE", help="policy JSON file")
+    parser.add_argument("--policy", default=None, metavar="FILE",
+                        help="policy JSON file (optional with --nproc: without one, plain fp32)")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="train in N data-parallel processes (gloo on CPU, nccl on CUDA); --batch-size is "
+                             "the global batch")
+    parser.add_argument("--compress", choices=COMPRESSIONS, default=None,
+                        help="gradient exchange with --nproc: none (all-reduce) or adacomp (default: the "
+                             "policy's compression, else none)")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, metavar="N", help="SGD steps")
     length.add_argument("--epochs", type=float, default=None, metavar="E", help="epochs (default 10)")
@@ -42,11 +54,15 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise PrecsearchError(f"--threads {args.threads} must be at least 1")
         torch.set_num_threads(args.threads)
-    policy = Policy.load(args.policy)
-    if policy.input_shape is None:
+    if args.compress is not None and args.nproc is None:
+        raise PrecsearchError(f"--compress {args.compress} needs --nproc N (the data-parallel processes)")
+    if args.policy is None and args.nproc is None:
+        raise PrecsearchError("give --policy FILE, or --nproc N to train data-parallel without a policy")
+    policy = Policy.load(args.policy) if args.policy is not None else None
+    if policy is not None and policy.input_shape is None:
         raise PrecsearchError(f"policy {args.policy} has no input_shape; make it with precsearch search")
-    image_size = args.image_size or policy.input_shape[-1]
-    batch_size = args.batch_size or policy.batch_size or 64
+    image_size = args.image_size or (policy.input_shape[-1] if policy is not None else ProxyConfig().image_size)
+    batch_size = args.batch_size or (policy.batch_size if policy is not None else None) or 64
     if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
         raise PrecsearchError("--steps and --epochs must be positive")
     data = load_dataset(args.data, root=args.data_root, image_size=image_size)
@@ -54,11 +70,31 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps or max(1, round((args.epochs or 10) * per_epoch))
     config = ProxyConfig(steps=steps, batch_size=batch_size, image_size=image_size, lr=args.lr,
                          momentum=args.momentum, weight_decay=args.weight_decay)
+    if args.nproc is not None:
+        return _run_data_parallel(args, policy, data, steps, config)
     result = train_policy(args.model, policy, data, steps, seed=args.seed, device=args.device, config=config,
                           eval_every=args.eval_every, metrics=args.metrics)
     status = f"diverged ({result.reason})" if result.diverged else "trained"
     print(f"{status}: {result.steps_run} steps in {result.wall_time:.1f} s; validation accuracy "
           f"{result.val_accuracy:.4f}, loss {result.val_loss:.4f}; {len(result.promotions)} promotion(s)")
+    if args.metrics:
+        print(f"metrics: {args.metrics}")
+    return 0
+
+
+def _run_data_parallel(args: argparse.Namespace, policy: Any, data: Any, steps: int, config: ProxyConfig) -> int:
+    from precsearch.comm import compression_by_type, train_data_parallel
+
+    compress = args.compress or (policy.compression if policy is not None else "none")
+    result = train_data_parallel(args.model, policy, data, steps, nproc=args.nproc, compress=compress,
+                                 seed=args.seed, device=args.device, config=config, eval_every=args.eval_every,
+                                 metrics=args.metrics, threads=args.threads)
+    print(f"trained in {result.nproc} processes ({compress}): {result.steps_run} steps in {result.wall_time:.1f} s; "
+          f"validation accuracy {result.val_accuracy:.4f}, loss {result.val_loss:.4f}")
+    if result.compression is not None:
+        by_type = compression_by_type(result.compression)
+        figures = [f"{kind} {ratio:.1f}x" for kind, ratio in by_type["ratio"].items()]
+        print(f"compression (dense / sent bytes): {', '.join(figures)}")
     if args.metrics:
         print(f"metrics: {args.metrics}")
     return 0
