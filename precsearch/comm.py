@@ -45,7 +45,9 @@ import itertools
 import logging
 import math
 import os
+import pickle
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -145,7 +147,7 @@ class AdaCompState:
         self._step_bytes = {kind: [0, 0] for kind in LAYER_TYPES}
         self._warned = False
 
-    def layer(self, param: nn.Parameter) -> _Layer:
+    def _layer(self, param: nn.Parameter) -> _Layer:
         """The name, layer type and byte counts of ``param`` (named and typed on first sight)."""
         if param not in self._layers:
             kind = "conv" if param.dim() >= 3 else "fc" if param.dim() == 2 else "other"
@@ -217,7 +219,7 @@ def adacomp_hook(state: AdaCompState, bucket: dist.GradBucket) -> torch.futures.
     params, grads = bucket.parameters(), bucket.gradients()
     counts, scales, indices = [], [], []
     for param, grad in zip(params, grads, strict=True):
-        layer = state.layer(param)
+        layer = state._layer(param)
         grad = grad.detach().flatten().float()
         residual = state.residuals.get(param)
         residual = torch.zeros_like(grad) if residual is None else residual
@@ -356,8 +358,8 @@ def train_data_parallel(
     """Train ``model_spec`` (under ``policy``, or plain fp32) in ``nproc`` DDP processes on this machine.
 
     The proxy recipe (``config``: SGD, momentum, weight decay, cosine schedule) with ``config.batch_size`` as
-    the global batch, split evenly over the processes, each on its own shard of the training set. Gradients
-    are exchanged by plain all-reduce (``compress="none"``) or AdaComp (``comm_options`` go to
+    the global batch, split evenly over the processes (rounded down), each on its own shard of the training
+    set. Gradients are exchanged by plain all-reduce (``compress="none"``) or AdaComp (``comm_options`` go to
     ``AdaCompState``). gloo on CPU, nccl on CUDA (one GPU per process); rank 0 evaluates every
     ``eval_every`` steps and at the end, and writes the ``metrics`` CSV (the columns of
     ``proxy.train_policy``) and, with AdaComp, the per-parameter compression table beside it
@@ -384,15 +386,14 @@ def train_data_parallel(
     job = _Job(model_spec, policy, data, steps, seed, torch_device.type, config, compress,
                dict(comm_options or {}), eval_every, None if metrics is None else str(metrics),
                threads or max(1, (os.cpu_count() or 1) // nproc), logging.getLogger().getEffectiveLevel())
-    context = torch.multiprocessing.get_context("spawn")
-    results = context.SimpleQueue()
-    port = _free_port()
-    torch.multiprocessing.start_processes(_worker, args=(nproc, port, job, results), nprocs=nproc,
-                                          start_method="spawn")
-    return results.get()
+    with tempfile.TemporaryDirectory(prefix="precsearch-ddp-") as folder:
+        report = Path(folder) / "result.pickle"  # a file, not a queue: a pipe could fill up before join()
+        torch.multiprocessing.start_processes(_worker, args=(nproc, _free_port(), job, report), nprocs=nproc,
+                                              start_method="spawn")
+        return pickle.loads(report.read_bytes())
 
 
-def _worker(rank: int, world: int, port: int, job: _Job, results: Any) -> None:
+def _worker(rank: int, world: int, port: int, job: _Job, report: Path) -> None:
     """One process of ``train_data_parallel``: join the group, train its shard, rank 0 reports."""
     logging.basicConfig(level=job.log_level, format=f"[rank {rank}] %(message)s")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -406,7 +407,7 @@ def _worker(rank: int, world: int, port: int, job: _Job, results: Any) -> None:
     try:
         result = _train_rank(rank, world, device, job)
         if rank == 0:
-            results.put(result)
+            report.write_bytes(pickle.dumps(result))
     finally:
         dist.destroy_process_group()
 

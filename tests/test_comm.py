@@ -10,7 +10,9 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import pickle
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,7 +96,7 @@ def backward(model: nn.Module, grads: list[torch.Tensor]) -> list[np.ndarray]:
     return [param.grad.detach().flatten().numpy().copy() for param in model.parameters()]
 
 
-def scenarios(rank: int, world: int, port: int, results) -> None:
+def scenarios(rank: int, world: int, port: int, folder: Path) -> None:
     """Everything the tests look at, run in one of two gloo processes."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -128,20 +130,18 @@ def scenarios(rank: int, world: int, port: int, results) -> None:
         for _ in range(2):
             net.zero_grad()
             nn.functional.cross_entropy(net(images), torch.arange(8)).backward()
-        seen["net_grads"] = [param.grad.numpy().copy() for param in net.parameters()]  # tensors would be shared
+        seen["net_grads"] = [param.grad.numpy().copy() for param in net.parameters()]
         seen["net_table"] = net_state.compression()
-        results.put((rank, seen))
+        (folder / f"rank{rank}.pickle").write_bytes(pickle.dumps(seen))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    context = torch.multiprocessing.get_context("spawn")
-    results = context.SimpleQueue()
-    torch.multiprocessing.start_processes(scenarios, args=(2, free_port(), results), nprocs=2, start_method="spawn")
-    seen = dict(results.get() for _ in range(2))
-    return [seen[0], seen[1]]
+def ranks(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("ranks")
+    torch.multiprocessing.start_processes(scenarios, args=(2, free_port(), folder), nprocs=2, start_method="spawn")
+    return [pickle.loads((folder / f"rank{rank}.pickle").read_bytes()) for rank in range(2)]
 
 
 def reference_run() -> tuple[list, list]:
