@@ -1,5 +1,7 @@
 # Two commands do all set-up on a fresh machine: `make test` and `make demo`.
 # Both create .venv if missing and install from constraints.txt (torch pinned to the 2.13.0 CPU build).
+# tests/test_search_postgres.py starts its own PostgreSQL server: `make postgres` installs the server binaries
+# (Debian's postgresql package, as root) when they are missing; `make test` runs it first.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,13 +10,19 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,postgres]'
 	touch $(STAMP)
 
-.PHONY: install test demo lint bench
+.PHONY: install test demo lint bench postgres
 install: $(STAMP)
 
-test: $(STAMP)
+postgres:
+	@if command -v pg_ctl >/dev/null || ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	else echo "PostgreSQL server binaries missing: install the postgresql package (its tests are skipped)"; fi
+
+test: $(STAMP) postgres
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 

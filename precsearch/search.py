@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
+import hashlib
+import importlib.util
 import json
 import logging
 import math
 import multiprocessing
 import os
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -46,8 +50,12 @@ from typing import Any
 
 import optuna
 import pandas as pd
+import sqlalchemy
 import torch
+from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.engine import make_url
 from tqdm.auto import tqdm
 
 from precsearch.cost import CostModel
@@ -56,7 +64,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph import TensorGraph, trace
 from precsearch.policy import Policy
 from precsearch.proxy import ProxyResult, atomic_write_text, build_model, resolve_device, run_proxy
-from precsearch.spaces import SearchSpace, load_space
+from precsearch.spaces import SearchSpace, load_space, parse_space
 from precsearch.strategies import (
     BASELINES,
     assign,
@@ -74,7 +82,9 @@ __all__ = [
     "DataSpec",
     "SearchContext",
     "SearchResult",
+    "StudyLocation",
     "atomic_write_text",
+    "export_study",
     "pareto_front",
     "run_baselines",
     "run_search",
@@ -85,6 +95,13 @@ log = logging.getLogger(__name__)
 STUDY_NAME = "precsearch"
 JOURNAL_NAME = "study.journal"
 RUN_FILE = "run.json"
+TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
+POSTGRES_DRIVER = "postgresql+psycopg"
+DEFAULT_HEARTBEAT = 20  # seconds between heartbeats; a trial silent for 3x this is failed and retried
+MAX_RETRIES = 3  # times a trial whose worker died is queued again
+CONFIG_WAIT = 30.0  # seconds a joining worker waits for a new study's creator to record its config ...
+SEED_WAIT = 600.0  # ... and to queue its seeds (after training the reference, for --max-accuracy-drop)
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
 DEFAULT_ACCURACY_DROP = 0.01
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 METRICS = (
@@ -244,30 +261,19 @@ def _set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> N
         trial.set_constraint(name, value)
 
 
-def _finished_with_key(study: optuna.Study, key: str, number: int) -> FrozenTrial | None:
-    for other in study.get_trials(deepcopy=False, states=FINISHED):
-        if other.number != number and other.user_attrs.get("key") == key:
-            return other
-    return None
-
-
-def _wait_for_running(study: optuna.Study, key: str, number: int, since: float) -> FrozenTrial | None:
-    """Wait for another worker of this session training the same assignment; its result, or None."""
-    while True:
-        running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                   if t.number < number and t.user_attrs.get("key") == key
-                   and t.datetime_start is not None and t.datetime_start.timestamp() >= since]
-        if not running:
-            return _finished_with_key(study, key, number)
-        time.sleep(0.5)
-
-
 class Objective:
-    """Optuna objective: decide, price, reuse or train, record. One instance per worker process."""
+    """Optuna objective: decide, price, reuse or train, record. One instance per worker process.
 
-    def __init__(self, context: SearchContext, session_start: float) -> None:
+    ``location`` and ``storage`` are where the study lives (the decision lock is taken there);
+    ``out_dir`` is where this worker writes the policy of each proxy it trains.
+    """
+
+    def __init__(self, context: SearchContext, location: StudyLocation, storage: optuna.storages.BaseStorage,
+                 out_dir: Path) -> None:
         self.context = context
-        self.session_start = session_start
+        self.location = location
+        self.storage = storage
+        self.out_dir = out_dir
 
     def __call__(self, trial: optuna.Trial) -> Any:
         try:
@@ -291,9 +297,9 @@ class Objective:
         trial.set_user_attr("key", key)
         trial.set_user_attr("memory_planned", planned)
         trial.set_user_attr("low_share", low_share(context.graph, context.space, decisions))
+        trial.set_user_attr("worker", WORKER)
         study = trial.study
-        previous = _finished_with_key(study, key, trial.number) or _wait_for_running(
-            study, key, trial.number, self.session_start)
+        previous = self._claim(trial, key)
         if previous is not None:
             return self._reuse(trial, previous)
         reference = _reference_accuracy(study)
@@ -304,18 +310,22 @@ class Objective:
             if best is not None and planned >= best:
                 trial.set_user_attr("reason", f"cannot beat the best feasible memory {best:.4f}")
                 raise optuna.TrialPruned(f"memory {planned:.4f} >= best feasible {best:.4f}")
+        policy = context.policy(assignment, {"trial": trial.number})
         if key == study.user_attrs.get("reference_key"):
             result = ProxyResult.from_dict(study.user_attrs["reference_result"])
             trial.set_user_attr("duplicate_of", "reference")
         else:
-            policy = context.policy(assignment, {"trial": trial.number})
             result = run_proxy(context.model, policy, context.data, context.space.proxy.steps, seed=context.seed,
                                device=context.device, config=context.space.proxy,
                                report=self._pruning_hook(trial) if context.budget.single_objective else None)
         memory, size = context.memory(assignment, result.promotions)
+        path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
+        path.parent.mkdir(exist_ok=True)
+        proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
+        policy.replace(provenance={**policy.provenance, "worker": WORKER, "proxy": proxy}).save(path)
         record = result.to_dict()
         record.pop("loss_curve")
-        record.update(memory=memory, bytes=size, trained=True)
+        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()))
         for name, value in record.items():
             trial.set_user_attr(name, value)
         _set_constraints(trial, context.constraints(result, memory, reference))
@@ -331,9 +341,33 @@ class Objective:
 
         return report
 
+    def _claim(self, trial: optuna.Trial, key: str) -> FrozenTrial | None:
+        """Decide, under the study's lock, whether this trial trains the assignment ``key``.
+
+        A finished trial with the key is returned for reuse. A live trial already training it is waited
+        for, then the decision is taken again (it may have finished, or failed by heartbeat: then this
+        trial trains). Otherwise this trial marks itself as the one training the key (``trains`` holds its
+        own number, so the marker a retried copy inherits from a dead trial claims nothing). Every worker
+        on every host takes the same lock, so no two trials ever train the same assignment.
+        """
+        study = trial.study
+        while True:
+            with self.location.lock(self.storage):
+                others = [t for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+                          if t.number != trial.number and t.user_attrs.get("key") == key]
+                finished = [t for t in others if t.state in FINISHED]
+                if finished:
+                    return finished[0]
+                owner = next((t for t in others if t.user_attrs.get("trains") == t.number), None)
+                if owner is None:
+                    trial.set_user_attr("trains", trial.number)
+                    return None
+            log.info("trial %d waits for trial %d, which trains the same assignment", trial.number, owner.number)
+            _wait_while_running(study, owner.number)
+
     def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> Any:
         """Copy a finished trial's results for the same assignment instead of training again."""
-        for name in (*METRICS, "loss_curve", "reason"):
+        for name in (*METRICS, "loss_curve", "reason", "policy"):
             if name in previous.user_attrs:
                 trial.set_user_attr(name, previous.user_attrs[name])
         trial.set_user_attr("duplicate_of", previous.number)
@@ -352,6 +386,16 @@ class Objective:
         return [1e6 if context.space.accuracy_objective == "val_loss" else 1.0]
 
 
+def _wait_while_running(study: optuna.Study, number: int) -> None:
+    """Poll until trial ``number`` leaves RUNNING; meanwhile fail trials whose worker stopped heartbeating
+    (Optuna does so only when a trial starts, and every live worker may be waiting here)."""
+    while any(t.number == number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
+        time.sleep(0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+
+
 def _reference_accuracy(study: optuna.Study) -> float | None:
     result = study.user_attrs.get("reference_result")
     return None if result is None else float(result["val_accuracy"])
@@ -366,25 +410,102 @@ def _best_feasible_memory(study: optuna.Study) -> float | None:
 # ------------------------------------------------------------------------------------------------ storage
 
 
-def _open_storage(storage: str | None, out_dir: Path) -> optuna.storages.BaseStorage:
-    """An Optuna storage from a URL (``sqlite:///...``, ``postgresql://...``), a journal file path, or the
-    default journal file in the run directory; unreachable storage is a one-line PrecsearchError."""
-    from optuna.storages import JournalStorage, RDBStorage
-    from optuna.storages.journal import JournalFileBackend
+@dataclass(frozen=True)
+class StudyLocation:
+    """Where a study lives: a storage (URL or journal file path), the study's name in it, and the heartbeat.
 
-    target = _storage_target(storage, out_dir)
-    try:
-        if "://" in target:
-            return RDBStorage(target, engine_kwargs={"pool_pre_ping": True})
-        path = Path(target)
-        if not path.parent.is_dir():
-            raise FileNotFoundError(f"folder {path.parent} does not exist")
-        _repair_journal(path)
-        return JournalStorage(JournalFileBackend(str(path)))
-    except Exception as error:  # drivers raise anything from ImportError to OperationalError
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise PrecsearchError(f"cannot open study storage {target}: {reason}; check the URL or path "
-                              "(leave --storage out to use a journal file in --out)") from None
+    A ``shared`` study (``--study-name``) is joined by name from any number of processes on any number of
+    hosts: the first creates and seeds it, the others load it (``_join_study``), and only Optuna's heartbeat
+    decides that a RUNNING trial is dead. On an RDB storage every trial records a heartbeat each
+    ``heartbeat`` seconds; a trial silent for ``3 x heartbeat`` seconds is failed and its assignment queued
+    again (``RetryHeartbeatStaleTrialCallback``), by whichever worker notices first.
+    """
+
+    target: str
+    study_name: str = STUDY_NAME
+    heartbeat: int = DEFAULT_HEARTBEAT
+    shared: bool = False
+
+    @classmethod
+    def of(cls, storage: str | None, out_dir: Path, study_name: str | None = None,
+           heartbeat: int = DEFAULT_HEARTBEAT) -> StudyLocation:
+        """``storage`` as given on the command line (None: the journal file in ``out_dir``)."""
+        if heartbeat < 1:
+            raise PrecsearchError(f"heartbeat={heartbeat} must be a whole number of seconds >= 1")
+        if study_name is not None and not study_name.strip():
+            raise PrecsearchError("--study-name must not be empty")
+        return cls(storage or str(out_dir / JOURNAL_NAME), study_name or STUDY_NAME, heartbeat, study_name is not None)
+
+    @property
+    def shown(self) -> str:
+        """The target with its password masked, for messages and run.json."""
+        if "://" not in self.target:
+            return self.target
+        with contextlib.suppress(Exception):
+            return make_url(self.target).render_as_string(hide_password=True)
+        return self.target
+
+    def open(self) -> optuna.storages.BaseStorage:
+        """The Optuna storage; one that cannot be opened or reached is a one-line PrecsearchError."""
+        try:
+            if "://" in self.target:
+                return self._open_rdb()
+            path = Path(self.target)
+            if not path.parent.is_dir():
+                raise FileNotFoundError(f"folder {path.parent} does not exist")
+            _repair_journal(path)
+            return JournalStorage(JournalFileBackend(str(path)))
+        except PrecsearchError:
+            raise
+        except Exception as error:  # drivers raise anything from ArgumentError to OperationalError
+            text = str(error).strip()
+            reason = text.splitlines()[0] if text else type(error).__name__
+            raise PrecsearchError(f"cannot open study storage {self.shown}: {reason}; check the URL or path "
+                                  "(leave --storage out to use a journal file in --out)") from None
+
+    def _open_rdb(self) -> RDBStorage:
+        """A plain ``postgresql://`` URL uses psycopg 3 (SQLAlchemy's default PostgreSQL driver is psycopg2)."""
+        url = make_url(self.target)
+        backend = url.get_backend_name()
+        if url.drivername == "postgresql":
+            url = url.set(drivername=POSTGRES_DRIVER)
+        if backend not in ("postgresql", "sqlite"):
+            raise PrecsearchError(f"study storage {self.shown}: precsearch shares studies through PostgreSQL "
+                                  f"(postgresql://...), SQLite (sqlite:///FILE) or a journal file, not {backend}")
+        engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        if backend == "postgresql":
+            if importlib.util.find_spec("psycopg") is None:
+                raise PrecsearchError(f"study storage {self.shown} needs psycopg 3; install it with "
+                                      "pip install 'precsearch[postgres]'")
+            engine_kwargs["connect_args"] = {"connect_timeout": 10}
+        def create() -> RDBStorage:
+            with warnings.catch_warnings():  # Optuna marks the heartbeat and its retry callback experimental
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return RDBStorage(url.render_as_string(hide_password=False), engine_kwargs=engine_kwargs,
+                                  heartbeat_interval=self.heartbeat, grace_period=3 * self.heartbeat,
+                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(MAX_RETRIES))
+
+        try:
+            return create()
+        except sqlalchemy.exc.IntegrityError:  # workers creating Optuna's tables at once collide; now they exist
+            time.sleep(0.5)
+            return create()
+
+    @contextlib.contextmanager
+    def lock(self, storage: optuna.storages.BaseStorage) -> Iterator[None]:
+        """Exclusive among all processes using this study: on PostgreSQL an advisory lock held for one
+        transaction (the server releases it when a killed worker's connection drops), on SQLite and journal
+        files an flock on the file (they are shared on one host only)."""
+        if isinstance(storage, RDBStorage) and storage.engine.dialect.name == "postgresql":
+            lock_id = int(hashlib.sha1(self.study_name.encode()).hexdigest()[:15], 16)
+            with storage.engine.begin() as connection:
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_xact_lock(:id)"), {"id": lock_id})
+                yield
+            return
+        path = make_url(self.target).database if "://" in self.target else self.target
+        with open(path, "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
 
 
 def _repair_journal(path: Path) -> None:
@@ -403,14 +524,13 @@ def _repair_journal(path: Path) -> None:
                     path, len(data) - keep)
 
 
-def _storage_target(storage: str | None, out_dir: Path) -> str:
-    return storage or str(out_dir / JOURNAL_NAME)
-
-
-def _sampler(context: SearchContext, worker: int) -> optuna.samplers.BaseSampler:
+def _sampler(context: SearchContext, worker: int | None) -> optuna.samplers.BaseSampler:
+    """TPE seeded from the search seed and the worker's index; unseeded (None) in a shared study, whose
+    workers on several hosts would otherwise propose the same first assignments."""
+    seed = None if worker is None else context.seed * 1000 + worker
     with warnings.catch_warnings():  # multivariate TPE is marked experimental; it models joint group choices
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(seed=context.seed * 1000 + worker, n_startup_trials=5, multivariate=True)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=5, multivariate=True)
 
 
 def _pruner(context: SearchContext) -> optuna.pruners.BasePruner:
@@ -420,9 +540,61 @@ def _pruner(context: SearchContext) -> optuna.pruners.BasePruner:
     return optuna.pruners.PercentilePruner(75.0, n_startup_trials=5, n_warmup_steps=steps // 4)
 
 
-def _load_study(context: SearchContext, storage: optuna.storages.BaseStorage, worker: int) -> optuna.Study:
-    return optuna.load_study(study_name=STUDY_NAME, storage=storage, sampler=_sampler(context, worker),
-                             pruner=_pruner(context))
+def _load_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation,
+                worker: int) -> optuna.Study:
+    return optuna.load_study(study_name=location.study_name, storage=storage,
+                             sampler=_sampler(context, None if location.shared else worker), pruner=_pruner(context))
+
+
+def _new_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation) -> optuna.Study:
+    """Create the study; raises DuplicatedStudyError when the name is taken (a unique insert in RDB storages)."""
+    directions = ["minimize"] if context.budget.single_objective else ["minimize", "minimize"]
+    return optuna.create_study(storage=storage, study_name=location.study_name, directions=directions,
+                               sampler=_sampler(context, None if location.shared else 0), pruner=_pruner(context))
+
+
+def _check_same_config(study: optuna.Study, context: SearchContext, location: StudyLocation, fix: str) -> None:
+    theirs, ours = study.user_attrs.get("config") or {}, _config(context)
+    differ = [key for key in ours if theirs.get(key) != ours[key]]
+    if differ:
+        raise PrecsearchError(
+            f"study {location.study_name} in {location.shown} was made with a different {', '.join(differ)} (it "
+            f"searches {theirs.get('model')}, graph {theirs.get('graph_fingerprint')}, space "
+            f"{(theirs.get('space') or {}).get('name')}); {fix}")
+
+
+def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation) -> optuna.Study:
+    """Create and seed a shared study, or join it once its creator has seeded it.
+
+    The database decides who creates it: study names are unique, so of any number of workers starting at
+    once exactly one ``create_study`` succeeds. That one records the config, trains the all-high reference
+    (when the budget needs it), queues the seeds, then sets ``seeded``. Every other worker waits for
+    ``seeded`` and refuses a study made for another model, graph, space, data, seed or budget.
+    """
+    try:
+        study = _new_study(context, storage, location)
+    except optuna.exceptions.DuplicatedStudyError:
+        study = _load_study(context, storage, location, 0)
+        _wait_for_attr(study, "config", CONFIG_WAIT, location, "is not a precsearch study")
+        _check_same_config(study, context, location,
+                           "join it with the same model and settings, or choose another --study-name")
+        _wait_for_attr(study, "seeded", SEED_WAIT, location, "was never seeded (its creator stopped while "
+                       "setting it up)")
+        return study
+    study.set_user_attr("config", _config(context))
+    _ensure_reference(study, context)
+    _seed_study(study, context)
+    study.set_user_attr("seeded", True)
+    return study
+
+
+def _wait_for_attr(study: optuna.Study, name: str, timeout: float, location: StudyLocation, problem: str) -> None:
+    deadline = time.monotonic() + timeout
+    while name not in study.user_attrs:
+        if time.monotonic() > deadline:
+            raise PrecsearchError(f"study {location.study_name} in {location.shown} {problem}; delete it (optuna "
+                                  "delete-study) or choose another --study-name")
+        time.sleep(0.5)
 
 
 def _config(context: SearchContext) -> dict[str, Any]:
@@ -441,10 +613,11 @@ def _config(context: SearchContext) -> dict[str, Any]:
 
 
 def _counted(trial: FrozenTrial) -> bool:
-    """A trial that used up budget: finished, or failed by its own error (not an interruption)."""
+    """A trial that used up budget: finished, or failed by its own error (not by an interruption or a dead
+    worker's missing heartbeat: those are queued again)."""
     if trial.state in FINISHED:
         return True
-    return trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted")
+    return trial.state == TrialState.FAIL and "error" in trial.user_attrs
 
 
 def _done(study: optuna.Study) -> int:
@@ -524,6 +697,9 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "steps_run": attrs.get("steps_run", math.nan),
         "wall_time": attrs.get("wall_time", math.nan),
         "duplicate_of": attrs.get("duplicate_of", ""),
+        "retry_of": trial.system_attrs.get("failed_trial", ""),
+        "worker": attrs.get("worker", ""),
+        "policy": attrs.get("policy", ""),
         "error": attrs.get("error", ""),
         "key": attrs.get("key", context.key(params) if len(params) == len(context.units) else ""),
         "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
@@ -629,6 +805,34 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[
     return frame, front, best
 
 
+def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME) -> SearchResult:
+    """Rebuild a run directory (run.json, trials.csv, pareto.csv, policies/, best.json) from a study in
+    ``storage``, e.g. a shared study that workers on several hosts filled. The model is traced again from
+    the study's config; a graph that no longer matches its fingerprint is an error."""
+    start = time.perf_counter()
+    out_dir = Path(out_dir)
+    location = StudyLocation.of(storage, out_dir, study_name)
+    backend = location.open()
+    try:
+        study = optuna.load_study(study_name=location.study_name, storage=backend)
+    except KeyError:
+        raise PrecsearchError(f"no study {location.study_name} in {location.shown}; list them with optuna "
+                              "studies --storage URL") from None
+    config = study.user_attrs.get("config")
+    if config is None:
+        raise PrecsearchError(f"study {location.study_name} in {location.shown} is not a precsearch study")
+    context = SearchContext.create(config["model"], parse_space(config["space"]), DataSpec(**config["data"]),
+                                   Budget(**config["budget"]), config["seed"], "cpu")
+    if context.graph.fingerprint() != config["graph_fingerprint"]:
+        raise PrecsearchError(f"model {config['model']} now traces to graph {context.graph.fingerprint()}, not the "
+                              f"study's {config['graph_fingerprint']}; rebuild with the code that ran the study")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / RUN_FILE, json.dumps(
+        {**config, "storage": location.shown, "study": location.study_name}, indent=2))
+    frame, front, best = export(study, context, out_dir)
+    return SearchResult(out_dir, frame, front, best, time.perf_counter() - start)
+
+
 # ------------------------------------------------------------------------------------------------ running
 
 
@@ -689,8 +893,11 @@ class _Progress:
 
 
 def _budget_callback(trials: int) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop once ``trials`` trials counted and no retry of a dead worker's trial is still queued."""
+
     def stop(study: optuna.Study, trial: FrozenTrial) -> None:
-        if _done(study) >= trials:
+        queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if _done(study) >= trials and not any("failed_trial" in t.system_attrs for t in queued):
             study.stop()
 
     return stop
@@ -712,34 +919,56 @@ class _WorkerSetup:
     budget: Budget
     seed: int
     device: str
-    storage: str
+    location: StudyLocation
+    out_dir: Path
     trials: int
     threads: int
-    session_start: float
 
 
-def _worker(setup: _WorkerSetup, index: int, parent: int) -> None:
-    """One ``--jobs`` worker process: its own context and sampler on the shared study."""
+def _worker(setup: _WorkerSetup, index: int, gpu: str | None, parent: int) -> None:
+    """One ``--jobs`` worker process: its own context and sampler on the study; ``gpu`` (an entry of the
+    parent's CUDA_VISIBLE_DEVICES) becomes the only GPU it sees."""
+    device = setup.device
+    if gpu is not None:  # before anything initializes CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+        device = "cuda"
     torch.set_num_threads(setup.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with contextlib.suppress(KeyboardInterrupt):  # the parent reports the interruption
-        context = SearchContext.create(setup.model, setup.space, setup.data_spec, setup.budget, setup.seed,
-                                       setup.device)
-        study = _load_study(context, _open_storage(setup.storage, Path(".")), index)
-        study.optimize(Objective(context, setup.session_start), n_trials=setup.trials, catch=(Exception,),
-                       callbacks=[_budget_callback(setup.trials), _parent_watch(parent)])
+        context = SearchContext.create(setup.model, setup.space, setup.data_spec, setup.budget, setup.seed, device)
+        storage = setup.location.open()
+        study = _load_study(context, storage, setup.location, index)
+        study.optimize(Objective(context, setup.location, storage, setup.out_dir), n_trials=setup.trials,
+                       catch=(Exception,), callbacks=[_budget_callback(setup.trials), _parent_watch(parent)])
 
 
-def _check_resume(out_dir: Path, resume: bool, config: dict[str, Any]) -> None:
+def worker_gpus(jobs: int, cuda: bool) -> list[str | None]:
+    """The GPU each of ``jobs`` workers sees: the visible GPUs (CUDA_VISIBLE_DEVICES, else every device)
+    one per worker, in turn when there are more workers than GPUs; None for every worker on the CPU."""
+    if not cuda:
+        return [None] * jobs
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = ([entry.strip() for entry in visible.split(",") if entry.strip()] if visible is not None
+            else [str(index) for index in range(torch.cuda.device_count())])
+    if not gpus:
+        raise PrecsearchError("CUDA_VISIBLE_DEVICES hides every GPU; unset it or use --device cpu")
+    if jobs > len(gpus):
+        log.warning("%d workers share %d GPU(s); --jobs %d gives each its own", jobs, len(gpus), len(gpus))
+    return [gpus[index % len(gpus)] for index in range(jobs)]
+
+
+def _check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: bool) -> None:
+    """Rules for --out: a new search needs it empty; --resume needs the same search in it; a worker of a
+    shared study may come back to its own --out (same study, same settings) without --resume."""
     run_file = out_dir / RUN_FILE
-    if resume:
+    if (resume and not shared) or (shared and run_file.is_file()):
         if not run_file.is_file():
             raise PrecsearchError(f"nothing to resume in {out_dir} (no {RUN_FILE}); drop --resume to start a search")
         previous = json.loads(run_file.read_text(encoding="utf-8"))
         differ = [key for key in config if previous.get(key) != config[key]]
         if differ:
             raise PrecsearchError(f"{out_dir} holds a search with different {', '.join(differ)}; resume it with "
-                                  "the same model, space, data, seed and budget, or choose another --out")
+                                  "the same model, space, data, seed, budget and study, or choose another --out")
     elif out_dir.exists() and any(out_dir.iterdir()):
         raise PrecsearchError(f"{out_dir} is not empty; pass --resume to continue the search in it, or choose "
                               "another --out")
@@ -763,12 +992,17 @@ def run_search(
     image_size: int | None = None,
     threads: int | None = None,
     progress: bool = True,
+    study_name: str | None = None,
+    heartbeat: int = DEFAULT_HEARTBEAT,
 ) -> SearchResult:
     """Search assignments of ``model_spec`` in ``space``; outputs go to ``out_dir`` (see the module docstring).
 
     Everything a user can get wrong (model, data, space, storage, budget) is checked before ``out_dir`` is
     created, so a bad call leaves nothing behind. Ctrl-C stops after the running trial is marked
     interrupted; completed trials are kept and written out, and ``resume=True`` picks up from there.
+
+    With ``study_name`` the process joins the shared study of that name in ``storage`` (a PostgreSQL URL
+    for several hosts), creating and seeding it if it is the first; ``trials`` is the study's total.
     """
     start = time.perf_counter()
     if isinstance(space, str | Path):
@@ -778,32 +1012,37 @@ def run_search(
     budget = budget or Budget()
     if trials < 1 or jobs < 1 or (threads is not None and threads < 1):
         raise PrecsearchError(f"trials={trials}, jobs={jobs} and threads={threads} must be at least 1")
-    resolve_device(device)
+    gpus = worker_gpus(jobs, resolve_device(device).type == "cuda") if jobs > 1 else [None]
     out_dir = Path(out_dir)
+    location = StudyLocation.of(storage, out_dir, study_name, heartbeat)
     context = SearchContext.create(model_spec, space, data_spec, budget, seed, device)
-    config = _config(context)
-    _check_resume(out_dir, resume, config)
-    if storage is not None:
-        _open_storage(storage, out_dir)  # fail on a bad URL before anything is written
+    config = {**_config(context), **({"storage": location.shown, "study": location.study_name}
+                                     if location.shared else {})}
+    _check_resume(out_dir, resume, config, location.shared)
+    backend = location.open() if storage is not None else None  # fail on a bad URL before anything is written
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     with _quiet(), _threads(threads):
         try:
-            study = _create_study(context, storage, out_dir, resume)
+            backend = backend or location.open()
+            study = _create_study(context, location, backend, resume)
         except BaseException:
             if created:
                 shutil.rmtree(out_dir, ignore_errors=True)
             raise
-        atomic_write_text(out_dir / RUN_FILE, json.dumps({**config, "storage": storage}, indent=2))
+        atomic_write_text(out_dir / RUN_FILE, json.dumps(
+            {**config, "storage": location.shown, "study": location.study_name}, indent=2))
         bar = _Progress(trials, _done(study), progress)
         interrupted = False
         try:
             _ensure_reference(study, context)
             if jobs == 1:
-                _optimize_here(study, context, trials, out_dir, bar)
+                _optimize_here(study, context, location, backend, trials, out_dir, bar)
             else:
-                _optimize_workers(study, context, trials, jobs, _storage_target(storage, out_dir), out_dir, bar,
-                                  threads)
+                setup = _WorkerSetup(context.model, context.space, context.data_spec, context.budget, context.seed,
+                                     context.device, location, out_dir, trials,
+                                     threads or max(1, (os.cpu_count() or 1) // jobs))
+                _optimize_workers(study, context, setup, gpus, bar)
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -823,31 +1062,31 @@ class SearchInterrupted(KeyboardInterrupt):
         self.result = result
 
 
-def _create_study(context: SearchContext, storage: str | None, out_dir: Path, resume: bool) -> optuna.Study:
-    backend = _open_storage(storage, out_dir)
+def _create_study(context: SearchContext, location: StudyLocation, backend: optuna.storages.BaseStorage,
+                  resume: bool) -> optuna.Study:
+    """A shared study is joined (``_join_study``); a study of one run is created, or loaded with --resume
+    after failing and queueing again what a killed process left RUNNING."""
+    if location.shared:
+        return _join_study(context, backend, location)
     names = {summary.study_name for summary in optuna.get_all_study_summaries(backend)}
-    if STUDY_NAME in names and not resume:
-        raise PrecsearchError(f"storage {_storage_target(storage, out_dir)} already holds a precsearch study; "
-                              "pass --resume or give another --storage")
-    if STUDY_NAME not in names:
-        directions = ["minimize"] if context.budget.single_objective else ["minimize", "minimize"]
-        study = optuna.create_study(storage=backend, study_name=STUDY_NAME, directions=directions,
-                                    sampler=_sampler(context, 0), pruner=_pruner(context))
+    if location.study_name in names and not resume:
+        raise PrecsearchError(f"storage {location.shown} already holds a precsearch study; pass --resume, give "
+                              "another --storage, or join it with --study-name")
+    if location.study_name not in names:
+        study = _new_study(context, backend, location)
         study.set_user_attr("config", _config(context))
         _seed_study(study, context)
         return study
-    study = _load_study(context, backend, 0)
-    if study.user_attrs.get("config") != _config(context):
-        raise PrecsearchError("the study in this storage was made with a different model, space, data, seed or "
-                              "budget; resume with the same settings or give another --storage")
+    study = _load_study(context, backend, location, 0)
+    _check_same_config(study, context, location, "resume with the same settings or give another --storage")
     queued = _requeue_interrupted(study, backend, context)
     if queued:
         log.info("queued %d interrupted trial(s) again", queued)
     return study
 
 
-def _optimize_here(study: optuna.Study, context: SearchContext, trials: int, out_dir: Path,
-                   bar: _Progress) -> None:
+def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyLocation,
+                   backend: optuna.storages.BaseStorage, trials: int, out_dir: Path, bar: _Progress) -> None:
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
         _, front, best = export(study, context, out_dir)
         bar.update(_done(study), front, best)
@@ -855,32 +1094,28 @@ def _optimize_here(study: optuna.Study, context: SearchContext, trials: int, out
     remaining = trials - _done(study)
     if remaining <= 0:
         return
-    study.optimize(Objective(context, time.time()), n_trials=remaining, catch=(Exception,),
+    study.optimize(Objective(context, location, backend, out_dir), n_trials=remaining, catch=(Exception,),
                    callbacks=[after, _budget_callback(trials)])
 
 
-def _optimize_workers(study: optuna.Study, context: SearchContext, trials: int, jobs: int, storage: str,
-                      out_dir: Path, bar: _Progress, threads: int | None) -> None:
-    remaining = trials - _done(study)
-    if remaining <= 0:
+def _optimize_workers(study: optuna.Study, context: SearchContext, setup: _WorkerSetup, gpus: list[str | None],
+                      bar: _Progress) -> None:
+    if _done(study) >= setup.trials:
         return
-    setup = _WorkerSetup(context.model, context.space, context.data_spec, context.budget, context.seed,
-                         context.device, storage, trials, threads or max(1, (os.cpu_count() or 1) // jobs),
-                         time.time())
     spawn = multiprocessing.get_context("spawn")
-    workers = [spawn.Process(target=_worker, args=(setup, index + 1, os.getpid()), daemon=False)
-               for index in range(jobs)]
+    workers = [spawn.Process(target=_worker, args=(setup, index + 1, gpu, os.getpid()), daemon=False)
+               for index, gpu in enumerate(gpus)]
     for worker in workers:
         worker.start()
     seen = -1
     try:
         while any(worker.is_alive() for worker in workers):
             for worker in workers:
-                worker.join(timeout=1.0 / jobs)
+                worker.join(timeout=1.0 / len(workers))
             done = _done(study)
             if done != seen:
                 seen = done
-                _, front, best = export(study, context, out_dir)
+                _, front, best = export(study, context, setup.out_dir)
                 bar.update(done, front, best)
     except KeyboardInterrupt:
         for worker in workers:

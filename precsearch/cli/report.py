@@ -10,14 +10,26 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "report", help="plot and tabulate a run directory",
         description="Write RUN_DIR/report.png (memory vs proxy accuracy: trials, Pareto front, the paper's "
-                    "sweep, baselines) and RUN_DIR/report.md (the same points as a table).")
+                    "sweep, baselines) and RUN_DIR/report.md (the same points as a table). With --storage, "
+                    "first rebuild RUN_DIR's trials.csv, pareto.csv, policies/ and best.json from the study.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="directory written by precsearch search / baselines")
+    parser.add_argument("--storage", default=None, metavar="URL",
+                        help="read the study from this storage (e.g. the PostgreSQL URL the workers shared)")
+    parser.add_argument("--study-name", default=None, metavar="NAME",
+                        help="the study's name in --storage (default: precsearch, a search's own study)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from precsearch.errors import PrecsearchError
     from precsearch.report import write_report
+    from precsearch.search import STUDY_NAME, export_study
 
+    if args.study_name is not None and args.storage is None:
+        raise PrecsearchError("--study-name needs --storage (the URL the study is in)")
+    if args.storage is not None:
+        result = export_study(args.storage, args.run_dir, args.study_name or STUDY_NAME)
+        print(f"rebuilt from the storage: {len(result.trials)} trials, {len(result.pareto)} Pareto point(s)")
     png, md = write_report(args.run_dir)
     print(f"plot: {png}\ntable: {md}")
     return 0

@@ -55,9 +55,16 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--trials", type=int, default=40, metavar="N", help="trials in the study (default 40)")
     parser.add_argument("--out", required=True, metavar="DIR", help="run directory")
     parser.add_argument("--storage", default=None, metavar="URL",
-                        help="Optuna storage URL (sqlite:///f.db, postgresql://...) or journal file path "
-                             "(default: DIR/study.journal)")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes on the study")
+                        help="Optuna storage URL (postgresql://user:password@host/db, sqlite:///f.db) or journal "
+                             "file path (default: DIR/study.journal)")
+    parser.add_argument("--study-name", default=None, metavar="NAME",
+                        help="join the shared study NAME in --storage (creating and seeding it if new): run the "
+                             "same command on every host, each with its own --out; --trials is the study's total")
+    parser.add_argument("--heartbeat", type=int, default=20, metavar="S",
+                        help="seconds between a worker's heartbeats on a database storage; a trial silent for 3 x S "
+                             "is failed and its assignment retried (default 20)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="worker processes on the study; with --device cuda, one per visible GPU")
     parser.add_argument("--resume", action="store_true",
                         help="continue the search in --out (with no other process working on its study)")
     budget = parser.add_mutually_exclusive_group()
@@ -79,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
             args.model, space_argument(args), DataSpec(args.data, args.data_root), trials=args.trials,
             proxy_steps=args.proxy_steps, out_dir=args.out, storage=args.storage, jobs=args.jobs,
             resume=args.resume, budget=budget, seed=args.seed, device=args.device, batch_size=args.batch_size,
-            image_size=args.image_size, threads=args.threads, progress=not args.no_progress)
+            image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
+            study_name=args.study_name, heartbeat=args.heartbeat)
     except SearchInterrupted as stop:
         done = int(stop.result.trials["state"].isin(["COMPLETE", "PRUNED"]).sum()) if len(stop.result.trials) else 0
         print(f"precsearch search: interrupted; {done} finished trial(s) saved in {args.out}; "
