@@ -17,14 +17,22 @@ Bookkeeping rules:
 * A diverged proxy is a COMPLETE trial whose constraint ``diverged`` is violated (``Trial.set_constraint``,
   which replaces ``constraints_func`` in Optuna 5), so the sampler learns from it. A trial that raises is
   FAILED with the error in its ``error`` user attr, and the study goes on.
-* Identical assignments are trained once: a trial whose assignment key matches a finished trial copies its
-  results (``duplicate_of``) instead of training.
-* Storage is any Optuna storage URL, or a journal file (the default: ``study.journal`` in the run
+* Identical assignments are trained once, by every worker on every host: under a lock all workers share
+  (a PostgreSQL advisory lock, or an flock on a SQLite or journal file) a trial either copies the results of
+  a finished trial with its assignment key (``duplicate_of``), waits for the live trial that trains that
+  key, or marks itself as the one that trains it (``trains``).
+* Storage is a PostgreSQL or SQLite URL, or a journal file (the default: ``study.journal`` in the run
   directory), so ``resume=True`` continues an interrupted search without losing a completed trial; trials a
   killed process left RUNNING are failed as ``interrupted`` and queued again. ``jobs=N`` runs N worker
-  processes on the same study.
+  processes on the same study (on CUDA, one per visible GPU).
+* A shared study (``study_name``) is joined by any number of workers on any number of hosts: the first
+  creates and seeds it, and a worker with another model, graph, space, data, seed or budget is refused. A
+  worker that dies stops heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again
+  (Optuna's ``RetryHeartbeatStaleTrialCallback``), so only that trial's work is lost.
 * After every trial the outputs are rewritten atomically from the storage: ``trials.csv``, ``pareto.csv``,
-  ``policies/`` (one policy per Pareto point) and ``best.json`` (the point the budget picks).
+  ``policies/`` (one policy per Pareto point) and ``best.json`` (the point the budget picks); the policy each
+  proxy trained under is in ``trials/`` of the worker that ran it. ``export_study`` rebuilds all of it from
+  the storage alone.
 """
 
 from __future__ import annotations

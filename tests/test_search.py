@@ -292,3 +292,13 @@ def test_a_torn_journal_record_is_dropped_on_resume(tmp_path):
     assert trials.iloc[:2]["key"].tolist() == first["key"].tolist()
     assert int((trials["state"] == "COMPLETE").sum()) == 3
     assert (out / "study.journal").read_bytes().endswith(b"\n")
+
+
+def test_workers_get_one_visible_gpu_each(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert search.worker_gpus(2, cuda=True) == ["3", "5"]
+    assert search.worker_gpus(3, cuda=True) == ["3", "5", "3"]  # more workers than GPUs: in turn
+    assert search.worker_gpus(2, cuda=False) == [None, None]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(PrecsearchError, match="hides every GPU"):
+        search.worker_gpus(2, cuda=True)
