@@ -1,74 +1,94 @@
-"""Cost of training under a policy, and the memory it really saves.
+"""Cost of training under a policy: step time against plain fp32, measured side by side in one run.
 
-1. One SGD training step (forward, backward, step) of ResNet-18 (CIFAR form, width 0.25, batch 64) under the
-   paper's all-low policy (weights and activations e4m3b4s, activation gradients e5m2s, weight gradients
-   e6m9s, high e6m9s, promotion guard on, dynamic loss scaling) as a ratio to the plain fp32 step timed in
-   the same run: steps alternate between the two models, medians after warm-up. Goal: <= 1.5x. (The
-   paper's style of simulation, QPyTorch rounding in module hooks, measured 5.9x on a 2-core CPU machine.)
-2. Bytes autograd saves for backward after one forward under several policies, measured (packed storages,
+1. One SGD training step (forward, backward, step; SGD lr 0.1, momentum 0.9, wd 5e-4) of ResNet-18 (CIFAR form)
+   under each policy, as a ratio to the plain fp32 model's step timed in the same run: steps alternate
+   between the models (interleaved), medians after warm-up. Rows: plain fp32; plain under
+   ``torch.autocast(bfloat16)`` (CUDA); the fp32 policy through ``apply_policy``; the fp16, bf16 and hfp8
+   baselines; the paper's all-low policy (weights and activations e4m3b4s, activation gradients e5m2s,
+   weight gradients e6m9s, high e6m9s, promotion guard on, dynamic loss scaling); and, when QPyTorch is
+   importable, the paper's own style (QPyTorch ``float_quantize`` e5m2 in module hooks). On CUDA each row
+   also gives ``torch.cuda.max_memory_allocated()`` during a step above what was allocated before it.
+   Goal: all-low and hfp8 <= 1.5x plain fp32.
+2. Rounding 2^28 values (CUDA; 2^24 on CPU): nearest and stochastic e5m2 (``precsearch.formats.quantize``)
+   against torch's native float8_e5m2 cast round trip. Goal: stochastic <= 1.5x the native cast.
+3. Bytes autograd saves for backward after one forward under several policies, measured (packed storages,
    each once) against the fp32 model's measured bytes and against the cost model's prediction.
 
-Usage: python benchmarks/bench_runtime.py [--steps 7] [--warmup 3] [--eager]
-``--eager`` sets PRECSEARCH_COMPILE=0 (the quantizer's torch.compile path off) before precsearch is imported.
+Usage: python benchmarks/bench_runtime.py [--device cpu|cuda] [--width W] [--batch N] [--steps 7] [--warmup 3]
+Defaults: CPU ResNet-18 width 0.25 batch 64; CUDA width 1.0 batch 128.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per model (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first (compiles)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--width", type=float, default=0.25)
-    parser.add_argument("--eager", action="store_true", help="disable the quantizer's torch.compile path")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--width", type=float, default=None)
+    parser.add_argument("--policies", default="fp32,fp16,bf16,hfp8,all-low",
+                        help="comma-separated rows beside plain fp32 (default: all)")
     args = parser.parse_args()
-    if args.eager:
-        os.environ["PRECSEARCH_COMPILE"] = "0"
+    device = args.device
+    width = args.width if args.width is not None else (1.0 if device == "cuda" else 0.25)
+    batch = args.batch if args.batch is not None else (128 if device == "cuda" else 64)
 
     import torch
     import torch.nn.functional as F
 
     from precsearch.cost import CostModel, measure_saved_bytes
-    from precsearch.formats import COMPILE_MIN_NUMEL
     from precsearch.graph import trace
     from precsearch.models import build
     from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
     from precsearch.runtime import apply_policy
 
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
-    plain = build("resnet18", width=args.width)
+    plain = build("resnet18", width=width).to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
-    graph = trace(plain, x[:2], batch_size=args.batch)
+    x = torch.randn(batch, 3, 32, 32, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    graph = trace(plain, x[:2], batch_size=batch)
     all_low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
-    paper_low = Policy.from_assignment(
+    policies = {
+        name: baseline(name, graph) for name in ("fp32", "fp16", "bf16", "hfp8")
+    }
+    policies["all-low"] = Policy.from_assignment(
         graph, {tid: all_low[graph.tensors[tid].kind] for tid in graph.assignable_ids()},
         high_format="e6m9s", overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
         promotion_threshold=0.01, provenance={"strategy": "all-low"},
     )
+    chosen = [name.strip() for name in args.policies.split(",") if name.strip()]
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"quantizer compile {'off' if args.eager else f'on (tensors >= {COMPILE_MIN_NUMEL:,} elements)'}")
-    print(f"ResNet-18 width {args.width}, batch {args.batch}, SGD(lr=0.1, momentum=0.9, wd=5e-4)\n")
+    name_of = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {name_of}")
+    print(f"ResNet-18 width {width}, batch {batch}, SGD(lr=0.1, momentum=0.9, wd=5e-4)\n")
 
-    wrapped = apply_policy(copy.deepcopy(plain), paper_low)
-    steps = {}
-    for name, model in (("fp32", plain), ("all-low", wrapped)):
+    def stepper(model, scaler=None, autocast: bool = False) -> Callable[[], None]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-        scaler = getattr(model, "scaler", None)
 
-        def step(model=model, optimizer=optimizer, scaler=scaler) -> None:
+        def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                loss = F.cross_entropy(model(x), y)
             if scaler is None:
                 loss.backward()
                 optimizer.step()
@@ -77,34 +97,110 @@ def main() -> int:
                 scaler.step(optimizer)
                 scaler.update()
 
-        steps[name] = step
+        return step
+
+    steps: dict[str, Callable[[], None]] = {"plain fp32": stepper(plain)}
+    if device == "cuda":
+        steps["plain, autocast bf16"] = stepper(copy.deepcopy(plain), autocast=True)
+    wrapped_models = {}
+    for name in chosen:
+        wrapped = apply_policy(copy.deepcopy(plain), policies[name])
+        wrapped_models[name] = wrapped
+        steps[f"{name} policy"] = stepper(wrapped, wrapped.scaler)
+    qpytorch = _qpytorch_hooks(copy.deepcopy(plain))
+    if qpytorch is not None:
+        steps["QPyTorch e5m2 in hooks"] = stepper(qpytorch)
+
     times: dict[str, list[float]] = {name: [] for name in steps}
+    peaks: dict[str, int] = {}
     for index in range(args.warmup + args.steps):
         for name, step in steps.items():
+            if device == "cuda" and index == args.warmup:
+                _sync(device)
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            _sync(device)
             start = time.perf_counter()
             step()
+            _sync(device)
             if index >= args.warmup:
                 times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["fp32"])
-    low = statistics.median(times["all-low"])
-    print("1. training step time (median of", args.steps, "after", args.warmup, "warm-up steps, interleaved)")
-    print(f"   fp32 plain model      {base * 1e3:8.1f} ms")
-    print(f"   all-low paper policy  {low * 1e3:8.1f} ms   ratio {low / base:.2f}x (goal <= 1.5x; "
-          f"QPyTorch in hooks: 5.9x)   promotions: {len(wrapped.promotions)}, "
-          f"loss scale {wrapped.scaler.get_scale():g}\n")
+            if device == "cuda" and index == args.warmup:
+                peaks[name] = torch.cuda.max_memory_allocated() - before
+    base = statistics.median(times["plain fp32"])
+    print(f"1. training step, median of {args.steps} after {args.warmup} warm-up steps, interleaved")
+    header = f"   {'step':28s} {'ms':>9s} {'x fp32':>7s}"
+    print(header + (f" {'peak MB':>9s} {'x fp32':>7s}" if peaks else ""))
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        line = f"   {name:28s} {median * 1e3:9.1f} {median / base:7.2f}"
+        if peaks:
+            line += f" {peaks[name] / 1e6:9.0f} {peaks[name] / peaks['plain fp32']:7.2f}"
+        print(line)
+    for name, wrapped in wrapped_models.items():
+        if wrapped.promotions:
+            print(f"   ({name}: {len(wrapped.promotions)} promotion(s), loss scale {wrapped.scaler.get_scale():g})")
+    print()
 
+    _bench_quantize(device)
+    _bench_saved(plain, x, graph, policies, chosen, apply_policy, CostModel, measure_saved_bytes)
+    return 0
+
+
+def _qpytorch_hooks(model):
+    """The paper's style: QPyTorch's e5m2 rounding of every module output and its gradient, in hooks."""
+    try:
+        from qtorch import FloatingPoint
+        from qtorch.quant import Quantizer
+    except ImportError:
+        return None
+    e5m2 = FloatingPoint(exp=5, man=2)
+    for module in model.modules():
+        if not list(module.children()):
+            quantizer = Quantizer(forward_number=e5m2, backward_number=e5m2)
+            module.register_forward_hook(lambda m, args, out, q=quantizer: q(out))
+    return model
+
+
+def _bench_quantize(device: str) -> None:
+    import torch
+
+    from precsearch.formats import quantize
+
+    n = 2**28 if device == "cuda" else 2**24
+    x = torch.randn(n, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    runs = {
+        "torch native fp8_e5m2 cast": lambda: x.to(torch.float8_e5m2).float(),
+        "quantize e5m2 nearest": lambda: quantize(x, "e5m2"),
+        "quantize e5m2 stochastic": lambda: quantize(x, "e5m2", "stochastic", generator=generator),
+    }
+    times = {}
+    for name, run in runs.items():
+        run()
+        samples = []
+        for _ in range(7):
+            _sync(device)
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        times[name] = statistics.median(samples)
+    base = times["torch native fp8_e5m2 cast"]
+    print(f"2. rounding 2^{n.bit_length() - 1} float32 values on {device}, median of 7")
+    for name, seconds in times.items():
+        print(f"   {name:28s} {seconds * 1e3:9.2f} ms {seconds / base:7.2f}x the native cast")
+    print()
+
+
+def _bench_saved(plain, x, graph, policies, chosen, apply_policy, CostModel, measure_saved_bytes) -> None:  # noqa: N803
     cost = CostModel(graph)
     fp32_measured = measure_saved_bytes(plain, x)
-    policies = {
-        "fp32": baseline("fp32", graph),
-        "fp16": baseline("fp16", graph),
-        "hfp8": baseline("hfp8", graph),
-        "all-8-bit (all-low)": paper_low,
-    }
-    print("2. bytes autograd saves for backward after one forward (activations and byproducts, no weights)")
+    print("3. bytes autograd saves for backward after one forward (activations and byproducts, no weights)")
     print(f"   {'policy':22s} {'measured':>12s} {'vs fp32':>8s} {'predicted':>12s} {'meas/pred':>9s}"
           f" {'packed weights':>15s}")
-    for name, policy in policies.items():
+    for name in chosen:
+        policy = policies[name]
         model = apply_policy(copy.deepcopy(plain), policy)
         model(x)
         saved = model.saved_bytes()
@@ -113,7 +209,6 @@ def main() -> int:
         print(f"   {name:22s} {measured:12,d} {measured / fp32_measured:7.3f}x {predicted:12,d} "
               f"{measured / predicted:9.4f} {saved.weight:15,d}")
     print(f"   (fp32 model measured by precsearch.cost.measure_saved_bytes: {fp32_measured:,d} bytes)")
-    return 0
 
 
 if __name__ == "__main__":

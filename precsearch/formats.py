@@ -22,8 +22,16 @@ with any format (the Lee et al. reference lets gradients overflow to inf so the 
 Rounding is round-half-to-even, or stochastic (unbiased: the result is one of the two neighbours, rounding up
 with probability proportional to the distance from the lower one), driven by a counter-based hash of the
 element index and a seed drawn from a ``torch.Generator``, so results are reproducible and need no large
-random tensor. Tensors of at least ``COMPILE_MIN_NUMEL`` elements go through ``torch.compile`` when it works;
-any compile failure falls back silently to eager mode (set ``PRECSEARCH_COMPILE=0`` to disable compiling).
+random tensor.
+
+Kernels run under ``torch.compile`` (one fused pass each) for tensors of at least ``COMPILE_MIN_NUMEL`` elements
+on CPU and for every tensor on an accelerator. A kernel whose compilation fails runs eagerly from then on, that
+kernel alone, with one WARNING naming it and the reason; ``PRECSEARCH_COMPILE=0`` turns compiling off. The
+kernels hold no integer constant outside int32 (Triton types scalar literals as int32).
+
+``round_and_count`` is the runtime's one pass over a tensor: the rounded values, the count of values that
+overflow the format, and optionally the format's codes of the result (for packed storage), all on the device,
+so that a training step needs no host synchronisation per tensor.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ __all__ = [
     "decode",
     "stats",
     "spec_name",
+    "round_and_count",
+    "overflow_threshold",
 ]
 
 log = logging.getLogger(__name__)
@@ -230,14 +240,26 @@ def _check_tensor(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def _low32(v: torch.Tensor) -> torch.Tensor:
+    """``v mod 2**32`` of an int64 tensor, written without the literal 0xFFFFFFFF (outside int32)."""
+    return v - ((v >> 32) << 32)
+
+
+def _mul32(h: torch.Tensor, half: int) -> torch.Tensor:
+    """``h * (2 * half + 1) mod 2**32`` for 0 <= h < 2**32, in int64 arithmetic with constants inside int32."""
+    return _low32((_low32(h * half) << 1) + h)
+
+
 def _hash_bits(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """31 pseudo-random bits per element: murmur3's 32-bit finalizer on (index, seed), in int64 arithmetic."""
-    mask = 0xFFFFFFFF
-    h = (index * 0x9E3779B1 + seed) & mask
+    """31 pseudo-random bits per element: murmur3's 32-bit finalizer on (index, seed), in int64 arithmetic.
+
+    Its multipliers 0x9E3779B1, 0x85EBCA6B and 0xC2B2AE35 are applied as ``2 * half + 1`` (``_mul32``) so that
+    no literal leaves int32."""
+    h = _low32(_mul32(index, 0x4F1BBCD8) + seed)
     h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & mask
+    h = _mul32(h, 0x42F5E535)
     h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & mask
+    h = _mul32(h, 0x6159571A)
     return (h ^ (h >> 16)) >> 1
 
 
@@ -272,7 +294,7 @@ def _make_kernel(key: _KernelKey):
 
     def kernel(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
         bits = x.view(torch.int32)
-        sign = bits & -0x80000000
+        sign = bits & ~0x7FFFFFFF
         mag = bits & 0x7FFFFFFF
         if key.stochastic:
             index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
@@ -294,7 +316,13 @@ def _make_kernel(key: _KernelKey):
     return kernel
 
 
-_compile_broken = os.environ.get("PRECSEARCH_COMPILE", "1") == "0"
+_COMPILE = os.environ.get("PRECSEARCH_COMPILE", "1") != "0"
+_failed: set[str] = set()  # labels of kernels whose compilation failed: they alone run eagerly
+
+
+def _labelled(label: str, kernel):
+    kernel.label = label
+    return kernel
 
 
 @functools.lru_cache(maxsize=192)
@@ -308,19 +336,20 @@ def _compiled(kernel):
 
 
 def _run(kernel, flat: torch.Tensor, *args):
-    """Run a kernel on a flat tensor: compiled for large tensors while torch.compile works here, else eager.
-
-    Any compiler failure means eager mode for the rest of the process.
-    """
-    global _compile_broken
-    if _compile_broken or flat.numel() < COMPILE_MIN_NUMEL:
+    """Run a kernel on a flat tensor: compiled (small CPU tensors excepted, where a compiled call costs more
+    than it saves), or eagerly once its compilation has failed."""
+    small = flat.device.type == "cpu" and flat.numel() < COMPILE_MIN_NUMEL
+    if not _COMPILE or small or kernel.label in _failed:
         return kernel(flat, *args)
     torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel per format serves every tensor size
     try:
         return _compiled(kernel)(flat, *args)
-    except Exception as error:
-        log.debug("torch.compile of a formats kernel failed (%s); using eager mode", error)
-        _compile_broken = True
+    except Exception as error:  # any compiler failure: this kernel runs eagerly, visibly, from now on
+        _failed.add(kernel.label)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        log.warning("torch.compile failed for the %s kernel (%s): it runs eagerly from now on, several times "
+                    "slower (a dozen passes over the tensor instead of one); other kernels stay compiled",
+                    kernel.label, reason[:300])
         return kernel(flat, *args)
 
 
@@ -329,9 +358,23 @@ def _zero_seed(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
+def _round_key(fmt: FloatFormat, stochastic: bool, overflow: str) -> _KernelKey:
+    return _KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), stochastic, overflow, fmt.has_inf)
+
+
+def _label(fmt: FloatFormat, what: str, stochastic: bool = False, overflow: str | None = None) -> str:
+    rounding = "stochastic" if stochastic else "nearest"
+    return f"{fmt.name} {what} ({rounding}, overflow {overflow or fmt.default_overflow})"
+
+
 @functools.lru_cache(maxsize=256)
 def _rounding_kernel(fmt: FloatFormat, stochastic: bool, overflow: str):
-    return _make_kernel(_KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), stochastic, overflow, fmt.has_inf))
+    kernel = _make_kernel(_round_key(fmt, stochastic, overflow))
+
+    def quantize_kernel(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        return kernel(x, seed)
+
+    return _labelled(_label(fmt, "quantize", stochastic, overflow), quantize_kernel)
 
 
 def _float_bits(value: float) -> int:
@@ -370,20 +413,13 @@ def quantize(
 # ------------------------------------------------------------------------------------------ bit packing
 
 
-def _nearest_key(fmt: FloatFormat) -> _KernelKey:
-    return _KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), False, fmt.default_overflow, fmt.has_inf)
-
-
-@functools.lru_cache(maxsize=64)
-def _make_encoder(fmt: FloatFormat):
-    """Round to nearest and assemble the format's bit pattern in one pass; also count unencodable values."""
-    round_nearest = _make_kernel(_nearest_key(fmt))
+def _code_builder(fmt: FloatFormat):
+    """The format's bit patterns of values already in the format, and a mask of those it has no code for."""
     normal_from = (fmt.emin + 127) << 23
     top = 2**fmt.exp - 1
     quiet_nan = 1 << max(fmt.man - 1, 0)
 
-    def encoder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = round_nearest(x, torch.zeros((), dtype=torch.int64, device=x.device))
+    def codes_of(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bits = q.view(torch.int32)
         mag = bits & 0x7FFFFFFF
         is_nan = mag > 0x7F800000
@@ -403,9 +439,82 @@ def _make_encoder(fmt: FloatFormat):
         if fmt.storage_dtype == torch.int16:
             codes = torch.where(codes >= 2**15, codes - 2**16, codes)
         unencodable = (is_inf & (not fmt.has_inf)) | (is_nan & (not fmt.has_nan))
-        return codes.to(fmt.storage_dtype), unencodable.sum()
+        return codes.to(fmt.storage_dtype), unencodable
 
-    return encoder
+    return codes_of
+
+
+@functools.lru_cache(maxsize=64)
+def _make_encoder(fmt: FloatFormat):
+    """Round to nearest and assemble the format's bit pattern in one pass; also count unencodable values."""
+    round_nearest = _make_kernel(_round_key(fmt, False, fmt.default_overflow))
+    codes_of = _code_builder(fmt)
+
+    def encoder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, unencodable = codes_of(round_nearest(x, torch.zeros((), dtype=torch.int64, device=x.device)))
+        return codes, unencodable.sum()
+
+    return _labelled(_label(fmt, "encode"), encoder)
+
+
+@functools.lru_cache(maxsize=256)
+def _make_round_and_count(fmt: FloatFormat, stochastic: bool, overflow: str, over_bits: int, with_codes: bool):
+    """One pass: rounded values, [overflow count, unencodable count], and (``with_codes``) their codes."""
+    round_values = _make_kernel(_round_key(fmt, stochastic, overflow))
+    codes_of = _code_builder(fmt)
+
+    def round_and_count_kernel(x: torch.Tensor, seed: torch.Tensor):
+        mag = x.view(torch.int32) & 0x7FFFFFFF
+        over = ((mag >= over_bits) & (mag <= 0x7F800000)).sum()  # NaN is no overflow
+        rounded = round_values(x, seed)
+        if not with_codes:
+            return rounded, None, torch.stack([over, torch.zeros_like(over)])
+        codes, unencodable = codes_of(rounded)
+        return rounded, codes, torch.stack([over, unencodable.sum()])
+
+    what = "round, count" + (" and encode" if with_codes else "")
+    return _labelled(_label(fmt, what, stochastic, overflow), round_and_count_kernel)
+
+
+@functools.lru_cache(maxsize=256)
+def overflow_threshold(fmt: FloatFormat, rounding: str = "nearest") -> float:
+    """The smallest float32 magnitude that rounds past ``fmt.max`` (under stochastic rounding: any value above
+    max, since it may round up): what the runtime counts as an overflow."""
+    if fmt.is_fp32:
+        return math.inf
+    top = torch.tensor(fmt.max, dtype=torch.float32)
+    if rounding == "stochastic":
+        return float(torch.nextafter(top, torch.tensor(math.inf)))
+    mid = torch.tensor(fmt.max + 2.0 ** (fmt.emax - fmt.man) / 2, dtype=torch.float32)
+    if math.isinf(float(quantize(mid.reshape(1), fmt, overflow="inf")[0])):
+        return float(mid)
+    return float(torch.nextafter(mid, torch.tensor(math.inf)))
+
+
+def round_and_count(
+    x: torch.Tensor,
+    fmt: str | FloatFormat,
+    rounding: str = "nearest",
+    overflow: str | None = None,
+    seed: torch.Tensor | None = None,
+    with_codes: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``quantize(x, ...)``, the format's codes of the result (``with_codes``, else None), and an int64
+    tensor ``[overflowed, unencodable]`` on ``x``'s device: how many values of ``x`` lie at or past
+    ``overflow_threshold`` (NaN excluded), and how many results the format has no code for (inf or NaN in a
+    format without them). One kernel when compiled, and no host synchronisation. ``seed`` (an int64 tensor
+    on ``x``'s device) drives stochastic rounding; nearest ignores it.
+    """
+    fmt = get_format(fmt)
+    x = _check_tensor(x)
+    overflow = overflow or fmt.default_overflow
+    if fmt.is_fp32:
+        raise PrecsearchError("round_and_count: fp32 needs no rounding; keep the tensor as it is")
+    stochastic = rounding == "stochastic"
+    over_bits = _float_bits(overflow_threshold(fmt, rounding))
+    kernel = _make_round_and_count(fmt, stochastic, overflow, over_bits, with_codes and fmt.bits <= 16)
+    rounded, codes, counts = _run(kernel, x.reshape(-1), _zero_seed(x.device) if seed is None else seed)
+    return rounded.view(x.shape), None if codes is None else codes.view(x.shape), counts
 
 
 @functools.lru_cache(maxsize=64)
@@ -426,7 +535,7 @@ def _make_decoder(fmt: FloatFormat):
             value = torch.where((exp_code == top) & (man_code == 2**fmt.man - 1), math.nan, value)
         return torch.where(((c >> (fmt.bits - 1)) & 1).bool(), -value, value)
 
-    return decoder
+    return _labelled(_label(fmt, "decode"), decoder)
 
 
 def encode(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:

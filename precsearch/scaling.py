@@ -10,6 +10,11 @@ paper's ``e5m2s``) turns every overflow into +-max, so without this test the sca
 ``overflow_check`` (a callable on each gradient tensor) replaces the format test for anything else, and the
 runtime can flag an overflow it saw elsewhere (e.g. in an activation gradient) with ``record_overflow()``.
 
+Host synchronisation: the gradients' test is computed on the device (one inf-norm per gradient, in one
+foreach call) and read once per optimizer step, together with what ``watch``-ed step checks (the runtime's
+overflow counts) have pending, in a single transfer. ``overflow_check`` callables return Python bools, so
+they cost a synchronisation per gradient.
+
 Adaptive loss scaling (Zhao et al. 2019) lives in ``AdaptiveLossScaler``; its docstring says exactly what it
 computes.
 """
@@ -21,7 +26,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -43,6 +48,16 @@ log = logging.getLogger(__name__)
 
 OverflowCheck = Callable[[torch.Tensor], bool]
 LayerSelector = Iterable[str] | Callable[[str, nn.Module], bool]
+
+
+class StepCheck(Protocol):
+    """Device-side statistics read together with the gradients' overflow test, once per step."""
+
+    def pending(self) -> torch.Tensor | None:
+        """A 1-D int64 tensor of values to read now, or None when there is nothing to read."""
+
+    def settle(self, values: list[int]) -> tuple[bool, bool]:
+        """Take the values read; return (the step overflowed, the step must be skipped whatever the scaler)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,8 @@ class LossScaler:
         self._growth_tracker = 0
         self._found: dict[int, bool] = {}
         self._recorded_overflow = False
+        self._skip_requested = False
+        self._checks: list[StepCheck] = []
 
     # -- the GradScaler surface ------------------------------------------------------------------------
 
@@ -122,27 +139,51 @@ class LossScaler:
         """Flag an overflow seen outside the optimizer's gradients: this iteration's steps are skipped."""
         self._recorded_overflow = True
 
+    def watch(self, check: StepCheck) -> None:
+        """Read ``check``'s pending values with the gradients' test in each ``unscale_`` (one transfer)."""
+        self._checks.append(check)
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Test the optimizer's scaled gradients for overflow, then divide them by their scale in place."""
         key = id(optimizer)
         if key in self._found:
             raise PrecsearchError("unscale_() was already called on this optimizer since the last update()")
         grads = _params_with_grad(optimizer)
-        self._found[key] = self._overflowed([p.grad for p in grads])
+        self._found[key] = self._read(self._overflow_flag([p.grad for p in grads]))
+        by_divisor: dict[float, list[torch.Tensor]] = {}
         for p in grads:
             divisor = self._divisor(p)
             if divisor != 1.0:
-                p.grad.div_(divisor)
+                by_divisor.setdefault(divisor, []).append(p.grad)
+        for divisor, group in by_divisor.items():
+            torch._foreach_div_(group, divisor)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` unless this iteration overflowed (then the step is skipped and counted)."""
         if id(optimizer) not in self._found:
             self.unscale_(optimizer)
-        if self.skip_on_overflow and (self._found[id(optimizer)] or self._recorded_overflow):
+        overflowed = self._found[id(optimizer)] or self._recorded_overflow
+        if self._skip_requested or (self.skip_on_overflow and overflowed):
             self.skipped_steps += 1
             log.debug("overflow at scale %g: optimizer step skipped", self._scale)
             return None
         return optimizer.step(*args, **kwargs)
+
+    def _read(self, flag: torch.Tensor | None) -> bool:
+        """The one host read of a step: the gradients' overflow flag and every watched check's values."""
+        pending = [(check, values) for check in self._checks if (values := check.pending()) is not None]
+        parts = [] if flag is None else [flag.reshape(1).to(torch.int64)]
+        parts += [values.to(parts[0].device) if parts else values for _, values in pending]
+        if not parts:
+            return False
+        read = torch.cat(parts).tolist()
+        found, offset = (bool(read[0]), 1) if flag is not None else (False, 0)
+        for check, values in pending:
+            overflowed, skip = check.settle(read[offset:offset + values.numel()])
+            offset += values.numel()
+            found = found or overflowed
+            self._skip_requested = self._skip_requested or skip
+        return found
 
     def update(self) -> None:
         """End the iteration: adjust the scale (in subclasses that adapt it) and reset the overflow record."""
@@ -153,6 +194,7 @@ class LossScaler:
         self.steps += 1
         self._found.clear()
         self._recorded_overflow = False
+        self._skip_requested = False
 
     @property
     def found_overflow(self) -> bool:
@@ -187,15 +229,17 @@ class LossScaler:
     def _adjust(self, overflowed: bool) -> None:
         """Static scale: nothing to adjust."""
 
-    def _overflowed(self, grads: list[torch.Tensor]) -> bool:
+    def _overflow_flag(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """A device bool: some gradient holds inf/NaN or (with ``overflow_format``) reaches that format's max."""
         if not grads:
-            return False
-        if self._overflow_check is not None and any(bool(self._overflow_check(g)) for g in grads):
-            return True
-        flags = [~torch.isfinite(g).all() for g in grads]
+            return None
+        if self._overflow_check is not None:
+            return torch.tensor(any(bool(self._overflow_check(g)) for g in grads))
+        largest = torch.stack(torch._foreach_norm(grads, math.inf))  # NaN and inf propagate
+        flag = ~torch.isfinite(largest).all()
         if self._overflow_max is not None:
-            flags += [(g.abs() >= self._overflow_max).any() for g in grads]
-        return bool(torch.stack(flags).any())
+            flag = flag | (largest >= self._overflow_max).any()
+        return flag
 
 
 class StaticLossScaler(LossScaler):
@@ -219,8 +263,8 @@ class NoLossScaler(LossScaler):
     def __init__(self) -> None:
         super().__init__(1.0, skip_on_overflow=False)
 
-    def _overflowed(self, grads: list[torch.Tensor]) -> bool:
-        return False
+    def _overflow_flag(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        return None
 
 
 class DynamicLossScaler(LossScaler):

@@ -3,7 +3,9 @@ enumeration of each format's values from its definition."""
 
 from __future__ import annotations
 
+import ast
 import bisect
+import inspect
 import math
 
 import ml_dtypes
@@ -261,16 +263,80 @@ def test_compiled_path_matches_eager_bit_for_bit(monkeypatch):
     x = torch.randn(n) * torch.exp2(torch.randint(-20, 20, (n,)).float())
     for spec, rounding in [("e4m3b4s", "nearest"), ("fp8_e5m2", "stochastic")]:
         compiled = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
-        assert not formats._compile_broken, "torch.compile failed here, so the compiled path went untested"
         compiled_codes = encode(x, spec)
         compiled_back = decode(compiled_codes, spec)
-        monkeypatch.setattr(formats, "_compile_broken", True)
+        compiled_fused = formats.round_and_count(x, spec, rounding, seed=torch.tensor(5), with_codes=True)
+        assert not formats._failed, "torch.compile failed here, so the compiled path went untested"
+        monkeypatch.setattr(formats, "_COMPILE", False)
         eager = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
         eager_codes = encode(x, spec)
+        eager_fused = formats.round_and_count(x, spec, rounding, seed=torch.tensor(5), with_codes=True)
         assert mismatches(compiled, eager) == 0
         assert torch.equal(compiled_codes, eager_codes)
         assert mismatches(compiled_back, decode(eager_codes, spec)) == 0
-        monkeypatch.setattr(formats, "_compile_broken", False)
+        assert mismatches(compiled_fused[0], eager_fused[0]) == 0
+        assert torch.equal(compiled_fused[1], eager_fused[1]) and torch.equal(compiled_fused[2], eager_fused[2])
+        monkeypatch.setattr(formats, "_COMPILE", True)
+
+
+def test_a_kernel_that_fails_to_compile_runs_eagerly_alone_with_one_warning(monkeypatch, caplog):
+    compiled_labels = []
+
+    def fake_compile(kernel):  # stands in for torch.compile: fails for e5m2s kernels only
+        if kernel.label.startswith("e5m2s "):
+            def broken(*args):
+                raise RuntimeError("Scalar 2654435761 is out of range for type int32")
+            return broken
+
+        def compiled(*args):
+            compiled_labels.append(kernel.label)
+            return kernel(*args)
+        return compiled
+
+    monkeypatch.setattr(formats, "_compiled", fake_compile)
+    monkeypatch.setattr(formats, "_failed", set())
+    monkeypatch.setattr(formats, "_COMPILE", True)
+    x = torch.randn(formats.COMPILE_MIN_NUMEL) * 1000
+    with caplog.at_level("WARNING", logger="precsearch.formats"):
+        for _ in range(3):
+            broken = quantize(x, "e5m2s")
+            quantize(x, "e4m3b4s")
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "e5m2s quantize" in warnings[0].getMessage() and "out of range for type int32" in warnings[0].getMessage()
+    assert formats._failed == {"e5m2s quantize (nearest, overflow saturate)"}
+    assert compiled_labels == ["e4m3b4s quantize (nearest, overflow saturate)"] * 3  # still compiled, each time
+    monkeypatch.setattr(formats, "_COMPILE", False)
+    assert mismatches(broken, quantize(x, "e5m2s")) == 0  # the eager fallback computes the same values
+
+
+def test_stochastic_noise_is_murmur3s_finalizer_of_index_and_seed():
+    # written with constants inside int32 for Triton, the hash must stay the textbook one (Python integers here)
+    def murmur3_fmix32(index: int, seed: int) -> int:
+        h = (index * 0x9E3779B1 + seed) & 0xFFFFFFFF
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return (h ^ (h >> 16)) >> 1
+
+    index = torch.tensor([0, 1, 2, 12345, 2**31 - 1, 2**32 - 1, 987654321], dtype=torch.int64)
+    for seed in (0, 5, 2**31 - 2):
+        expected = [murmur3_fmix32(int(i), seed) for i in index]
+        assert formats._hash_bits(index, torch.tensor(seed)).tolist() == expected
+
+
+def test_formats_kernels_hold_no_integer_constant_outside_int32():
+    # Triton types an integer literal as int32 and refuses one out of range (2654435761 broke the CUDA build of
+    # the stochastic kernel): every literal of the kernel builders must fit.
+    source = inspect.getsource(formats)
+    tree = ast.parse(source)
+    kernels = {"_hash_bits", "_make_kernel", "_code_builder", "_make_encoder", "_make_decoder",
+               "_make_round_and_count"}
+    literals = [node.value for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and fn.name in kernels
+                for node in ast.walk(fn) if isinstance(node, ast.Constant) and type(node.value) is int]
+    assert len(literals) > 20  # the walk did find the kernels' constants
+    assert all(-(2**31) <= value < 2**31 for value in literals), [v for v in literals if abs(v) >= 2**31]
 
 
 # -------------------------------------------------------------------------------------------- encode

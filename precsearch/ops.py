@@ -1,0 +1,90 @@
+"""The runtime's tensor operations as ``torch.library`` ops: one dispatch each, traceable by ``torch.compile``.
+
+Each op is one call into precsearch.formats' fused kernels (one kernel when compiled), so a training step
+dispatches one op per rounded or unpacked tensor, and overflow counts stay on the device: they are added to
+a row of ``counts``, an int64 tensor of shape ``(tensors, 2)`` holding ``[overflowed, unencodable]`` per
+tensor, which the runtime reads once per step. The ops are defined with ``torch.library.Library`` (whose
+Python dispatch costs a few microseconds, where ``torch.library.custom_op`` costs about a hundred) and have
+fake implementations, so ``torch.compile`` can trace through them. Their autograd formulas are the runtime's
+autograd Functions (precsearch.runtime), which call these ops in forward and backward.
+
+* ``precsearch::round(x, counts, row, fmt, rounding, overflow, seed, with_codes) -> (rounded, codes)``:
+  ``x`` rounded to ``fmt``; ``codes`` are the format's bit patterns of the result (for packed storage; an
+  empty tensor without ``with_codes``). ``counts`` may be None (nothing counted). ``seed`` (an int64 tensor,
+  advanced in place) drives stochastic rounding.
+* ``precsearch::round_(x, counts, row, fmt, rounding, overflow, seed)``: the same, in place (gradients).
+* ``precsearch::decode(codes, fmt, size, stride, offset) -> Tensor``: the float32 values of packed codes,
+  viewed with the geometry of the tensor that was saved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from precsearch import formats as F
+
+__all__ = ["round", "round_", "decode"]
+
+_SEED_STEP = 0x3C6EF35F  # odd: consecutive stochastic roundings see fresh noise from one device counter
+
+_lib = torch.library.Library("precsearch", "DEF")
+_lib.define("round(Tensor x, Tensor(a!)? counts, int row, str fmt, str rounding, str overflow, Tensor(b!)? seed, "
+            "bool with_codes) -> (Tensor, Tensor)")
+_lib.define("round_(Tensor(a!) x, Tensor(b!)? counts, int row, str fmt, str rounding, str overflow, "
+            "Tensor(c!)? seed) -> ()")
+_lib.define("decode(Tensor codes, str fmt, SymInt[] size, SymInt[] stride, SymInt offset) -> Tensor")
+
+
+def _round_and_count(x: torch.Tensor, counts: torch.Tensor | None, row: int, fmt: str, rounding: str,
+                     overflow: str, seed: torch.Tensor | None, with_codes: bool):
+    if rounding == "stochastic" and seed is not None:
+        seed.add_(_SEED_STEP)
+    rounded, codes, counted = F.round_and_count(x, fmt, rounding, overflow, seed, with_codes)
+    if counts is not None:
+        counts[row].add_(counted)
+    return rounded, codes
+
+
+def _round(x, counts, row, fmt, rounding, overflow, seed, with_codes):
+    rounded, codes = _round_and_count(x, counts, row, fmt, rounding, overflow, seed, with_codes)
+    # fresh tensors, not views of the kernels' flat outputs: callers may modify them in place (ReLU(inplace))
+    rounded = torch.ops.aten._unsafe_view(rounded, x.shape)
+    codes = x.new_empty(0, dtype=torch.uint8) if codes is None else torch.ops.aten._unsafe_view(codes, x.shape)
+    return rounded, codes
+
+
+def _round_(x, counts, row, fmt, rounding, overflow, seed):
+    rounded, _ = _round_and_count(x, counts, row, fmt, rounding, overflow, seed, False)
+    x.copy_(rounded)
+
+
+def _decode(codes, fmt, size, stride, offset):
+    return F.decode(codes, fmt).as_strided(size, stride, offset)
+
+
+_lib.impl("round", _round, "CompositeExplicitAutograd")
+_lib.impl("round_", _round_, "CompositeExplicitAutograd")
+_lib.impl("decode", _decode, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("precsearch::round", lib=_lib)
+def _round_fake(x, counts, row, fmt, rounding, overflow, seed, with_codes):
+    spec = F.get_format(fmt)
+    packed = with_codes and spec.bits <= 16
+    codes = x.new_empty(x.shape if packed else (0,), dtype=spec.storage_dtype if packed else torch.uint8)
+    return torch.empty_like(x), codes
+
+
+@torch.library.register_fake("precsearch::round_", lib=_lib)
+def _round__fake(x, counts, row, fmt, rounding, overflow, seed):
+    return None
+
+
+@torch.library.register_fake("precsearch::decode", lib=_lib)
+def _decode_fake(codes, fmt, size, stride, offset):
+    return codes.new_empty(codes.shape, dtype=torch.float32).as_strided(size, stride, offset)
+
+
+round = torch.ops.precsearch.round  # noqa: A001 (the op's own name)
+round_ = torch.ops.precsearch.round_
+decode = torch.ops.precsearch.decode

@@ -1,0 +1,176 @@
+"""Host work of a training step under a policy: what makes a GPU step fast or slow, counted on any machine.
+
+On a GPU, a step's cost under a policy is host work per rounded tensor: each host read of a device value
+(``.item()``, ``.tolist()``, a copy to the CPU) stalls the stream, and each dispatched op is a kernel launch
+plus Python. These tests count both in one steady-state step with a ``TorchDispatchMode`` (the dispatcher's
+own view, independent of precsearch) and patched host-read methods, on CPU, so they hold without a GPU.
+
+A precsearch op (``precsearch::round``, ``round_``, ``decode``) is one dispatch: one fused kernel when its
+formats kernel is compiled. The counts are the same with compiled or eager kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from precsearch import formats
+from precsearch.graph import trace
+from precsearch.models import build
+from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
+from precsearch.runtime import apply_policy
+
+PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+BATCH = 4
+SIZE = 16  # small enough that every formats kernel runs eagerly here: no compile time in these tests
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Every op the dispatcher runs, by name, and the host reads among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        if name in ("aten._to_copy", "aten.copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            sources = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "cpu"]
+            if sources:
+                self.ops["host copy"] += 1
+        return out
+
+
+def _paper_policy(graph) -> Policy:
+    return Policy.from_assignment(
+        graph, {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()},
+        high_format="e6m9s", overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
+        promotion_threshold=0.01,
+    )
+
+
+def _setup(name: str = "resnet18", width: float = 0.125):
+    torch.manual_seed(0)
+    plain = build(name, width=width)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, 3, SIZE, SIZE, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    return plain, trace(plain, x[:2], batch_size=BATCH), x, y
+
+
+def _stepper(model, x, y):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    scaler = getattr(model, "scaler", None)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return loss.detach()
+
+    return step
+
+
+def _count_one_step(step, monkeypatch) -> Counter[str]:
+    for _ in range(3):  # steady state: promotions, caches, lazily made device state
+        step()
+    counter = DispatchCounter()
+    reads = Counter()
+    for method in ("tolist", "numpy", "item"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            reads[_method] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    with counter:
+        step()
+    monkeypatch.undo()
+    counter.ops["host read"] = (counter.ops["aten._local_scalar_dense"] + counter.ops["host copy"]
+                                + reads["tolist"] + reads["numpy"])
+    return counter.ops
+
+
+def test_a_training_step_under_the_paper_policy_reads_the_host_once(monkeypatch):
+    plain, graph, x, y = _setup()
+    wrapped = apply_policy(copy.deepcopy(plain), _paper_policy(graph))
+    ops = _count_one_step(_stepper(wrapped, x, y), monkeypatch)
+    # 197 tensors rounded, one read: the loss scaler's overflow test and every overflow count together
+    assert ops["precsearch.round"] + ops["precsearch.round_"] > 150
+    assert ops["host read"] == 1
+    assert _count_one_step(_stepper(plain, x, y), monkeypatch)["host read"] == 0  # the counter's baseline
+
+
+def test_the_guard_still_sees_every_overflow_through_the_once_a_step_read(monkeypatch):
+    # counts read once per step must still promote: conv1's weights x1000 overflow e4m3b4s (max 30)
+    plain, graph, x, y = _setup()
+    model = copy.deepcopy(plain)
+    with torch.no_grad():
+        model.conv1.weight.mul_(1000)
+    wrapped = apply_policy(model, _paper_policy(graph))
+    ops = _count_one_step(_stepper(wrapped, x, y), monkeypatch)
+    assert ops["host read"] == 1
+    assert "conv1:weight" in [p.id for p in wrapped.promotions]
+
+
+@pytest.mark.parametrize("policy_name", ["all-low", "hfp8", "fp16"])
+def test_a_step_dispatches_at_most_twice_the_ops_of_the_plain_model(policy_name, monkeypatch):
+    plain, graph, x, y = _setup()
+    policy = _paper_policy(graph) if policy_name == "all-low" else baseline(policy_name, graph)
+    wrapped = apply_policy(copy.deepcopy(plain), policy)
+    low = sum(count for name, count in _count_one_step(_stepper(wrapped, x, y), monkeypatch).items()
+              if name not in ("host read", "host copy"))
+    fp32 = sum(count for name, count in _count_one_step(_stepper(plain, x, y), monkeypatch).items()
+               if name not in ("host read", "host copy"))
+    assert fp32 > 300  # the counter sees the plain model's step
+    assert low <= 2 * fp32, f"{policy_name}: {low} ops against {fp32} for the plain fp32 step"
+
+
+def test_evaluation_forwards_never_count_or_promote():
+    plain, graph, x, y = _setup()
+    wrapped = apply_policy(copy.deepcopy(plain), _paper_policy(graph))
+    wrapped.eval()
+    with torch.no_grad():
+        wrapped(x * 100)  # overflows e4m3b4s (max 30) in most activations
+    assert wrapped.promotions == [] and wrapped.tensor_stats() == {} and wrapped.step_count == 0
+    wrapped.train()
+    _stepper(wrapped, x * 100, y)()  # the same input in a training step does promote
+    assert wrapped.promotions and wrapped.step_count == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_compiled_kernels_train_bit_identically_to_eager_ones(name, monkeypatch):
+    plain, graph, x, y = _setup(name)
+    policy = _paper_policy(graph)
+
+    def three_steps() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model = copy.deepcopy(plain)
+        step = _stepper(apply_policy(model, policy), x, y)
+        losses = [step() for _ in range(3)]
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    monkeypatch.setattr(formats, "_COMPILE", False)
+    eager_losses, eager_weights = three_steps()
+    monkeypatch.setattr(formats, "_COMPILE", True)
+    monkeypatch.setattr(formats, "COMPILE_MIN_NUMEL", 0)  # every kernel call compiled
+    compiled_losses, compiled_weights = three_steps()
+    assert not formats._failed, f"torch.compile failed for {formats._failed}: the compiled path went untested"
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(eager_weights, [p.detach() for p in plain.parameters()],
+                                                     strict=True))  # the steps did train
