@@ -12,6 +12,10 @@ Weight-update memory (fp32 masters, Kahan buffers, optimizer state) depends on t
 `update_bytes` and `breakdown(..., optimizer=...)` price it with `precsearch.optim`'s own per-parameter rule,
 so the cost model and the optimizer cannot disagree. Without an optimizer, every trainable parameter keeps an
 fp32 master copy and an fp32 SGD momentum (the graph's `master_weight` and `optimizer_state` tensors).
+
+The peak of a training step (`peak_bytes`, `peak_timeline`) is a third measure: what one forward, backward
+and optimizer step holds at once above parameters and optimizer state, predicted by replaying the step on
+the graph (precsearch.memory measures it).
 """
 
 from __future__ import annotations
@@ -68,6 +72,21 @@ _SAVE_RULES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("dropout1d", "dropout2d", "dropout3d"), ("channelmask",)),
 }
 _UNKNOWN_RULE = ("inputs", "output")
+# Workspaces of backward kernels, in float32 copies of the op's input, measured with precsearch.memory on
+# torch 2.13's CPU kernels (oneDNN conv: a reordered input gradient and input; batch norm: one temporary).
+_CONV_BACKWARD_WORKSPACE = 2
+_BN_BACKWARD_WORKSPACE = 1
+
+
+@dataclass(frozen=True)
+class Held:
+    """One block of a predicted step timeline: `nbytes` live from `start` to `end` inclusive. Times: forward
+    of op i is 2i, backward of op i is 4n - 2i (n ops), weight-gradient rounding 4n + 1, optimizer 4n + 3."""
+
+    nbytes: int
+    start: float
+    end: float
+    what: str
 
 
 @dataclass(frozen=True)
@@ -247,6 +266,92 @@ class CostModel:
         low = [tid for tid, fmt in self._formats(assignment).items() if fmt.bits < self.high.bits]
         return float(sum(self._numel[self._index[tid]] for tid in low) / self._numel[self._assignable].sum())
 
+    # ------------------------------------------------------------------------------ step peak
+
+    def peak_bytes(self, assignment: Mapping[str, Spec] | None = None) -> int:
+        """Predicted peak of one training step (forward, backward, optimizer) above the parameters and
+        optimizer state, under `assignment` as `precsearch.runtime` trains it (see `peak_timeline`)."""
+        blocks = self.peak_timeline(assignment)
+        times = sorted({time for block in blocks for time in (block.start, block.end)})
+        return max((sum(b.nbytes for b in blocks if b.start <= time <= b.end) for time in times), default=0)
+
+    def peak_timeline(self, assignment: Mapping[str, Spec] | None = None) -> list[Held]:
+        """Every block the step holds, replayed on the graph: saved tensors in their formats until the
+        backward of their first saver; float32 forward values until their last forward use; activation
+        gradients (float32) from the backward of their last consumer to that of their producer; weight
+        gradients (float32) from their op's backward to the optimizer; kernel workspaces. Where a tensor is
+        low, the runtime's transients too: the raw float32 value beside its rounded copy, packed codes, the
+        decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient,
+        weights rounded from a flat copy, weight gradients rounded from a flat copy. The optimizer holds
+        one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it exists
+        before the step) unless packed."""
+        formats = self._formats(assignment)
+        graph, ops = self.graph, self.graph.ops
+        n = len(ops)
+        index = {op.name: i for i, op in enumerate(ops)}
+        blocks: list[Held] = []
+
+        def fwd(i: int) -> float:
+            return 2.0 * i
+
+        def bwd(i: int) -> float:
+            return 4.0 * n - 2.0 * i
+
+        def hold(nbytes: float, start: float, end: float, what: str) -> None:
+            blocks.append(Held(int(nbytes), start, end, what))
+
+        producer, root, needs_grad, last_use = _forward_lifetimes(graph)
+        saved_fp32 = set()
+        for entry, size in zip(self.saved, self._saved_bytes(assignment), strict=True):
+            savers = sorted(index[name] for name in entry.saved_by)
+            if entry.tensor is None:
+                hold(size, fwd(savers[0]), bwd(savers[0]), f"saved {entry.key}")
+            elif formats.get(entry.tensor, FP32).is_fp32:
+                if ops[producer[entry.tensor]].role != "input":
+                    saved_fp32.add(entry.tensor)
+                    hold(size, fwd(producer[entry.tensor]), bwd(savers[0]), f"saved {entry.tensor}")
+            else:
+                hold(size, fwd(savers[0]), bwd(savers[0]), f"codes {entry.tensor}")
+                hold(4 * entry.numel, bwd(savers[-1]), bwd(savers[0]), f"decoded {entry.tensor}")
+        for tid, i in producer.items():
+            numel = graph.tensors[tid].numel
+            if ops[i].role != "input" and root[tid] == tid:
+                if tid not in saved_fp32:
+                    hold(4 * numel, fwd(i), fwd(last_use.get(tid, i)), f"float32 {tid}")
+                if not formats.get(tid, FP32).is_fp32:
+                    hold(4 * numel, fwd(i), fwd(i), f"unrounded {tid}")
+            if needs_grad[tid]:
+                users = [index[name] for name in graph.tensors[tid].consumers if name in index]
+                hold(4 * numel, bwd(max(users)) if users else 4.0 * n, bwd(i), f"gradient {tid}")
+                if not formats.get(tid.replace(":activation", ":activation_grad"), FP32).is_fp32:
+                    hold(4 * numel, bwd(i) - 1, bwd(i) - 1, f"rounded gradient {tid}")
+        for i, op in enumerate(ops):
+            inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)
+            key = op_type_key(op.module_type)
+            if key.startswith("conv") and any(needs_grad[t] for t in op.input_tensors):
+                hold(_CONV_BACKWARD_WORKSPACE * inputs, bwd(i), bwd(i), f"workspace {op.name}")
+            elif key.startswith("batchnorm"):
+                hold(_BN_BACKWARD_WORKSPACE * inputs, bwd(i), bwd(i), f"workspace {op.name}")
+        low_weights = low_grads = total = 0
+        for tid in self._trainable:
+            info = graph.tensors[tid]
+            users = sorted(index[name] for name in info.consumers)
+            total += 4 * info.numel
+            hold(4 * info.numel, bwd(users[-1]), 4.0 * n + 3, f"weight gradient {tid}")
+            low_grads += 4 * info.numel * (not formats.get(f"{tid}_grad", FP32).is_fp32)
+            fmt = formats.get(tid, FP32)
+            if not fmt.is_fp32:
+                low_weights += 4 * info.numel
+                hold(info.numel * _storage_bytes(fmt), fwd(users[0]), bwd(users[0]), f"codes {tid}")
+                hold(4 * info.numel, bwd(users[-1]), bwd(users[-1]), f"decoded {tid}")
+        if low_weights:
+            hold(low_weights, -1.0, fwd(n - 1), "rounded weights")
+            hold(low_weights, -1.0, -1.0, "flat weights")
+        if low_grads:
+            hold(2 * low_grads, 4.0 * n + 1, 4.0 * n + 1, "flat and rounded weight gradients")
+        hold(total, 4.0 * n + 3, 4.0 * n + 3, "optimizer temporary")
+        return blocks
+
     # ---------------------------------------------------------------------------- group decisions
 
     def _decisions(self, decisions: Any) -> np.ndarray:
@@ -332,6 +437,26 @@ def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
         log.warning("no autograd save rule for op type(s) %s; assuming they save their inputs and output",
                     ", ".join(sorted(unknown)))
     return list(entries.values())
+
+
+def _forward_lifetimes(graph: TensorGraph) -> tuple[dict[str, int], dict[str, str], dict[str, bool], dict[str, int]]:
+    """Per activation: the index of its producer op, the activation owning its storage (in-place ops share
+    it), whether it needs a gradient, and the index of its last forward use (through in-place aliases too)."""
+    producer: dict[str, int] = {}
+    root: dict[str, str] = {}
+    needs_grad: dict[str, bool] = {}
+    last_use: dict[str, int] = {}
+    for i, op in enumerate(graph.ops):
+        trainable = any(f"{pid}_grad" in graph.tensors for pid in op.params)
+        needed = op.role != "input" and (trainable or any(needs_grad.get(t, False) for t in op.input_tensors))
+        for tid in op.input_tensors:
+            last_use[tid] = last_use[root[tid]] = i
+        for tid in op.outputs:
+            producer[tid] = i
+            needs_grad[tid] = needed
+            in_place = op.attrs.get("inplace") and op.input_tensors
+            root[tid] = root[op.input_tensors[0]] if in_place else tid
+    return producer, root, needs_grad, last_use
 
 
 def _rule_items(item: str, op: OpInfo, graph: TensorGraph, trainable: bool) -> list[str | tuple[int, int]]:

@@ -1,0 +1,140 @@
+"""Peak memory of a training step: the CPU tracker against hand-computed peaks, and the cost model's predicted
+peak against the tracker for every zoo model, plain and under the runtime's policies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from precsearch.cost import MIB, CostModel
+from precsearch.graph import trace
+from precsearch.memory import measure_peak, sgd_step, trace_step
+from precsearch.models import NAMES, build
+from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
+from precsearch.runtime import apply_policy
+
+KIB = 1024
+
+
+def test_tracker_peak_of_allocations_by_hand():
+    """a (4 KiB) and b (8 KiB) live together, then a dies and c (2 KiB) comes: the peak is a + b."""
+    kept = []
+
+    def program() -> None:
+        a = torch.empty(KIB, dtype=torch.float32)
+        b = torch.empty(2 * KIB, dtype=torch.float32)
+        del a
+        kept.append(torch.empty(512, dtype=torch.float32))
+        kept.append(b)
+
+    memory = trace_step(program)
+    assert memory.peak == 12 * KIB
+    assert sorted(a.nbytes for a in memory.allocations) == [2 * KIB, 4 * KIB, 8 * KIB]
+    assert sorted(a.nbytes for a in memory.allocations if a.end is None) == [2 * KIB, 8 * KIB]
+
+
+def test_tracker_counts_temporaries_and_ignores_older_blocks():
+    """x exists before the step and is freed in it: not counted. (x + x) * x holds x + x (4 KiB) and the
+    product (4 KiB) at once; the product outlives the step. (Tensor operands only: a Python number
+    becomes a small tensor of its own.)"""
+    holder = {"x": torch.ones(KIB)}
+    out = []
+
+    def program() -> None:
+        x = holder.pop("x")
+        out.append((x + x) * x)
+        del x
+
+    assert measure_peak(program, "cpu") == 8 * KIB
+    assert out[0].sum().item() == 2 * KIB
+
+
+def test_tracker_step_of_a_linear_layer_by_hand():
+    """loss = (x @ w.T).pow(2).sum(): forward keeps y (B x K) for pow's backward, makes y^2 (B x K) and the
+    loss (4 bytes); backward makes the loss's gradient (4 bytes), 2y*g (B x K) while y^2 is still held, the
+    gradient of w.T (D x K) and its contiguous copy that AccumulateGrad stores as w.grad (K x D)."""
+    batch, d_in, d_out = 64, 32, 128
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, d_in, generator=g)
+    w = torch.randn(d_out, d_in, generator=g, requires_grad=True)
+
+    def step() -> None:
+        (x @ w.T).pow(2).sum().backward()
+
+    assert measure_peak(step) == 4 * (3 * batch * d_out + 2 * d_out * d_in) + 8
+
+
+# ------------------------------------------------------------------------------------ predicted vs measured
+
+# Small widths: activations still dominate parameters, as in real training (at 16x16 images and batch 8 they
+# do not, and the prediction of ResNet-18's peak is 17% high). tiny_cnn at width 1
+# (16 channels): narrower layers are padded to oneDNN's 16-channel blocks, a CPU artifact.
+WIDTHS = {"resnet18": 0.25, "mobilenet_v2": 0.25, "shufflenet_v2": 0.25, "squeezenet": 0.25, "tiny_cnn": 1.0}
+BATCHES = (16, 32)
+IMAGE = 32
+POLICIES = ("plain", "fp32", "fp16", "bf16", "hfp8", "all-low")
+ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+# Cases where the measured peak exceeds the prediction by more than 10% because the runtime holds a
+# transient the model does not: (model, batch, policy) -> the transient.
+RUNTIME_EXTRA: dict[tuple[str, int, str], str] = {}
+
+
+def _policy(name: str, graph) -> Policy | None:
+    if name == "plain":
+        return None
+    if name != "all-low":
+        return baseline(name, graph)
+    return Policy.from_assignment(
+        graph, {tid: ALL_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
+        overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
+        promotion_threshold=0.01)
+
+
+def _measured_peak(model: torch.nn.Module, policy: Policy | None, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Peak of one SGD step (momentum, weight decay) after a first step made the momentum buffers and
+    compiled the format kernels; gradients are None before it, as after zero_grad."""
+    if policy is not None:
+        model = apply_policy(model, policy)
+    step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4), x, y)
+    step()
+    return measure_peak(step)
+
+
+def _cases():
+    for name in NAMES:
+        for batch in BATCHES:
+            for policy in POLICIES:
+                reason = RUNTIME_EXTRA.get((name, batch, policy))
+                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                if policy != "plain":  # compiling the format kernels and the rounding take minutes in all
+                    marks.append(pytest.mark.slow)
+                yield pytest.param(name, batch, policy, marks=marks, id=f"{name}-b{batch}-{policy}")
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    """name -> (model, its graph at each batch)."""
+    built = {}
+    for name in NAMES:
+        torch.manual_seed(0)
+        model = build(name, width=WIDTHS[name])
+        example = torch.randn(2, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(0))
+        built[name] = (model, {batch: trace(model, example, batch_size=batch) for batch in BATCHES})
+    return built
+
+
+@pytest.mark.parametrize(("name", "batch", "policy_name"), list(_cases()))
+def test_predicted_peak_within_10_percent_of_measured(zoo, name, batch, policy_name):
+    model, graphs = zoo[name]
+    graph = graphs[batch]
+    policy = _policy(policy_name, graph)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, IMAGE, IMAGE, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    measured = _measured_peak(copy.deepcopy(model), policy, x, y)
+    predicted = CostModel(graph).peak_bytes(None if policy is None else policy.assignment(graph))
+    assert abs(predicted - measured) <= 0.10 * measured, (
+        f"{name} width {WIDTHS[name]} batch {batch} {policy_name}: predicted peak {predicted / MIB:.3f} MiB, "
+        f"measured {measured / MIB:.3f} MiB (CPU allocator events)")
