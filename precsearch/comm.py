@@ -345,7 +345,7 @@ def train_data_parallel(
     data: tuple[ImageDataset, ImageDataset],
     steps: int,
     nproc: int = 2,
-    compress: str = "adacomp",
+    compress: str | None = None,
     seed: int = 0,
     device: str = "cpu",
     config: ProxyConfig | None = None,
@@ -366,6 +366,8 @@ def train_data_parallel(
     (``<metrics stem>.compression.csv``).
     """
     config = config or ProxyConfig()
+    if compress is None:
+        compress = policy.compression if policy is not None else "none"
     if compress not in COMPRESSIONS:
         raise PrecsearchError(f"compress={compress!r}: use one of {', '.join(COMPRESSIONS)}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
@@ -375,6 +377,10 @@ def train_data_parallel(
     if config.batch_size < nproc:
         raise PrecsearchError(f"batch size {config.batch_size} is smaller than {nproc} processes; "
                               "raise the batch size or lower --nproc")
+    shape = tuple(data[0].image_shape)
+    if policy is not None and policy.input_shape is not None and tuple(policy.input_shape) != shape:
+        raise PrecsearchError(f"the policy was made for inputs {tuple(policy.input_shape)}, the data has {shape}; "
+                              f"pass --image-size {policy.input_shape[-1]}")
     if len(data[0]) < config.batch_size:
         raise PrecsearchError(f"the training set has {len(data[0])} images, too few for a batch of "
                               f"{config.batch_size}; lower the batch size or give more data")

@@ -248,6 +248,8 @@ def test_other_bad_inputs_are_clear_errors():
         train_data_parallel("tiny_cnn", None, data, 1, nproc=0)
     with pytest.raises(PrecsearchError, match="compress='zip'"):
         train_data_parallel("tiny_cnn", None, data, 1, compress="zip")
+    with pytest.raises(PrecsearchError, match=r"made for inputs \(3, 16, 16\), the data has \(3, 8, 8\)"):
+        train_data_parallel("tiny_cnn", Policy(model="tiny_cnn", input_shape=(3, 16, 16)), data, 1)
     with pytest.raises(PrecsearchError, match="compression: 'zip' is not allowed"):
         Policy(compression="zip")
 

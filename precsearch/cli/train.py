@@ -85,12 +85,11 @@ def run(args: argparse.Namespace) -> int:
 def _run_data_parallel(args: argparse.Namespace, policy: Any, data: Any, steps: int, config: ProxyConfig) -> int:
     from precsearch.comm import compression_by_type, train_data_parallel
 
-    compress = args.compress or (policy.compression if policy is not None else "none")
-    result = train_data_parallel(args.model, policy, data, steps, nproc=args.nproc, compress=compress,
+    result = train_data_parallel(args.model, policy, data, steps, nproc=args.nproc, compress=args.compress,
                                  seed=args.seed, device=args.device, config=config, eval_every=args.eval_every,
                                  metrics=args.metrics, threads=args.threads)
-    print(f"trained in {result.nproc} processes ({compress}): {result.steps_run} steps in {result.wall_time:.1f} s; "
-          f"validation accuracy {result.val_accuracy:.4f}, loss {result.val_loss:.4f}")
+    print(f"trained in {result.nproc} processes ({result.compress}): {result.steps_run} steps in "
+          f"{result.wall_time:.1f} s; validation accuracy {result.val_accuracy:.4f}, loss {result.val_loss:.4f}")
     if result.compression is not None:
         by_type = compression_by_type(result.compression)
         figures = [f"{kind} {ratio:.1f}x" for kind, ratio in by_type["ratio"].items()]
