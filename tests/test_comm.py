@@ -109,6 +109,8 @@ def scenarios(rank: int, world: int, port: int, folder: Path) -> None:
             seen["residuals"].append([state.residuals[param].numpy().copy() for param in params])
             seen["sent_bytes"].append(state.compression()["sent_bytes"].tolist())
         seen["table"] = state.compression()
+        state.reset_stats()
+        seen["after_reset"] = (len(state.compression()), state.wire_bytes, len(state.residuals))
 
         alone, _ = probe_ddp()  # rank 1 sends nothing: the gradient is rank 0's message over 2
         zeros = [torch.zeros_like(grad) for grad in gradients(0, 1)]
@@ -225,6 +227,7 @@ def test_compression_table_names_layers_and_counts_bytes(ranks):
     numels = [grad.numel() for grad in gradients(0, 1)]
     assert table["dense_bytes"].tolist() == [4 * n * STEPS for n in numels]
     assert np.allclose(table["ratio"], table["dense_bytes"] / table["sent_bytes"])
+    assert ranks[0]["after_reset"] == (0, 0, len(PARAMS))  # counts cleared, residuals kept
     net = ranks[0]["net_table"].set_index("name")
     assert [name for name, _ in build("tiny_cnn").named_parameters()] == list(net.index)
     assert net.loc["conv1.weight", "layer_type"] == "conv"
