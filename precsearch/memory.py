@@ -76,7 +76,7 @@ class StepMemory:
 
 
 def _phase(event: object) -> tuple[str, str]:
-    """(phase, op) of an allocation event from its ancestors in the profiler's event tree: the op is the
+    """(op, phase) of an allocation event from its ancestors in the profiler's event tree: the op is the
     outermost one inside the phase (``aten::convolution``, not the ``aten::empty`` it called)."""
     chain = []
     parent = getattr(event, "parent", None)
@@ -89,7 +89,7 @@ def _phase(event: object) -> tuple[str, str]:
             phase = "optimizer" if name.startswith(_OPTIMIZER) else "backward:" + name[len(_BACKWARD):]
             op = chain[index - 1] if index else name
             break
-    return phase, op
+    return op, phase
 
 
 def trace_step(step: Callable[[], object]) -> StepMemory:

@@ -1,0 +1,93 @@
+"""Peak memory of one training step (forward, backward, SGD step with momentum) under each policy, measured
+and predicted, beside the bytes autograd saves, all as ratios to the plain fp32 model's measured peak.
+
+Measured: the CPU allocator's events (precsearch.memory), and CUDA's ``max_memory_allocated`` with
+``--device cuda``; both above what is live before the step (parameters, momentum, the batch). Predicted:
+``CostModel.peak_bytes``. Saved: ``CostModel.saved_activation_bytes``. Rows: plain fp32, plain under
+``torch.autocast(bfloat16)`` (CUDA only), the fp32/fp16/bf16/hfp8 baselines and the paper's all-low policy.
+
+Usage: python benchmarks/bench_memory.py [--width 1.0] [--batch 128] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import torch
+
+from precsearch.cost import MIB, CostModel
+from precsearch.graph import trace
+from precsearch.memory import measure_peak, sgd_step, trace_step
+from precsearch.models import build
+from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
+from precsearch.runtime import apply_policy
+
+ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=float, default=1.0)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--timeline", action="store_true", help="print the blocks at each measured peak")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+
+    torch.manual_seed(0)
+    plain = build("resnet18", width=args.width)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    graph = trace(plain, x[:2], batch_size=args.batch)
+    cost = CostModel(graph)
+    policies: dict[str, Policy | None] = {"plain fp32": None}
+    policies.update({name: baseline(name, graph) for name in ("fp32", "fp16", "bf16", "hfp8")})
+    policies["all-low"] = Policy.from_assignment(
+        graph, {tid: ALL_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
+        overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
+        promotion_threshold=0.01)
+
+    print(f"torch {torch.__version__}, ResNet-18 width {args.width}, batch {args.batch}, 32x32, "
+          f"SGD(momentum=0.9, wd=5e-4); {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
+    rows = []
+    for name, policy in policies.items():
+        model = copy.deepcopy(plain) if policy is None else apply_policy(copy.deepcopy(plain), policy)
+        model = model.to(device)
+        step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4),
+                        x.to(device), y.to(device))
+        step()  # momentum buffers, compiled kernels
+        memory = trace_step(step) if device.type == "cpu" else None
+        cuda = measure_peak(step, device) if device.type == "cuda" else None
+        assignment = None if policy is None else policy.assignment(graph)
+        rows.append((name, memory, cuda, cost.peak_bytes(assignment), cost.saved_activation_bytes(assignment)))
+        if args.timeline and memory is not None:
+            print(f"\n{name}: {memory.summary()}")
+    if device.type == "cuda":
+        model = copy.deepcopy(plain).to(device)
+        step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4),
+                        x.to(device), y.to(device))
+
+        def autocast_step() -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                step()
+
+        autocast_step()
+        rows.insert(1, ("autocast bf16", None, measure_peak(autocast_step, device), None, None))
+
+    base = rows[0][2] if device.type == "cuda" else rows[0][1].peak
+    print("\n| step | peak measured (MiB) | x fp32 | peak predicted | x fp32 | saved bytes | x fp32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, memory, cuda, predicted, saved in rows:
+        measured = cuda if device.type == "cuda" else memory.peak
+        cells = [f"{measured / MIB:.1f}", f"{measured / base:.2f}"]
+        cells += ["-", "-"] if predicted is None else [f"{predicted / MIB:.1f}", f"{predicted / base:.2f}"]
+        cells += ["-", "-"] if saved is None else [f"{saved / MIB:.1f}", f"{saved / base:.2f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
