@@ -493,11 +493,15 @@ class StudyLocation:
                                   heartbeat_interval=self.heartbeat, grace_period=3 * self.heartbeat,
                                   heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(MAX_RETRIES))
 
-        try:
-            return create()
-        except sqlalchemy.exc.IntegrityError:  # workers creating Optuna's tables at once collide; now they exist
-            time.sleep(0.5)
-            return create()
+        attempts = 3
+        while True:
+            try:
+                return create()
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+                attempts -= 1  # workers creating Optuna's tables at once collide ("already exists"); retry
+                if attempts == 0:
+                    raise
+                time.sleep(0.5)
 
     @contextlib.contextmanager
     def lock(self, storage: optuna.storages.BaseStorage) -> Iterator[None]:
