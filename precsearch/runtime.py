@@ -67,6 +67,7 @@ import contextlib
 import copy
 import logging
 import operator
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -330,10 +331,13 @@ class _Stored:
     def unpack(self) -> torch.Tensor:
         return self.tensor if self.packed is None else self.packed.view(self.geometry)
 
-    def attach(self, packed: _Packed) -> None:
-        """Hold ``packed`` instead of the tensor."""
+    def attach(self, packed: _Packed, sizes: SavedBytes) -> None:
+        """Hold ``packed`` instead of the tensor; its first save adds its codes to ``sizes``."""
         self.tensor, self.packed = None, packed
         packed.saves += 1
+        if packed.saves == 1:
+            kind = "weight" if packed.kind == "weight" else "activation"
+            setattr(sizes, kind, getattr(sizes, kind) + packed.codes.nbytes)
 
 
 class _Pending:
@@ -372,7 +376,7 @@ class _Packer:
         self._live: dict[int, _Packed] = {}
         self._pending: dict[int, _Pending] = {}
         self._all_pending: list[tuple[int, _Pending]] = []
-        self._all_packed: list[_Packed] = []
+        self._codes = SavedBytes()  # codes saved so far (packed storages are held by autograd alone)
         self._plain: dict[int, tuple[str, int]] = {}
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, _Stored.unpack):
@@ -380,7 +384,7 @@ class _Packer:
         finally:
             self.active = False
             self.last = self._measure()
-            self._live, self._pending, self._all_pending, self._all_packed, self._plain = {}, {}, [], [], {}
+            self._live, self._pending, self._all_pending, self._plain = {}, {}, [], {}
 
     def register(self, raw: torch.Tensor, rounded: torch.Tensor, codes: torch.Tensor | None, fmt: F.FloatFormat,
                  kind: str) -> None:
@@ -390,12 +394,17 @@ class _Packer:
             return
         packed = _Packed(fmt, kind, rounded, codes)
         self._live[_storage(rounded)] = packed
-        self._all_packed.append(packed)
+        # codes nobody saved die with the rounded tensor, not at the end of the forward
+        weakref.finalize(rounded, self._forget, _storage(rounded), id(packed))
         pending = self._pending.get(_storage(raw))
         if pending is not None and pending.version == raw._version and _whole_storage(raw):
             del self._pending[_storage(raw)]
             for stored in pending.stored:
-                stored.attach(packed)
+                stored.attach(packed, self._codes)
+
+    def _forget(self, ptr: int, ident: int) -> None:
+        if self.active and id(self._live.get(ptr)) == ident:
+            del self._live[ptr]
 
     def alias(self, t: torch.Tensor, slot: _Slot, state: TensorState) -> None:
         """``t`` is a fresh copy of rounded values (a layout op's output): pack its saves in the slot's format
@@ -415,7 +424,7 @@ class _Packer:
             return stored
         packed = self._live.get(ptr)
         if packed is not None and packed.holds(t):
-            stored.attach(packed)
+            stored.attach(packed, self._codes)
             return stored
         pending = self._pending.get(ptr)
         if pending is None or pending.version != t._version:
@@ -425,11 +434,7 @@ class _Packer:
         return stored
 
     def _measure(self) -> SavedBytes:
-        sizes = SavedBytes()
-        for packed in self._all_packed:
-            if packed.saves:
-                kind = "weight" if packed.kind == "weight" else "activation"
-                setattr(sizes, kind, getattr(sizes, kind) + packed.codes.nbytes)
+        sizes = self._codes
         for ptr, pending in self._all_pending:
             kept = [s.tensor for s in pending.stored if s.tensor is not None]
             if kept and ptr not in self._plain:
@@ -520,16 +525,44 @@ class _Alias(nn.Module):
         return value
 
 
+class _RoundedWeightsCall(nn.Module):
+    """Calls a layer with its low weights rounded, so that their float32 copies die with the call."""
+
+    def __init__(self, model: PrecisionModel, layer: nn.Module, params: dict[str, str]) -> None:
+        super().__init__()
+        self.__dict__["_model"] = model
+        self.__dict__["layer"] = layer  # the user's module, called as it is: not a child of this one
+        self.params = params  # the layer's parameter name -> its qualified name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        rounded = {name: self._model._round_weight(qualified) for name, qualified in self.params.items()}
+        return torch.func.functional_call(self.layer, rounded, args, kwargs)
+
+
+class _RoundedWeight(nn.Module):
+    """Inserted after a read of a parameter (a weight passed to a function): the rounded weight."""
+
+    def __init__(self, model: PrecisionModel, qualified: str) -> None:
+        super().__init__()
+        self.__dict__["_model"] = model
+        self.qualified = qualified
+
+    def forward(self, param: torch.Tensor) -> torch.Tensor:
+        return self._model._round_weight(self.qualified)
+
+
 # -------------------------------------------------------------------------------------- instrumentation
 
 
 def instrument_fx(graph: TensorGraph, module: nn.Module,
                   rounder: Callable[[Any], nn.Module | None], alias: Callable[[_Slot], nn.Module],
+                  weights: Callable[[str, list[str]], nn.Module | None],
                   replaced: dict[str, nn.Module] | None = None) -> fx.GraphModule:
     """A copy of ``graph``'s FX graph (calling ``module``'s submodules, with ``replaced`` swapped in) with the
-    module ``rounder(op)`` after every op it returns one for, and ``alias(slot)`` after every layout op
-    (contiguous, reshape, ...) that may copy a rounded activation of that slot: torch.ao's prepare_fx, with
-    rounding modules for observers."""
+    module ``rounder(op)`` after every op it returns one for, ``alias(slot)`` after every layout op
+    (contiguous, reshape, ...) that may copy a rounded activation of that slot, and every call of a submodule
+    or read of a parameter replaced by ``weights(qualified name, parameter names)`` where it returns a module
+    (one that computes with rounded weights): torch.ao's prepare_fx, with rounding modules for observers."""
     source = graph.graph_module
     fx_graph = copy.deepcopy(source.graph)
     gm = fx.GraphModule(source, fx_graph, type(module).__name__)
@@ -570,6 +603,19 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
             carried[insert(node, node, f"precsearch_alias_{len(carried)}", alias(source_slots[0]))] = source_slots
         elif source_slots:
             carried[node] = source_slots
+    for node in list(fx_graph.nodes):
+        if node.op == "call_module":
+            names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]
+            inserted = weights(node.target, names) if names else None
+            if inserted is not None:
+                name = f"precsearch_weights_{node.target.replace('.', '_')}"
+                if not hasattr(gm, name):
+                    gm.add_submodule(name, inserted)
+                node.target = name
+        elif node.op == "get_attr":
+            inserted = weights(node.target, [])
+            if inserted is not None:
+                insert(node, node, f"precsearch_weight_{node.target.replace('.', '_')}", inserted)
     fx_graph.lint()
     gm.recompile()
     return gm
@@ -607,8 +653,10 @@ class PrecisionModel(nn.Module):
         self._input_rounder: _Rounder | None = None
         self._module_rounders: dict[str, dict[int, _Rounder]] = {}
         self._calls: Counter[str] = Counter()
+        self._rounded_at_use: set[str] = set()
         if graph.graph_module is not None:
             target = instrument_fx(graph, model, self._rounder_for, lambda slot: _Alias(self, slot),
+                                   self._weights_call_for,
                                    {name: model.get_submodule(name) for name in self.accumulation_layers})
         else:
             target = self._instrument_hooks()
@@ -766,16 +814,24 @@ class PrecisionModel(nn.Module):
             t.register_hook(lambda g, slot=grad: self.state.round(g, slot)[0])
         return t
 
-    def _rounded_weights(self) -> dict[str, torch.Tensor]:
-        """Parameter name -> the weight the forward computes with (one round op per low weight)."""
-        used = {}
-        for name, (param, slot) in self._weights.items():
-            if not slot.is_low:
-                continue
-            rounded, codes = _RoundWeight.apply(param, self.state, slot, self._packer.active)
-            self._packer.register(param, rounded, codes, slot.fmt, "weight")
-            used[name] = rounded
-        return used
+    def _weights_call_for(self, target: str, names: list[str]) -> nn.Module | None:
+        """For the FX pass: a layer call (``names``: its parameters) or a parameter read (``names`` empty)
+        that uses low weights, rewritten to use them rounded; None when it uses none."""
+        if not names:
+            self._rounded_at_use.add(target)
+            return _RoundedWeight(self, target) if target in self._weights else None
+        params = {name: f"{target}.{name}" for name in names if f"{target}.{name}" in self._weights}
+        self._rounded_at_use.update(params.values())
+        return _RoundedWeightsCall(self, self.module.get_submodule(target), params) if params else None
+
+    def _round_weight(self, qualified: str) -> torch.Tensor:
+        """The weight the forward computes with: the parameter rounded to its format now (one round op)."""
+        param, slot = self._weights[qualified]
+        if not slot.is_low:
+            return param
+        rounded, codes = _RoundWeight.apply(param, self.state, slot, self._packer.active)
+        self._packer.register(param, rounded, codes, slot.fmt, "weight")
+        return rounded
 
     # -- training -----------------------------------------------------------------------------------------
 
@@ -791,7 +847,8 @@ class PrecisionModel(nn.Module):
         with packing:
             if self._input_rounder is not None and args:
                 args = (self._input_rounder(args[0]), *args[1:])
-            weights = self._rounded_weights()
+            # weights the FX pass rounds at their use are not here: their float32 copies die with the layer
+            weights = {name: self._round_weight(name) for name in self._weights if name not in self._rounded_at_use}
             if not weights:
                 return self._target(*args, **kwargs)
             return torch.func.functional_call(self._target, weights, args, kwargs)
