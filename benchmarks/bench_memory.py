@@ -67,13 +67,9 @@ def main() -> int:
             print(f"\n{name}: {memory.summary()}")
     if device.type == "cuda":
         model = copy.deepcopy(plain).to(device)
-        step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4),
-                        x.to(device), y.to(device))
-
-        def autocast_step() -> None:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                step()
-
+        autocast_step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                                                        weight_decay=5e-4), x.to(device), y.to(device),
+                                 autocast=torch.bfloat16)
         autocast_step()
         rows.insert(1, ("autocast bf16", None, measure_peak(autocast_step, device), None, None))
 

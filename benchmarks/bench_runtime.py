@@ -50,10 +50,10 @@ def main() -> int:
     batch = args.batch if args.batch is not None else (128 if device == "cuda" else 64)
 
     import torch
-    import torch.nn.functional as F
 
     from precsearch.cost import CostModel, measure_saved_bytes
     from precsearch.graph import trace
+    from precsearch.memory import sgd_step
     from precsearch.models import build
     from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
     from precsearch.runtime import apply_policy
@@ -82,31 +82,18 @@ def main() -> int:
     print(f"torch {torch.__version__}, {name_of}")
     print(f"ResNet-18 width {width}, batch {batch}, SGD(lr=0.1, momentum=0.9, wd=5e-4)\n")
 
-    def stepper(model, scaler=None, autocast: bool = False) -> Callable[[], None]:
+    def stepper(model, autocast: bool = False) -> Callable[[], object]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+        return sgd_step(model, optimizer, x, y, autocast=torch.bfloat16 if autocast else None)
 
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-                loss = F.cross_entropy(model(x), y)
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-
-        return step
-
-    steps: dict[str, Callable[[], None]] = {"plain fp32": stepper(plain)}
+    steps: dict[str, Callable[[], object]] = {"plain fp32": stepper(plain)}
     if device == "cuda":
         steps["plain, autocast bf16"] = stepper(copy.deepcopy(plain), autocast=True)
     wrapped_models = {}
     for name in chosen:
         wrapped = apply_policy(copy.deepcopy(plain), policies[name])
         wrapped_models[name] = wrapped
-        steps[f"{name} policy"] = stepper(wrapped, wrapped.scaler)
+        steps[f"{name} policy"] = stepper(wrapped)
     qpytorch = _qpytorch_hooks(copy.deepcopy(plain))
     if qpytorch is not None:
         steps["QPyTorch e5m2 in hooks"] = stepper(qpytorch)

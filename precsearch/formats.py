@@ -59,6 +59,7 @@ __all__ = [
     "stats",
     "spec_name",
     "round_and_count",
+    "round_and_count_fn",
     "overflow_threshold",
 ]
 
@@ -318,6 +319,7 @@ def _make_kernel(key: _KernelKey):
 
 _COMPILE = os.environ.get("PRECSEARCH_COMPILE", "1") != "0"
 _failed: set[str] = set()  # labels of kernels whose compilation failed: they alone run eagerly
+_ready: set[str] = set()  # labels of kernels compiled: they run compiled at any size
 
 
 def _labelled(label: str, kernel):
@@ -336,14 +338,19 @@ def _compiled(kernel):
 
 
 def _run(kernel, flat: torch.Tensor, *args):
-    """Run a kernel on a flat tensor: compiled (small CPU tensors excepted, where a compiled call costs more
-    than it saves), or eagerly once its compilation has failed."""
-    small = flat.device.type == "cpu" and flat.numel() < COMPILE_MIN_NUMEL
-    if not _COMPILE or small or kernel.label in _failed:
+    """Run a kernel on a flat tensor: compiled, or eagerly once its compilation has failed. On CPU a kernel
+    is first compiled for a tensor of ``COMPILE_MIN_NUMEL`` elements (a compilation costs seconds, which a
+    few small tensors do not repay); once compiled, it serves every size (a compiled call on a thousand
+    values costs a fifth of the eager one), sizes 0 and 1 excepted (they would need a compilation of their own).
+    """
+    unready = flat.device.type == "cpu" and flat.numel() < COMPILE_MIN_NUMEL and kernel.label not in _ready
+    if not _COMPILE or unready or flat.numel() < 2 or kernel.label in _failed:
         return kernel(flat, *args)
     torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel per format serves every tensor size
     try:
-        return _compiled(kernel)(flat, *args)
+        result = _compiled(kernel)(flat, *args)
+        _ready.add(kernel.label)
+        return result
     except Exception as error:  # any compiler failure: this kernel runs eagerly, visibly, from now on
         _failed.add(kernel.label)
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -505,16 +512,30 @@ def round_and_count(
     format without them). One kernel when compiled, and no host synchronisation. ``seed`` (an int64 tensor
     on ``x``'s device) drives stochastic rounding; nearest ignores it.
     """
-    fmt = get_format(fmt)
     x = _check_tensor(x)
-    overflow = overflow or fmt.default_overflow
-    if fmt.is_fp32:
+    fmt = get_format(fmt)
+    return round_and_count_fn(fmt.name, rounding, overflow or fmt.default_overflow, with_codes)(x, seed)
+
+
+@functools.lru_cache(maxsize=256)
+def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool):
+    """``round_and_count`` for one setting, with every look-up done once: what the runtime calls per tensor
+    (``fn(x, seed)`` on a float32 ``x``)."""
+    spec = get_format(fmt)
+    if spec.is_fp32:
         raise PrecsearchError("round_and_count: fp32 needs no rounding; keep the tensor as it is")
-    stochastic = rounding == "stochastic"
-    over_bits = _float_bits(overflow_threshold(fmt, rounding))
-    kernel = _make_round_and_count(fmt, stochastic, overflow, over_bits, with_codes and fmt.bits <= 16)
-    rounded, codes, counts = _run(kernel, x.reshape(-1), _zero_seed(x.device) if seed is None else seed)
-    return rounded.view(x.shape), None if codes is None else codes.view(x.shape), counts
+    if rounding not in ROUNDINGS:
+        raise PrecsearchError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDINGS)}")
+    if overflow not in OVERFLOWS:
+        raise PrecsearchError(f"unknown overflow mode {overflow!r}: use one of {', '.join(OVERFLOWS)}")
+    over_bits = _float_bits(overflow_threshold(spec, rounding))
+    kernel = _make_round_and_count(spec, rounding == "stochastic", overflow, over_bits, with_codes and spec.bits <= 16)
+
+    def fn(x: torch.Tensor, seed: torch.Tensor | None):
+        rounded, codes, counts = _run(kernel, x.reshape(-1), _zero_seed(x.device) if seed is None else seed)
+        return rounded.view(x.shape), None if codes is None else codes.view(x.shape), counts
+
+    return fn
 
 
 @functools.lru_cache(maxsize=64)

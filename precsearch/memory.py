@@ -137,14 +137,16 @@ def measure_peak(step: Callable[[], object], device: str | torch.device = "cpu")
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-             y: torch.Tensor) -> Callable[[], None]:
-    """One cross-entropy training step to measure: through the model's loss scaler when it has one (a
-    ``PrecisionModel``), gradients set to None at its end so that the next step starts from the baseline."""
+def sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             autocast: torch.dtype | None = None) -> Callable[[], torch.Tensor]:
+    """One cross-entropy training step to measure, returning its (detached) loss: through the model's loss
+    scaler when it has one (a ``PrecisionModel``), the forward under ``torch.autocast(autocast)`` when given,
+    gradients set to None at its end so that the next step starts from the baseline."""
     scaler = getattr(model, "scaler", None)
 
-    def step() -> None:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+    def step() -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
         if scaler is None:
             loss.backward()
             optimizer.step()
@@ -153,5 +155,6 @@ def sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.
             scaler.step(optimizer)
             scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     return step

@@ -39,7 +39,7 @@ def _round_and_count(x: torch.Tensor, counts: torch.Tensor | None, row: int, fmt
                      overflow: str, seed: torch.Tensor | None, with_codes: bool):
     if rounding == "stochastic" and seed is not None:
         seed.add_(_SEED_STEP)
-    rounded, codes, counted = F.round_and_count(x, fmt, rounding, overflow, seed, with_codes)
+    rounded, codes, counted = F.round_and_count_fn(fmt, rounding, overflow, with_codes)(x, seed)
     if counts is not None:
         counts[row].add_(counted)
     return rounded, codes

@@ -16,11 +16,11 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from precsearch import formats
 from precsearch.graph import trace
+from precsearch.memory import sgd_step
 from precsearch.models import build
 from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
 from precsearch.runtime import apply_policy
@@ -66,22 +66,7 @@ def _setup(name: str = "resnet18", width: float = 0.125):
 
 
 def _stepper(model, x, y):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    scaler = getattr(model, "scaler", None)
-
-    def step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        return loss.detach()
-
-    return step
+    return sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4), x, y)
 
 
 def _count_one_step(step, monkeypatch) -> Counter[str]:
