@@ -27,6 +27,7 @@ from precsearch.proxy import atomic_write_text
 __all__ = ["RunTables", "load_run", "plot_tradeoff", "summary_table", "sweep_points", "write_report"]
 
 _R_PATTERN = re.compile(r"paper r=(\d+(?:\.\d+)?)")
+MEASURE_LABELS = {"bytes": "bytes of the tensors training keeps", "peak": "peak of a training step"}
 
 
 @dataclass
@@ -88,6 +89,8 @@ def _entry(source: str, name: str, row: pd.Series) -> dict[str, Any]:
         "source": source,
         "name": name,
         "memory": float(row["memory"]),
+        "memory_bytes": float(row.get("memory_bytes", math.nan)),
+        "memory_peak": float(row.get("memory_peak", math.nan)),
         "MiB": float(row["bytes"]) / 2**20 if not pd.isna(row.get("bytes", math.nan)) else math.nan,
         "val_accuracy": float(row["val_accuracy"]),
         "val_loss": float(row["val_loss"]),
@@ -158,7 +161,8 @@ def plot_tradeoff(tables: RunTables, ax: Any = None) -> Figure:
         for index, ((memory, accuracy), names) in enumerate(points):
             ax.annotate(", ".join(names), (memory, accuracy), fontsize=7, color="tab:green",
                         xytext=(4, 4 + 8 * (index % 3)), textcoords="offset points")
-    ax.set_xlabel("memory (ratio to all-high, cost model)")
+    measure = tables.config.get("budget", {}).get("memory", "bytes")
+    ax.set_xlabel(f"memory optimized: {MEASURE_LABELS[measure]} (ratio to all-high, cost model)")
     ax.set_ylabel("proxy validation accuracy")
     title = tables.config.get("model", "")
     space = tables.config.get("space", {}).get("name", "")

@@ -115,7 +115,7 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 METRICS = (
     "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
     "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
-    "memory_planned", "low_share", "trained", "device",
+    "memory_bytes", "memory_peak", "memory_planned", "low_share", "trained", "device",
 )
 
 
@@ -133,14 +133,22 @@ class DataSpec:
         return load_dataset(self.name, root=self.root, image_size=image_size, seed=seed)
 
 
+MEMORY_MEASURES = ("bytes", "peak")
+
+
 @dataclass(frozen=True)
 class Budget:
-    """At most one of: ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction)."""
+    """At most one of: ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction), and the
+    memory measure the search minimizes: ``bytes`` (the paper's: bytes of the assignable tensors) or
+    ``peak`` (the predicted peak of a training step, ``CostModel.peak_bytes``)."""
 
     max_memory: float | None = None
     max_accuracy_drop: float | None = None
+    memory: str = "bytes"
 
     def __post_init__(self) -> None:
+        if self.memory not in MEMORY_MEASURES:
+            raise PrecsearchError(f"memory measure {self.memory!r}: use one of {', '.join(MEMORY_MEASURES)}")
         if self.max_memory is not None and self.max_accuracy_drop is not None:
             raise PrecsearchError("give either --max-memory or --max-accuracy-drop, not both")
         if self.max_memory is not None and not 0.0 < self.max_memory <= 1.0:
@@ -177,6 +185,7 @@ class SearchContext:
     graph: TensorGraph
     cost: CostModel
     high_bytes: float = 0.0
+    high_peak: float = 0.0
     units: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
@@ -192,7 +201,9 @@ class SearchContext:
         context = cls(model=model, space=space, data_spec=data_spec, budget=budget, seed=seed, device=device,
                       data=data, graph=graph, cost=CostModel(graph))
         context.units = units(graph, space)
-        context.high_bytes = float(context.cost.bytes(uniform(graph, space, "high").assignment))
+        high = uniform(graph, space, "high").assignment
+        context.high_bytes = float(context.cost.bytes(high))
+        context.high_peak = float(context.cost.peak_bytes(high))
         return context
 
     @property
@@ -206,13 +217,20 @@ class SearchContext:
         return assignment_key(assign(self.graph, self.space, self.decisions(params)))
 
     def memory(self, assignment: Mapping[str, str], promoted: list[str] = ()) -> tuple[float, float]:
-        """(ratio to all-high, bytes) of an assignment; promoted tensors count at the high format."""
+        """(ratio to all-high in the budget's measure, bytes) of an assignment; promoted tensors count at the
+        high format."""
+        ratios, size = self.memories(assignment, promoted)
+        return ratios[f"memory_{self.budget.memory}"], size
+
+    def memories(self, assignment: Mapping[str, str], promoted: list[str] = ()) -> tuple[dict[str, float], float]:
+        """Both measures as ratios to all-high (``memory_bytes``, ``memory_peak``), and the bytes."""
         effective = dict(assignment)
         for tensor_id in promoted:
             if tensor_id in effective:
                 effective[tensor_id] = self.space.high
         size = float(self.cost.bytes(effective))
-        return size / self.high_bytes, size
+        peak = float(self.cost.peak_bytes(effective))
+        return {"memory_bytes": size / self.high_bytes, "memory_peak": peak / self.high_peak}, size
 
     def policy(self, assignment: Mapping[str, str], provenance: Mapping[str, Any]) -> Policy:
         """The policy file for an assignment under this space's numerics (rounding, scaling, guard); the
@@ -326,14 +344,15 @@ class Objective:
             result = run_proxy(context.model, policy, context.data, context.space.proxy.steps, seed=context.seed,
                                device=context.device, config=context.space.proxy,
                                report=self._pruning_hook(trial) if context.budget.single_objective else None)
-        memory, size = context.memory(assignment, result.promotions)
+        ratios, size = context.memories(assignment, result.promotions)
+        memory = ratios[f"memory_{context.budget.memory}"]
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
         path.parent.mkdir(exist_ok=True)
         proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
         policy.replace(provenance={**policy.provenance, "worker": WORKER, "proxy": proxy}).save(path)
         record = result.to_dict()
         record.pop("loss_curve")
-        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()))
+        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **ratios)
         for name, value in record.items():
             trial.set_user_attr(name, value)
         _set_constraints(trial, context.constraints(result, memory, reference))
@@ -694,6 +713,8 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "state": trial.state.name,
         "origin": "; ".join(attrs.get("origin", [])) or "sampler",
         "memory": attrs.get("memory", math.nan),
+        "memory_bytes": attrs.get("memory_bytes", math.nan),
+        "memory_peak": attrs.get("memory_peak", math.nan),
         "memory_planned": attrs.get("memory_planned", math.nan),
         "bytes": attrs.get("bytes", math.nan),
         "low_share": attrs.get("low_share", math.nan),

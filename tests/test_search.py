@@ -13,6 +13,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from precsearch import search
+from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.formats import get_format
 from precsearch.graph import trace
@@ -227,6 +228,25 @@ def test_max_accuracy_drop_budget(tmp_path):
     assert high["duplicate_of"] == "reference" and high["val_accuracy"] == reference  # not trained twice
     ok = trials[trials["trained"] & ~trials["diverged"] & (trials["val_accuracy"] >= reference - 0.05)]
     assert result.best["memory"] == ok["memory"].min()
+
+
+def test_the_search_can_minimize_the_predicted_peak_and_reports_both_measures(tmp_path, run):
+    result = _search(tmp_path / "run", 4, budget=Budget(memory="peak"))
+    graph = _graph()
+    cost = CostModel(graph)
+    trained = result.trials[result.trials["trained"]]
+    for _, row in trained.iterrows():  # each measure from the cost model, for the trial's own policy file
+        assignment = Policy.load(row["policy"]).assignment(graph)
+        high = {tid: SPACE.high for tid in graph.assignable_ids()}
+        assert row["memory_peak"] == pytest.approx(cost.peak_bytes(assignment) / cost.peak_bytes(high))
+        assert row["memory_bytes"] == pytest.approx(cost.bytes(assignment) / cost.bytes(high))
+    assert (trained["memory"] == trained["memory_peak"]).all()
+    assert (trained["memory_peak"] != trained["memory_bytes"]).any()  # the two measures differ
+    bytes_run = run[1].trials[run[1].trials["trained"]]
+    assert (bytes_run["memory"] == bytes_run["memory_bytes"]).all()  # the default measure is the paper's
+    assert {"memory_bytes", "memory_peak"} <= set(result.pareto.columns)
+    with pytest.raises(PrecsearchError, match="memory measure 'rss'"):
+        Budget(memory="rss")
 
 
 def test_budget_validation():

@@ -72,6 +72,9 @@ def register(subparsers: Any) -> None:
                         help="single objective: best accuracy with memory <= R x all-high")
     budget.add_argument("--max-accuracy-drop", type=float, default=None, metavar="D",
                         help="single objective: least memory with accuracy >= all-high - D (0.01 = 1 point)")
+    parser.add_argument("--memory", choices=("bytes", "peak"), default="bytes",
+                        help="memory measure to minimize: bytes of the tensors training keeps (the paper's, "
+                             "default) or the predicted peak of a training step")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_arguments(parser)
     parser.set_defaults(func=run)
@@ -80,7 +83,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from precsearch.search import Budget, DataSpec, SearchInterrupted, run_search
 
-    budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop)
+    budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory)
     try:
         result = run_search(
             args.model, space_argument(args), DataSpec(args.data, args.data_root), trials=args.trials,
