@@ -282,7 +282,8 @@ class CostModel:
         gradients (float32) from their op's backward to the optimizer; kernel workspaces. Where a tensor is
         low, the runtime's transients too: the raw float32 value beside its rounded copy, packed codes, the
         decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient,
-        weights rounded from a flat copy, weight gradients rounded from a flat copy. The optimizer holds
+        a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
+        through module hooks), a rounded copy of each low weight gradient as it arrives. The optimizer holds
         one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it exists
         before the step) unless packed."""
         formats = self._formats(assignment)
@@ -332,23 +333,25 @@ class CostModel:
                 hold(_CONV_BACKWARD_WORKSPACE * inputs, bwd(i), bwd(i), f"workspace {op.name}")
             elif key.startswith("batchnorm"):
                 hold(_BN_BACKWARD_WORKSPACE * inputs, bwd(i), bwd(i), f"workspace {op.name}")
-        low_weights = low_grads = total = 0
+        low_weights = total = 0
+        traced = graph.graph_module is not None
         for tid in self._trainable:
             info = graph.tensors[tid]
             users = sorted(index[name] for name in info.consumers)
             total += 4 * info.numel
             hold(4 * info.numel, bwd(users[-1]), 4.0 * n + 3, f"weight gradient {tid}")
-            low_grads += 4 * info.numel * (not formats.get(f"{tid}_grad", FP32).is_fp32)
+            if not formats.get(f"{tid}_grad", FP32).is_fp32:
+                hold(4 * info.numel, bwd(users[0]), bwd(users[0]), f"rounded weight gradient {tid}")
             fmt = formats.get(tid, FP32)
             if not fmt.is_fp32:
                 low_weights += 4 * info.numel
                 hold(info.numel * _storage_bytes(fmt), fwd(users[0]), bwd(users[0]), f"codes {tid}")
                 hold(4 * info.numel, bwd(users[-1]), bwd(users[-1]), f"decoded {tid}")
-        if low_weights:
+                if traced:  # rounded at the layer's call: its float32 copy dies with the call
+                    for user in users:
+                        hold(4 * info.numel, fwd(user), fwd(user), f"rounded {tid}")
+        if low_weights and not traced:  # module hooks: every weight rounded before the forward
             hold(low_weights, -1.0, fwd(n - 1), "rounded weights")
-            hold(low_weights, -1.0, -1.0, "flat weights")
-        if low_grads:
-            hold(2 * low_grads, 4.0 * n + 1, 4.0 * n + 1, "flat and rounded weight gradients")
         hold(total, 4.0 * n + 3, 4.0 * n + 3, "optimizer temporary")
         return blocks
 
