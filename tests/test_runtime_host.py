@@ -57,11 +57,16 @@ def _paper_policy(graph) -> Policy:
     )
 
 
-def _setup(name: str = "resnet18", width: float = 0.125):
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="CUDA is not available here")])
+
+
+def _setup(name: str = "resnet18", width: float = 0.125, device: str = "cpu"):
     torch.manual_seed(0)
-    plain = build(name, width=width)
+    plain = build(name, width=width).to(device)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, 3, SIZE, SIZE, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    x, y = x.to(device), y.to(device)
     return plain, trace(plain, x[:2], batch_size=BATCH), x, y
 
 
@@ -90,9 +95,10 @@ def _count_one_step(step, monkeypatch) -> Counter[str]:
     return counter.ops
 
 
-def test_a_training_step_under_the_paper_policy_reads_the_host_once(monkeypatch):
-    plain, graph, x, y = _setup()
-    wrapped = apply_policy(copy.deepcopy(plain), _paper_policy(graph))
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_training_step_under_the_paper_policy_reads_the_host_once(device, monkeypatch):
+    plain, graph, x, y = _setup(device=device)
+    wrapped = apply_policy(copy.deepcopy(plain), _paper_policy(graph), example_input=x[:2])
     ops = _count_one_step(_stepper(wrapped, x, y), monkeypatch)
     # 197 tensors rounded, one read: the loss scaler's overflow test and every overflow count together
     assert ops["precsearch.round"] + ops["precsearch.round_"] > 150
