@@ -414,6 +414,7 @@ def _worker(rank: int, world: int, port: int, job: _Job, report: Path) -> None:
         result = _train_rank(rank, world, device, job)
         if rank == 0:
             report.write_bytes(pickle.dumps(result))
+        dist.barrier()  # no rank tears gloo down while another still uses it (that aborted 1 run in 4)
     finally:
         dist.destroy_process_group()
 

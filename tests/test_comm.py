@@ -135,6 +135,7 @@ def scenarios(rank: int, world: int, port: int, folder: Path) -> None:
         seen["net_grads"] = [param.grad.numpy().copy() for param in net.parameters()]
         seen["net_table"] = net_state.compression()
         (folder / f"rank{rank}.pickle").write_bytes(pickle.dumps(seen))
+        dist.barrier()  # neither rank tears gloo down while the other still uses it
     finally:
         dist.destroy_process_group()
 
