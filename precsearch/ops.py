@@ -3,8 +3,9 @@
 Each op is one call into precsearch.formats' fused kernels (one kernel when compiled), so a training step
 dispatches one op per rounded or unpacked tensor, and overflow counts stay on the device: they are added to
 a row of ``counts``, an int64 tensor of shape ``(tensors, 2)`` holding ``[overflowed, unencodable]`` per
-tensor, which the runtime reads once per step. The ops are defined with ``torch.library.Library`` (whose
-Python dispatch costs a few microseconds, where ``torch.library.custom_op`` costs about a hundred) and have
+tensor, which the runtime reads once per step. The ops are defined with ``torch.library.Library`` (its
+dispatch to a Python kernel measured about 18 us a call on a 2-core CPU, ``torch.library.custom_op``'s about
+95 us) and have
 fake implementations, so ``torch.compile`` can trace through them. Their autograd formulas are the runtime's
 autograd Functions (precsearch.runtime), which call these ops in forward and backward.
 
