@@ -384,6 +384,13 @@ def _rounding_kernel(fmt: FloatFormat, stochastic: bool, overflow: str):
     return _labelled(_label(fmt, "quantize", stochastic, overflow), quantize_kernel)
 
 
+def _check_modes(rounding: str, overflow: str) -> None:
+    if rounding not in ROUNDINGS:
+        raise PrecsearchError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDINGS)}")
+    if overflow not in OVERFLOWS:
+        raise PrecsearchError(f"unknown overflow mode {overflow!r}: use one of {', '.join(OVERFLOWS)}")
+
+
 def _float_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
@@ -401,11 +408,8 @@ def quantize(
     """
     fmt = get_format(fmt)
     x = _check_tensor(x)
-    if rounding not in ROUNDINGS:
-        raise PrecsearchError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDINGS)}")
     overflow = overflow or fmt.default_overflow
-    if overflow not in OVERFLOWS:
-        raise PrecsearchError(f"unknown overflow mode {overflow!r}: use one of {', '.join(OVERFLOWS)}")
+    _check_modes(rounding, overflow)
     if fmt.is_fp32:
         return x
     stochastic = rounding == "stochastic"
@@ -524,16 +528,16 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool)
     spec = get_format(fmt)
     if spec.is_fp32:
         raise PrecsearchError("round_and_count: fp32 needs no rounding; keep the tensor as it is")
-    if rounding not in ROUNDINGS:
-        raise PrecsearchError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDINGS)}")
-    if overflow not in OVERFLOWS:
-        raise PrecsearchError(f"unknown overflow mode {overflow!r}: use one of {', '.join(OVERFLOWS)}")
+    _check_modes(rounding, overflow)
     over_bits = _float_bits(overflow_threshold(spec, rounding))
     kernel = _make_round_and_count(spec, rounding == "stochastic", overflow, over_bits, with_codes and spec.bits <= 16)
 
     def fn(x: torch.Tensor, seed: torch.Tensor | None):
         rounded, codes, counts = _run(kernel, x.reshape(-1), _zero_seed(x.device) if seed is None else seed)
-        return rounded.view(x.shape), None if codes is None else codes.view(x.shape), counts
+        # shaped as x without being views of the flat outputs: a caller may modify them in place (ReLU(inplace)
+        # on a view of an autograd Function's output is refused)
+        shaped = torch.ops.aten._unsafe_view
+        return shaped(rounded, x.shape), None if codes is None else shaped(codes, x.shape), counts
 
     return fn
 

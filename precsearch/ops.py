@@ -48,10 +48,7 @@ def _round_and_count(x: torch.Tensor, counts: torch.Tensor | None, row: int, fmt
 
 def _round(x, counts, row, fmt, rounding, overflow, seed, with_codes):
     rounded, codes = _round_and_count(x, counts, row, fmt, rounding, overflow, seed, with_codes)
-    # fresh tensors, not views of the kernels' flat outputs: callers may modify them in place (ReLU(inplace))
-    rounded = torch.ops.aten._unsafe_view(rounded, x.shape)
-    codes = x.new_empty(0, dtype=torch.uint8) if codes is None else torch.ops.aten._unsafe_view(codes, x.shape)
-    return rounded, codes
+    return rounded, x.new_empty(0, dtype=torch.uint8) if codes is None else codes
 
 
 def _round_(x, counts, row, fmt, rounding, overflow, seed):
