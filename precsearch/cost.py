@@ -31,7 +31,16 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.formats import FloatFormat, get_format
-from precsearch.graph import ASSIGNABLE_KINDS, KINDS, OpInfo, TensorGraph, forward_error, op_type_key, training_mode
+from precsearch.graph import (
+    ASSIGNABLE_KINDS,
+    KINDS,
+    OpInfo,
+    TensorGraph,
+    forward_error,
+    grad_id,
+    op_type_key,
+    training_mode,
+)
 from precsearch.optim import UpdateConfig, update_bytes_per_param
 
 if TYPE_CHECKING:
@@ -324,7 +333,7 @@ class CostModel:
             if needs_grad[tid]:
                 users = [index[name] for name in graph.tensors[tid].consumers if name in index]
                 hold(4 * numel, bwd(max(users)) if users else 4.0 * n, bwd(i), f"gradient {tid}")
-                if not formats.get(tid.replace(":activation", ":activation_grad"), FP32).is_fp32:
+                if not formats.get(grad_id(tid), FP32).is_fp32:
                     hold(4 * numel, bwd(i) - 1, bwd(i) - 1, f"rounded gradient {tid}")
         for i, op in enumerate(ops):
             inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)

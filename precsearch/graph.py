@@ -176,10 +176,11 @@ class TensorGraph:
                 graph.add_edge(op.name, tensor_id)
             for tensor_id in (*op.input_tensors, *op.params):
                 graph.add_edge(tensor_id, op.name)
-        suffixes = {"activation_grad": "_grad", "weight_grad": "_grad", "master_weight": "_master",
-                    "optimizer_state": "_momentum"}
+        suffixes = {"weight_grad": "_grad", "master_weight": "_master", "optimizer_state": "_momentum"}
         for info in self.tensors.values():
-            if info.kind in suffixes:
+            if info.kind == "activation_grad":
+                graph.add_edge(info.id.replace(":activation_grad", ":activation", 1), info.id)
+            elif info.kind in suffixes:
                 graph.add_edge(info.id.removesuffix(suffixes[info.kind]), info.id)
         return graph
 
@@ -825,7 +826,7 @@ def _assemble(raw_ops: list[_RawOp], model_name: str, batch_size: int, input_sha
             outputs.append(tensor_id)
             kinds = ["activation"] if op.role == "input" else ["activation", "activation_grad"]
             for kind in kinds:
-                full_id = tensor_id if kind == "activation" else tensor_id.replace(":activation", ":activation_grad")
+                full_id = tensor_id if kind == "activation" else grad_id(tensor_id)
                 tensors[full_id] = TensorInfo(full_id, kind, op.name, op.node, op.module_type, None, shape,
                                               _numel(shape), own, op.name, tuple(consumers.get(tensor_id, ())))
         ops.append(OpInfo(op.name, op.node, op.role, op.module_type, own,
@@ -835,6 +836,12 @@ def _assemble(raw_ops: list[_RawOp], model_name: str, batch_size: int, input_sha
                     tuple(tid for tid, info in tensors.items() if info.group == index))
               for index in range(group + 1)]
     return TensorGraph(model_name, batch_size, input_shape, tensors, ops, groups, tracer, gm)
+
+
+def grad_id(activation_id: str) -> str:
+    """The id of an activation's gradient: ``op:activation<k>`` -> ``op:activation_grad<k>`` (the output index
+    stays last, so the outputs of a multi-output op such as ``var_mean`` keep distinct gradients)."""
+    return activation_id.replace(":activation", ":activation_grad", 1)
 
 
 def _numel(shape: Sequence[int]) -> int:

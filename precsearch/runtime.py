@@ -80,7 +80,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from precsearch import formats as F
 from precsearch import ops
 from precsearch.errors import PrecsearchError
-from precsearch.graph import TensorGraph, trace
+from precsearch.graph import TensorGraph, grad_id, trace
 from precsearch.optim import LowPrecisionOptimizer, from_config
 from precsearch.policy import CHUNKED_LAYERS, Policy
 from precsearch.scaling import LossScaler, make_scaler
@@ -713,7 +713,7 @@ class PrecisionModel(nn.Module):
         for op in self.graph.ops:
             if op.role != "gemm" or "#" in op.name or not _is_module(self.module, op):
                 continue
-            slots = [self.state.slots.get(t.replace(":activation", ":activation_grad")) for t in op.input_tensors]
+            slots = [self.state.slots.get(grad_id(t)) for t in op.input_tensors]
             fmts = [s.fmt for s in slots if s is not None]
             if fmts:
                 grad_formats[f"module.{op.name}"] = max(fmts, key=lambda f: f.min_subnormal)
@@ -760,7 +760,7 @@ class PrecisionModel(nn.Module):
         for tensor_id in op.outputs:
             position = int(tensor_id.rsplit(":activation", 1)[1] or 0)
             act = self.state.slots.get(tensor_id)
-            grad = self.state.slots.get(tensor_id.replace(":activation", ":activation_grad"))
+            grad = self.state.slots.get(grad_id(tensor_id))
             if act is not None and (act.is_low or (grad is not None and grad.is_low)):
                 found[position] = (act, grad if grad is not None and grad.is_low else None)
         return _Rounder(self, found, op.name) if found else None

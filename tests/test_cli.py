@@ -5,15 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from precsearch import __version__
 from precsearch.cli import main
 
 
 def test_version_and_help(capsys):
-    try:
+    with pytest.raises(SystemExit) as stop:
         main(["--version"])
-    except SystemExit as stop:
-        assert stop.code == 0
+    assert stop.value.code == 0
     assert __version__ in capsys.readouterr().out
     proc = subprocess.run([sys.executable, "-m", "precsearch", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "formats" in proc.stdout

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +21,9 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from precsearch.cli import main
+from precsearch.data import load_dataset
+from precsearch.graph import ASSIGNABLE_KINDS
+from precsearch.policy import Policy
 from precsearch.spaces import PAPER_SPACE
 
 TINY = ["--proxy-steps", "4", "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1"]
@@ -31,18 +37,36 @@ def space_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def searched(space_file, tmp_path_factory):
+def search_run(space_file, tmp_path_factory):
+    """(run directory, what the command printed)."""
     out = tmp_path_factory.mktemp("cli") / "run"
-    code = main(["search", "tiny_cnn", "--space", str(space_file), "--trials", "5", "--out", str(out),
-                 "--no-progress", *TINY])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["search", "tiny_cnn", "--space", str(space_file), "--trials", "5", "--out", str(out),
+                     "--no-progress", *TINY])
     assert code == 0
-    return out
+    return out, printed.getvalue()
 
 
-def test_search_prints_its_front_and_writes_outputs(searched, capsys):
+@pytest.fixture(scope="module")
+def searched(search_run):
+    return search_run[0]
+
+
+def test_search_prints_its_front_and_writes_outputs(search_run):
+    searched, printed = search_run
     for name in ("trials.csv", "pareto.csv", "best.json", "run.json"):
         assert (searched / name).is_file()
     assert any((searched / "policies").iterdir())
+    lines = printed.splitlines()
+    pareto = pd.read_csv(searched / "pareto.csv", keep_default_na=False)
+    assert lines[0].startswith("5 trials (5 complete") and f"Pareto front: {len(pareto)} point(s)" in lines[0]
+    front = [line for line in lines if line.startswith("  trial ")]
+    assert [int(line.split()[1].rstrip(":")) for line in front] == pareto["number"].tolist()
+    for line, (_, row) in zip(front, pareto.iterrows(), strict=True):
+        assert f"memory {row['memory']:.3f} of all-high" in line and f"accuracy {row['val_accuracy']:.4f}" in line
+    trial = json.loads((searched / "best.json").read_text())["provenance"]["trial"]
+    assert any(line.startswith(f"best.json: trial {trial} ") for line in lines)
 
 
 def test_best_json_trains_under_precsearch_train(searched, tmp_path, capsys):
@@ -54,7 +78,17 @@ def test_best_json_trains_under_precsearch_train(searched, tmp_path, capsys):
     assert "trained: 6 steps" in out
     rows = list(csv.DictReader(metrics.open()))
     assert [row["step"] for row in rows] == ["3", "6"]
-    assert 0.0 <= float(rows[-1]["val_accuracy"]) <= 1.0
+    accuracy, loss = float(rows[-1]["val_accuracy"]), float(rows[-1]["val_loss"])
+    assert f"validation accuracy {accuracy:.4f}, loss {loss:.4f}" in out
+    val_size = len(load_dataset("digits", image_size=8)[1])
+    assert accuracy * val_size == pytest.approx(round(accuracy * val_size), abs=1e-6)  # a count of right answers
+    # the policy is applied: the same run in plain fp32 ends at another loss
+    fp32 = tmp_path / "fp32.json"
+    Policy.load(searched / "best.json").replace(defaults=dict.fromkeys(ASSIGNABLE_KINDS, "fp32"), overrides={},
+                                                 high_format="fp32").save(fp32)
+    assert main(["train", "tiny_cnn", "--policy", str(fp32), "--steps", "6", "--eval-every", "3", "--metrics",
+                 str(tmp_path / "fp32.csv"), "--device", "cpu", "--threads", "1"]) == 0
+    assert float(list(csv.DictReader((tmp_path / "fp32.csv").open()))[-1]["val_loss"]) != loss
 
 
 def test_baselines_reuse_the_sweep_and_report_draws_everything(searched, space_file, capsys):

@@ -11,6 +11,7 @@ import json
 import math
 import warnings
 
+import networkx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -309,6 +310,46 @@ def test_json_round_trip_dataframe_and_networkx(tmp_path):
     assert other.fingerprint() != graph.fingerprint()
     with pytest.raises(PrecsearchError, match="not a precsearch.graph"):
         TensorGraph.from_json(json.dumps({"format": "something else"}))
+
+
+def _multi_output_graph():
+    class MultiOutput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            var, mean = torch.var_mean(y, dim=1, keepdim=True)
+            first, second = torch.split(y, 2, dim=1)
+            low, high = torch.chunk(y, 2, dim=1)
+            return (y - mean) * var + first.sum() + second.sum() + low.mean() + high.mean()
+
+    return trace(MultiOutput(), _example(shape=(3, 8, 8)), batch_size=2)
+
+
+def test_two_output_op_links_each_output_to_its_own_gradient():
+    graph = _multi_output_graph()
+    nxg = graph.nx
+    op = next(o for o in graph.ops if o.module_type == "var_mean")
+    assert op.outputs == (f"{op.name}:activation", f"{op.name}:activation1")
+    for index in ("", "1"):
+        activation, gradient = f"{op.name}:activation{index}", f"{op.name}:activation_grad{index}"
+        assert graph.tensors[gradient].kind == "activation_grad"
+        assert list(nxg.predecessors(gradient)) == [activation]
+        assert gradient in set(nxg.successors(activation))
+    assert not list(networkx.selfloop_edges(nxg))
+
+
+def test_split_and_chunk_pieces_are_views_of_their_source():
+    """split/chunk outputs alias their input (they own no memory), so their users read the source tensor."""
+    graph = _multi_output_graph()
+    nxg = graph.nx
+    assert not any(o.module_type in ("split", "chunk", "getitem") for o in graph.ops)
+    readers = [o.name for o in graph.ops if o.module_type in ("sum", "mean")]
+    assert len(readers) == 4
+    for name in readers:
+        assert list(nxg.predecessors(name)) == ["conv:activation"]
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -286,6 +286,11 @@ def test_categorical_and_tensor_spaces_search(tmp_path):
     space = paper_space(proxy=PROXY, granularity="categorical", choices={"half": "fp16"})
     trials = _search(tmp_path / "cat", 4, space=space).trials
     assert set(trials["state"]) == {"COMPLETE"}
+    # the sampler is offered every level of the space for every unit (seeded trials included)
+    for trial in _study(tmp_path / "cat").trials:
+        assert {name: dist.choices for name, dist in trial.distributions.items()} == dict.fromkeys(
+            trial.params, tuple(space.levels))
+    assert tuple(space.levels) == ("high", "low", "half")
     per_tensor = paper_space(proxy=PROXY, granularity="tensor")
     trials = _search(tmp_path / "tensor", 3, space=per_tensor).trials
     graph = _graph()

@@ -12,7 +12,7 @@ from torch import nn
 from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.graph import trace
-from precsearch.policy import Policy
+from precsearch.proxy import build_model
 from precsearch.spaces import KINDS, paper_space, parse_space
 from precsearch.strategies import (
     BASELINES,
@@ -21,6 +21,7 @@ from precsearch.strategies import (
     assignment_key,
     baseline_policies,
     group_sizes,
+    low_share,
     paper_assignment,
     seed_candidates,
     sweep,
@@ -160,6 +161,8 @@ def test_categorical_choice_assigns_its_formats(graph):
         info = graph.tensors[tid]
         expected = {1: "fp16", 2: "e5m2s" if info.kind == "activation" else "e6m9s"}.get(info.group, "e6m9s")
         assert assignment[tid] == expected
+    sizes = _sizes_from_frame(graph)  # every level but high counts toward the low share
+    assert low_share(graph, space, decisions) == pytest.approx((sizes[1] + sizes[2]) / sum(sizes.values()))
 
 
 def test_seed_candidates_are_distinct_and_cover_the_sweep(graph):
@@ -179,9 +182,22 @@ def test_assignment_key_ignores_order_and_sees_changes():
     assert assignment_key(a) != assignment_key({**a, "y:weight": "e6m9s"})
 
 
-def test_baseline_policies_cover_the_graph(graph):
-    policies = baseline_policies(graph)
+def test_baseline_policies_assign_the_hand_table_on_tiny_cnn():
+    """Formats of every tensor of tiny_cnn (conv1 - conv2 - linear: the GEMMs), written out by hand."""
+    torch.manual_seed(0)
+    tiny = trace(build_model("tiny_cnn", 10), torch.zeros(1, 3, 8, 8), batch_size=4)
+    policies = baseline_policies(tiny)
     assert list(policies) == list(BASELINES)
-    for policy in policies.values():
-        assert isinstance(policy, Policy)
-        assert set(policy.assignment(graph)) == set(graph.assignable_ids())
+    for name, spec in [("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8_e5m2"), ("mpt", "fp16")]:
+        assert set(policies[name].assignment(tiny).values()) == {spec}, name
+    assert policies["mpt"].loss_scaling["mode"] == "dynamic" and policies["fp16"].loss_scaling["mode"] == "none"
+    # hfp8: only the middle GEMM's operands are low: its weight, its input (pool1's output), its output gradient
+    hfp8 = {"conv2:weight": "e4m3b4s", "pool1:activation": "e4m3b4s", "conv2:activation_grad": "e5m2s"}
+    assert policies["hfp8"].assignment(tiny) == {t: hfp8.get(t, "e6m9s") for t in tiny.assignable_ids()}
+    # wang_fp8: e5m2s but weight gradients and the first and last GEMM's operands (e6m9s)
+    first_last = {"x:activation", "conv1:weight", "conv1:activation_grad", "pool2:activation", "linear:weight",
+                  "linear:bias", "linear:activation_grad"}
+    expected = {t: "e6m9s" if t in first_last or t.endswith("weight_grad") or t.endswith("bias_grad") else "e5m2s"
+                for t in tiny.assignable_ids()}
+    assert policies["wang_fp8"].assignment(tiny) == expected
+    assert policies["wang_fp8"].optimizer["update"] == "stochastic"

@@ -1,0 +1,161 @@
+"""A hand-written mutation check: plausible mistakes planted one at a time, and whether the suite notices.
+
+Each mutant replaces one snippet of the package (which must occur exactly once, so the list fails loudly when
+the code moves on) in a scratch copy of the repository, then runs the test files that cover that code. A mutant
+is *killed* when those tests fail. Survivors are printed with their reason: each is either a missing test or a
+change judged harmless (the list says which).
+
+    python benchmarks/mutation_check.py               # every mutant, about 10 minutes on 2 cores
+    python benchmarks/mutation_check.py --only F1 S2  # a few
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    what: str
+    harmless: str = ""  # why a survivor would not be a missing test (empty: it would be)
+
+
+FORMATS = ("tests/test_formats.py",)
+STRATEGIES = ("tests/test_strategies.py",)
+POLICY = ("tests/test_policy.py", "tests/test_strategies.py")
+
+MUTANTS = (
+    Mutant("F1", "precsearch/formats.py",
+           "normal = (mag + ((mask >> 1) + ((mag >> drop) & 1))) & ~mask",
+           "normal = (mag + ((mask >> 1) + 1)) & ~mask", FORMATS, "normal-range ties round away from zero"),
+    Mutant("F2", "precsearch/formats.py",
+           "normal = (mag + ((mask >> 1) + ((mag >> drop) & 1))) & ~mask",
+           "normal = mag & ~mask", FORMATS, "normal-range rounding truncates"),
+    Mutant("F3", "precsearch/formats.py",
+           "rounded = torch.where(rounded > key.max_bits, on_overflow, rounded)",
+           "rounded = torch.where(rounded >= key.max_bits, on_overflow, rounded)", FORMATS,
+           "the largest finite value counts as overflow"),
+    Mutant("F4", "precsearch/formats.py",
+           "rounded = torch.where(mag < min_normal_bits, subnormal, normal)",
+           "rounded = torch.where(mag < min_normal_bits, 0, normal)", FORMATS, "subnormals flush to zero"),
+    Mutant("F5", "precsearch/formats.py",
+           "keep_from = 0x7F800000 if key.keep_inf else 0x7F800001",
+           "keep_from = 0x7F800001", FORMATS, "inf is not kept in formats that have inf"),
+    Mutant("F6", "precsearch/formats.py",
+           "quanta = (significand + (noise & ((1 << shift) - 1))) >> shift",
+           "quanta = significand >> shift", FORMATS, "stochastic rounding truncates below min normal"),
+    Mutant("F7", "precsearch/formats.py",
+           "return torch.where(((c >> (fmt.bits - 1)) & 1).bool(), -value, value)",
+           "return value", FORMATS, "decoding drops the sign"),
+    Mutant("F8", "precsearch/formats.py",
+           "        return float(torch.nextafter(top, torch.tensor(math.inf)))",
+           "        return float(top)", FORMATS, "stochastic overflow threshold at max itself"),
+    Mutant("S1", "precsearch/strategies.py",
+           "groups.sort(key=lambda g: -sizes[g])  # stable: ties keep execution order",
+           "groups.sort(key=lambda g: sizes[g])", STRATEGIES, "the paper demotes the smallest groups first"),
+    Mutant("S2", "precsearch/strategies.py",
+           "if total == 0 or demoted / total >= r - 1e-12:",
+           "if total == 0 or demoted / total > r:", STRATEGIES, "one group too many demoted at an exact target"),
+    Mutant("S3", "precsearch/strategies.py",
+           '        if decisions.get(unit, "high") != "high":',
+           '        if decisions.get(unit, "high") == "low":', STRATEGIES,
+           "low share ignores categorical levels other than low"),
+    Mutant("S4", "precsearch/strategies.py",
+           '    ordered.append((uniform(graph, space, "low"), "all-low"))\n', "", STRATEGIES,
+           "the search is not seeded with all-low"),
+    Mutant("P1", "precsearch/policy.py",
+           '    dynamic = {"mode": "dynamic", "init_scale": 2.0**16}',
+           '    return Policy(**_identity(graph)).fill_predicted(graph)\n'
+           '    dynamic = {"mode": "dynamic", "init_scale": 2.0**16}', POLICY,
+           "every baseline is an empty fp32 policy"),
+    Mutant("P2", "precsearch/policy.py", "low_ids = operands - first_last", "low_ids = operands", POLICY,
+           "hfp8 keeps the first and last GEMM low"),
+    Mutant("P3", "precsearch/policy.py",
+           'low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s"}',
+           'low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e4m3b4s"}', POLICY,
+           "hfp8 gradients in the forward format"),
+    Mutant("P4", "precsearch/policy.py", '    ids.add(f"{op.name}:activation_grad")\n', "", POLICY,
+           "a GEMM's output gradient is not one of its operands"),
+    Mutant("P5", "precsearch/policy.py",
+           "        if tensor.id in self.overrides:\n            return self.overrides[tensor.id], "
+           "f\"override {tensor.id!r}\"\n", "", POLICY, "exact overrides lose to globs"),
+    Mutant("C1", "precsearch/cost.py",
+           "return 4 if fmt.is_fp32 else fmt.storage_dtype.itemsize", "return 4", ("tests/test_cost.py",),
+           "stored activations priced at fp32 whatever their format"),
+    Mutant("C2", "precsearch/cost.py",
+           "per_element = np.full(len(self.ids), 32.0)", "per_element = np.full(len(self.ids), 16.0)",
+           ("tests/test_cost.py",), "unassigned tensors priced at 16 bits"),
+    Mutant("Q1", "precsearch/search.py",
+           "decisions = {unit: trial.suggest_categorical(unit, levels) for unit in context.units}",
+           'decisions = {unit: trial.suggest_categorical(unit, ["high", "low"]) for unit in context.units}',
+           ("tests/test_search.py",), "the sampler never proposes a categorical space's other levels"),
+    Mutant("Q2", "precsearch/cli/search.py", '    return "\\n".join(lines)\n', '    return ""\n',
+           ("tests/test_cli_search.py",), "the search command prints nothing"),
+)
+
+
+def _scratch_copy(target: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "*.egg-info", ".pytest_cache")
+    for name in ("precsearch", "tests", "benchmarks", "search_spaces", "pyproject.toml"):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, target / name, ignore=ignore)
+        else:
+            shutil.copy2(source, target / name)
+
+
+def _apply(mutant: Mutant, tree: Path) -> None:
+    path = tree / mutant.path
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise SystemExit(f"mutant {mutant.name}: its snippet occurs {count} times in {mutant.path}; update the list")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def run(mutant: Mutant) -> tuple[bool, float]:
+    """(killed, seconds): the mutant's tests run on a scratch copy with the mutation applied."""
+    with tempfile.TemporaryDirectory(prefix="mutant-") as scratch:
+        tree = Path(scratch)
+        _scratch_copy(tree)
+        _apply(mutant, tree)
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+                              cwd=tree, env=env, capture_output=True, text=True)
+        return proc.returncode != 0, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    killed = 0
+    for mutant in chosen:
+        dead, seconds = run(mutant)
+        killed += dead
+        verdict = "killed " if dead else "SURVIVED"
+        note = f" (judged harmless: {mutant.harmless})" if not dead and mutant.harmless else ""
+        print(f"{mutant.name:3s} {verdict} {seconds:6.1f} s  {mutant.path}: {mutant.what}{note}", flush=True)
+    print(f"mutation score: {killed}/{len(chosen)} killed ({100 * killed / max(len(chosen), 1):.0f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
