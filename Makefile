@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,postgres]'
 	touch $(STAMP)
 
-.PHONY: install test demo lint bench postgres
+.PHONY: install test demo lint bench postgres device-wheels
 install: $(STAMP)
 
 postgres:
@@ -34,3 +34,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_formats.py
+
+# Wheels of the packages a GPU machine's Python 3.12 may lack (optuna and its needs, at constraints.txt's
+# versions), for benchmarks/device_checks.sh
+device-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$(grep -i -E '^(optuna|alembic|colorlog|mako|sqlalchemy)==' constraints.txt)
