@@ -143,6 +143,35 @@ def test_evaluation_forwards_never_count_or_promote():
     assert wrapped.promotions and wrapped.step_count == 1
 
 
+def _training_state(wrapped) -> tuple:
+    return (wrapped.formats(), [p.id for p in wrapped.promotions], wrapped.scaler.get_scale(),
+            wrapped.scaler.steps, wrapped.step_count, wrapped.tensor_stats())
+
+
+@pytest.mark.parametrize("context", ["eval, no_grad", "train, no_grad", "train, inference_mode",
+                                     "eval with gradients and backward"])
+def test_no_forward_outside_a_training_step_changes_the_training_state(context):
+    # inputs x100 overflow e4m3b4s (max 30) in most activations; conv1's weights x1000 overflow it too
+    plain, graph, x, y = _setup()
+    model = copy.deepcopy(plain)
+    with torch.no_grad():
+        model.conv1.weight.mul_(1000)
+    wrapped = apply_policy(model, _paper_policy(graph))
+    _stepper(wrapped, x, y)()  # one training step, so that there is a state to keep (it promotes conv1)
+    before = _training_state(wrapped)
+    assert before[1] and before[4] == 1
+    wrapped.train(context.startswith("train"))
+    if context.endswith("no_grad"):
+        with torch.no_grad():
+            wrapped(x * 100)
+    elif context.endswith("inference_mode"):
+        with torch.inference_mode():
+            wrapped(x * 100)
+    else:
+        torch.nn.functional.cross_entropy(wrapped(x * 100), y).mul(2.0**24).backward()  # gradients overflow too
+    assert _training_state(wrapped) == before
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
 def test_compiled_kernels_train_bit_identically_to_eager_ones(name, monkeypatch):
