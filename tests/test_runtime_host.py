@@ -106,13 +106,18 @@ def test_a_training_step_under_the_paper_policy_reads_the_host_once(device, monk
     assert _count_one_step(_stepper(plain, x, y), monkeypatch)["host read"] == 0  # the counter's baseline
 
 
-def test_the_guard_still_sees_every_overflow_through_the_once_a_step_read(monkeypatch):
-    # counts read once per step must still promote: conv1's weights x1000 overflow e4m3b4s (max 30)
+def _overflowing_conv1():
+    """ResNet-18 under the paper policy with conv1's weights x1000: they overflow e4m3b4s (max 30)."""
     plain, graph, x, y = _setup()
     model = copy.deepcopy(plain)
     with torch.no_grad():
         model.conv1.weight.mul_(1000)
-    wrapped = apply_policy(model, _paper_policy(graph))
+    return apply_policy(model, _paper_policy(graph)), x, y
+
+
+def test_the_guard_still_sees_every_overflow_through_the_once_a_step_read(monkeypatch):
+    # counts read once per step must still promote
+    wrapped, x, y = _overflowing_conv1()
     ops = _count_one_step(_stepper(wrapped, x, y), monkeypatch)
     assert ops["host read"] == 1
     assert "conv1:weight" in [p.id for p in wrapped.promotions]
@@ -151,12 +156,8 @@ def _training_state(wrapped) -> tuple:
 @pytest.mark.parametrize("context", ["eval, no_grad", "train, no_grad", "train, inference_mode",
                                      "eval with gradients and backward"])
 def test_no_forward_outside_a_training_step_changes_the_training_state(context):
-    # inputs x100 overflow e4m3b4s (max 30) in most activations; conv1's weights x1000 overflow it too
-    plain, graph, x, y = _setup()
-    model = copy.deepcopy(plain)
-    with torch.no_grad():
-        model.conv1.weight.mul_(1000)
-    wrapped = apply_policy(model, _paper_policy(graph))
+    # inputs x100 overflow e4m3b4s (max 30) in most activations, and conv1's weights overflow it
+    wrapped, x, y = _overflowing_conv1()
     _stepper(wrapped, x, y)()  # one training step, so that there is a state to keep (it promotes conv1)
     before = _training_state(wrapped)
     assert before[1] and before[4] == 1
