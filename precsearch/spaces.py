@@ -121,6 +121,7 @@ class SearchSpace:
         """Plain data (YAML/JSON-ready) that ``parse_space`` turns back into an equal space."""
         data = dataclasses.asdict(self)
         data["objectives"] = list(self.objectives)
+        data["promotion_kinds"] = list(self.promotion_kinds)
         if self.granularity != "categorical":
             data.pop("choices")
         return data
