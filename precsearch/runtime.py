@@ -37,9 +37,12 @@ What each tensor kind gets:
   precsearch.optim ``LowPrecisionOptimizer`` that keeps them so. With master weights, an optimizer
   ``update="stochastic"`` rounds the working copy stochastically (Wang et al.'s stochastic weight update).
 * activations: rounded by the module after their op; its backward rounds the activation's gradient, on the
-  loss-scaled values.
+  loss-scaled values. With ``policy.gradient_rounding == "per_use"`` (the paper's reference), an activation
+  with several consumers gets a module before each (``_GradUse``) that rounds that consumer's gradient, and
+  autograd sums the rounded gradients in float32.
 * weight gradients: rounded in place as each arrives (a post-accumulate-grad hook), still loss-scaled.
-* divergence guard (Lee et al.): when a tensor's overflow fraction in a step reaches
+* divergence guard (Lee et al.): when a tensor of a kind in ``policy.promotion_kinds`` (weights and
+  activations by default, as the reference) has an overflow fraction in a step that reaches
   ``policy.promotion_threshold``, it is promoted to ``policy.high_format`` for the rest of training, logged
   and listed in ``promotions``, and that step is skipped (its values overflowed). An overflow in a gradient
   is reported to the loss scaler as an overflow (a saturating format hides it from the scaler's inf test).
