@@ -4,7 +4,7 @@
     python benchmarks/reproduce_paper.py --cifar10 DIR    # full scale: CIFAR-10, ResNet-18, batch 128, 200 epochs,
                                                           # r step 0.1 (needs a GPU; untested at this scale)
 
-CPU scale: the bundled digits at 12x12, ResNet-18 width 0.125, batch 64, 4 epochs (88 steps), r step 0.2.
+CPU scale: the bundled digits at 12x12, ResNet-18 width 0.125, batch 64, 2 epochs (44 steps), r step 0.2.
 ``PRECSEARCH_COMPILE=0`` there: at these sizes compiling the formats kernels costs more than it saves (the
 stochastic kernels of wang_fp8 took 330 s to compile against 6 s of eager training).
 
@@ -55,7 +55,7 @@ def _scale(args: argparse.Namespace) -> dict:
         return {"model": "resnet18", "data": DataSpec("cifar10", args.cifar10), "image_size": 32, "batch": 128,
                 "epochs": args.epochs or 200.0}
     return {"model": f"resnet18:width={args.width}", "data": DataSpec("digits"), "image_size": 12, "batch": 64,
-            "epochs": args.epochs or 4.0}
+            "epochs": args.epochs or 2.0}
 
 
 def _policies(context: SearchContext, r_step: float) -> dict[str, Policy]:
@@ -179,7 +179,7 @@ def plot(table: pd.DataFrame, path: Path, title: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cifar10", default=None, metavar="DIR", help="local CIFAR-10 (python pickles): full scale")
-    parser.add_argument("--epochs", type=float, default=None, help="epochs (default 4 here, 200 with --cifar10)")
+    parser.add_argument("--epochs", type=float, default=None, help="epochs (default 2 here, 200 with --cifar10)")
     parser.add_argument("--width", type=float, default=0.125, help="ResNet-18 width at CPU scale")
     parser.add_argument("--r-step", type=float, default=None, help="sweep step (default 0.2 here, 0.1 full)")
     parser.add_argument("--seed", type=int, default=0)
