@@ -425,7 +425,8 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> DataP
     torch.manual_seed(job.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(job.model_spec, num_classes=train_set.num_classes).to(device)
     if job.policy is not None:
-        model = apply_policy(model, job.policy, seed=job.seed, stats_every=config.stats_every)
+        model = apply_policy(model, job.policy, seed=job.seed, stats_every=config.stats_every,
+                             steps_per_epoch=len(train_set) // config.batch_size)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     state = register_adacomp(ddp, **job.comm_options) if job.compress == "adacomp" else None
     sgd = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum,

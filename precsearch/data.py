@@ -11,7 +11,8 @@ channel with the training split's mean and std, and int64 labels. Names:
 - `synthetic`: seeded Gaussian images with a per-class pattern added (so it is learnable), for speed tests.
 
 Nothing is downloaded and nothing is cached on disk. `make_loader` wraps a dataset in a DataLoader whose
-shuffling comes from an explicit seed.
+shuffling comes from an explicit seed; `random_crop_flip` is full training's augmentation (padded random crop
+and horizontal flip, per image, seeded), applied to each training batch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from precsearch.errors import PrecsearchError
 
-__all__ = ["DATASETS", "ImageDataset", "describe", "load_dataset", "make_loader"]
+__all__ = ["DATASETS", "ImageDataset", "describe", "load_dataset", "make_loader", "random_crop_flip"]
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +343,27 @@ def load_dataset(
     log.info("dataset %s: %d train / %d val images of %s, %d classes", name, len(train), len(val),
              train.image_shape, train.num_classes)
     return train, val
+
+
+def random_crop_flip(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                     generator: torch.Generator) -> torch.Tensor:
+    """The reference recipe's augmentation on a batch of normalized images (N, C, H, W): each image padded by
+    H // 8 pixels of black (0 before normalization, so ``-mean / std`` here; torchvision's RandomCrop(32,
+    padding=4) at 32x32), cropped back to H x W at a random offset, and flipped left-right with probability
+    1/2. Offsets and flips are drawn from ``generator`` (CPU), so a seed fixes them."""
+    n, channels, height, width = images.shape
+    pad = height // 8
+    fill = (-mean / std).to(images.dtype).view(1, channels, 1, 1)
+    padded = fill.expand(n, channels, height + 2 * pad, width + 2 * pad).clone()
+    padded[:, :, pad:pad + height, pad:pad + width] = images
+    top = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
+    left = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
+    flip = torch.rand(n, generator=generator) < 0.5
+    rows = (top[:, None] + torch.arange(height))[:, :, None]  # (N, H, 1)
+    cols = left[:, None] + torch.arange(width)  # (N, W)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)[:, None, :]  # (N, 1, W)
+    batch = torch.arange(n)[:, None, None]
+    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
 
 
 def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,

@@ -19,7 +19,9 @@ follow the overflow mode. NaN stays NaN. Since the result is float32, ``"inf"`` 
 with any format (the Lee et al. reference lets gradients overflow to inf so the loss scaler reacts), but
 ``encode`` accepts only values the format can represent.
 
-Rounding is round-half-to-even, or stochastic (unbiased: the result is one of the two neighbours, rounding up
+Rounding is round-half-to-even (``"nearest"``, IEEE, as every hardware cast), round-half-away-from-zero
+(``"nearest_away"``: QPyTorch's and so the Lee et al. reference code's ties, to reproduce it bit for bit), or
+stochastic (unbiased: the result is one of the two neighbours, rounding up
 with probability proportional to the distance from the lower one), driven by a counter-based hash of the
 element index and a seed drawn from a ``torch.Generator``, so results are reproducible and need no large
 random tensor.
@@ -65,7 +67,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = ("nearest", "nearest_away", "stochastic")
 OVERFLOWS = ("inf", "saturate", "nan")
 SPECIALS = ("ieee", "fn", "none")
 GRAMMAR = "e<E>m<M>[b<shift>][fn|s], 1 <= E <= 8, 0 <= M <= 23 (e.g. e5m2, e4m3b4s, e6m9s, e4m3fn)"
@@ -269,7 +271,7 @@ class _KernelKey:
     man: int
     emin: int
     max_bits: int
-    stochastic: bool
+    rounding: str
     overflow: str
     keep_inf: bool
 
@@ -282,7 +284,8 @@ def _make_kernel(key: _KernelKey):
     pattern (a carry into the exponent is the correct rounding up). Below the format's min normal, nearest
     rounding is ``(|x| + C) - C`` in float32, with C chosen so that float32's ulp at C is the format's min
     subnormal (exact IEEE addition does the round-half-to-even); stochastic rounding there adds noise to the
-    significand counted in min-subnormal quanta.
+    significand counted in min-subnormal quanta, and ties away from zero add half a quantum (half an ulp in
+    the normal range) and truncate.
     """
     drop = 23 - key.man
     mask = (1 << drop) - 1
@@ -297,14 +300,18 @@ def _make_kernel(key: _KernelKey):
         bits = x.view(torch.int32)
         sign = bits & ~0x7FFFFFFF
         mag = bits & 0x7FFFFFFF
-        if key.stochastic:
-            index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
-            noise = _hash_bits(index, seed).to(torch.int32)
-            normal = (mag + (noise & mask)) & ~mask
+        if key.rounding != "nearest":
             exp_field = mag >> 23
             significand = (mag & 0x7FFFFF) | ((exp_field > 0).to(torch.int32) << 23)
-            shift = torch.clamp(drop + key.emin + 127 - torch.clamp(exp_field, min=1), min=0, max=25)
-            quanta = (significand + (noise & ((1 << shift) - 1))) >> shift
+            shift = torch.clamp(drop + key.emin + 127 - torch.clamp(exp_field, min=1), min=1, max=25)
+            if key.rounding == "stochastic":
+                index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+                noise = _hash_bits(index, seed).to(torch.int32)
+                normal = (mag + (noise & mask)) & ~mask
+                quanta = (significand + (noise & ((1 << shift) - 1))) >> shift
+            else:  # ties away from zero: add half a step, truncate
+                normal = (mag + ((mask + 1) >> 1)) & ~mask
+                quanta = (significand + (1 << (shift - 1))) >> shift
             subnormal = (quanta.to(torch.float32) * min_subnormal).view(torch.int32)
         else:
             normal = (mag + ((mask >> 1) + ((mag >> drop) & 1))) & ~mask
@@ -365,23 +372,22 @@ def _zero_seed(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _round_key(fmt: FloatFormat, stochastic: bool, overflow: str) -> _KernelKey:
-    return _KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), stochastic, overflow, fmt.has_inf)
+def _round_key(fmt: FloatFormat, rounding: str, overflow: str) -> _KernelKey:
+    return _KernelKey(fmt.man, fmt.emin, _float_bits(fmt.max), rounding, overflow, fmt.has_inf)
 
 
-def _label(fmt: FloatFormat, what: str, stochastic: bool = False, overflow: str | None = None) -> str:
-    rounding = "stochastic" if stochastic else "nearest"
+def _label(fmt: FloatFormat, what: str, rounding: str = "nearest", overflow: str | None = None) -> str:
     return f"{fmt.name} {what} ({rounding}, overflow {overflow or fmt.default_overflow})"
 
 
 @functools.lru_cache(maxsize=256)
-def _rounding_kernel(fmt: FloatFormat, stochastic: bool, overflow: str):
-    kernel = _make_kernel(_round_key(fmt, stochastic, overflow))
+def _rounding_kernel(fmt: FloatFormat, rounding: str, overflow: str):
+    kernel = _make_kernel(_round_key(fmt, rounding, overflow))
 
     def quantize_kernel(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
         return kernel(x, seed)
 
-    return _labelled(_label(fmt, "quantize", stochastic, overflow), quantize_kernel)
+    return _labelled(_label(fmt, "quantize", rounding, overflow), quantize_kernel)
 
 
 def _check_modes(rounding: str, overflow: str) -> None:
@@ -412,13 +418,12 @@ def quantize(
     _check_modes(rounding, overflow)
     if fmt.is_fp32:
         return x
-    stochastic = rounding == "stochastic"
-    if stochastic:
+    if rounding == "stochastic":
         device = generator.device if generator is not None else "cpu"
         seed = torch.randint(0, 2**31 - 1, (), generator=generator, device=device, dtype=torch.int64).to(x.device)
     else:
         seed = _zero_seed(x.device)
-    return _run(_rounding_kernel(fmt, stochastic, overflow), x.reshape(-1), seed).view(x.shape)
+    return _run(_rounding_kernel(fmt, rounding, overflow), x.reshape(-1), seed).view(x.shape)
 
 
 # ------------------------------------------------------------------------------------------ bit packing
@@ -458,7 +463,7 @@ def _code_builder(fmt: FloatFormat):
 @functools.lru_cache(maxsize=64)
 def _make_encoder(fmt: FloatFormat):
     """Round to nearest and assemble the format's bit pattern in one pass; also count unencodable values."""
-    round_nearest = _make_kernel(_round_key(fmt, False, fmt.default_overflow))
+    round_nearest = _make_kernel(_round_key(fmt, "nearest", fmt.default_overflow))
     codes_of = _code_builder(fmt)
 
     def encoder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,9 +474,9 @@ def _make_encoder(fmt: FloatFormat):
 
 
 @functools.lru_cache(maxsize=256)
-def _make_round_and_count(fmt: FloatFormat, stochastic: bool, overflow: str, over_bits: int, with_codes: bool):
+def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_bits: int, with_codes: bool):
     """One pass: rounded values, [overflow count, unencodable count], and (``with_codes``) their codes."""
-    round_values = _make_kernel(_round_key(fmt, stochastic, overflow))
+    round_values = _make_kernel(_round_key(fmt, rounding, overflow))
     codes_of = _code_builder(fmt)
 
     def round_and_count_kernel(x: torch.Tensor, seed: torch.Tensor):
@@ -484,7 +489,7 @@ def _make_round_and_count(fmt: FloatFormat, stochastic: bool, overflow: str, ove
         return rounded, codes, torch.stack([over, unencodable.sum()])
 
     what = "round, count" + (" and encode" if with_codes else "")
-    return _labelled(_label(fmt, what, stochastic, overflow), round_and_count_kernel)
+    return _labelled(_label(fmt, what, rounding, overflow), round_and_count_kernel)
 
 
 @functools.lru_cache(maxsize=256)
@@ -497,7 +502,7 @@ def overflow_threshold(fmt: FloatFormat, rounding: str = "nearest") -> float:
     if rounding == "stochastic":
         return float(torch.nextafter(top, torch.tensor(math.inf)))
     mid = torch.tensor(fmt.max + 2.0 ** (fmt.emax - fmt.man) / 2, dtype=torch.float32)
-    if math.isinf(float(quantize(mid.reshape(1), fmt, overflow="inf")[0])):
+    if math.isinf(float(quantize(mid.reshape(1), fmt, rounding, overflow="inf")[0])):
         return float(mid)
     return float(torch.nextafter(mid, torch.tensor(math.inf)))
 
@@ -530,7 +535,7 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool)
         raise PrecsearchError("round_and_count: fp32 needs no rounding; keep the tensor as it is")
     _check_modes(rounding, overflow)
     over_bits = _float_bits(overflow_threshold(spec, rounding))
-    kernel = _make_round_and_count(spec, rounding == "stochastic", overflow, over_bits, with_codes and spec.bits <= 16)
+    kernel = _make_round_and_count(spec, rounding, overflow, over_bits, with_codes and spec.bits <= 16)
 
     def fn(x: torch.Tensor, seed: torch.Tensor | None):
         rounded, codes, counts = _run(kernel, x.reshape(-1), _zero_seed(x.device) if seed is None else seed)

@@ -20,6 +20,20 @@ true, and the optimizer settings (``optimizer``) say how the update is rounded.
 ``compression`` (``none`` by default, or ``adacomp``) is how data-parallel training exchanges gradients
 (precsearch.comm), so a search may treat it as one more dimension beside the formats.
 
+The paper's reference code differs from plain training in four settings, each explicit here (its values in
+the paper's space, ``search_spaces/hfp8.yaml``):
+
+* ``promotion_kinds``: which kinds the divergence guard may promote (default weights and activations, as the
+  reference; a gradient that overflows is the loss scaler's to handle). Promotion is checked once per
+  training step, never in eval mode or under ``no_grad`` (precsearch.runtime).
+* ``gradient_rounding``: ``sum`` rounds an activation's gradient once, after autograd summed the gradients of
+  its consumers; ``per_use`` (the reference) rounds each consumer's gradient, then sums them in float32 (the
+  two branches of a residual block).
+* ``ties``: ``even`` (IEEE round-half-to-even, every hardware cast: the default) or ``away`` (QPyTorch's
+  ties away from zero, to reproduce the reference bit for bit) for every nearest rounding.
+* ``loss_scaling.growth_interval``: clean steps between doublings, or ``"epoch"`` (the reference doubles
+  once per epoch: the trainer passes the steps per epoch to ``apply_policy``).
+
 ``accumulation`` (optional, off by default) makes the GEMMs of the layers it names sum in a low format, forward
 and backward, by Wang et al.'s chunk-based accumulation (precsearch.accumulate); see ``Accumulation``.
 """
@@ -45,17 +59,20 @@ from torch import nn
 from precsearch.accumulate import DEFAULT_ACC, DEFAULT_CHUNK, ChunkedConv2d, ChunkedLinear, swap_chunked_layers
 from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.formats import OVERFLOWS, ROUNDINGS, FloatFormat, get_format, spec_name
+from precsearch.formats import OVERFLOWS, FloatFormat, get_format, spec_name
 from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace
-from precsearch.scaling import make_scaler
+from precsearch.scaling import epoch_growth, make_scaler
 
 __all__ = [
     "Accumulation",
     "BASELINES",
     "COMPRESSIONS",
+    "GRADIENT_ROUNDINGS",
     "KINDS",
     "PAPER_OVERFLOW",
+    "PAPER_PROMOTION_KINDS",
     "SCHEMA_VERSION",
+    "TIES",
     "Policy",
     "PolicyReport",
     "baseline",
@@ -66,6 +83,12 @@ KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_gra
 BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
 LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
 COMPRESSIONS: tuple[str, ...] = ("none", "adacomp")
+TIES: tuple[str, ...] = ("even", "away")
+GRADIENT_ROUNDINGS: tuple[str, ...] = ("sum", "per_use")
+# What a policy's per-kind ``rounding`` may say: ties are the policy-wide ``ties`` setting.
+POLICY_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+# The reference promotes weights and activations only.
+PAPER_PROMOTION_KINDS: tuple[str, ...] = ("weight", "activation")
 OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format")
 OPTIMIZER_UPDATES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
 ACCUMULATION_KEYS: tuple[str, ...] = ("format", "chunk", "layers")
@@ -79,8 +102,13 @@ _GLOB_CHARS = frozenset("*?[")
 _FIELDS = (
     "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
     "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
-    "accumulation", "compression", "predicted", "provenance",
+    "accumulation", "compression", "predicted", "provenance", "promotion_kinds", "gradient_rounding", "ties",
 )
+# Written only when they differ from these, so files without them read as before (in older precsearch too).
+_OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "compression": "none", "promotion_kinds": list(PAPER_PROMOTION_KINDS), "gradient_rounding": "sum",
+    "ties": "even",
+}
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
 
 
@@ -138,10 +166,20 @@ def _loss_scaling(value: Any, where: str) -> dict[str, Any]:
     value = dict(_mapping(value, where))
     mode = _choice(value.pop("mode", "none"), LOSS_SCALING_MODES, f"{where}.mode")
     try:
-        make_scaler(mode, **value)
+        make_scaler(mode, **epoch_growth(value, 1))
     except PrecsearchError as error:
         raise PrecsearchError(f"{where}: {error}") from None
     return {"mode": mode, **_json_data(value, where)}
+
+
+def kinds_list(value: Any, where: str) -> tuple[str, ...]:
+    """A list of tensor kinds (each once), kept in the order of ``KINDS``."""
+    if isinstance(value, str) or not isinstance(value, list | tuple) or not all(isinstance(k, str) for k in value):
+        raise PrecsearchError(f"{where} must be a list of tensor kinds ({', '.join(KINDS)}), not {value!r}")
+    unknown = sorted(set(value) - set(KINDS))
+    if unknown:
+        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(KINDS)}")
+    return tuple(kind for kind in KINDS if kind in value)
 
 
 def _optimizer(value: Any, where: str) -> dict[str, Any]:
@@ -263,6 +301,9 @@ class Policy:
     optimizer: dict[str, Any] = field(default_factory=dict)
     accumulation: Accumulation | None = None
     compression: str = "none"
+    promotion_kinds: tuple[str, ...] = PAPER_PROMOTION_KINDS
+    gradient_rounding: str = "sum"
+    ties: str = "even"
     predicted: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -293,7 +334,7 @@ class Policy:
             for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
         }
         self.high_format = spec_name(self.high_format, f"{where}: high_format")
-        self.rounding = {k: _choice(v, ROUNDINGS, f"{where}: rounding.{k}")
+        self.rounding = {k: _choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")
                          for k, v in _kinds(self.rounding, f"{where}: rounding").items()}
         self.overflow = {k: _choice(v, OVERFLOWS, f"{where}: overflow.{k}")
                          for k, v in _kinds(self.overflow, f"{where}: overflow").items()}
@@ -309,6 +350,9 @@ class Policy:
         self.optimizer = _optimizer(self.optimizer, f"{where}: optimizer")
         self.accumulation = _accumulation(self.accumulation, where)
         self.compression = _choice(self.compression, COMPRESSIONS, f"{where}: compression")
+        self.promotion_kinds = kinds_list(self.promotion_kinds, f"{where}: promotion_kinds")
+        self.gradient_rounding = _choice(self.gradient_rounding, GRADIENT_ROUNDINGS, f"{where}: gradient_rounding")
+        self.ties = _choice(self.ties, TIES, f"{where}: ties")
         self.predicted = _json_data(self.predicted, f"{where}: predicted")
         self.provenance = _json_data(self.provenance, f"{where}: provenance")
 
@@ -452,8 +496,10 @@ class Policy:
             del data["accumulation"]  # optional: files without it read as before, in older precsearch too
         else:
             data["accumulation"] = self.accumulation.to_dict()
-        if self.compression == "none":
-            del data["compression"]  # optional like accumulation: files without it read as before
+        data["promotion_kinds"] = list(self.promotion_kinds)
+        for name, default in _OPTIONAL_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]  # optional like accumulation: files without it read as before
         data["schema_version"] = SCHEMA_VERSION
         data["formats"] = {spec: _format_entry(fmt) for spec, fmt in self.formats().items()}
         return data

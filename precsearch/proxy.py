@@ -37,15 +37,17 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from precsearch import models
-from precsearch.data import ImageDataset, make_loader
+from precsearch.data import ImageDataset, make_loader, random_crop_flip
 from precsearch.errors import PrecsearchError
 from precsearch.policy import Policy
 from precsearch.runtime import apply_policy
 from precsearch.scaling import LossScaler, NoLossScaler
 
 __all__ = [
+    "PAPER_RECIPE",
     "ProxyConfig",
     "ProxyResult",
+    "Recipe",
     "atomic_write_text",
     "build_model",
     "evaluate",
@@ -78,6 +80,26 @@ class ProxyConfig:
     max_skipped_fraction: float = 0.25
     report_every: int = 10
     stats_every: int = 50
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What full training adds to a proxy: the Lee et al. reference recipe (kuangliu's pytorch-cifar), which
+    ``precsearch train`` uses for zoo models. A proxy has none of it (``train(..., recipe=None)``).
+
+    ``augment``: random crop with black padding of 1/8 of the image side (4 pixels at 32) and a horizontal
+    flip with probability 1/2, per image, seeded (precsearch.data.random_crop_flip); ``kaiming_init``:
+    convolution weights of zoo models Kaiming-normal with fan-out (ReLU gain); ``epoch_schedule``:
+    the cosine learning rate steps once per epoch (T_max = epochs), not per step.
+    """
+
+    augment: bool = True
+    kaiming_init: bool = True
+    epoch_schedule: bool = True
+
+
+PAPER_RECIPE = Recipe()
+PAPER_LR = 0.1  # the reference's peak learning rate (momentum 0.9 and weight decay 5e-4 are ProxyConfig's too)
 
 
 @dataclass
@@ -158,6 +180,15 @@ def _deterministic() -> Iterator[None]:
         torch.use_deterministic_algorithms(before, warn_only=before_warn)
 
 
+def kaiming_fan_out_(model: nn.Module) -> None:
+    """Convolution weights Kaiming-normal with fan-out (the reference recipe's init); their biases zero."""
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+
 def _batches(dataset: Dataset, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless seeded epochs; epoch k reshuffles with seed + k so the order never depends on global RNG."""
     epoch = 0
@@ -236,8 +267,12 @@ def train(
     report: Report | None = None,
     eval_every: int | None = None,
     on_eval: Evaluate | None = None,
+    recipe: Recipe | None = None,
 ) -> ProxyResult:
     """Train ``model_spec`` under ``policy`` for ``steps`` SGD steps and evaluate on the validation split.
+
+    ``recipe`` adds full training's augmentation, init and per-epoch schedule (see ``Recipe``); a proxy
+    has none. The loss scaler learns the steps per epoch (a ``growth_interval`` of ``"epoch"``).
 
     ``report(step, loss)`` is called every ``config.report_every`` steps with the running mean loss (the
     search passes Optuna's pruning hook; whatever it raises propagates). ``on_eval(step, acc, loss)`` gets
@@ -258,25 +293,34 @@ def train(
     with _deterministic():
         torch.manual_seed(seed)
         model = build_model(model_spec, num_classes=train_set.num_classes).to(torch_device)
-        model = apply_policy(model, policy, seed=seed, stats_every=config.stats_every)
+        if recipe is not None and recipe.kaiming_init and ":" not in models.parse_model_spec(model_spec)[0]:
+            kaiming_fan_out_(model)  # zoo models only: a user's factory keeps its own init
+        per_epoch = len(train_set) // config.batch_size
+        model = apply_policy(model, policy, seed=seed, stats_every=config.stats_every, steps_per_epoch=per_epoch)
         model.train()
         sgd = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                               weight_decay=config.weight_decay)
         optimizer = model.wrap_optimizer(sgd)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=steps)
+        epoch_schedule = recipe is not None and recipe.epoch_schedule
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+            sgd, T_max=math.ceil(steps / per_epoch) if epoch_schedule else steps)
+        augment = torch.Generator().manual_seed(seed + 1) if recipe is not None and recipe.augment else None
         scaler = model.scaler
         monitor = _Divergence(config, steps)
         curve: list[float] = []
         reason = ""
         window: list[float] = []
         for step, (images, labels) in enumerate(_batches(train_set, config.batch_size, seed), start=1):
+            if augment is not None:
+                images = random_crop_flip(images, train_set.mean, train_set.std, augment)
             images, labels = images.to(torch_device), labels.to(torch_device)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(images), labels)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            schedule.step()
+            if not epoch_schedule or step % per_epoch == 0:
+                schedule.step()
             value = float(loss.detach())
             curve.append(value)
             window.append(value)
@@ -341,9 +385,11 @@ def train_policy(
     config: ProxyConfig | None = None,
     eval_every: int | None = None,
     metrics: str | Path | None = None,
+    recipe: Recipe | None = PAPER_RECIPE,
 ) -> ProxyResult:
     """Full training under a policy file: checks the policy was made for this model (graph fingerprint),
-    trains without stopping at divergence, and rewrites the ``metrics`` CSV after every evaluation
+    trains without stopping at divergence with the paper's ``recipe`` (augmentation, Kaiming fan-out init,
+    cosine per epoch; None: a proxy's), and rewrites the ``metrics`` CSV after every evaluation
     (columns step, epoch, train_loss, val_accuracy, val_loss, loss_scale, wall_time)."""
     config = config or ProxyConfig()
     train_set = data[0]
@@ -368,4 +414,4 @@ def train_policy(
 
     eval_every = eval_every or per_epoch
     return train(model_spec, policy, data, steps, seed, device, dataclasses.replace(config, report_every=1),
-                 stop_on_divergence=False, report=remember, eval_every=eval_every, on_eval=record)
+                 stop_on_divergence=False, report=remember, eval_every=eval_every, on_eval=record, recipe=recipe)

@@ -37,9 +37,12 @@ What each tensor kind gets:
   precsearch.optim ``LowPrecisionOptimizer`` that keeps them so. With master weights, an optimizer
   ``update="stochastic"`` rounds the working copy stochastically (Wang et al.'s stochastic weight update).
 * activations: rounded by the module after their op; its backward rounds the activation's gradient, on the
-  loss-scaled values.
+  loss-scaled values. With ``policy.gradient_rounding == "per_use"`` (the paper's reference), an activation
+  with several consumers gets a module before each (``_GradUse``) that rounds that consumer's gradient, and
+  autograd sums the rounded gradients in float32.
 * weight gradients: rounded in place as each arrives (a post-accumulate-grad hook), still loss-scaled.
-* divergence guard (Lee et al.): when a tensor's overflow fraction in a step reaches
+* divergence guard (Lee et al.): when a tensor of a kind in ``policy.promotion_kinds`` (weights and
+  activations by default, as the reference) has an overflow fraction in a step that reaches
   ``policy.promotion_threshold``, it is promoted to ``policy.high_format`` for the rest of training, logged
   and listed in ``promotions``, and that step is skipped (its values overflowed). An overflow in a gradient
   is reported to the loss scaler as an overflow (a saturating format hides it from the scaler's inf test).
@@ -83,7 +86,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph import TensorGraph, grad_id, trace
 from precsearch.optim import LowPrecisionOptimizer, from_config
 from precsearch.policy import CHUNKED_LAYERS, Policy
-from precsearch.scaling import LossScaler, make_scaler
+from precsearch.scaling import LossScaler, epoch_growth, make_scaler
 
 __all__ = ["PrecisionModel", "Promotion", "SavedBytes", "TensorState", "apply_policy", "instrument_fx"]
 
@@ -155,10 +158,13 @@ class TensorState:
     scaler's once-a-step read of those counts (``LossScaler.watch``); ``flush`` reads them itself.
     """
 
-    def __init__(self, slots: dict[str, _Slot], high: F.FloatFormat, threshold: float | None, seed: int) -> None:
+    def __init__(self, slots: dict[str, _Slot], high: F.FloatFormat, threshold: float | None, seed: int,
+                 promotion_kinds: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
+                 ) -> None:
         self.slots = slots
         self.high = high
         self.threshold = threshold
+        self.promotion_kinds = promotion_kinds
         self.promotions: list[Promotion] = []
         self.step = 0
         self.counting = False  # this forward is a training forward: count and gather statistics
@@ -188,12 +194,13 @@ class TensorState:
         rounded, codes = ops.round(x, counts if count else None, slot.row, *slot.args(), seeds, with_codes)
         return rounded, codes if codes.numel() else None
 
-    def round_(self, x: torch.Tensor, slot: _Slot) -> None:
-        """Round ``x`` in place, counting its overflow."""
+    def round_(self, x: torch.Tensor, slot: _Slot, count: bool = True) -> None:
+        """Round ``x`` in place, counting its overflow (``count``)."""
         counts, seeds = self._device_state(x.device)
-        if x.numel():
+        count = count and x.numel() > 0
+        if count:
             self._account(x, slot)
-        ops.round_(x, counts, slot.row, *slot.args(), seeds)
+        ops.round_(x, counts if count else None, slot.row, *slot.args(), seeds)
 
     def _account(self, x: torch.Tensor, slot: _Slot) -> None:
         slot.calls += 1
@@ -245,7 +252,7 @@ class TensorState:
             self.settle(self._counts.reshape(-1).tolist())
 
     def _promote(self, slot: _Slot, fraction: float) -> bool:
-        if slot.promoted or slot.fmt == self.high or not slot.is_low:
+        if slot.promoted or slot.fmt == self.high or not slot.is_low or slot.kind not in self.promotion_kinds:
             return False
         old = slot.fmt
         slot.fmt = self.high
@@ -463,13 +470,13 @@ class _RoundActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: TensorState, act: _Slot, grad: _Slot | None,
                 with_codes: bool) -> Any:
-        ctx.state, ctx.grad = state, grad
+        ctx.state, ctx.grad, ctx.count = state, grad, state.counting  # an evaluation's backward counts nothing
         return _round_forward(ctx, x, state, act, with_codes)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor | None, None, None, None, None]:
         if ctx.grad is not None and g is not None:
-            g = ctx.state.round(g, ctx.grad)[0]
+            g = ctx.state.round(g, ctx.grad, count=ctx.count)[0]
         return g, None, None, None, None
 
 
@@ -525,6 +532,23 @@ class _Alias(nn.Module):
         return value
 
 
+class _GradUse(nn.Module):
+    """Inserted before one consumer of an activation (``gradient_rounding: per_use``): the gradient this
+    consumer sends back is rounded on its own, and autograd sums the consumers' rounded gradients in float32."""
+
+    def __init__(self, model: PrecisionModel, slot: _Slot) -> None:
+        super().__init__()
+        self.__dict__["_model"] = model
+        self.slot = slot
+
+    def forward(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or not value.requires_grad or not self.slot.is_low:
+            return value
+        use = value.view_as(value)  # a node of its own in the autograd graph, sharing the storage
+        self._model._round_grad_of(use, self.slot)
+        return use
+
+
 class _RoundedWeightsCall(nn.Module):
     """Calls a layer with its low weights rounded, so that their float32 copies die with the call."""
 
@@ -557,12 +581,15 @@ class _RoundedWeight(nn.Module):
 def instrument_fx(graph: TensorGraph, module: nn.Module,
                   rounder: Callable[[Any], nn.Module | None], alias: Callable[[_Slot], nn.Module],
                   weights: Callable[[str, list[str]], nn.Module | None],
-                  replaced: dict[str, nn.Module] | None = None) -> fx.GraphModule:
+                  replaced: dict[str, nn.Module] | None = None,
+                  per_use: Callable[[_Slot], nn.Module] | None = None) -> fx.GraphModule:
     """A copy of ``graph``'s FX graph (calling ``module``'s submodules, with ``replaced`` swapped in) with the
     module ``rounder(op)`` after every op it returns one for, ``alias(slot)`` after every layout op
     (contiguous, reshape, ...) that may copy a rounded activation of that slot, and every call of a submodule
     or read of a parameter replaced by ``weights(qualified name, parameter names)`` where it returns a module
-    (one that computes with rounded weights): torch.ao's prepare_fx, with rounding modules for observers."""
+    (one that computes with rounded weights): torch.ao's prepare_fx, with rounding modules for observers.
+    With ``per_use``, an output whose gradient is rounded and that has several consumers gets the module
+    ``per_use(gradient slot)`` before each consumer, which rounds that consumer's gradient instead."""
     source = graph.graph_module
     fx_graph = copy.deepcopy(source.graph)
     gm = fx.GraphModule(source, fx_graph, type(module).__name__)
@@ -573,6 +600,7 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
     nodes = {node.name: node for node in fx_graph.nodes}
     last_placeholder = [node for node in fx_graph.nodes if node.op == "placeholder"][-1]
     carried: dict[fx.Node, dict[int, _Slot]] = {}  # node -> the rounded activation slot of each output
+    rounded: list[tuple[fx.Node, nn.Module]] = []  # each rounding node and its module
 
     def insert(after: fx.Node, node: fx.Node, name: str, inserted: nn.Module) -> fx.Node:
         gm.add_submodule(name, inserted)
@@ -588,6 +616,7 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
             after = last_placeholder if node.op == "placeholder" else node
             new = insert(after, node, f"precsearch_round_{index}", inserted)
             carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
+            rounded.append((new, inserted))
     op_nodes = {op.node for op in graph.ops}
     for node in list(fx_graph.nodes):
         if (node.name in op_nodes or node in carried or not node.op.startswith("call_")
@@ -603,6 +632,9 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
             carried[insert(node, node, f"precsearch_alias_{len(carried)}", alias(source_slots[0]))] = source_slots
         elif source_slots:
             carried[node] = source_slots
+    if per_use is not None:
+        for node, inserted in rounded:
+            _round_per_use(fx_graph, gm, node, inserted, per_use)
     for node in list(fx_graph.nodes):
         if node.op == "call_module":
             names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]
@@ -621,6 +653,23 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
     return gm
 
 
+def _round_per_use(fx_graph: fx.Graph, gm: fx.GraphModule, node: fx.Node, inserted: Any,
+                   per_use: Callable[[_Slot], nn.Module]) -> None:
+    """Give each consumer of ``node`` (a single-tensor rounding node) its own gradient rounding module, and
+    take the rounding of the summed gradient off ``inserted``."""
+    act, grad = inserted.slots.get(0, (None, None))
+    users = list(node.users)
+    if grad is None or len(users) < 2 or set(inserted.slots) != {0}:
+        return
+    inserted.slots[0] = (act, None)
+    for user in users:
+        name = f"precsearch_use_{node.name}_{user.name}"
+        gm.add_submodule(name, per_use(grad))
+        with fx_graph.inserting_before(user):
+            use = fx_graph.call_module(name, (node,))
+        user.replace_input_with(node, use)
+
+
 # ------------------------------------------------------------------------------------------ the wrapper
 
 
@@ -628,7 +677,7 @@ class PrecisionModel(nn.Module):
     """A model training under a policy; build it with ``apply_policy``. The user's model is ``.module``."""
 
     def __init__(self, model: nn.Module, policy: Policy, graph: TensorGraph, seed: int = 0,
-                 stats_every: int | None = None) -> None:
+                 stats_every: int | None = None, steps_per_epoch: int | None = None) -> None:
         super().__init__()
         self.module = model
         self.policy = policy
@@ -640,8 +689,9 @@ class PrecisionModel(nn.Module):
         self._optimizers: list[LowPrecisionOptimizer] = []  # wrapped ones, told about weight promotions
         self._plain_layers: dict[str, nn.Module] = {}
         self.accumulation_layers = self._swap_accumulation()
+        self.steps_per_epoch = steps_per_epoch
         self.state = TensorState(self._make_slots(), F.get_format(policy.high_format), policy.promotion_threshold,
-                                 seed)
+                                 seed, promotion_kinds=policy.promotion_kinds)
         self._packer = _Packer(model)
         self.scaler: LossScaler = self._make_scaler()
         self.scaler.watch(self.state)
@@ -655,11 +705,15 @@ class PrecisionModel(nn.Module):
         self._calls: Counter[str] = Counter()
         self._rounded_at_use: set[str] = set()
         if graph.graph_module is not None:
+            per_use = (lambda slot: _GradUse(self, slot)) if policy.gradient_rounding == "per_use" else None
             target = instrument_fx(graph, model, self._rounder_for, lambda slot: _Alias(self, slot),
                                    self._weights_call_for,
-                                   {name: model.get_submodule(name) for name in self.accumulation_layers})
+                                   {name: model.get_submodule(name) for name in self.accumulation_layers}, per_use)
         else:
             target = self._instrument_hooks()
+            if policy.gradient_rounding == "per_use":
+                log.warning("model is not FX-traceable: gradient_rounding per_use needs the FX graph; each "
+                            "activation's summed gradient is rounded once (sum)")
         self.__dict__["_target"] = target  # the FX module shares the user's submodules: keep it unregistered
         if self.unenforced:
             log.warning("model is not FX-traceable: activations of %d function op(s) are not rounded (%s)",
@@ -696,6 +750,8 @@ class PrecisionModel(nn.Module):
             info = self.graph.tensors[tensor_id]
             fmt = F.get_format(self.policy.format_for(info))
             rounding = self.policy.rounding.get(info.kind, "nearest")
+            if rounding == "nearest" and self.policy.ties == "away":
+                rounding = "nearest_away"
             if info.kind == "weight" and self.policy.master_weights and stochastic_update:
                 rounding = "stochastic"  # the master's rounding to the working copy is the weight update
             slots[tensor_id] = _Slot(tensor_id, info.kind, row, fmt, rounding, self.policy.overflow.get(info.kind))
@@ -703,6 +759,7 @@ class PrecisionModel(nn.Module):
 
     def _make_scaler(self) -> LossScaler:
         options = {key: value for key, value in self.policy.loss_scaling.items() if key != "mode"}
+        options = epoch_growth(options, self.steps_per_epoch)
         mode = self.policy.loss_scaling["mode"]
         if mode != "adaptive":
             return make_scaler(mode, **options)
@@ -750,7 +807,7 @@ class PrecisionModel(nn.Module):
     def _grad_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if slot.is_low:
-                self.state.round_(param.grad, slot)
+                self.state.round_(param.grad, slot, count=self.state.counting)
 
         return hook
 
@@ -811,8 +868,13 @@ class PrecisionModel(nn.Module):
             self._packer.register(t, rounded, codes, act.fmt, act.kind)
             return rounded
         if grad is not None:
-            t.register_hook(lambda g, slot=grad: self.state.round(g, slot)[0])
+            self._round_grad_of(t, grad)
         return t
+
+    def _round_grad_of(self, t: torch.Tensor, slot: _Slot) -> None:
+        """Round the gradient that reaches ``t`` in backward (counted if this forward is a training one)."""
+        count = self.state.counting
+        t.register_hook(lambda g: self.state.round(g, slot, count=count)[0])
 
     def _weights_call_for(self, target: str, names: list[str]) -> nn.Module | None:
         """For the FX pass: a layer call (``names``: its parameters) or a parameter read (``names`` empty)
@@ -921,12 +983,14 @@ def _is_module(model: nn.Module, op: Any) -> bool:
 
 
 def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor | None = None, *,
-                 strict: bool = True, seed: int = 0, stats_every: int | None = None) -> PrecisionModel:
+                 strict: bool = True, seed: int = 0, stats_every: int | None = None,
+                 steps_per_epoch: int | None = None) -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
     ``example_input`` (default: zeros of the policy's input shape) is used to trace the model at the
     policy's batch size; a policy made for another graph raises unless ``strict=False``. ``seed`` seeds
-    stochastic rounding; ``stats_every`` turns on underflow statistics every n-th step. The layers of
+    stochastic rounding; ``stats_every`` turns on underflow statistics every n-th step; ``steps_per_epoch``
+    resolves a loss scale ``growth_interval`` of ``"epoch"`` (the paper's schedule). The layers of
     ``policy.accumulation`` are swapped in ``model`` itself (``accumulation_layers`` names them).
     """
     if not isinstance(policy, Policy):
@@ -940,5 +1004,5 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     graph = trace(model, example_input, batch_size=policy.batch_size or example_input.shape[0],
                   leaf_modules=CHUNKED_LAYERS)
     policy.verify(graph, strict=strict)
-    return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every)
+    return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch)
 

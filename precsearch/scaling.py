@@ -41,6 +41,7 @@ __all__ = [
     "DynamicLossScaler",
     "AdaptiveLossScaler",
     "LayerScale",
+    "epoch_growth",
     "make_scaler",
 ]
 
@@ -564,6 +565,18 @@ _KINDS: dict[str, type[LossScaler]] = {
     "dynamic": DynamicLossScaler,
     "adaptive": AdaptiveLossScaler,
 }
+
+
+def epoch_growth(options: dict[str, Any], steps_per_epoch: int | None) -> dict[str, Any]:
+    """``options`` with ``growth_interval: "epoch"`` replaced by ``steps_per_epoch``: the Lee et al. reference
+    doubles its scale once per epoch (torch's GradScaler with ``growth_interval`` = batches per epoch, so an
+    overflow restarts the count)."""
+    if options.get("growth_interval") != "epoch":
+        return dict(options)
+    if steps_per_epoch is None:
+        raise PrecsearchError("loss_scaling.growth_interval is 'epoch' but the steps per epoch are unknown; pass "
+                              "steps_per_epoch to apply_policy (precsearch's trainers do) or give a number")
+    return {**options, "growth_interval": steps_per_epoch}
 
 
 def make_scaler(mode: str = "dynamic", **options: Any) -> LossScaler:

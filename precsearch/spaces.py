@@ -25,10 +25,11 @@ from typing import Any
 import yaml
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats import OVERFLOWS, ROUNDINGS, spec_name
+from precsearch.formats import OVERFLOWS, spec_name
 from precsearch.optim import UPDATES, UpdateConfig
+from precsearch.policy import GRADIENT_ROUNDINGS, PAPER_PROMOTION_KINDS, POLICY_ROUNDINGS, TIES, kinds_list
 from precsearch.proxy import ProxyConfig
-from precsearch.scaling import make_scaler
+from precsearch.scaling import epoch_growth, make_scaler
 
 __all__ = [
     "GRANULARITIES",
@@ -52,7 +53,8 @@ LOSS_SCALING_KEYS: tuple[str, ...] = (
 )
 TOP_KEYS: tuple[str, ...] = (
     "name", "description", "high", "low", "granularity", "choices", "rounding", "overflow", "loss_scaling",
-    "promotion_threshold", "master_weights", "optimizer", "proxy", "objectives",
+    "promotion_threshold", "master_weights", "optimizer", "proxy", "objectives", "promotion_kinds",
+    "gradient_rounding", "ties",
 )
 OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format")
 RESERVED_LEVELS: tuple[str, ...] = ("high", "low")
@@ -70,8 +72,11 @@ PAPER_SPACE: dict[str, Any] = {
     "granularity": "group",
     "rounding": "nearest",
     "overflow": dict(DEFAULT_OVERFLOW),
-    "loss_scaling": {"mode": "dynamic", "init_scale": 65536},
+    "ties": "even",  # the reference rounds ties away from zero: "away" reproduces it bit for bit
+    "gradient_rounding": "per_use",
+    "loss_scaling": {"mode": "dynamic", "init_scale": 65536, "growth_interval": "epoch"},
     "promotion_threshold": 0.01,
+    "promotion_kinds": list(PAPER_PROMOTION_KINDS),
     "master_weights": True,
     "objectives": ["memory", "val_error"],
 }
@@ -90,6 +95,9 @@ class SearchSpace:
     overflow: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_OVERFLOW))
     loss_scaling: dict[str, Any] = field(default_factory=lambda: {"mode": "dynamic", "init_scale": 2.0**16})
     promotion_threshold: float | None = 0.01
+    promotion_kinds: tuple[str, ...] = PAPER_PROMOTION_KINDS
+    gradient_rounding: str = "sum"
+    ties: str = "even"
     master_weights: bool = False
     optimizer: dict[str, Any] = field(default_factory=dict)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
@@ -113,6 +121,7 @@ class SearchSpace:
         """Plain data (YAML/JSON-ready) that ``parse_space`` turns back into an equal space."""
         data = dataclasses.asdict(self)
         data["objectives"] = list(self.objectives)
+        data["promotion_kinds"] = list(self.promotion_kinds)
         if self.granularity != "categorical":
             data.pop("choices")
         return data
@@ -200,11 +209,13 @@ def _loss_scaling(raw: Any, where: str) -> dict[str, Any]:
     for key, value in scaling.items():
         if key == "grad_format":
             scaling[key] = spec_name(value, f"{where}: loss_scaling.grad_format")
+        elif key == "growth_interval" and value == "epoch":
+            continue  # resolved by the trainer (precsearch.scaling.epoch_growth)
         elif key != "mode":
             scaling[key] = _number(value, f"{where}: loss_scaling.{key}", 0.0, integer=key == "growth_interval")
     options = {key: value for key, value in scaling.items() if key != "mode"}
     try:
-        make_scaler(scaling["mode"], **options)
+        make_scaler(scaling["mode"], **epoch_growth(options, 1))
     except PrecsearchError as error:
         raise PrecsearchError(f"{where}: {error}") from None
     return scaling
@@ -278,10 +289,15 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
         low=low,
         granularity=granularity,
         choices=choices,
-        rounding=_per_kind(raw.get("rounding"), f"{where}: rounding", _choice(ROUNDINGS), defaults.rounding),
+        rounding=_per_kind(raw.get("rounding"), f"{where}: rounding", _choice(POLICY_ROUNDINGS), defaults.rounding),
         overflow=_per_kind(raw.get("overflow"), f"{where}: overflow", _choice(OVERFLOWS), defaults.overflow),
         loss_scaling=_loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), where),
         promotion_threshold=threshold,
+        promotion_kinds=kinds_list(raw.get("promotion_kinds", list(defaults.promotion_kinds)),
+                                   f"{where}: promotion_kinds"),
+        gradient_rounding=_choice(GRADIENT_ROUNDINGS)(raw.get("gradient_rounding", defaults.gradient_rounding),
+                                                      f"{where}: gradient_rounding"),
+        ties=_choice(TIES)(raw.get("ties", defaults.ties), f"{where}: ties"),
         master_weights=master_weights,
         optimizer=_optimizer(raw.get("optimizer", {}), low["weight"], master_weights, where),
         proxy=_proxy_config(raw.get("proxy", {}), where),

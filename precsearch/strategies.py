@@ -8,14 +8,17 @@ or a single tensor (its id) for ``granularity: tensor``. ``assign`` turns decisi
 The paper's technique (Lee, Sharma, Aiken, TMLR 2023) for a memory-saving target ``r`` in [0, 1]: order the
 groups by their share of tensor memory (of the assignable tensors, all at the high format), largest first
 with ties broken by execution order, and demote whole groups to the low formats until the low share reaches
-``r``. Its divergence guard (promote a tensor to high once its overflow fraction passes a threshold) is the
-policy's ``promotion_threshold`` and stays on. The ablations order the groups smallest first or randomly.
+``r``; the reference code accepts the result only if its low share lies in ``[r, r + 0.1]``
+(``ACCEPTANCE_WINDOW``; r = 0 and 1 always), which ``sweep(..., window=...)`` applies. Its divergence
+guard (promote a tensor to high once its overflow fraction passes a threshold) is the policy's
+``promotion_threshold`` and stays on. The ablations order the groups smallest first or randomly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +30,7 @@ from precsearch.policy import Policy, baseline
 from precsearch.spaces import KINDS, SearchSpace
 
 __all__ = [
+    "ACCEPTANCE_WINDOW",
     "BASELINES",
     "ORDERS",
     "R_GRID",
@@ -43,9 +47,12 @@ __all__ = [
     "units",
 ]
 
+log = logging.getLogger(__name__)
+
 BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
 ORDERS: tuple[str, ...] = ("largest", "smallest", "random")
 R_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
+ACCEPTANCE_WINDOW = 0.1  # the reference runs r only if the low share it reaches is at most r + 0.1
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,13 @@ class Candidate:
     @property
     def key(self) -> str:
         return assignment_key(self.assignment)
+
+    def within(self, window: float) -> bool:
+        """Whether the reference would accept this candidate: its low share in [r, r + window] (r = 0 or 1,
+        and candidates without a target, always)."""
+        if self.r is None or self.r in (0.0, 1.0):
+            return True
+        return self.r - 1e-12 <= self.low_share <= self.r + window + 1e-12
 
 
 def assignment_key(assignment: Mapping[str, Any]) -> str:
@@ -163,9 +177,17 @@ def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "lar
 
 
 def sweep(graph: Any, space: SearchSpace, rs: Iterable[float] = R_GRID, order: str = "largest",
-          seed: int = 0) -> list[Candidate]:
-    """The technique at each target in ``rs`` (default 0, 0.1, ..., 1)."""
-    return [paper_assignment(graph, r, space, order=order, seed=seed) for r in rs]
+          seed: int = 0, window: float | None = None) -> list[Candidate]:
+    """The technique at each target in ``rs`` (default 0, 0.1, ..., 1); with a ``window`` (the paper's:
+    ``ACCEPTANCE_WINDOW``), only the candidates whose low share lies in [r, r + window], the others logged."""
+    candidates = [paper_assignment(graph, r, space, order=order, seed=seed) for r in rs]
+    if window is None:
+        return candidates
+    for candidate in candidates:
+        if not candidate.within(window):
+            log.info("r=%.2f left out: its low share %.3f is past r + %.2f (the paper's acceptance window)",
+                     candidate.r, candidate.low_share, window)
+    return [candidate for candidate in candidates if candidate.within(window)]
 
 
 def uniform(graph: Any, space: SearchSpace, level: str) -> Candidate:

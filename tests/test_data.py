@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from precsearch.data import DATASETS, describe, load_dataset, make_loader
+from precsearch.data import DATASETS, describe, load_dataset, make_loader, random_crop_flip
 from precsearch.errors import PrecsearchError
 
 
@@ -257,3 +257,22 @@ def test_make_loader_order_depends_only_on_its_seed() -> None:
     images, labels = next(iter(make_loader(train, 16, shuffle=False)))
     assert images.shape == (16, 3, 32, 32) and torch.equal(labels, train.labels[:16])
     assert len(make_loader(train, 16, drop_last=True)) == 3
+
+
+def test_random_crop_flip_pads_black_crops_and_flips_each_image_as_drawn() -> None:
+    images = torch.randn(6, 3, 16, 16)
+    mean, std = torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0.5, 0.25, 2.0])
+    out = random_crop_flip(images, mean, std, torch.Generator().manual_seed(7))
+    # the same draws, one image at a time, with torch's own padding and flipping
+    generator = torch.Generator().manual_seed(7)
+    pad = 16 // 8
+    top = torch.randint(0, 2 * pad + 1, (6,), generator=generator)
+    left = torch.randint(0, 2 * pad + 1, (6,), generator=generator)
+    flip = torch.rand(6, generator=generator) < 0.5
+    for i in range(6):
+        raw = images[i] * std.view(3, 1, 1) + mean.view(3, 1, 1)  # back to pixel values: black is 0
+        padded = torch.nn.functional.pad(raw, (pad, pad, pad, pad), value=0.0)
+        crop = padded[:, top[i]:top[i] + 16, left[i]:left[i] + 16]
+        crop = crop.flip(-1) if flip[i] else crop
+        assert torch.allclose(out[i], (crop - mean.view(3, 1, 1)) / std.view(3, 1, 1), atol=1e-6)
+    assert 0 < int(flip.sum()) < 6 and len(set(top.tolist())) > 1  # the draws vary

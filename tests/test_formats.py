@@ -451,8 +451,9 @@ def reference_values(fmt) -> list[tuple[float, int]]:
     return sorted(out)
 
 
-def reference_round(value: float, table: list[tuple[float, int]], man: int) -> float:
-    """Round-half-to-even of a non-negative finite value against an explicit table; overflow -> inf.
+def reference_round(value: float, table: list[tuple[float, int]], man: int, ties: str = "even") -> float:
+    """Round-to-nearest of a non-negative finite value against an explicit table (in fp64 arithmetic), ties to
+    the even code or (``ties="away"``) to the larger magnitude; overflow -> inf.
 
     The value one code past max (max plus the ulp of max's binade) stands for overflow, with that code's parity.
     """
@@ -469,7 +470,7 @@ def reference_round(value: float, table: list[tuple[float, int]], man: int) -> f
         return lo
     if value - lo < hi - value:
         pick = i
-    elif value - lo > hi - value:
+    elif value - lo > hi - value or ties == "away":
         pick = i + 1
     else:
         pick = i if codes[i] % 2 == 0 else i + 1
@@ -513,6 +514,37 @@ def test_nearest_rounding_matches_python_reference(spec, data):
     expected = torch.tensor([reference_round(float(v), table, fmt.man) for v in x.tolist()])
     assert mismatches(ours, expected) == 0
     assert mismatches(quantize(-x, fmt, overflow="inf"), -expected) == 0
+
+
+@pytest.mark.parametrize(("value", "even", "away"), [
+    (1.0625, 1.0, 1.125),  # halfway between 1 and 1 + 2^-3
+    (2.0**-14, 0.0, 2.0**-13),  # half the smallest subnormal (e4m3b4s: emin -10, 3 mantissa bits)
+    (1.1875, 1.25, 1.25),  # a tie whose even neighbour is also the larger one
+    (3 * 2.0**-14, 2.0**-12, 2.0**-12),
+    (1.0625 + 2.0**-20, 1.125, 1.125),  # not a tie: both round to nearest
+])
+def test_ties_away_from_zero_hand_table(value, even, away):
+    x = torch.tensor([value, -value])
+    assert quantize(x, "e4m3b4s").tolist() == [even, -even]
+    assert quantize(x, "e4m3b4s", rounding="nearest_away").tolist() == [away, -away]
+    values, counts = formats.round_and_count(x, "e4m3b4s", rounding="nearest_away")[::2]
+    assert values.tolist() == [away, -away] and counts.tolist() == [0, 0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=narrow_specs, data=st.data())
+def test_ties_away_rounding_matches_python_reference(spec, data):
+    fmt = get_format(spec)
+    table = reference_values(fmt)
+    midpoints = [(a + b) / 2 for (a, _), (b, _) in zip(table, table[1:], strict=False)]
+    values = data.draw(st.lists(st.floats(0, fmt.max * 1.25, width=32, allow_subnormal=True)
+                                | st.sampled_from(midpoints), min_size=1, max_size=40))
+    x = torch.tensor(values, dtype=torch.float32)
+    expected = torch.tensor([reference_round(float(v), table, fmt.man, ties="away") for v in x.tolist()])
+    assert mismatches(quantize(x, fmt, rounding="nearest_away", overflow="inf"), expected) == 0
+    assert mismatches(quantize(-x, fmt, rounding="nearest_away", overflow="inf"), -expected) == 0
+    threshold = formats.overflow_threshold(fmt, "nearest_away")
+    assert math.isinf(float(quantize(torch.tensor([threshold]), fmt, "nearest_away", overflow="inf")[0]))
 
 
 @settings(max_examples=60, deadline=None)

@@ -350,3 +350,29 @@ def test_wang_fp8_is_e5m2_data_with_16_bit_first_and_last_layers(graph):
         expected = "e6m9s" if tid in high or kind == "weight_grad" else "e5m2s"
         assert spec == expected, tid
     assert policy.optimizer == {"update": "stochastic"}
+
+
+def test_the_paper_settings_round_trip_and_files_without_them_read_the_defaults(policy, tmp_path):
+    plain = json.loads(policy.to_json())
+    assert not {"promotion_kinds", "gradient_rounding", "ties"} & set(plain)  # defaults are not written
+    assert (policy.promotion_kinds, policy.gradient_rounding, policy.ties) == (("weight", "activation"), "sum",
+                                                                               "even")
+    paper = policy.replace(promotion_kinds=["activation_grad", "weight"], gradient_rounding="per_use", ties="away",
+                           loss_scaling={"mode": "dynamic", "growth_interval": "epoch"})
+    data = json.loads(paper.save(tmp_path / "p.json").read_text())
+    assert data["promotion_kinds"] == ["weight", "activation_grad"]  # each kind once, in the order of KINDS
+    assert (data["gradient_rounding"], data["ties"], data["loss_scaling"]["growth_interval"]) == ("per_use", "away",
+                                                                                                "epoch")
+    assert Policy.load(tmp_path / "p.json") == paper
+    cases = [
+        ({"ties": "up"}, "ties: 'up' is not allowed; use one of even, away"),
+        ({"gradient_rounding": "each"}, "gradient_rounding: 'each' is not allowed; use one of sum, per_use"),
+        ({"promotion_kinds": "weight"}, "promotion_kinds must be a list of tensor kinds"),
+        ({"promotion_kinds": ["weights"]}, "promotion_kinds: unknown tensor kind 'weights'"),
+        ({"rounding": {"weight": "nearest_away"}}, "rounding.weight: 'nearest_away' is not allowed"),
+        ({"loss_scaling": {"mode": "dynamic", "growth_interval": "week"}}, "growth_interval 'week'"),
+    ]
+    for value, pattern in cases:
+        with pytest.raises(PrecsearchError, match=pattern) as info:
+            Policy.load(_edited(policy, tmp_path, **value))
+        assert "\n" not in str(info.value)

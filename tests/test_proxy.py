@@ -9,10 +9,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from precsearch import proxy as proxy_module
 from precsearch.data import load_dataset
 from precsearch.errors import PrecsearchError
 from precsearch.policy import Policy
-from precsearch.proxy import ProxyConfig, _Divergence, build_model, evaluate, resolve_device, run_proxy, train_policy
+from precsearch.proxy import (
+    PAPER_RECIPE,
+    ProxyConfig,
+    _Divergence,
+    build_model,
+    evaluate,
+    resolve_device,
+    run_proxy,
+    train_policy,
+)
 from precsearch.scaling import DynamicLossScaler, NoLossScaler
 from precsearch.search import Budget, DataSpec, SearchContext, _threads
 from precsearch.spaces import paper_space
@@ -128,3 +138,34 @@ def test_devices():
     if not torch.cuda.is_available():
         with pytest.raises(PrecsearchError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_the_paper_recipe_steps_the_cosine_per_epoch_and_inits_convolutions_kaiming_fan_out(context, monkeypatch):
+    # 64 training images at batch 16: 4 steps per epoch, 12 steps = 3 epochs
+    data = load_dataset("synthetic", image_size=8, train_size=64, val_size=32)
+    config = ProxyConfig(steps=12, batch_size=16, image_size=8, lr=0.1, eval_batch_size=64)
+    lrs, initial = [], []
+    step = torch.optim.SGD.step
+
+    def record(self, *args, **kwargs):
+        lrs.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", record)
+    wrap = proxy_module.apply_policy
+
+    def record_init(model, *args, **kwargs):
+        initial.append(model.conv2.weight.detach().clone())
+        return wrap(model, *args, **kwargs)
+
+    monkeypatch.setattr(proxy_module, "apply_policy", record_init)
+    policy = _policy(context, "high")
+    for recipe in (PAPER_RECIPE, None):
+        train_policy("tiny_cnn", policy, data, 12, config=config, device="cpu", recipe=recipe)
+    epoch_lrs = [0.1 * (1 + math.cos(math.pi * epoch / 3)) / 2 for epoch in range(3) for _ in range(4)]
+    step_lrs = [0.1 * (1 + math.cos(math.pi * k / 12)) / 2 for k in range(12)]
+    assert lrs[:12] == pytest.approx(epoch_lrs) and lrs[12:] == pytest.approx(step_lrs)
+    # Kaiming normal, fan-out: std sqrt(2 / (out channels x kernel area)); PyTorch's default is uniform, smaller
+    expected = math.sqrt(2 / (initial[0].shape[0] * initial[0].shape[2] * initial[0].shape[3]))
+    assert initial[0].std().item() == pytest.approx(expected, rel=0.1)
+    assert initial[1].std().item() < 0.7 * expected  # PyTorch's default: std 1 / sqrt(3 fan-in) = 0.58x here

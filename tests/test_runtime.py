@@ -27,6 +27,7 @@ from precsearch.optim import LowPrecisionOptimizer
 from precsearch.policy import KINDS, Accumulation, Policy, baseline
 from precsearch.runtime import PrecisionModel, apply_policy
 from precsearch.scaling import AdaptiveLossScaler, DynamicLossScaler
+from precsearch.spaces import paper_space
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 SHAPE = (3, 32, 32)
@@ -257,7 +258,7 @@ def test_gradient_overflow_to_inf_is_promoted_and_without_promotion_the_run_dive
     # A loss scaled by 1e7 with the learning rate divided by 1e7 (a static scale that never skips a step):
     # the output gradient overflows e5m2s (max 114688) to inf unless its tensor is promoted.
     policy = _policy(high_format="e6m9s", overflow={"activation_grad": "inf", "weight_grad": "inf"},
-                     promotion_threshold=threshold)
+                     promotion_threshold=threshold, promotion_kinds=KINDS)
     wrapped = apply_policy(_model(), policy)
     losses = _train(wrapped, steps=5, lr=0.05 / 1e7, loss_factor=1e7)
     if threshold is None:
@@ -265,6 +266,101 @@ def test_gradient_overflow_to_inf_is_promoted_and_without_promotion_the_run_dive
         return
     assert "linear:activation_grad" in [p.id for p in wrapped.promotions]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("kinds", [None, KINDS])
+def test_under_the_paper_space_an_overflowing_activation_gradient_is_not_promoted(kinds):
+    # as above (the output gradient overflows e5m2s to inf), with the paper space's guard: weights and
+    # activations only, unless promotion_kinds lists the gradients; the dynamic scaler skips the overflowed steps
+    space = paper_space()
+    assert space.promotion_kinds == ("weight", "activation")
+    policy = _policy(high_format=space.high, overflow=dict(space.overflow), promotion_threshold=0.01,
+                     promotion_kinds=kinds or space.promotion_kinds,
+                     loss_scaling={"mode": "dynamic", "init_scale": 1.0})
+    wrapped = apply_policy(_model(), policy)
+    _train(wrapped, steps=2, lr=0.05, loss_factor=1e7)
+    stats = wrapped.tensor_stats()["linear:activation_grad"]
+    assert stats["max_overflow"] > 0.01  # it overflowed past the threshold
+    promoted = [p.id for p in wrapped.promotions]
+    if kinds is None:
+        assert promoted == [] and not stats["promoted"] and wrapped.scaler.skipped_steps == 2
+        assert wrapped.formats()["linear:activation_grad"] == "e5m2s"
+    else:
+        assert "linear:activation_grad" in promoted and wrapped.formats()["linear:activation_grad"] == "e6m9s"
+
+
+def test_the_paper_loss_scale_doubles_once_per_epoch_and_halves_on_overflow():
+    space = paper_space()
+    assert space.loss_scaling["growth_interval"] == "epoch"
+    policy = _policy(loss_scaling=dict(space.loss_scaling), promotion_threshold=None)
+    with pytest.raises(PrecsearchError, match="steps_per_epoch"):
+        apply_policy(_model(), policy)
+    scaler = apply_policy(_model(), policy, steps_per_epoch=4).scaler
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    overflow_at = {10}
+    scales = []
+    for step in range(1, 17):
+        weight.grad = torch.full((2,), math.inf if step in overflow_at else 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    # hand-written: x2 after each 4 clean steps (epoch boundaries 4 and 8), /2 at the overflow of step 10,
+    # which restarts the count (torch's GradScaler with growth_interval = batches per epoch, as the reference)
+    s = 65536.0
+    assert scales == [s, s, s, 2 * s, 2 * s, 2 * s, 2 * s, 4 * s, 4 * s, 2 * s, 2 * s, 2 * s, 2 * s, 4 * s, 4 * s,
+                      4 * s]
+
+
+class TwoBranch(nn.Module):
+    """An activation with two consumers, as the input of a residual block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.left = nn.Conv2d(4, 4, 1, bias=False)
+        self.right = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        return self.left(h) + self.right(h)
+
+
+@pytest.mark.parametrize("mode", ["per_use", "sum"])
+def test_per_use_gradient_rounding_rounds_each_branch_and_sum_rounds_once(mode):
+    torch.manual_seed(0)
+    model = TwoBranch()
+    x = torch.randn(2, 3, 8, 8)
+    # by hand, in fp32: each branch's gradient of h, then conv's weight gradient for a given gradient of h
+    h = model.conv(x).detach()
+    uses = [h.clone().requires_grad_() for _ in range(2)]
+    (model.left(uses[0]) + model.right(uses[1])).sum().backward()
+    left, right = (use.grad for use in uses)
+    per_use = quantize(left, "e5m2s") + quantize(right, "e5m2s")
+    summed = quantize(left + right, "e5m2s")
+    assert not torch.equal(per_use, summed)  # the example tells them apart
+
+    def conv_grad(grad_h: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(model.conv(x), model.conv.weight, grad_h)[0]
+
+    model.zero_grad()
+    policy = Policy(input_shape=(3, 8, 8), batch_size=2, defaults=dict.fromkeys(KINDS, "fp32"),
+                    overrides={"conv:activation_grad": "e5m2s"}, gradient_rounding=mode, promotion_threshold=None)
+    wrapped = apply_policy(model, policy, example_input=x)
+    wrapped(x).sum().backward()
+    expected = conv_grad(per_use if mode == "per_use" else summed)
+    assert torch.equal(model.conv.weight.grad, expected)
+    assert not torch.equal(model.conv.weight.grad, conv_grad(summed if mode == "per_use" else per_use))
+
+
+def test_ties_away_flows_from_the_policy_to_every_nearest_rounding():
+    x = torch.full((8, *SHAPE), 1.0625)  # a tie of e4m3b4s: 1 by half-to-even, 1.125 away from zero
+    seen = {}
+    for ties in ("even", "away"):
+        model = _model()
+        model.conv1.register_forward_pre_hook(lambda module, args, ties=ties: seen.__setitem__(ties, args[0]))
+        apply_policy(model, _policy(ties=ties))(x)
+    assert torch.equal(seen["even"], torch.ones_like(x)) and torch.equal(seen["away"], torch.full_like(x, 1.125))
 
 
 def test_saturating_gradient_overflow_makes_the_dynamic_scaler_skip():

@@ -106,13 +106,18 @@ def test_a_training_step_under_the_paper_policy_reads_the_host_once(device, monk
     assert _count_one_step(_stepper(plain, x, y), monkeypatch)["host read"] == 0  # the counter's baseline
 
 
-def test_the_guard_still_sees_every_overflow_through_the_once_a_step_read(monkeypatch):
-    # counts read once per step must still promote: conv1's weights x1000 overflow e4m3b4s (max 30)
+def _overflowing_conv1():
+    """ResNet-18 under the paper policy with conv1's weights x1000: they overflow e4m3b4s (max 30)."""
     plain, graph, x, y = _setup()
     model = copy.deepcopy(plain)
     with torch.no_grad():
         model.conv1.weight.mul_(1000)
-    wrapped = apply_policy(model, _paper_policy(graph))
+    return apply_policy(model, _paper_policy(graph)), x, y
+
+
+def test_the_guard_still_sees_every_overflow_through_the_once_a_step_read(monkeypatch):
+    # counts read once per step must still promote
+    wrapped, x, y = _overflowing_conv1()
     ops = _count_one_step(_stepper(wrapped, x, y), monkeypatch)
     assert ops["host read"] == 1
     assert "conv1:weight" in [p.id for p in wrapped.promotions]
@@ -141,6 +146,31 @@ def test_evaluation_forwards_never_count_or_promote():
     wrapped.train()
     _stepper(wrapped, x * 100, y)()  # the same input in a training step does promote
     assert wrapped.promotions and wrapped.step_count == 1
+
+
+def _training_state(wrapped) -> tuple:
+    return (wrapped.formats(), [p.id for p in wrapped.promotions], wrapped.scaler.get_scale(),
+            wrapped.scaler.steps, wrapped.step_count, wrapped.tensor_stats())
+
+
+@pytest.mark.parametrize("context", ["eval, no_grad", "train, no_grad", "train, inference_mode",
+                                     "eval with gradients and backward"])
+def test_no_forward_outside_a_training_step_changes_the_training_state(context):
+    # inputs x100 overflow e4m3b4s (max 30) in most activations, and conv1's weights overflow it
+    wrapped, x, y = _overflowing_conv1()
+    _stepper(wrapped, x, y)()  # one training step, so that there is a state to keep (it promotes conv1)
+    before = _training_state(wrapped)
+    assert before[1] and before[4] == 1
+    wrapped.train(context.startswith("train"))
+    if context.endswith("no_grad"):
+        with torch.no_grad():
+            wrapped(x * 100)
+    elif context.endswith("inference_mode"):
+        with torch.inference_mode():
+            wrapped(x * 100)
+    else:
+        torch.nn.functional.cross_entropy(wrapped(x * 100), y).mul(2.0**24).backward()  # gradients overflow too
+    assert _training_state(wrapped) == before
 
 
 @pytest.mark.slow

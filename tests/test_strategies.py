@@ -15,6 +15,7 @@ from precsearch.graph import trace
 from precsearch.proxy import build_model
 from precsearch.spaces import KINDS, paper_space, parse_space
 from precsearch.strategies import (
+    ACCEPTANCE_WINDOW,
     BASELINES,
     R_GRID,
     assign,
@@ -201,3 +202,22 @@ def test_baseline_policies_assign_the_hand_table_on_tiny_cnn():
                 for t in tiny.assignable_ids()}
     assert policies["wang_fp8"].assignment(tiny) == expected
     assert policies["wang_fp8"].optimizer["update"] == "stochastic"
+
+
+def test_the_acceptance_window_keeps_exactly_the_targets_the_reference_accepts(graph):
+    # the reference runs r only if the share it reached lies in [r, r + 0.1]; computed here from the group sizes
+    sizes = _sizes_from_frame(graph)
+    total = sum(sizes.values())
+    order = sorted(sizes, key=lambda g: (-sizes[g], g))
+    accepted = []
+    for r in R_GRID:
+        share = 0.0
+        for group in order:
+            if share >= r - 1e-12:
+                break
+            share += sizes[group] / total
+        if r in (0.0, 1.0) or share <= r + 0.1 + 1e-12:
+            accepted.append(r)
+    assert len(accepted) < len(R_GRID)  # tiny_cnn's groups are coarse: some targets overshoot the window
+    assert [c.r for c in sweep(graph, SPACE, window=ACCEPTANCE_WINDOW)] == accepted
+    assert [c.r for c in sweep(graph, SPACE)] == list(R_GRID)  # no window: every target

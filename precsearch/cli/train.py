@@ -12,14 +12,15 @@ from typing import Any
 from precsearch.cli.search import add_data_arguments
 from precsearch.errors import PrecsearchError
 from precsearch.policy import COMPRESSIONS
-from precsearch.proxy import ProxyConfig
+from precsearch.proxy import PAPER_LR, ProxyConfig
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "train", help="train a model under a policy file",
-        description="Train MODEL under a policy (e.g. a search's best.json) with SGD + momentum and a cosine "
-                    "schedule; validation accuracy and loss go to --metrics after every evaluation.")
+        description="Train MODEL under a policy (e.g. a search's best.json) with the paper's recipe (SGD lr 0.1, "
+                    "momentum 0.9, weight decay 5e-4, cosine per epoch, random crop + flip, Kaiming fan-out "
+                    "init); validation accuracy and loss go to --metrics after every evaluation.")
     parser.add_argument("model", metavar="MODEL", help="the model the policy was made for (e.g. tiny_cnn)")
     parser.add_argument("--policy", default=None, metavar="FILE",
                         help="policy JSON file (optional with --nproc: without one, plain fp32)")
@@ -33,7 +34,10 @@ def register(subparsers: Any) -> None:
     length.add_argument("--steps", type=int, default=None, metavar="N", help="SGD steps")
     length.add_argument("--epochs", type=float, default=None, metavar="E", help="epochs (default 10)")
     recipe = ProxyConfig()
-    parser.add_argument("--lr", type=float, default=recipe.lr, help=f"peak learning rate (default {recipe.lr})")
+    parser.add_argument("--recipe", choices=("paper", "proxy"), default="paper",
+                        help="paper: the reference recipe (augmentation, Kaiming fan-out init, cosine per epoch); "
+                             "proxy: a search proxy's (none of these, cosine per step)")
+    parser.add_argument("--lr", type=float, default=PAPER_LR, help=f"peak learning rate (default {PAPER_LR})")
     parser.add_argument("--momentum", type=float, default=recipe.momentum)
     parser.add_argument("--weight-decay", type=float, default=recipe.weight_decay)
     parser.add_argument("--eval-every", type=int, default=None, metavar="N",
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     from precsearch.data import load_dataset
     from precsearch.policy import Policy
-    from precsearch.proxy import train_policy
+    from precsearch.proxy import PAPER_RECIPE, train_policy
 
     if args.threads is not None:
         if args.threads < 1:
@@ -73,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _run_data_parallel(args, policy, data, steps, config)
     result = train_policy(args.model, policy, data, steps, seed=args.seed, device=args.device, config=config,
-                          eval_every=args.eval_every, metrics=args.metrics)
+                          eval_every=args.eval_every, metrics=args.metrics,
+                          recipe=PAPER_RECIPE if args.recipe == "paper" else None)
     status = f"diverged ({result.reason})" if result.diverged else "trained"
     print(f"{status}: {result.steps_run} steps in {result.wall_time:.1f} s; validation accuracy "
           f"{result.val_accuracy:.4f}, loss {result.val_loss:.4f}; {len(result.promotions)} promotion(s)")
