@@ -230,6 +230,35 @@ def _train(wrapped: PrecisionModel, steps: int, lr: float, loss_factor: float = 
     return losses
 
 
+def _one_step_on_input(policy: Policy, x: torch.Tensor) -> PrecisionModel:
+    torch.manual_seed(0)
+    wrapped = apply_policy(nn.Sequential(nn.Linear(x.shape[1], 2)), policy)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    loss = F.cross_entropy(wrapped(x), torch.zeros(len(x), dtype=torch.long))
+    wrapped.scaler.scale(loss).backward()
+    wrapped.scaler.step(optimizer)
+    wrapped.scaler.update()
+    return wrapped
+
+
+@pytest.mark.parametrize(("threshold", "promoted"), [(0.1, True), (0.1 + 1e-6, False)])
+def test_a_tensor_is_promoted_when_its_overflow_fraction_reaches_the_threshold(threshold, promoted):
+    x = torch.zeros(1, 10)
+    x[0, 3] = 100.0  # 1 value of 10 past e4m3b4s's max (30): a fraction of exactly 0.1
+    policy = Policy(input_shape=(10,), batch_size=1, defaults={"activation": "e4m3b4s"}, promotion_threshold=threshold)
+    wrapped = _one_step_on_input(policy, x)
+    assert [(p.id, p.fraction) for p in wrapped.promotions] == ([("input_1:activation", 0.1)] if promoted else [])
+
+
+def test_a_tensor_already_in_the_high_format_is_never_promoted():
+    x = torch.full((1, 10), 1e30)  # past e6m9s's max: every value overflows the high format itself
+    policy = Policy(input_shape=(10,), batch_size=1, defaults={"activation": "e6m9s"}, high_format="e6m9s",
+                    promotion_threshold=0.01)
+    wrapped = _one_step_on_input(policy, x)
+    assert wrapped.promotions == []
+    assert [wrapped.formats()[t] for t in ("input_1:activation", "0:activation")] == ["e6m9s", "e6m9s"]
+
+
 @pytest.mark.parametrize("threshold", [0.01, None])
 def test_forward_overflow_is_promoted_and_without_promotion_the_run_diverges(threshold):
     # conv2's weights x100 push its output past e4m3b4s's max (30) in far more than 1% of the values; with
