@@ -426,6 +426,13 @@ def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
             root[tid] = root[op.input_tensors[0]] if in_place else tid
         if op.role == "input" or not needs_grad:
             continue
+        if "saves" in op.attrs:  # what autograd was seen to save while tracing (precsearch.graph)
+            for index, (kind, what, *itemsize) in enumerate(op.attrs["saves"]):
+                if kind == "activation":
+                    save(root[what], what, graph.tensors[what].numel, None, op.name)
+                else:
+                    save(f"{op.name}:saved{index}", None, what, itemsize[0], op.name)
+            continue
         rule = _SAVE_RULES.get(op_type_key(op.module_type))
         if rule is None:
             unknown.add(op.module_type)
@@ -433,7 +440,7 @@ def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
         for item in rule:
             for saved in _rule_items(item, op, graph, trainable):
                 if isinstance(saved, str):
-                    save(root[saved], root[saved], graph.tensors[root[saved]].numel, None, op.name)
+                    save(root[saved], saved, graph.tensors[saved].numel, None, op.name)
                 else:
                     save(f"{op.name}:{item}", None, *saved, op.name)
     if unknown:
