@@ -673,8 +673,8 @@ class PrecisionModel(nn.Module):
         if hidden:
             self.unenforced += list(hidden)
             log.warning("%d op(s) run GEMMs inside FX leaf functions or modules, where the policy cannot round: "
-                        "their inputs, weights and outputs are rounded, the values inside them are not (%s)",
-                        len(hidden), "; ".join(f"{name}: {why}" for name, why in hidden.items()))
+                        "their inputs, weights and outputs are rounded, the values inside them are not (%s: %s)",
+                        len(hidden), ", ".join(hidden), "; ".join(sorted(set(hidden.values()))))
 
     @property
     def promotions(self) -> list[Promotion]:
