@@ -48,8 +48,8 @@ def main() -> int:
     names = torchvision.models.list_models(module=torchvision.models) if args.all else args.models
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}; batch {args.batch}, "
           f"{args.image}x{args.image}, num_classes=10, CPU, {args.threads} thread(s)")
-    print(f"| model | fp32 saved bytes: prediction error | hfp8: runtime saved / predicted | "
-          f"fp16: saved / predicted | unenforced ops | seconds |\n| --- | --- | --- | --- | --- | --- |")
+    print("| model | fp32 saved bytes: prediction error | hfp8: runtime saved / predicted | "
+          "fp16: saved / predicted | unenforced ops | seconds |\n| --- | --- | --- | --- | --- | --- |")
     failed = []
     for name in names:
         start = time.perf_counter()
