@@ -65,7 +65,7 @@ def main() -> int:
             result = check_model(model, batch, name=name)
         except Exception as error:  # one model's failure is a row of the table, not the end of the run
             failed.append(name)
-            print(f"| {name} | failed: {type(error).__name__}: {str(error).splitlines()[0][:200]} | | | | |")
+            print(f"| {name} | failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]} | | | | |")
             continue
         unenforced = (f"{len(result.unenforced)}, e.g. {next(iter(result.unenforced))} "
                       f"({'; '.join(sorted(set(result.unenforced.values())))})" if result.unenforced else "none")
