@@ -13,6 +13,9 @@ when FX cannot trace it), runs it on the example input to learn every shape, and
   (SGD momentum) per trainable parameter, which only the memory breakdown uses. The input batch is an
   activation without a gradient. BN running statistics are buffers, not tensors of the assignment.
 - groups, as the paper defines them (see `Group`).
+- per op (FX traces), what autograd saved while it ran (`attrs["saves"]`, recorded with saved_tensors_hooks
+  in the shape run, which runs with gradients), and the GEMMs it ran where FX cannot see (`hidden_gemms`,
+  recorded by a dispatch mode; `TensorGraph.unenforced`).
 
 Shapes are those at the training batch size. When `batch_size` differs from the example's batch, the model
 runs twice on tiny batches (the example, and the example plus one sample) and every dimension is
@@ -840,7 +843,8 @@ def _record(make_recorder: Callable[[], Any], name: str, model: nn.Module, x: to
 
 def _trace_fx(gm: torch.fx.GraphModule, name: str, model: nn.Module, x: torch.Tensor,
               grow: bool) -> tuple[list[_RawOp], dict[str, list[Any]]]:
-    """Raw ops of the traced graph with shapes at the example batch, and shapes at one more sample if `grow`."""
+    """Raw ops of the traced graph with shapes at the example batch, and shapes at one more sample if `grow`
+    (the numel of each storage an op saved then holds both points, for `trace` to extrapolate)."""
     runs = _record(lambda: _ShapeRecorder(gm), name, model, x, grow, None)
     ops = _fx_ops(gm, runs[0])
     if not grow:
