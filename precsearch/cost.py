@@ -4,8 +4,15 @@ Two countings of activation memory, which differ and are both reported:
 - the paper's: every op's output is an activation tensor (`CostModel.bytes(..., kinds=("activation",))`,
   i.e. `activation_bytes`); it prices what an assignment holds, tensor by tensor, at numel x bits / 8.
 - autograd's: only what backward needs is kept (`saved_activation_bytes`): conv saves its input, ReLU its
-  output, add/cat/flatten nothing, max-pool its input plus int64 indices, ... each storage once, stored at
-  the whole bytes of its format's storage dtype. `measure_saved_bytes` measures the same on a real forward.
+  output, add/cat/flatten nothing, max-pool its input plus int64 indices, an in-place ReLU6 a clone of its
+  input, ... each storage once, stored at the whole bytes of its format's storage dtype. What each op saves
+  is derived, not guessed: `precsearch.graph.trace` records it (saved_tensors_hooks) while it runs the FX
+  graph, and `_SAVE_RULES` is only the fallback for graphs traced with module hooks.
+  `measure_saved_bytes` measures the same on a real forward.
+- which format a saved storage is in, the rule the runtime's packer follows: a saved activation is stored at
+  the format of the tensor whose value was saved, the last rounding of that storage (an in-place ReLU after
+  a high BN is stored at the ReLU's format, not the BN's); a storage autograd or an op made itself (a clone,
+  BN statistics, masks, indices, the values inside a leaf function) is never rounded and stays at its dtype.
 For ResNet-18 the paper's counting is larger, because BN outputs and residual sums are never saved.
 
 Weight-update memory (fp32 masters, Kahan buffers, optimizer state) depends on the training configuration:
@@ -56,7 +63,8 @@ PAPER_LOW: dict[str, str] = {
 }
 Spec = str | FloatFormat
 
-# What autograd saves for backward, per op type (keys as `op_type_key` spells them), measured on torch 2.13:
+# What autograd saves for backward, per op type (keys as `op_type_key` spells them), measured on torch 2.13;
+# used only for graphs without recorded saves (traced with module hooks, or read from older JSON files):
 #   inputs: every input activation; pair: every input activation when the op has two tensor operands (a
 #   product needs the other factor; scaling by a number saves nothing); output: its own output;
 #   pool: its input unless the output is 1x1 (adaptive average pooling to 1 is a mean and saves nothing);
@@ -100,8 +108,9 @@ class Held:
 
 @dataclass(frozen=True)
 class SavedTensor:
-    """One storage autograd keeps for backward, as predicted: an activation (`tensor` is its id, and it is
-    stored at its assigned format) or an op's fp32/int64 byproduct (`tensor` None)."""
+    """One storage autograd keeps for backward, as predicted: an activation (`tensor` is the id whose value is
+    saved, stored at its assigned format; `key` the activation owning the storage) or a storage the op made
+    (`tensor` None: stored at its own `itemsize`)."""
 
     key: str
     tensor: str | None
@@ -317,9 +326,10 @@ class CostModel:
             if entry.tensor is None:
                 hold(size, fwd(savers[0]), bwd(savers[0]), f"saved {entry.key}")
             elif formats.get(entry.tensor, FP32).is_fp32:
-                if ops[producer[entry.tensor]].role != "input":
-                    saved_fp32.add(entry.tensor)
-                    hold(size, fwd(producer[entry.tensor]), bwd(savers[0]), f"saved {entry.tensor}")
+                owner = root[entry.tensor]  # an in-place op's output lives in its input's storage
+                if ops[producer[owner]].role != "input":
+                    saved_fp32.add(owner)
+                    hold(size, fwd(producer[owner]), bwd(savers[0]), f"saved {entry.tensor}")
             else:
                 hold(size, fwd(savers[0]), bwd(savers[0]), f"codes {entry.tensor}")
                 hold(4 * entry.numel, bwd(savers[-1]), bwd(savers[0]), f"decoded {entry.tensor}")
@@ -416,7 +426,8 @@ class CostModel:
 
 
 def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
-    """Apply `_SAVE_RULES` to every op whose output needs a gradient; one entry per storage."""
+    """What every op whose output needs a gradient saves (recorded while tracing, else `_SAVE_RULES`); one
+    entry per storage."""
     requires_grad: dict[str, bool] = {}
     root: dict[str, str] = {}  # activation id -> activation owning its storage (in-place ops share it)
     entries: dict[str, SavedTensor] = {}
@@ -435,6 +446,13 @@ def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
             root[tid] = root[op.input_tensors[0]] if in_place else tid
         if op.role == "input" or not needs_grad:
             continue
+        if "saves" in op.attrs:  # what autograd was seen to save while tracing (precsearch.graph)
+            for index, (kind, what, *itemsize) in enumerate(op.attrs["saves"]):
+                if kind == "activation":
+                    save(root[what], what, graph.tensors[what].numel, None, op.name)
+                else:
+                    save(f"{op.name}:saved{index}", None, what, itemsize[0], op.name)
+            continue
         rule = _SAVE_RULES.get(op_type_key(op.module_type))
         if rule is None:
             unknown.add(op.module_type)
@@ -442,7 +460,7 @@ def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
         for item in rule:
             for saved in _rule_items(item, op, graph, trainable):
                 if isinstance(saved, str):
-                    save(root[saved], root[saved], graph.tensors[root[saved]].numel, None, op.name)
+                    save(root[saved], saved, graph.tensors[saved].numel, None, op.name)
                 else:
                     save(f"{op.name}:{item}", None, *saved, op.name)
     if unknown:

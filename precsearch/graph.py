@@ -13,6 +13,9 @@ when FX cannot trace it), runs it on the example input to learn every shape, and
   (SGD momentum) per trainable parameter, which only the memory breakdown uses. The input batch is an
   activation without a gradient. BN running statistics are buffers, not tensors of the assignment.
 - groups, as the paper defines them (see `Group`).
+- per op (FX traces), what autograd saved while it ran (`attrs["saves"]`, recorded with saved_tensors_hooks
+  in the shape run, which runs with gradients), and the GEMMs it ran where FX cannot see (`hidden_gemms`,
+  recorded by a dispatch mode; `TensorGraph.unenforced`).
 
 Shapes are those at the training batch size. When `batch_size` differs from the example's batch, the model
 runs twice on tiny batches (the example, and the example plus one sample) and every dimension is
@@ -41,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from precsearch.errors import PrecsearchError
 
@@ -63,6 +67,9 @@ GEMM_FUNCTIONS = frozenset({
     "conv1d", "conv2d", "conv3d", "convtranspose1d", "convtranspose2d", "convtranspose3d",
     "linear", "matmul", "mm", "bmm", "addmm",
 })
+# aten ops (overload packet names) that multiply matrices, as the dispatcher sees them after decomposition
+_ATEN_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution",
+                         "_convolution", "mkldnn_convolution", "cudnn_convolution", "_mkldnn_matmul"})
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 GEMM_MODULES: tuple[type[nn.Module], ...] = (*_CONVS, nn.Linear)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -187,6 +194,13 @@ class TensorGraph:
     def assignable_ids(self) -> list[str]:
         """Ids of the tensors an assignment may hold low (weights, activations and their gradients)."""
         return [tid for tid, info in self.tensors.items() if info.kind in ASSIGNABLE_KINDS]
+
+    def unenforced(self) -> dict[str, str]:
+        """Op name -> why a policy cannot round inside it: an op that is no GEMM itself yet ran GEMMs where FX
+        cannot see (a leaf function such as torchvision's `shifted_window_attention`, or a leaf module). The
+        runtime rounds its inputs, weights and outputs; the values inside it stay float32."""
+        return {op.name: f"runs {', '.join(op.attrs['hidden_gemms'])} inside an FX leaf"
+                for op in self.ops if op.attrs.get("hidden_gemms")}
 
     def fingerprint(self) -> str:
         """Stable 16-hex-digit hash of the tensor ids and shapes, to tell whether a policy fits this graph."""
@@ -392,23 +406,82 @@ class _OpNamer:
         return name
 
 
+def _is_aten_gemm(name: str) -> bool:
+    """Whether an aten op (by its overload packet's name) multiplies matrices: the rounding points of a GEMM."""
+    return name in _ATEN_GEMMS or "scaled_dot_product" in name
+
+
+class _GemmRecorder(TorchDispatchMode):
+    """Records the GEMMs torch dispatches while it is active, below FX: those run inside a leaf function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if _is_aten_gemm(name):
+            self.seen.append(f"aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """One storage autograd saved while a node ran: a value of node `node` (output `position`, None when it is
+    a storage no node made), and its whole storage's bytes and element size (the fallback price)."""
+
+    node: str | None
+    position: int
+    nbytes: int
+    itemsize: int
+
+
 class _ShapeRecorder(torch.fx.Interpreter):
-    """Runs a GraphModule and keeps `_describe` of every node's value by node name."""
+    """Runs a GraphModule with gradients and keeps, by node name: `_describe` of its value, the storages
+    autograd saved while it ran (`_Saved`, what the cost model prices: derived, not guessed) and the GEMMs it
+    dispatched. Every value stays alive, so a storage address names one storage for the whole run."""
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
         super().__init__(module)
         self.extra_traceback = False
         self.records: dict[str, list[tuple[int, ...] | None] | None] = {}
+        self.saves: dict[str, list[_Saved]] = {}
+        self.gemms: dict[str, list[str]] = {}
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._writer: dict[int, tuple[str, int]] = {}  # storage address -> (node, output) that last wrote it
+        self._alive: list[Any] = []
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.enable_grad():
+            return super().run(*args, **kwargs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        result = super().run_node(n)
+        saved: list[torch.Tensor] = []
+        recorder = _GemmRecorder()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), recorder:
+            result = super().run_node(n)
         self.records[n.name] = _describe(result)
+        values = [result] if isinstance(result, torch.Tensor) else list(result) if _describe(result) else []
+        own = {t.untyped_storage().data_ptr(): (n.name, i) for i, t in enumerate(values)}
+        entries: dict[int, _Saved] = {}
+        for tensor in saved:
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr in entries or ptr in self._params:
+                continue
+            node, position = own.get(ptr) or self._writer.get(ptr) or (None, 0)
+            entries[ptr] = _Saved(node, position, tensor.untyped_storage().nbytes(), tensor.element_size())
+        self._writer.update(own)
+        self.saves[n.name] = list(entries.values())
+        self.gemms[n.name] = recorder.seen
+        self._alive.append((result, saved))
         return result
 
 
-def _fx_ops(gm: torch.fx.GraphModule, records: dict[str, Any]) -> list[_RawOp]:
+def _fx_ops(gm: torch.fx.GraphModule, run: _ShapeRecorder) -> list[_RawOp]:
     """Raw ops of a traced graph, with pass-throughs resolved to the activations they carry, that reach the
-    graph's output."""
+    graph's output. Each op's attrs hold what autograd saved while it ran (`saves`, see `_saved_items`) and,
+    for an op that is no GEMM itself, the GEMMs it ran inside (`hidden_gemms`): FX cannot see into it."""
+    records = run.records
     sources: dict[str, Any] = {}  # node name -> activation id, _ParamRef, tuple of those, or None
     ops: list[_RawOp] = []
     namer = _OpNamer(gm)
@@ -454,7 +527,27 @@ def _fx_ops(gm: torch.fx.GraphModule, records: dict[str, Any]) -> list[_RawOp]:
         ops.append(_RawOp(name, node.name, role, module_type, activations, params, out, attrs))
         ids = ops[-1].activation_ids()
         sources[node.name] = ids[0] if len(ids) == 1 else tuple(ids)
+        attrs["saves"] = _saved_items(run.saves[node.name], sources)
+        if role != "gemm" and run.gemms[node.name]:
+            attrs["hidden_gemms"] = sorted(set(run.gemms[node.name]))
     return _live(ops, outputs)
+
+
+def _saved_items(saves: list[_Saved], sources: dict[str, Any]) -> list[list[Any]]:
+    """What an op saved, for the cost model: ["activation", id] for a storage holding an activation of the
+    graph (views and layout copies included), else ["new", numel, itemsize] for a storage autograd or the op
+    made (a clone of an in-place op's input, BN statistics, a dropout mask, indices, values computed inside
+    a leaf function), at its own dtype."""
+    items: list[list[Any]] = []
+    for saved in saves:
+        source = sources.get(saved.node) if saved.node is not None else None
+        if isinstance(source, tuple):
+            source = source[saved.position] if saved.position < len(source) else None
+        if isinstance(source, str):
+            items.append(["activation", source])
+        else:
+            items.append(["new", saved.nbytes // saved.itemsize, saved.itemsize])
+    return items
 
 
 def _live(ops: list[_RawOp], outputs: Iterable[str]) -> list[_RawOp]:
@@ -728,6 +821,8 @@ def trace(model: nn.Module, example_input: torch.Tensor, batch_size: int | None 
         extrapolated = shapes1.get(op.name, op.shapes)
         op.shapes = [_extrapolate(s0, s1, b0, target, op.name) if b0 != target else s0
                      for s0, s1 in zip(op.shapes, extrapolated, strict=True)]
+        if b0 != target and "saves" in op.attrs:
+            op.attrs["saves"] = [_extrapolate_save(item, b0, target, op.name) for item in op.attrs["saves"]]
     return _assemble(ops, name, target, tuple(example_input.shape[1:]), "fx" if gm is not None else "hooks", gm)
 
 
@@ -749,12 +844,37 @@ def _record(make_recorder: Callable[[], Any], name: str, model: nn.Module, x: to
 
 def _trace_fx(gm: torch.fx.GraphModule, name: str, model: nn.Module, x: torch.Tensor,
               grow: bool) -> tuple[list[_RawOp], dict[str, list[Any]]]:
-    """Raw ops of the traced graph with shapes at the example batch, and shapes at one more sample if `grow`."""
-    runs = [recorder.records for recorder in _record(lambda: _ShapeRecorder(gm), name, model, x, grow, None)]
+    """Raw ops of the traced graph with shapes at the example batch, and shapes at one more sample if `grow`
+    (the numel of each storage an op saved then holds both points, for `trace` to extrapolate)."""
+    runs = _record(lambda: _ShapeRecorder(gm), name, model, x, grow, None)
     ops = _fx_ops(gm, runs[0])
     if not grow:
         return ops, {}
-    return ops, {op.name: runs[1].get(op.node) or [None] * len(op.shapes) for op in ops}
+    grown = {op.name: op for op in _fx_ops(gm, runs[1])}
+    for op in ops:
+        if "saves" in op.attrs:
+            op.attrs["saves"] = _grow_saves(op, grown.get(op.name), x.shape[0])
+    return ops, {op.name: runs[1].records.get(op.node) or [None] * len(op.shapes) for op in ops}
+
+
+def _grow_saves(op: _RawOp, grown: _RawOp | None, b0: int) -> list[list[Any]]:
+    """`op`'s saves with each new storage's numel as [numel at b0, numel at b0 + 1], extrapolated by `trace`."""
+    saves = op.attrs["saves"]
+    other = grown.attrs["saves"] if grown is not None else None
+    if other is None or [item[:1] for item in other] != [item[:1] for item in saves]:
+        raise PrecsearchError(f"op {op.name} saves different tensors for backward at batch {b0} and {b0 + 1}, so "
+                              "its saved bytes at the training batch cannot be inferred; pass an example input "
+                              "at the training batch size")
+    return [[item[0], [item[1], more[1]], item[2]] if item[0] == "new" else item
+            for item, more in zip(saves, other, strict=True)]
+
+
+def _extrapolate_save(item: list[Any], b0: int, target: int, op: str) -> list[Any]:
+    """A `_grow_saves` item at the training batch: a new storage's numel extrapolated like a shape."""
+    if item[0] != "new":
+        return item
+    kind, (numel0, numel1), itemsize = item
+    return [kind, _extrapolate((numel0,), (numel1,), b0, target, op)[0], itemsize]
 
 
 def _trace_hooks(model: nn.Module, leaf: _LeafSpec, name: str, x: torch.Tensor, fx_error: BaseException | None,

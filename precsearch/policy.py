@@ -259,6 +259,7 @@ class PolicyReport:
     graph_fingerprint: str
     missing: list[str] = field(default_factory=list)
     uncovered: list[str] = field(default_factory=list)
+    unenforced: list[str] = field(default_factory=list)  # ops the runtime rounds only at their boundary
 
     @property
     def fingerprint_matches(self) -> bool:
@@ -278,6 +279,9 @@ class PolicyReport:
         if self.uncovered:
             lines.append(f"{len(self.uncovered)} tensor(s) covered by no rule (kept fp32): "
                          + ", ".join(self.uncovered))
+        if self.unenforced:
+            lines.append(f"WARNING: {len(self.unenforced)} op(s) not enforced inside (rounded at their boundary "
+                         f"only): {'; '.join(self.unenforced)}")
         return "\n".join(lines)
 
 
@@ -456,7 +460,8 @@ class Policy:
                         if not fnmatch.filter(layers, pattern)]
         uncovered = [tensor_id for tensor_id in graph.assignable_ids()
                      if self.explain(graph.tensors[tensor_id])[1] == "no rule"]
-        return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered)
+        unenforced = [f"{name} ({why})" for name, why in graph.unenforced().items()]
+        return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered, unenforced)
 
     def verify(self, graph: TensorGraph, strict: bool = True) -> PolicyReport:
         """``check`` that raises when the policy was made for another graph (unless ``strict`` is False)."""

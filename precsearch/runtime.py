@@ -23,7 +23,8 @@ The pieces, each in one place:
 * ``instrument_fx``: a copy of the traced FX graph with a rounding module after every op that makes a
   rounded tensor (as torch.ao's prepare_fx inserts observers), and an alias module after every layout op
   that copies one. Untraceable models get module forward hooks; ops that are plain function calls are then
-  not enforced and listed in ``unenforced``.
+  not enforced and listed in ``unenforced``, as are ops that run GEMMs inside an FX leaf function or module
+  (``TensorGraph.unenforced``: rounded at their boundary only), each with a WARNING.
 * ``_Packer``: tensors autograd saves for backward are held as codes of their format (the round op makes the
   codes in the same pass) through ``saved_tensors_hooks``, once per storage; an op that saved its own output
   before the rounding module ran (ReLU saves its result) is switched to the rounded codes too, as
@@ -718,6 +719,16 @@ class PrecisionModel(nn.Module):
         if self.unenforced:
             log.warning("model is not FX-traceable: activations of %d function op(s) are not rounded (%s)",
                         len(self.unenforced), ", ".join(self.unenforced))
+        self._list_hidden_gemms()
+
+    def _list_hidden_gemms(self) -> None:
+        """Ops running GEMMs inside an FX leaf are rounded only at their boundary: say so, once, and list them."""
+        hidden = self.graph.unenforced()
+        if hidden:
+            self.unenforced += list(hidden)
+            log.warning("%d op(s) run GEMMs inside FX leaf functions or modules, where the policy cannot round: "
+                        "their inputs, weights and outputs are rounded, the values inside them are not (%s: %s)",
+                        len(hidden), ", ".join(hidden), "; ".join(sorted(set(hidden.values()))))
 
     @property
     def promotions(self) -> list[Promotion]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from precsearch.cli import main
-from precsearch.cost import MIB, CostModel
+from precsearch.cost import MIB, CostModel, measure_saved_bytes
 from precsearch.graph import TensorGraph, trace
 from precsearch.models import build
 
@@ -65,3 +65,17 @@ def test_console_script_reports_unknown_model_without_traceback():
     assert result.returncode == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown model 'no_such_model'" in lines[0]
+
+
+def test_trace_check_compares_saved_bytes_and_lists_unenforced_ops(capsys):
+    """`--check` on a zoo model (all within 2%, exit 0) and on a user's model whose attention runs in an FX
+    leaf function (test_saves.LeafAttention): the WARNING names it."""
+    assert main(["trace", "tiny_cnn:width=0.5", "--batch-size", "4", "--check"]) == 0
+    out = capsys.readouterr().out
+    reference = build("tiny_cnn", width=0.5)
+    measured = measure_saved_bytes(reference, torch.randn((4, 3, 32, 32), generator=torch.Generator().manual_seed(1)))
+    assert f"fp32: predicted {measured / MIB:.3f} MiB, measured {measured / MIB:.3f} MiB (autograd), error +0.0%" in out
+    assert "hfp8: runtime kept" in out and "ratio 1.000" in out and "unenforced ops: none" in out
+    assert main(["trace", "test_saves:LeafAttention", "--input-shape", "3,16,16", "--batch-size", "4", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: 1 op(s) not enforced inside (rounded at their boundary only): attention (runs aten." in out

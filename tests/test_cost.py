@@ -98,17 +98,31 @@ def test_other_op_rules_match_measurement():
     assert predicted == measured, f"predicted {predicted} B, measured {measured} B"
 
 
-def test_unknown_op_is_counted_conservatively_with_a_warning(caplog):
-    class Erf(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3)
+class Erf(nn.Module):
+    """An op no rule knows (erf saves its input); `branch` makes the forward untraceable by FX."""
 
-        def forward(self, x):
-            return torch.erf(self.conv(x)).mean((2, 3))
+    def __init__(self, branch: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.branch = branch
 
+    def forward(self, x):
+        y = self.conv(x)
+        if self.branch and y.sum() > 1e9:  # data-dependent control flow: FX cannot trace this
+            y = y * 2
+        return torch.erf(y).mean((2, 3))
+
+
+def test_unknown_op_is_priced_by_what_autograd_saved_while_tracing(caplog):
     model = Erf()
     with caplog.at_level(logging.WARNING, logger="precsearch.cost"):
+        predicted = CostModel(trace(model, _example(2), batch_size=4)).saved_activation_bytes()
+    assert predicted == measure_saved_bytes(model, _example(4)) and "no autograd save rule" not in caplog.text
+
+
+def test_unknown_op_of_a_hook_traced_model_is_counted_conservatively_with_a_warning(caplog):
+    model = Erf(branch=True)
+    with caplog.at_level(logging.WARNING, logger="precsearch.cost"), pytest.warns(UserWarning, match="torch.fx"):
         predicted = CostModel(trace(model, _example(2), batch_size=4)).saved_activation_bytes()
     assert "no autograd save rule for op type(s) erf" in caplog.text
     assert predicted >= measure_saved_bytes(model, _example(4))

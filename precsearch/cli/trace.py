@@ -1,5 +1,6 @@
 """`precsearch trace MODEL`: a model's tensor graph as tables: groups and their tensors, MiB per group and
-kind, and activation memory counted the paper's way and autograd's way. `--json` writes the whole graph."""
+kind, and activation memory counted the paper's way and autograd's way. `--json` writes the whole graph;
+`--check` measures the saved bytes against the prediction and lists the ops not enforced (precsearch.check)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--leaf", nargs="+", action="extend", default=[], metavar="MODULE_TYPE",
                         help="module class names (or qualified module names) to keep as single ops")
     parser.add_argument("--json", metavar="FILE", help="also write the graph as JSON to FILE (atomically)")
+    parser.add_argument("--check", action="store_true",
+                        help="also measure one training forward at the batch size: saved bytes predicted vs "
+                             "measured in fp32 and under the hfp8 and fp16 policies, and the ops not enforced "
+                             "(exit status 1 when a figure is off by more than 2%%)")
     parser.set_defaults(func=run)
 
 
@@ -91,4 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         graph.save(args.json)
     print(report(graph, CostModel(graph)))
-    return 0
+    if not args.check:
+        return 0
+    from precsearch.check import check_model
+
+    batch = torch.randn((args.batch_size, *shape), generator=torch.Generator().manual_seed(1))
+    result = check_model(model, batch, leaf_modules=args.leaf, name=args.model)
+    print()
+    print(result.summary())
+    return 0 if result.ok else 1
