@@ -878,7 +878,7 @@ def _reference(frame: pd.DataFrame, context: SearchContext, study: optuna.Study)
 
 
 def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, noise: Noise | None = None,
-                reference_seeds: int = 1) -> pd.Series | None:
+                reference_seeds: int = 1, reference_key: str | None = None) -> pd.Series | None:
     """The point the budget picks among trained, non-diverged trials (None when none qualifies), never on a
     difference of proxy means smaller than the seed ``noise`` allows at the budget's confidence.
 
@@ -886,8 +886,10 @@ def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, no
     distinguishably below the best mean (``_least_memory_among_ties``). Otherwise least memory among the
     trials whose accuracy is within the allowed drop (default 1 point) of the ``reference_seeds``-seed
     all-high mean ``reference`` with the budget's confidence (``_confidently_within_drop``), then best
-    accuracy. The row gets ``pick_confidence``: the confidence that its true accuracy is within the drop
-    (accuracy-drop rule) or no worse than the best mean (memory rule); NaN when the noise is unmeasured.
+    accuracy; the all-high assignment itself (``reference_key``) always qualifies, so too much noise picks
+    all-high rather than nothing. The row gets ``pick_confidence``: the confidence that its true accuracy is
+    within the drop (accuracy-drop rule) or no worse than the best mean (memory rule); NaN when the noise is
+    unmeasured or the pick is the reference itself.
     """
     if frame.empty:
         return None
@@ -897,7 +899,7 @@ def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, no
         return _least_memory_among_ties(ok[ok["memory"] <= budget.max_memory + 1e-12], noise)
     if reference is None:
         return None
-    return _confidently_within_drop(ok, reference, reference_seeds, budget.drop, noise)
+    return _confidently_within_drop(ok, reference, reference_seeds, budget.drop, noise, reference_key)
 
 
 def _seeds_of(frame: pd.DataFrame) -> pd.Series:
@@ -919,16 +921,17 @@ def _least_memory_among_ties(ok: pd.DataFrame, noise: Noise) -> pd.Series | None
 
 
 def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds: int, drop: float,
-                             noise: Noise) -> pd.Series | None:
+                             noise: Noise, reference_key: str | None) -> pd.Series | None:
     """Least memory (then best accuracy) among trials whose one-sided bound on (mean - reference) is at
-    least ``-drop``."""
+    least ``-drop``, and the reference assignment itself."""
     seeds = _seeds_of(ok)
-    ok = ok[ok["val_accuracy"] - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12]
+    itself = ok["key"] == reference_key
+    ok = ok[itself | (ok["val_accuracy"] - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12)]
     if ok.empty:
         return None
     best = ok.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True]).iloc[0].copy()
-    best["pick_confidence"] = noise.probability_above(best["val_accuracy"] - reference, -drop,
-                                                      _seeds_of(ok)[best.name], reference_seeds)
+    best["pick_confidence"] = (math.nan if best["key"] == reference_key else noise.probability_above(
+        best["val_accuracy"] - reference, -drop, _seeds_of(ok)[best.name], reference_seeds))
     return best
 
 
@@ -984,11 +987,14 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[
         if stale.name not in wanted:
             stale.unlink()
     best = choose_best(frame, context.budget, _reference(frame, context, study), noise,
-                       len(study.user_attrs.get("reference_accuracies", [0])))
+                       len(study.user_attrs.get("reference_accuracies", [0])),
+                       uniform(context.graph, context.space, "high").key)
     if best is not None:
         policy = _policy_for_row(best, study, context, f"best: {context.budget.describe()}")
         pick = {**noise.to_dict(), "seeds": int(best.get("seeds", 1)),
                 "pick_confidence": float(best["pick_confidence"]), "statement": _pick_statement(best, noise)}
+        pick = {name: None if isinstance(value, float) and math.isnan(value) else value  # JSON has no NaN
+                for name, value in pick.items()}
         policy.replace(provenance={**policy.provenance, "noise": pick}).save(out_dir / "best.json")
     return frame, front, best
 
@@ -998,7 +1004,8 @@ def _pick_statement(best: pd.Series, noise: Noise) -> str:
     if not noise.measured:
         return noise.describe()
     confidence = best["pick_confidence"]
-    sure = "best mean" if math.isnan(confidence) else f"{100 * confidence:.0f}% confidence"
+    sure = "no bound needed (it is all-high or the best mean)" if math.isnan(confidence) else \
+        f"{100 * confidence:.0f}% confidence"
     return f"{noise.describe()}; trial {int(best['number'])} picked with {sure}"
 
 
@@ -1345,7 +1352,7 @@ def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[st
         return {}
     previous = json.loads(run_file.read_text(encoding="utf-8"))
     config = _config(context)
-    if any(previous.get(key) != config[key] for key in config if key != "budget"):
+    if any(previous.get(key) != config[key] for key in config if key not in ("budget", "proxy_seeds")):
         return {}
     frame = pd.read_csv(trials_file)
     frame = frame[frame["trained"].astype(bool) & (frame["state"] == "COMPLETE")].sort_values("number")
@@ -1356,6 +1363,7 @@ def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[st
 
 
 _COPIED = ("memory", "bytes", "val_accuracy", "val_loss", "diverged", "reason", "promotions", "wall_time")
+_SEED_FIELDS = ("seeds", "val_accuracy_sd")  # copied when the reused trial has them (a multi-seed search)
 
 
 def run_baselines(
@@ -1409,6 +1417,7 @@ def run_baselines(
             row: dict[str, Any] = {"source": source, "name": name, "r": math.nan if r is None else r, "key": key}
             if key in known:
                 row.update({field: known[key][field] for field in (*_COPIED, "reused")})
+                row.update({field: known[key][field] for field in _SEED_FIELDS if field in known[key]})
             else:
                 result = run_proxy(model_spec, policy, context.data, space.proxy.steps, seed=seed, device=device,
                                    config=space.proxy)
