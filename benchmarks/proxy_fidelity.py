@@ -3,8 +3,8 @@ longer training does?
 
 For each task (the bundled digits data and the procedurally generated ``gratings`` task), the paper's
 technique at r = 0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0 (coinciding assignments trained once), and for a model
-of at most 5 units (tiny_cnn has 4 groups, whose sweep gives only 4 distinct points) every other high/low
-combination of its units (labelled H/L per unit), is trained as
+of at most 5 units (tiny_cnn has 4 groups, whose sweep gives only 4 distinct points) further high/low
+combinations of its units (labelled H/L per unit), ``--assignments`` in all, is trained as
 ``--seeds`` proxies of ``--proxy-steps`` steps and one long run of ``--long-steps`` steps (seed 0). Printed
 per task: per-assignment proxy mean +- sd over seeds, the long run's accuracy and promotions, a one-way ANOVA
 of proxy accuracy over assignments, the assignment effect (range of the per-assignment proxy means) as a
@@ -35,9 +35,9 @@ RS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
 EXHAUSTIVE_UNITS = 5  # models with at most this many units also get every high/low combination of them
 
 
-def candidates(context: SearchContext) -> list[tuple[str, dict[str, str]]]:
-    """(label, assignment) pairs: the paper's sweep, then (small models) every other high/low combination;
-    an assignment reached twice is listed once, under all its labels."""
+def candidates(context: SearchContext, limit: int) -> list[tuple[str, dict[str, str]]]:
+    """(label, assignment) pairs: the paper's sweep, then (small models) other high/low combinations in
+    binary order, at most ``limit`` in all; an assignment reached twice is listed once, under all its labels."""
     space, graph = context.space, context.graph
     found: dict[str, tuple[str, dict[str, str]]] = {}
     for candidate in sweep(graph, space, rs=RS):
@@ -51,15 +51,16 @@ def candidates(context: SearchContext) -> list[tuple[str, dict[str, str]]]:
             key = assignment_key(assignment)
             if key not in found:
                 found[key] = ("".join("L" if decisions[unit] == "low" else "H" for unit in names), assignment)
-    return list(found.values())
+    return list(found.values())[:limit]
 
 
-def study(task: str, model: str, proxy_steps: int, long_steps: int, seeds: int) -> tuple[pd.DataFrame, dict]:
+def study(task: str, model: str, proxy_steps: int, long_steps: int, seeds: int,
+          limit: int) -> tuple[pd.DataFrame, dict]:
     space = paper_space().with_proxy(steps=proxy_steps)
     data = load_dataset(task, image_size=space.proxy.image_size)
     context = SearchContext.create(model, space, DataSpec(task), Budget(), 0, "cpu", data=data)
     rows, groups = [], []
-    for label, assignment in candidates(context):
+    for label, assignment in candidates(context, limit):
         policy = context.policy(assignment, {"benchmark": label})
         start = time.perf_counter()
         proxy, accuracies = context.train_seeds(policy, seeds)
@@ -94,8 +95,9 @@ def main() -> None:
     parser.add_argument("--tasks", default="gratings,digits")
     parser.add_argument("--model", default="tiny_cnn")
     parser.add_argument("--proxy-steps", type=int, default=150)
-    parser.add_argument("--long-steps", type=int, default=600)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--long-steps", type=int, default=450)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--assignments", type=int, default=10, help="at most this many assignments per task")
     parser.add_argument("--out", default=None, help="folder for fidelity_runs.csv and fidelity_stats.csv")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -103,7 +105,7 @@ def main() -> None:
     for task in args.tasks.split(","):
         print(f"{task}: {args.model}, proxies {args.proxy_steps} steps x {args.seeds} seeds, long runs "
               f"{args.long_steps} steps", flush=True)
-        frame, summary = study(task, args.model, args.proxy_steps, args.long_steps, args.seeds)
+        frame, summary = study(task, args.model, args.proxy_steps, args.long_steps, args.seeds, args.assignments)
         frames.append(frame)
         summaries.append({"task": task, **summary})
     runs, table = pd.concat(frames), pd.DataFrame(summaries)

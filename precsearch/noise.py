@@ -12,7 +12,9 @@ single-seed proxies differ by about 1.07 points of pure noise. Here that noise i
   unmeasured (every proxy ran one seed) the margin is zero, i.e. the plain comparison of means, and the
   caller says so.
 * ``seeds_for`` chooses how many seeds a proxy needs so that an assignment as accurate as all-high passes a
-  "within D of all-high" bound: the bound's margin must stay under half of D.
+  "within D of all-high" bound: the bound's margin must stay under half of D. The search's automatic choice
+  takes at least 2, so that every trial adds to the noise estimate (three seeds of all-high alone give it
+  2 degrees of freedom, and a saturated all-high, 100% on every seed, would claim no noise at all).
 * ``rank_correlations`` gives Spearman's and Kendall's coefficients with bootstrap intervals (explicit seed).
 """
 
@@ -98,12 +100,14 @@ def pooled_noise(frame: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
     return Noise(math.sqrt(squares / df) if df else math.nan, df, confidence)
 
 
-def seeds_for(noise: Noise, drop: float, reference_seeds: int, max_seeds: int = MAX_SEEDS) -> int:
-    """Fewest seeds (1..max_seeds) whose bound margin against a ``reference_seeds``-seed reference is at most
-    half the allowed ``drop``; ``max_seeds`` (with a warning) when even that is not enough."""
+def seeds_for(noise: Noise, drop: float, reference_seeds: int, max_seeds: int = MAX_SEEDS,
+              min_seeds: int = 1) -> int:
+    """Fewest seeds (``min_seeds``..``max_seeds``) whose bound margin against a ``reference_seeds``-seed
+    reference is at most half the allowed ``drop``; ``max_seeds`` (with a warning) when even that is not
+    enough."""
     if not noise.measured:
-        return 1
-    for seeds in range(1, max_seeds + 1):
+        return min_seeds
+    for seeds in range(min_seeds, max_seeds + 1):
         if noise.margin(seeds, reference_seeds) <= drop / 2:
             return seeds
     log.warning("seed noise %.4f is too large for a %.4f accuracy drop even at %d seeds per proxy (margin %.4f); "

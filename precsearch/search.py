@@ -120,6 +120,7 @@ METRICS = (
     "val_accuracy_sd", "val_accuracies", "seeds",
 )
 AUTO_REFERENCE_SEEDS = 3  # with --proxy-seeds auto, the all-high reference trains this many seeds to measure noise
+AUTO_MIN_SEEDS = 2  # ... and every proxy at least this many, so each trial adds to the noise estimate
 
 
 # ------------------------------------------------------------------------------------------ configuration
@@ -781,7 +782,7 @@ def _ensure_reference(study: optuna.Study, context: SearchContext) -> None:
     seeds = requested
     if seeds is None:
         noise = pooled_noise(pd.DataFrame(), context.budget.confidence, extra=[accuracies])
-        seeds = seeds_for(noise, context.budget.drop, len(accuracies))
+        seeds = seeds_for(noise, context.budget.drop, len(accuracies), min_seeds=AUTO_MIN_SEEDS)
         log.info("%s; %d seed(s) per proxy", noise.describe(), seeds)
     study.set_user_attr("proxy_seeds", seeds)
     study.set_user_attr("reference_key", candidate.key)
@@ -1210,8 +1211,8 @@ def run_search(
     With ``study_name`` the process joins the shared study of that name in ``storage`` (a PostgreSQL URL
     for several hosts), creating and seeding it if it is the first; ``trials`` is the study's total.
 
-    ``proxy_seeds`` seeds train each proxy and the all-high reference (None: 3 for the reference, then as
-    many as the noise they show needs, see ``noise.seeds_for``); the pick is then taken at the budget's
+    ``proxy_seeds`` seeds train each proxy and the all-high reference (None: 3 for the reference, then 2 to
+    4, as many as the noise they show needs, see ``noise.seeds_for``); the pick is then taken at the budget's
     confidence. One seed keeps the single-number comparison, with a warning that its confidence is unknown.
     """
     start = time.perf_counter()

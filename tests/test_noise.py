@@ -93,6 +93,7 @@ def test_seeds_for_keeps_the_margin_under_half_the_drop():
     assert seeds_for(noise, 0.04, 3) == 1  # 0.0115 <= 0.02
     assert seeds_for(noise, 0.02, 3) == 2  # k=1: 0.0115 > 0.01; k=2: 0.0091
     assert seeds_for(noise, 0.01, 3, max_seeds=4) == 4  # never enough: capped (with a warning)
+    assert seeds_for(noise, 0.04, 3, min_seeds=2) == 2  # the search's automatic choice starts at 2
 
 
 def test_rank_correlations_by_hand():

@@ -98,7 +98,7 @@ def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
     """--proxy-seeds, --confidence."""
     parser.add_argument("--proxy-seeds", type=proxy_seeds, default=None, metavar="K",
                         help="seeds per proxy (and for the all-high reference); auto (default): the reference "
-                             "trains 3, and each proxy as many (1-4) as the noise they show needs")
+                             "trains 3, and each proxy as many (2-4) as the noise they show needs")
     parser.add_argument("--confidence", type=float, default=0.9, metavar="C",
                         help="one-sided confidence of accuracy decisions against the seed noise (default 0.9)")
 
