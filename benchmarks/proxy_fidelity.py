@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--proxy-steps", type=int, default=150)
     parser.add_argument("--long-steps", type=int, default=450)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--assignments", type=int, default=10, help="at most this many assignments per task")
+    parser.add_argument("--assignments", type=int, default=7, help="at most this many assignments per task")
     parser.add_argument("--out", default=None, help="folder for fidelity_runs.csv and fidelity_stats.csv")
     args = parser.parse_args()
     torch.set_num_threads(1)

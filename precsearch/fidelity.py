@@ -8,8 +8,10 @@ length; give the real training length for a real check), and writes:
   planned and with the promotions the proxy made, the long run's accuracy, loss, divergence, promotions and
   memory with them (the promotion guard may promote more over a longer run, so the proxy under-counts).
 * ``fidelity.json``: Spearman's and Kendall's rank correlations of proxy mean against long-run accuracy with
-  bootstrap intervals (``noise.rank_correlations``), and whether ``best.json`` still meets its budget after
-  full training (memory including the long run's promotions; accuracy against the long all-high run).
+  bootstrap intervals (``noise.rank_correlations``), whether ``best.json`` still meets its budget after
+  full training (memory including the long run's promotions; accuracy against the long all-high run), and
+  how often the proxy foretold the long run: assignments whose divergence the proxy got right
+  (``divergence_predicted``) and those where the long run promoted more tensors (``promotions_under_counted``).
 * ``fidelity.png``: proxy accuracy (with seed error bars) against long-run accuracy per assignment.
 """
 
@@ -119,6 +121,7 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
                 "proxy_sd": float(row.get("val_accuracy_sd", math.nan)),
                 "proxy_seeds": int(row.get("seeds", 1)) if row.get("seeds", 1) == row.get("seeds", 1) else 1,
                 "proxy_promotions": int(row["promotions"]), "proxy_memory": float(row["memory"]),
+                "proxy_diverged": str(row["diverged"]) == "True",
                 "long_steps": steps, "long_accuracy": result.val_accuracy, "long_loss": result.val_loss,
                 "long_diverged": result.diverged, "long_reason": result.reason,
                 "long_promotions": len(result.promotions),
@@ -142,6 +145,8 @@ def _summary(table: pd.DataFrame, budget: Budget) -> dict[str, Any]:
     summary: dict[str, Any] = {"assignments": len(table), "long_steps": int(table["long_steps"].iloc[0]),
                                "bootstrap_seed": BOOTSTRAP_SEED}
     summary.update(rank_correlations(ok["proxy_accuracy"], ok["long_accuracy"], seed=BOOTSTRAP_SEED))
+    summary["divergence_predicted"] = int((table["proxy_diverged"] == table["long_diverged"]).sum())
+    summary["promotions_under_counted"] = int((table["long_promotions"] > table["proxy_promotions"]).sum())
     summary["best"] = _best_verdict(table, budget)
     return {name: None if isinstance(value, float) and math.isnan(value) else value
             for name, value in summary.items()}

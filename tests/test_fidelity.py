@@ -40,6 +40,8 @@ def test_validate_writes_fidelity_files_for_front_references_and_best(validated)
     assert (out / "fidelity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "fidelity.json").read_text())
     assert summary["long_steps"] == LONG and summary["assignments"] == len(table)
+    agree = (table["proxy_diverged"].astype(str) == table["long_diverged"].astype(str)).sum()
+    assert summary["divergence_predicted"] == agree
 
 
 def test_long_runs_are_the_policy_trained_for_the_given_steps(validated):
