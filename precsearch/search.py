@@ -175,9 +175,10 @@ class Budget:
 
     def describe(self) -> str:
         if self.max_memory is not None:
-            return f"best accuracy with memory <= {self.max_memory:g} of all-high"
-        drop = DEFAULT_ACCURACY_DROP if self.max_accuracy_drop is None else self.max_accuracy_drop
-        return f"least memory with accuracy within {100 * drop:g} point(s) of all-high"
+            return (f"best accuracy with memory <= {self.max_memory:g} of all-high (least memory among accuracies "
+                    f"within seed noise of the best at {100 * self.confidence:g}% confidence)")
+        return (f"least memory with accuracy within {100 * self.drop:g} point(s) of all-high at "
+                f"{100 * self.confidence:g}% confidence")
 
 
 # ---------------------------------------------------------------------------------------------- context
