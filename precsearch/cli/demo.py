@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"best.json: trial {int(result.best['number'])}, memory {result.best['memory']:.3f}, accuracy "
               f"{accuracy_text(result.best)} (least memory within {100 * MAX_DROP:g} point of all-high at "
               f"{100 * result.noise.confidence:g}% confidence){confidence_text(result.best)}")
+        print(f"  {json.loads((out / 'best.json').read_text())['provenance']['noise']['statement']}")
     print(f"\npolicies: {out / 'policies'}/ and {out / 'best.json'}\nreport:   {md} and {png}")
     print(f"train under the best policy: precsearch train {MODEL} --policy {out / 'best.json'} --epochs 10 "
           f"--metrics {out / 'train.csv'}")
