@@ -184,7 +184,7 @@ def _draw_noise(ax: Any, front: pd.DataFrame) -> None:
     if "within_noise_of" in front:
         tied = front[front["within_noise_of"] >= 0]
         if not tied.empty:
-            ax.scatter(tied["memory"], tied["val_accuracy"], s=14, color="white", zorder=4,
+            ax.scatter(tied["memory"], tied["val_accuracy"], s=40, facecolors="white", edgecolors="tab:red", zorder=4,
                        label="front point within seed noise of a cheaper one")
 
 
