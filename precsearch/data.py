@@ -18,6 +18,7 @@ and horizontal flip, per image, seeded), applied to each training batch.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ _DESCRIPTIONS = {
     "cifar100": "CIFAR-100 python-pickle files under --data-root (cifar-100-python), fine labels",
     "imagefolder": "root/train/<class>/*.png|jpg and root/val/<class>/*, resized to the image size",
     "synthetic": "seeded random images with a per-class pattern, for speed tests",
+    "gratings": "seeded faint gratings (10 orientation x frequency classes) on bright random backgrounds; "
+                "discriminates precision assignments (the demo's task)",
 }
 DATASETS: tuple[str, ...] = tuple(_DESCRIPTIONS)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -284,6 +287,45 @@ def _load_synthetic(image_size: int, seed: int, num_classes: int, train_size: in
     return _normalized_pair(train_images, train_labels, val_images, val_labels, classes)
 
 
+GRATINGS_CONTRAST = 0.1  # the default difficulty knob of `gratings`; see _load_gratings
+GRATINGS_LEVEL = 6.0  # the bright background every gratings image sits on
+
+
+def _load_gratings(image_size: int, seed: int, contrast: float, train_size: int,
+                   val_size: int) -> tuple[ImageDataset, ImageDataset]:
+    """Faint oriented gratings on a bright background, not mean-subtracted: a task where low precision hurts.
+
+    Class c is a sinusoidal grating of one of 5 orientations and 2 frequencies, with a random phase per
+    image, of amplitude ``contrast`` plus pixel noise of a quarter of that, on a constant level of 6 (the
+    images are left as they are, like raw pixel values fed without normalization). In a 16-bit float
+    (9 mantissa bits: a step of 1/128 at 6) the grating spans about 25 steps and batch norm removes the
+    level, so full precision learns the task; in an 8-bit float with 3 mantissa bits (a step of 1/2 at 6,
+    and at the first convolution's outputs of the same size) the grating is rounded away where the input's
+    first activations are low. ``contrast`` is the difficulty knob: the smaller, the more of the low-precision
+    assignments fail.
+    """
+    if not 0 < contrast <= 1:
+        raise PrecsearchError(f"contrast={contrast!r} must lie in (0, 1], e.g. {GRATINGS_CONTRAST}")
+    generator = torch.Generator().manual_seed(seed)
+    coords = torch.arange(image_size, dtype=torch.float32) / image_size
+    ys, xs = torch.meshgrid(coords, coords, indexing="ij")
+    angles = torch.arange(5, dtype=torch.float32) * math.pi / 5
+    frequencies = torch.tensor([2.0, 4.0])
+
+    def draw(count: int) -> ImageDataset:
+        labels = torch.randint(0, 10, (count,), generator=generator)
+        angle, frequency = angles[labels % 5], frequencies[labels // 5]
+        phase = 2 * math.pi * torch.rand(count, generator=generator)
+        along = xs * torch.cos(angle)[:, None, None] + ys * torch.sin(angle)[:, None, None]
+        grating = torch.sin(2 * math.pi * frequency[:, None, None] * along + phase[:, None, None])
+        noise = 0.25 * contrast * torch.randn(count, 3, image_size, image_size, generator=generator)
+        images = GRATINGS_LEVEL + contrast * grating[:, None] + noise
+        return ImageDataset(images.contiguous(), labels, classes, torch.zeros(3), torch.ones(3))
+
+    classes = [f"angle{i % 5 * 36}_freq{2 if i < 5 else 4}" for i in range(10)]
+    return draw(train_size), draw(val_size)
+
+
 def _positive_int(value: Any, what: str) -> int:
     """`value` if it is a positive int (not a bool), else a one-line error naming `what`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -309,21 +351,26 @@ def load_dataset(
     num_classes: int | None = None,
     train_size: int | None = None,
     val_size: int | None = None,
+    contrast: float | None = None,
 ) -> tuple[ImageDataset, ImageDataset]:
     """Train and validation datasets by name; see the module docstring for the names.
 
     `root` is the data folder (cifar10, cifar100, imagefolder only). `seed` fixes the digits split and the
     synthetic draw. `val_fraction` (digits, default 0.2) is the stratified validation share.
     `num_classes`, `train_size`, `val_size` (synthetic only; defaults 10, 1024, 256) size the synthetic data.
+    `gratings` takes `train_size`, `val_size` (defaults 2048, 1024) and `contrast` (its difficulty knob).
     """
     if name not in DATASETS:
         raise PrecsearchError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     image_size = _positive_int(image_size, "image_size")
     synthetic_options = {"num_classes": num_classes, "train_size": train_size, "val_size": val_size}
-    misplaced = [key for key, value in synthetic_options.items() if value is not None and name != "synthetic"]
+    misplaced = [key for key, value in synthetic_options.items()
+                 if value is not None and name != "synthetic" and not (name == "gratings" and key != "num_classes")]
+    if contrast is not None and name != "gratings":
+        misplaced.append("contrast")
     if val_fraction is not None and name != "digits":
         misplaced.append("val_fraction")
-    if root is not None and name in ("digits", "synthetic"):
+    if root is not None and name in ("digits", "synthetic", "gratings"):
         misplaced.append("root")
     if misplaced:
         raise PrecsearchError(f"option(s) {', '.join(misplaced)} do not apply to dataset {name}; drop them")
@@ -333,6 +380,12 @@ def load_dataset(
         train, val = _load_cifar(name, root, image_size)
     elif name == "imagefolder":
         train, val = _load_image_folder(root, image_size)
+    elif name == "gratings":
+        train, val = _load_gratings(
+            image_size, seed, GRATINGS_CONTRAST if contrast is None else float(contrast),
+            train_size=_positive_int(2048 if train_size is None else train_size, "train_size"),
+            val_size=_positive_int(1024 if val_size is None else val_size, "val_size"),
+        )
     else:
         train, val = _load_synthetic(
             image_size, seed,

@@ -93,6 +93,7 @@ def _entry(source: str, name: str, row: pd.Series) -> dict[str, Any]:
         "memory_peak": float(row.get("memory_peak", math.nan)),
         "MiB": float(row["bytes"]) / 2**20 if not pd.isna(row.get("bytes", math.nan)) else math.nan,
         "val_accuracy": float(row["val_accuracy"]),
+        "val_accuracy_sd": float(row.get("val_accuracy_sd", math.nan)),
         "val_loss": float(row["val_loss"]),
         "diverged": bool(row["diverged"]),
         "promotions": int(row["promotions"]) if not pd.isna(row.get("promotions", math.nan)) else 0,
@@ -141,6 +142,7 @@ def plot_tradeoff(tables: RunTables, ax: Any = None) -> Figure:
         front = tables.pareto.sort_values("memory")
         ax.step(front["memory"], front["val_accuracy"], where="post", color="tab:red", zorder=3)
         ax.scatter(front["memory"], front["val_accuracy"], s=40, color="tab:red", label="Pareto front", zorder=3)
+        _draw_noise(ax, front)
     sweep = sweep_points(trials)
     if sweep.empty and not tables.baselines.empty:
         sweep = tables.baselines[tables.baselines["source"] == "paper"]
@@ -171,6 +173,19 @@ def plot_tradeoff(tables: RunTables, ax: Any = None) -> Figure:
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return fig
+
+
+def _draw_noise(ax: Any, front: pd.DataFrame) -> None:
+    """Seed error bars (+- sd) on the front, and a white centre on points whose accuracy is within seed noise
+    of a cheaper front point (``within_noise_of``): their extra memory buys nothing measurable."""
+    if "val_accuracy_sd" in front and front["val_accuracy_sd"].notna().any():
+        ax.errorbar(front["memory"], front["val_accuracy"], yerr=front["val_accuracy_sd"].fillna(0), fmt="none",
+                    ecolor="tab:red", capsize=3, zorder=3)
+    if "within_noise_of" in front:
+        tied = front[front["within_noise_of"] >= 0]
+        if not tied.empty:
+            ax.scatter(tied["memory"], tied["val_accuracy"], s=40, facecolors="white", edgecolors="tab:red", zorder=4,
+                       label="front point within seed noise of a cheaper one")
 
 
 def _markdown(frame: pd.DataFrame) -> str:
@@ -212,6 +227,8 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
                      f"{diverged} diverged")
     if tables.best:
         lines.append(f"- best.json: trial {tables.best.get('trial')} ({tables.best.get('role')})")
+        if tables.best.get("noise"):
+            lines.append(f"- noise: {tables.best['noise']['statement']}")
     lines += ["", "Memory is the cost model's bytes of weights, activations and their gradients relative to the "
               "all-high assignment (promoted tensors counted high); accuracy is the proxy's validation accuracy.",
               "", "![tradeoff](report.png)", "", _markdown(table)]

@@ -70,6 +70,7 @@ from precsearch.cost import CostModel
 from precsearch.data import ImageDataset, load_dataset
 from precsearch.errors import PrecsearchError
 from precsearch.graph import TensorGraph, trace
+from precsearch.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
 from precsearch.policy import Policy
 from precsearch.proxy import ProxyResult, atomic_write_text, build_model, resolve_device, run_proxy
 from precsearch.spaces import SearchSpace, load_space, parse_space
@@ -116,7 +117,10 @@ METRICS = (
     "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
     "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
     "memory_bytes", "memory_peak", "memory_planned", "low_share", "trained", "device",
+    "val_accuracy_sd", "val_accuracies", "seeds",
 )
+AUTO_REFERENCE_SEEDS = 3  # with --proxy-seeds auto, the all-high reference trains this many seeds to measure noise
+AUTO_MIN_SEEDS = 2  # ... and every proxy at least this many, so each trial adds to the noise estimate
 
 
 # ------------------------------------------------------------------------------------------ configuration
@@ -145,8 +149,11 @@ class Budget:
     max_memory: float | None = None
     max_accuracy_drop: float | None = None
     memory: str = "bytes"
+    confidence: float = DEFAULT_CONFIDENCE  # one-sided confidence of accuracy decisions (see precsearch.noise)
 
     def __post_init__(self) -> None:
+        if not 0.5 <= self.confidence < 1.0:
+            raise PrecsearchError(f"confidence {self.confidence} must lie in [0.5, 1), e.g. 0.9")
         if self.memory not in MEMORY_MEASURES:
             raise PrecsearchError(f"memory measure {self.memory!r}: use one of {', '.join(MEMORY_MEASURES)}")
         if self.max_memory is not None and self.max_accuracy_drop is not None:
@@ -161,11 +168,17 @@ class Budget:
     def single_objective(self) -> bool:
         return self.max_memory is not None or self.max_accuracy_drop is not None
 
+    @property
+    def drop(self) -> float:
+        """The accuracy drop the pick allows (the default 1 point when the budget gives none)."""
+        return DEFAULT_ACCURACY_DROP if self.max_accuracy_drop is None else self.max_accuracy_drop
+
     def describe(self) -> str:
         if self.max_memory is not None:
-            return f"best accuracy with memory <= {self.max_memory:g} of all-high"
-        drop = DEFAULT_ACCURACY_DROP if self.max_accuracy_drop is None else self.max_accuracy_drop
-        return f"least memory with accuracy within {100 * drop:g} point(s) of all-high"
+            return (f"best accuracy with memory <= {self.max_memory:g} of all-high (least memory among accuracies "
+                    f"within seed noise of the best at {100 * self.confidence:g}% confidence)")
+        return (f"least memory with accuracy within {100 * self.drop:g} point(s) of all-high at "
+                f"{100 * self.confidence:g}% confidence")
 
 
 # ---------------------------------------------------------------------------------------------- context
@@ -187,10 +200,12 @@ class SearchContext:
     high_bytes: float = 0.0
     high_peak: float = 0.0
     units: dict[str, list[str]] = field(default_factory=dict)
+    proxy_seeds: int | None = 1  # seeds per proxy; None: chosen from the noise the reference measures
 
     @classmethod
     def create(cls, model: str, space: SearchSpace, data_spec: DataSpec, budget: Budget, seed: int,
-               device: str, data: tuple[ImageDataset, ImageDataset] | None = None) -> SearchContext:
+               device: str, data: tuple[ImageDataset, ImageDataset] | None = None,
+               proxy_seeds: int | None = 1) -> SearchContext:
         """Load the data (unless given), build and trace the model at the proxy's batch and image size."""
         if data is None:
             data = data_spec.load(space.proxy.image_size, seed=0)
@@ -198,8 +213,10 @@ class SearchContext:
         network = build_model(model, num_classes=data[0].num_classes)
         example = torch.zeros(1, *data[0].image_shape)
         graph = trace(network, example, batch_size=space.proxy.batch_size)
+        if proxy_seeds is not None and proxy_seeds < 1:
+            raise PrecsearchError(f"proxy_seeds={proxy_seeds} must be at least 1 (or auto)")
         context = cls(model=model, space=space, data_spec=data_spec, budget=budget, seed=seed, device=device,
-                      data=data, graph=graph, cost=CostModel(graph))
+                      data=data, graph=graph, cost=CostModel(graph), proxy_seeds=proxy_seeds)
         context.units = units(graph, space)
         high = uniform(graph, space, "high").assignment
         context.high_bytes = float(context.cost.bytes(high))
@@ -252,15 +269,35 @@ class SearchContext:
             provenance=dict(provenance),
         )
 
-    def constraints(self, result: ProxyResult | None, memory: float, reference: float | None) -> dict[str, float]:
-        """Constraint values (feasible when all <= 0): divergence (or untrained), then the budget's bound."""
+    def constraints(self, result: ProxyResult | None, memory: float, reference: float | None,
+                    margin: float = 0.0) -> dict[str, float]:
+        """Constraint values (feasible when all <= 0): divergence (or untrained), then the budget's bound;
+        the accuracy bound holds when the mean is within the drop by more than the noise ``margin``."""
         constraints = {"diverged": 1.0 if result is None or result.diverged else 0.0}
         if self.budget.max_memory is not None:
             constraints["memory_budget"] = memory - self.budget.max_memory
         if self.budget.max_accuracy_drop is not None:
             accuracy = result.val_accuracy if result is not None else 0.0
-            constraints["accuracy_drop"] = (reference or 0.0) - self.budget.max_accuracy_drop - accuracy
+            constraints["accuracy_drop"] = (reference or 0.0) - self.budget.max_accuracy_drop - accuracy + margin
         return constraints
+
+    def proxy_seed_list(self, count: int) -> list[int]:
+        """The seeds of a ``count``-seed proxy: the search seed and the ones after it (same for every trial
+        and for the all-high reference, so differences are not differences of seeds)."""
+        return [self.seed + index for index in range(count)]
+
+    def train_seeds(self, policy: Policy, count: int, report: Callable[[int, float], None] | None = None
+                    ) -> tuple[ProxyResult, list[float]]:
+        """Train ``count`` seeded proxies of one policy; the first one reports to the pruner. Returns the
+        combined result (``combine_seeds``) and the per-seed accuracies (stopping at the first divergence)."""
+        results = []
+        for index, seed in enumerate(self.proxy_seed_list(count)):
+            results.append(run_proxy(self.model, policy, self.data, self.space.proxy.steps, seed=seed,
+                                     device=self.device, config=self.space.proxy,
+                                     report=report if index == 0 else None))
+            if results[-1].diverged:
+                break
+        return combine_seeds(results), [result.val_accuracy for result in results]
 
     def score(self, result: ProxyResult) -> float:
         """The accuracy-side objective value (finite, so Optuna stores it even for a diverged proxy)."""
@@ -277,6 +314,38 @@ class SearchContext:
 
 
 # ------------------------------------------------------------------------------------------- the objective
+
+
+def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
+    """One result for proxies of the same policy under several seeds: mean accuracy and loss, the union of
+    promotions (memory counts every tensor any seed promoted), diverged if any seed diverged, worst overflow
+    and underflow, summed wall time; the loss curve is the first seed's."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    diverged = [result for result in results if result.diverged]
+    return dataclasses.replace(
+        first,
+        val_accuracy=sum(result.val_accuracy for result in results) / len(results),
+        val_loss=sum(result.val_loss for result in results) / len(results),
+        diverged=bool(diverged),
+        reason=diverged[0].reason if diverged else "",
+        steps_run=min(result.steps_run for result in results),
+        skipped_steps=max(result.skipped_steps for result in results),
+        promotions=sorted({tensor for result in results for tensor in result.promotions}),
+        overflow_max=max(result.overflow_max for result in results),
+        underflow_max=max(result.underflow_max for result in results),
+        underflow_mean=sum(result.underflow_mean for result in results) / len(results),
+        wall_time=sum(result.wall_time for result in results),
+    )
+
+
+def _seed_record(accuracies: list[float]) -> dict[str, Any]:
+    """User attrs of a multi-seed proxy: per-seed accuracies, their count and sample sd (NaN for one)."""
+    count = len(accuracies)
+    mean = sum(accuracies) / count
+    sd = math.sqrt(sum((a - mean) ** 2 for a in accuracies) / (count - 1)) if count > 1 else math.nan
+    return {"val_accuracies": accuracies, "seeds": count, "val_accuracy_sd": sd}
 
 
 def _feasible(trial: FrozenTrial) -> bool:
@@ -342,11 +411,12 @@ class Objective:
         policy = context.policy(assignment, {"trial": trial.number})
         if key == study.user_attrs.get("reference_key"):
             result = ProxyResult.from_dict(study.user_attrs["reference_result"])
+            accuracies = study.user_attrs.get("reference_accuracies", [result.val_accuracy])
             trial.set_user_attr("duplicate_of", "reference")
         else:
-            result = run_proxy(context.model, policy, context.data, context.space.proxy.steps, seed=context.seed,
-                               device=context.device, config=context.space.proxy,
-                               report=self._pruning_hook(trial) if context.budget.single_objective else None)
+            result, accuracies = context.train_seeds(
+                policy, int(study.user_attrs.get("proxy_seeds", 1)),
+                report=self._pruning_hook(trial) if context.budget.single_objective else None)
         ratios, size = context.memories(assignment, result.promotions)
         memory = ratios[f"memory_{context.budget.memory}"]
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
@@ -355,10 +425,15 @@ class Objective:
         policy.replace(provenance={**policy.provenance, "worker": WORKER, "proxy": proxy}).save(path)
         record = result.to_dict()
         record.pop("loss_curve")
-        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **ratios)
+        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **ratios,
+                      **_seed_record(accuracies))
         for name, value in record.items():
             trial.set_user_attr(name, value)
-        _set_constraints(trial, context.constraints(result, memory, reference))
+        margin = 0.0
+        if reference is not None:
+            noise = _study_noise(study, context)
+            margin = float(noise.margin(len(accuracies), len(study.user_attrs.get("reference_accuracies", [0]))))
+        _set_constraints(trial, context.constraints(result, memory, reference, margin))
         trial.set_user_attr("loss_curve", [round(v, 5) for v in result.loss_curve])
         return context.values(memory, result)
 
@@ -640,6 +715,7 @@ def _config(context: SearchContext) -> dict[str, Any]:
         "seed": context.seed,
         "budget": dataclasses.asdict(context.budget),
         "graph_fingerprint": context.graph.fingerprint(),
+        "proxy_seeds": context.proxy_seeds,
     }
 
 
@@ -693,15 +769,37 @@ def _seed_study(study: optuna.Study, context: SearchContext) -> None:
 
 
 def _ensure_reference(study: optuna.Study, context: SearchContext) -> None:
-    """For an accuracy-drop budget, train the all-high proxy first so every trial can test its constraint."""
-    if context.budget.max_accuracy_drop is None or "reference_result" in study.user_attrs:
+    """Train the all-high proxy first, with the seeds every trial will use, so that every trial can test an
+    accuracy-drop constraint against it and the seed noise is measured before the first trial. Needed for an
+    accuracy-drop budget and for several seeds per proxy; with ``proxy_seeds=None`` the reference trains
+    ``AUTO_REFERENCE_SEEDS`` seeds and the seeds per proxy are chosen from the noise they show
+    (``noise.seeds_for``). The seed count is a study attribute, so every worker trains the same seeds."""
+    if "reference_result" in study.user_attrs:
+        return
+    requested = context.proxy_seeds
+    if context.budget.max_accuracy_drop is None and requested == 1:
+        study.set_user_attr("proxy_seeds", 1)
         return
     candidate = uniform(context.graph, context.space, "high")
     policy = context.policy(candidate.assignment, {"strategy": "all-high reference"})
-    result = run_proxy(context.model, policy, context.data, context.space.proxy.steps, seed=context.seed,
-                       device=context.device, config=context.space.proxy)
+    result, accuracies = context.train_seeds(policy, requested or AUTO_REFERENCE_SEEDS)
+    seeds = requested
+    if seeds is None:
+        noise = pooled_noise(pd.DataFrame(), context.budget.confidence, extra=[accuracies])
+        seeds = seeds_for(noise, context.budget.drop, len(accuracies), min_seeds=AUTO_MIN_SEEDS)
+        log.info("%s; %d seed(s) per proxy", noise.describe(), seeds)
+    study.set_user_attr("proxy_seeds", seeds)
     study.set_user_attr("reference_key", candidate.key)
+    study.set_user_attr("reference_accuracies", accuracies)
     study.set_user_attr("reference_result", result.to_dict())
+
+
+def _study_noise(study: optuna.Study, context: SearchContext, frame: pd.DataFrame | None = None) -> Noise:
+    """The pooled seed noise of the study's trained trials and the all-high reference (counted once)."""
+    frame = trials_frame(study, context) if frame is None else frame
+    reference = study.user_attrs.get("reference_accuracies", [])
+    counted = not frame.empty and study.user_attrs.get("reference_key") in set(frame["key"])
+    return pooled_noise(frame, context.budget.confidence, extra=[] if counted else [reference])
 
 
 # ------------------------------------------------------------------------------------------------ outputs
@@ -724,6 +822,8 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "val_accuracy": math.nan if accuracy is None else accuracy,
         "val_error": math.nan if accuracy is None else 1.0 - accuracy,
         "val_loss": attrs.get("val_loss", math.nan),
+        "val_accuracy_sd": attrs.get("val_accuracy_sd", math.nan),
+        "seeds": attrs.get("seeds", 1 if accuracy is not None else math.nan),
         "trained": bool(attrs.get("trained", False)),
         "diverged": bool(attrs.get("diverged", False)),
         "feasible": _feasible(trial),
@@ -782,25 +882,78 @@ def _reference(frame: pd.DataFrame, context: SearchContext, study: optuna.Study)
     return None if rows.empty else float(rows["val_accuracy"].iloc[0])
 
 
-def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None) -> pd.Series | None:
-    """The point the budget picks among trained, non-diverged trials (None when none qualifies).
+def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, noise: Noise | None = None,
+                reference_seeds: int = 1, reference_key: str | None = None) -> pd.Series | None:
+    """The point the budget picks among trained, non-diverged trials (None when none qualifies), never on a
+    difference of proxy means smaller than the seed ``noise`` allows at the budget's confidence.
 
-    ``max_memory``: best accuracy within the memory bound (then least memory). Otherwise least memory with
-    accuracy within ``max_accuracy_drop`` (default 1 point) of the all-high proxy (then best accuracy).
+    ``max_memory``: within the memory bound, the least memory among the trials whose accuracy is not
+    distinguishably below the best mean (``_least_memory_among_ties``). Otherwise least memory among the
+    trials whose accuracy is within the allowed drop (default 1 point) of the ``reference_seeds``-seed
+    all-high mean ``reference`` with the budget's confidence (``_confidently_within_drop``), then best
+    accuracy; the all-high assignment itself (``reference_key``) always qualifies, so too much noise picks
+    all-high rather than nothing. The row gets ``pick_confidence``: the confidence that its true accuracy is
+    within the drop (accuracy-drop rule) or no worse than the best mean (memory rule); NaN when the noise is
+    unmeasured or the pick is the reference itself.
     """
     if frame.empty:
         return None
+    noise = noise or Noise(math.nan, 0, budget.confidence)
     ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]]
     if budget.max_memory is not None:
-        ok = ok[ok["memory"] <= budget.max_memory + 1e-12]
-        ok = ok.sort_values(["val_accuracy", "memory", "number"], ascending=[False, True, True])
-    else:
-        if reference is None:
-            return None
-        drop = DEFAULT_ACCURACY_DROP if budget.max_accuracy_drop is None else budget.max_accuracy_drop
-        ok = ok[ok["val_accuracy"] >= reference - drop - 1e-12]
-        ok = ok.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True])
-    return None if ok.empty else ok.iloc[0]
+        return _least_memory_among_ties(ok[ok["memory"] <= budget.max_memory + 1e-12], noise)
+    if reference is None:
+        return None
+    return _confidently_within_drop(ok, reference, reference_seeds, budget.drop, noise, reference_key)
+
+
+def _seeds_of(frame: pd.DataFrame) -> pd.Series:
+    return frame["seeds"].fillna(1) if "seeds" in frame else pd.Series(1, index=frame.index)
+
+
+def _least_memory_among_ties(ok: pd.DataFrame, noise: Noise) -> pd.Series | None:
+    """Least memory (then best accuracy) among trials not distinguishably less accurate than the best mean."""
+    if ok.empty:
+        return None
+    seeds = _seeds_of(ok)
+    top = ok["val_accuracy"].idxmax()
+    gap = ok.loc[top, "val_accuracy"] - ok["val_accuracy"]
+    ties = ok[gap <= noise.margin(seeds, seeds[top]) + 1e-12]
+    best = ties.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True]).iloc[0].copy()
+    best["pick_confidence"] = (math.nan if best.name == top else
+                               1 - noise.probability_above(gap[best.name], 0.0, seeds[best.name], seeds[top]))
+    return best
+
+
+def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds: int, drop: float,
+                             noise: Noise, reference_key: str | None) -> pd.Series | None:
+    """Least memory (then best accuracy) among trials whose one-sided bound on (mean - reference) is at
+    least ``-drop``, and the reference assignment itself."""
+    seeds = _seeds_of(ok)
+    itself = ok["key"] == reference_key
+    ok = ok[itself | (ok["val_accuracy"] - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12)]
+    if ok.empty:
+        return None
+    best = ok.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True]).iloc[0].copy()
+    best["pick_confidence"] = (math.nan if best["key"] == reference_key else noise.probability_above(
+        best["val_accuracy"] - reference, -drop, _seeds_of(ok)[best.name], reference_seeds))
+    return best
+
+
+def mark_ties(front: pd.DataFrame, noise: Noise) -> pd.DataFrame:
+    """The front with ``within_noise_of``: for each point, the cheapest front point (trial number) it is not
+    distinguishably more accurate than at the noise's confidence, or -1 when it is distinguishable from every
+    cheaper point (the extra memory buys measurable accuracy)."""
+    front = front.sort_values("memory").copy()
+    seeds = _seeds_of(front)
+    marks = []
+    for position, (index, row) in enumerate(front.iterrows()):
+        cheaper = front.iloc[:position]
+        gain = row["val_accuracy"] - cheaper["val_accuracy"]
+        tied = cheaper[gain <= noise.margin(seeds[index], seeds[cheaper.index]) + 1e-12]
+        marks.append(int(tied["number"].iloc[0]) if not tied.empty else -1)
+    front["within_noise_of"] = marks
+    return front
 
 
 def _policy_for_row(row: pd.Series, study: optuna.Study, context: SearchContext, role: str) -> Policy:
@@ -821,7 +974,10 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[
     """Rewrite trials.csv, pareto.csv, policies/ and best.json from the storage (each file atomically)."""
     frame = trials_frame(study, context)
     objective = context.space.accuracy_objective
+    noise = _study_noise(study, context, frame)
     front = pareto_front(frame, objective)
+    if not front.empty:
+        front = mark_ties(front, noise)
     atomic_write_text(out_dir / "trials.csv", frame.to_csv(index=False))
     atomic_write_text(out_dir / "pareto.csv", front.to_csv(index=False))
     policies = out_dir / "policies"
@@ -835,10 +991,27 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[
     for stale in policies.glob("trial_*.json"):
         if stale.name not in wanted:
             stale.unlink()
-    best = choose_best(frame, context.budget, _reference(frame, context, study))
+    best = choose_best(frame, context.budget, _reference(frame, context, study), noise,
+                       len(study.user_attrs.get("reference_accuracies", [0])),
+                       uniform(context.graph, context.space, "high").key)
     if best is not None:
-        _policy_for_row(best, study, context, f"best: {context.budget.describe()}").save(out_dir / "best.json")
+        policy = _policy_for_row(best, study, context, f"best: {context.budget.describe()}")
+        pick = {**noise.to_dict(), "seeds": int(best.get("seeds", 1)),
+                "pick_confidence": float(best["pick_confidence"]), "statement": _pick_statement(best, noise)}
+        pick = {name: None if isinstance(value, float) and math.isnan(value) else value  # JSON has no NaN
+                for name, value in pick.items()}
+        policy.replace(provenance={**policy.provenance, "noise": pick}).save(out_dir / "best.json")
     return frame, front, best
+
+
+def _pick_statement(best: pd.Series, noise: Noise) -> str:
+    """One sentence on how sure the pick is."""
+    if not noise.measured:
+        return noise.describe()
+    confidence = best["pick_confidence"]
+    sure = "no bound needed (it is all-high or the best mean)" if math.isnan(confidence) else \
+        f"{100 * confidence:.0f}% confidence"
+    return f"{noise.describe()}; trial {int(best['number'])} picked with {sure}"
 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME) -> SearchResult:
@@ -905,6 +1078,7 @@ class SearchResult:
     best: pd.Series | None
     wall_time: float
     interrupted: bool = False
+    noise: Noise | None = None  # the pooled seed noise the pick was taken with
 
 
 class _Progress:
@@ -1030,6 +1204,7 @@ def run_search(
     progress: bool = True,
     study_name: str | None = None,
     heartbeat: int = DEFAULT_HEARTBEAT,
+    proxy_seeds: int | None = 1,
 ) -> SearchResult:
     """Search assignments of ``model_spec`` in ``space``; outputs go to ``out_dir`` (see the module docstring).
 
@@ -1039,6 +1214,10 @@ def run_search(
 
     With ``study_name`` the process joins the shared study of that name in ``storage`` (a PostgreSQL URL
     for several hosts), creating and seeding it if it is the first; ``trials`` is the study's total.
+
+    ``proxy_seeds`` seeds train each proxy and the all-high reference (None: 3 for the reference, then 2 to
+    4, as many as the noise they show needs, see ``noise.seeds_for``); the pick is then taken at the budget's
+    confidence. One seed keeps the single-number comparison, with a warning that its confidence is unknown.
     """
     start = time.perf_counter()
     if isinstance(space, str | Path):
@@ -1051,7 +1230,10 @@ def run_search(
     gpus = worker_gpus(jobs, resolve_device(device).type == "cuda") if jobs > 1 else [None]
     out_dir = Path(out_dir)
     location = StudyLocation.of(storage, out_dir, study_name, heartbeat)
-    context = SearchContext.create(model_spec, space, data_spec, budget, seed, device)
+    context = SearchContext.create(model_spec, space, data_spec, budget, seed, device, proxy_seeds=proxy_seeds)
+    if proxy_seeds == 1:
+        log.warning("one seed per proxy: the pick compares single-seed accuracies and cannot state its "
+                    "confidence; use --proxy-seeds auto (or K >= 2)")
     config = {**_config(context), **({"storage": location.shown, "study": location.study_name}
                                      if location.shared else {})}
     _check_resume(out_dir, resume, config, location.shared)
@@ -1084,7 +1266,8 @@ def run_search(
         finally:
             bar.close()
             frame, front, best = export(study, context, out_dir)
-    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, interrupted)
+    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, interrupted,
+                          _study_noise(study, context, frame))
     if interrupted:
         raise SearchInterrupted(result)
     return result
@@ -1174,7 +1357,7 @@ def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[st
         return {}
     previous = json.loads(run_file.read_text(encoding="utf-8"))
     config = _config(context)
-    if any(previous.get(key) != config[key] for key in config if key != "budget"):
+    if any(previous.get(key) != config[key] for key in config if key not in ("budget", "proxy_seeds")):
         return {}
     frame = pd.read_csv(trials_file)
     frame = frame[frame["trained"].astype(bool) & (frame["state"] == "COMPLETE")].sort_values("number")
@@ -1185,6 +1368,7 @@ def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[st
 
 
 _COPIED = ("memory", "bytes", "val_accuracy", "val_loss", "diverged", "reason", "promotions", "wall_time")
+_SEED_FIELDS = ("seeds", "val_accuracy_sd")  # copied when the reused trial has them (a multi-seed search)
 
 
 def run_baselines(
@@ -1238,6 +1422,7 @@ def run_baselines(
             row: dict[str, Any] = {"source": source, "name": name, "r": math.nan if r is None else r, "key": key}
             if key in known:
                 row.update({field: known[key][field] for field in (*_COPIED, "reused")})
+                row.update({field: known[key][field] for field in _SEED_FIELDS if field in known[key]})
             else:
                 result = run_proxy(model_spec, policy, context.data, space.proxy.steps, seed=seed, device=device,
                                    config=space.proxy)

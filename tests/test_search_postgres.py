@@ -58,9 +58,12 @@ def postgres():
 
 
 def _worker(url: str, study: str, out: Path, trials: int, steps: int) -> subprocess.Popen:
-    """`precsearch search` as a separate process joining ``study``; eager rounding (no torch.compile warm-up)."""
+    """`precsearch search` as a separate process joining ``study``; eager rounding (no torch.compile warm-up);
+    one seed per proxy, so that every assignment, all-high included, is trained by a trial (with seeds the
+    all-high trial copies the reference the study's creator trained)."""
     command = [sys.executable, "-m", "precsearch", "search", "tiny_cnn", "--storage", url, "--study-name", study,
-               "--out", str(out), "--trials", str(trials), "--proxy-steps", str(steps), "--heartbeat", "1", *TINY]
+               "--out", str(out), "--trials", str(trials), "--proxy-steps", str(steps), "--heartbeat", "1",
+               "--proxy-seeds", "1", *TINY]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PRECSEARCH_COMPILE": "0"})
 

@@ -75,22 +75,46 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--memory", choices=("bytes", "peak"), default="bytes",
                         help="memory measure to minimize: bytes of the tensors training keeps (the paper's, "
                              "default) or the predicted peak of a training step")
+    add_noise_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_arguments(parser)
     parser.set_defaults(func=run)
 
 
+def proxy_seeds(text: str) -> int | None:
+    """--proxy-seeds: a count >= 1, or auto (None)."""
+    if text == "auto":
+        return None
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seeds >= 1, or auto")
+    return count
+
+
+def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
+    """--proxy-seeds, --confidence."""
+    parser.add_argument("--proxy-seeds", type=proxy_seeds, default=None, metavar="K",
+                        help="seeds per proxy (and for the all-high reference); auto (default): the reference "
+                             "trains 3, and each proxy as many (2-4) as the noise they show needs")
+    parser.add_argument("--confidence", type=float, default=0.9, metavar="C",
+                        help="one-sided confidence of accuracy decisions against the seed noise (default 0.9)")
+
+
 def run(args: argparse.Namespace) -> int:
     from precsearch.search import Budget, DataSpec, SearchInterrupted, run_search
 
-    budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory)
+    budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory,
+                    confidence=args.confidence)
     try:
         result = run_search(
             args.model, space_argument(args), DataSpec(args.data, args.data_root), trials=args.trials,
             proxy_steps=args.proxy_steps, out_dir=args.out, storage=args.storage, jobs=args.jobs,
             resume=args.resume, budget=budget, seed=args.seed, device=args.device, batch_size=args.batch_size,
             image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
-            study_name=args.study_name, heartbeat=args.heartbeat)
+            study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds)
     except SearchInterrupted as stop:
         done = int(stop.result.trials["state"].isin(["COMPLETE", "PRUNED"]).sum()) if len(stop.result.trials) else 0
         print(f"precsearch search: interrupted; {done} finished trial(s) saved in {args.out}; "
@@ -98,6 +122,24 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(summarize(result))
     return 0
+
+
+def accuracy_text(row: Any) -> str:
+    """Mean accuracy, with +- the seed sd and the seed count when the proxy ran several seeds."""
+    seeds = row.get("seeds", 1)
+    if seeds != seeds or seeds < 2:  # NaN or one seed
+        return f"{row['val_accuracy']:.4f}"
+    return f"{row['val_accuracy']:.4f} +- {row['val_accuracy_sd']:.4f} ({int(seeds)} seeds)"
+
+
+def tie_text(row: Any) -> str:
+    cheaper = row.get("within_noise_of", -1)
+    return f"  (within noise of trial {int(cheaper)})" if cheaper == cheaper and cheaper >= 0 else ""
+
+
+def confidence_text(best: Any) -> str:
+    confidence = best.get("pick_confidence", float("nan"))
+    return "" if confidence != confidence else f", picked with {100 * confidence:.0f}% confidence"
 
 
 def summarize(result: Any) -> str:
@@ -108,10 +150,12 @@ def summarize(result: Any) -> str:
              f"in {result.wall_time:.1f} s; Pareto front: {len(result.pareto)} point(s)"]
     for _, row in result.pareto.iterrows():
         lines.append(f"  trial {int(row['number']):4d}: memory {row['memory']:.3f} of all-high, "
-                     f"proxy accuracy {row['val_accuracy']:.4f}  [{row['origin']}]")
+                     f"proxy accuracy {accuracy_text(row)}  [{row['origin']}]{tie_text(row)}")
+    if result.noise is not None:
+        lines.append(result.noise.describe())
     if result.best is not None:
         lines.append(f"best.json: trial {int(result.best['number'])} (memory {result.best['memory']:.3f}, "
-                     f"accuracy {result.best['val_accuracy']:.4f})")
+                     f"accuracy {accuracy_text(result.best)}){confidence_text(result.best)}")
     else:
         lines.append("no trial meets the budget; best.json not written")
     lines.append(f"outputs: {result.out_dir}/trials.csv, pareto.csv, policies/, best.json; "

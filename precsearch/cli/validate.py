@@ -1,0 +1,46 @@
+"""`precsearch validate RUN`: retrain a search's front and references at full length, measure proxy fidelity."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "validate", help="retrain a search's front and references at full length; write fidelity.csv and a plot",
+        description="Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of "
+                    "the run directory RUN for --steps steps, then write fidelity.csv (proxy vs long-run "
+                    "accuracy, memory with the long run's promotions), fidelity.json (Spearman and Kendall rank "
+                    "correlations with bootstrap intervals; whether best.json still meets its budget) and "
+                    "fidelity.png.")
+    parser.add_argument("run", metavar="RUN", help="run directory of precsearch search")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="training steps of each long run (default: 8 x the proxy's steps)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the long runs (default: the search's)")
+    parser.add_argument("--device", default="cpu", help="auto (CUDA when available), cpu or cuda")
+    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch threads")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from precsearch.fidelity import validate_run
+
+    result = validate_run(args.run, steps=args.steps, seed=args.seed, device=args.device, threads=args.threads,
+                          progress=not args.no_progress)
+    summary = result.summary
+    print(result.table[["trial", "roles", "proxy_accuracy", "proxy_sd", "long_accuracy", "long_promotions",
+                        "long_memory"]].to_string(index=False))
+    for name in ("spearman", "kendall"):
+        value = summary.get(name)
+        print(f"{name}: n/a (fewer than 3 assignments or no spread)" if value is None else
+              f"{name}: {value:.3f} (90% bootstrap interval {summary[f'{name}_low']:.3f} to "
+              f"{summary[f'{name}_high']:.3f})")
+    best = summary.get("best")
+    if best is not None:
+        state = "still meets" if best["meets_budget"] else "no longer meets"
+        print(f"best.json (trial {best['trial']}) {state} its budget after {summary['long_steps']} steps: accuracy "
+              f"{best['long_accuracy']:.4f}, memory {best['long_memory']:.3f} (proxy {best['proxy_memory']:.3f})")
+    print("wrote " + ", ".join(str(path) for path in result.files))
+    return 0

@@ -1,0 +1,204 @@
+"""Proxy fidelity: do short proxies rank assignments the way full-length training does?
+
+``validate_run`` takes a search's run directory, retrains its Pareto front, the all-high reference, the
+paper's sweep points and the ``best.json`` trial for ``steps`` steps (default ``LONG_FACTOR`` times the proxy
+length; give the real training length for a real check), and writes:
+
+* ``fidelity.csv``: one row per assignment: its roles, the proxy's mean, sd and seed count, memory as
+  planned and with the promotions the proxy made, the long run's accuracy, loss, divergence, promotions and
+  memory with them (the promotion guard may promote more over a longer run, so the proxy under-counts).
+* ``fidelity.json``: Spearman's and Kendall's rank correlations of proxy mean against long-run accuracy with
+  bootstrap intervals (``noise.rank_correlations``), whether ``best.json`` still meets its budget after
+  full training (memory including the long run's promotions; accuracy against the long all-high run), and
+  how often the proxy foretold the long run: assignments whose divergence the proxy got right
+  (``divergence_predicted``) and those where the long run promoted more tensors (``promotions_under_counted``).
+* ``fidelity.png``: proxy accuracy (with seed error bars) against long-run accuracy per assignment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+from tqdm.auto import tqdm
+
+from precsearch.errors import PrecsearchError
+from precsearch.noise import rank_correlations
+from precsearch.policy import Policy
+from precsearch.proxy import ProxyResult, atomic_write_text, train
+from precsearch.search import Budget, DataSpec, SearchContext, _threads
+from precsearch.spaces import parse_space
+
+__all__ = ["LONG_FACTOR", "FidelityResult", "long_run", "plot_fidelity", "validate_run"]
+
+log = logging.getLogger(__name__)
+
+LONG_FACTOR = 8  # default long run: this many times the proxy's steps
+BOOTSTRAP_SEED = 0
+
+
+@dataclass
+class FidelityResult:
+    table: pd.DataFrame
+    summary: dict[str, Any]
+    files: tuple[Path, Path, Path]
+
+
+def long_run(context: SearchContext, policy: Policy, steps: int, seed: int) -> ProxyResult:
+    """Training under ``policy`` for ``steps`` steps with the proxy's recipe, not stopped by divergence."""
+    return train(context.model, policy, context.data, steps, seed=seed, device=context.device,
+                 config=context.space.proxy, stop_on_divergence=False)
+
+
+def _context(run_dir: Path, device: str) -> SearchContext:
+    run_file = run_dir / "run.json"
+    if not run_file.is_file() or not (run_dir / "trials.csv").is_file():
+        raise PrecsearchError(f"{run_dir} holds no run.json and trials.csv; give a run directory written by "
+                              "precsearch search")
+    config = json.loads(run_file.read_text(encoding="utf-8"))
+    return SearchContext.create(config["model"], parse_space(config["space"]), DataSpec(**config["data"]),
+                                Budget(**config["budget"]), config["seed"], device)
+
+
+def _roles(run_dir: Path, trials: pd.DataFrame) -> dict[str, list[str]]:
+    """Assignment key -> roles (front, all-high, paper r=..., best) of the assignments to retrain."""
+    roles: dict[str, list[str]] = {}
+    trained = trials[trials["trained"].astype(bool) & (trials["state"] == "COMPLETE")]
+    by_number = trained.set_index("number")
+    pareto = pd.read_csv(run_dir / "pareto.csv") if (run_dir / "pareto.csv").stat().st_size > 1 else None
+    if pareto is not None and not pareto.empty:
+        for number in pareto["number"]:
+            roles.setdefault(by_number.loc[number, "key"], []).append("front")
+    for _, row in trained.iterrows():
+        for origin in str(row["origin"]).split("; "):
+            if origin == "all-high" or origin.startswith("paper r="):
+                roles.setdefault(row["key"], []).append(origin)
+    best = run_dir / "best.json"
+    if best.is_file():
+        number = json.loads(best.read_text(encoding="utf-8"))["provenance"].get("trial")
+        if number in by_number.index:
+            roles.setdefault(by_number.loc[number, "key"], []).append("best")
+    return roles
+
+
+def _policy_file(run_dir: Path, row: pd.Series) -> Path:
+    """The policy the proxy trained under: trials/ of the run directory, else the path the trial recorded."""
+    recorded = Path(str(row["policy"]))
+    local = run_dir / "trials" / recorded.name
+    return local if local.is_file() else recorded
+
+
+def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None = None, device: str = "cpu",
+                 threads: int | None = None, progress: bool = True) -> FidelityResult:
+    """Retrain the run's front, all-high, sweep and best assignments for ``steps`` steps (see the module
+    docstring); ``seed`` defaults to the search's seed."""
+    run_dir = Path(run_dir)
+    context = _context(run_dir, device)
+    steps = steps or LONG_FACTOR * context.space.proxy.steps
+    if steps < 1:
+        raise PrecsearchError(f"steps={steps} must be at least 1")
+    seed = context.seed if seed is None else seed
+    trials = pd.read_csv(run_dir / "trials.csv", keep_default_na=False, na_values=[""])
+    roles = _roles(run_dir, trials)
+    first = trials[trials["trained"].astype(bool) & (trials["state"] == "COMPLETE")].drop_duplicates("key")
+    first = first[first["key"].isin(roles)].set_index("key")
+    rows = []
+    with _threads(threads):
+        for key in tqdm(list(roles), desc="validate", unit="run", disable=not progress):
+            row = first.loc[key]
+            policy = Policy.load(_policy_file(run_dir, row))
+            result = long_run(context, policy, steps, seed)
+            memories, _ = context.memories(policy.assignment(context.graph), result.promotions)
+            rows.append({
+                "trial": int(row["number"]), "roles": "; ".join(roles[key]), "key": key,
+                "proxy_accuracy": float(row["val_accuracy"]),
+                "proxy_sd": float(row.get("val_accuracy_sd", math.nan)),
+                "proxy_seeds": int(row.get("seeds", 1)) if row.get("seeds", 1) == row.get("seeds", 1) else 1,
+                "proxy_promotions": int(row["promotions"]), "proxy_memory": float(row["memory"]),
+                "proxy_diverged": str(row["diverged"]) == "True",
+                "long_steps": steps, "long_accuracy": result.val_accuracy, "long_loss": result.val_loss,
+                "long_diverged": result.diverged, "long_reason": result.reason,
+                "long_promotions": len(result.promotions),
+                "long_memory": memories[f"memory_{context.budget.memory}"],
+            })
+    table = pd.DataFrame(rows)
+    summary = _summary(table, context.budget)
+    out = (run_dir / "fidelity.csv", run_dir / "fidelity.json", run_dir / "fidelity.png")
+    atomic_write_text(out[0], table.to_csv(index=False))
+    atomic_write_text(out[1], json.dumps(summary, indent=2))
+    figure = plot_fidelity(table, summary)
+    temp = run_dir / ".fidelity.png.tmp"
+    figure.savefig(temp, dpi=130, format="png")
+    temp.replace(out[2])
+    return FidelityResult(table, summary, out)
+
+
+def _summary(table: pd.DataFrame, budget: Budget) -> dict[str, Any]:
+    """Rank correlations (non-diverged long runs) and the verdict on best.json after full training."""
+    ok = table[~table["long_diverged"]]
+    summary: dict[str, Any] = {"assignments": len(table), "long_steps": int(table["long_steps"].iloc[0]),
+                               "bootstrap_seed": BOOTSTRAP_SEED}
+    summary.update(rank_correlations(ok["proxy_accuracy"], ok["long_accuracy"], seed=BOOTSTRAP_SEED))
+    summary["divergence_predicted"] = int((table["proxy_diverged"] == table["long_diverged"]).sum())
+    summary["promotions_under_counted"] = int((table["long_promotions"] > table["proxy_promotions"]).sum())
+    summary["best"] = _best_verdict(table, budget)
+    return {name: None if isinstance(value, float) and math.isnan(value) else value
+            for name, value in summary.items()}
+
+
+def _best_verdict(table: pd.DataFrame, budget: Budget) -> dict[str, Any] | None:
+    best = table[table["roles"].str.contains("best")]
+    high = table[table["roles"].str.contains("all-high")]
+    if best.empty:
+        return None
+    row = best.iloc[0]
+    verdict: dict[str, Any] = {"trial": int(row["trial"]), "long_accuracy": float(row["long_accuracy"]),
+                               "long_memory": float(row["long_memory"]), "proxy_memory": float(row["proxy_memory"]),
+                               "diverged": bool(row["long_diverged"])}
+    meets = not row["long_diverged"]
+    if budget.max_memory is not None:
+        meets = meets and row["long_memory"] <= budget.max_memory + 1e-12
+    elif not high.empty:
+        reference = float(high.iloc[0]["long_accuracy"])
+        verdict["long_all_high_accuracy"] = reference
+        meets = meets and row["long_accuracy"] >= reference - budget.drop - 1e-12
+    verdict["meets_budget"] = bool(meets)
+    return verdict
+
+
+def plot_fidelity(table: pd.DataFrame, summary: dict[str, Any], ax: Any = None) -> Figure:
+    """Proxy mean accuracy (x, +- seed sd) against long-run accuracy (y), one point per assignment."""
+    if ax is None:
+        figure = Figure(figsize=(6, 4.5))
+        ax = figure.subplots()
+    else:
+        figure = ax.figure
+    ok = table[~table["long_diverged"]]
+    ax.errorbar(ok["proxy_accuracy"], ok["long_accuracy"], xerr=ok["proxy_sd"].fillna(0), fmt="o", ms=5,
+                capsize=3, color="tab:blue", label="assignments")
+    bad = table[table["long_diverged"]]
+    if not bad.empty:
+        ax.scatter(bad["proxy_accuracy"], bad["long_accuracy"], marker="x", color="tab:red", label="long run diverged")
+    for _, row in table.iterrows():
+        ax.annotate(f"t{int(row['trial'])}", (row["proxy_accuracy"], row["long_accuracy"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+
+    def interval(name: str) -> str:
+        value = summary.get(name)
+        if value is None:
+            return f"{name} n/a"
+        return f"{name} {value:.2f} [{summary[f'{name}_low']:.2f}, {summary[f'{name}_high']:.2f}]"
+
+    ax.set_title(f"{interval('spearman')}, {interval('kendall')}", fontsize=9)
+    ax.set_xlabel("proxy validation accuracy (mean +- sd over seeds)")
+    ax.set_ylabel(f"validation accuracy after {summary['long_steps']} steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    return figure
