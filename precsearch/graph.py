@@ -29,7 +29,6 @@ import inspect
 import json
 import operator
 import os
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -43,6 +42,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 
 if TYPE_CHECKING:
     import networkx
@@ -230,14 +230,7 @@ class TensorGraph:
         target = Path(path)
         if not target.parent.is_dir():
             raise PrecsearchError(f"cannot write {target}: folder {target.parent} does not exist; create it first")
-        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w") as stream:
-                stream.write(self.to_json())
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        atomic_write_text(target, self.to_json())
 
 
 # ---------------------------------------------------------------------------------- tracing, both ways

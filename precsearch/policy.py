@@ -26,13 +26,11 @@ and backward, by Wang et al.'s chunk-based accumulation (precsearch.accumulate);
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import json
 import math
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ from torch import nn
 from precsearch.accumulate import DEFAULT_ACC, DEFAULT_CHUNK, ChunkedConv2d, ChunkedLinear, swap_chunked_layers
 from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 from precsearch.formats import OVERFLOWS, ROUNDINGS, FloatFormat, get_format, spec_name
 from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace
 from precsearch.scaling import make_scaler
@@ -462,25 +461,14 @@ class Policy:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write atomically: a temp file in the same directory, fsync, rename; on failure nothing is left."""
+        """Write atomically (``files.atomic_write_text``); on failure nothing is left."""
         path = Path(path)
         text = self.to_json()  # fails (validation, serialization) before anything touches the disk
-        tmp_name = None
         try:
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp_name, path)
-            tmp_name = None
+            atomic_write_text(path, text)
         except OSError as error:
             raise PrecsearchError(f"cannot write policy {path}: {error.strerror or error}; "
                                   "choose a writable path") from None
-        finally:
-            if tmp_name is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_name)
         return path
 
     @classmethod

@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from torch.utils.data import Dataset
 from precsearch import models
 from precsearch.data import ImageDataset, make_loader
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 from precsearch.policy import Policy
 from precsearch.runtime import apply_policy
 from precsearch.scaling import LossScaler, NoLossScaler
@@ -121,21 +121,6 @@ def resolve_device(device: str = "auto") -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise PrecsearchError(f"device {device} asked for, but CUDA is not available here; use --device auto or cpu")
     return torch.device(device)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
 
 
 def build_model(model_spec: str, num_classes: int) -> nn.Module:

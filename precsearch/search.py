@@ -48,7 +48,9 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -72,6 +74,15 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph import TensorGraph, trace
 from precsearch.policy import Policy
 from precsearch.proxy import ProxyResult, atomic_write_text, build_model, resolve_device, run_proxy
+from precsearch.rundir import (
+    LOCK_FILES,
+    RunLock,
+    SearchStop,
+    StopSignals,
+    hold_worker_lock,
+    quiet_optuna_interrupts,
+    remove_temporaries,
+)
 from precsearch.spaces import SearchSpace, load_space, parse_space
 from precsearch.strategies import (
     BASELINES,
@@ -295,11 +306,12 @@ class Objective:
     """
 
     def __init__(self, context: SearchContext, location: StudyLocation, storage: optuna.storages.BaseStorage,
-                 out_dir: Path) -> None:
+                 out_dir: Path, signals: StopSignals | None = None) -> None:
         self.context = context
         self.location = location
         self.storage = storage
         self.out_dir = out_dir
+        self.signals = signals
 
     def __call__(self, trial: optuna.Trial) -> Any:
         try:
@@ -343,7 +355,7 @@ class Objective:
         else:
             result = run_proxy(context.model, policy, context.data, context.space.proxy.steps, seed=context.seed,
                                device=context.device, config=context.space.proxy,
-                               report=self._pruning_hook(trial) if context.budget.single_objective else None)
+                               report=self._pruning_hook(trial))
         ratios, size = context.memories(assignment, result.promotions)
         memory = ratios[f"memory_{context.budget.memory}"]
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
@@ -360,7 +372,13 @@ class Objective:
         return context.values(memory, result)
 
     def _pruning_hook(self, trial: optuna.Trial) -> Callable[[int, float], None]:
+        """Called every few proxy steps: a stop signal recorded but not raised is raised here; under a
+        single-objective budget the running loss is reported to the pruner."""
         def report(step: int, loss: float) -> None:
+            if self.signals is not None:
+                self.signals.check()
+            if not self.context.budget.single_objective:
+                return
             trial.report(loss, step)
             if trial.should_prune():
                 trial.set_user_attr("reason", f"pruned at step {step} (running loss {loss:.3g})")
@@ -925,12 +943,16 @@ class _Progress:
         self.bar.close()
 
 
-def _budget_callback(trials: int) -> Callable[[optuna.Study, FrozenTrial], None]:
-    """Stop once ``trials`` trials counted and no retry of a dead worker's trial is still queued."""
+def _budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop once ``trials`` trials counted and no retry of a dead worker's trial is still queued. With
+    ``count_running`` (the workers of one run, all alive) the trials other workers are running count too,
+    so that N workers do not start N - 1 trials past the budget; a shared study may hold RUNNING trials of
+    dead hosts until their heartbeat times out, so there they do not count."""
 
     def stop(study: optuna.Study, trial: FrozenTrial) -> None:
         queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        if _done(study) >= trials and not any("failed_trial" in t.system_attrs for t in queued):
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if count_running else []
+        if _done(study) + len(running) >= trials and not any("failed_trial" in t.system_attrs for t in queued):
             study.stop()
 
     return stop
@@ -967,12 +989,27 @@ def _worker(setup: _WorkerSetup, index: int, gpu: str | None, parent: int) -> No
         device = "cuda"
     torch.set_num_threads(setup.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    with contextlib.suppress(KeyboardInterrupt):  # the parent reports the interruption
+    hold_worker_lock(setup.out_dir)
+    _stop_when_orphaned(parent)
+    # the parent reports the interruption
+    with StopSignals() as signals, quiet_optuna_interrupts(), contextlib.suppress(KeyboardInterrupt):
         context = SearchContext.create(setup.model, setup.space, setup.data_spec, setup.budget, setup.seed, device)
         storage = setup.location.open()
         study = _load_study(context, storage, setup.location, index)
-        study.optimize(Objective(context, setup.location, storage, setup.out_dir), n_trials=setup.trials,
-                       catch=(Exception,), callbacks=[_budget_callback(setup.trials), _parent_watch(parent)])
+        study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals), n_trials=setup.trials,
+                       catch=(Exception,), callbacks=[_budget_callback(setup.trials, not setup.location.shared),
+                                                      _parent_watch(parent)])
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """A worker whose parent died (kill -9) SIGTERMs itself, so its running trial is marked interrupted
+    at once instead of training on with nobody to export its results."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def worker_gpus(jobs: int, cuda: bool) -> list[str | None]:
@@ -1002,7 +1039,7 @@ def _check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: b
         if differ:
             raise PrecsearchError(f"{out_dir} holds a search with different {', '.join(differ)}; resume it with "
                                   "the same model, space, data, seed, budget and study, or choose another --out")
-    elif out_dir.exists() and any(out_dir.iterdir()):
+    elif out_dir.exists() and any(path.name not in LOCK_FILES for path in out_dir.iterdir()):
         raise PrecsearchError(f"{out_dir} is not empty; pass --resume to continue the search in it, or choose "
                               "another --out")
 
@@ -1048,65 +1085,114 @@ def run_search(
     gpus = worker_gpus(jobs, resolve_device(device).type == "cuda") if jobs > 1 else [None]
     out_dir = Path(out_dir)
     location = StudyLocation.of(storage, out_dir, study_name, heartbeat)
-    context = SearchContext.create(model_spec, space, data_spec, budget, seed, device)
-    config = {**_config(context), **({"storage": location.shown, "study": location.study_name}
-                                     if location.shared else {})}
-    _check_resume(out_dir, resume, config, location.shared)
-    backend = location.open() if storage is not None else None  # fail on a bad URL before anything is written
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _quiet(), _threads(threads):
-        try:
-            backend = backend or location.open()
-            study = _create_study(context, location, backend, resume)
-        except BaseException:
-            if created:
-                shutil.rmtree(out_dir, ignore_errors=True)
-            raise
-        atomic_write_text(out_dir / RUN_FILE, json.dumps(
-            {**config, "storage": location.shown, "study": location.study_name}, indent=2))
-        bar = _Progress(trials, _done(study), progress)
-        interrupted = False
-        try:
-            _ensure_reference(study, context)
-            if jobs == 1:
-                _optimize_here(study, context, location, backend, trials, out_dir, bar)
-            else:
-                setup = _WorkerSetup(context.model, context.space, context.data_spec, context.budget, context.seed,
-                                     context.device, location, out_dir, trials,
-                                     threads or max(1, (os.cpu_count() or 1) // jobs))
-                _optimize_workers(study, context, setup, gpus, bar)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            bar.close()
-            frame, front, best = export(study, context, out_dir)
-    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, interrupted)
-    if interrupted:
-        raise SearchInterrupted(result)
+    with StopSignals() as signals, quiet_optuna_interrupts():
+        context = SearchContext.create(model_spec, space, data_spec, budget, seed, device)
+        config = {**_config(context), **({"storage": location.shown, "study": location.study_name}
+                                         if location.shared else {})}
+        backend = location.open() if storage is not None else None  # fail on a bad URL before anything is written
+        created = _make_run_dir(out_dir)
+        with _quiet(), _threads(threads), _owned(out_dir):
+            try:
+                _check_resume(out_dir, resume, config, location.shared)
+                remove_temporaries(out_dir)
+                backend = backend or location.open()
+                study = _create_study(context, location, backend, resume, out_dir)
+            except BaseException:
+                if created:
+                    _remove_new_run_dir(out_dir)
+                raise
+            atomic_write_text(out_dir / RUN_FILE, json.dumps(
+                {**config, "storage": location.shown, "study": location.study_name}, indent=2))
+            bar = _Progress(trials, _done(study), progress)
+            stopped_by: int | None = None
+            try:
+                _ensure_reference(study, context)
+                if jobs == 1:
+                    _optimize_here(study, context, location, backend, trials, out_dir, bar, signals)
+                else:
+                    setup = _WorkerSetup(context.model, context.space, context.data_spec, context.budget,
+                                         context.seed, context.device, location, out_dir, trials,
+                                         threads or max(1, (os.cpu_count() or 1) // jobs))
+                    _optimize_workers(study, context, setup, gpus, bar)
+            except KeyboardInterrupt as stop:
+                stopped_by = getattr(stop, "signum", signal.SIGINT)
+            finally:
+                with signals.held():  # a second Ctrl-C must not tear the files being written
+                    bar.close()
+                    frame, front, best = export(study, context, out_dir)
+    stopped_by = stopped_by or signals.received  # a signal Python dropped (raised inside a finalizer)
+    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, stopped_by is not None)
+    if stopped_by is not None:
+        raise SearchInterrupted(result, stopped_by)
     return result
 
 
-class SearchInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a search; ``result`` holds what was saved."""
+def _make_run_dir(out_dir: Path) -> bool:
+    """Create ``out_dir`` (and its parents); True when this call created it, so only this call may remove it."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir()
+    except FileExistsError:
+        if not out_dir.is_dir():
+            raise PrecsearchError(f"--out {out_dir} is a file; give a folder") from None
+        return False
+    return True
 
-    def __init__(self, result: SearchResult) -> None:
-        super().__init__("search interrupted")
+
+@contextlib.contextmanager
+def _owned(out_dir: Path) -> Iterator[None]:
+    """The run directory's lock for the block. A process refused the lock removes nothing, not even a
+    folder it created a moment ago: the owner got in first and writes there."""
+    lock = RunLock(out_dir)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+_RESULTS = ("trials.csv", "pareto.csv", "best.json", RUN_FILE)
+
+
+def _remove_new_run_dir(out_dir: Path) -> None:
+    """Undo the folder this call created for a search that could not start, unless it somehow holds results."""
+    kept = [name for name in _RESULTS if (out_dir / name).exists()]
+    if kept:
+        log.warning("%s holds %s: left in place", out_dir, ", ".join(kept))
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+class SearchInterrupted(SearchStop):
+    """SIGINT (Ctrl-C) or SIGTERM during a search; ``result`` holds what was saved, ``signum`` the signal."""
+
+    def __init__(self, result: SearchResult, signum: int = signal.SIGINT) -> None:
+        super().__init__(signum)
         self.result = result
 
 
 def _create_study(context: SearchContext, location: StudyLocation, backend: optuna.storages.BaseStorage,
-                  resume: bool) -> optuna.Study:
+                  resume: bool, out_dir: Path) -> optuna.Study:
     """A shared study is joined (``_join_study``); a study of one run is created, or loaded with --resume
-    after failing and queueing again what a killed process left RUNNING."""
+    after failing and queueing again what a killed process left RUNNING. --resume never starts a new study:
+    one that is missing (a deleted, emptied or cut journal) would overwrite the results left of the old one."""
     if location.shared:
         return _join_study(context, backend, location)
     names = {summary.study_name for summary in optuna.get_all_study_summaries(backend)}
+    taken = PrecsearchError(f"storage {location.shown} already holds a precsearch study; pass --resume, give "
+                            "another --storage, or join it with --study-name")
     if location.study_name in names and not resume:
-        raise PrecsearchError(f"storage {location.shown} already holds a precsearch study; pass --resume, give "
-                              "another --storage, or join it with --study-name")
+        raise taken
+    if location.study_name not in names and resume:
+        kept = [name for name in _RESULTS if (out_dir / name).exists()]
+        raise PrecsearchError(f"cannot resume {out_dir}: study {location.study_name} is missing from "
+                              f"{location.shown} (deleted, emptied or cut?) while {', '.join(kept)} remain; "
+                              "restore the storage, or start a new search in another --out")
     if location.study_name not in names:
-        study = _new_study(context, backend, location)
+        try:
+            study = _new_study(context, backend, location)
+        except optuna.exceptions.DuplicatedStudyError:
+            raise taken from None  # another process created it between the listing and here
         study.set_user_attr("config", _config(context))
         _seed_study(study, context)
         return study
@@ -1119,16 +1205,19 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
 
 
 def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyLocation,
-                   backend: optuna.storages.BaseStorage, trials: int, out_dir: Path, bar: _Progress) -> None:
+                   backend: optuna.storages.BaseStorage, trials: int, out_dir: Path, bar: _Progress,
+                   signals: StopSignals) -> None:
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
+        if signals.received is not None:  # a signal Python dropped: stop before the next trial
+            study.stop()
         _, front, best = export(study, context, out_dir)
         bar.update(_done(study), front, best)
 
     remaining = trials - _done(study)
     if remaining <= 0:
         return
-    study.optimize(Objective(context, location, backend, out_dir), n_trials=remaining, catch=(Exception,),
-                   callbacks=[after, _budget_callback(trials)])
+    study.optimize(Objective(context, location, backend, out_dir, signals), n_trials=remaining, catch=(Exception,),
+                   callbacks=[after, _budget_callback(trials, not location.shared)])
 
 
 def _optimize_workers(study: optuna.Study, context: SearchContext, setup: _WorkerSetup, gpus: list[str | None],
@@ -1151,6 +1240,10 @@ def _optimize_workers(study: optuna.Study, context: SearchContext, setup: _Worke
                 _, front, best = export(study, context, setup.out_dir)
                 bar.update(done, front, best)
     except KeyboardInterrupt:
+        for worker in workers:  # SIGTERM reaches this process only; Ctrl-C reached them all (once is enough)
+            if worker.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGINT)
         for worker in workers:
             worker.join(timeout=30)
         raise
