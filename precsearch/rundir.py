@@ -38,7 +38,11 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".precsearch.lock"
 WORKERS_LOCK_NAME = ".precsearch.workers.lock"
 LOCK_FILES = (LOCK_NAME, WORKERS_LOCK_NAME)
-OWNER = f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_id() -> str:
+    """host:pid of this process (computed per call: a forked child is another owner)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _open_lock(path: Path) -> int:
@@ -83,7 +87,7 @@ class RunLock:
         if previous:
             log.info("%s: the lock of %s was stale (that process is gone); taking it over", self.out_dir, previous)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{OWNER}\n".encode(), 0)
+        os.pwrite(fd, f"{owner_id()}\n".encode(), 0)
         self._fd = fd
 
     def release(self) -> None:

@@ -221,6 +221,14 @@ class SearchContext:
     def levels(self) -> list[str]:
         return list(self.space.levels)
 
+    @property
+    def chance(self) -> float:
+        """The validation accuracy a network that learned nothing reaches by luck: the majority class's share
+        plus 3 binomial standard deviations over the validation set. An accuracy at or below it is no signal."""
+        labels = self.data[1].labels
+        share = float(torch.bincount(labels).max()) / len(labels)
+        return share + 3.0 * math.sqrt(share * (1.0 - share) / len(labels))
+
     def decisions(self, params: Mapping[str, Any]) -> dict[str, str]:
         return {unit: str(params.get(unit, "high")) for unit in self.units}
 
@@ -534,9 +542,11 @@ class StudyLocation:
         while True:
             try:
                 return create()
-            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError
+                    ) as error:
                 attempts -= 1  # workers creating Optuna's tables at once collide ("already exists"); retry
-                if attempts == 0:
+                if attempts == 0 or (isinstance(error, sqlalchemy.exc.OperationalError)
+                                     and "already exists" not in str(error)):
                     raise
                 time.sleep(0.5)
 
@@ -752,6 +762,7 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "worker": attrs.get("worker", ""),
         "policy": attrs.get("policy", ""),
         "error": attrs.get("error", ""),
+        "interrupted": bool(attrs.get("interrupted", False)),
         "key": attrs.get("key", context.key(params) if len(params) == len(context.units) else ""),
         "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
     }
@@ -788,29 +799,49 @@ def pareto_front(frame: pd.DataFrame, objective: str = "val_error") -> pd.DataFr
 
 
 def _reference(frame: pd.DataFrame, context: SearchContext, study: optuna.Study) -> float | None:
-    """The all-high proxy accuracy, from the reference run or the all-high trial."""
-    reference = _reference_accuracy(study)
-    if reference is not None:
-        return reference
+    """The all-high proxy accuracy, from the reference run or the all-high trial; None when that proxy
+    did not train (not run yet, or diverged): accuracy drops are then measured from nothing."""
+    result = study.user_attrs.get("reference_result")
+    if result is not None:
+        return None if result.get("diverged") else float(result["val_accuracy"])
     key = uniform(context.graph, context.space, "high").key
     rows = frame[(frame["key"] == key) & frame["trained"]] if not frame.empty else frame
-    return None if rows.empty else float(rows["val_accuracy"].iloc[0])
+    if rows.empty or bool(rows["diverged"].iloc[0]):
+        return None
+    return float(rows["val_accuracy"].iloc[0])
 
 
-def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None) -> pd.Series | None:
-    """The point the budget picks among trained, non-diverged trials (None when none qualifies).
+def pick_note(frame: pd.DataFrame, context: SearchContext, study: optuna.Study) -> str:
+    """Why ``choose_best`` picked nothing, in one line ('' when it picked or nothing explains it)."""
+    chance = context.chance
+    if context.budget.max_memory is None:
+        reference = _reference(frame, context, study)
+        if reference is None:
+            return ("the all-high proxy diverged or did not train, so no accuracy drop can be measured: no pick; "
+                    "lower the learning rate or lengthen the proxies")
+        if reference <= chance:
+            return (f"the all-high proxy reached accuracy {reference:.3f}, no better than chance ({chance:.3f}): no "
+                    "pick; lengthen the proxies (--proxy-steps) or check the data")
+    return f"no trained, non-diverged trial within the budget beats chance accuracy ({chance:.3f}): no pick"
+
+
+def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None,
+                chance: float = 0.0) -> pd.Series | None:
+    """The point the budget picks among trained, non-diverged trials above ``chance`` accuracy (None when
+    none qualifies, or when the all-high ``reference`` is None or itself at chance level).
 
     ``max_memory``: best accuracy within the memory bound (then least memory). Otherwise least memory with
     accuracy within ``max_accuracy_drop`` (default 1 point) of the all-high proxy (then best accuracy).
     """
     if frame.empty:
         return None
-    ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]]
+    ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]
+               & (frame["val_accuracy"] > chance)]
     if budget.max_memory is not None:
         ok = ok[ok["memory"] <= budget.max_memory + 1e-12]
         ok = ok.sort_values(["val_accuracy", "memory", "number"], ascending=[False, True, True])
     else:
-        if reference is None:
+        if reference is None or reference <= chance:
             return None
         drop = DEFAULT_ACCURACY_DROP if budget.max_accuracy_drop is None else budget.max_accuracy_drop
         ok = ok[ok["val_accuracy"] >= reference - drop - 1e-12]
@@ -850,9 +881,11 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[
     for stale in policies.glob("trial_*.json"):
         if stale.name not in wanted:
             stale.unlink()
-    best = choose_best(frame, context.budget, _reference(frame, context, study))
+    best = choose_best(frame, context.budget, _reference(frame, context, study), context.chance)
     if best is not None:
         _policy_for_row(best, study, context, f"best: {context.budget.describe()}").save(out_dir / "best.json")
+    else:  # a pick of an earlier export that no longer holds must not stay behind
+        (out_dir / "best.json").unlink(missing_ok=True)
     return frame, front, best
 
 
@@ -920,6 +953,7 @@ class SearchResult:
     best: pd.Series | None
     wall_time: float
     interrupted: bool = False
+    note: str = ""  # why best is None, when it is
 
 
 class _Progress:
@@ -1094,6 +1128,7 @@ def run_search(
         with _quiet(), _threads(threads), _owned(out_dir):
             try:
                 _check_resume(out_dir, resume, config, location.shared)
+                _check_journal_kept(out_dir, location, resume)
                 remove_temporaries(out_dir)
                 backend = backend or location.open()
                 study = _create_study(context, location, backend, resume, out_dir)
@@ -1121,7 +1156,8 @@ def run_search(
                     bar.close()
                     frame, front, best = export(study, context, out_dir)
     stopped_by = stopped_by or signals.received  # a signal Python dropped (raised inside a finalizer)
-    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, stopped_by is not None)
+    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, stopped_by is not None,
+                          "" if best is not None else pick_note(frame, context, study))
     if stopped_by is not None:
         raise SearchInterrupted(result, stopped_by)
     return result
@@ -1184,10 +1220,7 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
     if location.study_name in names and not resume:
         raise taken
     if location.study_name not in names and resume:
-        kept = [name for name in _RESULTS if (out_dir / name).exists()]
-        raise PrecsearchError(f"cannot resume {out_dir}: study {location.study_name} is missing from "
-                              f"{location.shown} (deleted, emptied or cut?) while {', '.join(kept)} remain; "
-                              "restore the storage, or start a new search in another --out")
+        raise _lost_study(out_dir, location)
     if location.study_name not in names:
         try:
             study = _new_study(context, backend, location)
@@ -1202,6 +1235,22 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
     if queued:
         log.info("queued %d interrupted trial(s) again", queued)
     return study
+
+
+def _lost_study(out_dir: Path, location: StudyLocation) -> PrecsearchError:
+    kept = [name for name in _RESULTS if (out_dir / name).exists()]
+    return PrecsearchError(f"cannot resume {out_dir}: study {location.study_name} is missing from {location.shown} "
+                           f"(deleted, emptied or cut?) while {', '.join(kept)} remain; restore the storage, or "
+                           "start a new search in another --out")
+
+
+def _check_journal_kept(out_dir: Path, location: StudyLocation, resume: bool) -> None:
+    """With --resume, a journal file that is gone or empty is refused before opening it (which creates it)."""
+    if not resume or location.shared or "://" in location.target:
+        return
+    journal = Path(location.target)
+    if not journal.is_file() or journal.stat().st_size == 0:
+        raise _lost_study(out_dir, location)
 
 
 def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyLocation,

@@ -1,0 +1,181 @@
+"""Run directories owned by one process, resumes that never start over lost results, clean stops on signals."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import stat
+import traceback
+
+import pandas as pd
+import pytest
+
+from precsearch import rundir, search
+from precsearch.errors import PrecsearchError
+from precsearch.rundir import RunLock, StopSignals, hold_worker_lock
+from precsearch.search import run_search
+from precsearch.spaces import paper_space
+
+PROXY = {"steps": 2, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
+SPACE = paper_space(proxy=PROXY)
+RESULTS = ("trials.csv", "pareto.csv", "best.json", "run.json")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    with search._threads(1):
+        yield
+
+
+def _search(out, trials, **kwargs):
+    return run_search("tiny_cnn", SPACE, trials=trials, out_dir=out, device="cpu", progress=False, **kwargs)
+
+
+def _contender(barrier, out, storage, outcomes):
+    """One of several processes released at once by ``barrier``; reports 'ok' or its one-line error."""
+    try:
+        barrier.wait()
+        _search(out, 1, storage=storage)
+        outcomes.put("ok")
+    except PrecsearchError as error:
+        outcomes.put(f"refused: {error}")
+    except BaseException:
+        outcomes.put(f"crashed: {traceback.format_exc()}")
+
+
+def _race(outs, storage=None):
+    fork = multiprocessing.get_context("fork")
+    barrier, outcomes = fork.Barrier(len(outs)), fork.Queue()
+    workers = [fork.Process(target=_contender, args=(barrier, out, storage, outcomes)) for out in outs]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    return sorted(outcomes.get(timeout=5) for _ in workers)
+
+
+@pytest.mark.slow
+def test_second_search_on_same_out_is_refused_and_deletes_nothing(tmp_path):
+    # before the fix the loser removed the whole directory the winner wrote into (3 races of 4)
+    for round_ in range(3):
+        out = tmp_path / f"race{round_}"
+        outcomes = _race([out, out])
+        assert outcomes[0] == "ok", outcomes
+        assert outcomes[1].startswith("refused: ") and ("is in use by the search of" in outcomes[1]
+                                                         or "not empty; pass --resume" in outcomes[1]), outcomes
+        for name in RESULTS:
+            assert (out / name).is_file(), (round_, name, outcomes)
+        trials = pd.read_csv(out / "trials.csv")
+        assert trials["state"].tolist() == ["COMPLETE"]
+
+
+@pytest.mark.slow
+def test_two_searches_creating_one_sqlite_storage_give_one_line_not_a_traceback(tmp_path):
+    for round_ in range(2):
+        storage = f"sqlite:///{tmp_path}/study{round_}.db"
+        outcomes = _race([tmp_path / f"a{round_}", tmp_path / f"b{round_}"], storage)
+        assert outcomes[0] == "ok", outcomes
+        assert outcomes[1].startswith("refused: storage ") and "already holds a precsearch study" in outcomes[1]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("done") / "run"
+    _search(out, 3)
+    return out
+
+
+def _snapshot(out):
+    return {path.relative_to(out): path.read_bytes() for path in out.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "first line lost"])
+def test_resume_refuses_when_the_study_is_lost_and_leaves_results_untouched(finished, tmp_path, damage):
+    out = tmp_path / "run"
+    out.mkdir()
+    for path, data in _snapshot(finished).items():
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+        (out / path).write_bytes(data)
+    journal = out / "study.journal"
+    if damage == "missing":
+        journal.unlink()
+    elif damage == "empty":
+        journal.write_bytes(b"")
+    else:
+        journal.write_bytes(journal.read_bytes().split(b"\n", 1)[1])
+    before = _snapshot(out)
+    with pytest.raises(PrecsearchError, match=r"cannot (resume|open study storage)"):
+        _search(out, 5, resume=True)
+    assert _snapshot(out) == before
+
+
+def test_a_lock_left_by_a_dead_process_is_stale_and_taken_over(tmp_path):
+    child = os.fork()
+    if child == 0:  # take the lock and die without releasing it
+        RunLock(tmp_path).acquire()
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert f":{child}" in (tmp_path / rundir.LOCK_NAME).read_text()
+    with RunLock(tmp_path):
+        assert (tmp_path / rundir.LOCK_NAME).read_text().strip() == rundir.owner_id()
+
+
+def test_workers_of_a_killed_parent_keep_the_run_directory_locked(tmp_path):
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # a --jobs worker whose parent is gone: it holds the workers' lock until it ends
+        hold_worker_lock(tmp_path)
+        os.write(write, b"x")
+        os.read(read, 1)
+        os._exit(0)
+    os.read(read, 1)
+    try:
+        with pytest.raises(PrecsearchError, match="worker processes of the search of .* still run"):
+            RunLock(tmp_path).acquire()
+    finally:
+        os.write(write, b"x")
+        os.waitpid(child, 0)
+    with RunLock(tmp_path):
+        pass
+
+
+def test_resume_removes_temporaries_a_killed_write_left(finished, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    for path, data in _snapshot(finished).items():
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+        (out / path).write_bytes(data)
+    leftovers = [out / ".best.json.k2j3.tmp", out / ".trials.csv.x8a.tmp", out / "policies" / ".trial_0001.json.q.tmp"]
+    for path in leftovers:
+        path.write_text("{half")
+    _search(out, 4, resume=True)
+    assert not any(path.exists() for path in leftovers)
+
+
+def test_outputs_get_the_users_umask(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        out = tmp_path / "run"
+        _search(out, 1)
+    finally:
+        os.umask(previous)
+    for name in ("trials.csv", "pareto.csv", "run.json"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name  # mkstemp alone gives 0600
+    for path in (out / "policies").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_a_signal_inside_a_finalizer_is_kept_and_raised_at_the_next_check():
+    signals = StopSignals()
+
+    class Finalized:
+        def __del__(self):
+            signals._handle(signal.SIGINT, __import__("sys")._getframe())
+
+    with signals:
+        Finalized()  # Python would print "Exception ignored in __del__" and drop a KeyboardInterrupt here
+        assert signals.received == signal.SIGINT
+        with pytest.raises(rundir.SearchStop) as stop:
+            signals.check()
+    assert stop.value.signum == signal.SIGINT
