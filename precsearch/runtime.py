@@ -69,7 +69,7 @@ import logging
 import operator
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -280,6 +280,31 @@ class TensorState:
         self.flush()
         for slot in self.slots.values():
             slot.reset()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What training must carry over: the step, the promotions and the stochastic-rounding counter."""
+        self.flush()
+        return {"step": self.step, "promotions": [list(p) for p in self.promotions],
+                "rounding_seed": self._seed if self._seeds is None else int(self._seeds)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[_Slot]:
+        """Restore ``state_dict()``; returns the slots promoted by it (the caller tells the optimizers)."""
+        unknown = [p[0] for p in state["promotions"] if p[0] not in self.slots]
+        if unknown:
+            raise PrecsearchError(f"checkpoint promotes {unknown[0]!r}, which this policy does not assign; load it "
+                                  "into a model wrapped with the policy it was trained under")
+        self.step = int(state["step"])
+        self.promotions = [Promotion(*p) for p in state["promotions"]]
+        self._seed, self._seeds = int(state["rounding_seed"]), None
+        promoted = []
+        for promotion in self.promotions:
+            slot = self.slots[promotion.id]
+            if not slot.promoted:
+                slot.fmt, slot.promoted = F.get_format(promotion.to_format), True
+                promoted.append(slot)
+        return promoted
 
 
 # ------------------------------------------------------------------------------------ saved-tensor packing
@@ -675,6 +700,24 @@ class PrecisionModel(nn.Module):
     def step_count(self) -> int:
         """Training forwards run so far."""
         return self.state.step
+
+    # -- checkpoints: the training state rides in the ordinary state_dict() as "_extra_state" -------------
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Promotions, step count, rounding counter, loss scaler and the stochastic-update generator, so that
+        ``torch.save(model.state_dict())`` and ``load_state_dict`` continue training exactly."""
+        return {"tensors": self.state.state_dict(), "scaler": self.scaler.state_dict(),
+                "generator": self._generator.get_state()}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, Mapping) or not {"tensors", "scaler", "generator"} <= set(state):
+            raise PrecsearchError("checkpoint has no precsearch training state: save model.state_dict() of the "
+                                  "PrecisionModel (what apply_policy returned), not of the inner model")
+        for slot in self.state.load_state_dict(state["tensors"]):
+            for callback in self.state.on_promote:
+                callback(slot)
+        self.scaler.load_state_dict(state["scaler"])
+        self._generator.set_state(state["generator"])
 
     # -- set-up -------------------------------------------------------------------------------------------
 
