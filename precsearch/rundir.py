@@ -7,9 +7,10 @@ The worker processes of ``--jobs`` hold a shared lock on ``.precsearch.workers.l
 live, so a new search is refused while the workers of a killed parent still train.
 
 ``StopSignals`` turns the first SIGINT or SIGTERM into a ``SearchStop`` (a KeyboardInterrupt) raised in the
-main thread, except inside a finalizer (``__del__``), where Python would print and drop it: there the signal
-is only recorded and ``check()`` raises it at the next safe point. Later signals are recorded, not raised, so
-the results are written out in peace.
+main thread, except where raising is unsafe: inside a finalizer (``__del__``: Python would print and drop it)
+or inside Optuna's storage code (a journal lock half released). There the signal is only recorded, and the
+search raises it at its next safe point (``check()``, every few proxy steps) or stops after the trial. Later
+signals are recorded, not raised, so the results are written out in peace.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -31,7 +33,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.files import TEMP_SUFFIX, user_file_mode
 
 __all__ = ["LOCK_FILES", "RunLock", "SearchStop", "StopSignals", "hold_worker_lock", "quiet_optuna_interrupts",
-           "remove_temporaries"]
+           "remove_stale_journal_lock", "remove_temporaries"]
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +135,16 @@ class SearchStop(KeyboardInterrupt):
         self.signum = signum
 
 
-def _in_finalizer(frame: FrameType | None) -> bool:
-    """Whether the interrupted code runs inside a ``__del__`` (an exception raised there is dropped)."""
+_UNSAFE_PACKAGES = (f"{os.sep}optuna{os.sep}", f"{os.sep}sqlalchemy{os.sep}")
+
+
+def _unsafe(frame: FrameType | None) -> bool:
+    """Whether an exception raised at this point could be lost or leave shared state half-changed: inside a
+    ``__del__`` (Python prints and drops it) or inside Optuna's or SQLAlchemy's code (a journal lock half
+    released, a storage write half done)."""
     while frame is not None:
-        if frame.f_code.co_name == "__del__":
+        code = frame.f_code
+        if code.co_name == "__del__" or any(package in code.co_filename for package in _UNSAFE_PACKAGES):
             return True
         frame = frame.f_back
     return False
@@ -156,7 +164,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signum
-        if self._raised or _in_finalizer(frame):
+        if self._raised or _unsafe(frame):
             return
         self._raised = True
         raise SearchStop(signum)
@@ -190,15 +198,32 @@ class StopSignals:
 
 @contextlib.contextmanager
 def quiet_optuna_interrupts() -> Iterator[None]:
-    """Optuna logs a trial stopped by Ctrl-C as a failure with its full traceback; the search reports the
-    interruption in one line instead, so those records are dropped (other failures are still logged)."""
+    """Optuna logs a trial stopped by Ctrl-C as a failure with its full traceback (and then its value); the
+    search reports the interruption in one line instead, so those records are dropped. Other failures are
+    still logged."""
     logger = logging.getLogger("optuna.study._optimize")
+    interrupted: set[str] = set()
 
     def keep(record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+        trial = re.match(r"Trial (\d+) failed", record.getMessage())
+        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+            if trial:
+                interrupted.add(trial.group(1))
+            return False
+        return not (trial and trial.group(1) in interrupted)
 
     logger.addFilter(keep)
     try:
         yield
     finally:
         logger.removeFilter(keep)
+
+
+def remove_stale_journal_lock(journal: Path) -> None:
+    """Optuna's journal lock (``<journal>.lock``, a symlink) left by a process killed while holding it would
+    make the next process wait 30 s and then break it. Called only under the run lock, with no worker alive,
+    so nobody can hold it."""
+    lock = journal.with_name(journal.name + ".lock")
+    if lock.is_symlink() or lock.exists():
+        lock.unlink()
+        log.warning("removed the journal lock %s that a killed process left", lock)

@@ -81,6 +81,7 @@ from precsearch.rundir import (
     StopSignals,
     hold_worker_lock,
     quiet_optuna_interrupts,
+    remove_stale_journal_lock,
     remove_temporaries,
 )
 from precsearch.spaces import SearchSpace, load_space, parse_space
@@ -992,6 +993,16 @@ def _budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study
     return stop
 
 
+def _stop_on_signal(signals: StopSignals) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop before the next trial when a signal was recorded but not raised (it came inside Optuna's code)."""
+
+    def stop(study: optuna.Study, trial: FrozenTrial) -> None:
+        if signals.received is not None:
+            study.stop()
+
+    return stop
+
+
 def _parent_watch(parent: int) -> Callable[[optuna.Study, FrozenTrial], None]:
     def watch(study: optuna.Study, trial: FrozenTrial) -> None:
         if os.getppid() != parent:
@@ -1032,7 +1043,7 @@ def _worker(setup: _WorkerSetup, index: int, gpu: str | None, parent: int) -> No
         study = _load_study(context, storage, setup.location, index)
         study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals), n_trials=setup.trials,
                        catch=(Exception,), callbacks=[_budget_callback(setup.trials, not setup.location.shared),
-                                                      _parent_watch(parent)])
+                                                      _parent_watch(parent), _stop_on_signal(signals)])
 
 
 def _stop_when_orphaned(parent: int) -> None:
@@ -1130,6 +1141,8 @@ def run_search(
                 _check_resume(out_dir, resume, config, location.shared)
                 _check_journal_kept(out_dir, location, resume)
                 remove_temporaries(out_dir)
+                if location.target == str(out_dir / JOURNAL_NAME):  # this run's own journal
+                    remove_stale_journal_lock(Path(location.target))
                 backend = backend or location.open()
                 study = _create_study(context, location, backend, resume, out_dir)
             except BaseException:
@@ -1257,8 +1270,6 @@ def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyL
                    backend: optuna.storages.BaseStorage, trials: int, out_dir: Path, bar: _Progress,
                    signals: StopSignals) -> None:
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
-        if signals.received is not None:  # a signal Python dropped: stop before the next trial
-            study.stop()
         _, front, best = export(study, context, out_dir)
         bar.update(_done(study), front, best)
 
@@ -1266,7 +1277,7 @@ def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyL
     if remaining <= 0:
         return
     study.optimize(Objective(context, location, backend, out_dir, signals), n_trials=remaining, catch=(Exception,),
-                   callbacks=[after, _budget_callback(trials, not location.shared)])
+                   callbacks=[after, _budget_callback(trials, not location.shared), _stop_on_signal(signals)])
 
 
 def _optimize_workers(study: optuna.Study, context: SearchContext, setup: _WorkerSetup, gpus: list[str | None],

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import random
 import signal
 import stat
+import threading
 import traceback
 
+import optuna
 import pandas as pd
 import pytest
+import yaml
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
 
 from precsearch import rundir, search
+from precsearch.cli import main
 from precsearch.errors import PrecsearchError
 from precsearch.rundir import RunLock, StopSignals, hold_worker_lock
 from precsearch.search import run_search
-from precsearch.spaces import paper_space
+from precsearch.spaces import PAPER_SPACE, paper_space
 
 PROXY = {"steps": 2, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 SPACE = paper_space(proxy=PROXY)
@@ -174,8 +183,84 @@ def test_a_signal_inside_a_finalizer_is_kept_and_raised_at_the_next_check():
             signals._handle(signal.SIGINT, __import__("sys")._getframe())
 
     with signals:
-        Finalized()  # Python would print "Exception ignored in __del__" and drop a KeyboardInterrupt here
+        Finalized()  # Python would print 'Exception ignored in __del__' and drop a KeyboardInterrupt here
         assert signals.received == signal.SIGINT
         with pytest.raises(rundir.SearchStop) as stop:
             signals.check()
     assert stop.value.signum == signal.SIGINT
+
+
+def _consistent(out, before):
+    """The run directory after a stop: parseable tables, no trial left RUNNING, no temporary files, every
+    trial finished before still there with its result, and best.json one of the finished trials."""
+    assert not list(out.rglob(".*.tmp"))
+    if not (out / "run.json").is_file():
+        assert not out.exists() or not (out / "trials.csv").exists()
+        return {}
+    study = optuna.load_study(study_name="precsearch",
+                              storage=JournalStorage(JournalFileBackend(str(out / "study.journal"))))
+    assert not [t.number for t in study.trials if t.state == TrialState.RUNNING]
+    if not (out / "trials.csv").is_file():
+        return {}
+    trials = pd.read_csv(out / "trials.csv", keep_default_na=False)
+    assert set(trials["state"]) <= {"COMPLETE", "FAIL", "PRUNED"}
+    assert (trials[trials["state"] == "FAIL"]["interrupted"].astype(str) == "True").all()
+    finished = {int(row["number"]): float(row["val_accuracy"]) for _, row in trials.iterrows()
+                if row["state"] == "COMPLETE"}
+    assert all(finished.get(number) == accuracy for number, accuracy in before.items())  # nothing lost
+    fresh = trials[(trials["trained"].astype(str) == "True") & (trials["duplicate_of"].astype(str) == "")]
+    assert fresh["key"].is_unique  # no assignment trained twice across the stops
+    if (out / "best.json").is_file():
+        assert json.loads((out / "best.json").read_text())["provenance"]["trial"] in finished
+    return finished
+
+
+@pytest.mark.slow
+def test_twenty_sigints_at_random_moments_each_stop_the_search_with_130_and_consistent_files(tmp_path, capsys,
+                                                                                            caplog):
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({**PAPER_SPACE, "proxy": PROXY}))
+    out = tmp_path / "run"
+    command = ["search", "tiny_cnn", "--space", str(space), "--trials", "500", "--out", str(out), "--no-progress",
+               "--device", "cpu", "--threads", "1"]
+    rng = random.Random(16)
+    inside = threading.Event()
+
+    def interrupt(signum, frame):  # Python's own SIGINT handler, but only while the CLI runs
+        if inside.is_set():
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    finished: dict[int, float] = {}
+    try:
+        for _ in range(20):
+            timer = threading.Timer(rng.uniform(0.0, 2.0), os.kill, (os.getpid(), signal.SIGINT))
+            inside.set()
+            timer.start()
+            try:
+                code = main(command + (["--resume"] if (out / "run.json").is_file() else []))
+            finally:
+                timer.join()
+                inside.clear()
+            err = capsys.readouterr().err
+            assert code == 130, err
+            assert "stopped by SIGINT" in err.strip().splitlines()[-1]
+            assert "Traceback" not in err and "Exception ignored" not in err, err
+            assert not [record.getMessage() for record in caplog.records if record.exc_info]  # Optuna's traceback
+            caplog.clear()
+            finished = _consistent(out, finished)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(finished) > 0
+
+
+def test_sigterm_stops_the_search_with_143(tmp_path, capsys):
+    out = tmp_path / "run"
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    code = main(["search", "tiny_cnn", "--trials", "500", "--out", str(out), "--no-progress", "--device", "cpu",
+                 "--threads", "1", "--proxy-steps", "2", "--image-size", "8", "--batch-size", "16"])
+    timer.join()
+    assert code == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("precsearch search: stopped by SIGTERM")
+    _consistent(out, {})
