@@ -27,8 +27,10 @@ and backward, by Wang et al.'s chunk-based accumulation (precsearch.accumulate);
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import json
+import logging
 import math
 import os
 from collections import Counter
@@ -47,6 +49,8 @@ from precsearch.files import atomic_write_text
 from precsearch.formats import OVERFLOWS, ROUNDINGS, FloatFormat, get_format, spec_name
 from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace
 from precsearch.scaling import make_scaler
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Accumulation",
@@ -78,7 +82,7 @@ _GLOB_CHARS = frozenset("*?[")
 _FIELDS = (
     "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
     "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
-    "accumulation", "compression", "predicted", "provenance",
+    "accumulation", "compression", "predicted", "provenance", "allow_unmatched_rules",
 )
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
 
@@ -220,6 +224,12 @@ class PolicyReport:
     graph_fingerprint: str
     missing: list[str] = field(default_factory=list)
     uncovered: list[str] = field(default_factory=list)
+    hints: dict[str, list[str]] = field(default_factory=dict)  # missing rule -> the closest names in the model
+
+    def named(self, item: str) -> str:
+        """A missing rule with its closest names, e.g. ``override 'conv9:weight' (closest: conv2:weight)``."""
+        close = self.hints.get(item)
+        return f"{item} (closest: {', '.join(close)})" if close else item
 
     @property
     def fingerprint_matches(self) -> bool:
@@ -235,7 +245,8 @@ class PolicyReport:
                  + ("matches" if self.fingerprint_matches
                     else f"differs ({self.policy_fingerprint} in the policy, {self.graph_fingerprint} here)")]
         if self.missing:
-            lines.append(f"{len(self.missing)} rule(s) name nothing in this model: {', '.join(self.missing)}")
+            lines.append(f"{len(self.missing)} rule(s) name nothing in this model: "
+                         + ", ".join(self.named(item) for item in self.missing))
         if self.uncovered:
             lines.append(f"{len(self.uncovered)} tensor(s) covered by no rule (kept fp32): "
                          + ", ".join(self.uncovered))
@@ -264,6 +275,7 @@ class Policy:
     compression: str = "none"
     predicted: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+    allow_unmatched_rules: bool = False  # a rule naming nothing in the model is then only a warning
 
     def __post_init__(self) -> None:
         self.validate()
@@ -305,6 +317,9 @@ class Policy:
             self.promotion_threshold = float(threshold)
         if not isinstance(self.master_weights, bool):
             raise PrecsearchError(f"{where}: master_weights must be true or false, not {self.master_weights!r}")
+        if not isinstance(self.allow_unmatched_rules, bool):
+            raise PrecsearchError(f"{where}: allow_unmatched_rules must be true or false, "
+                                  f"not {self.allow_unmatched_rules!r}")
         self.optimizer = _optimizer(self.optimizer, f"{where}: optimizer")
         self.accumulation = _accumulation(self.accumulation, where)
         self.compression = _choice(self.compression, COMPRESSIONS, f"{where}: compression")
@@ -409,9 +424,14 @@ class Policy:
             layers = {op.name.partition("#")[0] for op in graph.ops if op.module_type in ("Linear", "Conv2d")}
             missing += [f"accumulation layers {pattern!r}" for pattern in self.accumulation.layers
                         if not fnmatch.filter(layers, pattern)]
+        missing += [f"module type {name!r} {kind}" for name, rules in sorted(self.module_types.items())
+                    if name in types for kind in sorted(rules)
+                    if not any(t.module_type == name and t.kind == kind for t in graph.tensors.values())]
         uncovered = [tensor_id for tensor_id in graph.assignable_ids()
                      if self.explain(graph.tensors[tensor_id])[1] == "no rule"]
-        return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered)
+        hints = {item: _closest(item, ids, types) for item in missing}
+        return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered,
+                            {item: close for item, close in hints.items() if close})
 
     def verify(self, graph: TensorGraph, strict: bool = True) -> PolicyReport:
         """``check`` that raises when the policy was made for another graph (unless ``strict`` is False)."""
@@ -422,8 +442,16 @@ class Policy:
             raise PrecsearchError(
                 f"policy was made for {self.model or 'another model'} (graph {self.graph_fingerprint}), "
                 f"but this model's graph is {report.graph_fingerprint}{detail}; make a policy for this model "
-                "(or pass strict=False to apply it anyway)"
+                "(or, in Python, apply_policy(..., strict=False) to apply it anyway)"
             )
+        if report.missing:
+            named = "; ".join(report.named(item) for item in report.missing[:3])
+            if self.allow_unmatched_rules or not strict:
+                log.warning("policy rule(s) name nothing in this model, ignored: %s", named)
+            else:
+                raise PrecsearchError(f"{len(report.missing)} policy rule(s) name nothing in this model: {named}; "
+                                      "fix the names (precsearch trace MODEL lists them), or set "
+                                      '"allow_unmatched_rules": true in the policy')
         return report
 
     def _graph(self, model_or_graph: nn.Module | TensorGraph, example_input: torch.Tensor | None) -> TensorGraph:
@@ -453,6 +481,8 @@ class Policy:
             data["accumulation"] = self.accumulation.to_dict()
         if self.compression == "none":
             del data["compression"]  # optional like accumulation: files without it read as before
+        if not self.allow_unmatched_rules:
+            del data["allow_unmatched_rules"]  # optional too
         data["schema_version"] = SCHEMA_VERSION
         data["formats"] = {spec: _format_entry(fmt) for spec, fmt in self.formats().items()}
         return data
@@ -513,6 +543,17 @@ class Policy:
     def replace(self, **changes: Any) -> Policy:
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
+
+
+def _closest(item: str, ids: set[str], types: set[str]) -> list[str]:
+    """The model's names nearest to what a missing rule names (tensor ids, or module types)."""
+    kind, _, name = item.partition(" '")
+    name = name.split("'")[0]
+    if kind.startswith("module type"):
+        return difflib.get_close_matches(name, sorted(types), n=3, cutoff=0.5)
+    if kind.startswith("override"):
+        return difflib.get_close_matches(name, sorted(ids), n=3, cutoff=0.5)
+    return []
 
 
 def _format_entry(fmt: FloatFormat) -> dict[str, Any]:

@@ -659,6 +659,7 @@ class PrecisionModel(nn.Module):
         self.policy = policy
         self.graph = graph
         self.unenforced: list[str] = []
+        self.clipped_at_start: list[str] = []  # "id fraction%" of pure low weights clipped by their first rounding
         self.stats_every = stats_every
         self._generator = torch.Generator().manual_seed(seed)
         self._handles: list[Any] = []
@@ -774,12 +775,27 @@ class PrecisionModel(nn.Module):
         return found
 
     def _round_pure_weights(self) -> None:
-        """Without master weights the parameters are the low-precision weights: round them once now."""
+        """Without master weights the parameters are the low-precision weights: round them once now. This
+        first rounding counts its overflow like any other, so the guard promotes a weight the format cannot
+        hold before its values are clipped; values clipped anyway (below the threshold) are reported."""
         if self.policy.master_weights:
             return
         with torch.no_grad():
-            for param, slot in self._weights.values():
-                param.copy_(F.quantize(param.detach(), slot.fmt, overflow=slot.overflow_mode))
+            rounded = {name: self.state.round(param.detach(), slot)[0] for name, (param, slot) in self._weights.items()}
+            self.state.flush()  # settles the counts: promotes at step 0
+            clipped = []
+            for name, (param, slot) in self._weights.items():
+                param.copy_(rounded[name] if not slot.promoted else
+                            F.quantize(param.detach(), slot.fmt, overflow=slot.overflow_mode))
+                if slot.overflowed and not slot.promoted:
+                    clipped.append(f"{slot.id} {100 * slot.overflowed / slot.counted:.2g}%")
+                slot.reset()
+        self.clipped_at_start = clipped
+        if clipped:
+            log.warning("master_weights=False: rounding the starting weights clipped values past their format's "
+                        "range in %d tensor(s) (%s)%s", len(clipped), ", ".join(clipped),
+                        "" if self.state.threshold is None else
+                        ", each below the promotion threshold; lower it or give these weights a wider format")
 
     def _hook_weight_grads(self) -> None:
         """Each low weight gradient is rounded in place as soon as it is accumulated."""

@@ -103,3 +103,4 @@ def test_the_optimizer_state_keeps_a_promoted_weights_format():
     loaded.load_state_dict(state)
     assert torch.equal(fresh.detach(), saved) and torch.equal(loaded.master(fresh), optimizer.master(weight))
     assert loaded.memory_bytes() == optimizer.memory_bytes()
+
