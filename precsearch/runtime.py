@@ -297,7 +297,9 @@ class TensorState:
                                   "into a model wrapped with the policy it was trained under")
         self.step = int(state["step"])
         self.promotions = [Promotion(*p) for p in state["promotions"]]
-        self._seed, self._seeds = int(state["rounding_seed"]), None
+        self._seed = int(state["rounding_seed"])
+        if self._seeds is not None:
+            self._seeds.fill_(self._seed)
         promoted = []
         for promotion in self.promotions:
             slot = self.slots[promotion.id]

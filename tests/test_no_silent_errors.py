@@ -45,7 +45,8 @@ def test_pure_low_precision_starting_weights_are_promoted_or_reported_not_silent
 def test_a_policy_rule_naming_no_tensor_is_an_error_with_the_closest_ids():
     policy = Policy(input_shape=SHAPE, batch_size=8, defaults={"weight": "e5m2s"},
                     overrides={"conv9:activation": "fp16"})
-    with pytest.raises(PrecsearchError, match=r"override 'conv9:activation' \(closest: conv2:activation, conv1:activation") as error:
+    closest = r"override 'conv9:activation' \(closest: conv2:activation, conv1:activation"
+    with pytest.raises(PrecsearchError, match=closest) as error:
         apply_policy(build("tiny_cnn"), policy)
     assert "allow_unmatched_rules" in str(error.value) and "\n" not in str(error.value)
     kinds = Policy(input_shape=SHAPE, batch_size=8, module_types={"Conv2d": {"weight_grad": "fp16"},
