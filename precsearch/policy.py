@@ -47,7 +47,7 @@ from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.formats import OVERFLOWS, ROUNDINGS, FloatFormat, get_format, spec_name
-from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace
+from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
 from precsearch.scaling import make_scaler
 
 log = logging.getLogger(__name__)
@@ -225,6 +225,7 @@ class PolicyReport:
     missing: list[str] = field(default_factory=list)
     uncovered: list[str] = field(default_factory=list)
     hints: dict[str, list[str]] = field(default_factory=dict)  # missing rule -> the closest names in the model
+    untraced: list[str] = field(default_factory=list)  # modules of the model that are not in the graph
 
     def named(self, item: str) -> str:
         """A missing rule with its closest names, e.g. ``override 'conv9:weight' (closest: conv2:weight)``."""
@@ -237,7 +238,7 @@ class PolicyReport:
 
     @property
     def ok(self) -> bool:
-        return self.fingerprint_matches and not self.missing and not self.uncovered
+        return self.fingerprint_matches and not self.missing and not self.uncovered and not self.untraced
 
     def summary(self) -> str:
         """A few human-readable lines (what ``precsearch`` commands print)."""
@@ -247,6 +248,9 @@ class PolicyReport:
         if self.missing:
             lines.append(f"{len(self.missing)} rule(s) name nothing in this model: "
                          + ", ".join(self.named(item) for item in self.missing))
+        if self.untraced:
+            lines.append(f"{len(self.untraced)} module(s) did not run when the model was traced, so no rule "
+                         f"covers them and their memory is not counted: {', '.join(self.untraced)}")
         if self.uncovered:
             lines.append(f"{len(self.uncovered)} tensor(s) covered by no rule (kept fp32): "
                          + ", ".join(self.uncovered))
@@ -412,9 +416,12 @@ class Policy:
         """Report the rules that name nothing in the model and the tensors no rule covers, by name.
 
         Takes a ``TensorGraph`` or an ``nn.Module`` (traced with ``example_input``, or a batch of two zeros of
-        the policy's ``input_shape``).
+        the policy's ``input_shape``: give a real batch, since a branch zeros do not take is not traced). For
+        a module, the report also names its modules that are not in the graph (``untraced``).
         """
         graph = self._graph(model_or_graph, example_input)
+        untraced = ([] if isinstance(model_or_graph, TensorGraph)
+                    else untraced_modules(model_or_graph, graph, CHUNKED_LAYERS))
         ids = set(graph.tensors)
         missing = [f"override {key!r}" for key in sorted(self.overrides)
                    if (key not in ids if not _is_glob(key) else not fnmatch.filter(ids, key))]
@@ -431,7 +438,7 @@ class Policy:
                      if self.explain(graph.tensors[tensor_id])[1] == "no rule"]
         hints = {item: _closest(item, ids, types) for item in missing}
         return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered,
-                            {item: close for item, close in hints.items() if close})
+                            {item: close for item, close in hints.items() if close}, untraced)
 
     def verify(self, graph: TensorGraph, strict: bool = True) -> PolicyReport:
         """``check`` that raises when the policy was made for another graph (unless ``strict`` is False)."""
@@ -442,7 +449,7 @@ class Policy:
             raise PrecsearchError(
                 f"policy was made for {self.model or 'another model'} (graph {self.graph_fingerprint}), "
                 f"but this model's graph is {report.graph_fingerprint}{detail}; make a policy for this model "
-                "(or, in Python, apply_policy(..., strict=False) to apply it anyway)"
+                "(or pass strict=False to apply_policy, in Python, to apply it anyway)"
             )
         if report.missing:
             named = "; ".join(report.named(item) for item in report.missing[:3])

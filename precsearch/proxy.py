@@ -243,7 +243,9 @@ def train(
     with _deterministic():
         torch.manual_seed(seed)
         model = build_model(model_spec, num_classes=train_set.num_classes).to(torch_device)
-        model = apply_policy(model, policy, seed=seed, stats_every=config.stats_every)
+        # traced on real images, as the search traced it: a branch zeros would not take is in the graph
+        model = apply_policy(model, policy, train_set.images[:2].to(torch_device), seed=seed,
+                             stats_every=config.stats_every)
         model.train()
         sgd = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                               weight_decay=config.weight_decay)

@@ -80,7 +80,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from precsearch import formats as F
 from precsearch import ops
 from precsearch.errors import PrecsearchError
-from precsearch.graph import TensorGraph, trace
+from precsearch.graph import TensorGraph, trace, untraced_modules
 from precsearch.optim import LowPrecisionOptimizer, from_config
 from precsearch.policy import CHUNKED_LAYERS, Policy
 from precsearch.scaling import LossScaler, make_scaler
@@ -661,6 +661,7 @@ class PrecisionModel(nn.Module):
         self.policy = policy
         self.graph = graph
         self.unenforced: list[str] = []
+        self.untraced: list[str] = []  # modules that ran in a forward but are not in the graph (hook tracer only)
         self.clipped_at_start: list[str] = []  # "id fraction%" of pure low weights clipped by their first rounding
         self.stats_every = stats_every
         self._generator = torch.Generator().manual_seed(seed)
@@ -827,7 +828,10 @@ class PrecisionModel(nn.Module):
         return _Rounder(self, found, op.name) if found else None
 
     def _instrument_hooks(self) -> nn.Module:
-        """Fallback for untraceable models: forward hooks on the modules the hook tracer recorded."""
+        """Fallback for untraceable models: forward hooks on the modules the hook tracer recorded, and on the
+        modules it did not see (``untraced_modules``), which say so loudly when they run."""
+        for name in untraced_modules(self.module, self.graph, CHUNKED_LAYERS):
+            self._handles.append(self.module.get_submodule(name).register_forward_hook(self._untraced_hook(name)))
         for op in self.graph.ops:
             rounder = self._rounder_for(op)
             if rounder is None:
@@ -842,6 +846,18 @@ class PrecisionModel(nn.Module):
         for base in self._module_rounders:
             self._handles.append(self.module.get_submodule(base).register_forward_hook(self._module_hook(base)))
         return self.module
+
+    def _untraced_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if name in self.untraced:
+                return
+            self.untraced.append(name)
+            log.warning("%s (%s) ran but is not in the traced graph (a branch the example input did not take): "
+                        "no policy rule covers it, it runs unrounded in fp32 and its memory is not counted; "
+                        "trace with a batch that takes this branch: apply_policy(model, policy, example_input=x)",
+                        name, type(module).__name__)
+
+        return hook
 
     def _module_hook(self, base: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:

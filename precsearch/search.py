@@ -208,7 +208,7 @@ class SearchContext:
             data = data_spec.load(space.proxy.image_size, seed=0)
         torch.manual_seed(seed)
         network = build_model(model, num_classes=data[0].num_classes)
-        example = torch.zeros(1, *data[0].image_shape)
+        example = data[0].images[:2]  # real images: a data-dependent branch zeros would skip is traced
         graph = trace(network, example, batch_size=space.proxy.batch_size)
         context = cls(model=model, space=space, data_spec=data_spec, budget=budget, seed=seed, device=device,
                       data=data, graph=graph, cost=CostModel(graph))

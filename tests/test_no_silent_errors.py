@@ -8,6 +8,7 @@ import errno
 import pandas as pd
 import pytest
 import torch
+from torch import nn
 
 from precsearch.cli import main
 from precsearch.errors import PrecsearchError
@@ -91,3 +92,41 @@ def test_writing_into_a_folder_where_a_file_goes_is_one_line_and_exit_2(tmp_path
     (tmp_path / "graph.json").mkdir()
     assert main(["trace", "tiny_cnn", "--json", str(tmp_path / "graph.json")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+class Branchy(nn.Module):
+    """A data-dependent branch: zeros skip ``extra``, every real batch runs it (torch.fx cannot trace this)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.extra = nn.Conv2d(8, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv(x)
+        if x.abs().sum() > 0:
+            out = self.extra(out)
+        return self.fc(torch.flatten(self.pool(out), 1))
+
+
+def test_a_branch_the_example_input_skipped_is_reported_at_trace_check_and_run_time(caplog):
+    low = Policy(input_shape=SHAPE, batch_size=8, defaults={"weight": "e5m2s", "activation": "e5m2s"})
+    torch.manual_seed(0)
+    model = Branchy()
+    report = low.check(model)  # traced on zeros of the policy's input shape
+    assert report.untraced == ["extra"] and not report.ok and "extra" in report.summary()
+    with pytest.warns(UserWarning, match=r"1 module\(s\) of Branchy did not run on the example input.*extra"):
+        wrapped = apply_policy(model, low)
+    assert "extra:weight" not in wrapped.formats()
+    batch = torch.randn(8, *SHAPE, generator=torch.Generator().manual_seed(1))
+    wrapped(batch)
+    wrapped(batch)
+    assert wrapped.untraced == ["extra"]
+    assert caplog.text.count("extra (Conv2d) ran but is not in the traced graph") == 1  # once, loudly
+    caplog.clear()
+    with pytest.warns(UserWarning, match="torch.fx could not trace"):  # traced on a real batch: covered
+        covered = apply_policy(Branchy(), low, example_input=batch[:2])
+    covered(batch)
+    assert covered.formats()["extra:weight"] == "e5m2s" and covered.untraced == [] and "ran but" not in caplog.text
