@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,7 +264,9 @@ def train(
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            schedule.step()
+            with warnings.catch_warnings():  # a step the loss scaler skipped is no misordered scheduler
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                schedule.step()
             value = float(loss.detach())
             curve.append(value)
             window.append(value)
