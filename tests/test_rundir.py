@@ -264,3 +264,16 @@ def test_sigterm_stops_the_search_with_143(tmp_path, capsys):
     assert code == 143
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("precsearch search: stopped by SIGTERM")
     _consistent(out, {})
+
+
+def test_resume_while_the_search_runs_is_refused_and_fails_no_live_trial(finished, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    for path, data in _snapshot(finished).items():
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+        (out / path).write_bytes(data)
+    before = _snapshot(out)
+    with RunLock(out):  # the running search (the lock is per open file: this process counts as another one)
+        with pytest.raises(PrecsearchError, match=r"is in use by the search of .*:\d+; wait for it"):
+            _search(out, 5, resume=True)
+    assert _snapshot(out) == before
