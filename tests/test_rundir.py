@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import random
 import signal
 import stat
+import subprocess
+import sys
 import threading
+import time
 import traceback
+from pathlib import Path
 
 import optuna
 import pandas as pd
@@ -273,7 +278,42 @@ def test_resume_while_the_search_runs_is_refused_and_fails_no_live_trial(finishe
         (out / path).parent.mkdir(parents=True, exist_ok=True)
         (out / path).write_bytes(data)
     before = _snapshot(out)
-    with RunLock(out):  # the running search (the lock is per open file: this process counts as another one)
-        with pytest.raises(PrecsearchError, match=r"is in use by the search of .*:\d+; wait for it"):
-            _search(out, 5, resume=True)
+    # RunLock: the running search (the lock is per open file, so this process counts as another one)
+    with RunLock(out), pytest.raises(PrecsearchError, match=r"is in use by the search of .*:\d+; wait for it"):
+        _search(out, 5, resume=True)
     assert _snapshot(out) == before
+
+
+def _children(pid):
+    found = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat_file.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_workers_of_a_killed_jobs_parent_stop_and_resume_then_works(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "precsearch", "search", "tiny_cnn", "--trials", "200", "--jobs", "2",
+               "--out", str(out), "--no-progress", "--device", "cpu", "--threads", "1", "--proxy-steps", "2",
+               "--image-size", "8", "--batch-size", "16"]
+    parent = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": os.getcwd()}, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not ((out / "trials.csv").is_file() and len(_children(parent.pid)) >= 2):
+        time.sleep(0.2)
+    workers = _children(parent.pid)
+    assert len(workers) >= 2
+    parent.kill()  # kill -9: the workers are orphaned mid-trial
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in workers):
+        time.sleep(0.2)
+    assert not [pid for pid in workers if os.path.exists(f"/proc/{pid}")], "orphaned workers went on training"
+    options = command[3:]
+    options[options.index("--trials") + 1], options[options.index("--jobs") + 1] = "2", "1"
+    assert main(options + ["--resume"]) == 0  # refused while they lived; now the lock is free
+    trials = pd.read_csv(out / "trials.csv")
+    assert set(trials["state"]) <= {"COMPLETE", "FAIL", "PRUNED"} and not list(out.rglob(".*.tmp"))
