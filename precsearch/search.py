@@ -1079,7 +1079,11 @@ def _check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: b
     if (resume and not shared) or (shared and run_file.is_file()):
         if not run_file.is_file():
             raise PrecsearchError(f"nothing to resume in {out_dir} (no {RUN_FILE}); drop --resume to start a search")
-        previous = json.loads(run_file.read_text(encoding="utf-8"))
+        try:
+            previous = json.loads(run_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise PrecsearchError(f"{run_file} is corrupted; rebuild it from the study with export_study, or "
+                                  "choose another --out") from None
         differ = [key for key in config if previous.get(key) != config[key]]
         if differ:
             raise PrecsearchError(f"{out_dir} holds a search with different {', '.join(differ)}; resume it with "

@@ -104,13 +104,17 @@ def _snapshot(out):
     return {path.relative_to(out): path.read_bytes() for path in out.rglob("*") if path.is_file()}
 
 
-@pytest.mark.parametrize("damage", ["missing", "empty", "first line lost"])
-def test_resume_refuses_when_the_study_is_lost_and_leaves_results_untouched(finished, tmp_path, damage):
-    out = tmp_path / "run"
-    out.mkdir()
-    for path, data in _snapshot(finished).items():
+def _copy(run, out):
+    """A copy of a finished run directory, to damage or resume without touching the module's run."""
+    for path, data in _snapshot(run).items():
         (out / path).parent.mkdir(parents=True, exist_ok=True)
         (out / path).write_bytes(data)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "first line lost"])
+def test_resume_refuses_when_the_study_is_lost_and_leaves_results_untouched(finished, tmp_path, damage):
+    out = _copy(finished, tmp_path / "run")
     journal = out / "study.journal"
     if damage == "missing":
         journal.unlink()
@@ -155,11 +159,7 @@ def test_workers_of_a_killed_parent_keep_the_run_directory_locked(tmp_path):
 
 
 def test_resume_removes_temporaries_a_killed_write_left(finished, tmp_path):
-    out = tmp_path / "run"
-    out.mkdir()
-    for path, data in _snapshot(finished).items():
-        (out / path).parent.mkdir(parents=True, exist_ok=True)
-        (out / path).write_bytes(data)
+    out = _copy(finished, tmp_path / "run")
     leftovers = [out / ".best.json.k2j3.tmp", out / ".trials.csv.x8a.tmp", out / "policies" / ".trial_0001.json.q.tmp"]
     for path in leftovers:
         path.write_text("{half")
@@ -272,11 +272,7 @@ def test_sigterm_stops_the_search_with_143(tmp_path, capsys):
 
 
 def test_resume_while_the_search_runs_is_refused_and_fails_no_live_trial(finished, tmp_path):
-    out = tmp_path / "run"
-    out.mkdir()
-    for path, data in _snapshot(finished).items():
-        (out / path).parent.mkdir(parents=True, exist_ok=True)
-        (out / path).write_bytes(data)
+    out = _copy(finished, tmp_path / "run")
     before = _snapshot(out)
     # RunLock: the running search (the lock is per open file, so this process counts as another one)
     with RunLock(out), pytest.raises(PrecsearchError, match=r"is in use by the search of .*:\d+; wait for it"):
