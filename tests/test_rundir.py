@@ -140,19 +140,19 @@ def test_a_lock_left_by_a_dead_process_is_stale_and_taken_over(tmp_path):
 
 
 def test_workers_of_a_killed_parent_keep_the_run_directory_locked(tmp_path):
-    read, write = os.pipe()
+    locked, done = os.pipe(), os.pipe()  # (read, write) each: one pipe per direction
     child = os.fork()
     if child == 0:  # a --jobs worker whose parent is gone: it holds the workers' lock until it ends
         hold_worker_lock(tmp_path)
-        os.write(write, b"x")
-        os.read(read, 1)
+        os.write(locked[1], b"x")
+        os.read(done[0], 1)
         os._exit(0)
-    os.read(read, 1)
+    os.read(locked[0], 1)
     try:
         with pytest.raises(PrecsearchError, match="worker processes of the search of .* still run"):
             RunLock(tmp_path).acquire()
     finally:
-        os.write(write, b"x")
+        os.write(done[1], b"x")
         os.waitpid(child, 0)
     with RunLock(tmp_path):
         pass
