@@ -32,7 +32,6 @@ import inspect
 import json
 import operator
 import os
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -47,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 
 if TYPE_CHECKING:
     import networkx
@@ -245,14 +245,7 @@ class TensorGraph:
         target = Path(path)
         if not target.parent.is_dir():
             raise PrecsearchError(f"cannot write {target}: folder {target.parent} does not exist; create it first")
-        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w") as stream:
-                stream.write(self.to_json())
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        atomic_write_text(target, self.to_json())
 
 
 # ---------------------------------------------------------------------------------- tracing, both ways
@@ -823,7 +816,30 @@ def trace(model: nn.Module, example_input: torch.Tensor, batch_size: int | None 
                      for s0, s1 in zip(op.shapes, extrapolated, strict=True)]
         if b0 != target and "saves" in op.attrs:
             op.attrs["saves"] = [_extrapolate_save(item, b0, target, op.name) for item in op.attrs["saves"]]
-    return _assemble(ops, name, target, tuple(example_input.shape[1:]), "fx" if gm is not None else "hooks", gm)
+    graph = _assemble(ops, name, target, tuple(example_input.shape[1:]), "fx" if gm is not None else "hooks", gm)
+    missed = untraced_modules(model, graph, leaf_modules) if gm is None else []
+    if missed:  # the hook tracer sees only the branch the example input took
+        warnings.warn(f"{len(missed)} module(s) of {name} did not run on the example input, so no policy covers "
+                      f"them and their memory is not counted: {', '.join(missed[:8])}; trace with a real batch "
+                      "that takes every branch (PrecisionModel warns if they run)", stacklevel=2)
+    return graph
+
+
+def untraced_modules(model: nn.Module, graph: TensorGraph, leaf_modules: Iterable[type | str] = ()) -> list[str]:
+    """Leaf modules of ``model`` that are not ops of ``graph``: they did not run when it was traced (a branch
+    the example input did not take, or a module the forward never calls). Code that runs but is not in the
+    graph is covered by no policy rule and counted by no memory prediction. Layout-only modules make no op."""
+    leaf = _LeafSpec(model, list(leaf_modules))
+    traced = {op.name.partition("#")[0] for op in graph.ops}
+    leaves: list[str] = []
+    missed = []
+    for qualname, module in model.named_modules():
+        if not qualname or not leaf(module, qualname) or any(qualname.startswith(f"{p}.") for p in leaves):
+            continue
+        leaves.append(qualname)
+        if qualname not in traced and type(module).__name__ not in PASS_THROUGH_MODULES:
+            missed.append(qualname)
+    return missed
 
 
 def _record(make_recorder: Callable[[], Any], name: str, model: nn.Module, x: torch.Tensor, grow: bool,

@@ -376,6 +376,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             "inner": self.optimizer.state_dict(),
             "master": {i: self._master[p].clone() for i, p in enumerate(params) if p in self._master},
             "compensation": {i: self._compensation[p].clone() for i, p in enumerate(params) if p in self._compensation},
+            "formats": {i: self._format[p].name for i, p in enumerate(params) if p in self._format},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -384,6 +385,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             raise PrecsearchError(f"LowPrecisionOptimizer state lacks {', '.join(missing)}: pass its own state_dict()")
         self.optimizer.load_state_dict(state_dict["inner"])
         params = self._params()
+        if "formats" in state_dict:  # (older checkpoints lack them: every parameter keeps its format)
+            self._load_formats({int(i): name for i, name in state_dict["formats"].items()}, params)
         for key, table in (("master", self._master), ("compensation", self._compensation)):
             saved = {int(i): t for i, t in state_dict[key].items()}
             if set(saved) != {i for i, p in enumerate(params) if p in table}:
@@ -394,6 +397,21 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p, master in self._master.items():
                 p.copy_(self._round(master, self._format[p]))
+
+    def _load_formats(self, formats: dict[int, str], params: list[torch.Tensor]) -> None:
+        """Each parameter's format as saved (a promoted weight stays promoted); the buffers a format needs
+        are made here and filled from the checkpoint by the caller."""
+        for i, p in enumerate(params):
+            if i not in formats:
+                self._format.pop(p, None)
+                self._master.pop(p, None)
+                self._compensation.pop(p, None)
+                continue
+            self._format[p] = get_format(formats[i])
+            if self.master_weights:
+                self._master.setdefault(p, p.detach().clone(memory_format=torch.preserve_format).float())
+            elif self.update == "kahan":
+                self._compensation.setdefault(p, torch.zeros_like(p))
 
     def __repr__(self) -> str:
         return (f"LowPrecisionOptimizer({type(self.optimizer).__name__}, update={self.update!r}, "

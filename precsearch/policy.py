@@ -40,13 +40,13 @@ and backward, by Wang et al.'s chunk-based accumulation (precsearch.accumulate);
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import difflib
 import fnmatch
 import json
+import logging
 import math
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -59,9 +59,12 @@ from torch import nn
 from precsearch.accumulate import DEFAULT_ACC, DEFAULT_CHUNK, ChunkedConv2d, ChunkedLinear, swap_chunked_layers
 from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 from precsearch.formats import OVERFLOWS, FloatFormat, get_format, spec_name
-from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace
+from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
 from precsearch.scaling import epoch_growth, make_scaler
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Accumulation",
@@ -103,11 +106,12 @@ _FIELDS = (
     "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
     "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
     "accumulation", "compression", "predicted", "provenance", "promotion_kinds", "gradient_rounding", "ties",
+    "allow_unmatched_rules",
 )
 # Written only when they differ from these, so files without them read as before (in older precsearch too).
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "compression": "none", "promotion_kinds": list(PAPER_PROMOTION_KINDS), "gradient_rounding": "sum",
-    "ties": "even",
+    "ties": "even", "allow_unmatched_rules": False,
 }
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
 
@@ -260,6 +264,13 @@ class PolicyReport:
     missing: list[str] = field(default_factory=list)
     uncovered: list[str] = field(default_factory=list)
     unenforced: list[str] = field(default_factory=list)  # ops the runtime rounds only at their boundary
+    hints: dict[str, list[str]] = field(default_factory=dict)  # missing rule -> the closest names in the model
+    untraced: list[str] = field(default_factory=list)  # modules of the model that are not in the graph
+
+    def named(self, item: str) -> str:
+        """A missing rule with its closest names, e.g. ``override 'conv9:weight' (closest: conv2:weight)``."""
+        close = self.hints.get(item)
+        return f"{item} (closest: {', '.join(close)})" if close else item
 
     @property
     def fingerprint_matches(self) -> bool:
@@ -267,7 +278,7 @@ class PolicyReport:
 
     @property
     def ok(self) -> bool:
-        return self.fingerprint_matches and not self.missing and not self.uncovered
+        return self.fingerprint_matches and not self.missing and not self.uncovered and not self.untraced
 
     def summary(self) -> str:
         """A few human-readable lines (what ``precsearch`` commands print)."""
@@ -275,7 +286,11 @@ class PolicyReport:
                  + ("matches" if self.fingerprint_matches
                     else f"differs ({self.policy_fingerprint} in the policy, {self.graph_fingerprint} here)")]
         if self.missing:
-            lines.append(f"{len(self.missing)} rule(s) name nothing in this model: {', '.join(self.missing)}")
+            lines.append(f"{len(self.missing)} rule(s) name nothing in this model: "
+                         + ", ".join(self.named(item) for item in self.missing))
+        if self.untraced:
+            lines.append(f"{len(self.untraced)} module(s) did not run when the model was traced, so no rule "
+                         f"covers them and their memory is not counted: {', '.join(self.untraced)}")
         if self.uncovered:
             lines.append(f"{len(self.uncovered)} tensor(s) covered by no rule (kept fp32): "
                          + ", ".join(self.uncovered))
@@ -310,6 +325,7 @@ class Policy:
     ties: str = "even"
     predicted: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+    allow_unmatched_rules: bool = False  # a rule naming nothing in the model is then only a warning
 
     def __post_init__(self) -> None:
         self.validate()
@@ -351,6 +367,9 @@ class Policy:
             self.promotion_threshold = float(threshold)
         if not isinstance(self.master_weights, bool):
             raise PrecsearchError(f"{where}: master_weights must be true or false, not {self.master_weights!r}")
+        if not isinstance(self.allow_unmatched_rules, bool):
+            raise PrecsearchError(f"{where}: allow_unmatched_rules must be true or false, "
+                                  f"not {self.allow_unmatched_rules!r}")
         self.optimizer = _optimizer(self.optimizer, f"{where}: optimizer")
         self.accumulation = _accumulation(self.accumulation, where)
         self.compression = _choice(self.compression, COMPRESSIONS, f"{where}: compression")
@@ -446,9 +465,12 @@ class Policy:
         """Report the rules that name nothing in the model and the tensors no rule covers, by name.
 
         Takes a ``TensorGraph`` or an ``nn.Module`` (traced with ``example_input``, or a batch of two zeros of
-        the policy's ``input_shape``).
+        the policy's ``input_shape``: give a real batch, since a branch zeros do not take is not traced). For
+        a module, the report also names its modules that are not in the graph (``untraced``).
         """
         graph = self._graph(model_or_graph, example_input)
+        untraced = ([] if isinstance(model_or_graph, TensorGraph)
+                    else untraced_modules(model_or_graph, graph, CHUNKED_LAYERS))
         ids = set(graph.tensors)
         missing = [f"override {key!r}" for key in sorted(self.overrides)
                    if (key not in ids if not _is_glob(key) else not fnmatch.filter(ids, key))]
@@ -458,10 +480,15 @@ class Policy:
             layers = {op.name.partition("#")[0] for op in graph.ops if op.module_type in ("Linear", "Conv2d")}
             missing += [f"accumulation layers {pattern!r}" for pattern in self.accumulation.layers
                         if not fnmatch.filter(layers, pattern)]
+        missing += [f"module type {name!r} {kind}" for name, rules in sorted(self.module_types.items())
+                    if name in types for kind in sorted(rules)
+                    if not any(t.module_type == name and t.kind == kind for t in graph.tensors.values())]
         uncovered = [tensor_id for tensor_id in graph.assignable_ids()
                      if self.explain(graph.tensors[tensor_id])[1] == "no rule"]
         unenforced = [f"{name} ({why})" for name, why in graph.unenforced().items()]
-        return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered, unenforced)
+        hints = {item: _closest(item, ids, types) for item in missing}
+        return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered, unenforced,
+                            {item: close for item, close in hints.items() if close}, untraced)
 
     def verify(self, graph: TensorGraph, strict: bool = True) -> PolicyReport:
         """``check`` that raises when the policy was made for another graph (unless ``strict`` is False)."""
@@ -472,8 +499,16 @@ class Policy:
             raise PrecsearchError(
                 f"policy was made for {self.model or 'another model'} (graph {self.graph_fingerprint}), "
                 f"but this model's graph is {report.graph_fingerprint}{detail}; make a policy for this model "
-                "(or pass strict=False to apply it anyway)"
+                "(or pass strict=False to apply_policy, in Python, to apply it anyway)"
             )
+        if report.missing:
+            named = "; ".join(report.named(item) for item in report.missing[:3])
+            if self.allow_unmatched_rules or not strict:
+                log.warning("policy rule(s) name nothing in this model, ignored: %s", named)
+            else:
+                raise PrecsearchError(f"{len(report.missing)} policy rule(s) name nothing in this model: {named}; "
+                                      "fix the names (precsearch trace MODEL lists them), or set "
+                                      '"allow_unmatched_rules": true in the policy')
         return report
 
     def _graph(self, model_or_graph: nn.Module | TensorGraph, example_input: torch.Tensor | None) -> TensorGraph:
@@ -513,25 +548,14 @@ class Policy:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write atomically: a temp file in the same directory, fsync, rename; on failure nothing is left."""
+        """Write atomically (``files.atomic_write_text``); on failure nothing is left."""
         path = Path(path)
         text = self.to_json()  # fails (validation, serialization) before anything touches the disk
-        tmp_name = None
         try:
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp_name, path)
-            tmp_name = None
+            atomic_write_text(path, text)
         except OSError as error:
             raise PrecsearchError(f"cannot write policy {path}: {error.strerror or error}; "
                                   "choose a writable path") from None
-        finally:
-            if tmp_name is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_name)
         return path
 
     @classmethod
@@ -576,6 +600,17 @@ class Policy:
     def replace(self, **changes: Any) -> Policy:
         """A validated copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
+
+
+def _closest(item: str, ids: set[str], types: set[str]) -> list[str]:
+    """The model's names nearest to what a missing rule names (tensor ids, or module types)."""
+    kind, _, name = item.partition(" '")
+    name = name.split("'")[0]
+    if kind.startswith("module type"):
+        return difflib.get_close_matches(name, sorted(types), n=3, cutoff=0.5)
+    if kind.startswith("override"):
+        return difflib.get_close_matches(name, sorted(ids), n=3, cutoff=0.5)
+    return []
 
 
 def _format_entry(fmt: FloatFormat) -> dict[str, Any]:

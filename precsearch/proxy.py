@@ -24,8 +24,8 @@ import dataclasses
 import logging
 import math
 import os
-import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +39,7 @@ from torch.utils.data import Dataset
 from precsearch import models
 from precsearch.data import ImageDataset, make_loader, random_crop_flip
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 from precsearch.policy import Policy
 from precsearch.runtime import apply_policy
 from precsearch.scaling import LossScaler, NoLossScaler
@@ -143,21 +144,6 @@ def resolve_device(device: str = "auto") -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise PrecsearchError(f"device {device} asked for, but CUDA is not available here; use --device auto or cpu")
     return torch.device(device)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
 
 
 def build_model(model_spec: str, num_classes: int) -> nn.Module:
@@ -296,7 +282,9 @@ def train(
         if recipe is not None and recipe.kaiming_init and ":" not in models.parse_model_spec(model_spec)[0]:
             kaiming_fan_out_(model)  # zoo models only: a user's factory keeps its own init
         per_epoch = len(train_set) // config.batch_size
-        model = apply_policy(model, policy, seed=seed, stats_every=config.stats_every, steps_per_epoch=per_epoch)
+        # traced on real images, as the search traced it: a branch zeros would not take is in the graph
+        model = apply_policy(model, policy, train_set.images[:2].to(torch_device), seed=seed,
+                             stats_every=config.stats_every, steps_per_epoch=per_epoch)
         model.train()
         sgd = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                               weight_decay=config.weight_decay)
@@ -320,7 +308,9 @@ def train(
             scaler.step(optimizer)
             scaler.update()
             if not epoch_schedule or step % per_epoch == 0:
-                schedule.step()
+                with warnings.catch_warnings():  # a step the loss scaler skipped is no misordered scheduler
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                    schedule.step()
             value = float(loss.detach())
             curve.append(value)
             window.append(value)

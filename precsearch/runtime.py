@@ -73,7 +73,7 @@ import logging
 import operator
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -84,7 +84,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from precsearch import formats as F
 from precsearch import ops
 from precsearch.errors import PrecsearchError
-from precsearch.graph import TensorGraph, grad_id, trace
+from precsearch.graph import TensorGraph, grad_id, trace, untraced_modules
 from precsearch.optim import LowPrecisionOptimizer, from_config
 from precsearch.policy import CHUNKED_LAYERS, Policy
 from precsearch.scaling import LossScaler, epoch_growth, make_scaler
@@ -288,6 +288,33 @@ class TensorState:
         self.flush()
         for slot in self.slots.values():
             slot.reset()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What training must carry over: the step, the promotions and the stochastic-rounding counter."""
+        self.flush()
+        return {"step": self.step, "promotions": [list(p) for p in self.promotions],
+                "rounding_seed": self._seed if self._seeds is None else int(self._seeds)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[_Slot]:
+        """Restore ``state_dict()``; returns the slots promoted by it (the caller tells the optimizers)."""
+        unknown = [p[0] for p in state["promotions"] if p[0] not in self.slots]
+        if unknown:
+            raise PrecsearchError(f"checkpoint promotes {unknown[0]!r}, which this policy does not assign; load it "
+                                  "into a model wrapped with the policy it was trained under")
+        self.step = int(state["step"])
+        self.promotions = [Promotion(*p) for p in state["promotions"]]
+        self._seed = int(state["rounding_seed"])
+        if self._seeds is not None:
+            self._seeds.fill_(self._seed)
+        promoted = []
+        for promotion in self.promotions:
+            slot = self.slots[promotion.id]
+            if not slot.promoted:
+                slot.fmt, slot.promoted = F.get_format(promotion.to_format), True
+                promoted.append(slot)
+        return promoted
 
 
 # ------------------------------------------------------------------------------------ saved-tensor packing
@@ -684,6 +711,8 @@ class PrecisionModel(nn.Module):
         self.policy = policy
         self.graph = graph
         self.unenforced: list[str] = []
+        self.untraced: list[str] = []  # modules that ran in a forward but are not in the graph (hook tracer only)
+        self.clipped_at_start: list[str] = []  # "id fraction%" of pure low weights clipped by their first rounding
         self.stats_every = stats_every
         self._generator = torch.Generator().manual_seed(seed)
         self._handles: list[Any] = []
@@ -740,6 +769,24 @@ class PrecisionModel(nn.Module):
     def step_count(self) -> int:
         """Training forwards run so far."""
         return self.state.step
+
+    # -- checkpoints: the training state rides in the ordinary state_dict() as "_extra_state" -------------
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """Promotions, step count, rounding counter, loss scaler and the stochastic-update generator, so that
+        ``torch.save(model.state_dict())`` and ``load_state_dict`` continue training exactly."""
+        return {"tensors": self.state.state_dict(), "scaler": self.scaler.state_dict(),
+                "generator": self._generator.get_state()}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, Mapping) or not {"tensors", "scaler", "generator"} <= set(state):
+            raise PrecsearchError("checkpoint has no precsearch training state: save model.state_dict() of the "
+                                  "PrecisionModel (what apply_policy returned), not of the inner model")
+        for slot in self.state.load_state_dict(state["tensors"]):
+            for callback in self.state.on_promote:
+                callback(slot)
+        self.scaler.load_state_dict(state["scaler"])
+        self._generator.set_state(state["generator"])
 
     # -- set-up -------------------------------------------------------------------------------------------
 
@@ -799,12 +846,27 @@ class PrecisionModel(nn.Module):
         return found
 
     def _round_pure_weights(self) -> None:
-        """Without master weights the parameters are the low-precision weights: round them once now."""
+        """Without master weights the parameters are the low-precision weights: round them once now. This
+        first rounding counts its overflow like any other, so the guard promotes a weight the format cannot
+        hold before its values are clipped; values clipped anyway (below the threshold) are reported."""
         if self.policy.master_weights:
             return
         with torch.no_grad():
-            for param, slot in self._weights.values():
-                param.copy_(F.quantize(param.detach(), slot.fmt, overflow=slot.overflow_mode))
+            rounded = {name: self.state.round(param.detach(), slot)[0] for name, (param, slot) in self._weights.items()}
+            self.state.flush()  # settles the counts: promotes at step 0
+            clipped = []
+            for name, (param, slot) in self._weights.items():
+                param.copy_(rounded[name] if not slot.promoted else
+                            F.quantize(param.detach(), slot.fmt, overflow=slot.overflow_mode))
+                if slot.overflowed and not slot.promoted:
+                    clipped.append(f"{slot.id} {100 * slot.overflowed / slot.counted:.2g}%")
+                slot.reset()
+        self.clipped_at_start = clipped
+        if clipped:
+            log.warning("master_weights=False: rounding the starting weights clipped values past their format's "
+                        "range in %d tensor(s) (%s)%s", len(clipped), ", ".join(clipped),
+                        "" if self.state.threshold is None else
+                        ", each below the promotion threshold; lower it or give these weights a wider format")
 
     def _hook_weight_grads(self) -> None:
         """Each low weight gradient is rounded in place as soon as it is accumulated."""
@@ -834,7 +896,10 @@ class PrecisionModel(nn.Module):
         return _Rounder(self, found, op.name) if found else None
 
     def _instrument_hooks(self) -> nn.Module:
-        """Fallback for untraceable models: forward hooks on the modules the hook tracer recorded."""
+        """Fallback for untraceable models: forward hooks on the modules the hook tracer recorded, and on the
+        modules it did not see (``untraced_modules``), which say so loudly when they run."""
+        for name in untraced_modules(self.module, self.graph, CHUNKED_LAYERS):
+            self._handles.append(self.module.get_submodule(name).register_forward_hook(self._untraced_hook(name)))
         for op in self.graph.ops:
             rounder = self._rounder_for(op)
             if rounder is None:
@@ -849,6 +914,18 @@ class PrecisionModel(nn.Module):
         for base in self._module_rounders:
             self._handles.append(self.module.get_submodule(base).register_forward_hook(self._module_hook(base)))
         return self.module
+
+    def _untraced_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if name in self.untraced:
+                return
+            self.untraced.append(name)
+            log.warning("%s (%s) ran but is not in the traced graph (a branch the example input did not take): "
+                        "no policy rule covers it, it runs unrounded in fp32 and its memory is not counted; "
+                        "trace with a batch that takes this branch: apply_policy(model, policy, example_input=x)",
+                        name, type(module).__name__)
+
+        return hook
 
     def _module_hook(self, base: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:

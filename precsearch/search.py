@@ -48,7 +48,9 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -73,6 +75,16 @@ from precsearch.graph import TensorGraph, trace
 from precsearch.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
 from precsearch.policy import Policy
 from precsearch.proxy import ProxyResult, atomic_write_text, build_model, resolve_device, run_proxy
+from precsearch.rundir import (
+    LOCK_FILES,
+    RunLock,
+    SearchStop,
+    StopSignals,
+    hold_worker_lock,
+    quiet_optuna_interrupts,
+    remove_stale_journal_lock,
+    remove_temporaries,
+)
 from precsearch.spaces import SearchSpace, load_space, parse_space
 from precsearch.strategies import (
     BASELINES,
@@ -211,7 +223,7 @@ class SearchContext:
             data = data_spec.load(space.proxy.image_size, seed=0)
         torch.manual_seed(seed)
         network = build_model(model, num_classes=data[0].num_classes)
-        example = torch.zeros(1, *data[0].image_shape)
+        example = data[0].images[:2]  # real images: a data-dependent branch zeros would skip is traced
         graph = trace(network, example, batch_size=space.proxy.batch_size)
         if proxy_seeds is not None and proxy_seeds < 1:
             raise PrecsearchError(f"proxy_seeds={proxy_seeds} must be at least 1 (or auto)")
@@ -226,6 +238,14 @@ class SearchContext:
     @property
     def levels(self) -> list[str]:
         return list(self.space.levels)
+
+    @property
+    def chance(self) -> float:
+        """The validation accuracy a network that learned nothing reaches by luck: the majority class's share
+        plus 3 binomial standard deviations over the validation set. An accuracy at or below it is no signal."""
+        labels = self.data[1].labels
+        share = float(torch.bincount(labels).max()) / len(labels)
+        return share + 3.0 * math.sqrt(share * (1.0 - share) / len(labels))
 
     def decisions(self, params: Mapping[str, Any]) -> dict[str, str]:
         return {unit: str(params.get(unit, "high")) for unit in self.units}
@@ -286,15 +306,16 @@ class SearchContext:
         and for the all-high reference, so differences are not differences of seeds)."""
         return [self.seed + index for index in range(count)]
 
-    def train_seeds(self, policy: Policy, count: int, report: Callable[[int, float], None] | None = None
-                    ) -> tuple[ProxyResult, list[float]]:
-        """Train ``count`` seeded proxies of one policy; the first one reports to the pruner. Returns the
-        combined result (``combine_seeds``) and the per-seed accuracies (stopping at the first divergence)."""
+    def train_seeds(self, policy: Policy, count: int, report: Callable[[int, float], None] | None = None,
+                    check: Callable[[int, float], None] | None = None) -> tuple[ProxyResult, list[float]]:
+        """Train ``count`` seeded proxies of one policy; the first one calls ``report`` (the pruner), the others
+        ``check`` (stop signals). Returns the combined result (``combine_seeds``) and the per-seed accuracies
+        (stopping at the first divergence)."""
         results = []
         for index, seed in enumerate(self.proxy_seed_list(count)):
             results.append(run_proxy(self.model, policy, self.data, self.space.proxy.steps, seed=seed,
                                      device=self.device, config=self.space.proxy,
-                                     report=report if index == 0 else None))
+                                     report=report if index == 0 else check))
             if results[-1].diverged:
                 break
         return combine_seeds(results), [result.val_accuracy for result in results]
@@ -367,11 +388,12 @@ class Objective:
     """
 
     def __init__(self, context: SearchContext, location: StudyLocation, storage: optuna.storages.BaseStorage,
-                 out_dir: Path) -> None:
+                 out_dir: Path, signals: StopSignals | None = None) -> None:
         self.context = context
         self.location = location
         self.storage = storage
         self.out_dir = out_dir
+        self.signals = signals
 
     def __call__(self, trial: optuna.Trial) -> Any:
         try:
@@ -415,8 +437,8 @@ class Objective:
             trial.set_user_attr("duplicate_of", "reference")
         else:
             result, accuracies = context.train_seeds(
-                policy, int(study.user_attrs.get("proxy_seeds", 1)),
-                report=self._pruning_hook(trial) if context.budget.single_objective else None)
+                policy, int(study.user_attrs.get("proxy_seeds", 1)), report=self._pruning_hook(trial),
+                check=self._check_signals)
         ratios, size = context.memories(assignment, result.promotions)
         memory = ratios[f"memory_{context.budget.memory}"]
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
@@ -437,8 +459,17 @@ class Objective:
         trial.set_user_attr("loss_curve", [round(v, 5) for v in result.loss_curve])
         return context.values(memory, result)
 
+    def _check_signals(self, step: int, loss: float) -> None:
+        """Called every few proxy steps: a stop signal recorded but not raised is raised here."""
+        if self.signals is not None:
+            self.signals.check()
+
     def _pruning_hook(self, trial: optuna.Trial) -> Callable[[int, float], None]:
+        """``_check_signals``, and under a single-objective budget the running loss reported to the pruner."""
         def report(step: int, loss: float) -> None:
+            self._check_signals(step, loss)
+            if not self.context.budget.single_objective:
+                return
             trial.report(loss, step)
             if trial.should_prune():
                 trial.set_user_attr("reason", f"pruned at step {step} (running loss {loss:.3g})")
@@ -594,9 +625,11 @@ class StudyLocation:
         while True:
             try:
                 return create()
-            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError
+                    ) as error:
                 attempts -= 1  # workers creating Optuna's tables at once collide ("already exists"); retry
-                if attempts == 0:
+                if attempts == 0 or (isinstance(error, sqlalchemy.exc.OperationalError)
+                                     and "already exists" not in str(error)):
                     raise
                 time.sleep(0.5)
 
@@ -837,6 +870,7 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "worker": attrs.get("worker", ""),
         "policy": attrs.get("policy", ""),
         "error": attrs.get("error", ""),
+        "interrupted": bool(attrs.get("interrupted", False)),
         "key": attrs.get("key", context.key(params) if len(params) == len(context.units) else ""),
         "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
     }
@@ -873,19 +907,38 @@ def pareto_front(frame: pd.DataFrame, objective: str = "val_error") -> pd.DataFr
 
 
 def _reference(frame: pd.DataFrame, context: SearchContext, study: optuna.Study) -> float | None:
-    """The all-high proxy accuracy, from the reference run or the all-high trial."""
-    reference = _reference_accuracy(study)
-    if reference is not None:
-        return reference
+    """The all-high proxy accuracy, from the reference run or the all-high trial; None when that proxy
+    did not train (not run yet, or diverged): accuracy drops are then measured from nothing."""
+    result = study.user_attrs.get("reference_result")
+    if result is not None:
+        return None if result.get("diverged") else float(result["val_accuracy"])
     key = uniform(context.graph, context.space, "high").key
     rows = frame[(frame["key"] == key) & frame["trained"]] if not frame.empty else frame
-    return None if rows.empty else float(rows["val_accuracy"].iloc[0])
+    if rows.empty or bool(rows["diverged"].iloc[0]):
+        return None
+    return float(rows["val_accuracy"].iloc[0])
+
+
+def pick_note(frame: pd.DataFrame, context: SearchContext, study: optuna.Study) -> str:
+    """Why ``choose_best`` picked nothing, in one line ('' when it picked or nothing explains it)."""
+    chance = context.chance
+    if context.budget.max_memory is None:
+        reference = _reference(frame, context, study)
+        if reference is None:
+            return ("the all-high proxy diverged or did not train, so no accuracy drop can be measured: no pick; "
+                    "lower the learning rate or lengthen the proxies")
+        if reference <= chance:
+            return (f"the all-high proxy reached accuracy {reference:.3f}, no better than chance ({chance:.3f}): no "
+                    "pick; lengthen the proxies (--proxy-steps) or check the data")
+    return f"no trained, non-diverged trial within the budget beats chance accuracy ({chance:.3f}): no pick"
 
 
 def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, noise: Noise | None = None,
-                reference_seeds: int = 1, reference_key: str | None = None) -> pd.Series | None:
-    """The point the budget picks among trained, non-diverged trials (None when none qualifies), never on a
-    difference of proxy means smaller than the seed ``noise`` allows at the budget's confidence.
+                reference_seeds: int = 1, reference_key: str | None = None, chance: float = 0.0
+                ) -> pd.Series | None:
+    """The point the budget picks among trained, non-diverged trials above ``chance`` accuracy (None when none
+    qualifies, or when the all-high ``reference`` is None or itself at chance level), never on a difference of
+    proxy means smaller than the seed ``noise`` allows at the budget's confidence.
 
     ``max_memory``: within the memory bound, the least memory among the trials whose accuracy is not
     distinguishably below the best mean (``_least_memory_among_ties``). Otherwise least memory among the
@@ -899,10 +952,11 @@ def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, no
     if frame.empty:
         return None
     noise = noise or Noise(math.nan, 0, budget.confidence)
-    ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]]
+    ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]
+               & (frame["val_accuracy"] > chance)]
     if budget.max_memory is not None:
         return _least_memory_among_ties(ok[ok["memory"] <= budget.max_memory + 1e-12], noise)
-    if reference is None:
+    if reference is None or reference <= chance:
         return None
     return _confidently_within_drop(ok, reference, reference_seeds, budget.drop, noise, reference_key)
 
@@ -993,7 +1047,7 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[
             stale.unlink()
     best = choose_best(frame, context.budget, _reference(frame, context, study), noise,
                        len(study.user_attrs.get("reference_accuracies", [0])),
-                       uniform(context.graph, context.space, "high").key)
+                       uniform(context.graph, context.space, "high").key, context.chance)
     if best is not None:
         policy = _policy_for_row(best, study, context, f"best: {context.budget.describe()}")
         pick = {**noise.to_dict(), "seeds": int(best.get("seeds", 1)),
@@ -1001,6 +1055,8 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[
         pick = {name: None if isinstance(value, float) and math.isnan(value) else value  # JSON has no NaN
                 for name, value in pick.items()}
         policy.replace(provenance={**policy.provenance, "noise": pick}).save(out_dir / "best.json")
+    else:  # a pick of an earlier export that no longer holds must not stay behind
+        (out_dir / "best.json").unlink(missing_ok=True)
     return frame, front, best
 
 
@@ -1079,6 +1135,7 @@ class SearchResult:
     wall_time: float
     interrupted: bool = False
     noise: Noise | None = None  # the pooled seed noise the pick was taken with
+    note: str = ""  # why best is None, when it is
 
 
 class _Progress:
@@ -1102,12 +1159,26 @@ class _Progress:
         self.bar.close()
 
 
-def _budget_callback(trials: int) -> Callable[[optuna.Study, FrozenTrial], None]:
-    """Stop once ``trials`` trials counted and no retry of a dead worker's trial is still queued."""
+def _budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop once ``trials`` trials counted and no retry of a dead worker's trial is still queued. With
+    ``count_running`` (the workers of one run, all alive) the trials other workers are running count too,
+    so that N workers do not start N - 1 trials past the budget; a shared study may hold RUNNING trials of
+    dead hosts until their heartbeat times out, so there they do not count."""
 
     def stop(study: optuna.Study, trial: FrozenTrial) -> None:
         queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        if _done(study) >= trials and not any("failed_trial" in t.system_attrs for t in queued):
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if count_running else []
+        if _done(study) + len(running) >= trials and not any("failed_trial" in t.system_attrs for t in queued):
+            study.stop()
+
+    return stop
+
+
+def _stop_on_signal(signals: StopSignals) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop before the next trial when a signal was recorded but not raised (it came inside Optuna's code)."""
+
+    def stop(study: optuna.Study, trial: FrozenTrial) -> None:
+        if signals.received is not None:
             study.stop()
 
     return stop
@@ -1144,12 +1215,27 @@ def _worker(setup: _WorkerSetup, index: int, gpu: str | None, parent: int) -> No
         device = "cuda"
     torch.set_num_threads(setup.threads)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    with contextlib.suppress(KeyboardInterrupt):  # the parent reports the interruption
+    hold_worker_lock(setup.out_dir)
+    _stop_when_orphaned(parent)
+    # the parent reports the interruption
+    with StopSignals() as signals, quiet_optuna_interrupts(), contextlib.suppress(KeyboardInterrupt):
         context = SearchContext.create(setup.model, setup.space, setup.data_spec, setup.budget, setup.seed, device)
         storage = setup.location.open()
         study = _load_study(context, storage, setup.location, index)
-        study.optimize(Objective(context, setup.location, storage, setup.out_dir), n_trials=setup.trials,
-                       catch=(Exception,), callbacks=[_budget_callback(setup.trials), _parent_watch(parent)])
+        study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals), n_trials=setup.trials,
+                       catch=(Exception,), callbacks=[_budget_callback(setup.trials, not setup.location.shared),
+                                                      _parent_watch(parent), _stop_on_signal(signals)])
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """A worker whose parent died (kill -9) SIGTERMs itself, so its running trial is marked interrupted
+    at once instead of training on with nobody to export its results."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def worker_gpus(jobs: int, cuda: bool) -> list[str | None]:
@@ -1174,12 +1260,16 @@ def _check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: b
     if (resume and not shared) or (shared and run_file.is_file()):
         if not run_file.is_file():
             raise PrecsearchError(f"nothing to resume in {out_dir} (no {RUN_FILE}); drop --resume to start a search")
-        previous = json.loads(run_file.read_text(encoding="utf-8"))
+        try:
+            previous = json.loads(run_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise PrecsearchError(f"{run_file} is corrupted; rebuild it from the study with export_study, or "
+                                  "choose another --out") from None
         differ = [key for key in config if previous.get(key) != config[key]]
         if differ:
             raise PrecsearchError(f"{out_dir} holds a search with different {', '.join(differ)}; resume it with "
                                   "the same model, space, data, seed, budget and study, or choose another --out")
-    elif out_dir.exists() and any(out_dir.iterdir()):
+    elif out_dir.exists() and any(path.name not in LOCK_FILES for path in out_dir.iterdir()):
         raise PrecsearchError(f"{out_dir} is not empty; pass --resume to continue the search in it, or choose "
                               "another --out")
 
@@ -1230,69 +1320,119 @@ def run_search(
     gpus = worker_gpus(jobs, resolve_device(device).type == "cuda") if jobs > 1 else [None]
     out_dir = Path(out_dir)
     location = StudyLocation.of(storage, out_dir, study_name, heartbeat)
-    context = SearchContext.create(model_spec, space, data_spec, budget, seed, device, proxy_seeds=proxy_seeds)
-    if proxy_seeds == 1:
-        log.warning("one seed per proxy: the pick compares single-seed accuracies and cannot state its "
-                    "confidence; use --proxy-seeds auto (or K >= 2)")
-    config = {**_config(context), **({"storage": location.shown, "study": location.study_name}
-                                     if location.shared else {})}
-    _check_resume(out_dir, resume, config, location.shared)
-    backend = location.open() if storage is not None else None  # fail on a bad URL before anything is written
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _quiet(), _threads(threads):
-        try:
-            backend = backend or location.open()
-            study = _create_study(context, location, backend, resume)
-        except BaseException:
-            if created:
-                shutil.rmtree(out_dir, ignore_errors=True)
-            raise
-        atomic_write_text(out_dir / RUN_FILE, json.dumps(
-            {**config, "storage": location.shown, "study": location.study_name}, indent=2))
-        bar = _Progress(trials, _done(study), progress)
-        interrupted = False
-        try:
-            _ensure_reference(study, context)
-            if jobs == 1:
-                _optimize_here(study, context, location, backend, trials, out_dir, bar)
-            else:
-                setup = _WorkerSetup(context.model, context.space, context.data_spec, context.budget, context.seed,
-                                     context.device, location, out_dir, trials,
-                                     threads or max(1, (os.cpu_count() or 1) // jobs))
-                _optimize_workers(study, context, setup, gpus, bar)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            bar.close()
-            frame, front, best = export(study, context, out_dir)
-    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, interrupted,
-                          _study_noise(study, context, frame))
-    if interrupted:
-        raise SearchInterrupted(result)
+    with StopSignals() as signals, quiet_optuna_interrupts():
+        context = SearchContext.create(model_spec, space, data_spec, budget, seed, device, proxy_seeds=proxy_seeds)
+        if proxy_seeds == 1:
+            log.warning("one seed per proxy: the pick compares single-seed accuracies and cannot state its "
+                        "confidence; use --proxy-seeds auto (or K >= 2)")
+        config = {**_config(context), **({"storage": location.shown, "study": location.study_name}
+                                         if location.shared else {})}
+        backend = location.open() if storage is not None else None  # fail on a bad URL before anything is written
+        created = _make_run_dir(out_dir)
+        with _quiet(), _threads(threads), _owned(out_dir):
+            try:
+                _check_resume(out_dir, resume, config, location.shared)
+                _check_journal_kept(out_dir, location, resume)
+                remove_temporaries(out_dir)
+                if location.target == str(out_dir / JOURNAL_NAME):  # this run's own journal
+                    remove_stale_journal_lock(Path(location.target))
+                backend = backend or location.open()
+                study = _create_study(context, location, backend, resume, out_dir)
+            except BaseException:
+                if created:
+                    _remove_new_run_dir(out_dir)
+                raise
+            atomic_write_text(out_dir / RUN_FILE, json.dumps(
+                {**config, "storage": location.shown, "study": location.study_name}, indent=2))
+            bar = _Progress(trials, _done(study), progress)
+            stopped_by: int | None = None
+            try:
+                _ensure_reference(study, context)
+                if jobs == 1:
+                    _optimize_here(study, context, location, backend, trials, out_dir, bar, signals)
+                else:
+                    setup = _WorkerSetup(context.model, context.space, context.data_spec, context.budget,
+                                         context.seed, context.device, location, out_dir, trials,
+                                         threads or max(1, (os.cpu_count() or 1) // jobs))
+                    _optimize_workers(study, context, setup, gpus, bar)
+            except KeyboardInterrupt as stop:
+                stopped_by = getattr(stop, "signum", signal.SIGINT)
+            finally:
+                with signals.held():  # a second Ctrl-C must not tear the files being written
+                    bar.close()
+                    frame, front, best = export(study, context, out_dir)
+    stopped_by = stopped_by or signals.received  # a signal Python dropped (raised inside a finalizer)
+    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, stopped_by is not None,
+                          noise=_study_noise(study, context, frame),
+                          note="" if best is not None else pick_note(frame, context, study))
+    if stopped_by is not None:
+        raise SearchInterrupted(result, stopped_by)
     return result
 
 
-class SearchInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a search; ``result`` holds what was saved."""
+def _make_run_dir(out_dir: Path) -> bool:
+    """Create ``out_dir`` (and its parents); True when this call created it, so only this call may remove it."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir()
+    except FileExistsError:
+        if not out_dir.is_dir():
+            raise PrecsearchError(f"--out {out_dir} is a file; give a folder") from None
+        return False
+    return True
 
-    def __init__(self, result: SearchResult) -> None:
-        super().__init__("search interrupted")
+
+@contextlib.contextmanager
+def _owned(out_dir: Path) -> Iterator[None]:
+    """The run directory's lock for the block. A process refused the lock removes nothing, not even a
+    folder it created a moment ago: the owner got in first and writes there."""
+    lock = RunLock(out_dir)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+_RESULTS = ("trials.csv", "pareto.csv", "best.json", RUN_FILE)
+
+
+def _remove_new_run_dir(out_dir: Path) -> None:
+    """Undo the folder this call created for a search that could not start, unless it somehow holds results."""
+    kept = [name for name in _RESULTS if (out_dir / name).exists()]
+    if kept:
+        log.warning("%s holds %s: left in place", out_dir, ", ".join(kept))
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+class SearchInterrupted(SearchStop):
+    """SIGINT (Ctrl-C) or SIGTERM during a search; ``result`` holds what was saved, ``signum`` the signal."""
+
+    def __init__(self, result: SearchResult, signum: int = signal.SIGINT) -> None:
+        super().__init__(signum)
         self.result = result
 
 
 def _create_study(context: SearchContext, location: StudyLocation, backend: optuna.storages.BaseStorage,
-                  resume: bool) -> optuna.Study:
+                  resume: bool, out_dir: Path) -> optuna.Study:
     """A shared study is joined (``_join_study``); a study of one run is created, or loaded with --resume
-    after failing and queueing again what a killed process left RUNNING."""
+    after failing and queueing again what a killed process left RUNNING. --resume never starts a new study:
+    one that is missing (a deleted, emptied or cut journal) would overwrite the results left of the old one."""
     if location.shared:
         return _join_study(context, backend, location)
     names = {summary.study_name for summary in optuna.get_all_study_summaries(backend)}
+    taken = PrecsearchError(f"storage {location.shown} already holds a precsearch study; pass --resume, give "
+                            "another --storage, or join it with --study-name")
     if location.study_name in names and not resume:
-        raise PrecsearchError(f"storage {location.shown} already holds a precsearch study; pass --resume, give "
-                              "another --storage, or join it with --study-name")
+        raise taken
+    if location.study_name not in names and resume:
+        raise _lost_study(out_dir, location)
     if location.study_name not in names:
-        study = _new_study(context, backend, location)
+        try:
+            study = _new_study(context, backend, location)
+        except optuna.exceptions.DuplicatedStudyError:
+            raise taken from None  # another process created it between the listing and here
         study.set_user_attr("config", _config(context))
         _seed_study(study, context)
         return study
@@ -1304,8 +1444,25 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
     return study
 
 
+def _lost_study(out_dir: Path, location: StudyLocation) -> PrecsearchError:
+    kept = [name for name in _RESULTS if (out_dir / name).exists()]
+    return PrecsearchError(f"cannot resume {out_dir}: study {location.study_name} is missing from {location.shown} "
+                           f"(deleted, emptied or cut?) while {', '.join(kept)} remain; restore the storage, or "
+                           "start a new search in another --out")
+
+
+def _check_journal_kept(out_dir: Path, location: StudyLocation, resume: bool) -> None:
+    """With --resume, a journal file that is gone or empty is refused before opening it (which creates it)."""
+    if not resume or location.shared or "://" in location.target:
+        return
+    journal = Path(location.target)
+    if not journal.is_file() or journal.stat().st_size == 0:
+        raise _lost_study(out_dir, location)
+
+
 def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyLocation,
-                   backend: optuna.storages.BaseStorage, trials: int, out_dir: Path, bar: _Progress) -> None:
+                   backend: optuna.storages.BaseStorage, trials: int, out_dir: Path, bar: _Progress,
+                   signals: StopSignals) -> None:
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
         _, front, best = export(study, context, out_dir)
         bar.update(_done(study), front, best)
@@ -1313,8 +1470,8 @@ def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyL
     remaining = trials - _done(study)
     if remaining <= 0:
         return
-    study.optimize(Objective(context, location, backend, out_dir), n_trials=remaining, catch=(Exception,),
-                   callbacks=[after, _budget_callback(trials)])
+    study.optimize(Objective(context, location, backend, out_dir, signals), n_trials=remaining, catch=(Exception,),
+                   callbacks=[after, _budget_callback(trials, not location.shared), _stop_on_signal(signals)])
 
 
 def _optimize_workers(study: optuna.Study, context: SearchContext, setup: _WorkerSetup, gpus: list[str | None],
@@ -1337,6 +1494,10 @@ def _optimize_workers(study: optuna.Study, context: SearchContext, setup: _Worke
                 _, front, best = export(study, context, setup.out_dir)
                 bar.update(done, front, best)
     except KeyboardInterrupt:
+        for worker in workers:  # SIGTERM reaches this process only; Ctrl-C reached them all (once is enough)
+            if worker.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGINT)
         for worker in workers:
             worker.join(timeout=30)
         raise

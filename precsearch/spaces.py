@@ -308,6 +308,8 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
 def load_space(path: str | Path) -> SearchSpace:
     """Read and validate a space YAML file; a missing, unreadable or invalid file is a PrecsearchError."""
     path = Path(path)
+    if path.is_dir():
+        raise PrecsearchError(f"search space {path} is a folder; give a YAML file such as search_spaces/hfp8.yaml")
     if not path.is_file():
         raise PrecsearchError(f"search space file {path} does not exist; give a YAML file such as "
                               "search_spaces/hfp8.yaml")

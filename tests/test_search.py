@@ -303,7 +303,7 @@ def test_parallel_workers_share_the_study(tmp_path):
     result = _search(tmp_path / "run", 10, jobs=2)
     trials = result.trials
     counted = int(trials["state"].isin(["COMPLETE", "PRUNED"]).sum())
-    assert 10 <= counted <= 11  # each worker checks the budget after its own trial
+    assert counted == 10  # the trials other workers are running count against the budget
     fresh = trials[trials["trained"] & (trials["duplicate_of"] == "")]
     assert fresh["key"].is_unique
 

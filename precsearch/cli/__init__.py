@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import pkgutil
+import signal
 import sys
 
 from precsearch import __version__
@@ -40,15 +41,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (PrecsearchError, FileNotFoundError, PermissionError, IsADirectoryError) as error:
+    except PrecsearchError as error:
         print(f"precsearch {args.command}: error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
-    except KeyboardInterrupt:
-        print(f"precsearch {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except OSError as error:  # a read-only file system, a full disk, a folder where a file goes, ...
+        print(f"precsearch {args.command}: error: {os_error_line(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        print(f"precsearch {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+
+
+def os_error_line(error: OSError) -> str:
+    """One line for an OSError a user can cause: what failed, on which path, and what to do."""
+    where = " -> ".join(str(name) for name in (error.filename, error.filename2) if name is not None)
+    reason = error.strerror or str(error) or type(error).__name__
+    return f"{reason}: {where}; check the path, its permissions and free space" if where else (
+        f"{reason}; check the paths, their permissions and free space")
 
 
 if __name__ == "__main__":

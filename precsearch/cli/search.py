@@ -6,6 +6,7 @@ Also holds the argument helpers the other training commands (baselines, train, d
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Any
 
@@ -117,9 +118,10 @@ def run(args: argparse.Namespace) -> int:
             study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds)
     except SearchInterrupted as stop:
         done = int(stop.result.trials["state"].isin(["COMPLETE", "PRUNED"]).sum()) if len(stop.result.trials) else 0
-        print(f"precsearch search: interrupted; {done} finished trial(s) saved in {args.out}; "
+        name = signal.Signals(stop.signum).name
+        print(f"precsearch search: stopped by {name}; {done} finished trial(s) saved in {args.out}; "
               "continue with --resume", file=sys.stderr)
-        return 130
+        return 128 + stop.signum
     print(summarize(result))
     return 0
 
@@ -145,8 +147,11 @@ def confidence_text(best: Any) -> str:
 def summarize(result: Any) -> str:
     """A few lines: trials, the front, the budget's pick, where the files are."""
     trials = result.trials
+    interrupted = trials["interrupted"] if "interrupted" in trials else trials["state"] != trials["state"]
+    failed = (trials["state"] == "FAIL") & ~interrupted
     lines = [f"{len(trials)} trials ({int((trials['state'] == 'COMPLETE').sum())} complete, "
-             f"{int(trials['diverged'].sum())} diverged, {int((trials['state'] == 'FAIL').sum())} failed) "
+             f"{int(trials['diverged'].sum())} diverged, {int(failed.sum())} failed, "
+             f"{int(interrupted.sum())} interrupted and retried) "
              f"in {result.wall_time:.1f} s; Pareto front: {len(result.pareto)} point(s)"]
     for _, row in result.pareto.iterrows():
         lines.append(f"  trial {int(row['number']):4d}: memory {row['memory']:.3f} of all-high, "
@@ -157,7 +162,7 @@ def summarize(result: Any) -> str:
         lines.append(f"best.json: trial {int(result.best['number'])} (memory {result.best['memory']:.3f}, "
                      f"accuracy {accuracy_text(result.best)}){confidence_text(result.best)}")
     else:
-        lines.append("no trial meets the budget; best.json not written")
+        lines.append(f"best.json not written: {result.note or 'no trial meets the budget'}")
     lines.append(f"outputs: {result.out_dir}/trials.csv, pareto.csv, policies/, best.json; "
                  f"plot with: precsearch report {result.out_dir}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ With ``--nproc N`` it trains data-parallel in N processes (precsearch.comm), wit
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from precsearch.cli.search import add_data_arguments
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     batch_size = args.batch_size or (policy.batch_size if policy is not None else None) or 64
     if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
         raise PrecsearchError("--steps and --epochs must be positive")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise PrecsearchError(f"--lr {args.lr} must be a positive finite learning rate, such as 0.1")
     data = load_dataset(args.data, root=args.data_root, image_size=image_size)
     per_epoch = max(1, len(data[0]) // batch_size)
     steps = args.steps or max(1, round((args.epochs or 10) * per_epoch))

@@ -1,0 +1,43 @@
+"""Writing files so that nothing half-written is ever seen: a temporary file in the same folder, fsync, rename.
+
+``tempfile.mkstemp`` creates its file with mode 0600; outputs get the mode any other new file of the user
+would get (0666 minus the umask), so a shared results folder stays readable by the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["atomic_write_text", "user_file_mode"]
+
+TEMP_SUFFIX = ".tmp"
+
+
+def user_file_mode() -> int:
+    """0666 minus the process umask (read without changing it for good: os.umask only has a setter)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through ``.<name>.<random>.tmp`` in the same folder, fsync and a rename; on
+    any failure (a full disk, a read-only file system, Ctrl-C) the temporary is removed and ``path`` is as
+    it was. The folder is created if missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temp, user_file_mode())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
