@@ -21,8 +21,9 @@ from precsearch.cost import MIB, CostModel
 from precsearch.graph import trace
 from precsearch.memory import measure_peak, sgd_step, trace_step
 from precsearch.models import build
-from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
+from precsearch.policy import Policy, baseline
 from precsearch.runtime import apply_policy
+from precsearch.spec import PAPER_OVERFLOW
 
 ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 

@@ -55,8 +55,9 @@ def main() -> int:
     from precsearch.graph import trace
     from precsearch.memory import sgd_step
     from precsearch.models import build
-    from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
+    from precsearch.policy import Policy, baseline
     from precsearch.runtime import apply_policy
+    from precsearch.spec import PAPER_OVERFLOW
 
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)

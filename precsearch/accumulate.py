@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 FormatSpec = str | FloatFormat
 DEFAULT_ACC = "e6m9s"
 DEFAULT_CHUNK = 64
+# The layer types with a chunked twin (swap_chunked_layers swaps exactly these; subclasses are left alone).
+CHUNKABLE_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
 
 
 def _check_chunk(chunk: int | None) -> None:
@@ -231,7 +233,7 @@ def swap_chunked_layers(
     _check_chunk(chunk)
     get_format(acc_format)
     layers = {name: m for name, m in model.named_modules()
-              if type(m) in (nn.Linear, nn.Conv2d) and name}
+              if type(m) in CHUNKABLE_LAYERS and name}
     if names_or_filter is None:
         chosen = list(layers)
     elif callable(names_or_filter):

@@ -63,11 +63,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from precsearch.data import ImageDataset, make_loader
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 from precsearch.formats import get_format, quantize
-from precsearch.policy import COMPRESSIONS, Policy
-from precsearch.proxy import ProxyConfig, atomic_write_text, build_model, evaluate, resolve_device
+from precsearch.policy import Policy
+from precsearch.proxy import build_model, evaluate, resolve_device
 from precsearch.runtime import apply_policy
 from precsearch.scaling import NoLossScaler
+from precsearch.spec import COMPRESSIONS, ProxyConfig
 
 __all__ = [
     "LAYER_TYPES",

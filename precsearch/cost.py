@@ -38,17 +38,9 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.formats import FloatFormat, get_format
-from precsearch.graph import (
-    ASSIGNABLE_KINDS,
-    KINDS,
-    OpInfo,
-    TensorGraph,
-    forward_error,
-    grad_id,
-    op_type_key,
-    training_mode,
-)
+from precsearch.graph import OpInfo, TensorGraph, forward_error, grad_id, op_type_key, training_mode
 from precsearch.optim import UpdateConfig, update_bytes_per_param
+from precsearch.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -57,10 +49,6 @@ log = logging.getLogger(__name__)
 
 MIB = 2**20
 FP32 = get_format("fp32")
-PAPER_HIGH = "e6m9s"
-PAPER_LOW: dict[str, str] = {
-    "weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s",
-}
 Spec = str | FloatFormat
 
 # What autograd saves for backward, per op type (keys as `op_type_key` spells them), measured on torch 2.13;

@@ -29,9 +29,10 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 from precsearch.noise import rank_correlations
 from precsearch.policy import Policy
-from precsearch.proxy import ProxyResult, atomic_write_text, train
+from precsearch.proxy import ProxyResult, train
 from precsearch.search import Budget, DataSpec, SearchContext, _threads
 from precsearch.spaces import parse_space
 

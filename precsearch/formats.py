@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from precsearch.errors import PrecsearchError
+from precsearch.spec import OVERFLOWS, ROUNDINGS
 
 __all__ = [
     "FloatFormat",
@@ -67,8 +68,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ROUNDINGS = ("nearest", "nearest_away", "stochastic")
-OVERFLOWS = ("inf", "saturate", "nan")
 SPECIALS = ("ieee", "fn", "none")
 GRAMMAR = "e<E>m<M>[b<shift>][fn|s], 1 <= E <= 8, 0 <= M <= 23 (e.g. e5m2, e4m3b4s, e6m9s, e4m3fn)"
 COMPILE_MIN_NUMEL = 1 << 14

@@ -47,14 +47,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
+from precsearch.spec import ASSIGNABLE_KINDS
 
 if TYPE_CHECKING:
     import networkx
     import pandas as pd
 
-ASSIGNABLE_KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
-EXTRA_KINDS: tuple[str, ...] = ("master_weight", "optimizer_state")
-KINDS: tuple[str, ...] = ASSIGNABLE_KINDS + EXTRA_KINDS
 
 # Normalized function/method names (see `op_type_key`) whose output is a view or re-layout of their input.
 PASS_THROUGH = frozenset({
@@ -304,7 +302,8 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _is_gemm_module(module: nn.Module) -> bool:
+def is_gemm_module(module: nn.Module) -> bool:
+    """The one definition of a GEMM layer: convolutions and Linear, subclasses included."""
     return isinstance(module, GEMM_MODULES)
 
 
@@ -359,7 +358,7 @@ class _LeafSpec:
     def __call__(self, module: nn.Module, qualname: str) -> bool:
         if isinstance(module, self.types) or type(module).__name__ in self.names or qualname in self.names:
             return True
-        if isinstance(module, GEMM_MODULES):  # subclasses too (e.g. precsearch.accumulate's chunked layers)
+        if is_gemm_module(module):  # subclasses too (e.g. precsearch.accumulate's chunked layers)
             return True
         return self.default.is_leaf_module(module, qualname)
 
@@ -510,7 +509,7 @@ def _fx_ops(gm: torch.fx.GraphModule, run: _ShapeRecorder) -> list[_RawOp]:
         activations, params = _split_sources(arg_sources)
         if node.op == "call_module":
             name = namer.module(node.target)
-            role = "gemm" if _is_gemm_module(module) else "other"
+            role = "gemm" if is_gemm_module(module) else "other"
             params = _module_params(module, node.target)
             attrs = _module_attrs(module)
         else:
@@ -647,7 +646,7 @@ class _HookRecorder(TorchFunctionMode):
                 return
             activations, _ = self._inputs(args)
             name = self.namer.module(qualname)
-            role = "gemm" if _is_gemm_module(module) else "other"
+            role = "gemm" if is_gemm_module(module) else "other"
             op = _RawOp(name, name, role, type(module).__name__, activations, _module_params(module, qualname),
                         shapes, _module_attrs(module))
             self.ops.append(op)

@@ -40,6 +40,7 @@ import torch
 
 from precsearch.errors import PrecsearchError
 from precsearch.formats import FloatFormat, get_format, quantize
+from precsearch.spec import UPDATES
 
 __all__ = [
     "UPDATES",
@@ -53,7 +54,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-UPDATES = ("nearest", "stochastic", "kahan")
 SUPPORTED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,

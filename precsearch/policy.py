@@ -56,51 +56,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from precsearch.accumulate import DEFAULT_ACC, DEFAULT_CHUNK, ChunkedConv2d, ChunkedLinear, swap_chunked_layers
+from precsearch.accumulate import (
+    CHUNKABLE_LAYERS,
+    DEFAULT_ACC,
+    DEFAULT_CHUNK,
+    ChunkedConv2d,
+    ChunkedLinear,
+    swap_chunked_layers,
+)
 from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.formats import OVERFLOWS, FloatFormat, get_format, spec_name
+from precsearch.formats import FloatFormat, get_format, spec_name
 from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
 from precsearch.scaling import epoch_growth, make_scaler
+from precsearch.spec import (
+    ASSIGNABLE_KINDS,
+    BASELINES,
+    COMPRESSIONS,
+    GRADIENT_ROUNDINGS,
+    LOSS_SCALING_MODES,
+    OPTIMIZER_KEYS,
+    OVERFLOWS,
+    PAPER_OVERFLOW,
+    PAPER_PROMOTION_KINDS,
+    POLICY_ROUNDINGS,
+    TIES,
+    UPDATES,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Accumulation",
-    "BASELINES",
-    "COMPRESSIONS",
-    "GRADIENT_ROUNDINGS",
-    "KINDS",
-    "PAPER_OVERFLOW",
-    "PAPER_PROMOTION_KINDS",
-    "SCHEMA_VERSION",
-    "TIES",
-    "Policy",
-    "PolicyReport",
-    "baseline",
-]
+__all__ = ["Accumulation", "SCHEMA_VERSION", "Policy", "PolicyReport", "baseline"]
 
 SCHEMA_VERSION = 1
-KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
-BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
-LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
-COMPRESSIONS: tuple[str, ...] = ("none", "adacomp")
-TIES: tuple[str, ...] = ("even", "away")
-GRADIENT_ROUNDINGS: tuple[str, ...] = ("sum", "per_use")
-# What a policy's per-kind ``rounding`` may say: ties are the policy-wide ``ties`` setting.
-POLICY_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
-# The reference promotes weights and activations only.
-PAPER_PROMOTION_KINDS: tuple[str, ...] = ("weight", "activation")
-OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format")
-OPTIMIZER_UPDATES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
 ACCUMULATION_KEYS: tuple[str, ...] = ("format", "chunk", "layers")
 # Traced as single GEMM ops, so a model whose layers were already swapped traces like the plain one.
 CHUNKED_LAYERS: tuple[type[nn.Module], ...] = (ChunkedLinear, ChunkedConv2d)
-# The paper's reference code (and HFP8): forward tensors saturate, gradients overflow to inf so the scaler reacts.
-PAPER_OVERFLOW: dict[str, str] = {
-    "weight": "saturate", "activation": "saturate", "weight_grad": "inf", "activation_grad": "inf",
-}
 _GLOB_CHARS = frozenset("*?[")
 _FIELDS = (
     "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
@@ -133,9 +125,9 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
 
 def _kinds(value: Any, where: str) -> Mapping[str, Any]:
     value = _mapping(value, where)
-    unknown = sorted(set(value) - set(KINDS))
+    unknown = sorted(set(value) - set(ASSIGNABLE_KINDS))
     if unknown:
-        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(KINDS)}")
+        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(ASSIGNABLE_KINDS)}")
     return value
 
 
@@ -177,13 +169,13 @@ def _loss_scaling(value: Any, where: str) -> dict[str, Any]:
 
 
 def kinds_list(value: Any, where: str) -> tuple[str, ...]:
-    """A list of tensor kinds (each once), kept in the order of ``KINDS``."""
+    """A list of tensor kinds (each once), kept in the order of ``ASSIGNABLE_KINDS``."""
     if isinstance(value, str) or not isinstance(value, list | tuple) or not all(isinstance(k, str) for k in value):
-        raise PrecsearchError(f"{where} must be a list of tensor kinds ({', '.join(KINDS)}), not {value!r}")
-    unknown = sorted(set(value) - set(KINDS))
+        raise PrecsearchError(f"{where} must be a list of tensor kinds ({', '.join(ASSIGNABLE_KINDS)}), not {value!r}")
+    unknown = sorted(set(value) - set(ASSIGNABLE_KINDS))
     if unknown:
-        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(KINDS)}")
-    return tuple(kind for kind in KINDS if kind in value)
+        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(ASSIGNABLE_KINDS)}")
+    return tuple(kind for kind in ASSIGNABLE_KINDS if kind in value)
 
 
 def _optimizer(value: Any, where: str) -> dict[str, Any]:
@@ -192,9 +184,13 @@ def _optimizer(value: Any, where: str) -> dict[str, Any]:
     if unknown:
         raise PrecsearchError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(OPTIMIZER_KEYS)}")
     if "update" in value:
-        _choice(value["update"], OPTIMIZER_UPDATES, f"{where}.update")
-    if "state_format" in value:
-        value["state_format"] = spec_name(value["state_format"], f"{where}.state_format")
+        _choice(value["update"], UPDATES, f"{where}.update")
+    for key in ("state_format", "compensation_format"):
+        if key in value:
+            value[key] = spec_name(value[key], f"{where}.{key}")
+    seed = value.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise PrecsearchError(f"{where}.seed must be a non-negative integer or null, not {seed!r}")
     return value
 
 
@@ -399,7 +395,7 @@ class Policy:
         """The format spec of a ``TensorInfo`` (fp32 for master weights and anything no rule covers)."""
         if tensor.kind == "optimizer_state":
             return self.optimizer.get("state_format", "fp32")
-        if tensor.kind not in KINDS:
+        if tensor.kind not in ASSIGNABLE_KINDS:
             return "fp32"
         return self.explain(tensor)[0]
 
@@ -435,7 +431,7 @@ class Policy:
         specs = {tensor_id: spec_name(assignment.get(tensor_id, "fp32"), f"assignment[{tensor_id!r}]")
                  for tensor_id in graph.assignable_ids()}
         defaults: dict[str, str] = {}
-        for kind in KINDS:
+        for kind in ASSIGNABLE_KINDS:
             counts = Counter(spec for tensor_id, spec in specs.items() if graph.tensors[tensor_id].kind == kind)
             if counts:
                 defaults[kind] = counts.most_common(1)[0][0]
@@ -477,7 +473,8 @@ class Policy:
         types = {info.module_type for info in graph.tensors.values()}
         missing += [f"module type {name!r}" for name in sorted(self.module_types) if name not in types]
         if self.accumulation is not None:
-            layers = {op.name.partition("#")[0] for op in graph.ops if op.module_type in ("Linear", "Conv2d")}
+            chunkable = {layer.__name__ for layer in CHUNKABLE_LAYERS}
+            layers = {op.name.partition("#")[0] for op in graph.ops if op.module_type in chunkable}
             missing += [f"accumulation layers {pattern!r}" for pattern in self.accumulation.layers
                         if not fnmatch.filter(layers, pattern)]
         missing += [f"module type {name!r} {kind}" for name, rules in sorted(self.module_types.items())
@@ -688,7 +685,7 @@ def baseline(name: str, graph: TensorGraph) -> Policy:
     common: dict[str, Any] = {"promotion_threshold": None, "provenance": {"strategy": f"baseline:{name}"}}
     if name in ("fp32", "fp16", "bf16", "fp8", "mpt"):
         spec = {"fp8": "fp8_e5m2", "mpt": "fp16"}.get(name, name)
-        policy = Policy(**_identity(graph), defaults=dict.fromkeys(KINDS, spec), high_format="fp32",
+        policy = Policy(**_identity(graph), defaults=dict.fromkeys(ASSIGNABLE_KINDS, spec), high_format="fp32",
                         loss_scaling=dynamic if name == "mpt" else {"mode": "none"}, **common)
         return policy.fill_predicted(graph)
     high = "e6m9s"
@@ -701,7 +698,7 @@ def baseline(name: str, graph: TensorGraph) -> Policy:
                 operands |= _gemm_operands(graph, op)
         low_ids = operands - first_last
         overrides = {tensor_id: low[graph.tensors[tensor_id].kind] for tensor_id in sorted(low_ids)}
-        defaults = dict.fromkeys(KINDS, high)
+        defaults = dict.fromkeys(ASSIGNABLE_KINDS, high)
         optimizer: dict[str, Any] = {}
     else:
         defaults = {"weight": "e5m2s", "activation": "e5m2s", "activation_grad": "e5m2s", "weight_grad": high}

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +43,13 @@ from precsearch.files import atomic_write_text
 from precsearch.policy import Policy
 from precsearch.runtime import apply_policy
 from precsearch.scaling import LossScaler, NoLossScaler
+from precsearch.spec import ProxyConfig
 
 __all__ = [
     "PAPER_RECIPE",
     "ProxyConfig",
     "ProxyResult",
     "Recipe",
-    "atomic_write_text",
     "build_model",
     "evaluate",
     "resolve_device",
@@ -59,28 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    """The proxy training recipe and its divergence tests (keys of a space file's ``proxy:`` section)."""
-
-    KEYS: ClassVar[tuple[str, ...]] = (
-        "steps", "batch_size", "image_size", "lr", "momentum", "weight_decay", "eval_batch_size",
-        "blowup_factor", "min_loss_scale", "max_skipped_fraction", "report_every", "stats_every",
-    )
-    steps: int = 150
-    batch_size: int = 64
-    image_size: int = 16
-    lr: float = 0.2
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    eval_batch_size: int = 512
-    blowup_factor: float = 10.0
-    min_loss_scale: float = 1.0
-    max_skipped_fraction: float = 0.25
-    report_every: int = 10
-    stats_every: int = 50
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from precsearch.errors import PrecsearchError
-from precsearch.proxy import atomic_write_text
+from precsearch.files import atomic_write_text
 
 __all__ = ["RunTables", "load_run", "plot_tradeoff", "summary_table", "sweep_points", "write_report"]
 

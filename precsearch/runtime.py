@@ -88,12 +88,12 @@ from precsearch.graph import TensorGraph, grad_id, trace, untraced_modules
 from precsearch.optim import LowPrecisionOptimizer, from_config
 from precsearch.policy import CHUNKED_LAYERS, Policy
 from precsearch.scaling import LossScaler, epoch_growth, make_scaler
+from precsearch.spec import GRAD_KINDS
 
 __all__ = ["PrecisionModel", "Promotion", "SavedBytes", "TensorState", "apply_policy", "instrument_fx"]
 
 log = logging.getLogger(__name__)
 
-GRAD_KINDS = ("weight_grad", "activation_grad")
 # Layout ops whose output is no tensor: no alias module after them.
 _NOT_TENSORS = frozenset({"size", "dim", "numel", "stride", "storage_offset"})
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.formats import FloatFormat, get_format
+from precsearch.graph import is_gemm_module
 
 __all__ = [
     "LossScaler",
@@ -334,11 +335,6 @@ def _reduction_fan(module: nn.Module) -> int:
     return int(weight.shape[0] * math.prod(weight.shape[2:]))
 
 
-def _is_gemm(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and weight.dim() >= 2
-
-
 class AdaptiveLossScaler(LossScaler):
     """Adaptive layer-wise loss scaling (Zhao et al. 2019), computed during backward with autograd hooks.
 
@@ -420,12 +416,12 @@ class AdaptiveLossScaler(LossScaler):
         ``include_output``, the model output. Returns the forward-hook handles (``.remove()`` detaches)."""
         modules = dict(model.named_modules())
         if layers is None:
-            chosen = [name for name, module in modules.items() if _is_gemm(module)]
+            chosen = [name for name, module in modules.items() if is_gemm_module(module)]
         elif callable(layers):
             chosen = [name for name, module in modules.items() if layers(name, module)]
         else:
             chosen = list(layers)
-            unknown = [name for name in chosen if name not in modules or not _is_gemm(modules[name])]
+            unknown = [name for name in chosen if name not in modules or not is_gemm_module(modules[name])]
             if unknown:
                 raise PrecsearchError(
                     f"adaptive loss scaling: {', '.join(unknown)} not GEMM layers of the model; name Linear/Conv layers"
@@ -444,7 +440,7 @@ class AdaptiveLossScaler(LossScaler):
             point = self._pending.get(output.grad_fn)
             if point is not None and not name:  # the model output is a GEMM layer's output: guard both
                 point.guard_grad = True
-            elif _is_gemm(module):
+            elif is_gemm_module(module):
                 calls = self._calls[name] = self._calls.get(name, -1) + 1
                 label = (name or "<output>") + (f"#{calls}" if calls else "")
                 self._pending[output.grad_fn] = _Point(label, module.weight, _reduction_fan(module), not name)

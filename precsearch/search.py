@@ -71,10 +71,11 @@ from tqdm.auto import tqdm
 from precsearch.cost import CostModel
 from precsearch.data import ImageDataset, load_dataset
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 from precsearch.graph import TensorGraph, trace
 from precsearch.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
 from precsearch.policy import Policy
-from precsearch.proxy import ProxyResult, atomic_write_text, build_model, resolve_device, run_proxy
+from precsearch.proxy import ProxyResult, build_model, resolve_device, run_proxy
 from precsearch.rundir import (
     LOCK_FILES,
     RunLock,

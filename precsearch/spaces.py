@@ -25,15 +25,29 @@ from typing import Any
 import yaml
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats import OVERFLOWS, spec_name
-from precsearch.optim import UPDATES, UpdateConfig
-from precsearch.policy import GRADIENT_ROUNDINGS, PAPER_PROMOTION_KINDS, POLICY_ROUNDINGS, TIES, kinds_list
-from precsearch.proxy import ProxyConfig
+from precsearch.formats import spec_name
+from precsearch.optim import UpdateConfig
+from precsearch.policy import kinds_list
 from precsearch.scaling import epoch_growth, make_scaler
+from precsearch.spec import (
+    ASSIGNABLE_KINDS,
+    GRADIENT_ROUNDINGS,
+    LOSS_SCALING_MODES,
+    OPTIMIZER_KEYS,
+    OVERFLOWS,
+    PAPER_HIGH,
+    PAPER_LOW,
+    PAPER_OVERFLOW,
+    PAPER_PROMOTION_KINDS,
+    POLICY_ROUNDINGS,
+    TIES,
+    UPDATES,
+    ProxyConfig,
+)
 
 __all__ = [
     "GRANULARITIES",
-    "KINDS",
+    "ASSIGNABLE_KINDS",
     "LOSS_SCALING_MODES",
     "OBJECTIVES",
     "SearchSpace",
@@ -43,10 +57,8 @@ __all__ = [
     "parse_space",
 ]
 
-KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
 GRANULARITIES: tuple[str, ...] = ("group", "tensor", "categorical")
 OBJECTIVES: tuple[str, ...] = ("val_error", "val_loss")
-LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
 LOSS_SCALING_KEYS: tuple[str, ...] = (
     "mode", "scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "underflow_rate",
     "max_scale", "grad_format",
@@ -56,22 +68,17 @@ TOP_KEYS: tuple[str, ...] = (
     "promotion_threshold", "master_weights", "optimizer", "proxy", "objectives", "promotion_kinds",
     "gradient_rounding", "ties",
 )
-OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format")
 RESERVED_LEVELS: tuple[str, ...] = ("high", "low")
-# The paper's reference code: forward tensors saturate, backward tensors overflow to inf so the scaler reacts.
-DEFAULT_OVERFLOW: dict[str, str] = {
-    "weight": "saturate", "activation": "saturate", "weight_grad": "inf", "activation_grad": "inf",
-}
 
 # The paper's space (Lee, Sharma, Aiken 2023) as plain data; search_spaces/hfp8.yaml says the same in YAML
 # (a test holds them equal). The demo builds on it, so it works without the repository's files.
 PAPER_SPACE: dict[str, Any] = {
     "name": "hfp8",
-    "high": "e6m9s",
-    "low": {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"},
+    "high": PAPER_HIGH,
+    "low": dict(PAPER_LOW),
     "granularity": "group",
     "rounding": "nearest",
-    "overflow": dict(DEFAULT_OVERFLOW),
+    "overflow": dict(PAPER_OVERFLOW),
     "ties": "even",  # the reference rounds ties away from zero: "away" reproduces it bit for bit
     "gradient_rounding": "per_use",
     "loss_scaling": {"mode": "dynamic", "init_scale": 65536, "growth_interval": "epoch"},
@@ -91,8 +98,8 @@ class SearchSpace:
     low: dict[str, str]
     granularity: str = "group"
     choices: dict[str, dict[str, str]] = field(default_factory=dict)
-    rounding: dict[str, str] = field(default_factory=lambda: {kind: "nearest" for kind in KINDS})
-    overflow: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_OVERFLOW))
+    rounding: dict[str, str] = field(default_factory=lambda: {kind: "nearest" for kind in ASSIGNABLE_KINDS})
+    overflow: dict[str, str] = field(default_factory=lambda: dict(PAPER_OVERFLOW))
     loss_scaling: dict[str, Any] = field(default_factory=lambda: {"mode": "dynamic", "init_scale": 2.0**16})
     promotion_threshold: float | None = 0.01
     promotion_kinds: tuple[str, ...] = PAPER_PROMOTION_KINDS
@@ -107,7 +114,7 @@ class SearchSpace:
     @property
     def levels(self) -> dict[str, dict[str, str]]:
         """Level name -> {kind: spec}, in search order: high, low, then the categorical choices."""
-        levels = {"high": {kind: self.high for kind in KINDS}, "low": dict(self.low)}
+        levels = {"high": {kind: self.high for kind in ASSIGNABLE_KINDS}, "low": dict(self.low)}
         if self.granularity == "categorical":
             levels.update(self.choices)
         return levels
@@ -157,9 +164,10 @@ def _per_kind(value: Any, where: str, check: Any, default: Mapping[str, Any]) ->
     if value is None:
         return dict(default)
     if isinstance(value, Mapping):
-        _unknown(value, KINDS, where)
-        return {kind: check(value[kind], f"{where}.{kind}") if kind in value else default[kind] for kind in KINDS}
-    return {kind: check(value, where) for kind in KINDS}
+        _unknown(value, ASSIGNABLE_KINDS, where)
+        return {kind: check(value[kind], f"{where}.{kind}") if kind in value else default[kind]
+                for kind in ASSIGNABLE_KINDS}
+    return {kind: check(value, where) for kind in ASSIGNABLE_KINDS}
 
 
 def _choice(allowed: tuple[str, ...]) -> Any:
@@ -253,7 +261,8 @@ def _choices(raw: Any, high: str, where: str) -> dict[str, dict[str, str]]:
         if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_LEVELS:
             raise PrecsearchError(f"{where}: choice name {name!r} must be an identifier other than "
                                   f"{' and '.join(RESERVED_LEVELS)}")
-        levels[name] = _per_kind(value, f"{where}: choices.{name}", spec_name, {kind: high for kind in KINDS})
+        levels[name] = _per_kind(value, f"{where}: choices.{name}", spec_name,
+                                 dict.fromkeys(ASSIGNABLE_KINDS, high))
     return levels
 
 
@@ -265,7 +274,7 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     if "high" not in raw or "low" not in raw:
         raise PrecsearchError(f"{where} must name a high format and low formats (keys high and low)")
     high = spec_name(raw["high"], f"{where}: high")
-    low = _per_kind(raw["low"], f"{where}: low", spec_name, {kind: high for kind in KINDS})
+    low = _per_kind(raw["low"], f"{where}: low", spec_name, {kind: high for kind in ASSIGNABLE_KINDS})
     granularity = _choice(GRANULARITIES)(raw.get("granularity", "group"), f"{where}: granularity")
     if "choices" in raw and granularity != "categorical":
         raise PrecsearchError(f"{where}: choices apply only to granularity categorical; drop them or set it")

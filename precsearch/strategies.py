@@ -27,7 +27,8 @@ import torch
 
 from precsearch.errors import PrecsearchError
 from precsearch.policy import Policy, baseline
-from precsearch.spaces import KINDS, SearchSpace
+from precsearch.spaces import SearchSpace
+from precsearch.spec import ASSIGNABLE_KINDS, BASELINES
 
 __all__ = [
     "ACCEPTANCE_WINDOW",
@@ -49,7 +50,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
 ORDERS: tuple[str, ...] = ("largest", "smallest", "random")
 R_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
 ACCEPTANCE_WINDOW = 0.1  # the reference runs r only if the low share it reaches is at most r + 0.1
@@ -85,7 +85,7 @@ def assignment_key(assignment: Mapping[str, Any]) -> str:
 
 def _assignable(graph: Any) -> list[Any]:
     """The graph's assignable tensors in execution order."""
-    return [info for info in graph.tensors.values() if info.kind in KINDS]
+    return [info for info in graph.tensors.values() if info.kind in ASSIGNABLE_KINDS]
 
 
 def units(graph: Any, space: SearchSpace) -> dict[str, list[str]]:

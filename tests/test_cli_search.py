@@ -22,9 +22,9 @@ from optuna.trial import TrialState
 
 from precsearch.cli import main
 from precsearch.data import load_dataset
-from precsearch.graph import ASSIGNABLE_KINDS
 from precsearch.policy import Policy
 from precsearch.spaces import PAPER_SPACE
+from precsearch.spec import ASSIGNABLE_KINDS
 
 TINY = ["--proxy-steps", "4", "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1"]
 

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precsearch.cost import MIB, PAPER_LOW, CostModel, measure_saved_bytes
+from precsearch.cost import MIB, CostModel, measure_saved_bytes
 from precsearch.errors import PrecsearchError
-from precsearch.graph import ASSIGNABLE_KINDS, trace
+from precsearch.graph import trace
 from precsearch.models import NAMES, build
+from precsearch.spec import ASSIGNABLE_KINDS, PAPER_LOW
 
 # bits of each format, written out by hand (1 sign + E + M) as an oracle independent of precsearch.formats
 BITS = {"e4m3b4s": 8, "e5m2s": 8, "e6m9s": 16, "fp16": 16, "bf16": 16, "fp8_e4m3fn": 8, "fp6_e3m2fn": 6,

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.graph import ASSIGNABLE_KINDS, PASS_THROUGH, TensorGraph, op_type_key, trace
+from precsearch.graph import PASS_THROUGH, TensorGraph, op_type_key, trace
 from precsearch.models import NAMES, build
+from precsearch.spec import ASSIGNABLE_KINDS
 
 
 def _example(batch: int = 2, shape: tuple[int, ...] = (3, 32, 32)) -> torch.Tensor:

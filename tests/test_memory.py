@@ -12,8 +12,9 @@ from precsearch.cost import MIB, CostModel
 from precsearch.graph import trace
 from precsearch.memory import measure_peak, sgd_step, trace_step
 from precsearch.models import NAMES, build
-from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
+from precsearch.policy import Policy, baseline
 from precsearch.runtime import apply_policy
+from precsearch.spec import PAPER_OVERFLOW
 
 KIB = 1024
 

@@ -61,7 +61,7 @@ def test_a_policy_rule_naming_no_tensor_is_an_error_with_the_closest_ids():
 
 def _frame(rows):
     base = {"state": "COMPLETE", "trained": True, "diverged": False, "memory": 1.0, "val_accuracy": 0.5}
-    return pd.DataFrame([{**base, "number": number, **row} for number, row in enumerate(rows)])
+    return pd.DataFrame([{**base, "number": number, "key": f"k{number}", **row} for number, row in enumerate(rows)])
 
 
 def test_no_pick_when_the_reference_diverged_or_everything_is_at_chance_level():

@@ -16,7 +16,8 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats import NAMED_FORMATS, get_format
 from precsearch.graph import trace
 from precsearch.models import build
-from precsearch.policy import BASELINES, KINDS, SCHEMA_VERSION, Accumulation, Policy, baseline
+from precsearch.policy import SCHEMA_VERSION, Accumulation, Policy, baseline
+from precsearch.spec import ASSIGNABLE_KINDS, BASELINES
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 
@@ -44,7 +45,8 @@ def test_precedence_exact_then_longest_glob_then_module_type_then_default(graph)
         overrides={"conv1:weight": "fp32", "conv*": "fp16", "conv*:weight": "bf16", "*:weight": "e3m4s"},
         module_types={"Conv2d": {"weight": "e6m9s"}, "BatchNorm2d": {"weight": "e2m5s"}},
     )
-    fmt = {tid: policy.explain(graph.tensors[tid]) for tid in graph.tensors if graph.tensors[tid].kind in KINDS}
+    fmt = {tid: policy.explain(graph.tensors[tid]) for tid in graph.tensors
+           if graph.tensors[tid].kind in ASSIGNABLE_KINDS}
     assert fmt["conv1:weight"] == ("fp32", "override 'conv1:weight'")  # exact beats every glob
     assert fmt["conv2:weight"] == ("bf16", "override 'conv*:weight'")  # longest matching glob wins
     assert fmt["conv2:activation"] == ("fp16", "override 'conv*'")
@@ -360,7 +362,7 @@ def test_the_paper_settings_round_trip_and_files_without_them_read_the_defaults(
     paper = policy.replace(promotion_kinds=["activation_grad", "weight"], gradient_rounding="per_use", ties="away",
                            loss_scaling={"mode": "dynamic", "growth_interval": "epoch"})
     data = json.loads(paper.save(tmp_path / "p.json").read_text())
-    assert data["promotion_kinds"] == ["weight", "activation_grad"]  # each kind once, in the order of KINDS
+    assert data["promotion_kinds"] == ["weight", "activation_grad"]  # each kind once, in the order of ASSIGNABLE_KINDS
     assert (data["gradient_rounding"], data["ties"], data["loss_scaling"]["growth_interval"]) == ("per_use", "away",
                                                                                                 "epoch")
     assert Policy.load(tmp_path / "p.json") == paper

@@ -24,10 +24,11 @@ from precsearch.formats import quantize
 from precsearch.graph import trace
 from precsearch.models import build
 from precsearch.optim import LowPrecisionOptimizer
-from precsearch.policy import KINDS, Accumulation, Policy, baseline
+from precsearch.policy import Accumulation, Policy, baseline
 from precsearch.runtime import PrecisionModel, apply_policy
 from precsearch.scaling import AdaptiveLossScaler, DynamicLossScaler
 from precsearch.spaces import paper_space
+from precsearch.spec import ASSIGNABLE_KINDS
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 SHAPE = (3, 32, 32)
@@ -81,7 +82,7 @@ def test_all_fp32_policy_is_bitwise_identical_to_the_plain_model(name):
     wrapped_model = copy.deepcopy(plain)
     expect_warning = name == "untraceable"
     with pytest.warns(UserWarning, match="torch.fx could not trace") if expect_warning else contextlib.nullcontext():
-        wrapped = apply_policy(wrapped_model, _policy(defaults=dict.fromkeys(KINDS, "fp32")), strict=False)
+        wrapped = apply_policy(wrapped_model, _policy(defaults=dict.fromkeys(ASSIGNABLE_KINDS, "fp32")), strict=False)
     assert (wrapped.graph.graph_module is None) == (name == "untraceable")
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
                   for m in (plain, wrapped)]
@@ -287,7 +288,7 @@ def test_gradient_overflow_to_inf_is_promoted_and_without_promotion_the_run_dive
     # A loss scaled by 1e7 with the learning rate divided by 1e7 (a static scale that never skips a step):
     # the output gradient overflows e5m2s (max 114688) to inf unless its tensor is promoted.
     policy = _policy(high_format="e6m9s", overflow={"activation_grad": "inf", "weight_grad": "inf"},
-                     promotion_threshold=threshold, promotion_kinds=KINDS)
+                     promotion_threshold=threshold, promotion_kinds=ASSIGNABLE_KINDS)
     wrapped = apply_policy(_model(), policy)
     losses = _train(wrapped, steps=5, lr=0.05 / 1e7, loss_factor=1e7)
     if threshold is None:
@@ -297,7 +298,7 @@ def test_gradient_overflow_to_inf_is_promoted_and_without_promotion_the_run_dive
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("kinds", [None, KINDS])
+@pytest.mark.parametrize("kinds", [None, ASSIGNABLE_KINDS])
 def test_under_the_paper_space_an_overflowing_activation_gradient_is_not_promoted(kinds):
     # as above (the output gradient overflows e5m2s to inf), with the paper space's guard: weights and
     # activations only, unless promotion_kinds lists the gradients; the dynamic scaler skips the overflowed steps
@@ -373,7 +374,7 @@ def test_per_use_gradient_rounding_rounds_each_branch_and_sum_rounds_once(mode):
         return torch.autograd.grad(model.conv(x), model.conv.weight, grad_h)[0]
 
     model.zero_grad()
-    policy = Policy(input_shape=(3, 8, 8), batch_size=2, defaults=dict.fromkeys(KINDS, "fp32"),
+    policy = Policy(input_shape=(3, 8, 8), batch_size=2, defaults=dict.fromkeys(ASSIGNABLE_KINDS, "fp32"),
                     overrides={"conv:activation_grad": "e5m2s"}, gradient_rounding=mode, promotion_threshold=None)
     wrapped = apply_policy(model, policy, example_input=x)
     wrapped(x).sum().backward()
@@ -411,7 +412,8 @@ def test_saturating_gradient_overflow_makes_the_dynamic_scaler_skip():
 def _activation_grad_underflow(mode: str) -> tuple[float, PrecisionModel]:
     """Element-weighted fraction of activation-gradient values that fp16 flushes to zero, over 2 steps of a
     model whose loss is scaled down 100x (small gradients)."""
-    policy = _policy(defaults=dict.fromkeys(KINDS, "fp16"), loss_scaling={"mode": mode}, promotion_threshold=None)
+    policy = _policy(defaults=dict.fromkeys(ASSIGNABLE_KINDS, "fp16"), loss_scaling={"mode": mode},
+                     promotion_threshold=None)
     wrapped = apply_policy(_model(), policy, stats_every=1)
     _train(wrapped, steps=2, lr=0.01, loss_factor=1e-2)
     rows = {tid: row for tid, row in wrapped.tensor_stats().items() if row["kind"] == "activation_grad"}

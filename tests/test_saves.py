@@ -15,8 +15,9 @@ from torch import nn
 
 from precsearch.cost import CostModel, measure_saved_bytes
 from precsearch.graph import trace
-from precsearch.policy import PAPER_OVERFLOW, Policy, baseline
+from precsearch.policy import Policy, baseline
 from precsearch.runtime import apply_policy
+from precsearch.spec import PAPER_OVERFLOW
 
 BATCH = 4
 ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}

@@ -20,7 +20,8 @@ from precsearch.graph import trace
 from precsearch.policy import Policy
 from precsearch.proxy import build_model
 from precsearch.search import Budget, SearchInterrupted, run_search
-from precsearch.spaces import KINDS, paper_space
+from precsearch.spaces import paper_space
+from precsearch.spec import ASSIGNABLE_KINDS
 from precsearch.strategies import R_GRID
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
@@ -295,7 +296,7 @@ def test_categorical_and_tensor_spaces_search(tmp_path):
     trials = _search(tmp_path / "tensor", 3, space=per_tensor).trials
     graph = _graph()
     assert len(trials.iloc[0]["decisions"]) == len(graph.assignable_ids())
-    assert {graph.tensors[t].kind for t in graph.assignable_ids()} == set(KINDS)
+    assert {graph.tensors[t].kind for t in graph.assignable_ids()} == set(ASSIGNABLE_KINDS)
 
 
 @pytest.mark.slow

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from precsearch.cost import PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
 from precsearch.formats import get_format
-from precsearch.spaces import KINDS, load_space, paper_space, parse_space
+from precsearch.spaces import load_space, paper_space, parse_space
+from precsearch.spec import ASSIGNABLE_KINDS, PAPER_HIGH, PAPER_LOW
 
 SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
 BASE = {"high": "e6m9s", "low": "e4m3b4s"}
@@ -29,7 +29,7 @@ def test_shipped_spaces_load_and_every_level_names_real_formats(path):
     assert space.name == path.stem
     assert list(space.levels)[:2] == ["high", "low"]
     for level in space.levels.values():
-        assert set(level) == set(KINDS)
+        assert set(level) == set(ASSIGNABLE_KINDS)
         for spec in level.values():
             get_format(spec)
     assert parse_space(space.to_dict()) == space
@@ -41,10 +41,11 @@ def test_shipped_set_covers_the_issue():
 
 
 def test_hfp8_is_the_papers_formats():
-    # The cost model states the paper's formats independently (precsearch.cost.PAPER_HIGH / PAPER_LOW).
+    # the paper's formats, written out by hand: the YAML file and the package's constants must both say them
+    by_hand = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
     space = load_space(SPACES / "hfp8.yaml")
-    assert space.high == PAPER_HIGH
-    assert space.low == PAPER_LOW
+    assert space.high == PAPER_HIGH == "e6m9s"
+    assert space.low == PAPER_LOW == by_hand
     assert (get_format(space.high).exp, get_format(space.high).man) == (6, 9)
     assert get_format(space.low["weight"]).max == 30.0  # (1,4,3), bias +4, no special codes
     assert space.overflow["activation"] == "saturate" and space.overflow["activation_grad"] == "inf"
@@ -60,7 +61,7 @@ def test_fp8_space_is_e4m3_forward_e5m2_backward():
 
 
 def test_low_as_one_spec_and_partial_mapping():
-    assert parse_space(BASE).low == dict.fromkeys(KINDS, "e4m3b4s")
+    assert parse_space(BASE).low == dict.fromkeys(ASSIGNABLE_KINDS, "e4m3b4s")
     partial = parse_space({"high": "fp32", "low": {"activation": "fp16"}})
     assert partial.low == {"weight": "fp32", "activation": "fp16", "weight_grad": "fp32", "activation_grad": "fp32"}
 
@@ -69,7 +70,7 @@ def test_categorical_levels_and_choice_defaults():
     choices = {"wide": "fp16", "mixed": {"weight": "e5m2"}}
     space = parse_space({**BASE, "granularity": "categorical", "choices": choices})
     assert list(space.levels) == ["high", "low", "wide", "mixed"]
-    assert space.levels["wide"] == dict.fromkeys(KINDS, "fp16")
+    assert space.levels["wide"] == dict.fromkeys(ASSIGNABLE_KINDS, "fp16")
     assert space.levels["mixed"]["weight"] == "e5m2" and space.levels["mixed"]["activation"] == "e6m9s"
     assert list(parse_space(BASE).levels) == ["high", "low"]
 

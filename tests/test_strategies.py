@@ -13,7 +13,8 @@ from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.graph import trace
 from precsearch.proxy import build_model
-from precsearch.spaces import KINDS, paper_space, parse_space
+from precsearch.spaces import paper_space, parse_space
+from precsearch.spec import ASSIGNABLE_KINDS
 from precsearch.strategies import (
     ACCEPTANCE_WINDOW,
     BASELINES,
@@ -58,7 +59,7 @@ def graph():
 def _sizes_from_frame(graph) -> dict[int, int]:
     """Group sizes computed independently from the graph's DataFrame."""
     frame = graph.to_dataframe()
-    frame = frame[frame["kind"].isin(KINDS)]
+    frame = frame[frame["kind"].isin(ASSIGNABLE_KINDS)]
     return {int(g): int(n) for g, n in frame.groupby("group")["numel"].sum().items()}
 
 

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from precsearch.cli.search import add_data_arguments, add_space_arguments, space_argument
-from precsearch.strategies import BASELINES
+from precsearch.spec import BASELINES
 
 
 def register(subparsers: Any) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 
 from precsearch.cli.search import add_data_arguments
 from precsearch.errors import PrecsearchError
-from precsearch.policy import COMPRESSIONS
 from precsearch.proxy import PAPER_LR, ProxyConfig
+from precsearch.spec import COMPRESSIONS
 
 
 def register(subparsers: Any) -> None:
