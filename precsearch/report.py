@@ -11,7 +11,9 @@ a headless CLI needs no display and a notebook keeps its own backend (pass ``ax`
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from matplotlib.figure import Figure
 
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RunTables", "load_run", "plot_tradeoff", "summary_table", "sweep_points", "write_report"]
 
@@ -43,9 +47,17 @@ class RunTables:
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
-    """A table with its text columns as strings ('' where empty) and its numbers as numbers."""
+    """A table with its text columns as strings ('' where empty) and its numbers as numbers.
+
+    Every row precsearch writes ends with a newline, so a last line without one was cut short (a copy or a
+    write that was interrupted): it is left out with a WARNING, not read as a row of missing values (whose
+    empty ``diverged`` would count as a divergence)."""
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        log.warning("%s: its last row is cut short; reporting without it", path)
+        text = text[: text.rfind("\n") + 1]
     try:
-        frame = pd.read_csv(path)
+        frame = pd.read_csv(io.StringIO(text))
     except pd.errors.EmptyDataError:
         return pd.DataFrame()
     for column in ("origin", "reason", "error", "name", "source", "reused"):

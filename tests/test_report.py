@@ -76,6 +76,17 @@ def test_baselines_alone_still_report(tmp_path, run_dir):
     write_report(run_dir)
 
 
+def test_a_truncated_trials_row_is_left_out_not_counted_as_diverged(run_dir, caplog):
+    lines = (run_dir / "trials.csv").read_text().splitlines(keepends=True)
+    healthy = [line for line in lines if not line.startswith("4,")]  # trials 0-3, none diverged
+    (run_dir / "trials.csv").write_text("".join(healthy) + "5,COMPLETE,samp")  # a row cut short
+    trials = load_run(run_dir).trials
+    assert trials["number"].tolist() == [0, 1, 2, 3] and not trials["diverged"].astype(bool).any()
+    assert "cut short" in caplog.text
+    _, markdown = write_report(run_dir)
+    assert "0 diverged" in markdown.read_text()
+
+
 def test_an_empty_directory_is_a_user_error(tmp_path):
     with pytest.raises(PrecsearchError, match="no trials.csv or baselines.csv"):
         load_run(tmp_path)
