@@ -37,6 +37,7 @@ class Mutant:
 
 FORMATS = ("tests/test_formats.py",)
 STRATEGIES = ("tests/test_strategies.py",)
+SCALING = ("tests/test_scaling.py", "tests/test_runtime.py")  # the paper's schedule is tested through a policy
 POLICY = ("tests/test_policy.py", "tests/test_strategies.py")
 
 MUTANTS = (
@@ -103,10 +104,10 @@ MUTANTS = (
            "per_element = np.full(len(self.ids), 32.0)", "per_element = np.full(len(self.ids), 16.0)",
            ("tests/test_cost.py",), "unassigned tensors priced at 16 bits"),
     Mutant("R1", "precsearch/scaling.py", "            return value * self.backoff_factor, 0",
-           "            return value * self.backoff_factor, tracker", ("tests/test_scaling.py",),
+           "            return value * self.backoff_factor, tracker", SCALING,
            "an overflow does not restart the count of clean steps"),
     Mutant("R2", "precsearch/scaling.py", "        if tracker == self.interval:",
-           "        if tracker > self.interval:", ("tests/test_scaling.py",), "the scale grows one step late"),
+           "        if tracker > self.interval:", SCALING, "the scale grows one step late"),
     Mutant("O1", "precsearch/optim.py",
            'weight.copy_(quantize(weight + u, fmt, rounding="stochastic", generator=generator))',
            "weight.copy_(quantize(weight + u, fmt))", ("tests/test_optim.py",),
