@@ -86,6 +86,7 @@ from precsearch.rundir import (
     remove_stale_journal_lock,
     remove_temporaries,
 )
+from precsearch.samplers import make_sampler
 from precsearch.spaces import SearchSpace, load_space, parse_space
 from precsearch.strategies import (
     BASELINES,
@@ -668,12 +669,9 @@ def _repair_journal(path: Path) -> None:
 
 
 def _sampler(context: SearchContext, worker: int | None) -> optuna.samplers.BaseSampler:
-    """TPE seeded from the search seed and the worker's index; unseeded (None) in a shared study, whose
-    workers on several hosts would otherwise propose the same first assignments."""
-    seed = None if worker is None else context.seed * 1000 + worker
-    with warnings.catch_warnings():  # multivariate TPE is marked experimental; it models joint group choices
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=5, multivariate=True)
+    """The space's sampler seeded from the search seed and the worker's index; unseeded (None) in a shared
+    study, whose workers on several hosts would otherwise propose the same first assignments."""
+    return make_sampler(context.space.sampler, None if worker is None else context.seed * 1000 + worker)
 
 
 def _pruner(context: SearchContext) -> optuna.pruners.BasePruner:
@@ -1296,6 +1294,7 @@ def run_search(
     study_name: str | None = None,
     heartbeat: int = DEFAULT_HEARTBEAT,
     proxy_seeds: int | None = 1,
+    sampler: str | None = None,
 ) -> SearchResult:
     """Search assignments of ``model_spec`` in ``space``; outputs go to ``out_dir`` (see the module docstring).
 
@@ -1309,11 +1308,15 @@ def run_search(
     ``proxy_seeds`` seeds train each proxy and the all-high reference (None: 3 for the reference, then 2 to
     4, as many as the noise they show needs, see ``noise.seeds_for``); the pick is then taken at the budget's
     confidence. One seed keeps the single-number comparison, with a warning that its confidence is unknown.
+
+    ``sampler`` (one of ``precsearch.spec.SAMPLERS``) replaces the space's Optuna sampler (default TPE).
     """
     start = time.perf_counter()
     if isinstance(space, str | Path):
         space = load_space(space)
     space = space.with_proxy(steps=proxy_steps, batch_size=batch_size, image_size=image_size)
+    if sampler is not None:  # checked like a space file's key
+        space = parse_space({**space.to_dict(), "sampler": sampler}, "--sampler")
     data_spec = DataSpec(data) if isinstance(data, str) else data
     budget = budget or Budget()
     if trials < 1 or jobs < 1 or (threads is not None and threads < 1):

@@ -40,6 +40,7 @@ from precsearch.spec import (
     PAPER_OVERFLOW,
     PAPER_PROMOTION_KINDS,
     POLICY_ROUNDINGS,
+    SAMPLERS,
     TIES,
     UPDATES,
     ProxyConfig,
@@ -66,7 +67,7 @@ LOSS_SCALING_KEYS: tuple[str, ...] = (
 TOP_KEYS: tuple[str, ...] = (
     "name", "description", "high", "low", "granularity", "choices", "rounding", "overflow", "loss_scaling",
     "promotion_threshold", "master_weights", "optimizer", "proxy", "objectives", "promotion_kinds",
-    "gradient_rounding", "ties",
+    "gradient_rounding", "ties", "sampler",
 )
 RESERVED_LEVELS: tuple[str, ...] = ("high", "low")
 
@@ -109,6 +110,7 @@ class SearchSpace:
     optimizer: dict[str, Any] = field(default_factory=dict)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     objectives: tuple[str, ...] = ("memory", "val_error")
+    sampler: str = "tpe"
     description: str = ""
 
     @property
@@ -134,10 +136,10 @@ class SearchSpace:
         return data
 
     def fingerprint(self) -> str:
-        """Stable hash of the settings that change what a trial trains (not name or description)."""
+        """Stable hash of the settings that change what a trial trains (not name, description or sampler)."""
         data = self.to_dict()
-        data.pop("name")
-        data.pop("description")
+        for key in ("name", "description", "sampler"):
+            data.pop(key)
         return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_proxy(self, **changes: Any) -> SearchSpace:
@@ -311,6 +313,7 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
         optimizer=_optimizer(raw.get("optimizer", {}), low["weight"], master_weights, where),
         proxy=_proxy_config(raw.get("proxy", {}), where),
         objectives=_objectives(raw.get("objectives", list(defaults.objectives)), where),
+        sampler=_choice(SAMPLERS)(raw.get("sampler", defaults.sampler), f"{where}: sampler"),
     )
 
 

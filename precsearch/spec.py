@@ -28,6 +28,7 @@ __all__ = [
     "POLICY_ROUNDINGS",
     "ProxyConfig",
     "ROUNDINGS",
+    "SAMPLERS",
     "TIES",
     "UPDATES",
 ]
@@ -56,6 +57,8 @@ UPDATES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
 OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format", "compensation_format", "seed")
 COMPRESSIONS: tuple[str, ...] = ("none", "adacomp")
 BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
+# Optuna samplers a search can use (precsearch.samplers): multivariate TPE, NSGA-II, random, Gaussian process.
+SAMPLERS: tuple[str, ...] = ("tpe", "nsga2", "random", "gp")
 
 # The paper (Lee, Sharma, Aiken 2023): its high format and per-kind low formats, forward tensors saturating
 # and gradients overflowing to inf (so the loss scaler sees them), promotion of weights and activations only.

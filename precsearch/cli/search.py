@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from precsearch.data import DATASETS
+from precsearch.spec import SAMPLERS
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +78,9 @@ def register(subparsers: Any) -> None:
                         help="memory measure to minimize: bytes of the tensors training keeps (the paper's, "
                              "default) or the predicted peak of a training step")
     add_noise_arguments(parser)
+    parser.add_argument("--sampler", choices=SAMPLERS, default=None,
+                        help="Optuna sampler: multivariate TPE, NSGA-II, random or a Gaussian process (default: the "
+                             "space's sampler, tpe)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_arguments(parser)
     parser.set_defaults(func=run)
@@ -115,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             proxy_steps=args.proxy_steps, out_dir=args.out, storage=args.storage, jobs=args.jobs,
             resume=args.resume, budget=budget, seed=args.seed, device=args.device, batch_size=args.batch_size,
             image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
-            study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds)
+            study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds,
+            sampler=args.sampler)
     except SearchInterrupted as stop:
         done = int(stop.result.trials["state"].isin(["COMPLETE", "PRUNED"]).sum()) if len(stop.result.trials) else 0
         name = signal.Signals(stop.signum).name

@@ -1,0 +1,48 @@
+"""Optuna samplers by name: one registry over the shared vocabulary, chosen by a space or --sampler."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+
+from precsearch import search
+from precsearch.errors import PrecsearchError
+from precsearch.samplers import FACTORIES, make_sampler
+from precsearch.search import run_search
+from precsearch.spaces import paper_space, parse_space
+from precsearch.spec import SAMPLERS
+
+PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
+OPTUNA_CLASS = {"tpe": optuna.samplers.TPESampler, "nsga2": optuna.samplers.NSGAIISampler,
+                "random": optuna.samplers.RandomSampler, "gp": optuna.samplers.GPSampler}
+
+
+def test_every_sampler_name_has_one_factory_making_optunas_sampler():
+    assert tuple(FACTORIES) == SAMPLERS
+    for name in SAMPLERS:
+        assert type(make_sampler(name, 3)) is OPTUNA_CLASS[name]
+    with pytest.raises(PrecsearchError, match="unknown sampler 'cmaes'; use one of tpe, nsga2, random, gp"):
+        make_sampler("cmaes", 0)
+
+
+def test_a_space_names_its_sampler_which_does_not_change_what_a_trial_trains():
+    data = paper_space().to_dict()
+    nsga = parse_space({**data, "sampler": "nsga2"})
+    assert paper_space().sampler == "tpe" and nsga.sampler == "nsga2"
+    assert nsga.fingerprint() == paper_space().fingerprint()
+    with pytest.raises(PrecsearchError, match="sampler"):
+        parse_space({**data, "sampler": "grid"})
+
+
+def test_the_search_uses_the_sampler_it_is_given(tmp_path):
+    with search._threads(1):
+        result = run_search("tiny_cnn", paper_space(proxy=PROXY), data="digits", trials=6, out_dir=tmp_path / "run",
+                            device="cpu", progress=False, sampler="random")
+    assert len(result.trials) == 6
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["space"]["sampler"] == "random"
+    context = search.SearchContext.create("tiny_cnn", parse_space({**paper_space(proxy=PROXY).to_dict(),
+                                                                    "sampler": "random"}),
+                                          search.DataSpec("digits"), search.Budget(), 0, "cpu")
+    assert type(search._sampler(context, 0)) is optuna.samplers.RandomSampler
