@@ -120,7 +120,7 @@ def _bad_space(tmp_path, **changes):
     ("model", "unknown model 'resnet99'"),
     ("dataset", "unknown dataset 'mnist'"),
     ("space file", "does not exist"),
-    ("space key", "unknown key 'sampler'"),
+    ("space key", "unknown key 'samplr'"),
     ("space format", "E must be in 1..8"),
     ("storage url", "cannot open study storage postgresql://nohost/db"),
     ("storage dir", "cannot open study storage sqlite:///"),
@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, needle, space_fi
     elif case == "space file":
         options = ["--space", str(tmp_path / "missing.yaml")]
     elif case == "space key":
-        options = ["--space", _bad_space(tmp_path, sampler="tpe")]
+        options = ["--space", _bad_space(tmp_path, samplr="tpe")]
     elif case == "space format":
         options = ["--space", _bad_space(tmp_path, low="e9m3")]
     elif case == "storage url":
