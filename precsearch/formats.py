@@ -29,7 +29,9 @@ random tensor.
 Kernels run under ``torch.compile`` (one fused pass each) for tensors of at least ``COMPILE_MIN_NUMEL`` elements
 on CPU and for every tensor on an accelerator. A kernel whose compilation fails runs eagerly from then on, that
 kernel alone, with one WARNING naming it and the reason; ``PRECSEARCH_COMPILE=0`` turns compiling off. The
-kernels hold no integer constant outside int32 (Triton types scalar literals as int32).
+kernels hold no integer constant outside int32 (Triton types scalar literals as int32). After the call that
+compiles a kernel, later calls run Inductor's code directly, without TorchDynamo's per-call frame evaluation
+(``_Compiled``): a training step makes hundreds of calls, most on small tensors.
 
 ``round_and_count`` is the runtime's one pass over a tensor: the rounded values, the count of values that
 overflow the format, and optionally the format's codes of the result (for packed storage), all on the device,
@@ -48,6 +50,8 @@ import types
 from dataclasses import dataclass
 
 import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from precsearch.errors import PrecsearchError
 from precsearch.spec import OVERFLOWS, ROUNDINGS
@@ -333,14 +337,100 @@ def _labelled(label: str, kernel):
     return kernel
 
 
+class _Compiled:
+    """A kernel compiled by TorchDynamo and Inductor for any length, then called straight through Inductor's
+    compiled code. Dynamo's frame evaluation, guards and wrappers cost about 35 us a call on a CPU, more than
+    the kernel itself on a few thousand values, and a training step makes hundreds of calls. The direct call
+    is taken on a device once it gave, bit for bit, the result of Dynamo's own call that compiled it there;
+    otherwise that device stays on Dynamo's path, with one WARNING.
+
+    The kernel runs under a code object of its own, so each format has its own compile cache entry (no
+    recompiles, no recompile limit to raise) however many formats a process uses."""
+
+    def __init__(self, kernel) -> None:
+        own_code = kernel.__code__.replace(co_name=f"{kernel.__name__}_{id(kernel):x}")
+        fresh = types.FunctionType(own_code, kernel.__globals__, own_code.co_name, kernel.__defaults__,
+                                   kernel.__closure__)
+        self.label = kernel.label
+        self._arg_names = own_code.co_varnames[:own_code.co_argcount]
+        self._dynamo = torch.compile(fresh, backend=self._capture, dynamic=False)
+        self._captured: list[tuple[fx.GraphModule, object]] = []
+        self._direct: dict[torch.device, tuple | None] = {}
+
+    def _capture(self, graph_module: fx.GraphModule, example_inputs: list) -> object:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(graph_module, example_inputs)
+        self._captured.append((graph_module, compiled))
+        return compiled
+
+    def __call__(self, flat: torch.Tensor, *args: torch.Tensor):
+        direct = self._direct.get(flat.device, ())
+        if direct:
+            compiled, pick, unflatten = direct
+            return unflatten(compiled(*pick(flat, args)))
+        torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel serves every tensor size
+        before = len(self._captured)
+        result = self._dynamo(flat, *args)
+        if direct == ():
+            self._direct[flat.device] = self._verified(self._captured[before:], result, flat, args)
+        return result
+
+    def _verified(self, captured: list, result, flat: torch.Tensor, args: tuple) -> tuple | None:
+        """(compiled code, its inputs from the kernel's, its outputs to the kernel's) when calling the code
+        directly gives ``result`` again, else None (logged once)."""
+        leaves, spec = tree_flatten(result)
+        tensors = [leaf for leaf in leaves if leaf is not None]  # a None the kernel returns is no graph output
+        reason = "Dynamo compiled no single graph" if len(captured) != 1 else ""
+        if not reason:
+            graph_module, compiled = captured[0]
+            pick = self._input_picker(graph_module)
+            again = None if pick is None else list(compiled(*pick(flat, args)))
+            if again is None:
+                reason = "the graph takes inputs other than the kernel's arguments and the tensor length"
+            elif len(again) != len(tensors) or not all(map(_same_bits, again, tensors)):
+                reason = "the compiled code called directly gave another result"
+        if reason:
+            log.warning("the %s kernel runs through TorchDynamo on %s, about 35 us more a call: %s",
+                        self.label, flat.device, reason)
+            return None
+        is_none = [leaf is None for leaf in leaves]  # not the leaves themselves: they would stay alive
+
+        def unflatten(outputs: list) -> object:
+            filled = iter(outputs)
+            return tree_unflatten([None if none else next(filled) for none in is_none], spec)
+
+        return compiled, pick, unflatten
+
+    def _input_picker(self, graph_module: fx.GraphModule):
+        """How to make the graph's inputs from the kernel's arguments, or None where it takes anything else."""
+        sources = []
+        for node in graph_module.graph.find_nodes(op="placeholder"):
+            if isinstance(node.meta.get("example_value"), torch.SymInt):
+                sources.append(None)  # the flat tensor's length, the only dynamic size
+            elif node.name.startswith("l_") and node.name[2:-1] in self._arg_names:
+                sources.append(self._arg_names.index(node.name[2:-1]))
+            else:
+                return None
+
+        def pick(flat: torch.Tensor, args: tuple) -> list:
+            values = (flat, *args)
+            return [flat.numel() if index is None else values[index] for index in sources]
+
+        return pick
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return torch.equal(a, b)
+
+
 @functools.lru_cache(maxsize=192)
-def _compiled(kernel):
-    """``kernel`` compiled under a code object of its own, so each format has its own compile cache entry
-    (no recompiles, no recompile limit to raise) however many formats a process uses."""
-    own_code = kernel.__code__.replace(co_name=f"{kernel.__name__}_{id(kernel):x}")
-    fresh = types.FunctionType(own_code, kernel.__globals__, own_code.co_name, kernel.__defaults__,
-                               kernel.__closure__)
-    return torch.compile(fresh, dynamic=False)
+def _compiled(kernel) -> _Compiled:
+    return _Compiled(kernel)
 
 
 def _run(kernel, flat: torch.Tensor, *args):
@@ -352,7 +442,6 @@ def _run(kernel, flat: torch.Tensor, *args):
     unready = flat.device.type == "cpu" and flat.numel() < COMPILE_MIN_NUMEL and kernel.label not in _ready
     if not _COMPILE or unready or flat.numel() < 2 or kernel.label in _failed:
         return kernel(flat, *args)
-    torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel per format serves every tensor size
     try:
         result = _compiled(kernel)(flat, *args)
         _ready.add(kernel.label)
@@ -525,6 +614,9 @@ def round_and_count(
     return round_and_count_fn(fmt.name, rounding, overflow or fmt.default_overflow, with_codes)(x, seed)
 
 
+_shaped = torch.ops.aten._unsafe_view.default
+
+
 @functools.lru_cache(maxsize=256)
 def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool):
     """``round_and_count`` for one setting, with every look-up done once: what the runtime calls per tensor
@@ -540,8 +632,7 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool)
         rounded, codes, counts = _run(kernel, x.reshape(-1), _zero_seed(x.device) if seed is None else seed)
         # shaped as x without being views of the flat outputs: a caller may modify them in place (ReLU(inplace)
         # on a view of an autograd Function's output is refused)
-        shaped = torch.ops.aten._unsafe_view
-        return shaped(rounded, x.shape), None if codes is None else shaped(codes, x.shape), counts
+        return _shaped(rounded, x.shape), None if codes is None else _shaped(codes, x.shape), counts
 
     return fn
 

@@ -296,6 +296,62 @@ def test_compiled_path_matches_eager_bit_for_bit(monkeypatch):
         monkeypatch.setattr(formats, "_COMPILE", True)
 
 
+@pytest.mark.slow
+def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeypatch, caplog):
+    """After the call that compiles it, a kernel runs Inductor's code directly: Dynamo's frame evaluation is not
+    entered again (counted), at every size, and the results stay those of the eager kernel."""
+    monkeypatch.setattr(formats, "_COMPILE", True)
+    monkeypatch.setattr(formats, "COMPILE_MIN_NUMEL", 0)
+    fn = formats.round_and_count_fn("e5m2", "stochastic", "inf", True)
+    kernel = formats._make_round_and_count(get_format("e5m2"), "stochastic", "inf",
+                                           formats._float_bits(formats.overflow_threshold(get_format("e5m2"),
+                                                                                          "stochastic")), True)
+    seed = torch.tensor(11)
+    with caplog.at_level("WARNING", logger="precsearch.formats"):
+        fn(torch.randn(5000), seed)
+    compiled = formats._compiled(kernel)
+    dynamo_calls = []
+    through_dynamo = compiled._dynamo
+    monkeypatch.setattr(compiled, "_dynamo", lambda *args: dynamo_calls.append(1) or through_dynamo(*args))
+    for n in (3, 1000, 70_001):
+        x = torch.randn(n) * 2.0**14
+        x[0] = 1e6  # overflows e5m2 (max 57344)
+        rounded, codes, counts = fn(x, seed)
+        monkeypatch.setattr(formats, "_COMPILE", False)
+        eager = fn(x, seed)
+        monkeypatch.setattr(formats, "_COMPILE", True)
+        assert mismatches(rounded, eager[0]) == 0 and torch.equal(codes, eager[1])
+        assert torch.equal(counts, eager[2]) and counts[0] > 0
+    assert dynamo_calls == []
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_warning(monkeypatch, caplog):
+    """A compiled kernel whose Inductor code, called directly, does not reproduce Dynamo's result keeps going
+    through Dynamo (simulated: the captured code returns wrong values), with one WARNING naming it."""
+
+    def kernel(x, seed):
+        return x * 2, x.sum()
+
+    formats._labelled("test kernel", kernel)
+    compiled = formats._Compiled(kernel)
+    real_capture = compiled._capture
+
+    def wrong_capture(graph_module, example_inputs):
+        real = real_capture(graph_module, example_inputs)
+        compiled._captured[-1] = (graph_module, lambda *args: [t + 1 for t in real(*args)])
+        return real
+
+    monkeypatch.setattr(compiled, "_capture", wrong_capture)
+    compiled._dynamo = torch.compile(kernel, backend=wrong_capture, dynamic=False)
+    x = torch.arange(8.0)
+    with caplog.at_level("WARNING", logger="precsearch.formats"):
+        results = [compiled(x, torch.tensor(0)) for _ in range(3)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "test kernel" in warnings[0] and "another result" in warnings[0]
+    assert all(torch.equal(doubled, x * 2) and float(total) == 28.0 for doubled, total in results)
+
+
 def test_a_kernel_that_fails_to_compile_runs_eagerly_alone_with_one_warning(monkeypatch, caplog):
     compiled_labels = []
 
