@@ -300,6 +300,7 @@ def _make_kernel(key: _KernelKey):
     keep_from = 0x7F800000 if key.keep_inf else 0x7F800001
 
     def kernel(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        """The float32 bit patterns (int32) of ``x`` rounded."""
         bits = x.view(torch.int32)
         sign = bits & ~0x7FFFFFFF
         mag = bits & 0x7FFFFFFF
@@ -322,12 +323,13 @@ def _make_kernel(key: _KernelKey):
         rounded = torch.where(mag < min_normal_bits, subnormal, normal)
         rounded = torch.where(rounded > key.max_bits, on_overflow, rounded)
         rounded = torch.where(mag >= keep_from, mag, rounded)
-        return (rounded | sign).view(torch.float32)
+        return rounded | sign
 
     return kernel
 
 
 _COMPILE = os.environ.get("PRECSEARCH_COMPILE", "1") != "0"
+_INT32_LENGTHS = 2**31  # flat lengths a compiled kernel's direct call serves (the kernels may count in int32)
 _failed: set[str] = set()  # labels of kernels whose compilation failed: they alone run eagerly
 _ready: set[str] = set()  # labels of kernels compiled: they run compiled at any size
 
@@ -366,13 +368,13 @@ class _Compiled:
 
     def __call__(self, flat: torch.Tensor, *args: torch.Tensor):
         direct = self._direct.get(flat.device, ())
-        if direct:
+        if direct and flat.numel() < _INT32_LENGTHS:
             compiled, pick, unflatten = direct
             return unflatten(compiled(*pick(flat, args)))
         torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel serves every tensor size
         before = len(self._captured)
         result = self._dynamo(flat, *args)
-        if direct == ():
+        if direct == () and flat.numel() < _INT32_LENGTHS:
             self._direct[flat.device] = self._verified(self._captured[before:], result, flat, args)
         return result
 
@@ -473,7 +475,7 @@ def _rounding_kernel(fmt: FloatFormat, rounding: str, overflow: str):
     kernel = _make_kernel(_round_key(fmt, rounding, overflow))
 
     def quantize_kernel(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-        return kernel(x, seed)
+        return kernel(x, seed).view(torch.float32)
 
     return _labelled(_label(fmt, "quantize", rounding, overflow), quantize_kernel)
 
@@ -518,32 +520,41 @@ def quantize(
 
 
 def _code_builder(fmt: FloatFormat):
-    """The format's bit patterns of values already in the format, and a mask of those it has no code for."""
-    normal_from = (fmt.emin + 127) << 23
-    top = 2**fmt.exp - 1
-    quiet_nan = 1 << max(fmt.man - 1, 0)
+    """The format's bit patterns of values already in the format (given as float32 bit patterns), and a mask of
+    those it has no code for (None when it has a code for every value).
 
-    def codes_of(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        bits = q.view(torch.int32)
+    A normal value's code is its float32 pattern shifted right by the mantissa bits it lacks, less the
+    difference of the exponent biases; a subnormal's is its count of min-subnormal quanta (an exact product
+    with a power of two). The sign is moved in with one arithmetic shift, sign-extended for 16-bit codes
+    (stored as int16)."""
+    normal_from = (fmt.emin + 127) << 23
+    drop = 23 - fmt.man
+    bias_offset = (127 - fmt.bias) << fmt.man
+    quanta_exp = fmt.man - fmt.emin  # 1 / min subnormal = 2 ** quanta_exp
+    top_code = (2**fmt.exp - 1) << fmt.man
+    sign_mask = (1 << (fmt.bits - 1)) - 1
+    sign_extend = fmt.storage_dtype == torch.int16 and fmt.bits == 16
+
+    def codes_of(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         mag = bits & 0x7FFFFFFF
-        is_nan = mag > 0x7F800000
-        is_inf = mag == 0x7F800000
-        normal = mag >= normal_from
-        exp_code = torch.where(normal, (mag >> 23) - 127 + fmt.bias, 0)
-        man_code = torch.where(
-            normal, (mag & 0x7FFFFF) >> (23 - fmt.man), (q.abs() / fmt.min_subnormal).to(torch.int32)
-        )
+        value = mag.view(torch.float32)
+        if quanta_exp <= 127:
+            quanta = value * 2.0**quanta_exp
+        else:  # 2 ** quanta_exp is no float32
+            quanta = value / 2.0**-quanta_exp
+        mag_code = torch.where(mag >= normal_from, (mag >> drop) - bias_offset, quanta.to(torch.int32))
+        unencodable = None
         if fmt.has_inf:
-            exp_code = torch.where(is_inf | is_nan, top, exp_code)
-            man_code = torch.where(is_inf, 0, torch.where(is_nan, quiet_nan, man_code))
+            nan = (mag != 0x7F800000).to(torch.int32) << max(fmt.man - 1, 0)  # inf, or the format's quiet NaN
+            mag_code = torch.where(mag >= 0x7F800000, top_code | nan, mag_code)
         elif fmt.has_nan:
-            exp_code = torch.where(is_nan, top, exp_code)
-            man_code = torch.where(is_nan, 2**fmt.man - 1, man_code)
-        codes = (((bits >> 31) & 1) << (fmt.bits - 1)) | (exp_code << fmt.man) | man_code
-        if fmt.storage_dtype == torch.int16:
-            codes = torch.where(codes >= 2**15, codes - 2**16, codes)
-        unencodable = (is_inf & (not fmt.has_inf)) | (is_nan & (not fmt.has_nan))
-        return codes.to(fmt.storage_dtype), unencodable
+            mag_code = torch.where(mag > 0x7F800000, top_code | (2**fmt.man - 1), mag_code)
+            unencodable = mag == 0x7F800000
+        else:
+            unencodable = mag >= 0x7F800000
+        sign = bits >> (32 - fmt.bits)
+        sign = sign & ~sign_mask if sign_extend else sign & (sign_mask + 1)
+        return (sign | mag_code).to(fmt.storage_dtype), unencodable
 
     return codes_of
 
@@ -556,9 +567,17 @@ def _make_encoder(fmt: FloatFormat):
 
     def encoder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         codes, unencodable = codes_of(round_nearest(x, torch.zeros((), dtype=torch.int64, device=x.device)))
-        return codes, unencodable.sum()
+        return codes, (codes[:0] if unencodable is None else unencodable).sum()
 
     return _labelled(_label(fmt, "encode"), encoder)
+
+
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    """How many of ``mask`` are true, as int64: summed in int32 where that cannot overflow (twice the vector
+    width of an int64 sum on a CPU; a compiled kernel guards on the length, ``_Compiled``)."""
+    if mask.numel() < _INT32_LENGTHS:
+        return mask.to(torch.int32).sum(dtype=torch.int32).to(torch.int64)
+    return mask.sum()
 
 
 @functools.lru_cache(maxsize=256)
@@ -569,12 +588,13 @@ def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_b
 
     def round_and_count_kernel(x: torch.Tensor, seed: torch.Tensor):
         mag = x.view(torch.int32) & 0x7FFFFFFF
-        over = ((mag >= over_bits) & (mag <= 0x7F800000)).sum()  # NaN is no overflow
-        rounded = round_values(x, seed)
+        over = _count((mag >= over_bits) & (mag <= 0x7F800000))  # NaN is no overflow
+        rounded_bits = round_values(x, seed)
+        rounded = rounded_bits.view(torch.float32)
         if not with_codes:
             return rounded, None, torch.stack([over, torch.zeros_like(over)])
-        codes, unencodable = codes_of(rounded)
-        return rounded, codes, torch.stack([over, unencodable.sum()])
+        codes, unencodable = codes_of(rounded_bits)
+        return rounded, codes, torch.stack([over, torch.zeros_like(over) if unencodable is None else _count(unencodable)])
 
     what = "round, count" + (" and encode" if with_codes else "")
     return _labelled(_label(fmt, what, rounding, overflow), round_and_count_kernel)
@@ -639,21 +659,26 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool)
 
 @functools.lru_cache(maxsize=64)
 def _make_decoder(fmt: FloatFormat):
-    """float32 values of bit patterns: normal codes rebuilt as float32 bits, subnormals as multiples."""
-    top = 2**fmt.exp - 1
+    """float32 values of bit patterns, the inverse of ``_code_builder``: a normal code shifted into float32's
+    mantissa plus the difference of the exponent biases, a subnormal one as a multiple of the min subnormal,
+    the sign bit moved to bit 31."""
+    first_normal = 1 << fmt.man
+    top_code = (2**fmt.exp - 1) << fmt.man
+    bias_offset = (127 - fmt.bias) << 23
+    drop = 23 - fmt.man
 
     def decoder(codes: torch.Tensor) -> torch.Tensor:
-        c = codes.to(torch.int32) & ((1 << fmt.bits) - 1)
-        exp_code = (c >> fmt.man) & top
-        man_code = c & (2**fmt.man - 1)
-        normal_bits = ((exp_code - fmt.bias + 127) << 23) | (man_code << (23 - fmt.man))
-        subnormal = man_code.to(torch.float32) * fmt.min_subnormal
-        value = torch.where(exp_code > 0, normal_bits.view(torch.float32), subnormal)
+        c = codes.to(torch.int32)
+        mag_code = c & ((1 << (fmt.bits - 1)) - 1)
+        subnormal = (mag_code.to(torch.float32) * fmt.min_subnormal).view(torch.int32)
+        bits = torch.where(mag_code >= first_normal, (mag_code << drop) + bias_offset, subnormal)
         if fmt.has_inf:
-            value = torch.where(exp_code == top, torch.where(man_code == 0, math.inf, math.nan), value)
+            nan = (mag_code != top_code).to(torch.int32) << 22  # inf, or float32's quiet NaN
+            bits = torch.where(mag_code >= top_code, 0x7F800000 | nan, bits)
         elif fmt.has_nan:
-            value = torch.where((exp_code == top) & (man_code == 2**fmt.man - 1), math.nan, value)
-        return torch.where(((c >> (fmt.bits - 1)) & 1).bool(), -value, value)
+            bits = torch.where(mag_code == top_code | (2**fmt.man - 1), 0x7FC00000, bits)
+        sign = ((c >> (fmt.bits - 1)) & 1) << 31
+        return (bits | sign).view(torch.float32)
 
     return _labelled(_label(fmt, "decode"), decoder)
 
