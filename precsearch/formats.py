@@ -367,6 +367,7 @@ class _Compiled:
         return compiled
 
     def __call__(self, flat: torch.Tensor, *args: torch.Tensor):
+        flat = flat.contiguous()  # the compiled code takes unit strides (an expanded gradient has stride 0)
         direct = self._direct.get(flat.device, ())
         if direct and flat.numel() < _INT32_LENGTHS:
             compiled, pick, unflatten = direct

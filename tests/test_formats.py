@@ -323,6 +323,8 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
         assert mismatches(rounded, eager[0]) == 0 and torch.equal(codes, eager[1])
         assert torch.equal(counts, eager[2]) and counts[0] > 0
     assert dynamo_calls == []
+    expanded = torch.tensor(1e6).expand(80)  # stride 0, as autograd's gradient of a sum
+    assert torch.equal(fn(expanded, seed)[2], torch.tensor([80, 0]))
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
