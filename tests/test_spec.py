@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from precsearch import spec
+from precsearch.errors import PrecsearchError
 from precsearch.optim import UpdateConfig
+from precsearch.policy import Policy
+from precsearch.spaces import parse_space
 
 PACKAGE = Path(spec.__file__).parent
 
@@ -50,3 +53,63 @@ def test_configuration_modules_load_neither_the_runtime_nor_the_model_zoo(module
              "'precsearch.proxy', 'precsearch.data'))))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+# ------------------------------------------------------------------ one set of validators and defaults
+
+SPACE = {"high": "e6m9s", "low": "e4m3b4s"}
+
+
+def test_a_space_and_a_policy_without_the_shared_keys_read_their_documented_defaults():
+    space = parse_space(SPACE)
+    policy = Policy.from_dict({"schema_version": 1})
+    assert (space.loss_scaling, space.master_weights) == ({"mode": "dynamic", "init_scale": 65536.0}, False)
+    assert (policy.loss_scaling, policy.master_weights) == ({"mode": "none"}, True)
+    assert space.loss_scaling == dict(spec.SPACE_DEFAULTS.loss_scaling)
+    assert policy.loss_scaling == dict(spec.POLICY_DEFAULTS.loss_scaling)
+    # an entry without a mode takes its layer's default mode
+    assert parse_space({**SPACE, "loss_scaling": {"init_scale": 8}}).loss_scaling["mode"] == "dynamic"
+    assert Policy.from_dict({"schema_version": 1, "loss_scaling": {}}).loss_scaling == {"mode": "none"}
+
+
+@pytest.mark.parametrize("key, value", [
+    ("loss_scaling", {"mode": "magic"}),
+    ("loss_scaling", {"mode": "dynamic", "init_scal": 2}),
+    ("loss_scaling", {"mode": "dynamic", "growth_interval": "week"}),
+    ("loss_scaling", {"mode": "dynamic", "init_scale": "big"}),
+    ("loss_scaling", {"mode": "adaptive", "grad_format": "e9m9"}),
+    ("loss_scaling", ["dynamic"]),
+    ("optimizer", {"update": "round"}),
+    ("optimizer", {"lr": 0.1}),
+    ("optimizer", {"seed": -1}),
+    ("optimizer", {"state_format": "fp12"}),
+    ("optimizer", "sgd"),
+    ("promotion_threshold", 2),
+    ("master_weights", "yes"),
+    ("ties", "up"),
+    ("gradient_rounding", "each"),
+    ("promotion_kinds", ["weights"]),
+])
+def test_spaces_and_policies_refuse_a_bad_shared_setting_with_the_same_one_line_message(key, value):
+    with pytest.raises(PrecsearchError) as from_space:
+        parse_space({**SPACE, key: value}, where="file.x")
+    with pytest.raises(PrecsearchError) as from_policy:
+        Policy.from_dict({"schema_version": 1, key: value}, where="file.x")
+    assert str(from_space.value) == str(from_policy.value)
+    assert str(from_space.value).startswith(f"file.x: {key}") and "\n" not in str(from_space.value)
+
+
+def test_a_policy_keeps_its_numbers_as_written_and_a_space_hashes_them_canonically():
+    data = {"schema_version": 1, "loss_scaling": {"mode": "static", "scale": 128}}
+    assert '"scale": 128\n' in Policy.from_dict(data).to_json()
+    as_int = parse_space({**SPACE, "loss_scaling": {"mode": "dynamic", "init_scale": 1024, "growth_interval": 10.0}})
+    as_float = parse_space({**SPACE, "loss_scaling": {"mode": "dynamic", "init_scale": 1024.0, "growth_interval": 10}})
+    assert as_int.fingerprint() == as_float.fingerprint()
+    assert as_int.loss_scaling == {"mode": "dynamic", "init_scale": 1024.0, "growth_interval": 10}
+    assert type(as_int.loss_scaling["growth_interval"]) is int
+
+
+def test_the_spec_module_loads_no_torch():
+    probe = "import sys, precsearch.spec; print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "False"
