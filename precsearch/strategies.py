@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from precsearch import cost
 from precsearch.errors import PrecsearchError
 from precsearch.policy import Policy, baseline
 from precsearch.spaces import SearchSpace
@@ -122,15 +123,11 @@ def assign(graph: Any, space: SearchSpace, decisions: Mapping[str, str]) -> dict
 
 
 def low_share(graph: Any, space: SearchSpace, decisions: Mapping[str, str]) -> float:
-    """Fraction of assignable elements whose unit is not at the high level."""
-    total, low = 0, 0
+    """Fraction of assignable elements whose unit is not at the high level (precsearch.cost.low_share)."""
     numel = {info.id: int(info.numel) for info in _assignable(graph)}
-    for unit, tensor_ids in units(graph, space).items():
-        size = sum(numel[tensor_id] for tensor_id in tensor_ids)
-        total += size
-        if decisions.get(unit, "high") != "high":
-            low += size
-    return low / total if total else 0.0
+    decided = units(graph, space)
+    sizes = [sum(numel[tensor_id] for tensor_id in tensor_ids) for tensor_ids in decided.values()]
+    return float(cost.low_share(sizes, [decisions.get(unit, "high") != "high" for unit in decided]))
 
 
 def _unit_decisions(graph: Any, space: SearchSpace, group_levels: Mapping[int, str]) -> dict[str, str]:

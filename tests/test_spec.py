@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from precsearch import spec
+from precsearch import cost, models, spec, strategies
 from precsearch.errors import PrecsearchError
+from precsearch.graph import trace
 from precsearch.optim import UpdateConfig
 from precsearch.policy import Policy
 from precsearch.spaces import parse_space
@@ -113,3 +115,25 @@ def test_the_spec_module_loads_no_torch():
     probe = "import sys, precsearch.spec; print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------ one low share
+
+def test_low_share_is_the_share_of_elements_held_low_per_row():
+    assert cost.low_share([1, 3], [0, 1]) == pytest.approx(0.75)
+    assert cost.low_share([1, 3], [[0, 1], [1, 0], [1, 1]]).tolist() == pytest.approx([0.75, 0.25, 1.0])
+    assert float(cost.low_share([], [])) == 0.0
+
+
+def test_every_low_share_of_the_package_is_cost_low_share(monkeypatch):
+    graph = trace(models.build("tiny_cnn", num_classes=10), torch.zeros(2, 3, 16, 16))
+    space = parse_space(SPACE)
+    model = cost.CostModel(graph)
+    candidate = strategies.paper_assignment(graph, 0.5, space)
+    calls = []
+    real = cost.low_share
+    monkeypatch.setattr(cost, "low_share", lambda numel, low: calls.append(1) or real(numel, low))
+    strategies.low_share(graph, space, candidate.decisions)
+    model.memory_ratio(candidate.assignment)
+    model.ratio_batch([[True] * model.n_groups])
+    assert len(calls) == 3
