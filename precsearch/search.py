@@ -75,7 +75,7 @@ from precsearch.files import atomic_write_text
 from precsearch.graph import TensorGraph, trace
 from precsearch.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
 from precsearch.policy import Policy
-from precsearch.proxy import ProxyResult, build_model, resolve_device, run_proxy
+from precsearch.proxy import run_proxy
 from precsearch.rundir import (
     LOCK_FILES,
     RunLock,
@@ -99,6 +99,7 @@ from precsearch.strategies import (
     uniform,
     units,
 )
+from precsearch.train import ProxyResult, build_model, resolve_device
 
 __all__ = [
     "Budget",
