@@ -79,6 +79,7 @@ from precsearch.spec import (
     POLICY_DEFAULTS,
     POLICY_ROUNDINGS,
     TIES,
+    TensorId,
     check_keys,
     choice,
     flag,
@@ -593,8 +594,8 @@ def _gemm_operands(graph: TensorGraph, op: OpInfo) -> set[str]:
     Forward computes Y = X W; backward computes dX = dY W and dW = X dY, so X, W and dY are its operands.
     """
     ids = {info.id for info in graph.tensors.values() if info.kind == "weight" and info.op == op.name}
-    ids |= {f"{name}:activation" for name in op.inputs}
-    ids.add(f"{op.name}:activation_grad")
+    ids |= {str(TensorId(name, "activation")) for name in op.inputs}
+    ids.add(str(TensorId(op.name, "activation_grad")))
     return ids & set(graph.tensors)
 
 

@@ -177,7 +177,7 @@ def _proxy_config(raw: Any, where: str) -> ProxyConfig:
     return ProxyConfig(**values)
 
 
-def _optimizer(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:
+def _optimizer_for_weights(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:
     """Weight-update settings, checked by precsearch.optim against the low weight format."""
     settings = spec.optimizer(raw, f"{where}: optimizer")
     try:
@@ -246,7 +246,7 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
                                  f"{where}: gradient_rounding"),
         ties=choice(raw.get("ties", defaults.ties), TIES, f"{where}: ties"),
         master_weights=master_weights,
-        optimizer=_optimizer(raw.get("optimizer", {}), low["weight"], master_weights, where),
+        optimizer=_optimizer_for_weights(raw.get("optimizer", {}), low["weight"], master_weights, where),
         proxy=_proxy_config(raw.get("proxy", {}), where),
         objectives=_objectives(raw.get("objectives", list(defaults.objectives)), where),
         sampler=choice(raw.get("sampler", defaults.sampler), SAMPLERS, f"{where}: sampler"),

@@ -7,8 +7,10 @@ the training stack. Every other module imports these names from here (or re-expo
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -39,6 +41,7 @@ __all__ = [
     "SAMPLERS",
     "SPACE_DEFAULTS",
     "TIES",
+    "TensorId",
     "UPDATES",
     "Defaults",
     "check_keys",
@@ -93,6 +96,68 @@ PAPER_OVERFLOW: dict[str, str] = {
     "weight": "saturate", "activation": "saturate", "weight_grad": "inf", "activation_grad": "inf",
 }
 PAPER_PROMOTION_KINDS: tuple[str, ...] = ("weight", "activation")
+
+
+# The suffixes a parameter's id takes for the tensors that belong to it (the weight's own id has none).
+_PARAM_SUFFIXES: dict[str, str] = {"weight": "", "weight_grad": "_grad", "master_weight": "_master",
+                                   "optimizer_state": "_momentum"}
+_ACTIVATION = re.compile(r"(activation(?:_grad)?)(\d*)")
+
+
+@dataclass(frozen=True)
+class TensorId:
+    """A tensor of the graph: the op that produces (or first uses) it, its kind, and which of the op's outputs
+    (an activation) or parameters (a weight and its gradient, master copy and optimizer state) it is.
+
+    ``str(tid)`` is the id files and policies use: ``conv1:activation``, ``var_mean:activation_grad1`` (the
+    output index last, none for output 0), ``layer1.0.conv1:weight``, ``fc:bias_grad``, ``fc:weight_master``,
+    ``fc:weight_momentum``; ``TensorId.parse`` reads it back. A parameter whose own name is ``activation<k>``
+    or ends in one of those suffixes would read back as another kind; torch's modules have none.
+    """
+
+    op: str
+    kind: str
+    index: int = 0  # which output of the op (activations)
+    param: str = ""  # the parameter's name as the op sees it (weights and what belongs to them)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown tensor kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        if (self.kind in _PARAM_SUFFIXES) != bool(self.param):
+            raise ValueError(f"a {self.kind} id {'needs' if self.kind in _PARAM_SUFFIXES else 'takes no'} "
+                             "parameter name")
+
+    def __str__(self) -> str:
+        if self.kind in _PARAM_SUFFIXES:
+            return f"{self.op}:{self.param}{_PARAM_SUFFIXES[self.kind]}"
+        return f"{self.op}:{self.kind}{self.index or ''}"
+
+    @classmethod
+    def parse(cls, text: str) -> TensorId:
+        """The id ``str`` wrote (``op:activation1``, ``op:weight_grad``, ...)."""
+        op, colon, rest = text.rpartition(":")
+        if not colon or not op or not rest:
+            raise ValueError(f"tensor id {text!r} is not op:name, e.g. conv1:activation or conv1:weight")
+        match = _ACTIVATION.fullmatch(rest)
+        if match:
+            return cls(op, match[1], int(match[2] or 0))
+        for kind, suffix in _PARAM_SUFFIXES.items():
+            if suffix and rest.endswith(suffix) and len(rest) > len(suffix):
+                return cls(op, kind, param=rest.removesuffix(suffix))
+        return cls(op, "weight", param=rest)
+
+    def grad(self) -> TensorId:
+        """The gradient of an activation or a weight."""
+        kinds = {"activation": "activation_grad", "weight": "weight_grad"}
+        if self.kind not in kinds:
+            raise ValueError(f"{self} ({self.kind}) has no gradient id; only activations and weights do")
+        return dataclasses.replace(self, kind=kinds[self.kind])
+
+    def forward(self) -> TensorId:
+        """The forward tensor this one belongs to: an activation for its gradient, a weight for its gradient,
+        master copy and optimizer state (itself for a forward tensor)."""
+        kind = "activation" if self.kind.startswith("activation") else "weight"
+        return dataclasses.replace(self, kind=kind)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,12 @@ def test_every_shared_name_is_defined_in_spec_alone():
     assert set(spec.__all__) <= _module_level_names(PACKAGE / "spec.py")
 
 
+def test_the_validators_that_spaces_and_policies_once_each_had_are_gone_from_both():
+    twins = {"_choice", "_loss_scaling", "_optimizer", "_unknown", "_number", "kinds_list"}
+    for module in ("spaces.py", "policy.py"):
+        assert _module_level_names(PACKAGE / module) & twins == set(), module
+
+
 def test_a_policys_optimizer_settings_are_the_update_configs():
     fields = {field.name for field in dataclasses.fields(UpdateConfig)}
     assert set(spec.OPTIMIZER_KEYS) == fields - {"weight_format", "master_weights"}
@@ -137,3 +143,52 @@ def test_every_low_share_of_the_package_is_cost_low_share(monkeypatch):
     model.memory_ratio(candidate.assignment)
     model.ratio_batch([[True] * model.n_groups])
     assert len(calls) == 3
+
+
+# ---------------------------------------------------------------------------------------- typed tensor ids
+
+@pytest.mark.parametrize("model", ["resnet18", "mobilenet_v2"])
+def test_every_tensor_id_of_a_traced_model_reads_back_as_its_kind_and_grad_names_the_graphs_gradient(model):
+    graph = trace(models.build(model, num_classes=10), torch.zeros(2, 3, 32, 32))
+    kinds = set()
+    for tensor_id, info in graph.tensors.items():
+        tid = spec.TensorId.parse(tensor_id)
+        assert (str(tid), tid.kind, tid.op) == (tensor_id, info.kind, info.op)
+        kinds.add(tid.kind)
+        if info.kind in ("activation", "weight"):
+            gradient = str(tid.grad())
+            expected = "activation_grad" if info.kind == "activation" else "weight_grad"
+            assert gradient not in graph.tensors or graph.tensors[gradient].kind == expected
+            assert graph.nx.has_edge(tensor_id, gradient) == (gradient in graph.tensors)
+    assert kinds == set(spec.KINDS)
+    # every gradient in the graph is the grad() of the tensor it belongs to
+    grads = {str(spec.TensorId.parse(tid).grad()) for tid, info in graph.tensors.items()
+             if info.kind in ("activation", "weight")}
+    assert {tid for tid, info in graph.tensors.items() if info.kind in spec.GRAD_KINDS} <= grads
+
+
+@pytest.mark.parametrize("text, fields", [
+    ("conv1:activation", ("conv1", "activation", 0, "")),
+    ("var_mean:activation1", ("var_mean", "activation", 1, "")),
+    ("var_mean:activation_grad1", ("var_mean", "activation_grad", 1, "")),
+    ("layer1.0.conv1:weight", ("layer1.0.conv1", "weight", 0, "weight")),
+    ("fc:bias_grad", ("fc", "weight_grad", 0, "bias")),
+    ("fc:weight_master", ("fc", "master_weight", 0, "weight")),
+    ("fc:weight_momentum", ("fc", "optimizer_state", 0, "weight")),
+    ("add:layer1.0.conv1.weight", ("add", "weight", 0, "layer1.0.conv1.weight")),
+])
+def test_a_tensor_id_has_one_string_form(text, fields):
+    tid = spec.TensorId.parse(text)
+    assert (tid.op, tid.kind, tid.index, tid.param) == fields
+    assert str(tid) == text and spec.TensorId(*fields) == tid
+
+
+def test_grad_keeps_the_output_index_and_forward_undoes_it():
+    mean = spec.TensorId.parse("var_mean:activation1")
+    assert str(mean.grad()) == "var_mean:activation_grad1" and mean.grad().forward() == mean
+    assert str(spec.TensorId.parse("fc:weight_momentum").forward()) == "fc:weight"
+    for bad in ("conv1", ":weight", "conv1:"):
+        with pytest.raises(ValueError, match="is not op:name"):
+            spec.TensorId.parse(bad)
+    with pytest.raises(ValueError, match="has no gradient"):
+        spec.TensorId.parse("fc:weight_master").grad()
