@@ -18,15 +18,16 @@ differences between assignments mean something.
 
 from __future__ import annotations
 
+from typing import Any
+
 from precsearch.data import ImageDataset
 from precsearch.policy import Policy
-from precsearch.spec import ProxyConfig
+from precsearch.spec import ProxyConfig  # re-exported: a space's proxy section
 from precsearch.train import (
     PAPER_LR,
     PAPER_RECIPE,
     ProxyResult,
     Recipe,
-    Report,
     build_model,
     evaluate,
     resolve_device,
@@ -49,15 +50,8 @@ __all__ = [
 ]
 
 
-def run_proxy(
-    model_spec: str,
-    policy: Policy,
-    data: tuple[ImageDataset, ImageDataset],
-    steps: int,
-    seed: int = 0,
-    device: str = "auto",
-    config: ProxyConfig | None = None,
-    report: Report | None = None,
-) -> ProxyResult:
-    """One proxy: ``train`` that stops at the first sign of divergence (what the search calls per trial)."""
-    return train(model_spec, policy, data, steps, seed, device, config, report=report)
+def run_proxy(model_spec: str, policy: Policy, data: tuple[ImageDataset, ImageDataset], steps: int,
+              **options: Any) -> ProxyResult:
+    """One proxy: ``train`` (with its ``seed``, ``device``, ``config``, ``report``) that stops at the first sign
+    of divergence; what the search calls per trial."""
+    return train(model_spec, policy, data, steps, stop_on_divergence=True, **options)

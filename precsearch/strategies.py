@@ -36,24 +36,9 @@ from precsearch.spaces import SearchSpace
 from precsearch.spec import ASSIGNABLE_KINDS, BASELINES
 
 __all__ = [
-    "ACCEPTANCE_WINDOW",
-    "BASELINES",
-    "ORDERS",
-    "R_GRID",
-    "SEEDINGS",
-    "Candidate",
-    "Seeding",
-    "assign",
-    "assignment_key",
-    "baseline_policies",
-    "group_sizes",
-    "low_share",
-    "paper_assignment",
-    "register_seeding",
-    "seed_candidates",
-    "sweep",
-    "uniform",
-    "units",
+    "ACCEPTANCE_WINDOW", "BASELINES", "ORDERS", "R_GRID", "SEEDINGS", "Candidate", "Seeding", "assign",
+    "assignment_key", "baseline_policies", "group_sizes", "low_share", "paper_assignment", "register_seeding",
+    "seed_candidates", "sweep", "uniform", "units",
 ]
 
 log = logging.getLogger(__name__)

@@ -350,21 +350,18 @@ def train(
 
 
 def train_policy(
-    model_spec: str,
-    policy: Policy,
-    data: tuple[ImageDataset, ImageDataset],
-    steps: int,
-    seed: int = 0,
-    device: str = "auto",
+    model_spec: str, policy: Policy, data: tuple[ImageDataset, ImageDataset], steps: int, *,
     config: ProxyConfig | None = None,
     eval_every: int | None = None,
     metrics: str | Path | None = None,
     recipe: Recipe | None = PAPER_RECIPE,
+    **options: Any,
 ) -> ProxyResult:
     """Full training under a policy file: checks the policy was made for this model (graph fingerprint),
     trains without stopping at divergence with the paper's ``recipe`` (augmentation, Kaiming fan-out init,
     cosine per epoch; None: a proxy's), and rewrites the ``metrics`` CSV after every evaluation
-    (columns step, epoch, train_loss, val_accuracy, val_loss, loss_scale, wall_time)."""
+    (columns step, epoch, train_loss, val_accuracy, val_loss, loss_scale, wall_time). ``options`` are
+    ``train``'s (``seed``, ``device``, ``deterministic``)."""
     config = config or ProxyConfig()
     train_set = data[0]
     if policy.input_shape is not None and tuple(policy.input_shape) != tuple(train_set.image_shape):
@@ -387,5 +384,6 @@ def train_policy(
         losses.append(loss)
 
     eval_every = eval_every or per_epoch
-    return train(model_spec, policy, data, steps, seed, device, dataclasses.replace(config, report_every=1),
-                 stop_on_divergence=False, report=remember, eval_every=eval_every, on_eval=record, recipe=recipe)
+    return train(model_spec, policy, data, steps, config=dataclasses.replace(config, report_every=1),
+                 stop_on_divergence=False, report=remember, eval_every=eval_every, on_eval=record, recipe=recipe,
+                 **options)
