@@ -113,7 +113,7 @@ MUTANTS = (
     Mutant("L1", "precsearch/cost.py", "    return low @ numel / total if total else np.zeros(low.shape[:-1])",
            "    return low @ numel / len(numel) if total else np.zeros(low.shape[:-1])", SPEC,
            "the low share divides by the tensor count"),
-    Mutant("R1", "precsearch/train.py", "    with torch.random.fork_rng(devices=gpus):",
+    Mutant("N1", "precsearch/train.py", "    with torch.random.fork_rng(devices=gpus):",
            "    with contextlib.nullcontext():", ("tests/test_train.py",),
            "a run leaves the global RNG seeded"),
     Mutant("C1", "precsearch/cost.py",
