@@ -39,6 +39,7 @@ FORMATS = ("tests/test_formats.py",)
 STRATEGIES = ("tests/test_strategies.py",)
 SCALING = ("tests/test_scaling.py", "tests/test_runtime.py")  # the paper's schedule is tested through a policy
 POLICY = ("tests/test_policy.py", "tests/test_strategies.py")
+SPEC = ("tests/test_spec.py",)
 
 MUTANTS = (
     Mutant("F1", "precsearch/formats.py",
@@ -75,11 +76,11 @@ MUTANTS = (
            "if total == 0 or demoted / total >= r - 1e-12:",
            "if total == 0 or demoted / total > r:", STRATEGIES, "one group too many demoted at an exact target"),
     Mutant("S3", "precsearch/strategies.py",
-           '        if decisions.get(unit, "high") != "high":',
-           '        if decisions.get(unit, "high") == "low":', STRATEGIES,
+           '[decisions.get(unit, "high") != "high" for unit in decided]',
+           '[decisions.get(unit, "high") == "low" for unit in decided]', STRATEGIES,
            "low share ignores categorical levels other than low"),
     Mutant("S4", "precsearch/strategies.py",
-           '    ordered.append((uniform(graph, space, "low"), "all-low"))\n', "", STRATEGIES,
+           "@register_seeding\nclass AllLow(", "class AllLow(", STRATEGIES,
            "the search is not seeded with all-low"),
     Mutant("P1", "precsearch/policy.py",
            '    dynamic = {"mode": "dynamic", "init_scale": 2.0**16}',
@@ -92,11 +93,29 @@ MUTANTS = (
            'low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s"}',
            'low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e4m3b4s"}', POLICY,
            "hfp8 gradients in the forward format"),
-    Mutant("P4", "precsearch/policy.py", '    ids.add(f"{op.name}:activation_grad")\n', "", POLICY,
+    Mutant("P4", "precsearch/policy.py", '    ids.add(str(TensorId(op.name, "activation_grad")))\n', "", POLICY,
            "a GEMM's output gradient is not one of its operands"),
     Mutant("P5", "precsearch/policy.py",
            "        if tensor.id in self.overrides:\n            return self.overrides[tensor.id], "
            "f\"override {tensor.id!r}\"\n", "", POLICY, "exact overrides lose to globs"),
+    Mutant("V1", "precsearch/spec.py", "                          master_weights=False)",
+           "                          master_weights=True)", SPEC, "a space's default turns master weights on"),
+    Mutant("V2", "precsearch/spec.py", '    settings = {"mode": choice(raw.get("mode", defaults.loss_scaling_mode)',
+           '    settings = {"mode": choice(raw.get("mode", "none")', SPEC,
+           "a loss-scaling entry without a mode reads as none in a space too"),
+    Mutant("V3", "precsearch/spec.py", '            settings[key] = amount if canonical else value',
+           '            settings[key] = value', SPEC, "a space's loss-scaling numbers are not canonical"),
+    Mutant("V4", "precsearch/spec.py", "        return f\"{self.op}:{self.kind}{self.index or ''}\"",
+           "        return f\"{self.op}:{self.kind}{self.index}\"", SPEC, "output 0's id gets an index"),
+    Mutant("V5", "precsearch/spec.py", '        kinds = {"activation": "activation_grad", "weight": "weight_grad"}',
+           '        kinds = {"activation": "activation_grad", "weight": "activation_grad"}', SPEC,
+           "a weight's gradient id is an activation gradient's"),
+    Mutant("L1", "precsearch/cost.py", "    return low @ numel / total if total else np.zeros(low.shape[:-1])",
+           "    return low @ numel / len(numel) if total else np.zeros(low.shape[:-1])", SPEC,
+           "the low share divides by the tensor count"),
+    Mutant("N1", "precsearch/train.py", "    with torch.random.fork_rng(devices=gpus):",
+           "    with contextlib.nullcontext():", ("tests/test_train.py",),
+           "a run leaves the global RNG seeded"),
     Mutant("C1", "precsearch/cost.py",
            "return 4 if fmt.is_fp32 else fmt.storage_dtype.itemsize", "return 4", ("tests/test_cost.py",),
            "stored activations priced at fp32 whatever their format"),

@@ -8,7 +8,7 @@ CPU scale: the bundled digits at 12x12, ResNet-18 width 0.125, batch 64, 2 epoch
 ``PRECSEARCH_COMPILE=0`` there: at these sizes compiling the formats kernels costs more than it saves (the
 stochastic kernels of wang_fp8 took 330 s to compile against 6 s of eager training).
 
-Every method trains with the same recipe, the paper's (precsearch.proxy.PAPER_RECIPE: SGD lr 0.1, momentum
+Every method trains with the same recipe, the paper's (precsearch.train.PAPER_RECIPE: SGD lr 0.1, momentum
 0.9, weight decay 5e-4, cosine per epoch, random crop + flip, Kaiming fan-out init) and the paper's numerics
 (the HFP8 space: promotion of weights and activations after each step, loss scale from 2^16 doubling once per
 epoch, per-use gradient rounding). Methods: the paper's technique at r = 0, 0.1, ..., 1 (the targets its
@@ -36,11 +36,12 @@ from matplotlib.figure import Figure
 
 from precsearch.memory import measure_peak, sgd_step
 from precsearch.policy import Policy
-from precsearch.proxy import PAPER_LR, PAPER_RECIPE, ProxyConfig, build_model, kaiming_fan_out_, train
 from precsearch.runtime import apply_policy
 from precsearch.search import Budget, DataSpec, SearchContext
 from precsearch.spaces import paper_space
+from precsearch.spec import ProxyConfig
 from precsearch.strategies import ACCEPTANCE_WINDOW, baseline_policies, sweep
+from precsearch.train import PAPER_LR, PAPER_RECIPE, build_model, kaiming_fan_out_, train
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = ("fp32", "hfp8", "fp8", "fp16", "mpt", "wang_fp8")

@@ -66,10 +66,10 @@ from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.formats import get_format, quantize
 from precsearch.policy import Policy
-from precsearch.proxy import build_model, evaluate, resolve_device
 from precsearch.runtime import apply_policy
 from precsearch.scaling import NoLossScaler
 from precsearch.spec import COMPRESSIONS, ProxyConfig
+from precsearch.train import build_model, evaluate, resolve_device
 
 __all__ = [
     "LAYER_TYPES",
@@ -364,7 +364,7 @@ def train_data_parallel(
     set. Gradients are exchanged by plain all-reduce (``compress="none"``) or AdaComp (``comm_options`` go to
     ``AdaCompState``). gloo on CPU, nccl on CUDA (one GPU per process); rank 0 evaluates every
     ``eval_every`` steps and at the end, and writes the ``metrics`` CSV (the columns of
-    ``proxy.train_policy``) and, with AdaComp, the per-parameter compression table beside it
+    ``train.train_policy``) and, with AdaComp, the per-parameter compression table beside it
     (``<metrics stem>.compression.csv``).
     """
     config = config or ProxyConfig()

@@ -269,8 +269,9 @@ class CostModel:
         """Share of the assignable tensors' elements held in fewer bits than the high format. (The paper's
         ratio over group decisions, which also counts weight grads whose low format equals the high one, is
         `ratio_batch`.)"""
-        low = [tid for tid, fmt in self._formats(assignment).items() if fmt.bits < self.high.bits]
-        return float(sum(self._numel[self._index[tid]] for tid in low) / self._numel[self._assignable].sum())
+        formats = self._formats(assignment)
+        low = [tid in formats and formats[tid].bits < self.high.bits for tid in self.ids]
+        return float(low_share(np.where(self._assignable, self._numel, 0), low))
 
     # ------------------------------------------------------------------------------ step peak
 
@@ -390,7 +391,7 @@ class CostModel:
 
     def ratio_batch(self, decisions: Any) -> np.ndarray:
         """The paper's low-precision ratio per row: share of assignable elements in groups decided low."""
-        return self._decisions(decisions) @ self._group_numel / self._group_numel.sum()
+        return low_share(self._group_numel, self._decisions(decisions))
 
     # ------------------------------------------------------------------------- autograd saved bytes
 
@@ -411,6 +412,16 @@ class CostModel:
         rows = [{"key": s.key, "tensor": s.tensor, "numel": s.numel, "saved_by": s.saved_by, "bytes": size}
                 for s, size in zip(self.saved, self._saved_bytes(assignment), strict=True)]
         return pd.DataFrame(rows, columns=["key", "tensor", "numel", "bytes", "saved_by"])
+
+
+def low_share(numel: Any, low: Any) -> Any:
+    """The paper's low-precision ratio, the one definition: the share of elements held low. ``numel`` is per
+    tensor (or group) and ``low`` 0/1 over them, or a matrix with one row per candidate (one share each);
+    0 when there are no elements. Sums of element counts are exact in float64."""
+    numel = np.asarray(numel, dtype=np.float64)
+    low = np.asarray(low, dtype=np.float64)
+    total = numel.sum()
+    return low @ numel / total if total else np.zeros(low.shape[:-1])
 
 
 def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:

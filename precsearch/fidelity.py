@@ -32,9 +32,9 @@ from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.noise import rank_correlations
 from precsearch.policy import Policy
-from precsearch.proxy import ProxyResult, train
 from precsearch.search import Budget, DataSpec, SearchContext, _threads
 from precsearch.spaces import parse_space
+from precsearch.train import ProxyResult, train
 
 __all__ = ["LONG_FACTOR", "FidelityResult", "long_run", "plot_fidelity", "validate_run"]
 

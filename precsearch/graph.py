@@ -36,7 +36,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.spec import ASSIGNABLE_KINDS
+from precsearch.spec import ASSIGNABLE_KINDS, TensorId
 
 if TYPE_CHECKING:
     import networkx
@@ -181,12 +181,10 @@ class TensorGraph:
                 graph.add_edge(op.name, tensor_id)
             for tensor_id in (*op.input_tensors, *op.params):
                 graph.add_edge(tensor_id, op.name)
-        suffixes = {"weight_grad": "_grad", "master_weight": "_master", "optimizer_state": "_momentum"}
         for info in self.tensors.values():
-            if info.kind == "activation_grad":
-                graph.add_edge(info.id.replace(":activation_grad", ":activation", 1), info.id)
-            elif info.kind in suffixes:
-                graph.add_edge(info.id.removesuffix(suffixes[info.kind]), info.id)
+            forward = str(TensorId.parse(info.id).forward())
+            if forward != info.id:  # a gradient, master copy or optimizer state: an edge from its tensor
+                graph.add_edge(forward, info.id)
         return graph
 
     def assignable_ids(self) -> list[str]:
@@ -272,7 +270,7 @@ class _RawOp:
     attrs: dict[str, Any]
 
     def activation_ids(self) -> list[str | None]:
-        return [None if shape is None else f"{self.name}:activation{index or ''}"
+        return [None if shape is None else str(TensorId(self.name, "activation", index))
                 for index, shape in enumerate(self.shapes)]
 
 
@@ -941,15 +939,15 @@ def _assemble(raw_ops: list[_RawOp], model_name: str, batch_size: int, input_sha
         param_ids = []
         for ref in op.params:
             if id(ref.param) not in weight_ids:
-                weight_ids[id(ref.param)] = f"{op.name}:{ref.local}"
+                weight = TensorId(op.name, "weight", param=ref.local)
+                weight_ids[id(ref.param)] = str(weight)
                 shape = tuple(ref.param.shape)
                 users = tuple(param_users[id(ref.param)])
-                kinds = [("", "weight")]
+                kinds = ["weight"]
                 if ref.param.requires_grad:
-                    kinds += [("_grad", "weight_grad"), ("_master", "master_weight"),
-                              ("_momentum", "optimizer_state")]
-                for suffix, kind in kinds:
-                    tensor_id = f"{op.name}:{ref.local}{suffix}"
+                    kinds += ["weight_grad", "master_weight", "optimizer_state"]
+                for kind in kinds:
+                    tensor_id = str(replace(weight, kind=kind))
                     tensors[tensor_id] = TensorInfo(tensor_id, kind, op.name, op.node, op.module_type,
                                                     ref.qualname, shape, _numel(shape), weight_group, None, users)
             if weight_ids[id(ref.param)] not in param_ids:
@@ -973,10 +971,10 @@ def _assemble(raw_ops: list[_RawOp], model_name: str, batch_size: int, input_sha
     return TensorGraph(model_name, batch_size, input_shape, tensors, ops, groups, tracer, gm)
 
 
-def grad_id(activation_id: str) -> str:
-    """The id of an activation's gradient: ``op:activation<k>`` -> ``op:activation_grad<k>`` (the output index
-    stays last, so the outputs of a multi-output op such as ``var_mean`` keep distinct gradients)."""
-    return activation_id.replace(":activation", ":activation_grad", 1)
+def grad_id(tensor_id: str) -> str:
+    """The id of an activation's or weight's gradient (``spec.TensorId.grad``): ``op:activation<k>`` ->
+    ``op:activation_grad<k>``, ``op:weight`` -> ``op:weight_grad``."""
+    return str(TensorId.parse(tensor_id).grad())
 
 
 def _numel(shape: Sequence[int]) -> int:

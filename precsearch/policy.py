@@ -45,7 +45,6 @@ import difflib
 import fnmatch
 import json
 import logging
-import math
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -69,20 +68,25 @@ from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.formats import FloatFormat, get_format, spec_name
 from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
-from precsearch.scaling import epoch_growth, make_scaler
 from precsearch.spec import (
     ASSIGNABLE_KINDS,
     BASELINES,
     COMPRESSIONS,
     GRADIENT_ROUNDINGS,
-    LOSS_SCALING_MODES,
-    OPTIMIZER_KEYS,
     OVERFLOWS,
     PAPER_OVERFLOW,
     PAPER_PROMOTION_KINDS,
+    POLICY_DEFAULTS,
     POLICY_ROUNDINGS,
     TIES,
-    UPDATES,
+    TensorId,
+    check_keys,
+    choice,
+    flag,
+    kinds_list,
+    loss_scaling,
+    optimizer,
+    promotion_threshold,
 )
 
 log = logging.getLogger(__name__)
@@ -115,8 +119,6 @@ def _is_glob(key: str) -> bool:
 # ------------------------------------------------------------------------------------------- validation
 
 
-
-
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
         raise PrecsearchError(f"{where} must be a mapping with string keys, not {type(value).__name__}")
@@ -128,12 +130,6 @@ def _kinds(value: Any, where: str) -> Mapping[str, Any]:
     unknown = sorted(set(value) - set(ASSIGNABLE_KINDS))
     if unknown:
         raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(ASSIGNABLE_KINDS)}")
-    return value
-
-
-def _choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
-    if value not in allowed:
-        raise PrecsearchError(f"{where}: {value!r} is not allowed; use one of {', '.join(allowed)}")
     return value
 
 
@@ -152,45 +148,6 @@ def _optional_int(value: Any, where: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PrecsearchError(f"{where} must be a positive integer or null, not {value!r}")
-    return value
-
-
-def _loss_scaling(value: Any, where: str) -> dict[str, Any]:
-    """``{"mode": ..., **options}``; the options are checked by building the scaler once."""
-    if isinstance(value, str):
-        value = {"mode": value}
-    value = dict(_mapping(value, where))
-    mode = _choice(value.pop("mode", "none"), LOSS_SCALING_MODES, f"{where}.mode")
-    try:
-        make_scaler(mode, **epoch_growth(value, 1))
-    except PrecsearchError as error:
-        raise PrecsearchError(f"{where}: {error}") from None
-    return {"mode": mode, **_json_data(value, where)}
-
-
-def kinds_list(value: Any, where: str) -> tuple[str, ...]:
-    """A list of tensor kinds (each once), kept in the order of ``ASSIGNABLE_KINDS``."""
-    if isinstance(value, str) or not isinstance(value, list | tuple) or not all(isinstance(k, str) for k in value):
-        raise PrecsearchError(f"{where} must be a list of tensor kinds ({', '.join(ASSIGNABLE_KINDS)}), not {value!r}")
-    unknown = sorted(set(value) - set(ASSIGNABLE_KINDS))
-    if unknown:
-        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(ASSIGNABLE_KINDS)}")
-    return tuple(kind for kind in ASSIGNABLE_KINDS if kind in value)
-
-
-def _optimizer(value: Any, where: str) -> dict[str, Any]:
-    value = dict(_mapping(value, where))
-    unknown = sorted(set(value) - set(OPTIMIZER_KEYS))
-    if unknown:
-        raise PrecsearchError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(OPTIMIZER_KEYS)}")
-    if "update" in value:
-        _choice(value["update"], UPDATES, f"{where}.update")
-    for key in ("state_format", "compensation_format"):
-        if key in value:
-            value[key] = spec_name(value[key], f"{where}.{key}")
-    seed = value.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise PrecsearchError(f"{where}.seed must be a non-negative integer or null, not {seed!r}")
     return value
 
 
@@ -237,10 +194,7 @@ def _accumulation(value: Any, where: str) -> Accumulation | None:
     if value is None or isinstance(value, Accumulation):
         return value
     value = _mapping(value, f"{where}: accumulation")
-    unknown = sorted(set(value) - set(ACCUMULATION_KEYS))
-    if unknown:
-        raise PrecsearchError(f"{where}: accumulation: unknown key {unknown[0]!r}; allowed keys: "
-                              f"{', '.join(ACCUMULATION_KEYS)}")
+    check_keys(value, ACCUMULATION_KEYS, f"{where}: accumulation")
     try:
         return Accumulation(**value)
     except PrecsearchError as error:
@@ -310,9 +264,9 @@ class Policy:
     high_format: str = "fp32"
     rounding: dict[str, str] = field(default_factory=dict)
     overflow: dict[str, str] = field(default_factory=dict)
-    loss_scaling: dict[str, Any] = field(default_factory=lambda: {"mode": "none"})
+    loss_scaling: dict[str, Any] = field(default_factory=lambda: dict(POLICY_DEFAULTS.loss_scaling))
     promotion_threshold: float | None = 0.01
-    master_weights: bool = True
+    master_weights: bool = POLICY_DEFAULTS.master_weights
     optimizer: dict[str, Any] = field(default_factory=dict)
     accumulation: Accumulation | None = None
     compression: str = "none"
@@ -350,28 +304,20 @@ class Policy:
             for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
         }
         self.high_format = spec_name(self.high_format, f"{where}: high_format")
-        self.rounding = {k: _choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")
+        self.rounding = {k: choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")
                          for k, v in _kinds(self.rounding, f"{where}: rounding").items()}
-        self.overflow = {k: _choice(v, OVERFLOWS, f"{where}: overflow.{k}")
+        self.overflow = {k: choice(v, OVERFLOWS, f"{where}: overflow.{k}")
                          for k, v in _kinds(self.overflow, f"{where}: overflow").items()}
-        self.loss_scaling = _loss_scaling(self.loss_scaling, f"{where}: loss_scaling")
-        threshold = self.promotion_threshold
-        if threshold is not None:
-            if (isinstance(threshold, bool) or not isinstance(threshold, int | float)
-                    or not math.isfinite(threshold) or not 0 < threshold <= 1):
-                raise PrecsearchError(f"{where}: promotion_threshold must be in (0, 1] or null, not {threshold!r}")
-            self.promotion_threshold = float(threshold)
-        if not isinstance(self.master_weights, bool):
-            raise PrecsearchError(f"{where}: master_weights must be true or false, not {self.master_weights!r}")
-        if not isinstance(self.allow_unmatched_rules, bool):
-            raise PrecsearchError(f"{where}: allow_unmatched_rules must be true or false, "
-                                  f"not {self.allow_unmatched_rules!r}")
-        self.optimizer = _optimizer(self.optimizer, f"{where}: optimizer")
+        self.loss_scaling = loss_scaling(self.loss_scaling, f"{where}: loss_scaling", POLICY_DEFAULTS)
+        self.promotion_threshold = promotion_threshold(self.promotion_threshold, where)
+        flag(self.master_weights, f"{where}: master_weights")
+        flag(self.allow_unmatched_rules, f"{where}: allow_unmatched_rules")
+        self.optimizer = optimizer(self.optimizer, f"{where}: optimizer")
         self.accumulation = _accumulation(self.accumulation, where)
-        self.compression = _choice(self.compression, COMPRESSIONS, f"{where}: compression")
+        self.compression = choice(self.compression, COMPRESSIONS, f"{where}: compression")
         self.promotion_kinds = kinds_list(self.promotion_kinds, f"{where}: promotion_kinds")
-        self.gradient_rounding = _choice(self.gradient_rounding, GRADIENT_ROUNDINGS, f"{where}: gradient_rounding")
-        self.ties = _choice(self.ties, TIES, f"{where}: ties")
+        self.gradient_rounding = choice(self.gradient_rounding, GRADIENT_ROUNDINGS, f"{where}: gradient_rounding")
+        self.ties = choice(self.ties, TIES, f"{where}: ties")
         self.predicted = _json_data(self.predicted, f"{where}: predicted")
         self.provenance = _json_data(self.provenance, f"{where}: provenance")
 
@@ -567,9 +513,7 @@ class Policy:
         if version > SCHEMA_VERSION:
             raise PrecsearchError(f"{where}: schema_version {version} was written by a newer precsearch "
                                   f"(this one reads {SCHEMA_VERSION}); upgrade precsearch")
-        unknown = sorted(set(data) - set(_FILE_KEYS))
-        if unknown:
-            raise PrecsearchError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(_FILE_KEYS)}")
+        check_keys(data, _FILE_KEYS, where)
         try:
             policy = cls(**{name: data[name] for name in _FIELDS if name in data})
         except PrecsearchError as error:
@@ -650,8 +594,8 @@ def _gemm_operands(graph: TensorGraph, op: OpInfo) -> set[str]:
     Forward computes Y = X W; backward computes dX = dY W and dW = X dY, so X, W and dY are its operands.
     """
     ids = {info.id for info in graph.tensors.values() if info.kind == "weight" and info.op == op.name}
-    ids |= {f"{name}:activation" for name in op.inputs}
-    ids.add(f"{op.name}:activation_grad")
+    ids |= {str(TensorId(name, "activation")) for name in op.inputs}
+    ids.add(str(TensorId(op.name, "activation_grad")))
     return ids & set(graph.tensors)
 
 

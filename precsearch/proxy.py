@@ -6,9 +6,8 @@ loss scaling and promotion guard are the ones the final training will use. It is
 init, the batch order and every rounding draw come from ``seed``, so one assignment and seed always give the
 same numbers (the search relies on that to never train an assignment twice).
 
-A proxy that diverges stops early and says why: a non-finite loss, a loss that blew up to ``blowup_factor``
-times its first value, a loss scale that collapsed below ``min_loss_scale`` (the scaler had to shrink
-gradients below their true size to keep them finite), or more skipped steps than the budget allows.
+A proxy stops at the first sign of divergence (precsearch.train.Divergence) and says why. The trainer itself
+(model, optimizer, schedule, loop, evaluation) is precsearch.train; its names are re-exported here.
 
 The default recipe (``ProxyConfig``) is the paper's (SGD, momentum 0.9, weight decay 5e-4, cosine to zero)
 shrunk to 150 steps of batch 64 on 16x16 images, with lr 0.2: a sweep of lr {0.05, 0.1, 0.2} x steps
@@ -19,33 +18,25 @@ differences between assignments mean something.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import logging
-import math
-import os
-import time
-import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import Dataset
-
-from precsearch import models
-from precsearch.data import ImageDataset, make_loader, random_crop_flip
-from precsearch.errors import PrecsearchError
-from precsearch.files import atomic_write_text
+from precsearch.data import ImageDataset
 from precsearch.policy import Policy
-from precsearch.runtime import apply_policy
-from precsearch.scaling import LossScaler, NoLossScaler
-from precsearch.spec import ProxyConfig
+from precsearch.spec import ProxyConfig  # re-exported: a space's proxy section
+from precsearch.train import (
+    PAPER_LR,
+    PAPER_RECIPE,
+    ProxyResult,
+    Recipe,
+    build_model,
+    evaluate,
+    resolve_device,
+    train,
+    train_policy,
+)
 
 __all__ = [
+    "PAPER_LR",
     "PAPER_RECIPE",
     "ProxyConfig",
     "ProxyResult",
@@ -58,328 +49,9 @@ __all__ = [
     "train_policy",
 ]
 
-log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Recipe:
-    """What full training adds to a proxy: the Lee et al. reference recipe (kuangliu's pytorch-cifar), which
-    ``precsearch train`` uses for zoo models. A proxy has none of it (``train(..., recipe=None)``).
-
-    ``augment``: random crop with black padding of 1/8 of the image side (4 pixels at 32) and a horizontal
-    flip with probability 1/2, per image, seeded (precsearch.data.random_crop_flip); ``kaiming_init``:
-    convolution weights of zoo models Kaiming-normal with fan-out (ReLU gain); ``epoch_schedule``:
-    the cosine learning rate steps once per epoch (T_max = epochs), not per step.
-    """
-
-    augment: bool = True
-    kaiming_init: bool = True
-    epoch_schedule: bool = True
-
-
-PAPER_RECIPE = Recipe()
-PAPER_LR = 0.1  # the reference's peak learning rate (momentum 0.9 and weight decay 5e-4 are ProxyConfig's too)
-
-
-@dataclass
-class ProxyResult:
-    """What one proxy measured. Accuracies are fractions in [0, 1]; ``wall_time`` is seconds."""
-
-    val_accuracy: float
-    val_loss: float
-    diverged: bool
-    reason: str
-    steps_run: int
-    loss_curve: list[float]
-    skipped_steps: int = 0
-    final_loss_scale: float | None = None
-    promotions: list[str] = field(default_factory=list)
-    overflow_max: float = 0.0
-    underflow_max: float = 0.0
-    underflow_mean: float = 0.0
-    wall_time: float = 0.0
-    device: str = "cpu"
-
-    @property
-    def val_error(self) -> float:
-        return 1.0 - self.val_accuracy
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ProxyResult:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in names})
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """``auto`` is CUDA when available, else the CPU; asking for CUDA without it is a user error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise PrecsearchError(f"unknown device {device!r}; use auto, cpu or cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise PrecsearchError(f"device {device} asked for, but CUDA is not available here; use --device auto or cpu")
-    return torch.device(device)
-
-
-def build_model(model_spec: str, num_classes: int) -> nn.Module:
-    """A zoo model sized for the dataset's classes; a user factory is called with its own options only."""
-    name, _ = models.parse_model_spec(model_spec)
-    if ":" in name:
-        return models.build(model_spec)
-    return models.build(model_spec, num_classes=num_classes)
-
-
-@contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
-    """torch.use_deterministic_algorithms for the proxy's duration (warn-only: some ops have no such kernel)."""
-    before = torch.are_deterministic_algorithms_enabled()
-    before_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=before_warn)
-
-
-def kaiming_fan_out_(model: nn.Module) -> None:
-    """Convolution weights Kaiming-normal with fan-out (the reference recipe's init); their biases zero."""
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-
-
-def _batches(dataset: Dataset, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless seeded epochs; epoch k reshuffles with seed + k so the order never depends on global RNG."""
-    epoch = 0
-    while True:
-        yield from make_loader(dataset, batch_size, shuffle=True, seed=seed + epoch, drop_last=True)
-        epoch += 1
-
-
-def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 512) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) on ``dataset`` in eval mode; NaN loss if the model emits non-finite logits."""
-    was_training = model.training
-    model.eval()
-    correct, total, loss_sum = 0, 0, 0.0
-    with torch.no_grad():
-        for images, labels in make_loader(dataset, batch_size, shuffle=False):
-            images, labels = images.to(device), labels.to(device)
-            logits = model(images)
-            loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == labels).sum())
-            total += len(labels)
-    model.train(was_training)
-    if total == 0:
-        raise PrecsearchError("the validation set is empty; give a dataset with validation images")
-    return correct / total, loss_sum / total
-
-
-def _stat_summary(stats: Any) -> tuple[float, float, float]:
-    """(max overflow, max underflow, mean underflow) over the runtime's per-tensor statistics."""
-    rows = list(stats.values()) if isinstance(stats, dict) else []
-    if not rows:
-        return 0.0, 0.0, 0.0
-    overflow = [float(row.get("overflow", 0.0)) for row in rows]
-    underflow = [float(row.get("underflow", 0.0)) for row in rows]
-    return max(overflow), max(underflow), sum(underflow) / len(underflow)
-
-
-class _Divergence:
-    """Tests each step's loss and scaler against the divergence rules of a ``ProxyConfig``."""
-
-    def __init__(self, config: ProxyConfig, steps: int) -> None:
-        self.config = config
-        self.first_loss: float | None = None
-        self.max_skipped = max(20, math.ceil(config.max_skipped_fraction * steps))
-
-    def check(self, step: int, loss: float, scaler: LossScaler) -> str:
-        if not math.isfinite(loss):
-            return f"non-finite loss at step {step}"
-        if self.first_loss is None:
-            self.first_loss = loss
-        if loss > self.config.blowup_factor * max(self.first_loss, 1e-3):
-            return (f"loss blew up at step {step}: {loss:.3g} > {self.config.blowup_factor:g}x the first loss "
-                    f"{self.first_loss:.3g}")
-        scale = float(scaler.get_scale())
-        if not isinstance(scaler, NoLossScaler) and scale < self.config.min_loss_scale:
-            return f"loss scale collapsed to {scale:.3g} (< {self.config.min_loss_scale:g}) at step {step}"
-        skipped = scaler.skipped_steps
-        if skipped > self.max_skipped:
-            return f"{skipped} skipped steps by step {step} (more than {self.max_skipped})"
-        return ""
-
-
-Report = Callable[[int, float], None]
-Evaluate = Callable[[int, float, float], None]
-
-
-def train(
-    model_spec: str,
-    policy: Policy,
-    data: tuple[ImageDataset, ImageDataset],
-    steps: int,
-    seed: int = 0,
-    device: str = "auto",
-    config: ProxyConfig | None = None,
-    *,
-    stop_on_divergence: bool = True,
-    report: Report | None = None,
-    eval_every: int | None = None,
-    on_eval: Evaluate | None = None,
-    recipe: Recipe | None = None,
-) -> ProxyResult:
-    """Train ``model_spec`` under ``policy`` for ``steps`` SGD steps and evaluate on the validation split.
-
-    ``recipe`` adds full training's augmentation, init and per-epoch schedule (see ``Recipe``); a proxy
-    has none. The loss scaler learns the steps per epoch (a ``growth_interval`` of ``"epoch"``).
-
-    ``report(step, loss)`` is called every ``config.report_every`` steps with the running mean loss (the
-    search passes Optuna's pruning hook; whatever it raises propagates). ``on_eval(step, acc, loss)`` gets
-    a validation result every ``eval_every`` steps (full training's metrics). ``stop_on_divergence=False``
-    keeps training after a divergence was detected and records it all the same.
-    """
-    config = config or ProxyConfig()
-    if steps < 1:
-        raise PrecsearchError(f"steps={steps} must be at least 1")
-    train_set, val_set = data
-    if len(train_set) < config.batch_size:
-        raise PrecsearchError(f"the training set has {len(train_set)} images, fewer than the batch size "
-                              f"{config.batch_size}; lower the batch size or give more data")
-    torch_device = resolve_device(device)
-    if torch_device.type == "cuda":  # deterministic cuBLAS needs a fixed workspace, set before its first use
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    start = time.perf_counter()
-    with _deterministic():
-        torch.manual_seed(seed)
-        model = build_model(model_spec, num_classes=train_set.num_classes).to(torch_device)
-        if recipe is not None and recipe.kaiming_init and ":" not in models.parse_model_spec(model_spec)[0]:
-            kaiming_fan_out_(model)  # zoo models only: a user's factory keeps its own init
-        per_epoch = len(train_set) // config.batch_size
-        # traced on real images, as the search traced it: a branch zeros would not take is in the graph
-        model = apply_policy(model, policy, train_set.images[:2].to(torch_device), seed=seed,
-                             stats_every=config.stats_every, steps_per_epoch=per_epoch)
-        model.train()
-        sgd = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                              weight_decay=config.weight_decay)
-        optimizer = model.wrap_optimizer(sgd)
-        epoch_schedule = recipe is not None and recipe.epoch_schedule
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-            sgd, T_max=math.ceil(steps / per_epoch) if epoch_schedule else steps)
-        augment = torch.Generator().manual_seed(seed + 1) if recipe is not None and recipe.augment else None
-        scaler = model.scaler
-        monitor = _Divergence(config, steps)
-        curve: list[float] = []
-        reason = ""
-        window: list[float] = []
-        for step, (images, labels) in enumerate(_batches(train_set, config.batch_size, seed), start=1):
-            if augment is not None:
-                images = random_crop_flip(images, train_set.mean, train_set.std, augment)
-            images, labels = images.to(torch_device), labels.to(torch_device)
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(images), labels)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            if not epoch_schedule or step % per_epoch == 0:
-                with warnings.catch_warnings():  # a step the loss scaler skipped is no misordered scheduler
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-                    schedule.step()
-            value = float(loss.detach())
-            curve.append(value)
-            window.append(value)
-            reason = reason or monitor.check(step, value, scaler)
-            if reason and stop_on_divergence:
-                break
-            if report is not None and step % config.report_every == 0:
-                report(step, sum(window) / len(window))
-                window.clear()
-            if step == steps:
-                break
-            if on_eval is not None and eval_every and step % eval_every == 0:
-                on_eval(step, *evaluate(model, val_set, torch_device, config.eval_batch_size))
-        accuracy, val_loss = evaluate(model, val_set, torch_device, config.eval_batch_size)
-        if on_eval is not None:
-            on_eval(len(curve), accuracy, val_loss)
-    if not reason and not math.isfinite(val_loss):
-        reason = "non-finite validation loss"
-    overflow_max, underflow_max, underflow_mean = _stat_summary(model.tensor_stats())
-    result = ProxyResult(
-        val_accuracy=accuracy,
-        val_loss=val_loss if math.isfinite(val_loss) else float("inf"),
-        diverged=bool(reason),
-        reason=reason,
-        steps_run=len(curve),
-        loss_curve=curve,
-        skipped_steps=scaler.skipped_steps,
-        final_loss_scale=float(scaler.get_scale()),
-        promotions=[promotion.id for promotion in model.promotions],
-        overflow_max=overflow_max,
-        underflow_max=underflow_max,
-        underflow_mean=underflow_mean,
-        wall_time=time.perf_counter() - start,
-        device=str(torch_device),
-    )
-    log.info("proxy: acc %.4f loss %.4f%s in %.1fs", accuracy, result.val_loss,
-             f" (diverged: {reason})" if reason else "", result.wall_time)
-    return result
-
-
-def run_proxy(
-    model_spec: str,
-    policy: Policy,
-    data: tuple[ImageDataset, ImageDataset],
-    steps: int,
-    seed: int = 0,
-    device: str = "auto",
-    config: ProxyConfig | None = None,
-    report: Report | None = None,
-) -> ProxyResult:
-    """One proxy: ``train`` that stops at the first sign of divergence (what the search calls per trial)."""
-    return train(model_spec, policy, data, steps, seed, device, config, report=report)
-
-
-def train_policy(
-    model_spec: str,
-    policy: Policy,
-    data: tuple[ImageDataset, ImageDataset],
-    steps: int,
-    seed: int = 0,
-    device: str = "auto",
-    config: ProxyConfig | None = None,
-    eval_every: int | None = None,
-    metrics: str | Path | None = None,
-    recipe: Recipe | None = PAPER_RECIPE,
-) -> ProxyResult:
-    """Full training under a policy file: checks the policy was made for this model (graph fingerprint),
-    trains without stopping at divergence with the paper's ``recipe`` (augmentation, Kaiming fan-out init,
-    cosine per epoch; None: a proxy's), and rewrites the ``metrics`` CSV after every evaluation
-    (columns step, epoch, train_loss, val_accuracy, val_loss, loss_scale, wall_time)."""
-    config = config or ProxyConfig()
-    train_set = data[0]
-    if policy.input_shape is not None and tuple(policy.input_shape) != tuple(train_set.image_shape):
-        raise PrecsearchError(f"the policy was made for inputs {tuple(policy.input_shape)}, the data has "
-                              f"{tuple(train_set.image_shape)}; pass --image-size {policy.input_shape[-1]}")
-    rows: list[str] = ["step,epoch,train_loss,val_accuracy,val_loss,wall_time"]
-    losses: list[float] = []
-    start = time.perf_counter()
-    per_epoch = max(1, len(train_set) // config.batch_size)
-
-    def record(step: int, accuracy: float, loss: float) -> None:
-        train_loss = sum(losses[-eval_every:]) / len(losses[-eval_every:]) if losses else math.nan
-        rows.append(f"{step},{step / per_epoch:.3f},{train_loss:.8g},{accuracy:.8g},{loss:.8g},"
-                    f"{time.perf_counter() - start:.3f}")
-        log.info("step %d: val accuracy %.4f, val loss %.4f", step, accuracy, loss)
-        if metrics is not None:
-            atomic_write_text(metrics, "\n".join(rows) + "\n")
-
-    def remember(step: int, loss: float) -> None:
-        losses.append(loss)
-
-    eval_every = eval_every or per_epoch
-    return train(model_spec, policy, data, steps, seed, device, dataclasses.replace(config, report_every=1),
-                 stop_on_divergence=False, report=remember, eval_every=eval_every, on_eval=record, recipe=recipe)
+def run_proxy(model_spec: str, policy: Policy, data: tuple[ImageDataset, ImageDataset], steps: int,
+              **options: Any) -> ProxyResult:
+    """One proxy: ``train`` (with its ``seed``, ``device``, ``config``, ``report``) that stops at the first sign
+    of divergence; what the search calls per trial."""
+    return train(model_spec, policy, data, steps, stop_on_divergence=True, **options)

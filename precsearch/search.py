@@ -75,7 +75,7 @@ from precsearch.files import atomic_write_text
 from precsearch.graph import TensorGraph, trace
 from precsearch.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
 from precsearch.policy import Policy
-from precsearch.proxy import ProxyResult, build_model, resolve_device, run_proxy
+from precsearch.proxy import run_proxy
 from precsearch.rundir import (
     LOCK_FILES,
     RunLock,
@@ -99,6 +99,7 @@ from precsearch.strategies import (
     uniform,
     units,
 )
+from precsearch.train import ProxyResult, build_model, resolve_device
 
 __all__ = [
     "Budget",
@@ -1193,11 +1194,10 @@ def _parent_watch(parent: int) -> Callable[[optuna.Study, FrozenTrial], None]:
 
 @dataclass(frozen=True)
 class _WorkerSetup:
-    model: str
-    space: SearchSpace
-    data_spec: DataSpec
-    budget: Budget
-    seed: int
+    """What a worker process rebuilds its context from (``SearchContext.create``'s model, space, data spec,
+    budget and seed; the device is the worker's own) and where it runs."""
+
+    context: tuple[str, SearchSpace, DataSpec, Budget, int]
     device: str
     location: StudyLocation
     out_dir: Path
@@ -1218,7 +1218,7 @@ def _worker(setup: _WorkerSetup, index: int, gpu: str | None, parent: int) -> No
     _stop_when_orphaned(parent)
     # the parent reports the interruption
     with StopSignals() as signals, quiet_optuna_interrupts(), contextlib.suppress(KeyboardInterrupt):
-        context = SearchContext.create(setup.model, setup.space, setup.data_spec, setup.budget, setup.seed, device)
+        context = SearchContext.create(*setup.context, device)
         storage = setup.location.open()
         study = _load_study(context, storage, setup.location, index)
         study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals), n_trials=setup.trials,
@@ -1355,8 +1355,8 @@ def run_search(
                 if jobs == 1:
                     _optimize_here(study, context, location, backend, trials, out_dir, bar, signals)
                 else:
-                    setup = _WorkerSetup(context.model, context.space, context.data_spec, context.budget,
-                                         context.seed, context.device, location, out_dir, trials,
+                    created = (context.model, context.space, context.data_spec, context.budget, context.seed)
+                    setup = _WorkerSetup(created, context.device, location, out_dir, trials,
                                          threads or max(1, (os.cpu_count() or 1) // jobs))
                     _optimize_workers(study, context, setup, gpus, bar)
             except KeyboardInterrupt as stop:

@@ -13,10 +13,8 @@ the named ``choices``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,16 +22,14 @@ from typing import Any
 
 import yaml
 
+from precsearch import spec
 from precsearch.errors import PrecsearchError
 from precsearch.formats import spec_name
 from precsearch.optim import UpdateConfig
-from precsearch.policy import kinds_list
-from precsearch.scaling import epoch_growth, make_scaler
 from precsearch.spec import (
     ASSIGNABLE_KINDS,
     GRADIENT_ROUNDINGS,
     LOSS_SCALING_MODES,
-    OPTIMIZER_KEYS,
     OVERFLOWS,
     PAPER_HIGH,
     PAPER_LOW,
@@ -41,9 +37,12 @@ from precsearch.spec import (
     PAPER_PROMOTION_KINDS,
     POLICY_ROUNDINGS,
     SAMPLERS,
+    SPACE_DEFAULTS,
     TIES,
-    UPDATES,
     ProxyConfig,
+    check_keys,
+    choice,
+    number,
 )
 
 __all__ = [
@@ -60,10 +59,6 @@ __all__ = [
 
 GRANULARITIES: tuple[str, ...] = ("group", "tensor", "categorical")
 OBJECTIVES: tuple[str, ...] = ("val_error", "val_loss")
-LOSS_SCALING_KEYS: tuple[str, ...] = (
-    "mode", "scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "underflow_rate",
-    "max_scale", "grad_format",
-)
 TOP_KEYS: tuple[str, ...] = (
     "name", "description", "high", "low", "granularity", "choices", "rounding", "overflow", "loss_scaling",
     "promotion_threshold", "master_weights", "optimizer", "proxy", "objectives", "promotion_kinds",
@@ -101,12 +96,12 @@ class SearchSpace:
     choices: dict[str, dict[str, str]] = field(default_factory=dict)
     rounding: dict[str, str] = field(default_factory=lambda: {kind: "nearest" for kind in ASSIGNABLE_KINDS})
     overflow: dict[str, str] = field(default_factory=lambda: dict(PAPER_OVERFLOW))
-    loss_scaling: dict[str, Any] = field(default_factory=lambda: {"mode": "dynamic", "init_scale": 2.0**16})
+    loss_scaling: dict[str, Any] = field(default_factory=lambda: dict(SPACE_DEFAULTS.loss_scaling))
     promotion_threshold: float | None = 0.01
     promotion_kinds: tuple[str, ...] = PAPER_PROMOTION_KINDS
     gradient_rounding: str = "sum"
     ties: str = "even"
-    master_weights: bool = False
+    master_weights: bool = SPACE_DEFAULTS.master_weights
     optimizer: dict[str, Any] = field(default_factory=dict)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     objectives: tuple[str, ...] = ("memory", "val_error")
@@ -151,51 +146,26 @@ class SearchSpace:
                                                              self.name))
 
 
-def _unknown(keys: Any, allowed: tuple[str, ...], where: str) -> None:
-    unknown = [str(key) for key in keys if key not in allowed]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], allowed, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise PrecsearchError(f"unknown key {unknown[0]!r}{hint} in {where}; allowed keys: {', '.join(allowed)}")
-
-
-
-
 def _per_kind(value: Any, where: str, check: Any, default: Mapping[str, Any]) -> dict[str, Any]:
     """A value per tensor kind from a single value (all kinds) or a {kind: value} mapping (others default)."""
     if value is None:
         return dict(default)
     if isinstance(value, Mapping):
-        _unknown(value, ASSIGNABLE_KINDS, where)
+        check_keys(value, ASSIGNABLE_KINDS, where)
         return {kind: check(value[kind], f"{where}.{kind}") if kind in value else default[kind]
                 for kind in ASSIGNABLE_KINDS}
     return {kind: check(value, where) for kind in ASSIGNABLE_KINDS}
 
 
-def _choice(allowed: tuple[str, ...]) -> Any:
-    def check(value: Any, where: str) -> str:
-        if value not in allowed:
-            raise PrecsearchError(f"{where}: {value!r} is not allowed; use one of {', '.join(allowed)}")
-        return value
-
-    return check
-
-
-def _number(value: Any, where: str, low: float, high: float = math.inf, integer: bool = False) -> Any:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and integer:
-        ok = float(value).is_integer()
-    if not ok or not low <= value <= high:
-        kind = "an integer" if integer else "a number"
-        bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise PrecsearchError(f"{where}={value!r} must be {kind} {bounds}")
-    return int(value) if integer else float(value)
+def _allowed(allowed: tuple[str, ...]) -> Any:
+    """``spec.choice`` as a per-kind check."""
+    return lambda value, where: choice(value, allowed, where)
 
 
 def _proxy_config(raw: Any, where: str) -> ProxyConfig:
     if not isinstance(raw, Mapping):
         raise PrecsearchError(f"{where}: proxy must be a mapping of {', '.join(ProxyConfig.KEYS)}")
-    _unknown(raw, ProxyConfig.KEYS, f"{where}: proxy")
+    check_keys(raw, ProxyConfig.KEYS, f"{where}: proxy")
     values: dict[str, Any] = {}
     for name in ProxyConfig.KEYS:
         if name not in raw:
@@ -203,45 +173,16 @@ def _proxy_config(raw: Any, where: str) -> ProxyConfig:
         default = getattr(ProxyConfig, name)
         integer = isinstance(default, int)
         low = 1 if name in ("steps", "batch_size", "image_size") else 0
-        values[name] = _number(raw[name], f"{where}: proxy.{name}", low, integer=integer)
+        values[name] = number(raw[name], f"{where}: proxy.{name}", low, integer=integer)
     return ProxyConfig(**values)
 
 
-def _loss_scaling(raw: Any, where: str) -> dict[str, Any]:
-    if isinstance(raw, str):
-        raw = {"mode": raw}
-    if not isinstance(raw, Mapping):
-        raise PrecsearchError(f"{where}: loss_scaling must be a mode ({', '.join(LOSS_SCALING_MODES)}) "
-                              "or a mapping with a mode")
-    _unknown(raw, LOSS_SCALING_KEYS, f"{where}: loss_scaling")
-    scaling = dict(raw)
-    scaling["mode"] = _choice(LOSS_SCALING_MODES)(scaling.get("mode", "dynamic"), f"{where}: loss_scaling.mode")
-    for key, value in scaling.items():
-        if key == "grad_format":
-            scaling[key] = spec_name(value, f"{where}: loss_scaling.grad_format")
-        elif key == "growth_interval" and value == "epoch":
-            continue  # resolved by the trainer (precsearch.scaling.epoch_growth)
-        elif key != "mode":
-            scaling[key] = _number(value, f"{where}: loss_scaling.{key}", 0.0, integer=key == "growth_interval")
-    options = {key: value for key, value in scaling.items() if key != "mode"}
-    try:
-        make_scaler(scaling["mode"], **epoch_growth(options, 1))
-    except PrecsearchError as error:
-        raise PrecsearchError(f"{where}: {error}") from None
-    return scaling
-
-
-def _optimizer(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:
+def _optimizer_for_weights(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:
     """Weight-update settings, checked by precsearch.optim against the low weight format."""
-    if not isinstance(raw, Mapping):
-        raise PrecsearchError(f"{where}: optimizer must be a mapping of {', '.join(OPTIMIZER_KEYS)}")
-    _unknown(raw, OPTIMIZER_KEYS, f"{where}: optimizer")
-    settings = dict(raw)
-    if "update" in settings:
-        settings["update"] = _choice(UPDATES)(settings["update"], f"{where}: optimizer.update")
+    settings = spec.optimizer(raw, f"{where}: optimizer")
     try:
         UpdateConfig(weight_format=weight_format, master_weights=master_weights, **settings)
-    except (PrecsearchError, TypeError) as error:
+    except PrecsearchError as error:
         raise PrecsearchError(f"{where}: optimizer: {error}") from None
     return settings
 
@@ -272,24 +213,17 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     """Validate a space given as plain data (a parsed YAML mapping); ``where`` names it in errors."""
     if not isinstance(raw, Mapping):
         raise PrecsearchError(f"{where} must be a YAML mapping with keys {', '.join(TOP_KEYS)}")
-    _unknown(raw, TOP_KEYS, where)
+    check_keys(raw, TOP_KEYS, where)
     if "high" not in raw or "low" not in raw:
         raise PrecsearchError(f"{where} must name a high format and low formats (keys high and low)")
     high = spec_name(raw["high"], f"{where}: high")
     low = _per_kind(raw["low"], f"{where}: low", spec_name, {kind: high for kind in ASSIGNABLE_KINDS})
-    granularity = _choice(GRANULARITIES)(raw.get("granularity", "group"), f"{where}: granularity")
+    granularity = choice(raw.get("granularity", "group"), GRANULARITIES, f"{where}: granularity")
     if "choices" in raw and granularity != "categorical":
         raise PrecsearchError(f"{where}: choices apply only to granularity categorical; drop them or set it")
     choices = _choices(raw.get("choices"), high, where) if granularity == "categorical" else {}
     defaults = SearchSpace(name="", high=high, low=low)
-    threshold = raw.get("promotion_threshold", defaults.promotion_threshold)
-    if threshold is not None:
-        threshold = _number(threshold, f"{where}: promotion_threshold", 0.0, 1.0)
-        if threshold == 0.0:
-            raise PrecsearchError(f"{where}: promotion_threshold must be in (0, 1], or null to turn the guard off")
-    master_weights = raw.get("master_weights", defaults.master_weights)
-    if not isinstance(master_weights, bool):
-        raise PrecsearchError(f"{where}: master_weights must be true or false, not {master_weights!r}")
+    master_weights = spec.flag(raw.get("master_weights", defaults.master_weights), f"{where}: master_weights")
     name = raw.get("name", "space")
     if not isinstance(name, str) or not name:
         raise PrecsearchError(f"{where}: name must be a non-empty string")
@@ -300,20 +234,22 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
         low=low,
         granularity=granularity,
         choices=choices,
-        rounding=_per_kind(raw.get("rounding"), f"{where}: rounding", _choice(POLICY_ROUNDINGS), defaults.rounding),
-        overflow=_per_kind(raw.get("overflow"), f"{where}: overflow", _choice(OVERFLOWS), defaults.overflow),
-        loss_scaling=_loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), where),
-        promotion_threshold=threshold,
-        promotion_kinds=kinds_list(raw.get("promotion_kinds", list(defaults.promotion_kinds)),
-                                   f"{where}: promotion_kinds"),
-        gradient_rounding=_choice(GRADIENT_ROUNDINGS)(raw.get("gradient_rounding", defaults.gradient_rounding),
-                                                      f"{where}: gradient_rounding"),
-        ties=_choice(TIES)(raw.get("ties", defaults.ties), f"{where}: ties"),
+        rounding=_per_kind(raw.get("rounding"), f"{where}: rounding", _allowed(POLICY_ROUNDINGS), defaults.rounding),
+        overflow=_per_kind(raw.get("overflow"), f"{where}: overflow", _allowed(OVERFLOWS), defaults.overflow),
+        loss_scaling=spec.loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), f"{where}: loss_scaling",
+                                       SPACE_DEFAULTS, canonical=True),
+        promotion_threshold=spec.promotion_threshold(raw.get("promotion_threshold", defaults.promotion_threshold),
+                                                     where),
+        promotion_kinds=spec.kinds_list(raw.get("promotion_kinds", list(defaults.promotion_kinds)),
+                                        f"{where}: promotion_kinds"),
+        gradient_rounding=choice(raw.get("gradient_rounding", defaults.gradient_rounding), GRADIENT_ROUNDINGS,
+                                 f"{where}: gradient_rounding"),
+        ties=choice(raw.get("ties", defaults.ties), TIES, f"{where}: ties"),
         master_weights=master_weights,
-        optimizer=_optimizer(raw.get("optimizer", {}), low["weight"], master_weights, where),
+        optimizer=_optimizer_for_weights(raw.get("optimizer", {}), low["weight"], master_weights, where),
         proxy=_proxy_config(raw.get("proxy", {}), where),
         objectives=_objectives(raw.get("objectives", list(defaults.objectives)), where),
-        sampler=_choice(SAMPLERS)(raw.get("sampler", defaults.sampler), f"{where}: sampler"),
+        sampler=choice(raw.get("sampler", defaults.sampler), SAMPLERS, f"{where}: sampler"),
     )
 
 

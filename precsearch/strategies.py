@@ -12,6 +12,9 @@ with ties broken by execution order, and demote whole groups to the low formats 
 (``ACCEPTANCE_WINDOW``; r = 0 and 1 always), which ``sweep(..., window=...)`` applies. Its divergence
 guard (promote a tensor to high once its overflow fraction passes a threshold) is the policy's
 ``promotion_threshold`` and stays on. The ablations order the groups smallest first or randomly.
+
+The search starts from the points of every registered ``Seeding`` (all-high, the paper's sweep, all-low):
+a new kind of starting point is one subclass and ``register_seeding``, as a sampler is in precsearch.samplers.
 """
 
 from __future__ import annotations
@@ -19,33 +22,23 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from precsearch import cost
 from precsearch.errors import PrecsearchError
 from precsearch.policy import Policy, baseline
 from precsearch.spaces import SearchSpace
 from precsearch.spec import ASSIGNABLE_KINDS, BASELINES
 
 __all__ = [
-    "ACCEPTANCE_WINDOW",
-    "BASELINES",
-    "ORDERS",
-    "R_GRID",
-    "Candidate",
-    "assign",
-    "assignment_key",
-    "baseline_policies",
-    "group_sizes",
-    "low_share",
-    "paper_assignment",
-    "seed_candidates",
-    "sweep",
-    "uniform",
-    "units",
+    "ACCEPTANCE_WINDOW", "BASELINES", "ORDERS", "R_GRID", "SEEDINGS", "Candidate", "Seeding", "assign",
+    "assignment_key", "baseline_policies", "group_sizes", "low_share", "paper_assignment", "register_seeding",
+    "seed_candidates", "sweep", "uniform", "units",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,15 +115,11 @@ def assign(graph: Any, space: SearchSpace, decisions: Mapping[str, str]) -> dict
 
 
 def low_share(graph: Any, space: SearchSpace, decisions: Mapping[str, str]) -> float:
-    """Fraction of assignable elements whose unit is not at the high level."""
-    total, low = 0, 0
+    """Fraction of assignable elements whose unit is not at the high level (precsearch.cost.low_share)."""
     numel = {info.id: int(info.numel) for info in _assignable(graph)}
-    for unit, tensor_ids in units(graph, space).items():
-        size = sum(numel[tensor_id] for tensor_id in tensor_ids)
-        total += size
-        if decisions.get(unit, "high") != "high":
-            low += size
-    return low / total if total else 0.0
+    decided = units(graph, space)
+    sizes = [sum(numel[tensor_id] for tensor_id in tensor_ids) for tensor_ids in decided.values()]
+    return float(cost.low_share(sizes, [decisions.get(unit, "high") != "high" for unit in decided]))
 
 
 def _unit_decisions(graph: Any, space: SearchSpace, group_levels: Mapping[int, str]) -> dict[str, str]:
@@ -196,18 +185,70 @@ def uniform(graph: Any, space: SearchSpace, level: str) -> Candidate:
     return _candidate(graph, space, f"all-{level}", decisions, r=None)
 
 
+class Seeding(ABC):
+    """One source of the search's starting points, as Optuna's samplers are one class each: a new one is a
+    subclass with a ``name`` and ``candidates``, registered with ``register_seeding``; the search enqueues
+    every registered seeding's candidates (``seed_candidates``) without knowing them by name."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        """(candidate, origin) pairs; the origin labels the point in the report (``"paper r=0.3"``)."""
+
+
+SEEDINGS: dict[str, type[Seeding]] = {}
+
+
+def register_seeding(seeding: type[Seeding]) -> type[Seeding]:
+    """Add a seeding (a class decorator); seeds are enqueued in registration order."""
+    if seeding.name in SEEDINGS:
+        raise PrecsearchError(f"a seeding named {seeding.name!r} is registered already; choose another name")
+    SEEDINGS[seeding.name] = seeding
+    return seeding
+
+
+@register_seeding
+class AllHigh(Seeding):
+    """Every unit high: the reference every other point is measured against."""
+
+    name = "all-high"
+
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        return [(uniform(graph, space, "high"), self.name)]
+
+
+@register_seeding
+class PaperSweep(Seeding):
+    """The paper's technique at r = 0, 0.1, ..., 1."""
+
+    name = "paper"
+
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        return [(candidate, f"paper r={candidate.r:.1f}") for candidate in sweep(graph, space)]
+
+
+@register_seeding
+class AllLow(Seeding):
+    """Every unit low: the memory end of the front."""
+
+    name = "all-low"
+
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        return [(uniform(graph, space, "low"), self.name)]
+
+
 def seed_candidates(graph: Any, space: SearchSpace) -> list[tuple[Candidate, list[str]]]:
-    """The search's starting points, each assignment once: all-high, the paper's sweep, all-low.
+    """The search's starting points from every registered seeding (all-high, the paper's sweep, all-low),
+    each assignment once.
 
     Returns (candidate, origins) pairs; origins name every seed that produced the same assignment
     (e.g. ["all-high", "paper r=0.0"]) so the report can mark the sweep even where points coincide.
     """
-    ordered = [(uniform(graph, space, "high"), "all-high")]
-    ordered += [(candidate, f"paper r={candidate.r:.1f}") for candidate in sweep(graph, space)]
-    ordered.append((uniform(graph, space, "low"), "all-low"))
     seen: dict[str, tuple[Candidate, list[str]]] = {}
-    for candidate, origin in ordered:
-        seen.setdefault(candidate.key, (candidate, []))[1].append(origin)
+    for seeding in SEEDINGS.values():
+        for candidate, origin in seeding().candidates(graph, space):
+            seen.setdefault(candidate.key, (candidate, []))[1].append(origin)
     return list(seen.values())
 
 

@@ -9,14 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precsearch import proxy as proxy_module
+from precsearch import train as train_module
 from precsearch.data import load_dataset
 from precsearch.errors import PrecsearchError
 from precsearch.policy import Policy
 from precsearch.proxy import (
     PAPER_RECIPE,
     ProxyConfig,
-    _Divergence,
     build_model,
     evaluate,
     resolve_device,
@@ -80,7 +79,7 @@ def test_a_diverging_proxy_stops_early_and_says_why(context):
 
 def test_divergence_rules_one_by_one():
     config = ProxyConfig(blowup_factor=10.0, min_loss_scale=1.0, max_skipped_fraction=0.25)
-    monitor = _Divergence(config, steps=200)
+    monitor = train_module.Divergence(config, steps=200)
     assert monitor.check(1, 2.0, NoLossScaler()) == ""
     assert "non-finite" in monitor.check(2, math.nan, NoLossScaler())
     assert "blew up" in monitor.check(3, 20.5, NoLossScaler())
@@ -93,7 +92,7 @@ def test_divergence_rules_one_by_one():
     assert monitor.check(5, 2.0, scaler) == ""  # 50 = 0.25 x 200 is allowed
     scaler.load_state_dict({**state, "skipped_steps": 51})
     assert "51 skipped steps" in monitor.check(6, 2.0, scaler)
-    assert _Divergence(config, steps=10).max_skipped == 20  # short proxies get at least 20
+    assert train_module.Divergence(config, steps=10).max_skipped == 20  # short proxies get at least 20
 
 
 def test_evaluate_matches_a_direct_forward():
@@ -152,13 +151,13 @@ def test_the_paper_recipe_steps_the_cosine_per_epoch_and_inits_convolutions_kaim
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.SGD, "step", record)
-    wrap = proxy_module.apply_policy
+    wrap = train_module.apply_policy
 
     def record_init(model, *args, **kwargs):
         initial.append(model.conv2.weight.detach().clone())
         return wrap(model, *args, **kwargs)
 
-    monkeypatch.setattr(proxy_module, "apply_policy", record_init)
+    monkeypatch.setattr(train_module, "apply_policy", record_init)
     policy = _policy(context, "high")
     for recipe in (PAPER_RECIPE, None):
         train_policy("tiny_cnn", policy, data, 12, config=config, device="cpu", recipe=recipe)

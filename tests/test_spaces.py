@@ -131,5 +131,5 @@ def test_load_space_errors(tmp_path):
     assert "\n" not in str(caught.value)
     odd = tmp_path / "odd.yaml"
     odd.write_text("high: e6m9s\nlow: e4m3b4s\nsamplr: tpe\n")
-    with pytest.raises(PrecsearchError, match=r"unknown key 'samplr' \(did you mean sampler\?\) in search space"):
+    with pytest.raises(PrecsearchError, match=r"odd.yaml: unknown key 'samplr' \(did you mean sampler\?\)"):
         load_space(odd)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from precsearch import search, strategies
 from precsearch.cost import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.graph import trace
@@ -176,6 +177,28 @@ def test_seed_candidates_are_distinct_and_cover_the_sweep(graph):
     by_origin = {origin: candidate for candidate, names in seeds for origin in names}
     assert by_origin["paper r=0.0"].key == by_origin["all-high"].key
     assert by_origin["paper r=1.0"].key == by_origin["all-low"].key
+
+
+def test_a_registered_seeding_is_enqueued_by_the_search_without_editing_it(graph, monkeypatch):
+    monkeypatch.setattr(strategies, "SEEDINGS", dict(strategies.SEEDINGS))  # the registration is undone after
+
+    @strategies.register_seeding
+    class Alternate(strategies.Seeding):
+        name = "alternate"
+
+        def candidates(self, graph, space):
+            decisions = {unit: ("low" if i % 2 else "high") for i, unit in enumerate(units(graph, space))}
+            return [(strategies.Candidate(self.name, decisions, assign(graph, space, decisions),
+                                          low_share(graph, space, decisions)), "alternate")]
+
+    enqueued = []
+    study = SimpleNamespace(enqueue_trial=lambda params, user_attrs: enqueued.append((params, user_attrs)))
+    search._seed_study(study, SimpleNamespace(graph=graph, space=SPACE))
+    origins = [attrs["origin"] for _, attrs in enqueued]
+    assert origins[0] == ["all-high", "paper r=0.0"] and origins[-1] == ["alternate"]
+    assert enqueued[-1][0] == {unit: ("low" if i % 2 else "high") for i, unit in enumerate(units(graph, SPACE))}
+    with pytest.raises(PrecsearchError, match="'alternate' is registered already"):
+        strategies.register_seeding(Alternate)
 
 
 def test_assignment_key_ignores_order_and_sees_changes():

@@ -12,8 +12,8 @@ from typing import Any
 
 from precsearch.cli.search import add_data_arguments
 from precsearch.errors import PrecsearchError
-from precsearch.proxy import PAPER_LR, ProxyConfig
-from precsearch.spec import COMPRESSIONS
+from precsearch.spec import COMPRESSIONS, ProxyConfig
+from precsearch.train import PAPER_LR
 
 
 def register(subparsers: Any) -> None:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     from precsearch.data import load_dataset
     from precsearch.policy import Policy
-    from precsearch.proxy import PAPER_RECIPE, train_policy
+    from precsearch.train import PAPER_RECIPE, train_policy
 
     if args.threads is not None:
         if args.threads < 1:
