@@ -539,10 +539,8 @@ def _code_builder(fmt: FloatFormat):
     def codes_of(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         mag = bits & 0x7FFFFFFF
         value = mag.view(torch.float32)
-        if quanta_exp <= 127:
-            quanta = value * 2.0**quanta_exp
-        else:  # 2 ** quanta_exp is no float32
-            quanta = value / 2.0**-quanta_exp
+        # a product with 2 ** quanta_exp, or a quotient where that power is no float32
+        quanta = value * 2.0**quanta_exp if quanta_exp <= 127 else value / 2.0**-quanta_exp
         mag_code = torch.where(mag >= normal_from, (mag >> drop) - bias_offset, quanta.to(torch.int32))
         unencodable = None
         if fmt.has_inf:
@@ -595,7 +593,8 @@ def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_b
         if not with_codes:
             return rounded, None, torch.stack([over, torch.zeros_like(over)])
         codes, unencodable = codes_of(rounded_bits)
-        return rounded, codes, torch.stack([over, torch.zeros_like(over) if unencodable is None else _count(unencodable)])
+        bad = torch.zeros_like(over) if unencodable is None else _count(unencodable)
+        return rounded, codes, torch.stack([over, bad])
 
     what = "round, count" + (" and encode" if with_codes else "")
     return _labelled(_label(fmt, what, rounding, overflow), round_and_count_kernel)
