@@ -379,9 +379,7 @@ class AdaptiveLossScaler(LossScaler):
         underflow_rate: float = 1e-3,
         init_scale: float = 1.0,
         max_scale: float = 2.0**24,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,  # as dynamic's
         *,
         overflow_format: str | FloatFormat | None = None,
         overflow_check: OverflowCheck | None = None,
