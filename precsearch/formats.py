@@ -374,36 +374,35 @@ class _Compiled:
             return unflatten(compiled(*pick(flat, args)))
         torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel serves every tensor size
         before = len(self._captured)
+        verify = direct == () and flat.numel() < _INT32_LENGTHS
+        inputs = [flat.clone(), *(a.clone() for a in args)] if verify else []  # a kernel may write over them
         result = self._dynamo(flat, *args)
-        if direct == () and flat.numel() < _INT32_LENGTHS:
-            self._direct[flat.device] = self._verified(self._captured[before:], result, flat, args)
+        if verify:
+            self._direct[flat.device] = self._verified(self._captured[before:], result, inputs, [flat, *args])
         return result
 
-    def _verified(self, captured: list, result, flat: torch.Tensor, args: tuple) -> tuple | None:
+    def _verified(self, captured: list, result, inputs: list[torch.Tensor], written: list[torch.Tensor]
+                  ) -> tuple | None:
         """(compiled code, its inputs from the kernel's, its outputs to the kernel's) when calling the code
-        directly gives ``result`` again, else None (logged once)."""
+        directly on copies of the first call's ``inputs`` gives its ``result`` again, and leaves the copies as
+        that call left them (``written``); else None (logged once)."""
         leaves, spec = tree_flatten(result)
         tensors = [leaf for leaf in leaves if leaf is not None]  # a None the kernel returns is no graph output
         reason = "Dynamo compiled no single graph" if len(captured) != 1 else ""
         if not reason:
             graph_module, compiled = captured[0]
             pick = self._input_picker(graph_module)
-            again = None if pick is None else list(compiled(*pick(flat, args)))
+            again = None if pick is None else list(compiled(*pick(inputs[0], tuple(inputs[1:]))))
             if again is None:
                 reason = "the graph takes inputs other than the kernel's arguments and the tensor length"
-            elif len(again) != len(tensors) or not all(map(_same_bits, again, tensors)):
+            elif (len(again) != len(tensors) or not all(map(_same_bits, again, tensors))
+                  or not all(map(_same_bits, inputs, written))):
                 reason = "the compiled code called directly gave another result"
         if reason:
             log.warning("the %s kernel runs through TorchDynamo on %s, about 35 us more a call: %s",
-                        self.label, flat.device, reason)
+                        self.label, written[0].device, reason)
             return None
-        is_none = [leaf is None for leaf in leaves]  # not the leaves themselves: they would stay alive
-
-        def unflatten(outputs: list) -> object:
-            filled = iter(outputs)
-            return tree_unflatten([None if none else next(filled) for none in is_none], spec)
-
-        return compiled, pick, unflatten
+        return compiled, pick, _unflattener(result, leaves, spec)
 
     def _input_picker(self, graph_module: fx.GraphModule):
         """How to make the graph's inputs from the kernel's arguments, or None where it takes anything else."""
@@ -421,6 +420,26 @@ class _Compiled:
             return [flat.numel() if index is None else values[index] for index in sources]
 
         return pick
+
+
+def _unflattener(result: object, leaves: list, spec: object):
+    """Rebuilds a kernel's result from the compiled code's outputs (its tensors, Nones left out). Holds the
+    positions of the Nones, not the leaves (they would stay alive); a flat tuple, the kernels' usual result,
+    without pytree's walk."""
+    is_none = [leaf is None for leaf in leaves]
+    if isinstance(result, tuple) and len(result) == len(leaves):
+        slots = []
+        filled = 0
+        for none in is_none:
+            slots.append(None if none else filled)
+            filled += not none
+        return lambda outputs: tuple(None if slot is None else outputs[slot] for slot in slots)
+
+    def unflatten(outputs: list) -> object:
+        filled = iter(outputs)
+        return tree_unflatten([None if none else next(filled) for none in is_none], spec)
+
+    return unflatten
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -580,8 +599,10 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_bits: int, with_codes: bool):
-    """One pass: rounded values, [overflow count, unencodable count], and (``with_codes``) their codes."""
+def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_bits: int, with_codes: bool,
+                          in_place: bool = False):
+    """One pass: rounded values (written over ``x`` with ``in_place``, then None), [overflow count,
+    unencodable count], and (``with_codes``) their codes."""
     round_values = _make_kernel(_round_key(fmt, rounding, overflow))
     codes_of = _code_builder(fmt)
 
@@ -590,13 +611,16 @@ def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_b
         over = _count((mag >= over_bits) & (mag <= 0x7F800000))  # NaN is no overflow
         rounded_bits = round_values(x, seed)
         rounded = rounded_bits.view(torch.float32)
-        if not with_codes:
-            return rounded, None, torch.stack([over, torch.zeros_like(over)])
-        codes, unencodable = codes_of(rounded_bits)
-        bad = torch.zeros_like(over) if unencodable is None else _count(unencodable)
+        codes, bad = None, torch.zeros_like(over)
+        if with_codes:
+            codes, unencodable = codes_of(rounded_bits)
+            bad = bad if unencodable is None else _count(unencodable)
+        if in_place:
+            x.copy_(rounded)
+            rounded = None
         return rounded, codes, torch.stack([over, bad])
 
-    what = "round, count" + (" and encode" if with_codes else "")
+    what = "round, count" + (" and encode" if with_codes else "") + (" in place" if in_place else "")
     return _labelled(_label(fmt, what, rounding, overflow), round_and_count_kernel)
 
 
@@ -638,21 +662,32 @@ _shaped = torch.ops.aten._unsafe_view.default
 
 
 @functools.lru_cache(maxsize=256)
-def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool):
+def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool, in_place: bool = False):
     """``round_and_count`` for one setting, with every look-up done once: what the runtime calls per tensor
-    (``fn(x, seed)`` on a float32 ``x``)."""
+    (``fn(x, seed)`` on a float32 ``x``). With ``in_place`` the rounded values are written over ``x`` in the
+    same pass (no new float32 tensor; a non-contiguous ``x`` is copied back) and ``fn`` returns None for them."""
     spec = get_format(fmt)
     if spec.is_fp32:
         raise PrecsearchError("round_and_count: fp32 needs no rounding; keep the tensor as it is")
     _check_modes(rounding, overflow)
     over_bits = _float_bits(overflow_threshold(spec, rounding))
-    kernel = _make_round_and_count(spec, rounding, overflow, over_bits, with_codes and spec.bits <= 16)
+    packed = with_codes and spec.bits <= 16
+    kernel = _make_round_and_count(spec, rounding, overflow, over_bits, packed)
+    kernel_in_place = _make_round_and_count(spec, rounding, overflow, over_bits, packed, True)
 
     def fn(x: torch.Tensor, seed: torch.Tensor | None):
-        rounded, codes, counts = _run(kernel, x.reshape(-1), _zero_seed(x.device) if seed is None else seed)
+        seed = _zero_seed(x.device) if seed is None else seed
+        if in_place and x.is_contiguous():
+            _, codes, counts = _run(kernel_in_place, x.view(-1), seed)
+            return None, None if codes is None else _shaped(codes, x.shape), counts
+        rounded, codes, counts = _run(kernel, x.reshape(-1), seed)
         # shaped as x without being views of the flat outputs: a caller may modify them in place (ReLU(inplace)
         # on a view of an autograd Function's output is refused)
-        return _shaped(rounded, x.shape), None if codes is None else _shaped(codes, x.shape), counts
+        rounded = _shaped(rounded, x.shape)
+        if in_place:
+            x.copy_(rounded)
+            rounded = None
+        return rounded, None if codes is None else _shaped(codes, x.shape), counts
 
     return fn
 

@@ -68,6 +68,12 @@ GEMM_FUNCTIONS = frozenset({
 # aten ops (overload packet names) that multiply matrices, as the dispatcher sees them after decomposition
 _ATEN_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution",
                          "_convolution", "mkldnn_convolution", "cudnn_convolution", "_mkldnn_matmul"})
+# Ops (module type names, normalized function names) besides GEMMs whose output is a new tensor that their
+# own backward does not read, when not run in place: the runtime may write its rounding over it.
+_FRESH_OUTPUT_OPS = frozenset({
+    "add", "sub", "mul", "cat", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm",
+    "GroupNorm", "AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d",
+})
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 GEMM_MODULES: tuple[type[nn.Module], ...] = (*_CONVS, nn.Linear)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -298,6 +304,12 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def makes_fresh_output(op: OpInfo) -> bool:
+    """Whether ``op`` makes new output tensors that its backward does not read (a GEMM, a normalization, a
+    pooling, an out-of-place sum or product), so a rounding after it may overwrite them."""
+    return not op.attrs.get("inplace") and (op.role == "gemm" or op.module_type in _FRESH_OUTPUT_OPS)
 
 
 def is_gemm_module(module: nn.Module) -> bool:

@@ -13,7 +13,8 @@ autograd Functions (precsearch.runtime), which call these ops in forward and bac
   ``x`` rounded to ``fmt``; ``codes`` are the format's bit patterns of the result (for packed storage; an
   empty tensor without ``with_codes``). ``counts`` may be None (nothing counted). ``seed`` (an int64 tensor,
   advanced in place) drives stochastic rounding.
-* ``precsearch::round_(x, counts, row, fmt, rounding, overflow, seed)``: the same, in place (gradients).
+* ``precsearch::round_(x, counts, row, fmt, rounding, overflow, seed, with_codes) -> codes``: the same, written
+  over ``x`` in the same pass (weight gradients, and activations whose float32 values nothing else reads).
 * ``precsearch::decode(codes, fmt, size, stride, offset) -> Tensor``: the float32 values of packed codes,
   viewed with the geometry of the tensor that was saved.
 """
@@ -32,28 +33,32 @@ _lib = torch.library.Library("precsearch", "DEF")
 _lib.define("round(Tensor x, Tensor(a!)? counts, int row, str fmt, str rounding, str overflow, Tensor(b!)? seed, "
             "bool with_codes) -> (Tensor, Tensor)")
 _lib.define("round_(Tensor(a!) x, Tensor(b!)? counts, int row, str fmt, str rounding, str overflow, "
-            "Tensor(c!)? seed) -> ()")
+            "Tensor(c!)? seed, bool with_codes) -> Tensor")
 _lib.define("decode(Tensor codes, str fmt, SymInt[] size, SymInt[] stride, SymInt offset) -> Tensor")
 
 
 def _round_and_count(x: torch.Tensor, counts: torch.Tensor | None, row: int, fmt: str, rounding: str,
-                     overflow: str, seed: torch.Tensor | None, with_codes: bool):
+                     overflow: str, seed: torch.Tensor | None, with_codes: bool, in_place: bool = False):
     if rounding == "stochastic" and seed is not None:
         seed.add_(_SEED_STEP)
-    rounded, codes, counted = F.round_and_count_fn(fmt, rounding, overflow, with_codes)(x, seed)
+    rounded, codes, counted = F.round_and_count_fn(fmt, rounding, overflow, with_codes, in_place)(x, seed)
     if counts is not None:
         counts[row].add_(counted)
     return rounded, codes
 
 
+def _no_codes(x: torch.Tensor, codes: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(0, dtype=torch.uint8) if codes is None else codes
+
+
 def _round(x, counts, row, fmt, rounding, overflow, seed, with_codes):
     rounded, codes = _round_and_count(x, counts, row, fmt, rounding, overflow, seed, with_codes)
-    return rounded, x.new_empty(0, dtype=torch.uint8) if codes is None else codes
+    return rounded, _no_codes(x, codes)
 
 
-def _round_(x, counts, row, fmt, rounding, overflow, seed):
-    rounded, _ = _round_and_count(x, counts, row, fmt, rounding, overflow, seed, False)
-    x.copy_(rounded)
+def _round_(x, counts, row, fmt, rounding, overflow, seed, with_codes):
+    _, codes = _round_and_count(x, counts, row, fmt, rounding, overflow, seed, with_codes, in_place=True)
+    return _no_codes(x, codes)
 
 
 def _decode(codes, fmt, size, stride, offset):
@@ -65,17 +70,20 @@ _lib.impl("round_", _round_, "CompositeExplicitAutograd")
 _lib.impl("decode", _decode, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("precsearch::round", lib=_lib)
-def _round_fake(x, counts, row, fmt, rounding, overflow, seed, with_codes):
+def _codes_fake(x: torch.Tensor, fmt: str, with_codes: bool) -> torch.Tensor:
     spec = F.get_format(fmt)
     packed = with_codes and spec.bits <= 16
-    codes = x.new_empty(x.shape if packed else (0,), dtype=spec.storage_dtype if packed else torch.uint8)
-    return torch.empty_like(x), codes
+    return x.new_empty(x.shape if packed else (0,), dtype=spec.storage_dtype if packed else torch.uint8)
+
+
+@torch.library.register_fake("precsearch::round", lib=_lib)
+def _round_fake(x, counts, row, fmt, rounding, overflow, seed, with_codes):
+    return torch.empty_like(x), _codes_fake(x, fmt, with_codes)
 
 
 @torch.library.register_fake("precsearch::round_", lib=_lib)
-def _round__fake(x, counts, row, fmt, rounding, overflow, seed):
-    return None
+def _round__fake(x, counts, row, fmt, rounding, overflow, seed, with_codes):
+    return _codes_fake(x, fmt, with_codes)
 
 
 @torch.library.register_fake("precsearch::decode", lib=_lib)

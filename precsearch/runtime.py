@@ -84,7 +84,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from precsearch import formats as F
 from precsearch import ops
 from precsearch.errors import PrecsearchError
-from precsearch.graph import TensorGraph, grad_id, trace, untraced_modules
+from precsearch.graph import TensorGraph, grad_id, makes_fresh_output, trace, untraced_modules
 from precsearch.optim import LowPrecisionOptimizer, from_config
 from precsearch.policy import CHUNKED_LAYERS, Policy
 from precsearch.scaling import LossScaler, epoch_growth, make_scaler
@@ -195,13 +195,16 @@ class TensorState:
         rounded, codes = ops.round(x, counts if count else None, slot.row, *slot.args(), seeds, with_codes)
         return rounded, codes if codes.numel() else None
 
-    def round_(self, x: torch.Tensor, slot: _Slot, count: bool = True) -> None:
-        """Round ``x`` in place, counting its overflow (``count``)."""
+    def round_(self, x: torch.Tensor, slot: _Slot, with_codes: bool = False, count: bool = True
+               ) -> torch.Tensor | None:
+        """Round ``x`` in place, counting its overflow (``count``); its codes (``with_codes``, when the format
+        fits 16 bits)."""
         counts, seeds = self._device_state(x.device)
         count = count and x.numel() > 0
         if count:
             self._account(x, slot)
-        ops.round_(x, counts if count else None, slot.row, *slot.args(), seeds)
+        codes = ops.round_(x, counts if count else None, slot.row, *slot.args(), seeds, with_codes)
+        return codes if codes.numel() else None
 
     def _account(self, x: torch.Tensor, slot: _Slot) -> None:
         slot.calls += 1
@@ -437,6 +440,14 @@ class _Packer:
             for stored in pending.stored:
                 stored.attach(packed, self._codes)
 
+    def fresh(self, t: torch.Tensor) -> bool:
+        """Whether the rounding may write over ``t`` in this (training) forward: an op's own new output, no
+        view, that nothing saved and that is no parameter, buffer or tensor rounded before."""
+        if not self.active or t.grad_fn is None or t._base is not None or not _whole_storage(t):
+            return False
+        ptr = _storage(t)
+        return not (ptr in self._live or ptr in self._pending or ptr in self._params or ptr in self._buffers)
+
     def _forget(self, ptr: int, ident: int) -> None:
         if self.active and id(self._live.get(ptr)) == ident:
             del self._live[ptr]
@@ -482,10 +493,16 @@ class _Packer:
 # ----------------------------------------------------------------------------------- autograd functions
 
 
-def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: _Slot, with_codes: bool) -> Any:
-    """The forward of the round Functions: rounded values, and their codes as a non-differentiable output."""
+def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: _Slot, with_codes: bool,
+                   in_place: bool = False) -> Any:
+    """The forward of the round Functions: rounded values (``x`` itself, ``in_place``), and their codes as a
+    non-differentiable output."""
     ctx.set_materialize_grads(False)  # no zero gradients for the codes
-    rounded, codes = state.round(x, slot, with_codes, count=state.counting)
+    if in_place:
+        rounded, codes = x, state.round_(x, slot, with_codes, count=state.counting)
+        ctx.mark_dirty(x)
+    else:
+        rounded, codes = state.round(x, slot, with_codes, count=state.counting)
     if codes is None:
         return rounded, None
     ctx.mark_non_differentiable(codes)
@@ -493,19 +510,21 @@ def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: _Slot, w
 
 
 class _RoundActivation(torch.autograd.Function):
-    """Forward: the activation rounded to its format (and its codes). Backward: its gradient rounded."""
+    """Forward: the activation rounded to its format (and its codes), over the op's own output with
+    ``in_place``. Backward: its gradient rounded."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: TensorState, act: _Slot, grad: _Slot | None,
-                with_codes: bool) -> Any:
+                with_codes: bool, in_place: bool) -> Any:
         ctx.state, ctx.grad, ctx.count = state, grad, state.counting  # an evaluation's backward counts nothing
-        return _round_forward(ctx, x, state, act, with_codes)
+        return _round_forward(ctx, x, state, act, with_codes, in_place)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor | None, None, None, None, None,
+                                                                  None]:
         if ctx.grad is not None and g is not None:
             g = ctx.state.round(g, ctx.grad, count=ctx.count)[0]
-        return g, None, None, None, None
+        return g, None, None, None, None, None
 
 
 class _RoundWeight(torch.autograd.Function):
@@ -521,13 +540,16 @@ class _RoundWeight(torch.autograd.Function):
 
 
 class _Rounder(nn.Module):
-    """The module inserted after an op: rounds each output position that has a slot (act, grad)."""
+    """The module inserted after an op: rounds each output position that has a slot (act, grad). With
+    ``in_place`` (set by ``instrument_fx`` after ops that make fresh outputs read by nothing else) it may write
+    the rounded values over the op's output (``_Packer.fresh`` says when)."""
 
     def __init__(self, model: PrecisionModel, slots: dict[int, tuple[_Slot, _Slot | None]], op: str) -> None:
         super().__init__()
         self.op = op
         self.__dict__["_model"] = model  # not a submodule: the wrapper owns this one
         self.slots = slots
+        self.in_place = False
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -540,7 +562,7 @@ class _Rounder(nn.Module):
         pair = self.slots.get(position)
         if pair is None or t.dtype != torch.float32:
             return t
-        return self._model._activation(t, *pair)
+        return self._model._activation(t, *pair, in_place=self.in_place)
 
     def extra_repr(self) -> str:
         return self.op
@@ -640,6 +662,8 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
     for index, op in enumerate(graph.ops):
         inserted = rounder(op)
         if inserted is not None:
+            # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
+            inserted.in_place = makes_fresh_output(op)
             node = nodes[op.node]
             after = last_placeholder if node.op == "placeholder" else node
             new = insert(after, node, f"precsearch_round_{index}", inserted)
@@ -949,10 +973,11 @@ class PrecisionModel(nn.Module):
                 if id(param) in held:
                     optimizer.set_format(param, slot.fmt)
 
-    def _activation(self, t: torch.Tensor, act: _Slot, grad: _Slot | None) -> torch.Tensor:
+    def _activation(self, t: torch.Tensor, act: _Slot, grad: _Slot | None, in_place: bool = False) -> torch.Tensor:
         grad = grad if grad is not None and grad.is_low and t.requires_grad else None
         if act.is_low:
-            rounded, codes = _RoundActivation.apply(t, self.state, act, grad, self._packer.active)
+            in_place = in_place and self._packer.fresh(t)
+            rounded, codes = _RoundActivation.apply(t, self.state, act, grad, self._packer.active, in_place)
             self._packer.register(t, rounded, codes, act.fmt, act.kind)
             return rounded
         if grad is not None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precsearch import formats
+from precsearch import formats, runtime
 from precsearch.graph import trace
 from precsearch.memory import sgd_step
 from precsearch.models import build
@@ -196,3 +196,33 @@ def test_compiled_kernels_train_bit_identically_to_eager_ones(name, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(eager_weights, [p.detach() for p in plain.parameters()],
                                                      strict=True))  # the steps did train
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_rounding_over_the_ops_own_output_trains_as_rounding_into_a_new_tensor(name, monkeypatch):
+    """Activations of GEMMs, normalizations and sums are rounded over the op's output (no second float32
+    tensor); three steps give bit-identical losses and weights to rounding into a new tensor, and the in-place
+    rounds really ran (counted)."""
+    plain, graph, x, y = _setup(name)
+    policy = _paper_policy(graph)
+
+    def three_steps(in_place: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Counter[str]]:
+        if not in_place:
+            monkeypatch.setattr(runtime, "makes_fresh_output", lambda op: False)
+        model = copy.deepcopy(plain)
+        step = _stepper(apply_policy(model, policy), x, y)
+        monkeypatch.undo()
+        losses = [step() for _ in range(2)]
+        with DispatchCounter() as counter:
+            losses.append(step())
+        return losses, [p.detach().clone() for p in model.parameters()], counter.ops
+
+    fresh_losses, fresh_weights, fresh_ops = three_steps(True)
+    new_losses, new_weights, new_ops = three_steps(False)
+    assert all(torch.equal(a, b) for a, b in zip(fresh_losses, new_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fresh_weights, new_weights, strict=True))
+    gemms_and_norms = sum(op.role == "gemm" or "Norm" in op.module_type for op in graph.ops)
+    # weight gradients are rounded in place either way; activations of GEMMs and norms only in place
+    assert fresh_ops["precsearch.round_"] - new_ops["precsearch.round_"] >= gemms_and_norms
+    assert fresh_ops["precsearch.round_"] + fresh_ops["precsearch.round"] == (
+        new_ops["precsearch.round_"] + new_ops["precsearch.round"])
