@@ -639,14 +639,9 @@ def overflow_threshold(fmt: FloatFormat, rounding: str = "nearest") -> float:
     return float(torch.nextafter(mid, torch.tensor(math.inf)))
 
 
-def round_and_count(
-    x: torch.Tensor,
-    fmt: str | FloatFormat,
-    rounding: str = "nearest",
-    overflow: str | None = None,
-    seed: torch.Tensor | None = None,
-    with_codes: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def round_and_count(x: torch.Tensor, fmt: str | FloatFormat, rounding: str = "nearest", overflow: str | None = None,
+                    *, seed: torch.Tensor | None = None, with_codes: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``quantize(x, ...)``, the format's codes of the result (``with_codes``, else None), and an int64
     tensor ``[overflowed, unencodable]`` on ``x``'s device: how many values of ``x`` lie at or past
     ``overflow_threshold`` (NaN excluded), and how many results the format has no code for (inf or NaN in a

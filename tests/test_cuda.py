@@ -44,8 +44,8 @@ def test_every_format_rounds_on_cuda_bit_for_bit_as_on_cpu(spec, rounding):
     x = _values()
     for overflow in ("inf", "saturate", "nan"):
         seed = 12345
-        cpu, _, cpu_counts = round_and_count(x, spec, rounding, overflow, torch.tensor(seed), with_codes=False)
-        cuda, _, cuda_counts = round_and_count(x.cuda(), spec, rounding, overflow, torch.tensor(seed).cuda())
+        cpu, _, cpu_counts = round_and_count(x, spec, rounding, overflow, seed=torch.tensor(seed), with_codes=False)
+        cuda, _, cuda_counts = round_and_count(x.cuda(), spec, rounding, overflow, seed=torch.tensor(seed).cuda())
         assert torch.equal(_bits(cuda), _bits(cpu)), (spec, rounding, overflow)
         assert torch.equal(cuda_counts.cpu(), cpu_counts)
     assert not formats._failed, f"compile failed on CUDA for {formats._failed}"

@@ -1,8 +1,8 @@
 """Command-line entry point: a thin layer over the Python API.
 
-Each subcommand lives in its own module in this package and exposes ``register(subparsers)``, which adds an
-argparse parser whose ``func`` default runs the command. Modules are discovered, so adding a command never
-touches this file. Errors a user can fix (``PrecsearchError``, missing files) print one line and exit 2.
+Each subcommand lives in its own module in this package, named as the command, with ``HELP``, ``DESCRIPTION``,
+``add_arguments(parser)`` and ``run(args)``. Modules are discovered, so adding a command never touches this
+file. Errors a user can fix (``PrecsearchError``, missing files) print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{__name__}.{module_info.name}")
-        module.register(subparsers)
+        command = subparsers.add_parser(module_info.name, help=module.HELP, description=module.DESCRIPTION)
+        module.add_arguments(command)
+        command.set_defaults(func=module.run)
     return parser
 
 

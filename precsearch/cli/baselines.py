@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from precsearch.cli.search import add_data_arguments, add_space_arguments, space_argument
 from precsearch.spec import BASELINES
 
+HELP = "train prior-work baselines and the paper's sweep into one table"
+DESCRIPTION = ("Proxy-train the prior-work policies and the paper's technique at r = 0, 0.1, ..., 1 with "
+               "the space's proxy budget; writes baselines.csv and baselines/*.json into --out. In a search "
+               "run directory with the same settings, sweep points the search trained are reused.")
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "baselines", help="train prior-work baselines and the paper's sweep into one table",
-        description="Proxy-train the prior-work policies and the paper's technique at r = 0, 0.1, ..., 1 with "
-                    "the space's proxy budget; writes baselines.csv and baselines/*.json into --out. In a search "
-                    "run directory with the same settings, sweep points the search trained are reused.")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_space_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="output (or search run) directory")
     parser.add_argument("--names", default=",".join(BASELINES), metavar="LIST",
@@ -23,7 +22,6 @@ def register(subparsers: Any) -> None:
                         help="also sweep with groups ordered smallest-first and randomly")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,6 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 from precsearch.errors import PrecsearchError
 
@@ -28,16 +27,16 @@ JOBS = 2
 MAX_DROP = 0.01
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "demo", help="run a small real search on the generated gratings task (a few minutes on 2 cores)",
-        description="Search tiny_cnn's precision assignments in the paper's HFP8 space on the generated gratings "
-                    "task, train the prior-work baselines under the same proxies, and write the report.")
+HELP = "run a small real search on the generated gratings task (a few minutes on 2 cores)"
+DESCRIPTION = ("Search tiny_cnn's precision assignments in the paper's HFP8 space on the generated gratings "
+               "task, train the prior-work baselines under the same proxies, and write the report.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", metavar="DIR", help="run directory (default runs/demo)")
     parser.add_argument("--trials", type=int, default=TRIALS, metavar="N", help=f"trials (default {TRIALS})")
     parser.add_argument("--jobs", type=int, default=JOBS, metavar="N", help=f"worker processes (default {JOBS})")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
-    parser.set_defaults(func=run)
 
 
 def _clear_previous_demo(out: Path) -> None:

@@ -9,18 +9,15 @@ import torch
 
 from precsearch import formats
 
+HELP = "list float formats, or round values in them"
+DESCRIPTION = f"List float formats, or round values in them. Spec grammar: {formats.GRAMMAR}."
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "formats",
-        help="list float formats, or round values in them",
-        description=f"List float formats, or round values in them. Spec grammar: {formats.GRAMMAR}.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("specs", nargs="*", help="formats to show (default: every named format)")
     parser.add_argument("--round", nargs="+", type=float, metavar="X", help="values to round in each format")
     parser.add_argument("--rounding", default="nearest", choices=formats.ROUNDINGS)
     parser.add_argument("--overflow", default=None, choices=formats.OVERFLOWS)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+HELP = "plot and tabulate a run directory"
+DESCRIPTION = ("Write RUN_DIR/report.png (memory vs proxy accuracy: trials, Pareto front, the paper's "
+               "sweep, baselines) and RUN_DIR/report.md (the same points as a table). With --storage, "
+               "first rebuild RUN_DIR's trials.csv, pareto.csv, policies/ and best.json from the study.")
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "report", help="plot and tabulate a run directory",
-        description="Write RUN_DIR/report.png (memory vs proxy accuracy: trials, Pareto front, the paper's "
-                    "sweep, baselines) and RUN_DIR/report.md (the same points as a table). With --storage, "
-                    "first rebuild RUN_DIR's trials.csv, pareto.csv, policies/ and best.json from the study.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="directory written by precsearch search / baselines")
     parser.add_argument("--storage", default=None, metavar="URL",
                         help="read the study from this storage (e.g. the PostgreSQL URL the workers shared)")
     parser.add_argument("--study-name", default=None, metavar="NAME",
                         help="the study's name in --storage (default: precsearch, a search's own study)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

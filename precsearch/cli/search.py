@@ -48,11 +48,12 @@ def space_argument(args: argparse.Namespace) -> Any:
     return args.space if args.space is not None else paper_space()
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "search", help="search precision assignments (Optuna + proxy training)",
-        description="Search mixed-precision assignments of MODEL: memory from the cost model, accuracy from "
-                    "short proxy trainings. Writes trials.csv, pareto.csv, policies/ and best.json into --out.")
+HELP = "search precision assignments (Optuna + proxy training)"
+DESCRIPTION = ("Search mixed-precision assignments of MODEL: memory from the cost model, accuracy from "
+               "short proxy trainings. Writes trials.csv, pareto.csv, policies/ and best.json into --out.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_space_arguments(parser)
     parser.add_argument("--trials", type=int, default=40, metavar="N", help="trials in the study (default 40)")
     parser.add_argument("--out", required=True, metavar="DIR", help="run directory")
@@ -83,7 +84,6 @@ def register(subparsers: Any) -> None:
                              "space's sampler, tpe)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def proxy_seeds(text: str) -> int | None:

@@ -11,11 +11,11 @@ DEFAULT_BATCH = 128
 EXAMPLE_BATCH = 2
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "trace", help="show a model's tensors, groups and memory",
-        description="Trace MODEL into its tensor graph and print its groups, tensors, shapes and memory.",
-    )
+HELP = "show a model's tensors, groups and memory"
+DESCRIPTION = "Trace MODEL into its tensor graph and print its groups, tensors, shapes and memory."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="zoo name with options (resnet18, resnet18:width=0.25) or package.module:factory")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, metavar="N",
@@ -29,7 +29,6 @@ def register(subparsers: Any) -> None:
                         help="also measure one training forward at the batch size: saved bytes predicted vs "
                              "measured in fp32 and under the hfp8 and fp16 policies, and the ops not enforced "
                              "(exit status 1 when a figure is off by more than 2%%)")
-    parser.set_defaults(func=run)
 
 
 def _input_shape(text: str | None) -> tuple[int, ...]:

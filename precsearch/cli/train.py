@@ -15,13 +15,13 @@ from precsearch.errors import PrecsearchError
 from precsearch.spec import COMPRESSIONS, ProxyConfig
 from precsearch.train import PAPER_LR
 
+HELP = "train a model under a policy file"
+DESCRIPTION = ("Train MODEL under a policy (e.g. a search's best.json) with the paper's recipe (SGD lr 0.1, "
+               "momentum 0.9, weight decay 5e-4, cosine per epoch, random crop + flip, Kaiming fan-out "
+               "init); validation accuracy and loss go to --metrics after every evaluation.")
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "train", help="train a model under a policy file",
-        description="Train MODEL under a policy (e.g. a search's best.json) with the paper's recipe (SGD lr 0.1, "
-                    "momentum 0.9, weight decay 5e-4, cosine per epoch, random crop + flip, Kaiming fan-out "
-                    "init); validation accuracy and loss go to --metrics after every evaluation.")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the model the policy was made for (e.g. tiny_cnn)")
     parser.add_argument("--policy", default=None, metavar="FILE",
                         help="policy JSON file (optional with --nproc: without one, plain fp32)")
@@ -45,7 +45,6 @@ def register(subparsers: Any) -> None:
                         help="evaluate every N steps (default: every epoch)")
     parser.add_argument("--metrics", default=None, metavar="CSV", help="write metrics to this CSV file")
     add_data_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+HELP = "retrain a search's front and references at full length; write fidelity.csv and a plot"
+DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of "
+               "the run directory RUN for --steps steps, then write fidelity.csv (proxy vs long-run "
+               "accuracy, memory with the long run's promotions), fidelity.json (Spearman and Kendall rank "
+               "correlations with bootstrap intervals; whether best.json still meets its budget) and "
+               "fidelity.png.")
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "validate", help="retrain a search's front and references at full length; write fidelity.csv and a plot",
-        description="Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of "
-                    "the run directory RUN for --steps steps, then write fidelity.csv (proxy vs long-run "
-                    "accuracy, memory with the long run's promotions), fidelity.json (Spearman and Kendall rank "
-                    "correlations with bootstrap intervals; whether best.json still meets its budget) and "
-                    "fidelity.png.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", metavar="RUN", help="run directory of precsearch search")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="training steps of each long run (default: 8 x the proxy's steps)")
@@ -21,7 +20,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", default="cpu", help="auto (CUDA when available), cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
