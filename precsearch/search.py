@@ -772,9 +772,11 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
 
     Called only when resuming, before any worker starts, so every RUNNING trial belongs to a dead process.
     """
+    study_id = storage.get_study_id_from_name(study.study_name)
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
-        storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+        storage.set_trial_user_attr(trial_id, "interrupted", True)
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
     trials = study.get_trials(deepcopy=False)
     pending = {context.key(_params_of(t)) for t in trials
                if t.state in (*FINISHED, TrialState.WAITING) and len(_params_of(t)) == len(context.units)}
