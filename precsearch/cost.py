@@ -38,7 +38,7 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.formats import FloatFormat, get_format
-from precsearch.graph import OpInfo, TensorGraph, forward_error, grad_id, op_type_key, training_mode
+from precsearch.graph import OpInfo, TensorGraph, forward_error, grad_id, makes_fresh_output, op_type_key, training_mode
 from precsearch.optim import UpdateConfig, update_bytes_per_param
 from precsearch.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 
@@ -287,7 +287,8 @@ class CostModel:
         backward of their first saver; float32 forward values until their last forward use; activation
         gradients (float32) from the backward of their last consumer to that of their producer; weight
         gradients (float32) from their op's backward to the optimizer; kernel workspaces. Where a tensor is
-        low, the runtime's transients too: the raw float32 value beside its rounded copy, packed codes, the
+        low, the runtime's transients too: the raw float32 value beside its rounded copy (not where the rounding
+        writes over the op's output: ``graph.makes_fresh_output``, not saved by its producer), packed codes, the
         decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient,
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
         through module hooks), a rounded copy of each low weight gradient as it arrives. The optimizer holds
@@ -322,12 +323,16 @@ class CostModel:
             else:
                 hold(size, fwd(savers[0]), bwd(savers[0]), f"codes {entry.tensor}")
                 hold(4 * entry.numel, bwd(savers[-1]), bwd(savers[0]), f"decoded {entry.tensor}")
+        # outputs their producer saved: the runtime rounds the others of a fresh-output op over the op's output
+        self_saved = {entry.tensor for entry in self.saved if entry.tensor is not None
+                      and entry.tensor in producer and ops[producer[entry.tensor]].name in entry.saved_by}
         for tid, i in producer.items():
             numel = graph.tensors[tid].numel
             if ops[i].role != "input" and root[tid] == tid:
                 if tid not in saved_fp32:
                     hold(4 * numel, fwd(i), fwd(last_use.get(tid, i)), f"float32 {tid}")
-                if not formats.get(tid, FP32).is_fp32:
+                in_place = makes_fresh_output(ops[i]) and tid not in self_saved
+                if not formats.get(tid, FP32).is_fp32 and not in_place:
                     hold(4 * numel, fwd(i), fwd(i), f"unrounded {tid}")
             if needs_grad[tid]:
                 users = [index[name] for name in graph.tensors[tid].consumers if name in index]

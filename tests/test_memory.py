@@ -139,3 +139,39 @@ def test_predicted_peak_within_10_percent_of_measured(zoo, name, batch, policy_n
     assert abs(predicted - measured) <= 0.10 * measured, (
         f"{name} width {WIDTHS[name]} batch {batch} {policy_name}: predicted peak {predicted / MIB:.3f} MiB, "
         f"measured {measured / MIB:.3f} MiB (CPU allocator events)")
+
+
+
+def test_the_forward_rounds_out_of_place_exactly_where_the_cost_model_holds_a_float32_copy():
+    """A training forward under the all-low policy rounds into a new float32 tensor (``precsearch::round``,
+    counted by the dispatcher) once per low weight use, for the input batch, and for each activation the cost
+    model gives an ``unrounded`` block (a ReLU's output, which it saved itself); GEMM, normalization, sum and
+    pooling outputs are rounded over themselves (``precsearch::round_``), and the model holds no copy of them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = build("resnet18", width=0.125)
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    graph = trace(model, x[:2], batch_size=4)
+    policy = _policy("all-low", graph)
+    wrapped = apply_policy(model, policy)
+    with Counter() as counter:
+        wrapped(x)
+    blocks = CostModel(graph).peak_timeline(policy.assignment(graph))
+    unrounded = sum(b.what.startswith("unrounded ") for b in blocks)
+    weight_uses = sum(b.what.startswith("rounded ") and not b.what.startswith(("rounded gradient", "rounded weight"))
+                      for b in blocks)
+    fresh = sum(op.role == "gemm" or op.module_type in ("BatchNorm2d", "add", "AdaptiveAvgPool2d") for op in graph.ops)
+    assert unrounded == sum(op.module_type == "ReLU" for op in graph.ops)
+    assert counter.calls["precsearch.round"] == weight_uses + 1 + unrounded  # + 1: the input batch
+    assert counter.calls["precsearch.round_"] == fresh
