@@ -246,6 +246,15 @@ def _check_tensor(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def _times_power_of_two(t: torch.Tensor, exponent: int) -> torch.Tensor:
+    """``t * 2 ** exponent``, exact wherever the result is a float32: in two products where ``2 ** exponent``
+    is no normal float32 (bf16's min subnormal, 2 ** -133: a subnormal operand is slow, and 2 ** 133 overflows)."""
+    if -126 <= exponent <= 127:
+        return t * 2.0**exponent
+    half = exponent // 2
+    return (t * 2.0**half) * 2.0 ** (exponent - half)
+
+
 def _low32(v: torch.Tensor) -> torch.Tensor:
     """``v mod 2**32`` of an int64 tensor, written without the literal 0xFFFFFFFF (outside int32)."""
     return v - ((v >> 32) << 32)
@@ -293,7 +302,6 @@ def _make_kernel(key: _KernelKey):
     drop = 23 - key.man
     mask = (1 << drop) - 1
     min_normal_bits = (key.emin + 127) << 23
-    min_subnormal = 2.0 ** (key.emin - key.man)
     magic = 2.0 ** (key.emin - key.man + 23)
     on_overflow = {"saturate": key.max_bits, "inf": 0x7F800000, "nan": 0x7FC00000}[key.overflow]
     # Inputs that stay as they are: NaN always, and inf too when the format has inf.
@@ -316,7 +324,7 @@ def _make_kernel(key: _KernelKey):
             else:  # ties away from zero: add half a step, truncate
                 normal = (mag + ((mask + 1) >> 1)) & ~mask
                 quanta = (significand + (1 << (shift - 1))) >> shift
-            subnormal = (quanta.to(torch.float32) * min_subnormal).view(torch.int32)
+            subnormal = _times_power_of_two(quanta.to(torch.float32), key.emin - key.man).view(torch.int32)
         else:
             normal = (mag + ((mask >> 1) + ((mag >> drop) & 1))) & ~mask
             subnormal = ((mag.view(torch.float32) + magic) - magic).view(torch.int32)
@@ -539,6 +547,16 @@ def quantize(
 # ------------------------------------------------------------------------------------------ bit packing
 
 
+def _wide_codes(fmt: FloatFormat, device: torch.device) -> bool:
+    """Whether the kernels leave ``fmt``'s codes as int32, for aten to narrow: 16-bit codes on a CPU, where
+    Inductor's C++ conversions between int16 and int32 are not vectorized (six times a uint8 one; aten's are)."""
+    return fmt.storage_dtype == torch.int16 and device.type == "cpu"
+
+
+def _narrow(codes: torch.Tensor | None, fmt: FloatFormat) -> torch.Tensor | None:
+    return codes if codes is None or codes.dtype == fmt.storage_dtype else codes.to(fmt.storage_dtype)
+
+
 def _code_builder(fmt: FloatFormat):
     """The format's bit patterns of values already in the format (given as float32 bit patterns), and a mask of
     those it has no code for (None when it has a code for every value).
@@ -556,10 +574,10 @@ def _code_builder(fmt: FloatFormat):
     sign_extend = fmt.storage_dtype == torch.int16 and fmt.bits == 16
 
     def codes_of(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        wide = _wide_codes(fmt, bits.device)
         mag = bits & 0x7FFFFFFF
         value = mag.view(torch.float32)
-        # a product with 2 ** quanta_exp, or a quotient where that power is no float32
-        quanta = value * 2.0**quanta_exp if quanta_exp <= 127 else value / 2.0**-quanta_exp
+        quanta = _times_power_of_two(value, quanta_exp)
         mag_code = torch.where(mag >= normal_from, (mag >> drop) - bias_offset, quanta.to(torch.int32))
         unencodable = None
         if fmt.has_inf:
@@ -572,7 +590,8 @@ def _code_builder(fmt: FloatFormat):
             unencodable = mag >= 0x7F800000
         sign = bits >> (32 - fmt.bits)
         sign = sign & ~sign_mask if sign_extend else sign & (sign_mask + 1)
-        return (sign | mag_code).to(fmt.storage_dtype), unencodable
+        codes = sign | mag_code
+        return codes if wide else codes.to(fmt.storage_dtype), unencodable
 
     return codes_of
 
@@ -674,8 +693,10 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
         seed = _zero_seed(x.device) if seed is None else seed
         if in_place and x.is_contiguous():
             _, codes, counts = _run(kernel_in_place, x.view(-1), seed)
+            codes = _narrow(codes, spec)
             return None, None if codes is None else _shaped(codes, x.shape), counts
         rounded, codes, counts = _run(kernel, x.reshape(-1), seed)
+        codes = _narrow(codes, spec)
         # shaped as x without being views of the flat outputs: a caller may modify them in place (ReLU(inplace)
         # on a view of an autograd Function's output is refused)
         rounded = _shaped(rounded, x.shape)
@@ -700,7 +721,7 @@ def _make_decoder(fmt: FloatFormat):
     def decoder(codes: torch.Tensor) -> torch.Tensor:
         c = codes.to(torch.int32)
         mag_code = c & ((1 << (fmt.bits - 1)) - 1)
-        subnormal = (mag_code.to(torch.float32) * fmt.min_subnormal).view(torch.int32)
+        subnormal = _times_power_of_two(mag_code.to(torch.float32), fmt.emin - fmt.man).view(torch.int32)
         bits = torch.where(mag_code >= first_normal, (mag_code << drop) + bias_offset, subnormal)
         if fmt.has_inf:
             nan = (mag_code != top_code).to(torch.int32) << 22  # inf, or float32's quiet NaN
@@ -722,6 +743,7 @@ def encode(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     fmt = get_format(fmt)
     x = _check_tensor(x)
     codes, unencodable = _run(_make_encoder(fmt), x.reshape(-1))
+    codes = _narrow(codes, fmt)
     if unencodable.item():
         raise PrecsearchError(
             f"cannot encode inf/NaN in {fmt.name}, which has no such code: clamp or quantize the values first"
@@ -734,7 +756,8 @@ def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     fmt = get_format(fmt)
     if codes.dtype != fmt.storage_dtype:
         raise TypeError(f"{fmt.name} codes must be {fmt.storage_dtype}, got {codes.dtype}")
-    return _run(_make_decoder(fmt), codes.reshape(-1)).view(codes.shape)
+    flat = codes.reshape(-1)
+    return _run(_make_decoder(fmt), flat.to(torch.int32) if _wide_codes(fmt, flat.device) else flat).view(codes.shape)
 
 
 # ------------------------------------------------------------------------------------------- statistics

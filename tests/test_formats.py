@@ -278,7 +278,8 @@ def test_round_and_count_counts_what_could_round_past_max(spec):
 def test_compiled_path_matches_eager_bit_for_bit(monkeypatch):
     n = formats.COMPILE_MIN_NUMEL * 2
     x = torch.randn(n) * torch.exp2(torch.randint(-20, 20, (n,)).float())
-    for spec, rounding in [("e4m3b4s", "nearest"), ("fp8_e5m2", "stochastic")]:
+    cases = [("e4m3b4s", "nearest"), ("fp8_e5m2", "stochastic"), ("bf16", "stochastic"), ("fp16", "nearest")]
+    for spec, rounding in cases:
         compiled = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
         compiled_codes = encode(x, spec)
         compiled_back = decode(compiled_codes, spec)
