@@ -338,6 +338,7 @@ def _make_kernel(key: _KernelKey):
 
 _COMPILE = os.environ.get("PRECSEARCH_COMPILE", "1") != "0"
 _INT32_LENGTHS = 2**31  # flat lengths a compiled kernel's direct call serves (the kernels may count in int32)
+_PROBE_LENGTH = 4096  # values the first direct call is checked on (a copy of the start of the first input)
 _failed: set[str] = set()  # labels of kernels whose compilation failed: they alone run eagerly
 _ready: set[str] = set()  # labels of kernels compiled: they run compiled at any size
 
@@ -351,8 +352,9 @@ class _Compiled:
     """A kernel compiled by TorchDynamo and Inductor for any length, then called straight through Inductor's
     compiled code. Dynamo's frame evaluation, guards and wrappers cost about 35 us a call on a CPU, more than
     the kernel itself on a few thousand values, and a training step makes hundreds of calls. The direct call
-    is taken on a device once it gave, bit for bit, the result of Dynamo's own call that compiled it there;
-    otherwise that device stays on Dynamo's path, with one WARNING.
+    is taken on a device once it gave, bit for bit, Dynamo's own result on a copy of the start of the input
+    that compiled it there (results and writes over the inputs); otherwise that device stays on Dynamo's
+    path, with one WARNING.
 
     The kernel runs under a code object of its own, so each format has its own compile cache entry (no
     recompiles, no recompile limit to raise) however many formats a process uses."""
@@ -380,37 +382,45 @@ class _Compiled:
         if direct and flat.numel() < _INT32_LENGTHS:
             compiled, pick, unflatten = direct
             return unflatten(compiled(*pick(flat, args)))
-        torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel serves every tensor size
-        before = len(self._captured)
         verify = direct == () and flat.numel() < _INT32_LENGTHS
-        inputs = [flat.clone(), *(a.clone() for a in args)] if verify else []  # a kernel may write over them
-        result = self._dynamo(flat, *args)
+        probe = [flat[:_PROBE_LENGTH].clone(), *(a.clone() for a in args)] if verify else []  # before any write
+        before = len(self._captured)
+        result = self._through_dynamo(flat, *args)
         if verify:
-            self._direct[flat.device] = self._verified(self._captured[before:], result, inputs, [flat, *args])
+            self._direct[flat.device] = self._verified(self._captured[before:], probe)
         return result
 
-    def _verified(self, captured: list, result, inputs: list[torch.Tensor], written: list[torch.Tensor]
-                  ) -> tuple | None:
-        """(compiled code, its inputs from the kernel's, its outputs to the kernel's) when calling the code
-        directly on copies of the first call's ``inputs`` gives its ``result`` again, and leaves the copies as
-        that call left them (``written``); else None (logged once)."""
-        leaves, spec = tree_flatten(result)
-        tensors = [leaf for leaf in leaves if leaf is not None]  # a None the kernel returns is no graph output
+    def _through_dynamo(self, flat: torch.Tensor, *args: torch.Tensor):
+        torch._dynamo.mark_dynamic(flat, 0)  # one compiled kernel serves every tensor size
+        return self._dynamo(flat, *args)
+
+    def _verified(self, captured: list, probe: list[torch.Tensor]) -> tuple | None:
+        """(compiled code, its inputs from the kernel's, its outputs to the kernel's) when the code Dynamo
+        compiled, called directly on a copy of the start of the first call's inputs (``probe``), gives what
+        Dynamo gives on another copy, results and writes over the inputs alike; else None (logged once)."""
         reason = "Dynamo compiled no single graph" if len(captured) != 1 else ""
         if not reason:
             graph_module, compiled = captured[0]
             pick = self._input_picker(graph_module)
-            again = None if pick is None else list(compiled(*pick(inputs[0], tuple(inputs[1:]))))
-            if again is None:
+            if pick is None:
                 reason = "the graph takes inputs other than the kernel's arguments and the tensor length"
+        if not reason:
+            by_dynamo, direct = [t.clone() for t in probe], [t.clone() for t in probe]
+            compiled_before = len(self._captured)
+            expected = self._through_dynamo(*by_dynamo)
+            leaves, spec = tree_flatten(expected)
+            tensors = [leaf for leaf in leaves if leaf is not None]  # a None the kernel returns is no output
+            again = list(compiled(*pick(direct[0], tuple(direct[1:]))))
+            if len(self._captured) != compiled_before:
+                reason = "the graph does not serve every length (Dynamo compiled again for a shorter input)"
             elif (len(again) != len(tensors) or not all(map(_same_bits, again, tensors))
-                  or not all(map(_same_bits, inputs, written))):
+                  or not all(map(_same_bits, direct, by_dynamo))):
                 reason = "the compiled code called directly gave another result"
         if reason:
             log.warning("the %s kernel runs through TorchDynamo on %s, about 35 us more a call: %s",
-                        self.label, written[0].device, reason)
+                        self.label, probe[0].device, reason)
             return None
-        return compiled, pick, _unflattener(result, leaves, spec)
+        return compiled, pick, _unflattener(expected, leaves, spec)
 
     def _input_picker(self, graph_module: fx.GraphModule):
         """How to make the graph's inputs from the kernel's arguments, or None where it takes anything else."""

@@ -326,6 +326,14 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
     assert dynamo_calls == []
     expanded = torch.tensor(1e6).expand(80)  # stride 0, as autograd's gradient of a sum
     assert torch.equal(fn(expanded, seed)[2], torch.tensor([80, 0]))
+    in_place = formats.round_and_count_fn("e5m2", "stochastic", "inf", True, in_place=True)
+    for n in (70_001, 5):  # the first call compiles and checks a probe of the input; it writes over x
+        x = torch.randn(n) * 2.0**14
+        written = x.clone()
+        _, codes, counts = in_place(written, seed)
+        rounded, eager_codes, eager_counts = fn(x, seed)
+        assert mismatches(written, rounded) == 0 and torch.equal(codes, eager_codes)
+        assert torch.equal(counts, eager_counts)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
