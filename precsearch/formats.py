@@ -442,8 +442,10 @@ class _Compiled:
 
 def _unflattener(result: object, leaves: list, spec: object):
     """Rebuilds a kernel's result from the compiled code's outputs (its tensors, Nones left out). Holds the
-    positions of the Nones, not the leaves (they would stay alive); a flat tuple, the kernels' usual result,
-    without pytree's walk."""
+    positions of the Nones, not the leaves (they would stay alive); a tensor or a flat tuple, the kernels'
+    results, without pytree's walk."""
+    if isinstance(result, torch.Tensor):  # a decoder's
+        return lambda outputs: outputs[0]
     is_none = [leaf is None for leaf in leaves]
     if isinstance(result, tuple) and len(result) == len(leaves):
         slots = []
@@ -685,6 +687,12 @@ def round_and_count(x: torch.Tensor, fmt: str | FloatFormat, rounding: str = "ne
 _shaped = torch.ops.aten._unsafe_view.default
 
 
+@functools.cache
+def _warn_copied_back(label: str) -> None:
+    log.warning("%s: a non-contiguous tensor is rounded into a new one and copied back (one more pass and a "
+                "float32 copy), not in place", label)
+
+
 @functools.lru_cache(maxsize=256)
 def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool, in_place: bool = False):
     """``round_and_count`` for one setting, with every look-up done once: what the runtime calls per tensor
@@ -697,7 +705,7 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
     over_bits = _float_bits(overflow_threshold(spec, rounding))
     packed = with_codes and spec.bits <= 16
     kernel = _make_round_and_count(spec, rounding, overflow, over_bits, packed)
-    kernel_in_place = _make_round_and_count(spec, rounding, overflow, over_bits, packed, True)
+    kernel_in_place = _make_round_and_count(spec, rounding, overflow, over_bits, packed, True) if in_place else None
 
     def fn(x: torch.Tensor, seed: torch.Tensor | None):
         seed = _zero_seed(x.device) if seed is None else seed
@@ -711,6 +719,7 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
         # on a view of an autograd Function's output is refused)
         rounded = _shaped(rounded, x.shape)
         if in_place:
+            _warn_copied_back(kernel.label)
             x.copy_(rounded)
             rounded = None
         return rounded, None if codes is None else _shaped(codes, x.shape), counts
