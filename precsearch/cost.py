@@ -38,7 +38,16 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.formats import FloatFormat, get_format
-from precsearch.graph import OpInfo, TensorGraph, forward_error, grad_id, makes_fresh_output, op_type_key, training_mode
+from precsearch.graph import (
+    OpInfo,
+    TensorGraph,
+    forward_error,
+    grad_id,
+    gradient_arrives_fresh,
+    makes_fresh_output,
+    op_type_key,
+    training_mode,
+)
 from precsearch.optim import UpdateConfig, update_bytes_per_param
 from precsearch.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 
@@ -289,7 +298,8 @@ class CostModel:
         gradients (float32) from their op's backward to the optimizer; kernel workspaces. Where a tensor is
         low, the runtime's transients too: the raw float32 value beside its rounded copy (not where the rounding
         writes over the op's output: ``graph.makes_fresh_output``, not saved by its producer), packed codes, the
-        decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient,
+        decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient (not where
+        the rounding writes over it: ``graph.gradient_arrives_fresh``, the activation low too),
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
         through module hooks), a rounded copy of each low weight gradient as it arrives. The optimizer holds
         one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it exists
@@ -310,6 +320,7 @@ class CostModel:
             blocks.append(Held(int(nbytes), start, end, what))
 
         producer, root, needs_grad, last_use = _forward_lifetimes(graph)
+        fresh_gradients = gradient_arrives_fresh(graph)
         saved_fp32 = set()
         for entry, size in zip(self.saved, self._saved_bytes(assignment), strict=True):
             savers = sorted(index[name] for name in entry.saved_by)
@@ -337,7 +348,8 @@ class CostModel:
             if needs_grad[tid]:
                 users = [index[name] for name in graph.tensors[tid].consumers if name in index]
                 hold(4 * numel, bwd(max(users)) if users else 4.0 * n, bwd(i), f"gradient {tid}")
-                if not formats.get(grad_id(tid), FP32).is_fp32:
+                rounded_over = ops[i].name in fresh_gradients and not formats.get(tid, FP32).is_fp32
+                if not formats.get(grad_id(tid), FP32).is_fp32 and not rounded_over:
                     hold(4 * numel, bwd(i) - 1, bwd(i) - 1, f"rounded gradient {tid}")
         for i, op in enumerate(ops):
             inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)

@@ -378,6 +378,8 @@ class _Compiled:
 
     def __call__(self, flat: torch.Tensor, *args: torch.Tensor):
         flat = flat.contiguous()  # the compiled code takes unit strides (an expanded gradient has stride 0)
+        if flat.requires_grad:  # an op's output rounded in place: one graph serves it and its detached probe
+            flat = flat.detach()
         direct = self._direct.get(flat.device, ())
         if direct and flat.numel() < _INT32_LENGTHS:
             compiled, pick, unflatten = direct

@@ -74,6 +74,13 @@ _FRESH_OUTPUT_OPS = frozenset({
     "add", "sub", "mul", "cat", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm",
     "GroupNorm", "AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d",
 })
+# Ops (normalized names) besides GEMMs whose backward makes new input gradients (not a view or a pass-through
+# of the gradient it receives), so that the gradient of an input they alone read is the rounding's to overwrite.
+_FRESH_INPUT_GRADIENT_OPS = frozenset({
+    "relu", "relu6", "hardtanh", "leakyrelu", "batchnorm", "batchnorm1d", "batchnorm2d", "batchnorm3d",
+    "syncbatchnorm", "layernorm", "groupnorm", "maxpool1d", "maxpool2d", "maxpool3d", "avgpool1d", "avgpool2d",
+    "avgpool3d",
+})
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 GEMM_MODULES: tuple[type[nn.Module], ...] = (*_CONVS, nn.Linear)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -310,6 +317,32 @@ def makes_fresh_output(op: OpInfo) -> bool:
     """Whether ``op`` makes new output tensors that its backward does not read (a GEMM, a normalization, a
     pooling, an out-of-place sum or product), so a rounding after it may overwrite them."""
     return not op.attrs.get("inplace") and (op.role == "gemm" or op.module_type in _FRESH_OUTPUT_OPS)
+
+
+def gradient_arrives_fresh(graph: TensorGraph) -> frozenset[str]:
+    """The ops whose (single) output's gradient reaches its rounding as a new tensor nothing else holds: the
+    output has one reader in the traced graph, which reads it once and whose backward makes new input
+    gradients (a GEMM, a normalization, an activation function, a pooling), so that rounding may write over
+    it. Empty for an untraced model."""
+    if graph.graph_module is None:
+        return frozenset()
+    ops = {op.node: op for op in graph.ops}
+    fresh = set()
+    for node in graph.graph_module.graph.nodes:
+        users = list(node.users)
+        if node.name not in ops or len(users) != 1 or users[0].name not in ops:
+            continue
+        reader = ops[users[0].name]
+        reads = _count_reads(users[0], node)
+        if reads == 1 and (reader.role == "gemm" or op_type_key(reader.module_type) in _FRESH_INPUT_GRADIENT_OPS):
+            fresh.add(ops[node.name].name)
+    return frozenset(fresh)
+
+
+def _count_reads(user: torch.fx.Node, node: torch.fx.Node) -> int:
+    reads: list[bool] = []
+    torch.fx.node.map_arg((user.args, user.kwargs), lambda arg: reads.append(arg is node))
+    return sum(reads)
 
 
 def is_gemm_module(module: nn.Module) -> bool:

@@ -84,7 +84,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from precsearch import formats as F
 from precsearch import ops
 from precsearch.errors import PrecsearchError
-from precsearch.graph import TensorGraph, grad_id, makes_fresh_output, trace, untraced_modules
+from precsearch.graph import TensorGraph, grad_id, gradient_arrives_fresh, makes_fresh_output, trace, untraced_modules
 from precsearch.optim import LowPrecisionOptimizer, from_config
 from precsearch.policy import CHUNKED_LAYERS, Policy
 from precsearch.scaling import LossScaler, epoch_growth, make_scaler
@@ -511,20 +511,25 @@ def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: _Slot, w
 
 class _RoundActivation(torch.autograd.Function):
     """Forward: the activation rounded to its format (and its codes), over the op's own output with
-    ``in_place``. Backward: its gradient rounded."""
+    ``in_place``. Backward: its gradient rounded, over the gradient itself with ``grad_in_place`` (a new
+    tensor only this rounding reads, ``graph.gradient_arrives_fresh``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: TensorState, act: _Slot, grad: _Slot | None,
-                with_codes: bool, in_place: bool) -> Any:
+                with_codes: bool, in_place: bool, grad_in_place: bool) -> Any:
         ctx.state, ctx.grad, ctx.count = state, grad, state.counting  # an evaluation's backward counts nothing
+        ctx.grad_in_place = grad_in_place
         return _round_forward(ctx, x, state, act, with_codes, in_place)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor | None, None, None, None, None,
-                                                                  None]:
+                                                                  None, None]:
         if ctx.grad is not None and g is not None:
-            g = ctx.state.round(g, ctx.grad, count=ctx.count)[0]
-        return g, None, None, None, None, None
+            if ctx.grad_in_place and g.is_contiguous():
+                ctx.state.round_(g, ctx.grad, count=ctx.count)
+            else:
+                g = ctx.state.round(g, ctx.grad, count=ctx.count)[0]
+        return g, None, None, None, None, None, None
 
 
 class _RoundWeight(torch.autograd.Function):
@@ -542,14 +547,17 @@ class _RoundWeight(torch.autograd.Function):
 class _Rounder(nn.Module):
     """The module inserted after an op: rounds each output position that has a slot (act, grad). With
     ``in_place`` (set by ``instrument_fx`` after ops that make fresh outputs read by nothing else) it may write
-    the rounded values over the op's output (``_Packer.fresh`` says when)."""
+    the rounded values over the op's output (``_Packer.fresh`` says when); with ``grad_in_place`` (the output's
+    gradient arrives as a new tensor, ``graph.gradient_arrives_fresh``) it rounds that gradient over itself,
+    unless a backward hook of the reading module may keep it."""
 
     def __init__(self, model: PrecisionModel, slots: dict[int, tuple[_Slot, _Slot | None]], op: str) -> None:
         super().__init__()
         self.op = op
         self.__dict__["_model"] = model  # not a submodule: the wrapper owns this one
         self.slots = slots
-        self.in_place = False
+        self.in_place = self.grad_in_place = False
+        self.__dict__["reader"] = None  # the module reading the output, when ``grad_in_place``
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -562,10 +570,17 @@ class _Rounder(nn.Module):
         pair = self.slots.get(position)
         if pair is None or t.dtype != torch.float32:
             return t
-        return self._model._activation(t, *pair, in_place=self.in_place)
+        grad_in_place = self.grad_in_place and not _keeps_input_gradients(self.reader)
+        return self._model._activation(t, *pair, in_place=self.in_place, grad_in_place=grad_in_place)
 
     def extra_repr(self) -> str:
         return self.op
+
+
+def _keeps_input_gradients(module: nn.Module | None) -> bool:
+    """Whether a backward hook (the module's own or a global one) sees, and may keep, the gradients of the
+    module's inputs: a rounding must not write over them then."""
+    return module is not None and bool(module._backward_hooks or nn.modules.module._global_backward_hooks)
 
 
 class _Alias(nn.Module):
@@ -659,14 +674,19 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
         node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
         return new
 
+    fresh_gradients = gradient_arrives_fresh(graph)
     for index, op in enumerate(graph.ops):
         inserted = rounder(op)
         if inserted is not None:
             # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
             inserted.in_place = makes_fresh_output(op)
+            inserted.grad_in_place = op.name in fresh_gradients and set(inserted.slots) == {0}
             node = nodes[op.node]
             after = last_placeholder if node.op == "placeholder" else node
             new = insert(after, node, f"precsearch_round_{index}", inserted)
+            reader = next(iter(new.users))
+            if inserted.grad_in_place and reader.op == "call_module":
+                inserted.__dict__["reader"] = gm.get_submodule(reader.target)  # the user's, not a child
             carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
             rounded.append((new, inserted))
     op_nodes = {op.node for op in graph.ops}
@@ -973,11 +993,13 @@ class PrecisionModel(nn.Module):
                 if id(param) in held:
                     optimizer.set_format(param, slot.fmt)
 
-    def _activation(self, t: torch.Tensor, act: _Slot, grad: _Slot | None, in_place: bool = False) -> torch.Tensor:
+    def _activation(self, t: torch.Tensor, act: _Slot, grad: _Slot | None, in_place: bool = False,
+                    grad_in_place: bool = False) -> torch.Tensor:
         grad = grad if grad is not None and grad.is_low and t.requires_grad else None
         if act.is_low:
             in_place = in_place and self._packer.fresh(t)
-            rounded, codes = _RoundActivation.apply(t, self.state, act, grad, self._packer.active, in_place)
+            rounded, codes = _RoundActivation.apply(t, self.state, act, grad, self._packer.active, in_place,
+                                                    grad_in_place)
             self._packer.register(t, rounded, codes, act.fmt, act.kind)
             return rounded
         if grad is not None:

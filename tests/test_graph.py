@@ -408,3 +408,31 @@ def test_subclasses_of_conv_and_linear_are_gemm_leaves():
     gemms = [op.name for op in graph.ops if op.role == "gemm"]
     assert graph.graph_module is not None  # FX, not the hook fallback
     assert sorted(gemms) == sorted(swapped)
+
+
+def test_gradients_arrive_fresh_exactly_where_one_conv_norm_or_relu_reads_an_output():
+    """Hand count on ResNet-18: every conv output (read by its BN, 20), the BN outputs read by a ReLU (9), the
+    ReLU outputs read by one conv alone (8), the sums (read by a ReLU, 8) and the input batch (read by the stem
+    conv); not the BN outputs that a sum reads (its backward passes the gradient through, 11), the ReLU
+    outputs read by a conv and a sum (8), the pooling (read by flatten) or the logits."""
+    from precsearch.graph import gradient_arrives_fresh
+
+    graph = trace(build("resnet18", width=0.25), torch.randn(2, 3, 32, 32))
+    fresh = gradient_arrives_fresh(graph)
+    counts: dict[str, int] = {}
+    for op in graph.ops:
+        if op.name in fresh:
+            counts[op.module_type] = counts.get(op.module_type, 0) + 1
+    assert counts == {"input": 1, "Conv2d": 20, "BatchNorm2d": 9, "ReLU": 8, "add": 8}
+
+    class Twice(nn.Module):  # a ReLU output read twice by one op: its gradient is a sum, not one new tensor
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            h = torch.relu(self.conv(x))
+            return torch.mul(h, h)
+
+    twice = trace(Twice(), torch.randn(2, 3, 4, 4))
+    assert gradient_arrives_fresh(twice) == {op.name for op in twice.ops if op.module_type in ("input", "Conv2d")}
