@@ -158,6 +158,7 @@ class CostModel:
         self._trainable = [tid for tid, info in graph.tensors.items()
                            if info.kind == "weight" and f"{tid}_master" in graph.tensors]
         self.saved = _predict_saved(graph)
+        self._fresh_gradients = gradient_arrives_fresh(graph)  # outputs whose gradient is rounded over itself
 
     # ------------------------------------------------------------------------------------------ memory
 
@@ -320,7 +321,6 @@ class CostModel:
             blocks.append(Held(int(nbytes), start, end, what))
 
         producer, root, needs_grad, last_use = _forward_lifetimes(graph)
-        fresh_gradients = gradient_arrives_fresh(graph)
         saved_fp32 = set()
         for entry, size in zip(self.saved, self._saved_bytes(assignment), strict=True):
             savers = sorted(index[name] for name in entry.saved_by)
@@ -348,7 +348,7 @@ class CostModel:
             if needs_grad[tid]:
                 users = [index[name] for name in graph.tensors[tid].consumers if name in index]
                 hold(4 * numel, bwd(max(users)) if users else 4.0 * n, bwd(i), f"gradient {tid}")
-                rounded_over = ops[i].name in fresh_gradients and not formats.get(tid, FP32).is_fp32
+                rounded_over = ops[i].name in self._fresh_gradients and not formats.get(tid, FP32).is_fp32
                 if not formats.get(grad_id(tid), FP32).is_fp32 and not rounded_over:
                     hold(4 * numel, bwd(i) - 1, bwd(i) - 1, f"rounded gradient {tid}")
         for i, op in enumerate(ops):

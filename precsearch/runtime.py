@@ -684,8 +684,8 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
             node = nodes[op.node]
             after = last_placeholder if node.op == "placeholder" else node
             new = insert(after, node, f"precsearch_round_{index}", inserted)
-            reader = next(iter(new.users))
-            if inserted.grad_in_place and reader.op == "call_module":
+            reader = next(iter(new.users)) if inserted.grad_in_place else None  # its one reader
+            if reader is not None and reader.op == "call_module":
                 inserted.__dict__["reader"] = gm.get_submodule(reader.target)  # the user's, not a child
             carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
             rounded.append((new, inserted))
