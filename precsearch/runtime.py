@@ -175,7 +175,7 @@ class TensorState:
         self._counts: torch.Tensor | None = None
         self._seeds: torch.Tensor | None = None
         self._dirty = False
-        self._warned_unencodable = False
+        self._warned_unencodable = self._warned_copied_gradient = False
 
     def _device_state(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._counts is None or self._counts.device != device:
@@ -205,6 +205,14 @@ class TensorState:
             self._account(x, slot)
         codes = ops.round_(x, counts if count else None, slot.row, *slot.args(), seeds, with_codes)
         return codes if codes.numel() else None
+
+    def warn_gradient_copied(self, slot: _Slot) -> None:
+        """Once: a gradient that may be rounded over itself arrived non-contiguous, so it was rounded into a new
+        tensor."""
+        if not self._warned_copied_gradient:
+            self._warned_copied_gradient = True
+            log.warning("the gradient %s arrived non-contiguous (a channels_last model?): such gradients are "
+                        "rounded into a new tensor (one more float32 block each), not over themselves", slot.id)
 
     def _account(self, x: torch.Tensor, slot: _Slot) -> None:
         slot.calls += 1
@@ -528,6 +536,8 @@ class _RoundActivation(torch.autograd.Function):
             if ctx.grad_in_place and g.is_contiguous():
                 ctx.state.round_(g, ctx.grad, count=ctx.count)
             else:
+                if ctx.grad_in_place:
+                    ctx.state.warn_gradient_copied(ctx.grad)
                 g = ctx.state.round(g, ctx.grad, count=ctx.count)[0]
         return g, None, None, None, None, None, None
 

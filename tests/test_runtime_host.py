@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from precsearch import formats, runtime
-from precsearch.graph import gradient_arrives_fresh, trace
+from precsearch.graph import grad_id, gradient_arrives_fresh, trace
 from precsearch.memory import sgd_step
 from precsearch.models import build
 from precsearch.policy import Policy, baseline
@@ -231,3 +231,31 @@ def test_rounding_over_the_ops_own_output_trains_as_rounding_into_a_new_tensor(n
     assert fresh_ops["precsearch.round_"] - new_ops["precsearch.round_"] >= gemms_and_norms + read_once
     assert fresh_ops["precsearch.round_"] + fresh_ops["precsearch.round"] == (
         new_ops["precsearch.round_"] + new_ops["precsearch.round"])
+
+
+def test_a_gradient_that_arrives_non_contiguous_is_rounded_into_a_new_tensor_with_one_warning(caplog):
+    """Where the rounding may write over a gradient but it arrives non-contiguous (channels_last), it is
+    rounded into a new tensor: the gradient it received is left as it was, the result is torch's own rounding
+    of it, and one WARNING says so however often it happens."""
+    from precsearch.formats import quantize
+    from precsearch.runtime import _RoundActivation
+
+    plain, graph, _, _ = _setup()
+    wrapped = apply_policy(plain, _paper_policy(graph))
+    slots = wrapped.state.slots
+    act = next(slot for slot in slots.values() if slot.kind == "activation" and slot.is_low
+               and grad_id(slot.id) in slots and slots[grad_id(slot.id)].is_low)
+    grad = slots[grad_id(act.id)]
+    with caplog.at_level("WARNING", logger="precsearch.runtime"):
+        for _ in range(2):
+            x = torch.randn(4, 8, 6, 6, requires_grad=True)
+            g = (torch.randn(4, 8, 6, 6) * 2.0**-20).to(memory_format=torch.channels_last)
+            received = g.clone()
+            rounded, _ = _RoundActivation.apply(x * 1.0, wrapped.state, act, grad, False, False, True)
+            rounded.backward(g)
+            assert torch.equal(g, received)
+            assert torch.equal(x.grad, quantize(received, *grad.args()[:1], rounding=grad.args()[1],
+                                                overflow=grad.args()[2]))
+            assert not torch.equal(x.grad, received)  # the rounding did something
+    warnings = [r for r in caplog.records if "arrived non-contiguous" in r.getMessage()]
+    assert len(warnings) == 1
