@@ -28,6 +28,7 @@ the graph (precsearch.memory measures it).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -41,9 +42,12 @@ from precsearch.formats import FloatFormat, get_format
 from precsearch.graph import (
     OpInfo,
     TensorGraph,
+    conv_slice_rows,
+    convolves_in_slices,
     forward_error,
     grad_id,
     gradient_arrives_fresh,
+    gradient_passes_from,
     makes_fresh_output,
     op_type_key,
     training_mode,
@@ -90,6 +94,9 @@ _UNKNOWN_RULE = ("inputs", "output")
 # torch 2.13's CPU kernels (oneDNN conv: a reordered input gradient and input; batch norm: one temporary).
 _CONV_BACKWARD_WORKSPACE = 2
 _BN_BACKWARD_WORKSPACE = 1
+# A sliced conv backward (``graph.convolves_in_slices``), in float32 slices of its input: the decoded slice,
+# its input gradient before the copy into the whole one, oneDNN's reorders of both.
+_SLICED_CONV_WORKSPACE = 4
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,8 @@ class CostModel:
                            if info.kind == "weight" and f"{tid}_master" in graph.tensors]
         self.saved = _predict_saved(graph)
         self._fresh_gradients = gradient_arrives_fresh(graph)  # outputs whose gradient is rounded over itself
+        by_name = {op.name: op for op in graph.ops}  # and those that are so where an add's is rounded alike:
+        self._gradient_sources = {name: by_name[add] for name, add in gradient_passes_from(graph).items()}
 
     # ------------------------------------------------------------------------------------------ memory
 
@@ -300,7 +309,9 @@ class CostModel:
         low, the runtime's transients too: the raw float32 value beside its rounded copy (not where the rounding
         writes over the op's output: ``graph.makes_fresh_output``, not saved by its producer), packed codes, the
         decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient (not where
-        the rounding writes over it: ``graph.gradient_arrives_fresh``, the activation low too),
+        the rounding writes over it: ``graph.gradient_arrives_fresh``, the activation low too, or
+        ``graph.gradient_passes_from``, the add's output gradient in the same format), a sliced conv backward's
+        workspace (``graph.convolves_in_slices``, whose input is never decoded whole),
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
         through module hooks), a rounded copy of each low weight gradient as it arrives. The optimizer holds
         one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it exists
@@ -321,6 +332,9 @@ class CostModel:
             blocks.append(Held(int(nbytes), start, end, what))
 
         producer, root, needs_grad, last_use = _forward_lifetimes(graph)
+        traced = graph.graph_module is not None
+        sliced = {i for i, op in enumerate(ops) if traced and op.input_tensors and convolves_in_slices(
+            op, not formats.get(op.input_tensors[0], FP32).is_fp32)}
         saved_fp32 = set()
         for entry, size in zip(self.saved, self._saved_bytes(assignment), strict=True):
             savers = sorted(index[name] for name in entry.saved_by)
@@ -333,7 +347,9 @@ class CostModel:
                     hold(size, fwd(producer[owner]), bwd(savers[0]), f"saved {entry.tensor}")
             else:
                 hold(size, fwd(savers[0]), bwd(savers[0]), f"codes {entry.tensor}")
-                hold(4 * entry.numel, bwd(savers[-1]), bwd(savers[0]), f"decoded {entry.tensor}")
+                whole = [i for i in savers if i not in sliced or ops[i].input_tensors[0] != entry.tensor]
+                if whole:  # decoded at the first backward that unpacks it whole, kept to the last unpack
+                    hold(4 * entry.numel, bwd(whole[-1]), bwd(savers[0]), f"decoded {entry.tensor}")
         # outputs their producer saved: the runtime rounds the others of a fresh-output op over the op's output
         self_saved = {entry.tensor for entry in self.saved if entry.tensor is not None
                       and entry.tensor in producer and ops[producer[entry.tensor]].name in entry.saved_by}
@@ -347,19 +363,32 @@ class CostModel:
                     hold(4 * numel, fwd(i), fwd(i), f"unrounded {tid}")
             if needs_grad[tid]:
                 users = [index[name] for name in graph.tensors[tid].consumers if name in index]
-                hold(4 * numel, bwd(max(users)) if users else 4.0 * n, bwd(i), f"gradient {tid}")
-                rounded_over = ops[i].name in self._fresh_gradients and not formats.get(tid, FP32).is_fp32
+                add = self._gradient_sources.get(ops[i].name)
+                grad_format = formats.get(grad_id(tid), FP32)
+                alike = add is not None and formats.get(grad_id(add.outputs[0]), FP32) == grad_format
+                # the add's gradient itself, which its other input's gradient block holds: no block of its own
+                if not (alike and any(needs_grad[t] for t in add.input_tensors if t != tid)):
+                    hold(4 * numel, bwd(max(users)) if users else 4.0 * n, bwd(i), f"gradient {tid}")
+                rounded_over = alike or (ops[i].name in self._fresh_gradients and not formats.get(tid, FP32).is_fp32)
                 if not formats.get(grad_id(tid), FP32).is_fp32 and not rounded_over:
                     hold(4 * numel, bwd(i) - 1, bwd(i) - 1, f"rounded gradient {tid}")
         for i, op in enumerate(ops):
             inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)
             key = op_type_key(op.module_type)
-            if key.startswith("conv") and any(needs_grad[t] for t in op.input_tensors):
+            if i in sliced:
+                shape = graph.tensors[op.input_tensors[0]].shape
+                sample, weight = math.prod(shape[1:]), max((graph.tensors[p].numel for p in op.params), default=0)
+                rows = conv_slice_rows(sample, weight)
+                if rows >= shape[0]:  # one slice: the whole input decoded, and the kernel's own workspace
+                    hold((1 + _CONV_BACKWARD_WORKSPACE) * inputs, bwd(i), bwd(i), f"workspace {op.name}")
+                else:  # and a weight gradient per slice, added up
+                    hold(_SLICED_CONV_WORKSPACE * 4 * rows * sample + 4 * weight, bwd(i), bwd(i),
+                         f"slice workspace {op.name}")
+            elif key.startswith("conv") and any(needs_grad[t] for t in op.input_tensors):
                 hold(_CONV_BACKWARD_WORKSPACE * inputs, bwd(i), bwd(i), f"workspace {op.name}")
             elif key.startswith("batchnorm"):
                 hold(_BN_BACKWARD_WORKSPACE * inputs, bwd(i), bwd(i), f"workspace {op.name}")
         low_weights = total = 0
-        traced = graph.graph_module is not None
         for tid in self._trainable:
             info = graph.tensors[tid]
             users = sorted(index[name] for name in info.consumers)

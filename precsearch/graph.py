@@ -319,6 +319,24 @@ def makes_fresh_output(op: OpInfo) -> bool:
     return not op.attrs.get("inplace") and (op.role == "gemm" or op.module_type in _FRESH_OUTPUT_OPS)
 
 
+# A Conv2d module that reads a low activation computes its backward a slice of samples at a time
+# (precsearch.runtime's ``_ConvOfPackedInput``), each slice's decoded float32 input about this many bytes on
+# CPU: on torch 2.13's oneDNN (2 cores) that made ResNet-18's conv backwards 0.3-1.0x as long as one call.
+CONV_SLICE_BYTES = 2**20
+
+
+def conv_slice_rows(sample_numel: int, weight_numel: int) -> int:
+    """Samples per slice of a sliced conv backward (input ``sample_numel`` values per sample): slices of
+    ``CONV_SLICE_BYTES``, or of the weight's size where that is larger, since each slice makes a weight
+    gradient of its own to add up."""
+    return max(1, max(CONV_SLICE_BYTES, 4 * weight_numel) // (4 * sample_numel))
+
+
+def convolves_in_slices(op: OpInfo, low_input: bool) -> bool:
+    """Whether the runtime runs ``op``'s backward in slices: a traced ``nn.Conv2d`` call of one low activation."""
+    return low_input and op.module_type == "Conv2d" and len(op.input_tensors) == 1
+
+
 def gradient_arrives_fresh(graph: TensorGraph) -> frozenset[str]:
     """The ops whose (single) output's gradient reaches its rounding as a new tensor nothing else holds: the
     output has one reader in the traced graph, which reads it once and whose backward makes new input
@@ -337,6 +355,25 @@ def gradient_arrives_fresh(graph: TensorGraph) -> frozenset[str]:
         if reads == 1 and (reader.role == "gemm" or op_type_key(reader.module_type) in _FRESH_INPUT_GRADIENT_OPS):
             fresh.add(ops[node.name].name)
     return frozenset(fresh)
+
+
+def gradient_passes_from(graph: TensorGraph) -> dict[str, str]:
+    """The ops whose (single) output is read once, by an add and nothing else, each with that add: the output's
+    gradient is the add's output gradient itself (or, for a broadcast input, a new sum of it). Where the runtime
+    rounded that gradient to the output gradient's own format, rounding it again changes no value, so it may be
+    rounded over itself although the add's other input holds it too. Empty for an untraced model."""
+    if graph.graph_module is None:
+        return {}
+    ops = {op.node: op for op in graph.ops}
+    passes = {}
+    for node in graph.graph_module.graph.nodes:
+        users = list(node.users)
+        if node.name not in ops or len(users) != 1 or users[0].name not in ops:
+            continue
+        reader = ops[users[0].name]
+        if op_type_key(reader.module_type) == "add" and _count_reads(users[0], node) == 1:
+            passes[ops[node.name].name] = reader.name
+    return passes
 
 
 def _count_reads(user: torch.fx.Node, node: torch.fx.Node) -> int:

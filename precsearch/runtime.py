@@ -84,7 +84,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from precsearch import formats as F
 from precsearch import ops
 from precsearch.errors import PrecsearchError
-from precsearch.graph import TensorGraph, grad_id, gradient_arrives_fresh, makes_fresh_output, trace, untraced_modules
+from precsearch.graph import (
+    TensorGraph,
+    conv_slice_rows,
+    grad_id,
+    gradient_arrives_fresh,
+    gradient_passes_from,
+    makes_fresh_output,
+    trace,
+    untraced_modules,
+)
 from precsearch.optim import LowPrecisionOptimizer, from_config
 from precsearch.policy import CHUNKED_LAYERS, Policy
 from precsearch.scaling import LossScaler, epoch_growth, make_scaler
@@ -363,6 +372,18 @@ class _Packed:
             self.decoded = None
         return decoded.as_strided(*geometry)
 
+    def batch_slices(self, rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """The whole storage (a contiguous batch) decoded ``rows`` samples at a time, with each slice's first
+        sample: a conv's backward needs no float32 copy of its whole input."""
+        self.unpacks += 1
+        whole = self.decoded  # another saver of the storage unpacked it first
+        if self.unpacks >= self.saves:
+            self.decoded = None
+        for start in range(0, self.codes.shape[0], rows):
+            codes = self.codes[start:start + rows]
+            yield start, (whole[start:start + rows] if whole is not None else
+                          ops.decode(codes, self.fmt.name, codes.shape, codes.stride(), 0))
+
 
 class _Stored:
     """What the pack hook returns: the saved tensor itself, or its geometry inside a packed storage."""
@@ -455,6 +476,16 @@ class _Packer:
             return False
         ptr = _storage(t)
         return not (ptr in self._live or ptr in self._pending or ptr in self._params or ptr in self._buffers)
+
+    def save_packed(self, t: torch.Tensor) -> _Stored | None:
+        """A save of ``t`` held as the codes of its storage, when ``t`` is a whole packed storage in the batch's
+        contiguous layout (so that its codes slice by sample); else None."""
+        packed = self._live.get(_storage(t)) if self.active else None
+        if packed is None or not packed.holds(t) or not _whole_storage(t) or t.shape != packed.codes.shape:
+            return None
+        stored = _Stored(t)
+        stored.attach(packed, self._codes)
+        return stored
 
     def _forget(self, ptr: int, ident: int) -> None:
         if self.active and id(self._live.get(ptr)) == ident:
@@ -557,9 +588,11 @@ class _RoundWeight(torch.autograd.Function):
 class _Rounder(nn.Module):
     """The module inserted after an op: rounds each output position that has a slot (act, grad). With
     ``in_place`` (set by ``instrument_fx`` after ops that make fresh outputs read by nothing else) it may write
-    the rounded values over the op's output (``_Packer.fresh`` says when); with ``grad_in_place`` (the output's
-    gradient arrives as a new tensor, ``graph.gradient_arrives_fresh``) it rounds that gradient over itself,
-    unless a backward hook of the reading module may keep it."""
+    the rounded values over the op's output (``_Packer.fresh`` says when). It rounds the output's gradient over
+    itself, unless a backward hook of the reading module may keep it, with ``grad_in_place`` (the gradient
+    arrives as a new tensor, ``graph.gradient_arrives_fresh``) and where the gradient is an add's output
+    gradient that ``grad_source`` rounded exactly as this one rounds (``graph.gradient_passes_from``): the
+    values do not change then, so the add's other input, which holds the same tensor, sees no difference."""
 
     def __init__(self, model: PrecisionModel, slots: dict[int, tuple[_Slot, _Slot | None]], op: str) -> None:
         super().__init__()
@@ -567,7 +600,8 @@ class _Rounder(nn.Module):
         self.__dict__["_model"] = model  # not a submodule: the wrapper owns this one
         self.slots = slots
         self.in_place = self.grad_in_place = False
-        self.__dict__["reader"] = None  # the module reading the output, when ``grad_in_place``
+        self.grad_source: _Slot | None = None  # the add's output gradient this one's is (``gradient_passes_from``)
+        self.__dict__["reader"] = None  # the module reading the output, when its gradient may be rounded over
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -580,7 +614,9 @@ class _Rounder(nn.Module):
         pair = self.slots.get(position)
         if pair is None or t.dtype != torch.float32:
             return t
-        grad_in_place = self.grad_in_place and not _keeps_input_gradients(self.reader)
+        source, grad = self.grad_source, pair[1]
+        rounded_alike = source is not None and grad is not None and source.is_low and source.args() == grad.args()
+        grad_in_place = (self.grad_in_place or rounded_alike) and not _keeps_input_gradients(self.reader)
         return self._model._activation(t, *pair, in_place=self.in_place, grad_in_place=grad_in_place)
 
     def extra_repr(self) -> str:
@@ -638,6 +674,80 @@ class _RoundedWeightsCall(nn.Module):
         return torch.func.functional_call(self.layer, rounded, args, kwargs)
 
 
+def convolves_packed_input(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a plain ``nn.Conv2d`` that ``_PackedInputConv`` can call: zero padding given as
+    numbers (``padding="same"`` may pad unevenly, which ``aten.convolution_backward`` cannot)."""
+    return type(layer) is nn.Conv2d and layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+
+
+
+class _ConvOfPackedInput(torch.autograd.Function):
+    """A Conv2d whose input autograd would hold as codes. Its backward decodes the input a slice of samples at
+    a time and computes both gradients slice by slice (the input gradient is per sample, the weight gradient
+    a sum over slices), so no float32 copy of the whole input, nor oneDNN's reordered copies of it, is made.
+    Slices of ``graph.CONV_SLICE_BYTES`` on CPU; one slice elsewhere (not measured off CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stored: _Stored,
+                layer: nn.Conv2d) -> torch.Tensor:
+        ctx.stored, ctx.layer, ctx.input_shape, ctx.has_bias = stored, layer, x.shape, bias is not None
+        ctx.save_for_backward(weight)
+        return layer._conv_forward(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.stored is None:
+            raise PrecsearchError("a second backward through a convolution of a packed input: its codes were "
+                                  "freed by the first (retain_graph=True is not supported under a policy)")
+        packed, layer, (weight,) = ctx.stored.packed, ctx.layer, ctx.saved_tensors
+        ctx.stored = None  # the codes die with the last saver's backward, not with the autograd graph
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        batch = ctx.input_shape[0]
+        rows = batch
+        if grad_out.device.type == "cpu":
+            rows = conv_slice_rows(ctx.input_shape[1:].numel(), weight.numel())
+        grad_input = grad_out.new_empty(ctx.input_shape) if need_input and rows < batch else None
+        grad_weight = None
+        for start, x in packed.batch_slices(rows):
+            grads = torch.ops.aten.convolution_backward(
+                grad_out[start:start + rows], x, weight, None, layer.stride, layer.padding, layer.dilation,
+                False, [0, 0], layer.groups, [need_input, need_weight, False])
+            if rows >= batch:
+                grad_input = grads[0]
+            elif need_input:
+                grad_input[start:start + rows].copy_(grads[0])
+            if need_weight:
+                grad_weight = grads[1] if grad_weight is None else grad_weight.add_(grads[1])
+        grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class _PackedInputConv(_RoundedWeightsCall):
+    """Calls a Conv2d whose input is a low activation (``convolves_packed_input``): through
+    ``_ConvOfPackedInput`` when the packer holds that input as codes, else as the layer itself; low weights
+    rounded as ``_RoundedWeightsCall`` rounds them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if _has_hooks(self.layer):
+            self._model.warn_hooked_conv(self.layer)
+            return super().forward(x)
+        weights = {name: self._model._round_weight(qualified) for name, qualified in self.params.items()}
+        weight, bias = weights.get("weight", self.layer.weight), weights.get("bias", self.layer.bias)
+        stored = self._model._packer.save_packed(x) if x.dim() == 4 else None
+        if stored is None:
+            return self.layer._conv_forward(x, weight, bias)
+        return _ConvOfPackedInput.apply(x, weight, bias, stored, self.layer)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks (its own or global ones), which only a call of the module runs."""
+    glob = nn.modules.module
+    return any((module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
+                module._backward_pre_hooks, glob._global_forward_pre_hooks, glob._global_forward_hooks,
+                glob._global_backward_hooks, glob._global_backward_pre_hooks))
+
+
 class _RoundedWeight(nn.Module):
     """Inserted after a read of a parameter (a weight passed to a function): the rounded weight."""
 
@@ -655,14 +765,15 @@ class _RoundedWeight(nn.Module):
 
 def instrument_fx(graph: TensorGraph, module: nn.Module,
                   rounder: Callable[[Any], nn.Module | None], alias: Callable[[_Slot], nn.Module],
-                  weights: Callable[[str, list[str]], nn.Module | None],
+                  weights: Callable[[str, list[str], bool], nn.Module | None],
                   replaced: dict[str, nn.Module] | None = None,
                   per_use: Callable[[_Slot], nn.Module] | None = None) -> fx.GraphModule:
     """A copy of ``graph``'s FX graph (calling ``module``'s submodules, with ``replaced`` swapped in) with the
     module ``rounder(op)`` after every op it returns one for, ``alias(slot)`` after every layout op
     (contiguous, reshape, ...) that may copy a rounded activation of that slot, and every call of a submodule
-    or read of a parameter replaced by ``weights(qualified name, parameter names)`` where it returns a module
-    (one that computes with rounded weights): torch.ao's prepare_fx, with rounding modules for observers.
+    or read of a parameter replaced by ``weights(qualified name, parameter names, reads a low activation)``
+    where it returns a module (one that computes with rounded weights, or convolves a packed input): torch.ao's
+    prepare_fx, with rounding modules for observers.
     With ``per_use``, an output whose gradient is rounded and that has several consumers gets the module
     ``per_use(gradient slot)`` before each consumer, which rounds that consumer's gradient instead."""
     source = graph.graph_module
@@ -684,7 +795,8 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
         node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
         return new
 
-    fresh_gradients = gradient_arrives_fresh(graph)
+    fresh_gradients, passes = gradient_arrives_fresh(graph), gradient_passes_from(graph)
+    rounders: dict[str, nn.Module] = {}
     for index, op in enumerate(graph.ops):
         inserted = rounder(op)
         if inserted is not None:
@@ -694,11 +806,12 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
             node = nodes[op.node]
             after = last_placeholder if node.op == "placeholder" else node
             new = insert(after, node, f"precsearch_round_{index}", inserted)
-            reader = next(iter(new.users)) if inserted.grad_in_place else None  # its one reader
+            reader = next(iter(new.users)) if inserted.grad_in_place or op.name in passes else None  # the one
             if reader is not None and reader.op == "call_module":
                 inserted.__dict__["reader"] = gm.get_submodule(reader.target)  # the user's, not a child
             carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
             rounded.append((new, inserted))
+            rounders[op.name] = inserted
     op_nodes = {op.node for op in graph.ops}
     for node in list(fx_graph.nodes):
         if (node.name in op_nodes or node in carried or not node.op.startswith("call_")
@@ -717,17 +830,21 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
     if per_use is not None:
         for node, inserted in rounded:
             _round_per_use(fx_graph, gm, node, inserted, per_use)
+    for name, add in passes.items():  # after per_use, which may take the add's gradient rounding off
+        if name in rounders and add in rounders and set(rounders[name].slots) == {0}:
+            rounders[name].grad_source = rounders[add].slots.get(0, (None, None))[1]
     for node in list(fx_graph.nodes):
         if node.op == "call_module":
             names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]
-            inserted = weights(node.target, names) if names else None
+            low_input = bool(node.args) and node.args[0] in carried and not node.kwargs and len(node.args) == 1
+            inserted = weights(node.target, names, low_input) if names else None
             if inserted is not None:
                 name = f"precsearch_weights_{node.target.replace('.', '_')}"
                 if not hasattr(gm, name):
                     gm.add_submodule(name, inserted)
                 node.target = name
         elif node.op == "get_attr":
-            inserted = weights(node.target, [])
+            inserted = weights(node.target, [], False)
             if inserted is not None:
                 insert(node, node, f"precsearch_weight_{node.target.replace('.', '_')}", inserted)
     fx_graph.lint()
@@ -788,6 +905,7 @@ class PrecisionModel(nn.Module):
         self._module_rounders: dict[str, dict[int, _Rounder]] = {}
         self._calls: Counter[str] = Counter()
         self._rounded_at_use: set[str] = set()
+        self._warned_hooked_conv = False
         if graph.graph_module is not None:
             per_use = (lambda slot: _GradUse(self, slot)) if policy.gradient_rounding == "per_use" else None
             target = instrument_fx(graph, model, self._rounder_for, lambda slot: _Alias(self, slot),
@@ -1016,20 +1134,34 @@ class PrecisionModel(nn.Module):
             self._round_grad_of(t, grad)
         return t
 
+    def warn_hooked_conv(self, layer: nn.Module) -> None:
+        """Once: a conv of a packed input has hooks, so it is called as a module and its backward decodes the
+        whole input at once."""
+        if not self._warned_hooked_conv:
+            self._warned_hooked_conv = True
+            name = next((n for n, m in self.module.named_modules() if m is layer), type(layer).__name__)
+            log.warning("%s has module hooks, so it runs as itself: its backward decodes its whole packed input "
+                        "at once (one float32 copy of it, and the kernel's workspace), not a slice at a time; "
+                        "remove the hooks to train in less memory", name)
+
     def _round_grad_of(self, t: torch.Tensor, slot: _Slot) -> None:
         """Round the gradient that reaches ``t`` in backward (counted if this forward is a training one)."""
         count = self.state.counting
         t.register_hook(lambda g: self.state.round(g, slot, count=count)[0])
 
-    def _weights_call_for(self, target: str, names: list[str]) -> nn.Module | None:
+    def _weights_call_for(self, target: str, names: list[str], low_input: bool) -> nn.Module | None:
         """For the FX pass: a layer call (``names``: its parameters) or a parameter read (``names`` empty)
-        that uses low weights, rewritten to use them rounded; None when it uses none."""
+        that uses low weights, rewritten to use them rounded, and a Conv2d call of a low activation
+        (``low_input``) rewritten to ``_PackedInputConv``; None when neither applies."""
         if not names:
             self._rounded_at_use.add(target)
             return _RoundedWeight(self, target) if target in self._weights else None
         params = {name: f"{target}.{name}" for name in names if f"{target}.{name}" in self._weights}
         self._rounded_at_use.update(params.values())
-        return _RoundedWeightsCall(self, self.module.get_submodule(target), params) if params else None
+        layer = self.module.get_submodule(target)
+        if low_input and convolves_packed_input(layer):
+            return _PackedInputConv(self, layer, params)
+        return _RoundedWeightsCall(self, layer, params) if params else None
 
     def _round_weight(self, qualified: str) -> torch.Tensor:
         """The weight the forward computes with: the parameter rounded to its format now (one round op)."""

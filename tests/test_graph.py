@@ -436,3 +436,28 @@ def test_gradients_arrive_fresh_exactly_where_one_conv_norm_or_relu_reads_an_out
 
     twice = trace(Twice(), torch.randn(2, 3, 4, 4))
     assert gradient_arrives_fresh(twice) == {op.name for op in twice.ops if op.module_type in ("input", "Conv2d")}
+
+
+def test_gradients_pass_from_a_sum_exactly_where_a_sum_alone_reads_an_output():
+    """Hand count on ResNet-18: each block's second BN output (8) and each shortcut's BN output (3) is read by
+    the block's sum alone, which passes its gradient to it; not the block inputs that the sum reads too (a
+    conv reads them as well), and an output read twice by one sum (its gradient is a new sum) is excluded."""
+    from precsearch.graph import gradient_passes_from
+
+    graph = trace(build("resnet18", width=0.25), torch.randn(2, 3, 32, 32))
+    passes = gradient_passes_from(graph)
+    by_name = {op.name: op for op in graph.ops}
+    assert sorted(by_name[name].module_type for name in passes) == ["BatchNorm2d"] * 11
+    assert sum(name.endswith(".bn2") for name in passes) == 8
+    assert all(by_name[add].module_type == "add" for add in passes.values())
+
+    class Doubled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            return torch.relu(h + h)
+
+    assert gradient_passes_from(trace(Doubled(), torch.randn(2, 3, 4, 4))) == {}

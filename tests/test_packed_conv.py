@@ -1,0 +1,146 @@
+"""The runtime's Conv2d over a packed input (``_ConvOfPackedInput``): its backward decodes the input a slice of
+samples at a time. Oracle: torch's own conv backward over the whole decoded input (the same runtime with the
+sliced path off), and torch.profiler's record of the allocator for the memory it holds."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from precsearch import graph as graph_module
+from precsearch import runtime
+from precsearch.errors import PrecsearchError
+from precsearch.graph import trace
+from precsearch.memory import trace_step
+from precsearch.policy import Policy
+from precsearch.runtime import apply_policy
+
+PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+
+
+class TwoConvs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=True)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.relu(self.conv2(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class _CountConvBackward(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[int] = Counter()  # batch of each convolution_backward call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution_backward.default:
+            self.calls[args[1].shape[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _setup(batch: int = 12):
+    torch.manual_seed(0)
+    model = TwoConvs()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    graph = trace(model, x[:2], batch_size=batch)
+    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
+                                            for tid in graph.assignable_ids()})
+    return model, policy, x, y
+
+
+def _gradients(model: nn.Module, policy: Policy, x: torch.Tensor, y: torch.Tensor,
+               mode: TorchDispatchMode | None = None) -> dict[str, torch.Tensor]:
+    wrapped = apply_policy(copy.deepcopy(model), policy)
+    loss = F.cross_entropy(wrapped(x), y)
+    with mode if mode is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss.backward()
+    return {name: p.grad for name, p in wrapped.module.named_parameters()}
+
+
+def test_gradients_in_slices_match_torchs_conv_backward_over_the_whole_input(monkeypatch):
+    """One sample per slice (12 slices) for both convs: every parameter gradient equals, to float32 summation
+    order, torch's conv backward over the whole decoded input; the input gradient feeds conv1's weight
+    gradient and the batch norm, so it is checked through them."""
+    model, policy, x, y = _setup()
+    monkeypatch.setattr(runtime, "convolves_packed_input", lambda layer: False)
+    whole = _gradients(model, policy, x, y)
+    monkeypatch.undo()
+    monkeypatch.setattr(graph_module, "CONV_SLICE_BYTES", 1)  # one sample a slice
+    counter = _CountConvBackward()
+    sliced = _gradients(model, policy, x, y, counter)
+    assert counter.calls == Counter({1: 24}), "both convs should have run one backward per sample"
+    for name, expected in whole.items():
+        torch.testing.assert_close(sliced[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(expected, torch.zeros_like(expected)), name
+
+
+def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
+    """Two convs of (4, 64, 64, 64) packed inputs (the network's and a ReLU's), in 1 MiB slices: torch.profiler's
+    allocator record shows one block of the input's size in each backward (its input gradient), and no
+    decoded copy; torch's conv backward over the whole input holds the decoded input and oneDNN's copies."""
+    conv = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(64, 8, 1))
+    x = torch.randn(4, 64, 64, 64)
+    graph = trace(conv, x[:2], batch_size=4)
+    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
+                                            for tid in graph.assignable_ids()})
+    x.requires_grad_(True)
+    whole = x.nbytes
+
+    def big_blocks(sliced: bool) -> int:
+        if not sliced:
+            monkeypatch.setattr(runtime, "convolves_packed_input", lambda layer: False)
+        wrapped = apply_policy(copy.deepcopy(conv), policy)
+        monkeypatch.undo()
+        x.grad = None
+        out = wrapped(x).sum()
+        memory = trace_step(out.backward)
+        first_conv = [a for a in memory.allocations if a.phase.startswith("backward:") and "Conv" in a.phase
+                      and a.nbytes >= whole]
+        return len(first_conv)
+
+    assert big_blocks(sliced=True) == 2  # each conv's input gradient
+    assert big_blocks(sliced=False) > 2 + 2  # and, at least, each conv's whole decoded input
+
+
+def test_a_conv_with_hooks_runs_as_itself_with_one_warning(caplog):
+    """A forward hook must run: such a conv is called as a module (whole-input backward), its gradients are
+    unchanged, and one WARNING names it, however many steps."""
+    model, policy, x, y = _setup()
+    expected = _gradients(model, policy, x, y)
+    seen = []
+    hooked = copy.deepcopy(model)
+    hooked.conv2.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
+        wrapped = apply_policy(hooked, policy)
+        seen.clear()  # the trace ran it too
+        for _ in range(2):
+            wrapped.zero_grad(set_to_none=True)
+            F.cross_entropy(wrapped(x), y).backward()
+    assert seen == [torch.Size([12, 16, 8, 8])] * 2
+    warnings = [r for r in caplog.records if "conv2 has module hooks" in r.getMessage()]
+    assert len(warnings) == 1
+    for name, param in wrapped.module.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_second_backward_through_a_packed_conv_is_refused():
+    """The codes are freed by the first backward: retain_graph=True gets a clear error, not wrong values."""
+    model, policy, x, y = _setup()
+    wrapped = apply_policy(model, policy)
+    loss = F.cross_entropy(wrapped(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(PrecsearchError, match="retain_graph"):
+        loss.backward()
