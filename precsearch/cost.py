@@ -42,8 +42,8 @@ from precsearch.formats import FloatFormat, get_format
 from precsearch.graph import (
     OpInfo,
     TensorGraph,
-    conv_slice_rows,
-    convolves_in_slices,
+    backward_in_slices,
+    backward_slice_rows,
     forward_error,
     grad_id,
     gradient_arrives_fresh,
@@ -94,9 +94,10 @@ _UNKNOWN_RULE = ("inputs", "output")
 # torch 2.13's CPU kernels (oneDNN conv: a reordered input gradient and input; batch norm: one temporary).
 _CONV_BACKWARD_WORKSPACE = 2
 _BN_BACKWARD_WORKSPACE = 1
-# A sliced conv backward (``graph.convolves_in_slices``), in float32 slices of its input: the decoded slice,
-# its input gradient before the copy into the whole one, oneDNN's reorders of both.
-_SLICED_CONV_WORKSPACE = 4
+# A sliced backward (``graph.backward_in_slices``), in float32 slices of its input: conv: the decoded slice,
+# its input gradient before the copy into the whole one, oneDNN's reorders of both; batch norm: the decoded
+# slice and the slice minus the mean. A conv adds one weight gradient (each slice's, before it is summed).
+_SLICED_WORKSPACE = {"Conv2d": 4, "BatchNorm2d": 2}
 
 
 @dataclass(frozen=True)
@@ -310,8 +311,8 @@ class CostModel:
         writes over the op's output: ``graph.makes_fresh_output``, not saved by its producer), packed codes, the
         decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient (not where
         the rounding writes over it: ``graph.gradient_arrives_fresh``, the activation low too, or
-        ``graph.gradient_passes_from``, the add's output gradient in the same format), a sliced conv backward's
-        workspace (``graph.convolves_in_slices``, whose input is never decoded whole),
+        ``graph.gradient_passes_from``, the add's output gradient in the same format), a sliced backward's
+        workspace (``graph.backward_in_slices``: a conv or batch norm whose input is never decoded whole),
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
         through module hooks), a rounded copy of each low weight gradient as it arrives. The optimizer holds
         one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it exists
@@ -333,7 +334,7 @@ class CostModel:
 
         producer, root, needs_grad, last_use = _forward_lifetimes(graph)
         traced = graph.graph_module is not None
-        sliced = {i for i, op in enumerate(ops) if traced and op.input_tensors and convolves_in_slices(
+        sliced = {i for i, op in enumerate(ops) if traced and op.input_tensors and backward_in_slices(
             op, not formats.get(op.input_tensors[0], FP32).is_fp32)}
         saved_fp32 = set()
         for entry, size in zip(self.saved, self._saved_bytes(assignment), strict=True):
@@ -375,19 +376,20 @@ class CostModel:
         for i, op in enumerate(ops):
             inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)
             key = op_type_key(op.module_type)
+            conv = key.startswith("conv") and any(needs_grad[t] for t in op.input_tensors)
+            kernel = _CONV_BACKWARD_WORKSPACE if conv else _BN_BACKWARD_WORKSPACE if key.startswith("batchnorm") else 0
             if i in sliced:
                 shape = graph.tensors[op.input_tensors[0]].shape
                 sample, weight = math.prod(shape[1:]), max((graph.tensors[p].numel for p in op.params), default=0)
-                rows = conv_slice_rows(sample, weight)
+                rows = backward_slice_rows(op.module_type, sample, weight)
                 if rows >= shape[0]:  # one slice: the whole input decoded, and the kernel's own workspace
-                    hold((1 + _CONV_BACKWARD_WORKSPACE) * inputs, bwd(i), bwd(i), f"workspace {op.name}")
-                else:  # and a weight gradient per slice, added up
-                    hold(_SLICED_CONV_WORKSPACE * 4 * rows * sample + 4 * weight, bwd(i), bwd(i),
+                    hold((1 + kernel) * inputs, bwd(i), bwd(i), f"workspace {op.name}")
+                else:
+                    summed = 4 * weight if op.module_type == "Conv2d" else 0
+                    hold(_SLICED_WORKSPACE[op.module_type] * 4 * rows * sample + summed, bwd(i), bwd(i),
                          f"slice workspace {op.name}")
-            elif key.startswith("conv") and any(needs_grad[t] for t in op.input_tensors):
-                hold(_CONV_BACKWARD_WORKSPACE * inputs, bwd(i), bwd(i), f"workspace {op.name}")
-            elif key.startswith("batchnorm"):
-                hold(_BN_BACKWARD_WORKSPACE * inputs, bwd(i), bwd(i), f"workspace {op.name}")
+            elif kernel:
+                hold(kernel * inputs, bwd(i), bwd(i), f"workspace {op.name}")
         low_weights = total = 0
         for tid in self._trainable:
             info = graph.tensors[tid]

@@ -319,22 +319,25 @@ def makes_fresh_output(op: OpInfo) -> bool:
     return not op.attrs.get("inplace") and (op.role == "gemm" or op.module_type in _FRESH_OUTPUT_OPS)
 
 
-# A Conv2d module that reads a low activation computes its backward a slice of samples at a time
-# (precsearch.runtime's ``_ConvOfPackedInput``), each slice's decoded float32 input about this many bytes on
-# CPU: on torch 2.13's oneDNN (2 cores) that made ResNet-18's conv backwards 0.3-1.0x as long as one call.
-CONV_SLICE_BYTES = 2**20
+# A Conv2d or BatchNorm2d module that reads a low activation computes its backward a slice of samples at a
+# time (precsearch.runtime's ``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``), each slice's decoded float32
+# input about this many bytes on CPU. Conv: on torch 2.13's oneDNN (2 cores) 1 MiB slices made ResNet-18's conv
+# backwards 0.3-1.0x as long as one call. Batch norm: two passes of a few ops per slice, so larger slices.
+SLICE_BYTES = {"Conv2d": 2**20, "BatchNorm2d": 2**22}
 
 
-def conv_slice_rows(sample_numel: int, weight_numel: int) -> int:
-    """Samples per slice of a sliced conv backward (input ``sample_numel`` values per sample): slices of
-    ``CONV_SLICE_BYTES``, or of the weight's size where that is larger, since each slice makes a weight
-    gradient of its own to add up."""
-    return max(1, max(CONV_SLICE_BYTES, 4 * weight_numel) // (4 * sample_numel))
+def backward_slice_rows(module_type: str, sample_numel: int, weight_numel: int) -> int:
+    """Samples per slice of a sliced backward (input ``sample_numel`` values per sample): slices of
+    ``SLICE_BYTES``, or, for a conv, of the weight's size where that is larger, since each slice makes a
+    weight gradient of its own to add up."""
+    size = max(SLICE_BYTES[module_type], 4 * weight_numel if module_type == "Conv2d" else 0)
+    return max(1, size // (4 * sample_numel))
 
 
-def convolves_in_slices(op: OpInfo, low_input: bool) -> bool:
-    """Whether the runtime runs ``op``'s backward in slices: a traced ``nn.Conv2d`` call of one low activation."""
-    return low_input and op.module_type == "Conv2d" and len(op.input_tensors) == 1
+def backward_in_slices(op: OpInfo, low_input: bool) -> bool:
+    """Whether the runtime runs ``op``'s backward in slices: a traced ``nn.Conv2d`` or ``nn.BatchNorm2d`` (in
+    training) call of one low activation."""
+    return low_input and op.module_type in SLICE_BYTES and len(op.input_tensors) == 1
 
 
 def gradient_arrives_fresh(graph: TensorGraph) -> frozenset[str]:

@@ -86,7 +86,7 @@ from precsearch import ops
 from precsearch.errors import PrecsearchError
 from precsearch.graph import (
     TensorGraph,
-    conv_slice_rows,
+    backward_slice_rows,
     grad_id,
     gradient_arrives_fresh,
     gradient_passes_from,
@@ -372,17 +372,22 @@ class _Packed:
             self.decoded = None
         return decoded.as_strided(*geometry)
 
-    def batch_slices(self, rows: int) -> Iterator[tuple[int, torch.Tensor]]:
-        """The whole storage (a contiguous batch) decoded ``rows`` samples at a time, with each slice's first
-        sample: a conv's backward needs no float32 copy of its whole input."""
+    def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
+        """One unpack of the whole storage (a contiguous batch) as passes over it, ``rows`` samples at a time,
+        each slice decoded when reached and yielded with its first sample: a backward that needs no float32
+        copy of its whole input."""
         self.unpacks += 1
         whole = self.decoded  # another saver of the storage unpacked it first
         if self.unpacks >= self.saves:
             self.decoded = None
-        for start in range(0, self.codes.shape[0], rows):
-            codes = self.codes[start:start + rows]
-            yield start, (whole[start:start + rows] if whole is not None else
-                          ops.decode(codes, self.fmt.name, codes.shape, codes.stride(), 0))
+
+        def one_pass() -> Iterator[tuple[int, torch.Tensor]]:
+            for start in range(0, self.codes.shape[0], rows):
+                codes = self.codes[start:start + rows]
+                yield start, (whole[start:start + rows] if whole is not None else
+                              ops.decode(codes, self.fmt.name, codes.shape, codes.stride(), 0))
+
+        return one_pass
 
 
 class _Stored:
@@ -674,18 +679,31 @@ class _RoundedWeightsCall(nn.Module):
         return torch.func.functional_call(self.layer, rounded, args, kwargs)
 
 
-def convolves_packed_input(layer: nn.Module) -> bool:
-    """Whether ``layer`` is a plain ``nn.Conv2d`` that ``_PackedInputConv`` can call: zero padding given as
-    numbers (``padding="same"`` may pad unevenly, which ``aten.convolution_backward`` cannot)."""
-    return type(layer) is nn.Conv2d and layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+def _packed_codes(ctx: Any) -> _Packed:
+    """The backward's one use of the input's codes (``ctx.stored``), released now: they die with the last
+    saver's backward, not with the autograd graph."""
+    if ctx.stored is None:
+        raise PrecsearchError("a second backward through a layer of a packed input: its codes were freed by the "
+                              "first (retain_graph=True is not supported under a policy)")
+    packed, ctx.stored = ctx.stored.packed, None
+    return packed
 
+
+def _slice_rows(ctx: Any, grad_out: torch.Tensor, module_type: str, weight: torch.Tensor | None) -> int:
+    """``graph.backward_slice_rows`` on CPU; the whole batch elsewhere (slicing not measured off CPU)."""
+    if grad_out.device.type != "cpu":
+        return ctx.input_shape[0]
+    return backward_slice_rows(module_type, ctx.input_shape[1:].numel(), 0 if weight is None else weight.numel())
 
 
 class _ConvOfPackedInput(torch.autograd.Function):
     """A Conv2d whose input autograd would hold as codes. Its backward decodes the input a slice of samples at
     a time and computes both gradients slice by slice (the input gradient is per sample, the weight gradient
-    a sum over slices), so no float32 copy of the whole input, nor oneDNN's reordered copies of it, is made.
-    Slices of ``graph.CONV_SLICE_BYTES`` on CPU; one slice elsewhere (not measured off CPU)."""
+    a sum over slices), so no float32 copy of the whole input, nor oneDNN's reordered copies of it, is made."""
+
+    @staticmethod
+    def runs(layer: nn.Module) -> bool:
+        return True
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stored: _Stored,
@@ -697,19 +715,12 @@ class _ConvOfPackedInput(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.stored is None:
-            raise PrecsearchError("a second backward through a convolution of a packed input: its codes were "
-                                  "freed by the first (retain_graph=True is not supported under a policy)")
-        packed, layer, (weight,) = ctx.stored.packed, ctx.layer, ctx.saved_tensors
-        ctx.stored = None  # the codes die with the last saver's backward, not with the autograd graph
+        packed, layer, (weight,) = _packed_codes(ctx), ctx.layer, ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        batch = ctx.input_shape[0]
-        rows = batch
-        if grad_out.device.type == "cpu":
-            rows = conv_slice_rows(ctx.input_shape[1:].numel(), weight.numel())
+        batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "Conv2d", weight)
         grad_input = grad_out.new_empty(ctx.input_shape) if need_input and rows < batch else None
         grad_weight = None
-        for start, x in packed.batch_slices(rows):
+        for start, x in packed.batch_slices(rows)():
             grads = torch.ops.aten.convolution_backward(
                 grad_out[start:start + rows], x, weight, None, layer.stride, layer.padding, layer.dilation,
                 False, [0, 0], layer.groups, [need_input, need_weight, False])
@@ -723,21 +734,95 @@ class _ConvOfPackedInput(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
-class _PackedInputConv(_RoundedWeightsCall):
-    """Calls a Conv2d whose input is a low activation (``convolves_packed_input``): through
-    ``_ConvOfPackedInput`` when the packer holds that input as codes, else as the layer itself; low weights
-    rounded as ``_RoundedWeightsCall`` rounds them."""
+class _BatchNormOfPackedInput(torch.autograd.Function):
+    """A BatchNorm2d in training whose input autograd would hold as codes. One slice: torch's own backward over
+    the decoded input. Several: two passes over the slices, the per-channel sums of the gradient and of the
+    gradient times the centred input (each slice's float32 sum added in float64; torch's CPU kernel sums in
+    float64), then the input gradient slice by slice, so no float32 copy of the whole input is made."""
+
+    @staticmethod
+    def runs(layer: nn.Module) -> bool:
+        return layer.training
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                stored: _Stored, layer: nn.BatchNorm2d) -> torch.Tensor:
+        layer.num_batches_tracked.add_(1)  # nn.BatchNorm2d's own training forward, for a set momentum
+        out, mean, invstd = torch.native_batch_norm(x, weight, bias, layer.running_mean, layer.running_var, True,
+                                                    layer.momentum, layer.eps)
+        ctx.stored, ctx.input_shape, ctx.eps = stored, x.shape, layer.eps
+        # the running statistics too, unused: what torch's batch norm saves, so that saved bytes stay its own
+        ctx.save_for_backward(weight, mean, invstd, layer.running_mean, layer.running_var)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        packed, (weight, mean, invstd, _, _) = _packed_codes(ctx), ctx.saved_tensors
+        need = list(ctx.needs_input_grad[:3])
+        batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "BatchNorm2d", None)
+        passes = packed.batch_slices(rows)
+        if rows >= batch:
+            (_, x), = passes()
+            grads = torch.ops.aten.native_batch_norm_backward(grad_out, x, weight, None, None, mean, invstd, True,
+                                                              ctx.eps, need)
+            return *grads, None, None
+        channel, dims = (1, -1, 1, 1), (0, 2, 3)
+        sum_dy = dot = 0  # per channel: sums of grad_out and of grad_out * (x - mean), slice sums added in float64
+        for start, x in passes():
+            g = grad_out[start:start + rows]
+            sum_dy = sum_dy + g.sum(dims).double()
+            dot = dot + (x - mean.view(channel)).mul_(g).sum(dims).double()
+        grad_input = None
+        if need[0]:
+            count = grad_out.numel() // grad_out.shape[1]
+            k = (dot * invstd.double().square() / count).float().view(channel)
+            mean_dy = (sum_dy / count).float().view(channel)
+            scale = (invstd if weight is None else invstd * weight).view(channel)
+            grad_input = torch.empty_like(grad_out)
+            for start, x in passes():
+                out = grad_input[start:start + rows]
+                torch.sub(grad_out[start:start + rows], (x - mean.view(channel)).mul_(k), out=out)
+                out.sub_(mean_dy).mul_(scale)
+        grad_weight = (dot * invstd.double()).float() if need[1] else None
+        grad_bias = sum_dy.float() if need[2] else None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def packed_input_function(layer: nn.Module) -> type[torch.autograd.Function] | None:
+    """The Function that computes ``layer``'s backward from its packed input a slice at a time, or None: a
+    plain ``nn.Conv2d`` with zero padding given as numbers (``padding="same"`` may pad unevenly, which
+    ``aten.convolution_backward`` cannot), or a plain ``nn.BatchNorm2d`` with running statistics and a set
+    momentum."""
+    if type(layer) is nn.Conv2d and layer.padding_mode == "zeros" and not isinstance(layer.padding, str):
+        return _ConvOfPackedInput
+    if type(layer) is nn.BatchNorm2d and layer.track_running_stats and layer.momentum is not None:
+        return _BatchNormOfPackedInput
+    return None
+
+
+class _PackedInputCall(_RoundedWeightsCall):
+    """Calls a layer whose input is a low activation (``packed_input_function``): through that Function when
+    the packer holds the input as codes (a training forward), else as the layer itself; low weights rounded
+    as ``_RoundedWeightsCall`` rounds them. A layer with hooks is called as itself (one WARNING)."""
+
+    def __init__(self, model: PrecisionModel, layer: nn.Module, params: dict[str, str],
+                 function: type[torch.autograd.Function]) -> None:
+        super().__init__(model, layer, params)
+        self.__dict__["function"] = function
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if _has_hooks(self.layer):
-            self._model.warn_hooked_conv(self.layer)
+            self._model.warn_hooked_layer(self.layer)
             return super().forward(x)
         weights = {name: self._model._round_weight(qualified) for name, qualified in self.params.items()}
-        weight, bias = weights.get("weight", self.layer.weight), weights.get("bias", self.layer.bias)
-        stored = self._model._packer.save_packed(x) if x.dim() == 4 else None
+        stored = None
+        if x.dim() == 4 and self.function.runs(self.layer):
+            stored = self._model._packer.save_packed(x)
         if stored is None:
-            return self.layer._conv_forward(x, weight, bias)
-        return _ConvOfPackedInput.apply(x, weight, bias, stored, self.layer)
+            return torch.func.functional_call(self.layer, weights, (x,))
+        return self.function.apply(x, weights.get("weight", self.layer.weight), weights.get("bias", self.layer.bias),
+                                   stored, self.layer)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -905,7 +990,7 @@ class PrecisionModel(nn.Module):
         self._module_rounders: dict[str, dict[int, _Rounder]] = {}
         self._calls: Counter[str] = Counter()
         self._rounded_at_use: set[str] = set()
-        self._warned_hooked_conv = False
+        self._warned_hooked_layer = False
         if graph.graph_module is not None:
             per_use = (lambda slot: _GradUse(self, slot)) if policy.gradient_rounding == "per_use" else None
             target = instrument_fx(graph, model, self._rounder_for, lambda slot: _Alias(self, slot),
@@ -1134,11 +1219,11 @@ class PrecisionModel(nn.Module):
             self._round_grad_of(t, grad)
         return t
 
-    def warn_hooked_conv(self, layer: nn.Module) -> None:
-        """Once: a conv of a packed input has hooks, so it is called as a module and its backward decodes the
+    def warn_hooked_layer(self, layer: nn.Module) -> None:
+        """Once: a layer of a packed input has hooks, so it is called as a module and its backward decodes the
         whole input at once."""
-        if not self._warned_hooked_conv:
-            self._warned_hooked_conv = True
+        if not self._warned_hooked_layer:
+            self._warned_hooked_layer = True
             name = next((n for n, m in self.module.named_modules() if m is layer), type(layer).__name__)
             log.warning("%s has module hooks, so it runs as itself: its backward decodes its whole packed input "
                         "at once (one float32 copy of it, and the kernel's workspace), not a slice at a time; "
@@ -1151,16 +1236,17 @@ class PrecisionModel(nn.Module):
 
     def _weights_call_for(self, target: str, names: list[str], low_input: bool) -> nn.Module | None:
         """For the FX pass: a layer call (``names``: its parameters) or a parameter read (``names`` empty)
-        that uses low weights, rewritten to use them rounded, and a Conv2d call of a low activation
-        (``low_input``) rewritten to ``_PackedInputConv``; None when neither applies."""
+        that uses low weights, rewritten to use them rounded, and a Conv2d or BatchNorm2d call of a low
+        activation (``low_input``) rewritten to ``_PackedInputCall``; None when neither applies."""
         if not names:
             self._rounded_at_use.add(target)
             return _RoundedWeight(self, target) if target in self._weights else None
         params = {name: f"{target}.{name}" for name in names if f"{target}.{name}" in self._weights}
         self._rounded_at_use.update(params.values())
         layer = self.module.get_submodule(target)
-        if low_input and convolves_packed_input(layer):
-            return _PackedInputConv(self, layer, params)
+        function = packed_input_function(layer) if low_input else None
+        if function is not None:
+            return _PackedInputCall(self, layer, params, function)
         return _RoundedWeightsCall(self, layer, params) if params else None
 
     def _round_weight(self, qualified: str) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The runtime's Conv2d over a packed input (``_ConvOfPackedInput``): its backward decodes the input a slice of
-samples at a time. Oracle: torch's own conv backward over the whole decoded input (the same runtime with the
-sliced path off), and torch.profiler's record of the allocator for the memory it holds."""
+"""The runtime's Conv2d and BatchNorm2d over a packed input (``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``):
+their backward decodes the input a slice of samples at a time. Oracles: torch's own conv and batch-norm
+backward over the whole decoded input (the same runtime with the sliced path off), torch's batch-norm forward
+for the running statistics, and torch.profiler's record of the allocator for the memory they hold."""
 
 from __future__ import annotations
 
@@ -70,15 +71,16 @@ def _gradients(model: nn.Module, policy: Policy, x: torch.Tensor, y: torch.Tenso
     return {name: p.grad for name, p in wrapped.module.named_parameters()}
 
 
-def test_gradients_in_slices_match_torchs_conv_backward_over_the_whole_input(monkeypatch):
-    """One sample per slice (12 slices) for both convs: every parameter gradient equals, to float32 summation
-    order, torch's conv backward over the whole decoded input; the input gradient feeds conv1's weight
-    gradient and the batch norm, so it is checked through them."""
+def test_gradients_in_slices_match_torchs_backward_over_the_whole_input(monkeypatch):
+    """One sample per slice (12 slices) for both convs and the batch norm: every parameter gradient equals, to
+    float32 summation order, torch's conv and batch-norm backward over the whole decoded input; the input
+    gradients feed conv1's weight gradient, so they are checked through it."""
     model, policy, x, y = _setup()
-    monkeypatch.setattr(runtime, "convolves_packed_input", lambda layer: False)
+    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
     whole = _gradients(model, policy, x, y)
     monkeypatch.undo()
-    monkeypatch.setattr(graph_module, "CONV_SLICE_BYTES", 1)  # one sample a slice
+    for module_type in ("Conv2d", "BatchNorm2d"):
+        monkeypatch.setitem(graph_module.SLICE_BYTES, module_type, 1)  # one sample a slice
     counter = _CountConvBackward()
     sliced = _gradients(model, policy, x, y, counter)
     assert counter.calls == Counter({1: 24}), "both convs should have run one backward per sample"
@@ -88,31 +90,62 @@ def test_gradients_in_slices_match_torchs_conv_backward_over_the_whole_input(mon
 
 
 def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
-    """Two convs of (4, 64, 64, 64) packed inputs (the network's and a ReLU's), in 1 MiB slices: torch.profiler's
-    allocator record shows one block of the input's size in each backward (its input gradient), and no
-    decoded copy; torch's conv backward over the whole input holds the decoded input and oneDNN's copies."""
-    conv = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(64, 8, 1))
+    """Conv, batch norm, ReLU, conv over (4, 64, 64, 64) packed inputs, in 1 MiB slices: torch.profiler's
+    allocator record shows one block of the input's size in each conv's and the batch norm's backward (its
+    input gradient), and no decoded copy; torch's backward over the whole input holds the decoded input and,
+    for the convs, oneDNN's copies too."""
+    layers = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                           nn.Conv2d(64, 8, 1))
     x = torch.randn(4, 64, 64, 64)
-    graph = trace(conv, x[:2], batch_size=4)
+    graph = trace(layers, x[:2], batch_size=4)
     policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
                                             for tid in graph.assignable_ids()})
     x.requires_grad_(True)
     whole = x.nbytes
 
     def big_blocks(sliced: bool) -> int:
-        if not sliced:
-            monkeypatch.setattr(runtime, "convolves_packed_input", lambda layer: False)
-        wrapped = apply_policy(copy.deepcopy(conv), policy)
-        monkeypatch.undo()
+        if sliced:
+            monkeypatch.setitem(graph_module.SLICE_BYTES, "BatchNorm2d", 2**20)
+        else:
+            monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
+        wrapped = apply_policy(copy.deepcopy(layers), policy)
         x.grad = None
         out = wrapped(x).sum()
         memory = trace_step(out.backward)
-        first_conv = [a for a in memory.allocations if a.phase.startswith("backward:") and "Conv" in a.phase
-                      and a.nbytes >= whole]
-        return len(first_conv)
+        monkeypatch.undo()
+        return sum(a.nbytes >= whole for a in memory.allocations
+                   if a.phase.startswith("backward:") and ("Conv" in a.phase or "Norm" in a.phase))
 
-    assert big_blocks(sliced=True) == 2  # each conv's input gradient
-    assert big_blocks(sliced=False) > 2 + 2  # and, at least, each conv's whole decoded input
+    assert big_blocks(sliced=True) == 3  # each layer's input gradient
+    assert big_blocks(sliced=False) > 3 + 3  # and, at least, each layer's whole decoded input
+
+
+def test_batch_norm_statistics_and_outputs_are_torchs_own(monkeypatch):
+    """Two training steps and an evaluation through the sliced batch norm give bit-identical running mean,
+    variance, batch count, losses and evaluation outputs to the model's own BatchNorm2d forward."""
+    model, policy, x, y = _setup()
+
+    def run(sliced: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        if not sliced:
+            monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
+        wrapped = apply_policy(copy.deepcopy(model), policy)
+        monkeypatch.undo()
+        losses = []
+        for _ in range(2):
+            loss = F.cross_entropy(wrapped(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+        wrapped.eval()
+        with torch.no_grad():
+            losses.append(wrapped(x))
+        return losses, {name: b.clone() for name, b in wrapped.module.bn.named_buffers()}
+
+    sliced_out, sliced_buffers = run(True)
+    whole_out, whole_buffers = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(sliced_out, whole_out, strict=True))
+    assert sliced_buffers.keys() == whole_buffers.keys() == {"running_mean", "running_var", "num_batches_tracked"}
+    assert all(torch.equal(sliced_buffers[name], whole_buffers[name]) for name in whole_buffers)
+    assert int(sliced_buffers["num_batches_tracked"]) == 2
 
 
 def test_a_conv_with_hooks_runs_as_itself_with_one_warning(caplog):
