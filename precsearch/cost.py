@@ -42,7 +42,6 @@ from precsearch.formats import FloatFormat, get_format
 from precsearch.graph import (
     OpInfo,
     TensorGraph,
-    backward_in_slices,
     backward_slice_rows,
     forward_error,
     grad_id,
@@ -50,6 +49,7 @@ from precsearch.graph import (
     gradient_passes_from,
     makes_fresh_output,
     op_type_key,
+    sliced_saved_tensor,
     training_mode,
 )
 from precsearch.optim import UpdateConfig, update_bytes_per_param
@@ -94,10 +94,11 @@ _UNKNOWN_RULE = ("inputs", "output")
 # torch 2.13's CPU kernels (oneDNN conv: a reordered input gradient and input; batch norm: one temporary).
 _CONV_BACKWARD_WORKSPACE = 2
 _BN_BACKWARD_WORKSPACE = 1
-# A sliced backward (``graph.backward_in_slices``), in float32 slices of its input: conv: the decoded slice,
-# its input gradient before the copy into the whole one, oneDNN's reorders of both; batch norm: the decoded
-# slice and the slice minus the mean. A conv adds one weight gradient (each slice's, before it is summed).
-_SLICED_WORKSPACE = {"Conv2d": 4, "BatchNorm2d": 2}
+# A sliced backward (``graph.sliced_saved_tensor``), in float32 slices of the tensor it decodes: conv: the
+# decoded slice, its input gradient before the copy into the whole one, oneDNN's reorders of both; batch norm:
+# the decoded slice and the slice minus the mean; ReLU: the decoded slice. A conv adds one weight gradient
+# (each slice's, before it is summed).
+_SLICED_WORKSPACE = {"Conv2d": 4, "BatchNorm2d": 2, "ReLU": 1}
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,8 @@ class CostModel:
         decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient (not where
         the rounding writes over it: ``graph.gradient_arrives_fresh``, the activation low too, or
         ``graph.gradient_passes_from``, the add's output gradient in the same format), a sliced backward's
-        workspace (``graph.backward_in_slices``: a conv or batch norm whose input is never decoded whole),
+        workspace (``graph.sliced_saved_tensor``: a conv, batch norm or ReLU whose codes are never decoded
+        whole),
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
         through module hooks), a rounded copy of each low weight gradient as it arrives. The optimizer holds
         one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it exists
@@ -334,9 +336,12 @@ class CostModel:
 
         producer, root, needs_grad, last_use = _forward_lifetimes(graph)
         traced = graph.graph_module is not None
-        sliced = {i for i, op in enumerate(ops) if traced and op.input_tensors and backward_in_slices(
-            op, not formats.get(op.input_tensors[0], FP32).is_fp32)}
-        saved_fp32 = set()
+        sliced = {}  # op index -> the low tensor whose codes its backward reads in slices
+        for i, op in enumerate(ops):
+            tid = sliced_saved_tensor(op) if traced else None
+            if tid is not None and not formats.get(tid, FP32).is_fp32:
+                sliced[i] = tid
+        saved_fp32, reads_kept = set(), set()
         for entry, size in zip(self.saved, self._saved_bytes(assignment), strict=True):
             savers = sorted(index[name] for name in entry.saved_by)
             if entry.tensor is None:
@@ -348,9 +353,11 @@ class CostModel:
                     hold(size, fwd(producer[owner]), bwd(savers[0]), f"saved {entry.tensor}")
             else:
                 hold(size, fwd(savers[0]), bwd(savers[0]), f"codes {entry.tensor}")
-                whole = [i for i in savers if i not in sliced or ops[i].input_tensors[0] != entry.tensor]
+                whole = [i for i in savers if sliced.get(i) != entry.tensor]
                 if whole:  # decoded at the first backward that unpacks it whole, kept to the last unpack
                     hold(4 * entry.numel, bwd(whole[-1]), bwd(savers[0]), f"decoded {entry.tensor}")
+                    # a sliced backward after that one reads the kept copy: it decodes nothing
+                    reads_kept.update(i for i in savers if sliced.get(i) == entry.tensor and i < whole[-1])
         # outputs their producer saved: the runtime rounds the others of a fresh-output op over the op's output
         self_saved = {entry.tensor for entry in self.saved if entry.tensor is not None
                       and entry.tensor in producer and ops[producer[entry.tensor]].name in entry.saved_by}
@@ -379,15 +386,16 @@ class CostModel:
             conv = key.startswith("conv") and any(needs_grad[t] for t in op.input_tensors)
             kernel = _CONV_BACKWARD_WORKSPACE if conv else _BN_BACKWARD_WORKSPACE if key.startswith("batchnorm") else 0
             if i in sliced:
-                shape = graph.tensors[op.input_tensors[0]].shape
+                shape = graph.tensors[sliced[i]].shape
                 sample, weight = math.prod(shape[1:]), max((graph.tensors[p].numel for p in op.params), default=0)
                 rows = backward_slice_rows(op.module_type, sample, weight)
-                if rows >= shape[0]:  # one slice: the whole input decoded, and the kernel's own workspace
-                    hold((1 + kernel) * inputs, bwd(i), bwd(i), f"workspace {op.name}")
+                decodes = i not in reads_kept
+                if rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace
+                    hold(decodes * 4 * sample * shape[0] + kernel * inputs, bwd(i), bwd(i), f"workspace {op.name}")
                 else:
                     summed = 4 * weight if op.module_type == "Conv2d" else 0
-                    hold(_SLICED_WORKSPACE[op.module_type] * 4 * rows * sample + summed, bwd(i), bwd(i),
-                         f"slice workspace {op.name}")
+                    slices = _SLICED_WORKSPACE[op.module_type] - (not decodes)
+                    hold(slices * 4 * rows * sample + summed, bwd(i), bwd(i), f"slice workspace {op.name}")
             elif kernel:
                 hold(kernel * inputs, bwd(i), bwd(i), f"workspace {op.name}")
         low_weights = total = 0

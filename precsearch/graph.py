@@ -319,25 +319,31 @@ def makes_fresh_output(op: OpInfo) -> bool:
     return not op.attrs.get("inplace") and (op.role == "gemm" or op.module_type in _FRESH_OUTPUT_OPS)
 
 
-# A Conv2d or BatchNorm2d module that reads a low activation computes its backward a slice of samples at a
-# time (precsearch.runtime's ``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``), each slice's decoded float32
-# input about this many bytes on CPU. Conv: on torch 2.13's oneDNN (2 cores) 1 MiB slices made ResNet-18's conv
-# backwards 0.3-1.0x as long as one call. Batch norm: two passes of a few ops per slice, so larger slices.
-SLICE_BYTES = {"Conv2d": 2**20, "BatchNorm2d": 2**22}
+# A Conv2d or BatchNorm2d module that reads a low activation, and a ReLU module that makes one, computes its
+# backward a slice of samples at a time from the codes (precsearch.runtime's ``_ConvOfPackedInput``,
+# ``_BatchNormOfPackedInput``, ``_ReluOfPackedOutput``), each slice's decoded float32 values about this many
+# bytes on CPU. Conv: on torch 2.13's oneDNN (2 cores) 1 MiB slices made ResNet-18's conv backwards 0.3-1.0x
+# as long as one call. Batch norm (two passes of a few ops per slice) and ReLU: larger slices.
+SLICE_BYTES = {"Conv2d": 2**20, "BatchNorm2d": 2**22, "ReLU": 2**22}
 
 
 def backward_slice_rows(module_type: str, sample_numel: int, weight_numel: int) -> int:
-    """Samples per slice of a sliced backward (input ``sample_numel`` values per sample): slices of
-    ``SLICE_BYTES``, or, for a conv, of the weight's size where that is larger, since each slice makes a
-    weight gradient of its own to add up."""
-    size = max(SLICE_BYTES[module_type], 4 * weight_numel if module_type == "Conv2d" else 0)
+    """Samples per slice of a sliced backward (saved tensor ``sample_numel`` values per sample): slices of
+    ``SLICE_BYTES``, or, for a conv, of twice its weight's size where that is larger, since each slice makes a
+    weight gradient of its own to add up (ResNet-18, all-low: 1 MiB slices everywhere peaked 10 MiB higher,
+    in layer 4)."""
+    size = max(SLICE_BYTES[module_type], 2 * weight_numel if module_type == "Conv2d" else 0)
     return max(1, size // (4 * sample_numel))
 
 
-def backward_in_slices(op: OpInfo, low_input: bool) -> bool:
-    """Whether the runtime runs ``op``'s backward in slices: a traced ``nn.Conv2d`` or ``nn.BatchNorm2d`` (in
-    training) call of one low activation."""
-    return low_input and op.module_type in SLICE_BYTES and len(op.input_tensors) == 1
+def sliced_saved_tensor(op: OpInfo) -> str | None:
+    """The tensor whose codes the runtime's backward of ``op`` reads in slices, where it is low: a traced
+    ``nn.Conv2d``'s or ``nn.BatchNorm2d``'s (in training) one input, an ``nn.ReLU``'s output; else None."""
+    if op.module_type in ("Conv2d", "BatchNorm2d") and len(op.input_tensors) == 1:
+        return op.input_tensors[0]
+    if op.module_type == "ReLU" and len(op.outputs) == 1:
+        return op.outputs[0]
+    return None
 
 
 def gradient_arrives_fresh(graph: TensorGraph) -> frozenset[str]:

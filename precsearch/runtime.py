@@ -679,14 +679,13 @@ class _RoundedWeightsCall(nn.Module):
         return torch.func.functional_call(self.layer, rounded, args, kwargs)
 
 
-def _packed_codes(ctx: Any) -> _Packed:
-    """The backward's one use of the input's codes (``ctx.stored``), released now: they die with the last
-    saver's backward, not with the autograd graph."""
-    if ctx.stored is None:
-        raise PrecsearchError("a second backward through a layer of a packed input: its codes were freed by the "
+def _take_stored(ctx: Any) -> _Stored:
+    """The backward's one use of its saved tensor, taken out of ``ctx.stored`` (a list holding it) now: codes
+    die with their last saver's backward, not with the autograd graph."""
+    if not ctx.stored:
+        raise PrecsearchError("a second backward through a layer of a packed tensor: its codes were freed by the "
                               "first (retain_graph=True is not supported under a policy)")
-    packed, ctx.stored = ctx.stored.packed, None
-    return packed
+    return ctx.stored.pop()
 
 
 def _slice_rows(ctx: Any, grad_out: torch.Tensor, module_type: str, weight: torch.Tensor | None) -> int:
@@ -706,8 +705,8 @@ class _ConvOfPackedInput(torch.autograd.Function):
         return True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stored: _Stored,
-                layer: nn.Conv2d) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                stored: list[_Stored], layer: nn.Conv2d) -> torch.Tensor:
         ctx.stored, ctx.layer, ctx.input_shape, ctx.has_bias = stored, layer, x.shape, bias is not None
         ctx.save_for_backward(weight)
         return layer._conv_forward(x, weight, bias)
@@ -715,7 +714,7 @@ class _ConvOfPackedInput(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        packed, layer, (weight,) = _packed_codes(ctx), ctx.layer, ctx.saved_tensors
+        packed, layer, (weight,) = _take_stored(ctx).packed, ctx.layer, ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "Conv2d", weight)
         grad_input = grad_out.new_empty(ctx.input_shape) if need_input and rows < batch else None
@@ -746,7 +745,7 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                stored: _Stored, layer: nn.BatchNorm2d) -> torch.Tensor:
+                stored: list[_Stored], layer: nn.BatchNorm2d) -> torch.Tensor:
         layer.num_batches_tracked.add_(1)  # nn.BatchNorm2d's own training forward, for a set momentum
         out, mean, invstd = torch.native_batch_norm(x, weight, bias, layer.running_mean, layer.running_var, True,
                                                     layer.momentum, layer.eps)
@@ -758,7 +757,7 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        packed, (weight, mean, invstd, _, _) = _packed_codes(ctx), ctx.saved_tensors
+        packed, (weight, mean, invstd, _, _) = _take_stored(ctx).packed, ctx.saved_tensors
         need = list(ctx.needs_input_grad[:3])
         batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "BatchNorm2d", None)
         passes = packed.batch_slices(rows)
@@ -787,6 +786,61 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
         grad_weight = (dot * invstd.double()).float() if need[1] else None
         grad_bias = sum_dy.float() if need[2] else None
         return grad_input, grad_weight, grad_bias, None, None
+
+
+class _ReluOfPackedOutput(torch.autograd.Function):
+    """An ``nn.ReLU`` whose output is a low activation. It saves its output through the packer (held as the
+    codes of its rounding, like any output an op saves), and its backward decodes those codes a slice at a
+    time into torch's own ReLU backward, so no float32 copy of the whole output is made."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, stored: list[_Stored], inplace: bool) -> torch.Tensor:
+        out = torch.relu_(x) if inplace else torch.relu(x)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.stored, ctx.input_shape = stored, out.shape  # the caller saves the output, as autograd returns it
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        stored = _take_stored(ctx)
+        if stored.packed is None:  # not rounded after all (a promoted slot): the output itself
+            return torch.ops.aten.threshold_backward(grad_out, stored.tensor, 0), None, None
+        rows = _slice_rows(ctx, grad_out, "ReLU", None)
+        grad_input = torch.empty_like(grad_out)
+        for start, out in stored.packed.batch_slices(rows)():
+            torch.ops.aten.threshold_backward.grad_input(grad_out[start:start + rows], out, 0,
+                                                         grad_input=grad_input[start:start + rows])
+        return grad_input, None, None
+
+
+class _PackedOutputRelu(nn.Module):
+    """Calls an ``nn.ReLU`` whose output is a low activation through ``_ReluOfPackedOutput`` in a training
+    forward, else as the module itself (and with hooks, one WARNING)."""
+
+    def __init__(self, model: PrecisionModel, layer: nn.ReLU) -> None:
+        super().__init__()
+        self.__dict__["_model"] = model
+        self.__dict__["layer"] = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packer = self._model._packer
+        if _has_hooks(self.layer):
+            self._model.warn_hooked_layer(self.layer)
+            return self.layer(x)
+        if not packer.active:
+            return self.layer(x)
+        stored: list[_Stored] = []
+        out = _ReluOfPackedOutput.apply(x, stored, self.layer.inplace)
+        stored.append(packer.pack(out))  # after the call: an in-place ReLU's output has its final version now
+        return out
+
+
+def packed_output_function(layer: nn.Module) -> type[torch.autograd.Function] | None:
+    """The Function that computes ``layer``'s backward from its packed output a slice at a time (a plain
+    ``nn.ReLU``), or None."""
+    return _ReluOfPackedOutput if type(layer) is nn.ReLU else None
 
 
 def packed_input_function(layer: nn.Module) -> type[torch.autograd.Function] | None:
@@ -822,7 +876,7 @@ class _PackedInputCall(_RoundedWeightsCall):
         if stored is None:
             return torch.func.functional_call(self.layer, weights, (x,))
         return self.function.apply(x, weights.get("weight", self.layer.weight), weights.get("bias", self.layer.bias),
-                                   stored, self.layer)
+                                   [stored], self.layer)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -850,7 +904,7 @@ class _RoundedWeight(nn.Module):
 
 def instrument_fx(graph: TensorGraph, module: nn.Module,
                   rounder: Callable[[Any], nn.Module | None], alias: Callable[[_Slot], nn.Module],
-                  weights: Callable[[str, list[str], bool], nn.Module | None],
+                  weights: Callable[[str, list[str] | None, bool, bool], nn.Module | None],
                   replaced: dict[str, nn.Module] | None = None,
                   per_use: Callable[[_Slot], nn.Module] | None = None) -> fx.GraphModule:
     """A copy of ``graph``'s FX graph (calling ``module``'s submodules, with ``replaced`` swapped in) with the
@@ -919,17 +973,19 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
         if name in rounders and add in rounders and set(rounders[name].slots) == {0}:
             rounders[name].grad_source = rounders[add].slots.get(0, (None, None))[1]
     for node in list(fx_graph.nodes):
-        if node.op == "call_module":
+        if node.op == "call_module" and node.target in traced:  # the user's modules, not those inserted
             names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]
             low_input = bool(node.args) and node.args[0] in carried and not node.kwargs and len(node.args) == 1
-            inserted = weights(node.target, names, low_input) if names else None
+            rounding = next(iter(node.users)) if len(node.users) == 1 else None
+            low_output = 0 in carried.get(rounding, {})
+            inserted = weights(node.target, names, low_input, low_output)
             if inserted is not None:
                 name = f"precsearch_weights_{node.target.replace('.', '_')}"
                 if not hasattr(gm, name):
                     gm.add_submodule(name, inserted)
                 node.target = name
         elif node.op == "get_attr":
-            inserted = weights(node.target, [], False)
+            inserted = weights(node.target, None, False, False)
             if inserted is not None:
                 insert(node, node, f"precsearch_weight_{node.target.replace('.', '_')}", inserted)
     fx_graph.lint()
@@ -1234,16 +1290,20 @@ class PrecisionModel(nn.Module):
         count = self.state.counting
         t.register_hook(lambda g: self.state.round(g, slot, count=count)[0])
 
-    def _weights_call_for(self, target: str, names: list[str], low_input: bool) -> nn.Module | None:
-        """For the FX pass: a layer call (``names``: its parameters) or a parameter read (``names`` empty)
-        that uses low weights, rewritten to use them rounded, and a Conv2d or BatchNorm2d call of a low
-        activation (``low_input``) rewritten to ``_PackedInputCall``; None when neither applies."""
-        if not names:
+    def _weights_call_for(self, target: str, names: list[str] | None, low_input: bool,
+                          low_output: bool) -> nn.Module | None:
+        """For the FX pass: a layer call (``names``: its parameters) or a parameter read (``names`` None) that
+        uses low weights, rewritten to use them rounded; a Conv2d or BatchNorm2d call of a low activation
+        (``low_input``) rewritten to ``_PackedInputCall``, and a ReLU making one (``low_output``) to
+        ``_PackedOutputRelu``; None when none applies."""
+        if names is None:
             self._rounded_at_use.add(target)
             return _RoundedWeight(self, target) if target in self._weights else None
+        layer = self.module.get_submodule(target)
+        if low_output and packed_output_function(layer) is not None:
+            return _PackedOutputRelu(self, layer)
         params = {name: f"{target}.{name}" for name in names if f"{target}.{name}" in self._weights}
         self._rounded_at_use.update(params.values())
-        layer = self.module.get_submodule(target)
         function = packed_input_function(layer) if low_input else None
         if function is not None:
             return _PackedInputCall(self, layer, params, function)

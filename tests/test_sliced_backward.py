@@ -31,23 +31,27 @@ class TwoConvs(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(8)
+        self.relu1 = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=True)
+        self.relu2 = nn.ReLU()
         self.fc = nn.Linear(16, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.bn(self.conv1(x)))
-        x = F.relu(self.conv2(x))
+        x = self.relu1(self.bn(self.conv1(x)))
+        x = self.relu2(self.conv2(x))
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
-class _CountConvBackward(TorchDispatchMode):
+class _CountSlices(TorchDispatchMode):
+    """Counts the conv and ReLU backward kernels by the batch they ran on."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.calls: Counter[int] = Counter()  # batch of each convolution_backward call
+        self.calls: Counter[tuple[str, int]] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.convolution_backward.default:
-            self.calls[args[1].shape[0]] += 1
+        if func in (torch.ops.aten.convolution_backward.default, torch.ops.aten.threshold_backward.grad_input):
+            self.calls[func.__name__.split(".")[0], args[1].shape[0]] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -72,28 +76,29 @@ def _gradients(model: nn.Module, policy: Policy, x: torch.Tensor, y: torch.Tenso
 
 
 def test_gradients_in_slices_match_torchs_backward_over_the_whole_input(monkeypatch):
-    """One sample per slice (12 slices) for both convs and the batch norm: every parameter gradient equals, to
-    float32 summation order, torch's conv and batch-norm backward over the whole decoded input; the input
-    gradients feed conv1's weight gradient, so they are checked through it."""
+    """One sample per slice (12 slices) for both convs, the batch norm and both ReLUs (one in place): every
+    parameter gradient equals, to float32 summation order, torch's conv, batch-norm and ReLU backward over the
+    whole decoded tensor; the input gradients feed conv1's weight gradient, so they are checked through it."""
     model, policy, x, y = _setup()
     monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
+    monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
     whole = _gradients(model, policy, x, y)
     monkeypatch.undo()
-    for module_type in ("Conv2d", "BatchNorm2d"):
+    for module_type in ("Conv2d", "BatchNorm2d", "ReLU"):
         monkeypatch.setitem(graph_module.SLICE_BYTES, module_type, 1)  # one sample a slice
-    counter = _CountConvBackward()
+    counter = _CountSlices()
     sliced = _gradients(model, policy, x, y, counter)
-    assert counter.calls == Counter({1: 24}), "both convs should have run one backward per sample"
+    assert counter.calls == Counter({("convolution_backward", 1): 24, ("threshold_backward", 1): 24})
     for name, expected in whole.items():
         torch.testing.assert_close(sliced[name], expected, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(expected, torch.zeros_like(expected)), name
 
 
 def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
-    """Conv, batch norm, ReLU, conv over (4, 64, 64, 64) packed inputs, in 1 MiB slices: torch.profiler's
-    allocator record shows one block of the input's size in each conv's and the batch norm's backward (its
-    input gradient), and no decoded copy; torch's backward over the whole input holds the decoded input and,
-    for the convs, oneDNN's copies too."""
+    """Conv, batch norm, ReLU, conv over (4, 64, 64, 64) packed tensors, in 1 MiB slices: torch.profiler's
+    allocator record shows one block of the input's size in each layer's backward (its input gradient), and
+    no decoded copy; torch's backward over the whole tensor holds the decoded tensor and, for the convs,
+    oneDNN's copies too."""
     layers = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
                            nn.Conv2d(64, 8, 1))
     x = torch.randn(4, 64, 64, 64)
@@ -106,18 +111,20 @@ def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
     def big_blocks(sliced: bool) -> int:
         if sliced:
             monkeypatch.setitem(graph_module.SLICE_BYTES, "BatchNorm2d", 2**20)
+            monkeypatch.setitem(graph_module.SLICE_BYTES, "ReLU", 2**20)
         else:
             monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
+            monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
         wrapped = apply_policy(copy.deepcopy(layers), policy)
         x.grad = None
         out = wrapped(x).sum()
         memory = trace_step(out.backward)
         monkeypatch.undo()
         return sum(a.nbytes >= whole for a in memory.allocations
-                   if a.phase.startswith("backward:") and ("Conv" in a.phase or "Norm" in a.phase))
+                   if a.phase.startswith("backward:") and any(k in a.phase for k in ("Conv", "Norm", "Relu")))
 
-    assert big_blocks(sliced=True) == 3  # each layer's input gradient
-    assert big_blocks(sliced=False) > 3 + 3  # and, at least, each layer's whole decoded input
+    assert big_blocks(sliced=True) == 4  # each layer's input gradient
+    assert big_blocks(sliced=False) >= 4 + 4  # and, at least, each layer's whole decoded tensor
 
 
 def test_batch_norm_statistics_and_outputs_are_torchs_own(monkeypatch):
@@ -128,6 +135,7 @@ def test_batch_norm_statistics_and_outputs_are_torchs_own(monkeypatch):
     def run(sliced: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         if not sliced:
             monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
+            monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
         wrapped = apply_policy(copy.deepcopy(model), policy)
         monkeypatch.undo()
         losses = []
