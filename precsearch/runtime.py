@@ -29,6 +29,10 @@ The pieces, each in one place:
   codes in the same pass) through ``saved_tensors_hooks``, once per storage; an op that saved its own output
   before the rounding module ran (ReLU saves its result) is switched to the rounded codes too, as
   low-precision hardware would store them. ``saved_bytes()`` reports what the last forward kept.
+* sliced backwards: a ``Conv2d`` or training ``BatchNorm2d`` reading a low activation, and an ``nn.ReLU`` making
+  one, are called through autograd Functions (``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``,
+  ``_ReluOfPackedOutput``) whose backward decodes the codes a slice of samples at a time
+  (``graph.backward_slice_rows``), so the step never holds a float32 copy of a whole saved tensor.
 
 What each tensor kind gets:
 
