@@ -914,9 +914,9 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
     """A copy of ``graph``'s FX graph (calling ``module``'s submodules, with ``replaced`` swapped in) with the
     module ``rounder(op)`` after every op it returns one for, ``alias(slot)`` after every layout op
     (contiguous, reshape, ...) that may copy a rounded activation of that slot, and every call of a submodule
-    or read of a parameter replaced by ``weights(qualified name, parameter names, reads a low activation)``
-    where it returns a module (one that computes with rounded weights, or convolves a packed input): torch.ao's
-    prepare_fx, with rounding modules for observers.
+    or read of a parameter replaced by ``weights(qualified name, parameter names or None for a read, reads a
+    low activation, makes a low activation)`` where it returns a module (one that computes with rounded
+    weights, or a sliced backward's layer call): torch.ao's prepare_fx, with rounding modules for observers.
     With ``per_use``, an output whose gradient is rounded and that has several consumers gets the module
     ``per_use(gradient slot)`` before each consumer, which rounds that consumer's gradient instead."""
     source = graph.graph_module
