@@ -94,11 +94,12 @@ _UNKNOWN_RULE = ("inputs", "output")
 # torch 2.13's CPU kernels (oneDNN conv: a reordered input gradient and input; batch norm: one temporary).
 _CONV_BACKWARD_WORKSPACE = 2
 _BN_BACKWARD_WORKSPACE = 1
-# A sliced backward (``graph.sliced_saved_tensor``), in float32 slices of the tensor it decodes: conv: the
-# decoded slice, its input gradient before the copy into the whole one, oneDNN's reorders of both; batch norm:
-# the decoded slice and the slice minus the mean; ReLU: the decoded slice. A conv adds one weight gradient
-# (each slice's, before it is summed).
-_SLICED_WORKSPACE = {"Conv2d": 4, "BatchNorm2d": 2, "ReLU": 1}
+# A sliced backward (``graph.sliced_saved_tensor``), in float32 slices of the tensor it decodes, measured with
+# precsearch.memory: conv: the decoded slice, or the slice's input gradient before its copy into the whole one,
+# and oneDNN's workspace, plus two weight-sized blocks (a slice's weight gradient before it is summed, and
+# oneDNN's reordered weight); batch norm: the decoded slice and the slice minus the mean; ReLU: the decoded
+# slice.
+_SLICED_WORKSPACE = {"Conv2d": 3, "BatchNorm2d": 2, "ReLU": 1}
 
 
 @dataclass(frozen=True)
@@ -388,12 +389,12 @@ class CostModel:
             if i in sliced:
                 shape = graph.tensors[sliced[i]].shape
                 sample, weight = math.prod(shape[1:]), max((graph.tensors[p].numel for p in op.params), default=0)
-                rows = backward_slice_rows(op.module_type, sample, weight)
+                rows = backward_slice_rows(op.module_type, shape, weight)
                 decodes = i not in reads_kept
                 if rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace
                     hold(decodes * 4 * sample * shape[0] + kernel * inputs, bwd(i), bwd(i), f"workspace {op.name}")
                 else:
-                    summed = 4 * weight if op.module_type == "Conv2d" else 0
+                    summed = 2 * 4 * weight if op.module_type == "Conv2d" else 0
                     slices = _SLICED_WORKSPACE[op.module_type] - (not decodes)
                     hold(slices * 4 * rows * sample + summed, bwd(i), bwd(i), f"slice workspace {op.name}")
             elif kernel:

@@ -30,6 +30,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import operator
 import os
 import warnings
@@ -322,18 +323,20 @@ def makes_fresh_output(op: OpInfo) -> bool:
 # A Conv2d or BatchNorm2d module that reads a low activation, and a ReLU module that makes one, computes its
 # backward a slice of samples at a time from the codes (precsearch.runtime's ``_ConvOfPackedInput``,
 # ``_BatchNormOfPackedInput``, ``_ReluOfPackedOutput``), each slice's decoded float32 values about this many
-# bytes on CPU. Conv: on torch 2.13's oneDNN (2 cores) 1 MiB slices made ResNet-18's conv backwards 0.3-1.0x
-# as long as one call. Batch norm (two passes of a few ops per slice) and ReLU: larger slices.
-SLICE_BYTES = {"Conv2d": 2**20, "BatchNorm2d": 2**22, "ReLU": 2**22}
+# bytes on CPU. Conv (torch 2.13's oneDNN, 2 cores): with 1 MiB slices, ResNet-18's conv backwards took
+# 0.3-1.0x as long as one call over the batch, and held about a slice's worth of workspace besides their
+# gradients where one call held two or three copies of the input. Batch norm (two passes of a few ops per
+# slice) and ReLU: larger slices.
+SLICE_BYTES = {"Conv2d": 2**20, "BatchNorm2d": 2**22, "ReLU": 2**20}
 
 
-def backward_slice_rows(module_type: str, sample_numel: int, weight_numel: int) -> int:
-    """Samples per slice of a sliced backward (saved tensor ``sample_numel`` values per sample): slices of
-    ``SLICE_BYTES``, or, for a conv, of twice its weight's size where that is larger, since each slice makes a
-    weight gradient of its own to add up (ResNet-18, all-low: 1 MiB slices everywhere peaked 10 MiB higher,
-    in layer 4)."""
-    size = max(SLICE_BYTES[module_type], 2 * weight_numel if module_type == "Conv2d" else 0)
-    return max(1, size // (4 * sample_numel))
+def backward_slice_rows(module_type: str, shape: Sequence[int], weight_numel: int) -> int:
+    """Samples per slice of a sliced backward over a saved tensor of ``shape``: slices of ``SLICE_BYTES``; a
+    conv whose weight is larger than its input runs as one slice (oneDNN's weight-sized temporaries then
+    outweigh the input's: ResNet-18's layer 4, 30 MiB against 37 or more in slices)."""
+    if module_type == "Conv2d" and weight_numel >= math.prod(shape):
+        return shape[0]
+    return max(1, SLICE_BYTES[module_type] // (4 * math.prod(shape[1:])))
 
 
 def sliced_saved_tensor(op: OpInfo) -> str | None:

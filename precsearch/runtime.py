@@ -696,13 +696,14 @@ def _slice_rows(ctx: Any, grad_out: torch.Tensor, module_type: str, weight: torc
     """``graph.backward_slice_rows`` on CPU; the whole batch elsewhere (slicing not measured off CPU)."""
     if grad_out.device.type != "cpu":
         return ctx.input_shape[0]
-    return backward_slice_rows(module_type, ctx.input_shape[1:].numel(), 0 if weight is None else weight.numel())
+    return backward_slice_rows(module_type, ctx.input_shape, 0 if weight is None else weight.numel())
 
 
 class _ConvOfPackedInput(torch.autograd.Function):
-    """A Conv2d whose input autograd would hold as codes. Its backward decodes the input a slice of samples at
-    a time and computes both gradients slice by slice (the input gradient is per sample, the weight gradient
-    a sum over slices), so no float32 copy of the whole input, nor oneDNN's reordered copies of it, is made."""
+    """A Conv2d whose input autograd would hold as codes. Its backward, in slices of samples, makes the weight
+    gradient as a sum over slices of the decoded input, then the input gradient slice by slice from the
+    output gradient alone (as ``torch.nn.grad.conv2d_input``), so no float32 copy of the whole input, nor
+    oneDNN's reordered copies of it, is made. One slice (``graph.backward_slice_rows``): one call."""
 
     @staticmethod
     def runs(layer: nn.Module) -> bool:
@@ -721,18 +722,27 @@ class _ConvOfPackedInput(torch.autograd.Function):
         packed, layer, (weight,) = _take_stored(ctx).packed, ctx.layer, ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "Conv2d", weight)
-        grad_input = grad_out.new_empty(ctx.input_shape) if need_input and rows < batch else None
-        grad_weight = None
-        for start, x in packed.batch_slices(rows)():
-            grads = torch.ops.aten.convolution_backward(
-                grad_out[start:start + rows], x, weight, None, layer.stride, layer.padding, layer.dilation,
-                False, [0, 0], layer.groups, [need_input, need_weight, False])
-            if rows >= batch:
-                grad_input = grads[0]
-            elif need_input:
-                grad_input[start:start + rows].copy_(grads[0])
-            if need_weight:
-                grad_weight = grads[1] if grad_weight is None else grad_weight.add_(grads[1])
+        passes = packed.batch_slices(rows)
+
+        def conv_backward(g: torch.Tensor, x: torch.Tensor, mask: list[bool]) -> tuple[torch.Tensor, ...]:
+            return torch.ops.aten.convolution_backward(g, x, weight, None, layer.stride, layer.padding,
+                                                       layer.dilation, False, [0, 0], layer.groups, mask)
+
+        grad_input = grad_weight = None
+        if rows >= batch:
+            (_, x), = passes()
+            grad_input, grad_weight, _ = conv_backward(grad_out, x, [need_input, need_weight, False])
+        else:
+            for start, x in passes() if need_weight else ():
+                grad = conv_backward(grad_out[start:start + rows], x, [False, True, False])[1]
+                grad_weight = grad if grad_weight is None else grad_weight.add_(grad)
+            if need_input:
+                grad_input = grad_out.new_empty(ctx.input_shape)
+                for start in range(0, batch, rows):
+                    g = grad_out[start:start + rows]
+                    shape = (g.shape[0], *ctx.input_shape[1:])
+                    grad_input[start:start + rows].copy_(conv_backward(g, g.new_empty(1).expand(shape),
+                                                                       [True, False, False])[0])
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None, None
 
