@@ -105,7 +105,8 @@ _SLICED_WORKSPACE = {"Conv2d": 3, "BatchNorm2d": 2, "ReLU": 1}
 @dataclass(frozen=True)
 class Held:
     """One block of a predicted step timeline: `nbytes` live from `start` to `end` inclusive. Times: forward
-    of op i is 2i, backward of op i is 4n - 2i (n ops), weight-gradient rounding 4n + 1, optimizer 4n + 3."""
+    of op i is 2i, backward of op i is 4n - 2i (n ops), a weight gradient's rounding 0.5 after its layer's
+    backward, optimizer 4n + 3."""
 
     nbytes: int
     start: float
@@ -391,8 +392,10 @@ class CostModel:
                 sample, weight = math.prod(shape[1:]), max((graph.tensors[p].numel for p in op.params), default=0)
                 rows = backward_slice_rows(op.module_type, shape, weight)
                 decodes = i not in reads_kept
-                if rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace
-                    hold(decodes * 4 * sample * shape[0] + kernel * inputs, bwd(i), bwd(i), f"workspace {op.name}")
+                if rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (a
+                    # conv whose weight outsizes its input: oneDNN's reordered weight)
+                    work = max(kernel * inputs, 4 * weight if op.module_type == "Conv2d" else 0)
+                    hold(decodes * 4 * sample * shape[0] + work, bwd(i), bwd(i), f"workspace {op.name}")
                 else:
                     summed = 2 * 4 * weight if op.module_type == "Conv2d" else 0
                     slices = _SLICED_WORKSPACE[op.module_type] - (not decodes)
@@ -406,7 +409,8 @@ class CostModel:
             total += 4 * info.numel
             hold(4 * info.numel, bwd(users[-1]), 4.0 * n + 3, f"weight gradient {tid}")
             if not formats.get(f"{tid}_grad", FP32).is_fp32:
-                hold(4 * info.numel, bwd(users[0]), bwd(users[0]), f"rounded weight gradient {tid}")
+                after = bwd(users[0]) + 0.5  # in the hook after the layer's backward, its workspace freed
+                hold(4 * info.numel, after, after, f"rounded weight gradient {tid}")
             fmt = formats.get(tid, FP32)
             if not fmt.is_fp32:
                 low_weights += 4 * info.numel
