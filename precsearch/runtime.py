@@ -831,7 +831,7 @@ class _ReluOfPackedOutput(torch.autograd.Function):
 
 class _PackedOutputRelu(nn.Module):
     """Calls an ``nn.ReLU`` whose output is a low activation through ``_ReluOfPackedOutput`` in a training
-    forward, else as the module itself (and with hooks, one WARNING)."""
+    forward, else as the module itself (and with hooks other than forward hooks, one WARNING)."""
 
     def __init__(self, model: PrecisionModel, layer: nn.ReLU) -> None:
         super().__init__()
@@ -840,7 +840,7 @@ class _PackedOutputRelu(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packer = self._model._packer
-        if _has_hooks(self.layer):
+        if _runs_as_itself(self.layer):
             self._model.warn_hooked_layer(self.layer)
             return self.layer(x)
         if not packer.active:
@@ -848,7 +848,7 @@ class _PackedOutputRelu(nn.Module):
         stored: list[_Stored] = []
         out = _ReluOfPackedOutput.apply(x, stored, self.layer.inplace)
         stored.append(packer.pack(out))  # after the call: an in-place ReLU's output has its final version now
-        return out
+        return _after_forward_hooks(self.layer, x, out)
 
 
 def packed_output_function(layer: nn.Module) -> type[torch.autograd.Function] | None:
@@ -872,7 +872,8 @@ def packed_input_function(layer: nn.Module) -> type[torch.autograd.Function] | N
 class _PackedInputCall(_RoundedWeightsCall):
     """Calls a layer whose input is a low activation (``packed_input_function``): through that Function when
     the packer holds the input as codes (a training forward), else as the layer itself; low weights rounded
-    as ``_RoundedWeightsCall`` rounds them. A layer with hooks is called as itself (one WARNING)."""
+    as ``_RoundedWeightsCall`` rounds them. Its forward hooks run after the Function; a layer with other hooks is
+    called as itself (one WARNING)."""
 
     def __init__(self, model: PrecisionModel, layer: nn.Module, params: dict[str, str],
                  function: type[torch.autograd.Function]) -> None:
@@ -880,7 +881,7 @@ class _PackedInputCall(_RoundedWeightsCall):
         self.__dict__["function"] = function
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if _has_hooks(self.layer):
+        if _runs_as_itself(self.layer):
             self._model.warn_hooked_layer(self.layer)
             return super().forward(x)
         weights = {name: self._model._round_weight(qualified) for name, qualified in self.params.items()}
@@ -889,16 +890,28 @@ class _PackedInputCall(_RoundedWeightsCall):
             stored = self._model._packer.save_packed(x)
         if stored is None:
             return torch.func.functional_call(self.layer, weights, (x,))
-        return self.function.apply(x, weights.get("weight", self.layer.weight), weights.get("bias", self.layer.bias),
-                                   [stored], self.layer)
+        out = self.function.apply(x, weights.get("weight", self.layer.weight), weights.get("bias", self.layer.bias),
+                                  [stored], self.layer)
+        return _after_forward_hooks(self.layer, x, out)
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs hooks (its own or global ones), which only a call of the module runs."""
+def _runs_as_itself(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks that only a call of the module runs: any but forward hooks without kwargs
+    (``_after_forward_hooks`` runs those after a Function as the call would), or global hooks."""
     glob = nn.modules.module
-    return any((module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
-                module._backward_pre_hooks, glob._global_forward_pre_hooks, glob._global_forward_hooks,
+    return any((module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks,
+                module._forward_hooks_with_kwargs, glob._global_forward_pre_hooks, glob._global_forward_hooks,
                 glob._global_backward_hooks, glob._global_backward_pre_hooks))
+
+
+def _after_forward_hooks(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The module's forward hooks on ``out``, in order, each free to replace it (``nn.Module.__call__``'s
+    rule): adaptive loss scaling marks its GEMM layers' outputs so."""
+    for hook in module._forward_hooks.values():
+        result = hook(module, (x,), out)
+        if result is not None:
+            out = result
+    return out
 
 
 class _RoundedWeight(nn.Module):
@@ -1295,9 +1308,9 @@ class PrecisionModel(nn.Module):
         if not self._warned_hooked_layer:
             self._warned_hooked_layer = True
             name = next((n for n, m in self.module.named_modules() if m is layer), type(layer).__name__)
-            log.warning("%s has module hooks, so it runs as itself: its backward decodes its whole packed input "
-                        "at once (one float32 copy of it, and the kernel's workspace), not a slice at a time; "
-                        "remove the hooks to train in less memory", name)
+            log.warning("%s has module hooks other than forward hooks, so it runs as itself: its backward decodes "
+                        "its whole packed tensor at once (one float32 copy of it, and the kernel's workspace), not "
+                        "a slice at a time; remove those hooks to train in less memory", name)
 
     def _round_grad_of(self, t: torch.Tensor, slot: _Slot) -> None:
         """Round the gradient that reaches ``t`` in backward (counted if this forward is a training one)."""

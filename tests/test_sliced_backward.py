@@ -157,23 +157,26 @@ def test_batch_norm_statistics_and_outputs_are_torchs_own(monkeypatch):
     assert int(sliced_buffers["num_batches_tracked"]) == 2
 
 
-def test_a_conv_with_hooks_runs_as_itself_with_one_warning(caplog):
-    """A forward hook must run: such a conv is called as a module (whole-input backward), its gradients are
-    unchanged, and one WARNING names it, however many steps."""
+def test_forward_hooks_run_on_the_sliced_path_and_other_hooks_make_the_layer_run_as_itself(caplog):
+    """A forward hook (adaptive loss scaling's kind) runs on the sliced path, its returned value replacing the
+    output as a module call would, with no WARNING; a forward pre-hook must run, so that conv is called as a
+    module (whole-input backward) with one WARNING naming it, however many steps. Gradients are unchanged."""
     model, policy, x, y = _setup()
     expected = _gradients(model, policy, x, y)
     seen = []
     hooked = copy.deepcopy(model)
-    hooked.conv2.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    hooked.conv1.register_forward_hook(lambda module, args, out: out * 1.0)  # replaces the output, same values
+    hooked.relu2.register_forward_hook(lambda module, args, out: seen.append(("relu2", out.grad_fn.name())))
+    hooked.conv2.register_forward_pre_hook(lambda module, args: seen.append(("conv2", args[0].shape)))
     with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
         wrapped = apply_policy(hooked, policy)
-        seen.clear()  # the trace ran it too
+        seen.clear()  # the trace ran them too
         for _ in range(2):
             wrapped.zero_grad(set_to_none=True)
             F.cross_entropy(wrapped(x), y).backward()
-    assert seen == [torch.Size([12, 16, 8, 8])] * 2
-    warnings = [r for r in caplog.records if "conv2 has module hooks" in r.getMessage()]
-    assert len(warnings) == 1
+    assert seen == [("conv2", torch.Size([12, 8, 16, 16])), ("relu2", "_ReluOfPackedOutputBackward")] * 2
+    warnings = [r.getMessage() for r in caplog.records if "has module hooks" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("conv2 ")
     for name, param in wrapped.module.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
