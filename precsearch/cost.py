@@ -380,7 +380,7 @@ class CostModel:
                 if not (alike and any(needs_grad[t] for t in add.input_tensors if t != tid)):
                     hold(4 * numel, bwd(max(users)) if users else 4.0 * n, bwd(i), f"gradient {tid}")
                 rounded_over = alike or (ops[i].name in self._fresh_gradients and not formats.get(tid, FP32).is_fp32)
-                if not formats.get(grad_id(tid), FP32).is_fp32 and not rounded_over:
+                if not grad_format.is_fp32 and not rounded_over:
                     hold(4 * numel, bwd(i) - 1, bwd(i) - 1, f"rounded gradient {tid}")
         for i, op in enumerate(ops):
             inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)

@@ -349,6 +349,21 @@ def sliced_saved_tensor(op: OpInfo) -> str | None:
     return None
 
 
+def _sole_readers(graph: TensorGraph) -> Iterator[tuple[OpInfo, OpInfo, int]]:
+    """Each op whose output one op alone reads in the traced graph: (op, reader, times the reader reads it)."""
+    ops = {op.node: op for op in graph.ops}
+    for node in graph.graph_module.graph.nodes:
+        users = list(node.users)
+        if node.name in ops and len(users) == 1 and users[0].name in ops:
+            yield ops[node.name], ops[users[0].name], _count_reads(users[0], node)
+
+
+def _count_reads(user: torch.fx.Node, node: torch.fx.Node) -> int:
+    reads: list[bool] = []
+    torch.fx.node.map_arg((user.args, user.kwargs), lambda arg: reads.append(arg is node))
+    return sum(reads)
+
+
 def gradient_arrives_fresh(graph: TensorGraph) -> frozenset[str]:
     """The ops whose (single) output's gradient reaches its rounding as a new tensor nothing else holds: the
     output has one reader in the traced graph, which reads it once and whose backward makes new input
@@ -356,17 +371,8 @@ def gradient_arrives_fresh(graph: TensorGraph) -> frozenset[str]:
     it. Empty for an untraced model."""
     if graph.graph_module is None:
         return frozenset()
-    ops = {op.node: op for op in graph.ops}
-    fresh = set()
-    for node in graph.graph_module.graph.nodes:
-        users = list(node.users)
-        if node.name not in ops or len(users) != 1 or users[0].name not in ops:
-            continue
-        reader = ops[users[0].name]
-        reads = _count_reads(users[0], node)
-        if reads == 1 and (reader.role == "gemm" or op_type_key(reader.module_type) in _FRESH_INPUT_GRADIENT_OPS):
-            fresh.add(ops[node.name].name)
-    return frozenset(fresh)
+    return frozenset(op.name for op, reader, reads in _sole_readers(graph) if reads == 1 and (
+        reader.role == "gemm" or op_type_key(reader.module_type) in _FRESH_INPUT_GRADIENT_OPS))
 
 
 def gradient_passes_from(graph: TensorGraph) -> dict[str, str]:
@@ -376,22 +382,8 @@ def gradient_passes_from(graph: TensorGraph) -> dict[str, str]:
     rounded over itself although the add's other input holds it too. Empty for an untraced model."""
     if graph.graph_module is None:
         return {}
-    ops = {op.node: op for op in graph.ops}
-    passes = {}
-    for node in graph.graph_module.graph.nodes:
-        users = list(node.users)
-        if node.name not in ops or len(users) != 1 or users[0].name not in ops:
-            continue
-        reader = ops[users[0].name]
-        if op_type_key(reader.module_type) == "add" and _count_reads(users[0], node) == 1:
-            passes[ops[node.name].name] = reader.name
-    return passes
-
-
-def _count_reads(user: torch.fx.Node, node: torch.fx.Node) -> int:
-    reads: list[bool] = []
-    torch.fx.node.map_arg((user.args, user.kwargs), lambda arg: reads.append(arg is node))
-    return sum(reads)
+    return {op.name: reader.name for op, reader, reads in _sole_readers(graph)
+            if reads == 1 and op_type_key(reader.module_type) == "add"}
 
 
 def is_gemm_module(module: nn.Module) -> bool:
