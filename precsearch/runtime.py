@@ -841,7 +841,7 @@ class _PackedOutputRelu(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packer = self._model._packer
         if _runs_as_itself(self.layer):
-            self._model.warn_hooked_layer(self.layer)
+            self._model.warn_unsliced(self.layer, _HOOKED)
             return self.layer(x)
         if not packer.active:
             return self.layer(x)
@@ -882,17 +882,25 @@ class _PackedInputCall(_RoundedWeightsCall):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if _runs_as_itself(self.layer):
-            self._model.warn_hooked_layer(self.layer)
+            self._model.warn_unsliced(self.layer, _HOOKED)
             return super().forward(x)
         weights = {name: self._model._round_weight(qualified) for name, qualified in self.params.items()}
         stored = None
-        if x.dim() == 4 and self.function.runs(self.layer):
-            stored = self._model._packer.save_packed(x)
+        packer = self._model._packer
+        if x.dim() == 4 and self.function.runs(self.layer) and packer.active:
+            stored = packer.save_packed(x)
+            if stored is None:
+                self._model.warn_unsliced(self.layer, "reads a tensor that is not a whole packed batch (a view of "
+                                          "one, or channels_last)")
         if stored is None:
             return torch.func.functional_call(self.layer, weights, (x,))
         out = self.function.apply(x, weights.get("weight", self.layer.weight), weights.get("bias", self.layer.bias),
                                   [stored], self.layer)
         return _after_forward_hooks(self.layer, x, out)
+
+
+# why a layer with hooks runs as itself
+_HOOKED = "has module hooks other than forward hooks (remove them to train in less memory)"
 
 
 def _runs_as_itself(module: nn.Module) -> bool:
@@ -1073,7 +1081,7 @@ class PrecisionModel(nn.Module):
         self._module_rounders: dict[str, dict[int, _Rounder]] = {}
         self._calls: Counter[str] = Counter()
         self._rounded_at_use: set[str] = set()
-        self._warned_hooked_layer = False
+        self._warned_unsliced: set[str] = set()
         if graph.graph_module is not None:
             per_use = (lambda slot: _GradUse(self, slot)) if policy.gradient_rounding == "per_use" else None
             target = instrument_fx(graph, model, self._rounder_for, lambda slot: _Alias(self, slot),
@@ -1302,15 +1310,13 @@ class PrecisionModel(nn.Module):
             self._round_grad_of(t, grad)
         return t
 
-    def warn_hooked_layer(self, layer: nn.Module) -> None:
-        """Once: a layer of a packed input has hooks, so it is called as a module and its backward decodes the
-        whole input at once."""
-        if not self._warned_hooked_layer:
-            self._warned_hooked_layer = True
+    def warn_unsliced(self, layer: nn.Module, why: str) -> None:
+        """Once per reason: a layer of a packed tensor runs its backward over the whole tensor, not in slices."""
+        if why not in self._warned_unsliced:
+            self._warned_unsliced.add(why)
             name = next((n for n, m in self.module.named_modules() if m is layer), type(layer).__name__)
-            log.warning("%s has module hooks other than forward hooks, so it runs as itself: its backward decodes "
-                        "its whole packed tensor at once (one float32 copy of it, and the kernel's workspace), not "
-                        "a slice at a time; remove those hooks to train in less memory", name)
+            log.warning("%s %s, so its backward decodes its whole packed tensor at once (one float32 copy of it, "
+                        "and the kernel's workspace), not a slice at a time", name, why)
 
     def _round_grad_of(self, t: torch.Tensor, slot: _Slot) -> None:
         """Round the gradient that reaches ``t`` in backward (counted if this forward is a training one)."""

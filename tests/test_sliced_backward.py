@@ -189,3 +189,36 @@ def test_a_second_backward_through_a_packed_conv_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(PrecsearchError, match="retain_graph"):
         loss.backward()
+
+
+def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(monkeypatch, caplog):
+    """A conv reading a channel slice of a low activation (a view, not a whole packed batch) takes torch's
+    whole-tensor backward, saying so once however many steps, with the same gradients as the sliced path off."""
+
+    class Narrowed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1, self.conv2, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(4, 8, 3), nn.Linear(8, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv1(x)[:, :4]
+            return self.fc(F.adaptive_avg_pool2d(self.conv2(h), 1).flatten(1))
+
+    torch.manual_seed(0)
+    model = Narrowed()
+    x, y = torch.randn(6, 3, 12, 12), torch.randint(0, 10, (6,))
+    graph = trace(model, x[:2], batch_size=6)
+    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
+                                            for tid in graph.assignable_ids()})
+    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
+    expected = _gradients(model, policy, x, y)
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
+        wrapped = apply_policy(copy.deepcopy(model), policy)
+        for _ in range(2):
+            wrapped.zero_grad(set_to_none=True)
+            F.cross_entropy(wrapped(x), y).backward()
+    warnings = [r.getMessage() for r in caplog.records if "not a whole packed batch" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("conv2 ")
+    for name, param in wrapped.module.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
