@@ -638,6 +638,7 @@ def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_b
     unencodable count], and (``with_codes``) their codes."""
     round_values = _make_kernel(_round_key(fmt, rounding, overflow))
     codes_of = _code_builder(fmt)
+    saturating = overflow == "saturate"  # then only a NaN input can leave the format: one without NaN codes
 
     def round_and_count_kernel(x: torch.Tensor, seed: torch.Tensor):
         mag = x.view(torch.int32) & 0x7FFFFFFF
@@ -647,6 +648,8 @@ def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_b
         codes, bad = None, torch.zeros_like(over)
         if with_codes:
             codes, unencodable = codes_of(rounded_bits)
+            if saturating:  # the same mask, read off the input: a fused in-place pass reads it before writing
+                unencodable = None if fmt.has_nan else mag > 0x7F800000
             bad = bad if unencodable is None else _count(unencodable)
         if in_place:
             x.copy_(rounded)

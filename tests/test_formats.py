@@ -274,6 +274,38 @@ def test_round_and_count_counts_what_could_round_past_max(spec):
     assert stochastic_over == 6 and nearest_over in (1, 3)  # inf, and the ties only where max's code is odd
 
 
+# Hand table: results of [1, NaN, inf, -inf, 2 max, -2 max] that a format has no code for. Saturating, only NaN
+# can leave a format (one without NaN codes); overflowing to inf, the four overflows leave one without inf;
+# overflowing to NaN, they leave one without NaN codes (inf inputs stay inf only where the format has inf).
+UNENCODABLE = {
+    ("fp8_e5m2", "saturate"): 0, ("fp8_e5m2", "inf"): 0, ("fp8_e5m2", "nan"): 0,
+    ("fp8_e4m3fn", "saturate"): 0, ("fp8_e4m3fn", "inf"): 4, ("fp8_e4m3fn", "nan"): 0,
+    ("e4m3b4s", "saturate"): 1, ("e4m3b4s", "inf"): 5, ("e4m3b4s", "nan"): 5,
+}
+
+
+@pytest.mark.parametrize(("spec", "overflow"), list(UNENCODABLE))
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_round_and_count_counts_results_without_a_code(spec, overflow, rounding, in_place):
+    fmt = get_format(spec)
+    x = torch.tensor([1.0, math.nan, math.inf, -math.inf, 2 * fmt.max, -2 * fmt.max]).repeat(1000)
+    fn = formats.round_and_count_fn(spec, rounding, overflow, with_codes=True, in_place=in_place)
+    counts = fn(x, torch.tensor(3))[2]
+    assert counts.tolist() == [4000, 1000 * UNENCODABLE[spec, overflow]]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_compiled_round_and_count_counts_nan_without_a_code(in_place):
+    """The activations' kernel (saturating, codes), compiled: one NaN in each block of six."""
+    x = torch.tensor([1.0, math.nan, math.inf, -math.inf, 1e6, -3.0]).repeat(formats.COMPILE_MIN_NUMEL // 4)
+    fn = formats.round_and_count_fn("e4m3b4s", "nearest", "saturate", with_codes=True, in_place=in_place)
+    counts = fn(x, None)[2]
+    what = "round, count and encode" + (" in place" if in_place else "")
+    assert f"e4m3b4s {what} (nearest, overflow saturate)" in formats._ready, "the compiled path went untested"
+    assert counts.tolist() == [3 * x.numel() // 6, x.numel() // 6]
+
+
 @pytest.mark.slow
 def test_compiled_path_matches_eager_bit_for_bit(monkeypatch):
     n = formats.COMPILE_MIN_NUMEL * 2
