@@ -1082,6 +1082,7 @@ class PrecisionModel(nn.Module):
         self._calls: Counter[str] = Counter()
         self._rounded_at_use: set[str] = set()
         self._warned_unsliced: set[str] = set()
+        self._warned_compile = False
         if graph.graph_module is not None:
             per_use = (lambda slot: _GradUse(self, slot)) if policy.gradient_rounding == "per_use" else None
             target = instrument_fx(graph, model, self._rounder_for, lambda slot: _Alias(self, slot),
@@ -1354,6 +1355,22 @@ class PrecisionModel(nn.Module):
     # -- training -----------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # under torch.compile: the call below breaks the graph, runs eagerly
+            return self._forward_under_compile(*args, **kwargs)
+        return self._forward(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _forward_under_compile(self, *args: Any, **kwargs: Any) -> Any:
+        """The saved-tensor bookkeeping identifies storages by address, which TorchDynamo cannot trace: a
+        compiled wrapper of this model runs it eagerly (its rounding kernels are compiled one by one anyway)."""
+        if not self._warned_compile:
+            self._warned_compile = True
+            log.warning("torch.compile of a policy-wrapped model runs it eagerly (its saved-tensor bookkeeping "
+                        "cannot be traced; the rounding kernels are compiled one by one already): call the "
+                        "wrapped model without torch.compile")
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         training = self.training and torch.is_grad_enabled()
         self.state.flush()  # counts left unread (no scaler.step in the loop): one read, once per step
         if training:

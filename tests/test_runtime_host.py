@@ -199,6 +199,28 @@ def test_compiled_kernels_train_bit_identically_to_eager_ones(name, monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_torch_compile_of_a_wrapped_model_runs_it_eagerly_with_one_warning(name, caplog):
+    plain, graph, x, y = _setup(name)
+    policy = _paper_policy(graph)
+
+    def three_steps(compiled: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model = copy.deepcopy(plain)
+        wrapped = apply_policy(model, policy)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        step = sgd_step(torch.compile(wrapped) if compiled else wrapped, optimizer, x, y)
+        losses = [step() for _ in range(3)]
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    eager_losses, eager_weights = three_steps(compiled=False)
+    with caplog.at_level("WARNING", logger="precsearch.runtime"):
+        compiled_losses, compiled_weights = three_steps(compiled=True)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "precsearch.runtime"] == [
+        "torch.compile of a policy-wrapped model runs it eagerly"]
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
 def test_rounding_over_the_ops_own_output_trains_as_rounding_into_a_new_tensor(name, monkeypatch):
     """Activations of GEMMs, normalizations and sums are rounded over the op's output (no second float32
     tensor), and activation gradients that arrive as new tensors (``graph.gradient_arrives_fresh``) or as an
