@@ -318,9 +318,10 @@ class CostModel:
         workspace (``graph.sliced_saved_tensor``: a conv, batch norm or ReLU whose codes are never decoded
         whole),
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
-        through module hooks), a rounded copy of each low weight gradient as it arrives. The optimizer holds
-        one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it exists
-        before the step) unless packed."""
+        through module hooks), a rounded copy of each low weight gradient as it arrives, and, where its codes hold
+        every rounded value, those codes from then to the end of the backward (``.grad`` decoded then). The
+        optimizer holds one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it
+        exists before the step) unless packed."""
         formats = self._formats(assignment)
         graph, ops = self.graph, self.graph.ops
         n = len(ops)
@@ -407,10 +408,16 @@ class CostModel:
             info = graph.tensors[tid]
             users = sorted(index[name] for name in info.consumers)
             total += 4 * info.numel
-            hold(4 * info.numel, bwd(users[-1]), 4.0 * n + 3, f"weight gradient {tid}")
-            if not formats.get(f"{tid}_grad", FP32).is_fp32:
-                after = bwd(users[0]) + 0.5  # in the hook after the layer's backward, its workspace freed
+            grad_format = formats.get(f"{tid}_grad", FP32)
+            after = bwd(users[0]) + 0.5  # in the hook after the layer's backward, its workspace freed
+            # held as codes to the end of the backward (the runtime's rule, at the format's default overflow)
+            held = not grad_format.is_fp32 and grad_format.codes_hold_rounded(grad_format.default_overflow)
+            hold(4 * info.numel, bwd(users[-1]), after if held else 4.0 * n + 3, f"weight gradient {tid}")
+            if not grad_format.is_fp32:
                 hold(4 * info.numel, after, after, f"rounded weight gradient {tid}")
+            if held:
+                hold(info.numel * _storage_bytes(grad_format), after, 4.0 * n, f"held weight gradient {tid}")
+                hold(4 * info.numel, 4.0 * n, 4.0 * n + 3, f"decoded weight gradient {tid}")
             fmt = formats.get(tid, FP32)
             if not fmt.is_fp32:
                 low_weights += 4 * info.numel

@@ -163,6 +163,16 @@ class FloatFormat:
         return "inf" if self.has_inf else "saturate"
 
     @property
+    def packs(self) -> bool:
+        """Whether the runtime holds values of this format as codes (at most 16 bits; wider ones stay float32)."""
+        return self.bits <= 16
+
+    def codes_hold_rounded(self, overflow: str) -> bool:
+        """Whether this format's codes hold every value a rounding to it under ``overflow`` can give: it packs,
+        has a NaN code, and an inf code unless overflow saturates (then only a NaN input leaves the grid)."""
+        return self.packs and self.has_nan and (self.has_inf or overflow == "saturate")
+
+    @property
     def storage_dtype(self) -> torch.dtype:
         if self.bits <= 8:
             return torch.uint8
@@ -708,7 +718,7 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
         raise PrecsearchError("round_and_count: fp32 needs no rounding; keep the tensor as it is")
     _check_modes(rounding, overflow)
     over_bits = _float_bits(overflow_threshold(spec, rounding))
-    packed = with_codes and spec.bits <= 16
+    packed = with_codes and spec.packs
     kernel = _make_round_and_count(spec, rounding, overflow, over_bits, packed)
     kernel_in_place = _make_round_and_count(spec, rounding, overflow, over_bits, packed, True) if in_place else None
 

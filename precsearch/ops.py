@@ -72,7 +72,7 @@ _lib.impl("decode", _decode, "CompositeExplicitAutograd")
 
 def _codes_fake(x: torch.Tensor, fmt: str, with_codes: bool) -> torch.Tensor:
     spec = F.get_format(fmt)
-    packed = with_codes and spec.bits <= 16
+    packed = with_codes and spec.packs
     return x.new_empty(x.shape if packed else (0,), dtype=spec.storage_dtype if packed else torch.uint8)
 
 

@@ -45,7 +45,11 @@ What each tensor kind gets:
   loss-scaled values. With ``policy.gradient_rounding == "per_use"`` (the paper's reference), an activation
   with several consumers gets a module before each (``_GradUse``) that rounds that consumer's gradient, and
   autograd sums the rounded gradients in float32.
-* weight gradients: rounded in place as each arrives (a post-accumulate-grad hook), still loss-scaled.
+* weight gradients: rounded in place as each arrives (a post-accumulate-grad hook), still loss-scaled; where the
+  format's codes hold every rounded value (``FloatFormat.codes_hold_rounded``: fp16, bf16, fp8; not e6m9s,
+  which has no NaN code) they are then held as its codes, ``.grad`` None, until the end of the backward, when
+  a callback sets ``.grad`` to the decoded (identical) values. Not while ``torch.distributed`` is initialized
+  (DDP reads ``.grad`` during the backward).
 * divergence guard (Lee et al.): when a tensor of a kind in ``policy.promotion_kinds`` (weights and
   activations by default, as the reference) has an overflow fraction in a step that reaches
   ``policy.promotion_threshold``, it is promoted to ``policy.high_format`` for the rest of training, logged
@@ -1218,7 +1222,7 @@ class PrecisionModel(nn.Module):
                         ", each below the promotion threshold; lower it or give these weights a wider format")
 
     def _hook_weight_grads(self) -> None:
-        """Each low weight gradient is rounded in place as soon as it is accumulated."""
+        """Each low weight gradient is rounded as soon as it is accumulated (``_grad_hook``)."""
         params = dict(self.module.named_parameters())
         for slot in self.state.slots.values():
             info = self.graph.tensors[slot.id]
@@ -1227,9 +1231,17 @@ class PrecisionModel(nn.Module):
                 self._handles.append(params[info.param].register_post_accumulate_grad_hook(hook))
 
     def _grad_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
+        """Round ``param.grad`` in place and, where its format's codes hold every rounded value (inf and NaN
+        too), hold only those until the end of the backward (``_hold_gradient``): the earlier layers' backward
+        then runs beside 16 (or 8) bits a value, not 32."""
+
         def hook(param: torch.Tensor) -> None:
-            if slot.is_low:
-                self.state.round_(param.grad, slot, count=self.state.counting)
+            if not slot.is_low:
+                return
+            hold = slot.fmt.codes_hold_rounded(slot.args()[2]) and not _distributed()
+            codes = self.state.round_(param.grad, slot, with_codes=hold, count=self.state.counting)
+            if codes is not None:
+                _hold_gradient(param, codes, slot.fmt.name)
 
         return hook
 
@@ -1443,6 +1455,24 @@ class PrecisionModel(nn.Module):
             self.module.set_submodule(name, layer)
         self._plain_layers.clear()
         return self.module
+
+
+def _distributed() -> bool:
+    """Whether a process group is up: DDP's reducer reads ``.grad`` in its own hooks during the backward, so
+    weight gradients are not held as codes then."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _hold_gradient(param: torch.Tensor, codes: torch.Tensor, fmt: str) -> None:
+    """Drop ``param.grad`` (already rounded) for its codes, and set it back, decoded, at the end of the backward:
+    the same values, since rounded values are exactly the format's. Inside the backward ``.grad`` is None; a
+    backward that raises leaves it None. A later backward accumulates into the restored ``.grad`` as usual."""
+    param.grad = None
+
+    def restore() -> None:
+        param.grad = ops.decode(codes, fmt, codes.shape, codes.stride(), 0)
+
+    torch.autograd.Variable._execution_engine.queue_callback(restore)
 
 
 def _is_module(model: nn.Module, op: Any) -> bool:

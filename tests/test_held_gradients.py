@@ -1,0 +1,128 @@
+"""Low weight gradients held as their format's codes from their rounding to the end of the backward
+(``runtime._hold_gradient``). Oracles: the same runtime rounding the gradients in place as before (holding
+switched off through ``torch.distributed.is_initialized``), ``formats.quantize`` of the raw gradient (a tensor
+hook on the parameter sees it before it is accumulated), and a real gloo process group."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from precsearch.formats import quantize
+from precsearch.models import build
+from precsearch.policy import Policy
+from precsearch.runtime import apply_policy
+
+PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+SHAPE = (3, 32, 32)
+
+
+def _wrapped(weight_grad: str = "fp16", overrides: dict[str, str] | None = None):
+    torch.manual_seed(0)
+    policy = Policy(input_shape=SHAPE, batch_size=8, defaults={**PAPER_LOW, "weight_grad": weight_grad},
+                    overrides=overrides or {})
+    return apply_policy(build("tiny_cnn"), policy)
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, *SHAPE, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _not_holding(monkeypatch) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # as under DDP: rounded in place, kept in .grad
+
+
+def _train(wrapped, steps: int, backwards: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Each step's gradients (as the optimizer sees them), and the weights after the last step."""
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for part in range(backwards):
+            x, y = _batch(10 * step + part)
+            F.cross_entropy(wrapped(x), y).backward()
+        seen.append({name: p.grad.clone() for name, p in wrapped.module.named_parameters()})
+        optimizer.step()
+    seen.append({name: p.detach().clone() for name, p in wrapped.module.named_parameters()})
+    return seen
+
+
+@pytest.mark.parametrize("weight_grad", ["fp16", "fp8_e5m2"])  # 16-bit (int16) and 8-bit (uint8) codes
+def test_held_gradients_train_bit_identically_to_in_place_rounding(monkeypatch, weight_grad):
+    held = _train(_wrapped(weight_grad), steps=3)
+    _not_holding(monkeypatch)
+    in_place = _train(_wrapped(weight_grad), steps=3)
+    for step, (a, b) in enumerate(zip(held, in_place, strict=True)):
+        for name in b:
+            assert torch.equal(a[name], b[name]), (step, name)
+
+
+def test_two_backwards_before_a_step_accumulate_exactly_as_without_holding(monkeypatch):
+    held = _train(_wrapped(), steps=2, backwards=2)
+    _not_holding(monkeypatch)
+    in_place = _train(_wrapped(), steps=2, backwards=2)
+    for step, (a, b) in enumerate(zip(held, in_place, strict=True)):
+        for name in b:
+            assert torch.equal(a[name], b[name]), (step, name)
+
+
+def _grads_inside_backward(wrapped) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor]]:
+    """``.grad`` of each parameter as a post-accumulate hook registered after the runtime's sees it, and the raw
+    gradient (before accumulation and rounding) each receives."""
+    inside: dict[str, torch.Tensor | None] = {}
+    raw: dict[str, torch.Tensor] = {}
+    for name, param in wrapped.module.named_parameters():
+        param.register_hook(lambda g, name=name: raw.update({name: g.clone()}))
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: inside.update({name: None if p.grad is None else p.grad.clone()}))
+    x, y = _batch(0)
+    F.cross_entropy(wrapped(x), y).backward()
+    return inside, raw
+
+
+def test_a_held_gradient_is_none_inside_the_backward_and_set_when_backward_returns():
+    """conv1's gradient (fp16) is held: None to a later hook, then the rounded raw gradient; conv2's is fp32
+    (an override): the raw gradient all along."""
+    wrapped = _wrapped(overrides={"conv2:weight_grad": "fp32"})
+    inside, raw = _grads_inside_backward(wrapped)
+    params = dict(wrapped.module.named_parameters())
+    assert inside["conv1.weight"] is None and inside["linear.weight"] is None
+    assert torch.equal(params["conv1.weight"].grad, quantize(raw["conv1.weight"], "fp16"))
+    assert not torch.equal(params["conv1.weight"].grad, raw["conv1.weight"])
+    assert torch.equal(inside["conv2.weight"], raw["conv2.weight"])
+    assert torch.equal(params["conv2.weight"].grad, raw["conv2.weight"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nothing_is_held_while_a_process_group_is_up():
+    """A gloo process group of world size 1: every low gradient is rounded in place and stays in ``.grad``
+    during the backward, where DDP's reducer reads it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        inside, raw = _grads_inside_backward(_wrapped())
+    finally:
+        dist.destroy_process_group()
+    for name, grad in inside.items():
+        assert grad is not None and torch.equal(grad, quantize(raw[name], "fp16")), name
+
+
+@pytest.mark.parametrize(("weight_grad", "overflow"), [("e6m9s", "saturate"), ("e4m3fn", "inf")])
+def test_a_format_whose_codes_miss_a_rounded_value_is_rounded_in_place(weight_grad, overflow):
+    """e6m9s has no NaN code, and an fn format no inf code for an overflow to inf: those gradients stay in
+    ``.grad``, rounded, during the backward (a NaN or inf would otherwise come back as a finite value)."""
+    torch.manual_seed(0)
+    policy = Policy(input_shape=SHAPE, batch_size=8, defaults={**PAPER_LOW, "weight_grad": weight_grad},
+                    overflow={"weight_grad": overflow})
+    inside, raw = _grads_inside_backward(apply_policy(build("tiny_cnn"), policy))
+    for name, grad in inside.items():
+        assert grad is not None and torch.equal(grad, quantize(raw[name], weight_grad, overflow=overflow)), name
