@@ -42,6 +42,7 @@ from precsearch.formats import FloatFormat, get_format
 from precsearch.graph import (
     OpInfo,
     TensorGraph,
+    backward_slice_channels,
     backward_slice_rows,
     forward_error,
     grad_id,
@@ -100,6 +101,11 @@ _BN_BACKWARD_WORKSPACE = 1
 # oneDNN's reordered weight); batch norm: the decoded slice and the slice minus the mean; ReLU: the decoded
 # slice.
 _SLICED_WORKSPACE = {"Conv2d": 3, "BatchNorm2d": 2, "ReLU": 1}
+# A conv's backward in groups of input channels (``graph.backward_slice_channels``), measured with
+# precsearch.memory: oneDNN's reordered copy of the whole output gradient (each call makes one); float32 input
+# slices of one group: the decoded slice, oneDNN's reordered copy, the group's input gradient before its copy
+# into the whole one; weight slices: the decoded slice and the group's weight gradient before its copy.
+_CHANNEL_SLICED_WORKSPACE = {"output_gradient": 1, "input": 3, "weight": 2}
 
 
 @dataclass(frozen=True)
@@ -383,17 +389,34 @@ class CostModel:
                 rounded_over = alike or (ops[i].name in self._fresh_gradients and not formats.get(tid, FP32).is_fp32)
                 if not grad_format.is_fp32 and not rounded_over:
                     hold(4 * numel, bwd(i) - 1, bwd(i) - 1, f"rounded gradient {tid}")
+        channel_sliced = set()  # weights whose conv's backward decodes them a channel slice at a time
         for i, op in enumerate(ops):
             inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)
             key = op_type_key(op.module_type)
             conv = key.startswith("conv") and any(needs_grad[t] for t in op.input_tensors)
             kernel = _CONV_BACKWARD_WORKSPACE if conv else _BN_BACKWARD_WORKSPACE if key.startswith("batchnorm") else 0
+            if key.startswith("conv"):  # oneDNN's forward: the reordered input and weight beside the blocked
+                # output, then that beside the output's plain copy (the output's own block)
+                params = 4 * sum(graph.tensors[p].numel for p in op.params)
+                outputs = 4 * sum(graph.tensors[t].numel for t in op.outputs)
+                hold(max(inputs + params, outputs), fwd(i), fwd(i), f"forward workspace {op.name}")
             if i in sliced:
                 shape = graph.tensors[sliced[i]].shape
-                sample, weight = math.prod(shape[1:]), max((graph.tensors[p].numel for p in op.params), default=0)
+                weight_info = max((graph.tensors[p] for p in op.params), key=lambda t: t.numel, default=None)
+                sample, weight = math.prod(shape[1:]), 0 if weight_info is None else weight_info.numel
                 rows = backward_slice_rows(op.module_type, shape, weight)
                 decodes = i not in reads_kept
-                if rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (a
+                channels = (backward_slice_channels(shape, weight_info.shape) if op.module_type == "Conv2d"
+                            else shape[1])
+                if channels < shape[1]:  # one slice of samples in groups of input channels
+                    channel_sliced.add(weight_info.id)
+                    group_input = 4 * shape[0] * channels * math.prod(shape[2:])
+                    group_weight = 4 * weight * channels // shape[1]
+                    work = (_CHANNEL_SLICED_WORKSPACE["output_gradient"] * 4 * graph.tensors[op.outputs[0]].numel
+                            + (_CHANNEL_SLICED_WORKSPACE["input"] - (not decodes)) * group_input
+                            + _CHANNEL_SLICED_WORKSPACE["weight"] * group_weight)
+                    hold(work, bwd(i), bwd(i), f"channel slice workspace {op.name}")
+                elif rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (a
                     # conv whose weight outsizes its input: oneDNN's reordered weight)
                     work = max(kernel * inputs, 4 * weight if op.module_type == "Conv2d" else 0)
                     hold(decodes * 4 * sample * shape[0] + work, bwd(i), bwd(i), f"workspace {op.name}")
@@ -422,7 +445,8 @@ class CostModel:
             if not fmt.is_fp32:
                 low_weights += 4 * info.numel
                 hold(info.numel * _storage_bytes(fmt), fwd(users[0]), bwd(users[0]), f"codes {tid}")
-                hold(4 * info.numel, bwd(users[-1]), bwd(users[-1]), f"decoded {tid}")
+                if tid not in channel_sliced:
+                    hold(4 * info.numel, bwd(users[-1]), bwd(users[-1]), f"decoded {tid}")
                 if traced:  # rounded at the layer's call: its float32 copy dies with the call
                     for user in users:
                         hold(4 * info.numel, fwd(user), fwd(user), f"rounded {tid}")

@@ -339,6 +339,22 @@ def backward_slice_rows(module_type: str, shape: Sequence[int], weight_numel: in
     return max(1, SLICE_BYTES[module_type] // (4 * math.prod(shape[1:])))
 
 
+# A conv that runs as one slice of samples (its weight outsizes its input) makes its backward a group of input
+# channels at a time instead: each group's float32 weight slice, ``weight[:, group]``, about this many bytes.
+CHANNEL_SLICE_BYTES = 2**20
+
+
+def backward_slice_channels(shape: Sequence[int], weight_shape: Sequence[int]) -> int:
+    """Input channels per group of the backward of a conv over an input of ``shape`` with a weight of
+    ``weight_shape`` that runs as one slice of samples (``backward_slice_rows``): weight slices of
+    ``CHANNEL_SLICE_BYTES``; all channels (one group) for a conv sliced by samples or a grouped conv (each output
+    channel reads some input channels only: its weight has fewer input channels than its input)."""
+    if backward_slice_rows("Conv2d", shape, math.prod(weight_shape)) < shape[0] or weight_shape[1] != shape[1]:
+        return shape[1]
+    per_channel = 4 * math.prod(weight_shape) // weight_shape[1]
+    return max(1, min(shape[1], CHANNEL_SLICE_BYTES // per_channel))
+
+
 def sliced_saved_tensor(op: OpInfo) -> str | None:
     """The tensor whose codes the runtime's backward of ``op`` reads in slices, where it is low: a traced
     ``nn.Conv2d``'s or ``nn.BatchNorm2d``'s (in training) one input, an ``nn.ReLU``'s output; else None."""

@@ -32,7 +32,9 @@ The pieces, each in one place:
 * sliced backwards: a ``Conv2d`` or training ``BatchNorm2d`` reading a low activation, and an ``nn.ReLU`` making
   one, are called through autograd Functions (``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``,
   ``_ReluOfPackedOutput``) whose backward decodes the codes a slice of samples at a time
-  (``graph.backward_slice_rows``), so the step never holds a float32 copy of a whole saved tensor.
+  (``graph.backward_slice_rows``), so the step never holds a float32 copy of a whole saved tensor; a conv whose
+  weight outsizes its input decodes its input and weight a group of input channels at a time instead
+  (``graph.backward_slice_channels``).
 
 What each tensor kind gets:
 
@@ -78,6 +80,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import operator
 import weakref
 from collections import Counter
@@ -94,6 +97,7 @@ from precsearch import ops
 from precsearch.errors import PrecsearchError
 from precsearch.graph import (
     TensorGraph,
+    backward_slice_channels,
     backward_slice_rows,
     grad_id,
     gradient_arrives_fresh,
@@ -380,20 +384,31 @@ class _Packed:
             self.decoded = None
         return decoded.as_strided(*geometry)
 
-    def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
-        """One unpack of the whole storage (a contiguous batch) as passes over it, ``rows`` samples at a time,
-        each slice decoded when reached and yielded with its first sample: a backward that needs no float32
-        copy of its whole input."""
+    def slicer(self, dim: int = 0) -> Callable[[int, int], torch.Tensor]:
+        """One unpack of the whole storage (a contiguous tensor) as a function of ``(start, length)`` along
+        ``dim`` that decodes that slice when called (a channel slice's codes copied first): a backward that needs
+        no float32 copy of the whole tensor."""
         self.unpacks += 1
         whole = self.decoded  # another saver of the storage unpacked it first
         if self.unpacks >= self.saves:
             self.decoded = None
 
+        def decode(start: int, length: int) -> torch.Tensor:
+            if whole is not None:
+                return whole.narrow(dim, start, length)
+            codes = self.codes.narrow(dim, start, length).contiguous()
+            return ops.decode(codes, self.fmt.name, codes.shape, codes.stride(), 0)
+
+        return decode
+
+    def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
+        """One unpack of the whole storage (a contiguous batch) as passes over it, ``rows`` samples at a time,
+        each slice decoded when reached and yielded with its first sample (``slicer``)."""
+        decode, batch = self.slicer(), self.codes.shape[0]
+
         def one_pass() -> Iterator[tuple[int, torch.Tensor]]:
-            for start in range(0, self.codes.shape[0], rows):
-                codes = self.codes[start:start + rows]
-                yield start, (whole[start:start + rows] if whole is not None else
-                              ops.decode(codes, self.fmt.name, codes.shape, codes.stride(), 0))
+            for start in range(0, batch, rows):
+                yield start, decode(start, min(rows, batch - start))
 
         return one_pass
 
@@ -696,18 +711,41 @@ def _take_stored(ctx: Any) -> _Stored:
     return ctx.stored.pop()
 
 
-def _slice_rows(ctx: Any, grad_out: torch.Tensor, module_type: str, weight: torch.Tensor | None) -> int:
+def _slice_rows(ctx: Any, grad_out: torch.Tensor, module_type: str, weight_numel: int = 0) -> int:
     """``graph.backward_slice_rows`` on CPU; the whole batch elsewhere (slicing not measured off CPU)."""
     if grad_out.device.type != "cpu":
         return ctx.input_shape[0]
-    return backward_slice_rows(module_type, ctx.input_shape, 0 if weight is None else weight.numel())
+    return backward_slice_rows(module_type, ctx.input_shape, weight_numel)
+
+
+def _slice_channels(ctx: Any, grad_out: torch.Tensor) -> int:
+    """``graph.backward_slice_channels`` of a conv on CPU; all channels elsewhere (not measured off CPU)."""
+    if grad_out.device.type != "cpu":
+        return ctx.input_shape[1]
+    return backward_slice_channels(ctx.input_shape, ctx.weight_shape)
+
+
+def _channel_slicer(stored: _Stored) -> Callable[[int, int], torch.Tensor]:
+    """A saved tensor as a function of ``(start, length)`` giving that slice of its channels (dim 1), decoded when
+    called where it is packed (``_Packed.slicer``)."""
+    if stored.packed is not None:
+        return stored.packed.slicer(1)
+    whole = stored.unpack()
+    return lambda start, length: whole.narrow(1, start, length)
 
 
 class _ConvOfPackedInput(torch.autograd.Function):
     """A Conv2d whose input autograd would hold as codes. Its backward, in slices of samples, makes the weight
     gradient as a sum over slices of the decoded input, then the input gradient slice by slice from the
     output gradient alone (as ``torch.nn.grad.conv2d_input``), so no float32 copy of the whole input, nor
-    oneDNN's reordered copies of it, is made. One slice (``graph.backward_slice_rows``): one call."""
+    oneDNN's reordered copies of it, is made. One slice (``graph.backward_slice_rows``: a weight larger than
+    the input): groups of input channels instead (``graph.backward_slice_channels``), one call each, from that
+    group's slices of the input and of the weight, decoded from their codes (a group's input gradient needs
+    only its weight slice, its weight gradient only its input slice), written into the whole gradients: no
+    float32 copy of the whole weight, nor oneDNN's reordered copy of it. The weight comes as its save
+    (``weight_stored``, from ``_Packer.save_packed``) where it is packed."""
+
+    slices_weight = True  # the caller passes the weight's save
 
     @staticmethod
     def runs(layer: nn.Module) -> bool:
@@ -715,40 +753,63 @@ class _ConvOfPackedInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                stored: list[_Stored], layer: nn.Conv2d) -> torch.Tensor:
+                stored: list[_Stored], layer: nn.Conv2d, weight_stored: _Stored | None) -> torch.Tensor:
         ctx.stored, ctx.layer, ctx.input_shape, ctx.has_bias = stored, layer, x.shape, bias is not None
-        ctx.save_for_backward(weight)
+        ctx.weight_shape, ctx.weight_stored = weight.shape, weight_stored
+        if weight_stored is None:  # not packed: autograd keeps it (and checks that nothing changed it)
+            ctx.save_for_backward(weight)
         return layer._conv_forward(x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        packed, layer, (weight,) = _take_stored(ctx).packed, ctx.layer, ctx.saved_tensors
+        packed, layer = _take_stored(ctx).packed, ctx.layer
+        saved_weight = ctx.weight_stored or _Stored(ctx.saved_tensors[0])
+        ctx.weight_stored = None  # its codes die with this backward
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "Conv2d", weight)
-        passes = packed.batch_slices(rows)
+        batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "Conv2d", math.prod(ctx.weight_shape))
+        channels = _slice_channels(ctx, grad_out)
 
-        def conv_backward(g: torch.Tensor, x: torch.Tensor, mask: list[bool]) -> tuple[torch.Tensor, ...]:
+        def conv_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          mask: list[bool]) -> tuple[torch.Tensor, ...]:
             return torch.ops.aten.convolution_backward(g, x, weight, None, layer.stride, layer.padding,
                                                        layer.dilation, False, [0, 0], layer.groups, mask)
 
         grad_input = grad_weight = None
-        if rows >= batch:
-            (_, x), = passes()
-            grad_input, grad_weight, _ = conv_backward(grad_out, x, [need_input, need_weight, False])
+        if rows >= batch and channels < ctx.input_shape[1]:
+            grad_input = grad_out.new_empty(ctx.input_shape) if need_input else None
+            grad_weight = grad_out.new_empty(ctx.weight_shape) if need_weight else None
+            input_slice, weight_slice = packed.slicer(1), _channel_slicer(saved_weight)
+
+            def backward_group(start: int, length: int) -> None:
+                """One group of input channels; its float32 slices die on return, before the next group's."""
+                parts = conv_backward(grad_out, input_slice(start, length), weight_slice(start, length),
+                                      [need_input, need_weight, False])
+                for whole, part in zip((grad_input, grad_weight), parts[:2], strict=True):
+                    if whole is not None:
+                        whole.narrow(1, start, length).copy_(part)
+
+            for start in range(0, ctx.input_shape[1], channels):
+                backward_group(start, min(channels, ctx.input_shape[1] - start))
+        elif rows >= batch:
+            (_, x), = packed.batch_slices(rows)()
+            grad_input, grad_weight, _ = conv_backward(grad_out, x, saved_weight.unpack(),
+                                                       [need_input, need_weight, False])
         else:
+            weight = saved_weight.unpack()
+            passes = packed.batch_slices(rows)
             for start, x in passes() if need_weight else ():
-                grad = conv_backward(grad_out[start:start + rows], x, [False, True, False])[1]
+                grad = conv_backward(grad_out[start:start + rows], x, weight, [False, True, False])[1]
                 grad_weight = grad if grad_weight is None else grad_weight.add_(grad)
             if need_input:
                 grad_input = grad_out.new_empty(ctx.input_shape)
                 for start in range(0, batch, rows):
                     g = grad_out[start:start + rows]
                     shape = (g.shape[0], *ctx.input_shape[1:])
-                    grad_input[start:start + rows].copy_(conv_backward(g, g.new_empty(1).expand(shape),
+                    grad_input[start:start + rows].copy_(conv_backward(g, g.new_empty(1).expand(shape), weight,
                                                                        [True, False, False])[0])
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 class _BatchNormOfPackedInput(torch.autograd.Function):
@@ -756,6 +817,8 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
     the decoded input. Several: two passes over the slices, the per-channel sums of the gradient and of the
     gradient times the centred input (each slice's float32 sum added in float64; torch's CPU kernel sums in
     float64), then the input gradient slice by slice, so no float32 copy of the whole input is made."""
+
+    slices_weight = False
 
     @staticmethod
     def runs(layer: nn.Module) -> bool:
@@ -777,7 +840,7 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         packed, (weight, mean, invstd, _, _) = _take_stored(ctx).packed, ctx.saved_tensors
         need = list(ctx.needs_input_grad[:3])
-        batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "BatchNorm2d", None)
+        batch, rows = ctx.input_shape[0], _slice_rows(ctx, grad_out, "BatchNorm2d")
         passes = packed.batch_slices(rows)
         if rows >= batch:
             (_, x), = passes()
@@ -825,7 +888,7 @@ class _ReluOfPackedOutput(torch.autograd.Function):
         stored = _take_stored(ctx)
         if stored.packed is None:  # not rounded after all (a promoted slot): the output itself
             return torch.ops.aten.threshold_backward(grad_out, stored.tensor, 0), None, None
-        rows = _slice_rows(ctx, grad_out, "ReLU", None)
+        rows = _slice_rows(ctx, grad_out, "ReLU")
         grad_input = torch.empty_like(grad_out)
         for start, out in stored.packed.batch_slices(rows)():
             torch.ops.aten.threshold_backward.grad_input(grad_out[start:start + rows], out, 0,
@@ -898,8 +961,10 @@ class _PackedInputCall(_RoundedWeightsCall):
                                           "one, or channels_last)")
         if stored is None:
             return torch.func.functional_call(self.layer, weights, (x,))
-        out = self.function.apply(x, weights.get("weight", self.layer.weight), weights.get("bias", self.layer.bias),
-                                  [stored], self.layer)
+        weight = weights.get("weight", self.layer.weight)
+        weight_stored = (packer.save_packed(weight),) if self.function.slices_weight else ()
+        out = self.function.apply(x, weight, weights.get("bias", self.layer.bias), [stored], self.layer,
+                                  *weight_stored)
         return _after_forward_hooks(self.layer, x, out)
 
 

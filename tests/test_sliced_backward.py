@@ -222,3 +222,83 @@ def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(mo
     assert len(warnings) == 1 and warnings[0].startswith("conv2 ")
     for name, param in wrapped.module.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _CountChannels(TorchDispatchMode):
+    """Counts the conv backward kernels by the input channels they ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[int] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution_backward.default:
+            self.calls[args[1].shape[1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class WideConv(nn.Module):
+    """conv2's weight (32x32x3x3) outsizes its input (4x32x4x4): its backward runs in groups of input channels."""
+
+    def __init__(self, groups: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, 3, padding=1, bias=False)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1, bias=True, groups=groups)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv2(self.relu(self.conv1(x)))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+@pytest.mark.parametrize(("weights", "groups", "calls"), [("packed", 1, {12: 2, 8: 1}), ("fp32", 1, {12: 2, 8: 1}),
+                                                        ("packed", 2, {32: 1})])
+def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_and_weight(monkeypatch, weights,
+                                                                                          groups, calls):
+    """conv2 in groups of 12, 12 and 8 input channels (its weight as codes, or an fp32 parameter), or, as a
+    grouped conv (groups=2), in one call: every parameter gradient equals, to float32 summation order, torch's
+    conv backward over the whole decoded input and weight (the sliced path off); conv1 (3 input channels, one
+    group) makes one call. conv2's input gradient feeds conv1's weight gradient, so it is checked through it."""
+    torch.manual_seed(0)
+    model = WideConv(groups)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 4, 4, generator=g), torch.randint(0, 10, (4,), generator=g)
+    graph = trace(model, x[:2], batch_size=4)
+    formats = {**PAPER_LOW, **({"weight": "fp32"} if weights == "fp32" else {})}
+    policy = Policy.from_assignment(graph, {tid: formats[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
+    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
+    whole = _gradients(model, policy, x, y)
+    monkeypatch.undo()
+    monkeypatch.setattr(graph_module, "CHANNEL_SLICE_BYTES", 12 * 4 * 32 * 9)  # 12 input channels of conv2's weight
+    counter = _CountChannels()
+    sliced = _gradients(model, policy, x, y, counter)
+    assert counter.calls == Counter({3: 1, **calls})
+    for name, expected in whole.items():
+        torch.testing.assert_close(sliced[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(expected, torch.zeros_like(expected)), name
+
+
+def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradient(monkeypatch):
+    """A 256->256 3x3 conv over a (8, 256, 4, 4) packed input (weight 2.25 MiB, input 0.5 MiB), in 1 MiB weight
+    slices: torch.profiler's allocator record of its backward shows one block of the weight's size (the whole
+    weight gradient); in one group it shows the decoded weight and oneDNN's reordered copy besides."""
+    layers = nn.Sequential(nn.Conv2d(8, 256, 1, bias=False), nn.ReLU(), nn.Conv2d(256, 256, 3, padding=1, bias=False))
+    x = torch.randn(8, 8, 4, 4)
+    graph = trace(layers, x[:2], batch_size=8)
+    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
+                                            for tid in graph.assignable_ids()})
+    weight_bytes = layers[2].weight.nbytes
+
+    def weight_sized_blocks(channel_bytes: int) -> int:
+        monkeypatch.setattr(graph_module, "CHANNEL_SLICE_BYTES", channel_bytes)
+        wrapped = apply_policy(copy.deepcopy(layers), policy)
+        for _ in range(2):  # the second: oneDNN's kernels set up
+            out = wrapped(x).sum()
+            memory = trace_step(out.backward)
+        return sum(a.nbytes >= weight_bytes for a in memory.allocations
+                   if a.phase == "backward:_ConvOfPackedInputBackward")
+
+    assert graph_module.CHANNEL_SLICE_BYTES == 2**20
+    assert weight_sized_blocks(2**20) == 1
+    assert weight_sized_blocks(2**40) >= 3
