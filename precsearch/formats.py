@@ -634,13 +634,13 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=256)
 def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_bits: int, with_codes: bool,
                           in_place: bool = False):
-    """One pass: rounded values (written over ``x`` with ``in_place``, then None), [overflow count,
-    unencodable count], and (``with_codes``) their codes."""
+    """One pass: rounded values (written over ``x`` with ``in_place``, then None) and (``with_codes``) their
+    codes; [overflow count, unencodable count] is added to ``counts`` in the same pass (no kernel of its own)."""
     round_values = _make_kernel(_round_key(fmt, rounding, overflow))
     codes_of = _code_builder(fmt)
     saturating = overflow == "saturate"  # then only a NaN input can leave the format: one without NaN codes
 
-    def round_and_count_kernel(x: torch.Tensor, seed: torch.Tensor):
+    def round_and_count_kernel(x: torch.Tensor, seed: torch.Tensor, counts: torch.Tensor):
         mag = x.view(torch.int32) & 0x7FFFFFFF
         over = _count((mag >= over_bits) & (mag <= 0x7F800000))  # NaN is no overflow
         rounded_bits = round_values(x, seed)
@@ -654,7 +654,8 @@ def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_b
         if in_place:
             x.copy_(rounded)
             rounded = None
-        return rounded, codes, torch.stack([over, bad])
+        counts.add_(torch.stack([over, bad]))
+        return rounded, codes
 
     what = "round, count" + (" and encode" if with_codes else "") + (" in place" if in_place else "")
     return _labelled(_label(fmt, what, rounding, overflow), round_and_count_kernel)
@@ -701,7 +702,8 @@ def _warn_copied_back(label: str) -> None:
 @functools.lru_cache(maxsize=256)
 def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool, in_place: bool = False):
     """``round_and_count`` for one setting, with every look-up done once: what the runtime calls per tensor
-    (``fn(x, seed)`` on a float32 ``x``). With ``in_place`` the rounded values are written over ``x`` in the
+    (``fn(x, seed, counts)`` on a float32 ``x``; ``counts``, an int64 tensor of 2, is added to in the kernel's
+    pass and returned, a new one when None). With ``in_place`` the rounded values are written over ``x`` in the
     same pass (no new float32 tensor; a non-contiguous ``x`` is copied back) and ``fn`` returns None for them."""
     spec = get_format(fmt)
     if spec.is_fp32:
@@ -712,13 +714,14 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
     kernel = _make_round_and_count(spec, rounding, overflow, over_bits, packed)
     kernel_in_place = _make_round_and_count(spec, rounding, overflow, over_bits, packed, True) if in_place else None
 
-    def fn(x: torch.Tensor, seed: torch.Tensor | None):
+    def fn(x: torch.Tensor, seed: torch.Tensor | None, counts: torch.Tensor | None = None):
         seed = _zero_seed(x.device) if seed is None else seed
+        counts = torch.zeros(2, dtype=torch.int64, device=x.device) if counts is None else counts
         if in_place and x.is_contiguous():
-            _, codes, counts = _run(kernel_in_place, x.view(-1), seed)
+            _, codes = _run(kernel_in_place, x.view(-1), seed, counts)
             codes = _narrow(codes, spec)
             return None, None if codes is None else _shaped(codes, x.shape), counts
-        rounded, codes, counts = _run(kernel, x.reshape(-1), seed)
+        rounded, codes = _run(kernel, x.reshape(-1), seed, counts)
         codes = _narrow(codes, spec)
         # shaped as x without being views of the flat outputs: a caller may modify them in place (ReLU(inplace)
         # on a view of an autograd Function's output is refused)
