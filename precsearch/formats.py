@@ -47,6 +47,7 @@ import os
 import re
 import struct
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -361,10 +362,11 @@ def _labelled(label: str, kernel):
 class _Compiled:
     """A kernel compiled by TorchDynamo and Inductor for any length, then called straight through Inductor's
     compiled code. Dynamo's frame evaluation, guards and wrappers cost about 35 us a call on a CPU, more than
-    the kernel itself on a few thousand values, and a training step makes hundreds of calls. The direct call
-    is taken on a device once it gave, bit for bit, Dynamo's own result on a copy of the start of the input
-    that compiled it there (results and writes over the inputs); otherwise that device stays on Dynamo's
-    path, with one WARNING.
+    the kernel itself on a few thousand values, and a training step makes hundreds of calls; AOTAutograd's
+    runtime wrappers cost about 5 us more, so the direct call is Inductor's own (``current_callable``), or
+    else AOTAutograd's entry. A direct call is taken on a device once it gave, bit for bit, Dynamo's own
+    result on a copy of the start of the input that compiled it there (results and writes over the inputs);
+    otherwise that device stays on Dynamo's path, with one WARNING.
 
     The kernel runs under a code object of its own, so each format has its own compile cache entry (no
     recompiles, no recompile limit to raise) however many formats a process uses."""
@@ -376,14 +378,25 @@ class _Compiled:
         self.label = kernel.label
         self._arg_names = own_code.co_varnames[:own_code.co_argcount]
         self._dynamo = torch.compile(fresh, backend=self._capture, dynamic=False)
-        self._captured: list[tuple[fx.GraphModule, object]] = []
+        self._captured: list[tuple[fx.GraphModule, list[Callable]]] = []
         self._direct: dict[torch.device, tuple | None] = {}
 
     def _capture(self, graph_module: fx.GraphModule, example_inputs: list) -> object:
-        from torch._inductor.compile_fx import compile_fx
+        """Compiles Dynamo's graph with Inductor, keeping the ways to call it directly, innermost first: the
+        code Inductor generated (when it compiled one graph) and AOTAutograd's entry; each takes a list."""
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        compiled = compile_fx(graph_module, example_inputs)
-        self._captured.append((graph_module, compiled))
+        generated = []
+
+        def keep_generated(*args, **kwargs):
+            code = compile_fx_inner(*args, **kwargs)
+            generated.append(code)
+            return code
+
+        with torch._functorch.config.patch(enable_autograd_cache=False):  # a cache hit would skip Inductor's compile
+            compiled = compile_fx(graph_module, example_inputs, inner_compile=keep_generated)
+        innermost = [generated[0].current_callable] if len(generated) == 1 else []
+        self._captured.append((graph_module, [*innermost, lambda inputs: compiled(*inputs)]))
         return compiled
 
     def __call__(self, flat: torch.Tensor, *args: torch.Tensor):
@@ -393,7 +406,7 @@ class _Compiled:
         direct = self._direct.get(flat.device, ())
         if direct and flat.numel() < _INT32_LENGTHS:
             compiled, pick, unflatten = direct
-            return unflatten(compiled(*pick(flat, args)))
+            return unflatten(compiled(pick(flat, args)))
         verify = direct == () and flat.numel() < _INT32_LENGTHS
         probe = [flat[:_PROBE_LENGTH].clone(), *(a.clone() for a in args)] if verify else []  # before any write
         before = len(self._captured)
@@ -407,32 +420,35 @@ class _Compiled:
         return self._dynamo(flat, *args)
 
     def _verified(self, captured: list, probe: list[torch.Tensor]) -> tuple | None:
-        """(compiled code, its inputs from the kernel's, its outputs to the kernel's) when the code Dynamo
-        compiled, called directly on a copy of the start of the first call's inputs (``probe``), gives what
-        Dynamo gives on another copy, results and writes over the inputs alike; else None (logged once)."""
+        """(a direct call of the code Dynamo compiled, its inputs from the kernel's, its outputs to the
+        kernel's) for the innermost direct call that, on a copy of the start of the first call's inputs
+        (``probe``), gives what Dynamo gives on another copy, results and writes over the inputs alike; else
+        None (logged once)."""
         reason = "Dynamo compiled no single graph" if len(captured) != 1 else ""
         if not reason:
-            graph_module, compiled = captured[0]
+            graph_module, direct_calls = captured[0]
             pick = self._input_picker(graph_module)
             if pick is None:
                 reason = "the graph takes inputs other than the kernel's arguments and the tensor length"
         if not reason:
-            by_dynamo, direct = [t.clone() for t in probe], [t.clone() for t in probe]
+            by_dynamo = [t.clone() for t in probe]
             compiled_before = len(self._captured)
             expected = self._through_dynamo(*by_dynamo)
             leaves, spec = tree_flatten(expected)
             tensors = [leaf for leaf in leaves if leaf is not None]  # a None the kernel returns is no output
-            again = list(compiled(*pick(direct[0], tuple(direct[1:]))))
             if len(self._captured) != compiled_before:
                 reason = "the graph does not serve every length (Dynamo compiled again for a shorter input)"
-            elif (len(again) != len(tensors) or not all(map(_same_bits, again, tensors))
-                  or not all(map(_same_bits, direct, by_dynamo))):
+            else:
+                for compiled in direct_calls:
+                    direct = [t.clone() for t in probe]
+                    again = list(compiled(pick(direct[0], tuple(direct[1:]))))
+                    if (len(again) == len(tensors) and all(map(_same_bits, again, tensors))
+                            and all(map(_same_bits, direct, by_dynamo))):
+                        return compiled, pick, _unflattener(expected, leaves, spec)
                 reason = "the compiled code called directly gave another result"
-        if reason:
-            log.warning("the %s kernel runs through TorchDynamo on %s, about 35 us more a call: %s",
-                        self.label, probe[0].device, reason)
-            return None
-        return compiled, pick, _unflattener(expected, leaves, spec)
+        log.warning("the %s kernel runs through TorchDynamo on %s, about 35 us more a call: %s",
+                    self.label, probe[0].device, reason)
+        return None
 
     def _input_picker(self, graph_module: fx.GraphModule):
         """How to make the graph's inputs from the kernel's arguments, or None where it takes anything else."""
@@ -644,13 +660,13 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=256)
 def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_bits: int, with_codes: bool,
                           in_place: bool = False):
-    """One pass: rounded values (written over ``x`` with ``in_place``, then None), [overflow count,
-    unencodable count], and (``with_codes``) their codes."""
+    """One pass: rounded values (written over ``x`` with ``in_place``, then None) and (``with_codes``) their
+    codes; [overflow count, unencodable count] is added to ``counts`` in the same pass (no kernel of its own)."""
     round_values = _make_kernel(_round_key(fmt, rounding, overflow))
     codes_of = _code_builder(fmt)
     saturating = overflow == "saturate"  # then only a NaN input can leave the format: one without NaN codes
 
-    def round_and_count_kernel(x: torch.Tensor, seed: torch.Tensor):
+    def round_and_count_kernel(x: torch.Tensor, seed: torch.Tensor, counts: torch.Tensor):
         mag = x.view(torch.int32) & 0x7FFFFFFF
         over = _count((mag >= over_bits) & (mag <= 0x7F800000))  # NaN is no overflow
         rounded_bits = round_values(x, seed)
@@ -664,7 +680,8 @@ def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_b
         if in_place:
             x.copy_(rounded)
             rounded = None
-        return rounded, codes, torch.stack([over, bad])
+        counts.add_(torch.stack([over, bad]))
+        return rounded, codes
 
     what = "round, count" + (" and encode" if with_codes else "") + (" in place" if in_place else "")
     return _labelled(_label(fmt, what, rounding, overflow), round_and_count_kernel)
@@ -711,7 +728,8 @@ def _warn_copied_back(label: str) -> None:
 @functools.lru_cache(maxsize=256)
 def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool, in_place: bool = False):
     """``round_and_count`` for one setting, with every look-up done once: what the runtime calls per tensor
-    (``fn(x, seed)`` on a float32 ``x``). With ``in_place`` the rounded values are written over ``x`` in the
+    (``fn(x, seed, counts)`` on a float32 ``x``; ``counts``, an int64 tensor of 2, is added to in the kernel's
+    pass and returned, a new one when None). With ``in_place`` the rounded values are written over ``x`` in the
     same pass (no new float32 tensor; a non-contiguous ``x`` is copied back) and ``fn`` returns None for them."""
     spec = get_format(fmt)
     if spec.is_fp32:
@@ -722,13 +740,14 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
     kernel = _make_round_and_count(spec, rounding, overflow, over_bits, packed)
     kernel_in_place = _make_round_and_count(spec, rounding, overflow, over_bits, packed, True) if in_place else None
 
-    def fn(x: torch.Tensor, seed: torch.Tensor | None):
+    def fn(x: torch.Tensor, seed: torch.Tensor | None, counts: torch.Tensor | None = None):
         seed = _zero_seed(x.device) if seed is None else seed
+        counts = torch.zeros(2, dtype=torch.int64, device=x.device) if counts is None else counts
         if in_place and x.is_contiguous():
-            _, codes, counts = _run(kernel_in_place, x.view(-1), seed)
+            _, codes = _run(kernel_in_place, x.view(-1), seed, counts)
             codes = _narrow(codes, spec)
             return None, None if codes is None else _shaped(codes, x.shape), counts
-        rounded, codes, counts = _run(kernel, x.reshape(-1), seed)
+        rounded, codes = _run(kernel, x.reshape(-1), seed, counts)
         codes = _narrow(codes, spec)
         # shaped as x without being views of the flat outputs: a caller may modify them in place (ReLU(inplace)
         # on a view of an autograd Function's output is refused)

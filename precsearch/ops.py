@@ -1,19 +1,19 @@
 """The runtime's tensor operations as ``torch.library`` ops: one dispatch each, traceable by ``torch.compile``.
 
 Each op is one call into precsearch.formats' fused kernels (one kernel when compiled), so a training step
-dispatches one op per rounded or unpacked tensor, and overflow counts stay on the device: they are added to
-a row of ``counts``, an int64 tensor of shape ``(tensors, 2)`` holding ``[overflowed, unencodable]`` per
-tensor, which the runtime reads once per step. The ops are defined with ``torch.library.Library`` (its
+dispatches one op per rounded or unpacked tensor, and overflow counts stay on the device: the kernel's own
+pass adds them to ``counts``, an int64 tensor of 2 holding ``[overflowed, unencodable]`` for one tensor id,
+which the runtime reads once per step. The ops are defined with ``torch.library.Library`` (its
 dispatch to a Python kernel measured about 18 us a call on a 2-core CPU, ``torch.library.custom_op``'s about
 95 us) and have
 fake implementations, so ``torch.compile`` can trace through them. Their autograd formulas are the runtime's
 autograd Functions (precsearch.runtime), which call these ops in forward and backward.
 
-* ``precsearch::round(x, counts, row, fmt, rounding, overflow, seed, with_codes) -> (rounded, codes)``:
+* ``precsearch::round(x, counts, fmt, rounding, overflow, seed, with_codes) -> (rounded, codes)``:
   ``x`` rounded to ``fmt``; ``codes`` are the format's bit patterns of the result (for packed storage; an
-  empty tensor without ``with_codes``). ``counts`` may be None (nothing counted). ``seed`` (an int64 tensor,
-  advanced in place) drives stochastic rounding.
-* ``precsearch::round_(x, counts, row, fmt, rounding, overflow, seed, with_codes) -> codes``: the same, written
+  empty tensor without ``with_codes``). ``seed`` (an int64 tensor, advanced in place) drives stochastic
+  rounding.
+* ``precsearch::round_(x, counts, fmt, rounding, overflow, seed, with_codes) -> codes``: the same, written
   over ``x`` in the same pass (weight gradients, and activations whose float32 values nothing else reads).
 * ``precsearch::decode(codes, fmt, size, stride, offset) -> Tensor``: the float32 values of packed codes,
   viewed with the geometry of the tensor that was saved.
@@ -30,34 +30,31 @@ __all__ = ["round", "round_", "decode"]
 _SEED_STEP = 0x3C6EF35F  # odd: consecutive stochastic roundings see fresh noise from one device counter
 
 _lib = torch.library.Library("precsearch", "DEF")
-_lib.define("round(Tensor x, Tensor(a!)? counts, int row, str fmt, str rounding, str overflow, Tensor(b!)? seed, "
+_lib.define("round(Tensor x, Tensor(a!) counts, str fmt, str rounding, str overflow, Tensor(b!)? seed, "
             "bool with_codes) -> (Tensor, Tensor)")
-_lib.define("round_(Tensor(a!) x, Tensor(b!)? counts, int row, str fmt, str rounding, str overflow, "
-            "Tensor(c!)? seed, bool with_codes) -> Tensor")
+_lib.define("round_(Tensor(a!) x, Tensor(b!) counts, str fmt, str rounding, str overflow, Tensor(c!)? seed, "
+            "bool with_codes) -> Tensor")
 _lib.define("decode(Tensor codes, str fmt, SymInt[] size, SymInt[] stride, SymInt offset) -> Tensor")
 
 
-def _round_and_count(x: torch.Tensor, counts: torch.Tensor | None, row: int, fmt: str, rounding: str,
-                     overflow: str, seed: torch.Tensor | None, with_codes: bool, in_place: bool = False):
+def _round_and_count(x: torch.Tensor, counts: torch.Tensor, fmt: str, rounding: str, overflow: str,
+                     seed: torch.Tensor | None, with_codes: bool, in_place: bool = False):
     if rounding == "stochastic" and seed is not None:
         seed.add_(_SEED_STEP)
-    rounded, codes, counted = F.round_and_count_fn(fmt, rounding, overflow, with_codes, in_place)(x, seed)
-    if counts is not None:
-        counts[row].add_(counted)
-    return rounded, codes
+    return F.round_and_count_fn(fmt, rounding, overflow, with_codes, in_place)(x, seed, counts)[:2]
 
 
 def _no_codes(x: torch.Tensor, codes: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(0, dtype=torch.uint8) if codes is None else codes
 
 
-def _round(x, counts, row, fmt, rounding, overflow, seed, with_codes):
-    rounded, codes = _round_and_count(x, counts, row, fmt, rounding, overflow, seed, with_codes)
+def _round(x, counts, fmt, rounding, overflow, seed, with_codes):
+    rounded, codes = _round_and_count(x, counts, fmt, rounding, overflow, seed, with_codes)
     return rounded, _no_codes(x, codes)
 
 
-def _round_(x, counts, row, fmt, rounding, overflow, seed, with_codes):
-    _, codes = _round_and_count(x, counts, row, fmt, rounding, overflow, seed, with_codes, in_place=True)
+def _round_(x, counts, fmt, rounding, overflow, seed, with_codes):
+    _, codes = _round_and_count(x, counts, fmt, rounding, overflow, seed, with_codes, in_place=True)
     return _no_codes(x, codes)
 
 
@@ -77,12 +74,12 @@ def _codes_fake(x: torch.Tensor, fmt: str, with_codes: bool) -> torch.Tensor:
 
 
 @torch.library.register_fake("precsearch::round", lib=_lib)
-def _round_fake(x, counts, row, fmt, rounding, overflow, seed, with_codes):
+def _round_fake(x, counts, fmt, rounding, overflow, seed, with_codes):
     return torch.empty_like(x), _codes_fake(x, fmt, with_codes)
 
 
 @torch.library.register_fake("precsearch::round_", lib=_lib)
-def _round__fake(x, counts, row, fmt, rounding, overflow, seed, with_codes):
+def _round__fake(x, counts, fmt, rounding, overflow, seed, with_codes):
     return _codes_fake(x, fmt, with_codes)
 
 

@@ -193,15 +193,19 @@ class TensorState:
         self.stats_due = False
         self.on_promote: list[Callable[[_Slot], None]] = []
         self._seed = seed
-        self._counts: torch.Tensor | None = None
+        self._counts: list[torch.Tensor] = []  # per slot row: [overflowed, unencodable] this step, on the device
+        self._uncounted: torch.Tensor | None = None  # what a rounding that counts nothing adds to, never read
         self._seeds: torch.Tensor | None = None
         self._dirty = False
         self._warned_unencodable = self._warned_copied_gradient = False
 
-    def _device_state(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._counts is None or self._counts.device != device:
+    def _device_state(self, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each slot's counts as a tensor of its own (a kernel adds to a whole tensor, not to a view at an
+        offset), and the stochastic-rounding seed, on ``device``."""
+        if self._uncounted is None or self._uncounted.device != device:
             self.flush()
-            self._counts = torch.zeros(len(self.slots), 2, dtype=torch.int64, device=device)
+            self._counts = [torch.zeros(2, dtype=torch.int64, device=device) for _ in self.slots]
+            self._uncounted = torch.zeros(2, dtype=torch.int64, device=device)
             self._seeds = torch.full((), self._seed, dtype=torch.int64, device=device)
         return self._counts, self._seeds
 
@@ -213,7 +217,8 @@ class TensorState:
         count = count and x.numel() > 0
         if count:
             self._account(x, slot)
-        rounded, codes = ops.round(x, counts if count else None, slot.row, *slot.args(), seeds, with_codes)
+        rounded, codes = ops.round(x, counts[slot.row] if count else self._uncounted, *slot.args(), seeds,
+                                   with_codes)
         return rounded, codes if codes.numel() else None
 
     def round_(self, x: torch.Tensor, slot: _Slot, with_codes: bool = False, count: bool = True
@@ -224,7 +229,7 @@ class TensorState:
         count = count and x.numel() > 0
         if count:
             self._account(x, slot)
-        codes = ops.round_(x, counts if count else None, slot.row, *slot.args(), seeds, with_codes)
+        codes = ops.round_(x, counts[slot.row] if count else self._uncounted, *slot.args(), seeds, with_codes)
         return codes if codes.numel() else None
 
     def warn_gradient_copied(self, slot: _Slot) -> None:
@@ -247,7 +252,7 @@ class TensorState:
     # -- the once-a-step read ---------------------------------------------------------------------------
 
     def pending(self) -> torch.Tensor | None:
-        return self._counts.reshape(-1) if self._dirty else None
+        return torch.cat(self._counts) if self._dirty else None
 
     def settle(self, values: list[int]) -> tuple[bool, bool]:
         """Take this step's counts: update statistics, promote, and say whether a gradient overflowed and
@@ -275,14 +280,14 @@ class TensorState:
                 log.warning("step %d: %d saved value(s) were inf/NaN in a format without such codes, so their "
                             "packed copies are wrong: the step is skipped (training has likely diverged)",
                             self.step, unencodable)
-        self._counts.zero_()
+        torch._foreach_zero_(self._counts)
         self._dirty = False
         return overflowed, skip
 
     def flush(self) -> None:
         """Read and settle pending counts now (when the loop did not call ``scaler.step``)."""
         if self._dirty:
-            self.settle(self._counts.reshape(-1).tolist())
+            self.settle(torch.cat(self._counts).tolist())
 
     def _promote(self, slot: _Slot, fraction: float) -> bool:
         if slot.promoted or slot.fmt == self.high or not slot.is_low or slot.kind not in self.promotion_kinds:

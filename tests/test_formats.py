@@ -343,6 +343,8 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
     with caplog.at_level("WARNING", logger="precsearch.formats"):
         fn(torch.randn(5000), seed)
     compiled = formats._compiled(kernel)
+    (_, (inductors_own, _aot_entry)), = compiled._captured
+    assert compiled._direct[torch.device("cpu")][0] is inductors_own  # not AOTAutograd's wrappers (about 5 us)
     dynamo_calls = []
     through_dynamo = compiled._dynamo
     monkeypatch.setattr(compiled, "_dynamo", lambda *args: dynamo_calls.append(1) or through_dynamo(*args))
@@ -383,7 +385,7 @@ def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_war
 
     def wrong_capture(graph_module, example_inputs):
         real = real_capture(graph_module, example_inputs)
-        compiled._captured[-1] = (graph_module, lambda *args: [t + 1 for t in real(*args)])
+        compiled._captured[-1] = (graph_module, [lambda inputs: [t + 1 for t in real(*inputs)]])
         return real
 
     monkeypatch.setattr(compiled, "_capture", wrong_capture)
