@@ -674,7 +674,7 @@ def _make_round_and_count(fmt: FloatFormat, rounding: str, overflow: str, over_b
         codes, bad = None, torch.zeros_like(over)
         if with_codes:
             codes, unencodable = codes_of(rounded_bits)
-            if saturating:  # the same mask, read off the input: a fused in-place pass reads it before writing
+            if saturating:  # the same mask, read off the input: the counting loop need not round
                 unencodable = None if fmt.has_nan else mag > 0x7F800000
             bad = bad if unencodable is None else _count(unencodable)
         if in_place:
