@@ -199,37 +199,35 @@ class TensorState:
         self._dirty = False
         self._warned_unencodable = self._warned_copied_gradient = False
 
-    def _device_state(self, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Each slot's counts as a tensor of its own (a kernel adds to a whole tensor, not to a view at an
-        offset), and the stochastic-rounding seed, on ``device``."""
+    def _op_state(self, x: torch.Tensor, slot: _Slot, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a rounding of ``x`` in ``slot`` passes its op, on ``x``'s device: the counts it adds to (the
+        slot's own tensor, ``count`` and ``x`` not empty, then accounted; else one never read; a kernel adds
+        to a whole tensor, not to a view at an offset) and the stochastic-rounding seed."""
+        device = x.device
         if self._uncounted is None or self._uncounted.device != device:
             self.flush()
             self._counts = [torch.zeros(2, dtype=torch.int64, device=device) for _ in self.slots]
             self._uncounted = torch.zeros(2, dtype=torch.int64, device=device)
             self._seeds = torch.full((), self._seed, dtype=torch.int64, device=device)
-        return self._counts, self._seeds
+        if not (count and x.numel() > 0):
+            return self._uncounted, self._seeds
+        self._account(x, slot)
+        return self._counts[slot.row], self._seeds
 
     def round(self, x: torch.Tensor, slot: _Slot, with_codes: bool = False,
               count: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` in the slot's format (a new tensor), its codes (``with_codes``, when the format fits 16 bits),
         and the overflow counted on the device (``count``)."""
-        counts, seeds = self._device_state(x.device)
-        count = count and x.numel() > 0
-        if count:
-            self._account(x, slot)
-        rounded, codes = ops.round(x, counts[slot.row] if count else self._uncounted, *slot.args(), seeds,
-                                   with_codes)
+        counts, seeds = self._op_state(x, slot, count)
+        rounded, codes = ops.round(x, counts, *slot.args(), seeds, with_codes)
         return rounded, codes if codes.numel() else None
 
     def round_(self, x: torch.Tensor, slot: _Slot, with_codes: bool = False, count: bool = True
                ) -> torch.Tensor | None:
         """Round ``x`` in place, counting its overflow (``count``); its codes (``with_codes``, when the format
         fits 16 bits)."""
-        counts, seeds = self._device_state(x.device)
-        count = count and x.numel() > 0
-        if count:
-            self._account(x, slot)
-        codes = ops.round_(x, counts[slot.row] if count else self._uncounted, *slot.args(), seeds, with_codes)
+        counts, seeds = self._op_state(x, slot, count)
+        codes = ops.round_(x, counts, *slot.args(), seeds, with_codes)
         return codes if codes.numel() else None
 
     def warn_gradient_copied(self, slot: _Slot) -> None:
