@@ -372,9 +372,10 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # both kernels called directly
 
 
-def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_warning(monkeypatch, caplog):
-    """A compiled kernel whose Inductor code, called directly, does not reproduce Dynamo's result keeps going
-    through Dynamo (simulated: the captured code returns wrong values), with one WARNING naming it."""
+def _doubling_kernel_with_direct_calls(replace):
+    """A compiled test kernel (x * 2 and its sum) whose captured direct calls ``replace(own, entry)`` swaps
+    (Inductor's own code and AOTAutograd's entry), called three times under caplog's WARNINGs: the kernel,
+    its results, and the WARNINGs."""
 
     def kernel(x, seed):
         return x * 2, x.sum()
@@ -383,19 +384,40 @@ def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_war
     compiled = formats._Compiled(kernel)
     real_capture = compiled._capture
 
-    def wrong_capture(graph_module, example_inputs):
+    def capture(graph_module, example_inputs):
         real = real_capture(graph_module, example_inputs)
-        compiled._captured[-1] = (graph_module, [lambda inputs: [t + 1 for t in real(*inputs)]])
+        compiled._captured[-1] = (graph_module, replace(*compiled._captured[-1][1]))
         return real
 
-    monkeypatch.setattr(compiled, "_capture", wrong_capture)
-    compiled._dynamo = torch.compile(kernel, backend=wrong_capture, dynamic=False)
+    compiled._dynamo = torch.compile(kernel, backend=capture, dynamic=False)
     x = torch.arange(8.0)
+    return compiled, [compiled(x, torch.tensor(0)) for _ in range(3)]
+
+
+def _wrong(call):
+    return lambda inputs: [t + 1 for t in call(inputs)]
+
+
+def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_warning(caplog):
+    """A compiled kernel whose Inductor code, called directly, does not reproduce Dynamo's result keeps going
+    through Dynamo (simulated: the captured code returns wrong values), with one WARNING naming it."""
     with caplog.at_level("WARNING", logger="precsearch.formats"):
-        results = [compiled(x, torch.tensor(0)) for _ in range(3)]
+        compiled, results = _doubling_kernel_with_direct_calls(lambda own, entry: [_wrong(own), _wrong(entry)])
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "test kernel" in warnings[0] and "another result" in warnings[0]
-    assert all(torch.equal(doubled, x * 2) and float(total) == 28.0 for doubled, total in results)
+    assert compiled._direct[torch.device("cpu")] is None
+    assert all(torch.equal(doubled, torch.arange(8.0) * 2) and float(total) == 28.0 for doubled, total in results)
+
+
+def test_a_kernel_whose_generated_code_disagrees_is_called_through_aotautograd_with_one_warning(caplog):
+    """Inductor's own code that does not reproduce Dynamo's result (simulated) leaves AOTAutograd's entry as the
+    direct call, with one WARNING naming the kernel: no silent step down."""
+    with caplog.at_level("WARNING", logger="precsearch.formats"):
+        compiled, results = _doubling_kernel_with_direct_calls(lambda own, entry: [_wrong(own), entry])
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "test kernel" in warnings[0] and "AOTAutograd" in warnings[0]
+    assert compiled._direct[torch.device("cpu")][0] is compiled._captured[0][1][1]
+    assert all(torch.equal(doubled, torch.arange(8.0) * 2) and float(total) == 28.0 for doubled, total in results)
 
 
 def test_a_kernel_that_fails_to_compile_runs_eagerly_alone_with_one_warning(monkeypatch, caplog):
