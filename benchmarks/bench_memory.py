@@ -79,9 +79,9 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, memory, cuda, predicted, saved in rows:
         measured = cuda if device.type == "cuda" else memory.peak
-        cells = [f"{measured / MIB:.1f}", f"{measured / base:.2f}"]
-        cells += ["-", "-"] if predicted is None else [f"{predicted / MIB:.1f}", f"{predicted / base:.2f}"]
-        cells += ["-", "-"] if saved is None else [f"{saved / MIB:.1f}", f"{saved / base:.2f}"]
+        cells = [f"{measured / MIB:.1f}", f"{measured / base:.3f}"]
+        cells += ["-", "-"] if predicted is None else [f"{predicted / MIB:.1f}", f"{predicted / base:.3f}"]
+        cells += ["-", "-"] if saved is None else [f"{saved / MIB:.1f}", f"{saved / base:.3f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 

@@ -324,7 +324,10 @@ class CostModel:
         workspace (``graph.sliced_saved_tensor``: a conv, batch norm or ReLU whose codes are never decoded
         whole),
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
-        through module hooks), a rounded copy of each low weight gradient as it arrives, and, where its codes hold
+        through module hooks) and again during its layer's backward, which rounds the fp32 master again rather
+        than keep the weight's codes (nearest rounding; a weight rounded stochastically, as by the stochastic
+        weight update, keeps its codes between the two, which this model does not count), a rounded copy of
+        each low weight gradient as it arrives, and, where its codes hold
         every rounded value, those codes from then to the end of the backward (``.grad`` decoded then). The
         optimizer holds one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it
         exists before the step) unless packed."""
@@ -444,9 +447,8 @@ class CostModel:
             fmt = formats.get(tid, FP32)
             if not fmt.is_fp32:
                 low_weights += 4 * info.numel
-                hold(info.numel * _storage_bytes(fmt), fwd(users[0]), bwd(users[0]), f"codes {tid}")
-                if tid not in channel_sliced:
-                    hold(4 * info.numel, bwd(users[-1]), bwd(users[-1]), f"decoded {tid}")
+                if tid not in channel_sliced:  # rounded again from the master in its layer's backward
+                    hold(4 * info.numel, bwd(users[-1]), bwd(users[-1]), f"re-rounded {tid}")
                 if traced:  # rounded at the layer's call: its float32 copy dies with the call
                     for user in users:
                         hold(4 * info.numel, fwd(user), fwd(user), f"rounded {tid}")

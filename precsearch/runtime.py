@@ -40,6 +40,8 @@ What each tensor kind gets:
 
 * weights: the forward computes with ``round(param)`` through an autograd Function whose backward passes the
   gradient straight through, so the parameters stay fp32 masters for any optimizer (Micikevicius et al.);
+  a layer's backward rounds its master again (``_RoundedFromMaster``: the same values, no copy of the weight
+  held in between; a weight rounded stochastically keeps its codes instead);
   with ``master_weights=False`` the parameters themselves are rounded and ``wrap_optimizer`` returns a
   precsearch.optim ``LowPrecisionOptimizer`` that keeps them so. With master weights, an optimizer
   ``update="stochastic"`` rounds the working copy stochastically (Wang et al.'s stochastic weight update).
@@ -134,7 +136,7 @@ class SavedBytes:
     """Bytes autograd held for backward after one forward, by what they are (each storage counted once)."""
 
     activation: int = 0  # activations as stored: packed codes, or float32 where unrounded
-    weight: int = 0  # rounded weight copies (packed codes)
+    weight: int = 0  # codes of weights rounded stochastically (the others are rounded again in the backward)
     parameter: int = 0  # parameters saved as they are (fp32 weights)
     other: int = 0  # byproducts: buffers (BN running stats), non-float32 tensors (max-pool indices)
 
@@ -199,7 +201,7 @@ class TensorState:
         self._dirty = False
         self._warned_unencodable = self._warned_copied_gradient = False
 
-    def _op_state(self, x: torch.Tensor, slot: _Slot, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _op_state(self, x: torch.Tensor, slot: _Slot | None, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """What a rounding of ``x`` in ``slot`` passes its op, on ``x``'s device: the counts it adds to (the
         slot's own tensor, ``count`` and ``x`` not empty, then accounted; else one never read; a kernel adds
         to a whole tensor, not to a view at an offset) and the stochastic-rounding seed."""
@@ -229,6 +231,16 @@ class TensorState:
         counts, seeds = self._op_state(x, slot, count)
         codes = ops.round_(x, counts, *slot.args(), seeds, with_codes)
         return codes if codes.numel() else None
+
+    def round_again(self, x: torch.Tensor, args: tuple[str, str, str], in_place: bool = False) -> torch.Tensor:
+        """``x`` rounded again as an earlier rounding was (``args``: its ``_Slot.args()``), counting nothing:
+        its overflow was counted the first time. No gradient flows through it."""
+        counts, seeds = self._op_state(x, None, count=False)
+        with torch.no_grad():
+            if in_place:
+                ops.round_(x, counts, *args, seeds, False)
+                return x
+            return ops.round(x, counts, *args, seeds, False)[0]
 
     def warn_gradient_copied(self, slot: _Slot) -> None:
         """Once: a gradient that may be rounded over itself arrived non-contiguous, so it was rounded into a new
@@ -362,26 +374,44 @@ class _Packed:
     keep its storage alive, and a dead storage's address may be reused by an unrelated tensor.
     """
 
-    __slots__ = ("fmt", "kind", "version", "storage", "codes", "saves", "unpacks", "decoded")
+    __slots__ = ("fmt", "kind", "version", "storage", "shape", "codes", "saves", "unpacks", "decoded")
 
-    def __init__(self, fmt: F.FloatFormat, kind: str, rounded: torch.Tensor, codes: torch.Tensor) -> None:
-        self.fmt, self.kind, self.version, self.codes = fmt, kind, rounded._version, codes
+    def __init__(self, fmt: F.FloatFormat, kind: str, rounded: torch.Tensor, codes: torch.Tensor | None) -> None:
+        self.fmt, self.kind, self.version, self.shape, self.codes = fmt, kind, rounded._version, rounded.shape, codes
         self.storage = StorageWeakRef(rounded.untyped_storage())
         self.saves = self.unpacks = 0  # saved views of the storage, and how many were unpacked
         self.decoded: torch.Tensor | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """What holding it costs."""
+        return self.codes.nbytes
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` views this storage, unmodified since it was rounded."""
         return self.version == t._version and not self.storage.expired()
+
+    def _whole(self) -> torch.Tensor:
+        """The storage, decoded into a new contiguous tensor."""
+        return ops.decode(self.codes, self.fmt.name, self.codes.shape, self.codes.stride(), 0)
+
+    def _view(self, geometry: tuple[torch.Size, tuple[int, ...], int]) -> torch.Tensor:
+        """A view of the storage, decoded into a new tensor."""
+        return ops.decode(self.codes, self.fmt.name, *geometry)
+
+    def _part(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """A slice of the storage (a contiguous tensor) along ``dim``, decoded (its codes copied first)."""
+        codes = self.codes.narrow(dim, start, length).contiguous()
+        return ops.decode(codes, self.fmt.name, codes.shape, codes.stride(), 0)
 
     def view(self, geometry: tuple[torch.Size, tuple[int, ...], int]) -> torch.Tensor:
         """The saved view, decoded. A storage saved by several ops (ReLU and the next conv both save one
         activation) is decoded once and the float32 copy dropped after its last unpack."""
         self.unpacks += 1
         if self.saves == 1:
-            return ops.decode(self.codes, self.fmt.name, *geometry)
+            return self._view(geometry)
         if self.decoded is None:
-            self.decoded = ops.decode(self.codes, self.fmt.name, self.codes.shape, self.codes.stride(), 0)
+            self.decoded = self._whole()
         decoded = self.decoded
         if self.unpacks >= self.saves:
             self.decoded = None
@@ -389,31 +419,63 @@ class _Packed:
 
     def slicer(self, dim: int = 0) -> Callable[[int, int], torch.Tensor]:
         """One unpack of the whole storage (a contiguous tensor) as a function of ``(start, length)`` along
-        ``dim`` that decodes that slice when called (a channel slice's codes copied first): a backward that needs
-        no float32 copy of the whole tensor."""
+        ``dim`` that decodes that slice when called: a backward that needs no float32 copy of the whole
+        tensor."""
         self.unpacks += 1
         whole = self.decoded  # another saver of the storage unpacked it first
         if self.unpacks >= self.saves:
             self.decoded = None
 
         def decode(start: int, length: int) -> torch.Tensor:
-            if whole is not None:
-                return whole.narrow(dim, start, length)
-            codes = self.codes.narrow(dim, start, length).contiguous()
-            return ops.decode(codes, self.fmt.name, codes.shape, codes.stride(), 0)
+            return whole.narrow(dim, start, length) if whole is not None else self._part(dim, start, length)
 
         return decode
 
     def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
         """One unpack of the whole storage (a contiguous batch) as passes over it, ``rows`` samples at a time,
         each slice decoded when reached and yielded with its first sample (``slicer``)."""
-        decode, batch = self.slicer(), self.codes.shape[0]
+        decode, batch = self.slicer(), self.shape[0]
 
         def one_pass() -> Iterator[tuple[int, torch.Tensor]]:
             for start in range(0, batch, rows):
                 yield start, decode(start, min(rows, batch - start))
 
         return one_pass
+
+
+class _RoundedFromMaster(_Packed):
+    """A weight rounded from its fp32 master, saved as that master and the rounding: its backward rounds the
+    master again, which gives the same values (nearest rounding is a function of the value, and the master is
+    checked unchanged, as autograd checks what it saves), so the step holds no copy of any weight, neither
+    codes nor float32, between a layer's forward and its backward (as torchao's float8 training can recompute
+    its fp8 weights in the backward). A stochastic rounding draws anew each call: such weights keep codes."""
+
+    __slots__ = ("master", "master_version", "state", "args")
+
+    def __init__(self, slot: _Slot, rounded: torch.Tensor, master: torch.Tensor, state: TensorState) -> None:
+        super().__init__(slot.fmt, "weight", rounded, None)
+        self.master, self.master_version, self.state, self.args = master, master._version, state, slot.args()
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the master is a parameter, held anyway
+
+    def _master(self) -> torch.Tensor:
+        if self.master._version != self.master_version:
+            raise PrecsearchError("a parameter was changed in place between the forward and the backward that "
+                                  "reads its rounded copy: call optimizer.step() only after backward()")
+        return self.master
+
+    def _whole(self) -> torch.Tensor:
+        return self.state.round_again(self._master(), self.args)
+
+    def _view(self, geometry: tuple[torch.Size, tuple[int, ...], int]) -> torch.Tensor:
+        whole = self._whole()
+        return whole if geometry == (whole.shape, whole.stride(), 0) else whole.as_strided(*geometry)
+
+    def _part(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.state.round_again(self._master().narrow(dim, start, length).contiguous(), self.args,
+                                      in_place=True)
 
 
 class _Stored:
@@ -435,7 +497,7 @@ class _Stored:
         packed.saves += 1
         if packed.saves == 1:
             kind = "weight" if packed.kind == "weight" else "activation"
-            setattr(sizes, kind, getattr(sizes, kind) + packed.codes.nbytes)
+            setattr(sizes, kind, getattr(sizes, kind) + packed.nbytes)
 
 
 class _Pending:
@@ -490,15 +552,24 @@ class _Packer:
         earlier saves of ``raw`` switch to it."""
         if not self.active or codes is None:
             return
-        packed = _Packed(fmt, kind, rounded, codes)
-        self._live[_storage(rounded)] = packed
-        # codes nobody saved die with the rounded tensor, not at the end of the forward
-        weakref.finalize(rounded, self._forget, _storage(rounded), id(packed))
+        packed = self._hold(rounded, _Packed(fmt, kind, rounded, codes))
         pending = self._pending.get(_storage(raw))
         if pending is not None and pending.version == raw._version and _whole_storage(raw):
             del self._pending[_storage(raw)]
             for stored in pending.stored:
                 stored.attach(packed, self._codes)
+
+    def register_weight(self, master: torch.Tensor, rounded: torch.Tensor, slot: _Slot, state: TensorState) -> None:
+        """``rounded`` is ``master`` rounded by ``slot`` (not stochastically): saves of it hold the master, and
+        the backward rounds it again (``_RoundedFromMaster``)."""
+        if self.active:
+            self._hold(rounded, _RoundedFromMaster(slot, rounded, master, state))
+
+    def _hold(self, rounded: torch.Tensor, packed: _Packed) -> _Packed:
+        """Saves of ``rounded`` become saves of ``packed`` until ``rounded`` dies (then nobody saved it)."""
+        self._live[_storage(rounded)] = packed
+        weakref.finalize(rounded, self._forget, _storage(rounded), id(packed))
+        return packed
 
     def fresh(self, t: torch.Tensor) -> bool:
         """Whether the rounding may write over ``t`` in this (training) forward: an op's own new output, no
@@ -512,7 +583,7 @@ class _Packer:
         """A save of ``t`` held as the codes of its storage, when ``t`` is a whole packed storage in the batch's
         contiguous layout (so that its codes slice by sample); else None."""
         packed = self._live.get(_storage(t)) if self.active else None
-        if packed is None or not packed.holds(t) or not _whole_storage(t) or t.shape != packed.codes.shape:
+        if packed is None or not packed.holds(t) or not _whole_storage(t) or t.shape != packed.shape:
             return None
         stored = _Stored(t)
         stored.attach(packed, self._codes)
@@ -804,6 +875,7 @@ class _ConvOfPackedInput(torch.autograd.Function):
             for start, x in passes() if need_weight else ():
                 grad = conv_backward(grad_out[start:start + rows], x, weight, [False, True, False])[1]
                 grad_weight = grad if grad_weight is None else grad_weight.add_(grad)
+                del x, grad  # the next slice and its gradient are made beside neither, and the last outlives no loop
             if need_input:
                 grad_input = grad_out.new_empty(ctx.input_shape)
                 for start in range(0, batch, rows):
@@ -856,6 +928,7 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
             g = grad_out[start:start + rows]
             sum_dy = sum_dy + g.sum(dims).double()
             dot = dot + (x - mean.view(channel)).mul_(g).sum(dims).double()
+            del x  # the next slice is decoded beside none other, and the last not kept into the second pass
         grad_input = None
         if need[0]:
             count = grad_out.numel() // grad_out.shape[1]
@@ -1428,8 +1501,12 @@ class PrecisionModel(nn.Module):
         param, slot = self._weights[qualified]
         if not slot.is_low:
             return param
-        rounded, codes = _RoundWeight.apply(param, self.state, slot, self._packer.active)
-        self._packer.register(param, rounded, codes, slot.fmt, "weight")
+        if slot.rounding == "stochastic":  # a second rounding would draw other values: its saves hold codes
+            rounded, codes = _RoundWeight.apply(param, self.state, slot, self._packer.active)
+            self._packer.register(param, rounded, codes, slot.fmt, "weight")
+        else:
+            rounded, _ = _RoundWeight.apply(param, self.state, slot, False)
+            self._packer.register_weight(param, rounded, slot, self.state)
         return rounded
 
     # -- training -----------------------------------------------------------------------------------------

@@ -252,11 +252,12 @@ class WideConv(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
-@pytest.mark.parametrize(("weights", "groups", "calls"), [("packed", 1, {12: 2, 8: 1}), ("fp32", 1, {12: 2, 8: 1}),
-                                                        ("packed", 2, {32: 1})])
+@pytest.mark.parametrize(("weights", "groups", "calls"), [("low", 1, {12: 2, 8: 1}), ("fp32", 1, {12: 2, 8: 1}),
+                                                        ("low", 2, {32: 1})])
 def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_and_weight(monkeypatch, weights,
                                                                                           groups, calls):
-    """conv2 in groups of 12, 12 and 8 input channels (its weight as codes, or an fp32 parameter), or, as a
+    """conv2 in groups of 12, 12 and 8 input channels (its weight low, rounded again from its master a group at a
+    time, or an fp32 parameter), or, as a
     grouped conv (groups=2), in one call: every parameter gradient equals, to float32 summation order, torch's
     conv backward over the whole decoded input and weight (the sliced path off); conv1 (3 input channels, one
     group) makes one call. conv2's input gradient feeds conv1's weight gradient, so it is checked through it."""
@@ -282,7 +283,7 @@ def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_
 def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradient(monkeypatch):
     """A 256->256 3x3 conv over a (8, 256, 4, 4) packed input (weight 2.25 MiB, input 0.5 MiB), in 1 MiB weight
     slices: torch.profiler's allocator record of its backward shows one block of the weight's size (the whole
-    weight gradient); in one group it shows the decoded weight and oneDNN's reordered copy besides."""
+    weight gradient); in one group it shows the weight rounded again and oneDNN's reordered copy besides."""
     layers = nn.Sequential(nn.Conv2d(8, 256, 1, bias=False), nn.ReLU(), nn.Conv2d(256, 256, 3, padding=1, bias=False))
     x = torch.randn(8, 8, 4, 4)
     graph = trace(layers, x[:2], batch_size=8)
