@@ -257,10 +257,10 @@ class WideConv(nn.Module):
 def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_and_weight(monkeypatch, weights,
                                                                                           groups, calls):
     """conv2 in groups of 12, 12 and 8 input channels (its weight low, rounded again from its master a group at a
-    time, or an fp32 parameter), or, as a
-    grouped conv (groups=2), in one call: every parameter gradient equals, to float32 summation order, torch's
-    conv backward over the whole decoded input and weight (the sliced path off); conv1 (3 input channels, one
-    group) makes one call. conv2's input gradient feeds conv1's weight gradient, so it is checked through it."""
+    time, or an fp32 parameter), or, as a grouped conv (groups=2), in one call: every parameter gradient equals,
+    to float32 summation order, torch's conv backward over the whole decoded input and weight (the sliced path
+    off); conv1 (3 input channels, one group) makes one call. conv2's input gradient feeds conv1's weight
+    gradient, so it is checked through it."""
     torch.manual_seed(0)
     model = WideConv(groups)
     g = torch.Generator().manual_seed(1)
