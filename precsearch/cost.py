@@ -104,7 +104,8 @@ _SLICED_WORKSPACE = {"Conv2d": 3, "BatchNorm2d": 2, "ReLU": 1}
 # A conv's backward in groups of input channels (``graph.backward_slice_channels``), measured with
 # precsearch.memory: oneDNN's reordered copy of the whole output gradient (each call makes one); float32 input
 # slices of one group: the decoded slice, oneDNN's reordered copy, the group's input gradient before its copy
-# into the whole one; weight slices: the decoded slice and the group's weight gradient before its copy.
+# into the whole one; weight slices: the slice rounded again from the master and the group's weight gradient
+# before its copy.
 _CHANNEL_SLICED_WORKSPACE = {"output_gradient": 1, "input": 3, "weight": 2}
 
 

@@ -33,8 +33,8 @@ The pieces, each in one place:
   one, are called through autograd Functions (``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``,
   ``_ReluOfPackedOutput``) whose backward decodes the codes a slice of samples at a time
   (``graph.backward_slice_rows``), so the step never holds a float32 copy of a whole saved tensor; a conv whose
-  weight outsizes its input decodes its input and weight a group of input channels at a time instead
-  (``graph.backward_slice_channels``).
+  weight outsizes its input decodes its input, and rounds its weight again from the master, a group of input
+  channels at a time instead (``graph.backward_slice_channels``).
 
 What each tensor kind gets:
 
@@ -814,10 +814,11 @@ class _ConvOfPackedInput(torch.autograd.Function):
     output gradient alone (as ``torch.nn.grad.conv2d_input``), so no float32 copy of the whole input, nor
     oneDNN's reordered copies of it, is made. One slice (``graph.backward_slice_rows``: a weight larger than
     the input): groups of input channels instead (``graph.backward_slice_channels``), one call each, from that
-    group's slices of the input and of the weight, decoded from their codes (a group's input gradient needs
-    only its weight slice, its weight gradient only its input slice), written into the whole gradients: no
-    float32 copy of the whole weight, nor oneDNN's reordered copy of it. The weight comes as its save
-    (``weight_stored``, from ``_Packer.save_packed``) where it is packed."""
+    group's slices of the input, decoded from its codes, and of the weight, rounded again from the master or
+    decoded where it keeps codes (a group's input gradient needs only its weight slice, its weight gradient
+    only its input slice), written into the whole gradients: no float32 copy of the whole weight, nor
+    oneDNN's reordered copy of it. The weight comes as its save (``weight_stored``, from
+    ``_Packer.save_packed``) where it is low."""
 
     slices_weight = True  # the caller passes the weight's save
 
