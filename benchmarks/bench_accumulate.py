@@ -13,7 +13,7 @@ import torch
 from timing import median_seconds  # benchmarks/timing.py (the script's folder is on sys.path)
 from torch import nn
 
-from precsearch.accumulate import ChunkedConv2d, ChunkedLinear
+from precsearch.runtime.accumulate import ChunkedConv2d, ChunkedLinear
 
 
 def step(layer: nn.Module, x: torch.Tensor) -> Callable[[], None]:

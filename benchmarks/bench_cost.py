@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from timing import median_seconds  # benchmarks/timing.py (the script's folder is on sys.path)
 
-from precsearch.cost import CostModel
-from precsearch.graph import trace
+from precsearch.cost.model import CostModel
+from precsearch.graph.tracing import trace
 from precsearch.models import INPUT_SHAPE, build
 
 

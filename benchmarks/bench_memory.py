@@ -1,7 +1,7 @@
 """Peak memory of one training step (forward, backward, SGD step with momentum) under each policy, measured
 and predicted, beside the bytes autograd saves, all as ratios to the plain fp32 model's measured peak.
 
-Measured: the CPU allocator's events (precsearch.memory), and CUDA's ``max_memory_allocated`` with
+Measured: the CPU allocator's events (precsearch.cost.measured), and CUDA's ``max_memory_allocated`` with
 ``--device cuda``; both above what is live before the step (parameters, momentum, the batch). Predicted:
 ``CostModel.peak_bytes``. Saved: ``CostModel.saved_activation_bytes``. Rows: plain fp32, plain under
 ``torch.autocast(bfloat16)`` (CUDA only), the fp32/fp16/bf16/hfp8 baselines and the paper's all-low policy.
@@ -17,13 +17,13 @@ import sys
 
 import torch
 
-from precsearch.cost import MIB, CostModel
-from precsearch.graph import trace
-from precsearch.memory import measure_peak, sgd_step, trace_step
+from precsearch.config.policy import Policy, baseline
+from precsearch.config.spec import PAPER_OVERFLOW
+from precsearch.cost.measured import measure_peak, sgd_step, trace_step
+from precsearch.cost.model import MIB, CostModel
+from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.policy import Policy, baseline
-from precsearch.runtime import apply_policy
-from precsearch.spec import PAPER_OVERFLOW
+from precsearch.runtime.wrapper import apply_policy
 
 ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 

@@ -9,7 +9,7 @@
    importable, the paper's own style (QPyTorch ``float_quantize`` e5m2 in module hooks). On CUDA each row
    also gives ``torch.cuda.max_memory_allocated()`` during a step above what was allocated before it.
    Goal: all-low and hfp8 <= 1.5x plain fp32.
-2. Rounding 2^28 values (CUDA; 2^24 on CPU): nearest and stochastic e5m2 (``precsearch.formats.quantize``)
+2. Rounding 2^28 values (CUDA; 2^24 on CPU): nearest and stochastic e5m2 (``precsearch.formats.numerics.quantize``)
    against torch's native float8_e5m2 cast round trip. Goal: stochastic <= 1.5x the native cast.
 3. Bytes autograd saves for backward after one forward under several policies, measured (packed storages,
    each once) against the fp32 model's measured bytes and against the cost model's prediction.
@@ -51,13 +51,13 @@ def main() -> int:
 
     import torch
 
-    from precsearch.cost import CostModel, measure_saved_bytes
-    from precsearch.graph import trace
-    from precsearch.memory import sgd_step
+    from precsearch.config.policy import Policy, baseline
+    from precsearch.config.spec import PAPER_OVERFLOW
+    from precsearch.cost.measured import sgd_step
+    from precsearch.cost.model import CostModel, measure_saved_bytes
+    from precsearch.graph.tracing import trace
     from precsearch.models import build
-    from precsearch.policy import Policy, baseline
-    from precsearch.runtime import apply_policy
-    from precsearch.spec import PAPER_OVERFLOW
+    from precsearch.runtime.wrapper import apply_policy
 
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
@@ -153,7 +153,7 @@ def _qpytorch_hooks(model):
 def _bench_quantize(device: str) -> None:
     import torch
 
-    from precsearch.formats import quantize
+    from precsearch.formats.numerics import quantize
 
     n = 2**28 if device == "cuda" else 2**24
     x = torch.randn(n, device=device)
@@ -196,7 +196,7 @@ def _bench_saved(plain, x, graph, policies, chosen, apply_policy, CostModel, mea
         predicted = cost.saved_activation_bytes(policy.assignment(graph))
         print(f"   {name:22s} {measured:12,d} {measured / fp32_measured:7.3f}x {predicted:12,d} "
               f"{measured / predicted:9.4f} {saved.weight:15,d}")
-    print(f"   (fp32 model measured by precsearch.cost.measure_saved_bytes: {fp32_measured:,d} bytes)")
+    print(f"   (fp32 model measured by precsearch.cost.model.measure_saved_bytes: {fp32_measured:,d} bytes)")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ import yaml
 from local_postgres import local_postgres  # benchmarks/local_postgres.py (the script's folder is on sys.path)
 from optuna.trial import TrialState
 
-from precsearch.search import StudyLocation
-from precsearch.spaces import PAPER_SPACE
+from precsearch.config.spaces import PAPER_SPACE
+from precsearch.search.study import StudyLocation
 
 UNITS = 40  # decisions per empty trial, about tiny_cnn's tensor count
 

@@ -24,12 +24,12 @@ import pandas as pd
 import torch
 from scipy import stats
 
-from precsearch.data import load_dataset
-from precsearch.fidelity import long_run
-from precsearch.noise import pooled_noise, rank_correlations
-from precsearch.search import Budget, DataSpec, SearchContext, _seed_record
-from precsearch.spaces import paper_space
-from precsearch.strategies import assign, assignment_key, sweep
+from precsearch.analysis.fidelity import long_run
+from precsearch.config.spaces import paper_space
+from precsearch.search.noise import pooled_noise, rank_correlations
+from precsearch.search.strategies import assign, assignment_key, sweep
+from precsearch.search.study import Budget, DataSpec, SearchContext, _seed_record
+from precsearch.train.data import load_dataset
 
 RS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
 EXHAUSTIVE_UNITS = 5  # models with at most this many units also get every high/low combination of them

@@ -19,10 +19,10 @@ import logging
 
 from torch import nn
 
-from precsearch.comm import compression_by_type, train_data_parallel
-from precsearch.search import Budget, DataSpec, SearchContext
-from precsearch.spaces import paper_space
-from precsearch.strategies import uniform
+from precsearch.config.spaces import paper_space
+from precsearch.search.strategies import uniform
+from precsearch.search.study import Budget, DataSpec, SearchContext
+from precsearch.train.data_parallel import compression_by_type, train_data_parallel
 
 PAPER = {"conv": "~40x", "fc": "~200x", "accuracy": "no loss"}
 

@@ -8,15 +8,15 @@ CPU scale: the bundled digits at 12x12, ResNet-18 width 0.125, batch 64, 2 epoch
 ``PRECSEARCH_COMPILE=0`` there: at these sizes compiling the formats kernels costs more than it saves (the
 stochastic kernels of wang_fp8 took 330 s to compile against 6 s of eager training).
 
-Every method trains with the same recipe, the paper's (precsearch.train.PAPER_RECIPE: SGD lr 0.1, momentum
+Every method trains with the same recipe, the paper's (precsearch.train.trainer.PAPER_RECIPE: SGD lr 0.1, momentum
 0.9, weight decay 5e-4, cosine per epoch, random crop + flip, Kaiming fan-out init) and the paper's numerics
 (the HFP8 space: promotion of weights and activations after each step, loss scale from 2^16 doubling once per
 epoch, per-use gradient rounding). Methods: the paper's technique at r = 0, 0.1, ..., 1 (the targets its
 acceptance window [r, r + 0.1] keeps), and the baselines pi_op (HFP8, Sun et al.), fp8 (e5m2), fp16, mpt
 (Micikevicius et al.) and wang_fp8 (Wang et al.), with fp32 as the reference.
 
-Memory per method: the paper's measure (bytes of the assignable tensors, precsearch.cost) as a ratio to
-pi_op's, the paper's x axis, and the measured peak of one training step (precsearch.memory: CPU allocator
+Memory per method: the paper's measure (bytes of the assignable tensors, precsearch.cost.model) as a ratio to
+pi_op's, the paper's x axis, and the measured peak of one training step (precsearch.cost.measured: CPU allocator
 events, or CUDA's counters) as a ratio to plain fp32's. Writes benchmarks/results/reproduce_paper.csv and
 reproduce_paper.png (one curve per method), and prints the table and which of the paper's claims hold here.
 """
@@ -34,14 +34,14 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from precsearch.memory import measure_peak, sgd_step
-from precsearch.policy import Policy
-from precsearch.runtime import apply_policy
-from precsearch.search import Budget, DataSpec, SearchContext
-from precsearch.spaces import paper_space
-from precsearch.spec import ProxyConfig
-from precsearch.strategies import ACCEPTANCE_WINDOW, baseline_policies, sweep
-from precsearch.train import PAPER_LR, PAPER_RECIPE, build_model, kaiming_fan_out_, train
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import paper_space
+from precsearch.config.spec import ProxyConfig
+from precsearch.cost.measured import measure_peak, sgd_step
+from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.strategies import ACCEPTANCE_WINDOW, baseline_policies, sweep
+from precsearch.search.study import Budget, DataSpec, SearchContext
+from precsearch.train.trainer import PAPER_LR, PAPER_RECIPE, build_model, kaiming_fan_out_, train
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = ("fp32", "hfp8", "fp8", "fp16", "mpt", "wang_fp8")

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precsearch.accumulate import ChunkedLinear, chunked_matmul
-from precsearch.data import load_dataset
-from precsearch.formats import get_format, quantize
-from precsearch.optim import LowPrecisionOptimizer
-from precsearch.scaling import DynamicLossScaler
+from precsearch.formats.numerics import get_format, quantize
+from precsearch.runtime.accumulate import ChunkedLinear, chunked_matmul
+from precsearch.runtime.optim import LowPrecisionOptimizer
+from precsearch.runtime.scaling import DynamicLossScaler
+from precsearch.train.data import load_dataset
 
 IMAGE_SIZE = 8  # digits are 8x8: (N, 3, 8, 8) -> 192 features
 MODES = ("fp32", "nearest", "stochastic", "kahan")

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from precsearch.check import TOLERANCE, check_model
+from precsearch.analysis.checks import TOLERANCE, check_model
 
 # The 14 models first tried (issue 17), in its order.
 MODELS = ("resnet18", "resnet50", "mobilenet_v2", "mobilenet_v3_small", "efficientnet_b0", "densenet121",

@@ -1,4 +1,4 @@
-"""precsearch.accumulate: chunked low-precision accumulation against scalar loops in numpy/ml_dtypes types,
+"""precsearch.runtime.accumulate: chunked low-precision accumulation against scalar loops in numpy/ml_dtypes types,
 chunked layers against torch's Linear/Conv2d, the swamping claim against fp64, and FP8 digits training."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precsearch.accumulate import ChunkedConv2d, ChunkedLinear, chunked_matmul, chunked_sum, swap_chunked_layers
 from precsearch.errors import PrecsearchError
+from precsearch.runtime.accumulate import ChunkedConv2d, ChunkedLinear, chunked_matmul, chunked_sum, swap_chunked_layers
 
 NEAR_FP32 = "e8m22"  # one mantissa bit short of fp32: exercises every loop, results within fp32 tolerance
 

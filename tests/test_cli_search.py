@@ -21,10 +21,10 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from precsearch.cli import main
-from precsearch.data import load_dataset
-from precsearch.policy import Policy
-from precsearch.spaces import PAPER_SPACE
-from precsearch.spec import ASSIGNABLE_KINDS
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import PAPER_SPACE
+from precsearch.config.spec import ASSIGNABLE_KINDS
+from precsearch.train.data import load_dataset
 
 TINY = ["--proxy-steps", "4", "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1"]
 

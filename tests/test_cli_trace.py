@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from precsearch.cli import main
-from precsearch.cost import MIB, CostModel, measure_saved_bytes
-from precsearch.graph import TensorGraph, trace
+from precsearch.cost.model import MIB, CostModel, measure_saved_bytes
+from precsearch.graph.tracing import TensorGraph, trace
 from precsearch.models import build
 
 

@@ -2,7 +2,7 @@
 
 One pair of processes (spawned once for the module) runs every distributed scenario and hands back what each
 rank saw; the tests compare that with ``reference_layer``, written here element by element in numpy without
-anything from precsearch.comm.
+anything from precsearch.train.data_parallel.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from precsearch.cli import main
-from precsearch.comm import AdaCompState, register_adacomp, train_data_parallel
-from precsearch.data import load_dataset
+from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
-from precsearch.formats import quantize
+from precsearch.formats.numerics import quantize
 from precsearch.models import build
-from precsearch.policy import Policy
+from precsearch.train.data import load_dataset
+from precsearch.train.data_parallel import AdaCompState, register_adacomp, train_data_parallel
 
 BINS = {"conv": 4, "fc": 7, "other": 3}
 # Probe's parameters in order, with the layer type each one's bin length follows.
@@ -262,7 +262,7 @@ def test_one_process_warns_once_and_passes_gradients_through(caplog):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         model, state = probe_ddp()
-        with caplog.at_level(logging.WARNING, logger="precsearch.comm"):
+        with caplog.at_level(logging.WARNING, logger="precsearch.train.data_parallel"):
             for step in (1, 2):
                 got = backward(model, gradients(0, step))
                 for g, want in zip(got, gradients(0, step), strict=True):

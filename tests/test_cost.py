@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precsearch.cost import MIB, CostModel, measure_saved_bytes
+from precsearch.config.spec import ASSIGNABLE_KINDS, PAPER_LOW
+from precsearch.cost.model import MIB, CostModel, measure_saved_bytes
 from precsearch.errors import PrecsearchError
-from precsearch.graph import trace
+from precsearch.graph.tracing import trace
 from precsearch.models import NAMES, build
-from precsearch.spec import ASSIGNABLE_KINDS, PAPER_LOW
 
-# bits of each format, written out by hand (1 sign + E + M) as an oracle independent of precsearch.formats
+# bits of each format, written out by hand (1 sign + E + M) as an oracle independent of precsearch.formats.numerics
 BITS = {"e4m3b4s": 8, "e5m2s": 8, "e6m9s": 16, "fp16": 16, "bf16": 16, "fp8_e4m3fn": 8, "fp6_e3m2fn": 6,
         "fp4_e2m1fn": 4, "e3m4": 8, "fp32": 32}
 
@@ -116,14 +116,14 @@ class Erf(nn.Module):
 
 def test_unknown_op_is_priced_by_what_autograd_saved_while_tracing(caplog):
     model = Erf()
-    with caplog.at_level(logging.WARNING, logger="precsearch.cost"):
+    with caplog.at_level(logging.WARNING, logger="precsearch.cost.model"):
         predicted = CostModel(trace(model, _example(2), batch_size=4)).saved_activation_bytes()
     assert predicted == measure_saved_bytes(model, _example(4)) and "no autograd save rule" not in caplog.text
 
 
 def test_unknown_op_of_a_hook_traced_model_is_counted_conservatively_with_a_warning(caplog):
     model = Erf(branch=True)
-    with caplog.at_level(logging.WARNING, logger="precsearch.cost"), pytest.warns(UserWarning, match="torch.fx"):
+    with caplog.at_level(logging.WARNING, logger="precsearch.cost.model"), pytest.warns(UserWarning, match="torch.fx"):
         predicted = CostModel(trace(model, _example(2), batch_size=4)).saved_activation_bytes()
     assert "no autograd save rule for op type(s) erf" in caplog.text
     assert predicted >= measure_saved_bytes(model, _example(4))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precsearch.cost import MIB, CostModel
+from precsearch.cost.model import MIB, CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.graph import trace
+from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.optim import LowPrecisionOptimizer
+from precsearch.runtime.optim import LowPrecisionOptimizer
 
 PURE_BF16_KAHAN = {"weight_format": "bf16", "master_weights": False, "update": "kahan", "state_format": "bf16"}
 MPT = {"weight_format": "fp16", "master_weights": True, "update": "nearest"}  # state_format None: fp32

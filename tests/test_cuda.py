@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precsearch import formats
-from precsearch.formats import decode, encode, quantize, round_and_count
-from precsearch.graph import trace
+from precsearch.config.policy import Policy, baseline
+from precsearch.formats import numerics as formats
+from precsearch.formats.numerics import decode, encode, quantize, round_and_count
+from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.policy import Policy, baseline
-from precsearch.runtime import apply_policy
+from precsearch.runtime.wrapper import apply_policy
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available here")]

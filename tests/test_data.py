@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from precsearch.data import DATASETS, describe, load_dataset, make_loader, random_crop_flip
 from precsearch.errors import PrecsearchError
+from precsearch.train.data import DATASETS, describe, load_dataset, make_loader, random_crop_flip
 
 
 def _raw(dataset) -> torch.Tensor:

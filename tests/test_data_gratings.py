@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precsearch.data import GRATINGS_LEVEL, load_dataset
 from precsearch.errors import PrecsearchError
+from precsearch.train.data import GRATINGS_LEVEL, load_dataset
 
 
 def test_gratings_are_seeded_sized_and_balanced_enough():

@@ -7,12 +7,12 @@ import json
 import pandas as pd
 import pytest
 
-from precsearch import search
+from precsearch.analysis.fidelity import long_run
 from precsearch.cli import main
-from precsearch.fidelity import long_run
-from precsearch.policy import Policy
-from precsearch.search import Budget, run_search
-from precsearch.spaces import paper_space
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import paper_space
+from precsearch.search import study as search
+from precsearch.search.study import Budget, run_search
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 LONG = 10

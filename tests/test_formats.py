@@ -1,4 +1,4 @@
-"""precsearch.formats against independent oracles: torch's casts, ml_dtypes, hand tables, and a pure-Python
+"""precsearch.formats.numerics against independent oracles: torch's casts, ml_dtypes, hand tables, and a pure-Python
 enumeration of each format's values from its definition."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precsearch import formats
 from precsearch.errors import PrecsearchError
-from precsearch.formats import decode, encode, get_format, quantize, stats
+from precsearch.formats import numerics as formats
+from precsearch.formats.numerics import decode, encode, get_format, quantize, stats
 
 # ------------------------------------------------------------------------------------------ test values
 
@@ -340,7 +340,7 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
                                            formats._float_bits(formats.overflow_threshold(get_format("e5m2"),
                                                                                           "stochastic")), True)
     seed = torch.tensor(11)
-    with caplog.at_level("WARNING", logger="precsearch.formats"):
+    with caplog.at_level("WARNING", logger="precsearch.formats.numerics"):
         fn(torch.randn(5000), seed)
     compiled = formats._compiled(kernel)
     (_, (inductors_own, _aot_entry)), = compiled._captured
@@ -401,7 +401,7 @@ def _wrong(call):
 def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_warning(caplog):
     """A compiled kernel whose Inductor code, called directly, does not reproduce Dynamo's result keeps going
     through Dynamo (simulated: the captured code returns wrong values), with one WARNING naming it."""
-    with caplog.at_level("WARNING", logger="precsearch.formats"):
+    with caplog.at_level("WARNING", logger="precsearch.formats.numerics"):
         compiled, results = _doubling_kernel_with_direct_calls(lambda own, entry: [_wrong(own), _wrong(entry)])
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "test kernel" in warnings[0] and "another result" in warnings[0]
@@ -412,7 +412,7 @@ def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_war
 def test_a_kernel_whose_generated_code_disagrees_is_called_through_aotautograd_with_one_warning(caplog):
     """Inductor's own code that does not reproduce Dynamo's result (simulated) leaves AOTAutograd's entry as the
     direct call, with one WARNING naming the kernel: no silent step down."""
-    with caplog.at_level("WARNING", logger="precsearch.formats"):
+    with caplog.at_level("WARNING", logger="precsearch.formats.numerics"):
         compiled, results = _doubling_kernel_with_direct_calls(lambda own, entry: [_wrong(own), entry])
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "test kernel" in warnings[0] and "AOTAutograd" in warnings[0]
@@ -438,7 +438,7 @@ def test_a_kernel_that_fails_to_compile_runs_eagerly_alone_with_one_warning(monk
     monkeypatch.setattr(formats, "_failed", set())
     monkeypatch.setattr(formats, "_COMPILE", True)
     x = torch.randn(formats.COMPILE_MIN_NUMEL) * 1000
-    with caplog.at_level("WARNING", logger="precsearch.formats"):
+    with caplog.at_level("WARNING", logger="precsearch.formats.numerics"):
         for _ in range(3):
             broken = quantize(x, "e5m2s")
             quantize(x, "e4m3b4s")

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.errors import PrecsearchError
-from precsearch.graph import PASS_THROUGH, TensorGraph, op_type_key, trace
+from precsearch.graph.tracing import PASS_THROUGH, TensorGraph, op_type_key, trace
 from precsearch.models import NAMES, build
-from precsearch.spec import ASSIGNABLE_KINDS
 
 
 def _example(batch: int = 2, shape: tuple[int, ...] = (3, 32, 32)) -> torch.Tensor:
@@ -309,7 +309,7 @@ def test_json_round_trip_dataframe_and_networkx(tmp_path):
     assert f"{cat.name}:activation_grad" in set(nxg.successors(f"{cat.name}:activation"))
     other = trace(build("shufflenet_v2", width=0.1), _example(), batch_size=8)
     assert other.fingerprint() != graph.fingerprint()
-    with pytest.raises(PrecsearchError, match="not a precsearch.graph"):
+    with pytest.raises(PrecsearchError, match="not a precsearch.graph.tracing"):
         TensorGraph.from_json(json.dumps({"format": "something else"}))
 
 
@@ -400,7 +400,7 @@ def test_example_input_of_the_wrong_shape():
 
 
 def test_subclasses_of_conv_and_linear_are_gemm_leaves():
-    from precsearch.accumulate import swap_chunked_layers
+    from precsearch.runtime.accumulate import swap_chunked_layers
 
     model = build("tiny_cnn")
     swapped = swap_chunked_layers(model, ["*"], "e6m9s", 64)
@@ -415,7 +415,7 @@ def test_gradients_arrive_fresh_exactly_where_one_conv_norm_or_relu_reads_an_out
     ReLU outputs read by one conv alone (8), the sums (read by a ReLU, 8) and the input batch (read by the stem
     conv); not the BN outputs that a sum reads (its backward passes the gradient through, 11), the ReLU
     outputs read by a conv and a sum (8), the pooling (read by flatten) or the logits."""
-    from precsearch.graph import gradient_arrives_fresh
+    from precsearch.graph.tracing import gradient_arrives_fresh
 
     graph = trace(build("resnet18", width=0.25), torch.randn(2, 3, 32, 32))
     fresh = gradient_arrives_fresh(graph)
@@ -442,7 +442,7 @@ def test_gradients_pass_from_a_sum_exactly_where_a_sum_alone_reads_an_output():
     """Hand count on ResNet-18: each block's second BN output (8) and each shortcut's BN output (3) is read by
     the block's sum alone, which passes its gradient to it; not the block inputs that the sum reads too (a
     conv reads them as well), and an output read twice by one sum (its gradient is a new sum) is excluded."""
-    from precsearch.graph import gradient_passes_from
+    from precsearch.graph.tracing import gradient_passes_from
 
     graph = trace(build("resnet18", width=0.25), torch.randn(2, 3, 32, 32))
     passes = gradient_passes_from(graph)

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from precsearch.formats import quantize
+from precsearch.config.policy import Policy
+from precsearch.formats.numerics import quantize
 from precsearch.models import build
-from precsearch.policy import Policy
-from precsearch.runtime import apply_policy
+from precsearch.runtime.wrapper import apply_policy
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 SHAPE = (3, 32, 32)

@@ -8,13 +8,13 @@ import copy
 import pytest
 import torch
 
-from precsearch.cost import MIB, CostModel
-from precsearch.graph import trace
-from precsearch.memory import measure_peak, sgd_step, trace_step
+from precsearch.config.policy import Policy, baseline
+from precsearch.config.spec import PAPER_OVERFLOW
+from precsearch.cost.measured import measure_peak, sgd_step, trace_step
+from precsearch.cost.model import MIB, CostModel
+from precsearch.graph.tracing import trace
 from precsearch.models import NAMES, build
-from precsearch.policy import Policy, baseline
-from precsearch.runtime import apply_policy
-from precsearch.spec import PAPER_OVERFLOW
+from precsearch.runtime.wrapper import apply_policy
 
 KIB = 1024
 

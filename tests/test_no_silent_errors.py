@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from precsearch.cli import main
+from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
-from precsearch.formats import quantize
+from precsearch.formats.numerics import quantize
 from precsearch.models import build
-from precsearch.policy import Policy
-from precsearch.runtime import apply_policy
-from precsearch.search import Budget, choose_best
+from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.study import Budget, choose_best
 
 SHAPE = (3, 8, 8)
 
@@ -82,7 +82,7 @@ def test_a_file_system_error_is_one_line_and_exit_2(tmp_path, monkeypatch, capsy
         raise OSError(code, __import__("os").strerror(code), str(path))
 
     monkeypatch.setattr("precsearch.cli.trace.atomic_write_text", refuse, raising=False)
-    monkeypatch.setattr("precsearch.graph.atomic_write_text", refuse)
+    monkeypatch.setattr("precsearch.graph.tracing.atomic_write_text", refuse)
     assert main(["trace", "tiny_cnn", "--json", str(tmp_path / "graph.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and __import__("os").strerror(code) in err and "graph.json" in err

@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from precsearch import search
-from precsearch.noise import Noise, pooled_noise, rank_correlations, seeds_for
-from precsearch.proxy import run_proxy
-from precsearch.search import Budget, choose_best, mark_ties, run_search
-from precsearch.spaces import paper_space
+from precsearch.config.spaces import paper_space
+from precsearch.search import study as search
+from precsearch.search.noise import Noise, pooled_noise, rank_correlations, seeds_for
+from precsearch.search.study import Budget, choose_best, mark_ties, run_search
+from precsearch.train.proxy import run_proxy
 
 T_90_20 = 1.325  # Student t, one-sided 90%, 20 degrees of freedom (printed tables)
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}

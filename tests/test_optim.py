@@ -1,4 +1,4 @@
-"""precsearch.optim: master weights, pure low-precision updates (nearest, stochastic, Kahan) and optimizer state
+"""precsearch.runtime.optim: master weights, pure low-precision updates (nearest, stochastic, Kahan) and optimizer state
 formats, against torch's own bfloat16 arithmetic, plain fp32 optimizers and hand-computed figures."""
 
 from __future__ import annotations
@@ -8,9 +8,15 @@ import torch
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats import quantize
-from precsearch.optim import LowPrecisionOptimizer, UpdateConfig, apply_update, from_config, update_bytes_per_param
-from precsearch.scaling import DynamicLossScaler
+from precsearch.formats.numerics import quantize
+from precsearch.runtime.optim import (
+    LowPrecisionOptimizer,
+    UpdateConfig,
+    apply_update,
+    from_config,
+    update_bytes_per_param,
+)
+from precsearch.runtime.scaling import DynamicLossScaler
 
 BF16_ULP_1 = 2.0**-7  # bf16 spacing in [1, 2)
 

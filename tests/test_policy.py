@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from precsearch.cost import CostModel
+from precsearch.config.policy import SCHEMA_VERSION, Accumulation, Policy, baseline
+from precsearch.config.spec import ASSIGNABLE_KINDS, BASELINES
+from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.formats import NAMED_FORMATS, get_format
-from precsearch.graph import trace
+from precsearch.formats.numerics import NAMED_FORMATS, get_format
+from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.policy import SCHEMA_VERSION, Accumulation, Policy, baseline
-from precsearch.spec import ASSIGNABLE_KINDS, BASELINES
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 

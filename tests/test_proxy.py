@@ -9,11 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precsearch import train as train_module
-from precsearch.data import load_dataset
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import paper_space
 from precsearch.errors import PrecsearchError
-from precsearch.policy import Policy
-from precsearch.proxy import (
+from precsearch.runtime.scaling import DynamicLossScaler, NoLossScaler
+from precsearch.search.strategies import paper_assignment, uniform
+from precsearch.search.study import Budget, DataSpec, SearchContext, _threads
+from precsearch.train import trainer as train_module
+from precsearch.train.data import load_dataset
+from precsearch.train.proxy import (
     PAPER_RECIPE,
     ProxyConfig,
     build_model,
@@ -22,12 +26,8 @@ from precsearch.proxy import (
     run_proxy,
     train_policy,
 )
-from precsearch.scaling import DynamicLossScaler, NoLossScaler
-from precsearch.search import Budget, DataSpec, SearchContext, _threads
-from precsearch.spaces import paper_space
-from precsearch.strategies import paper_assignment, uniform
 
-# Small batches keep every rounded tensor below the size at which precsearch.formats compiles its kernel.
+# Small batches keep every rounded tensor below the size at which precsearch.formats.numerics compiles its kernel.
 CONFIG = ProxyConfig(steps=6, batch_size=16, image_size=8, lr=0.1, eval_batch_size=64)
 SPACE = paper_space(proxy={"steps": 6, "batch_size": 16, "image_size": 8, "lr": 0.1, "eval_batch_size": 64})
 

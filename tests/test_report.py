@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pytest
 
+from precsearch.analysis.report import load_run, summary_table, sweep_points, write_report
 from precsearch.errors import PrecsearchError
-from precsearch.report import load_run, summary_table, sweep_points, write_report
 
 
 def _trial(number, origin, memory, accuracy, diverged=False, trained=True):

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from precsearch.config.policy import Policy, baseline
 from precsearch.errors import PrecsearchError
-from precsearch.formats import get_format
-from precsearch.graph import trace
+from precsearch.formats.numerics import get_format
+from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.policy import Policy, baseline
-from precsearch.runtime import apply_policy
+from precsearch.runtime.wrapper import apply_policy
 
 SHAPE = (3, 32, 32)
 WEIGHTS_FP16 = {"weight": "fp16", "activation": "fp32", "activation_grad": "fp32", "weight_grad": "fp32"}

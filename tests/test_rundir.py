@@ -24,12 +24,12 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from precsearch import rundir, search
 from precsearch.cli import main
+from precsearch.config.spaces import PAPER_SPACE, paper_space
 from precsearch.errors import PrecsearchError
-from precsearch.rundir import RunLock, StopSignals, hold_worker_lock
-from precsearch.search import run_search
-from precsearch.spaces import PAPER_SPACE, paper_space
+from precsearch.search import study as search
+from precsearch.search.rundir import RunLock, StopSignals, hold_worker_lock
+from precsearch.search.study import run_search, rundir
 
 PROXY = {"steps": 2, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 SPACE = paper_space(proxy=PROXY)

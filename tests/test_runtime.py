@@ -1,7 +1,7 @@
 """The runtime wrapper: exactness at fp32, rounding of every tensor kind, promotion, loss scaling, packed memory.
 
 Tensors stay below formats.COMPILE_MIN_NUMEL elements so the quantizer runs eagerly (no compile time here).
-Reference values come from precsearch.formats.quantize on values captured with module hooks (an independent
+Reference values come from precsearch.formats.numerics.quantize on values captured with module hooks (an independent
 path: the hooks see what the model's own modules receive), from the unwrapped model, and from the cost model.
 """
 
@@ -17,18 +17,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from precsearch.accumulate import ChunkedConv2d, ChunkedLinear, chunked_matmul, swap_chunked_layers
-from precsearch.cost import CostModel, measure_saved_bytes
+from precsearch.config.policy import Accumulation, Policy, baseline
+from precsearch.config.spaces import paper_space
+from precsearch.config.spec import ASSIGNABLE_KINDS
+from precsearch.cost.model import CostModel, measure_saved_bytes
 from precsearch.errors import PrecsearchError
-from precsearch.formats import quantize
-from precsearch.graph import trace
+from precsearch.formats.numerics import quantize
+from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.optim import LowPrecisionOptimizer
-from precsearch.policy import Accumulation, Policy, baseline
-from precsearch.runtime import PrecisionModel, apply_policy
-from precsearch.scaling import AdaptiveLossScaler, DynamicLossScaler
-from precsearch.spaces import paper_space
-from precsearch.spec import ASSIGNABLE_KINDS
+from precsearch.runtime.accumulate import ChunkedConv2d, ChunkedLinear, chunked_matmul, swap_chunked_layers
+from precsearch.runtime.optim import LowPrecisionOptimizer
+from precsearch.runtime.scaling import AdaptiveLossScaler, DynamicLossScaler
+from precsearch.runtime.wrapper import PrecisionModel, apply_policy
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 SHAPE = (3, 32, 32)

@@ -18,13 +18,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precsearch import formats, runtime
-from precsearch.graph import grad_id, gradient_arrives_fresh, gradient_passes_from, trace
-from precsearch.memory import sgd_step
+from precsearch.config.policy import Policy, baseline
+from precsearch.config.spec import PAPER_OVERFLOW
+from precsearch.cost.measured import sgd_step
+from precsearch.formats import numerics as formats
+from precsearch.graph.tracing import grad_id, gradient_arrives_fresh, gradient_passes_from, trace
 from precsearch.models import build
-from precsearch.policy import Policy, baseline
-from precsearch.runtime import apply_policy
-from precsearch.spec import PAPER_OVERFLOW
+from precsearch.runtime import wrapper as runtime
+from precsearch.runtime.wrapper import apply_policy
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 BATCH = 4
@@ -212,9 +213,9 @@ def test_torch_compile_of_a_wrapped_model_runs_it_eagerly_with_one_warning(name,
         return losses, [p.detach().clone() for p in model.parameters()]
 
     eager_losses, eager_weights = three_steps(compiled=False)
-    with caplog.at_level("WARNING", logger="precsearch.runtime"):
+    with caplog.at_level("WARNING", logger="precsearch.runtime.wrapper"):
         compiled_losses, compiled_weights = three_steps(compiled=True)
-    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "precsearch.runtime"] == [
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "precsearch.runtime.wrapper"] == [
         "torch.compile of a policy-wrapped model runs it eagerly"]
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
@@ -262,8 +263,8 @@ def test_a_gradient_that_arrives_non_contiguous_is_rounded_into_a_new_tensor_wit
     """Where the rounding may write over a gradient but it arrives non-contiguous (channels_last), it is
     rounded into a new tensor: the gradient it received is left as it was, the result is torch's own rounding
     of it, and one WARNING says so however often it happens."""
-    from precsearch.formats import quantize
-    from precsearch.runtime import _RoundActivation
+    from precsearch.formats.numerics import quantize
+    from precsearch.runtime.wrapper import _RoundActivation
 
     plain, graph, _, _ = _setup()
     wrapped = apply_policy(plain, _paper_policy(graph))
@@ -271,7 +272,7 @@ def test_a_gradient_that_arrives_non_contiguous_is_rounded_into_a_new_tensor_wit
     act = next(slot for slot in slots.values() if slot.kind == "activation" and slot.is_low
                and grad_id(slot.id) in slots and slots[grad_id(slot.id)].is_low)
     grad = slots[grad_id(act.id)]
-    with caplog.at_level("WARNING", logger="precsearch.runtime"):
+    with caplog.at_level("WARNING", logger="precsearch.runtime.wrapper"):
         for _ in range(2):
             x = torch.randn(4, 8, 6, 6, requires_grad=True)
             g = (torch.randn(4, 8, 6, 6) * 2.0**-20).to(memory_format=torch.channels_last)

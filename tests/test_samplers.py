@@ -7,12 +7,12 @@ import json
 import optuna
 import pytest
 
-from precsearch import search
+from precsearch.config.spaces import paper_space, parse_space
+from precsearch.config.spec import SAMPLERS
 from precsearch.errors import PrecsearchError
-from precsearch.samplers import FACTORIES, make_sampler
-from precsearch.search import run_search
-from precsearch.spaces import paper_space, parse_space
-from precsearch.spec import SAMPLERS
+from precsearch.search import study as search
+from precsearch.search.samplers import FACTORIES, make_sampler
+from precsearch.search.study import run_search
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 OPTUNA_CLASS = {"tpe": optuna.samplers.TPESampler, "nsga2": optuna.samplers.NSGAIISampler,

@@ -1,4 +1,4 @@
-"""precsearch.scaling: the dynamic scaler against torch.amp.GradScaler, the overflow test against saturating
+"""precsearch.runtime.scaling: the dynamic scaler against torch.amp.GradScaler, the overflow test against saturating
 formats, and adaptive per-layer scaling against hand-computed bounds, fp32 gradients and fp16 underflow."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats import get_format, quantize, stats
-from precsearch.scaling import (
+from precsearch.formats.numerics import get_format, quantize, stats
+from precsearch.runtime.scaling import (
     AdaptiveLossScaler,
     DynamicLossScaler,
     NoLossScaler,
@@ -58,7 +58,7 @@ def fp16_harness(model: nn.Sequential) -> list[torch.Tensor]:
 
 
 def underflow_fraction(grads: list[torch.Tensor]) -> float:
-    """Share of nonzero activation-gradient values that fp16 rounds to zero (precsearch.formats.stats)."""
+    """Share of nonzero activation-gradient values that fp16 rounds to zero (precsearch.formats.numerics.stats)."""
     lost = sum(stats(g, "fp16")["underflow"] * g.numel() for g in grads)
     nonzero = sum(int((g != 0).sum()) for g in grads)
     return lost / nonzero

@@ -12,17 +12,17 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from precsearch import search
-from precsearch.cost import CostModel
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import paper_space
+from precsearch.config.spec import ASSIGNABLE_KINDS
+from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.formats import get_format
-from precsearch.graph import trace
-from precsearch.policy import Policy
-from precsearch.proxy import build_model
-from precsearch.search import Budget, SearchInterrupted, run_search
-from precsearch.spaces import paper_space
-from precsearch.spec import ASSIGNABLE_KINDS
-from precsearch.strategies import R_GRID
+from precsearch.formats.numerics import get_format
+from precsearch.graph.tracing import trace
+from precsearch.search import study as search
+from precsearch.search.strategies import R_GRID
+from precsearch.search.study import Budget, SearchInterrupted, run_search
+from precsearch.train.proxy import build_model
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 SPACE = paper_space(proxy=PROXY)

@@ -23,11 +23,11 @@ import pandas as pd
 import pytest
 from optuna.trial import TrialState
 
-from precsearch import search
 from precsearch.cli import main
-from precsearch.search import Budget, DataSpec, StudyLocation
-from precsearch.spaces import paper_space
-from precsearch.strategies import seed_candidates
+from precsearch.config.spaces import paper_space
+from precsearch.search import study as search
+from precsearch.search.strategies import seed_candidates
+from precsearch.search.study import Budget, DataSpec, StudyLocation
 
 TINY = ["--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1", "--no-progress"]
 

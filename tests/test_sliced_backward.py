@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precsearch import graph as graph_module
-from precsearch import runtime
+from precsearch.config.policy import Policy
+from precsearch.cost.measured import trace_step
 from precsearch.errors import PrecsearchError
-from precsearch.graph import trace
-from precsearch.memory import trace_step
-from precsearch.policy import Policy
-from precsearch.runtime import apply_policy
+from precsearch.graph import tracing as graph_module
+from precsearch.graph.tracing import trace
+from precsearch.runtime import wrapper as runtime
+from precsearch.runtime.wrapper import apply_policy
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 
@@ -168,7 +168,7 @@ def test_forward_hooks_run_on_the_sliced_path_and_other_hooks_make_the_layer_run
     hooked.conv1.register_forward_hook(lambda module, args, out: out * 1.0)  # replaces the output, same values
     hooked.relu2.register_forward_hook(lambda module, args, out: seen.append(("relu2", out.grad_fn.name())))
     hooked.conv2.register_forward_pre_hook(lambda module, args: seen.append(("conv2", args[0].shape)))
-    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime.wrapper"):
         wrapped = apply_policy(hooked, policy)
         seen.clear()  # the trace ran them too
         for _ in range(2):
@@ -213,7 +213,7 @@ def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(mo
     monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
     expected = _gradients(model, policy, x, y)
     monkeypatch.undo()
-    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime.wrapper"):
         wrapped = apply_policy(copy.deepcopy(model), policy)
         for _ in range(2):
             wrapped.zero_grad(set_to_none=True)

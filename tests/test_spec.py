@@ -1,4 +1,4 @@
-"""The shared vocabulary is defined once (precsearch.spec), and the configuration layer stays light."""
+"""The shared vocabulary is defined once (precsearch.config.spec), and the configuration layer stays light."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from precsearch import cost, models, spec, strategies
+from precsearch import models
+from precsearch.config import spec
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import parse_space
+from precsearch.cost import model as cost
 from precsearch.errors import PrecsearchError
-from precsearch.graph import trace
-from precsearch.optim import UpdateConfig
-from precsearch.policy import Policy
-from precsearch.spaces import parse_space
+from precsearch.graph.tracing import trace
+from precsearch.runtime.optim import UpdateConfig
+from precsearch.search.study import strategies
 
 PACKAGE = Path(spec.__file__).parent
 
@@ -54,11 +57,11 @@ def test_a_policys_optimizer_settings_are_the_update_configs():
     assert set(spec.OPTIMIZER_KEYS) == fields - {"weight_format", "master_weights"}
 
 
-@pytest.mark.parametrize("module", ["precsearch.report", "precsearch.spaces", "precsearch.spec"])
+@pytest.mark.parametrize("module", ["precsearch.analysis.report", "precsearch.config.spaces", "precsearch.config.spec"])
 def test_configuration_modules_load_neither_the_runtime_nor_the_model_zoo(module):
     probe = (f"import sys, {module}; "
-             "print(sorted(n for n in sys.modules if n.startswith(('precsearch.runtime', 'precsearch.models', "
-             "'precsearch.proxy', 'precsearch.data'))))")
+             "print(sorted(n for n in sys.modules if n.startswith(('precsearch.runtime.wrapper', 'precsearch.models', "
+             "'precsearch.train.proxy', 'precsearch.train.data'))))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
 
@@ -118,7 +121,7 @@ def test_a_policy_keeps_its_numbers_as_written_and_a_space_hashes_them_canonical
 
 
 def test_the_spec_module_loads_no_torch():
-    probe = "import sys, precsearch.spec; print('torch' in sys.modules)"
+    probe = "import sys, precsearch.config.spec; print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "False"
 

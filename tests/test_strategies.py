@@ -9,14 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from precsearch import search, strategies
-from precsearch.cost import CostModel
+from precsearch.config.spaces import paper_space, parse_space
+from precsearch.config.spec import ASSIGNABLE_KINDS
+from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.graph import trace
-from precsearch.proxy import build_model
-from precsearch.spaces import paper_space, parse_space
-from precsearch.spec import ASSIGNABLE_KINDS
-from precsearch.strategies import (
+from precsearch.graph.tracing import trace
+from precsearch.search import study as search
+from precsearch.search.strategies import (
     ACCEPTANCE_WINDOW,
     BASELINES,
     R_GRID,
@@ -31,6 +30,8 @@ from precsearch.strategies import (
     uniform,
     units,
 )
+from precsearch.search.study import strategies
+from precsearch.train.proxy import build_model
 
 SPACE = paper_space()
 

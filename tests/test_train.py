@@ -1,4 +1,4 @@
-"""The trainer (precsearch.train): same numbers as before it left proxy.py, and no process-wide state left behind."""
+"""The trainer: same numbers as before it left proxy.py, and no process-wide state left behind."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import sys
 import pytest
 import torch
 
-from precsearch.data import load_dataset
-from precsearch.graph import trace
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import paper_space
+from precsearch.config.spec import ProxyConfig
+from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.policy import Policy
-from precsearch.search import _threads
-from precsearch.spaces import paper_space
-from precsearch.spec import ProxyConfig
-from precsearch.strategies import paper_assignment
-from precsearch.train import PAPER_RECIPE, train
+from precsearch.search.strategies import paper_assignment
+from precsearch.search.study import _threads
+from precsearch.train.data import load_dataset
+from precsearch.train.trainer import PAPER_RECIPE, train
 
 CONFIG = ProxyConfig(steps=6, batch_size=16, image_size=8, lr=0.1, eval_batch_size=64)
 # proxy.train of commit 087af98 (before the trainer moved here), seed 3, one thread, on the CPU: (loss curve,
@@ -96,7 +96,7 @@ def test_determinism_is_on_during_a_run_unless_the_caller_turns_it_off(run, monk
 
 def test_importing_the_trainer_sets_no_environment_or_seed():
     probe = ("import os, torch; env = dict(os.environ); state = torch.get_rng_state(); seed = torch.initial_seed(); "
-             "import precsearch.train, precsearch.proxy; "
+             "import precsearch.train.trainer, precsearch.train.proxy; "
              "print(dict(os.environ) == env, torch.equal(torch.get_rng_state(), state), torch.initial_seed() == seed)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True", "True"]

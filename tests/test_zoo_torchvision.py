@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from precsearch.check import TOLERANCE, check_model
+from precsearch.analysis.checks import TOLERANCE, check_model
 
 pytest.importorskip("torchvision")
 

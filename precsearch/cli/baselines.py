@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from precsearch.cli.search import add_data_arguments, add_space_arguments, space_argument
-from precsearch.spec import BASELINES
+from precsearch.config.spec import BASELINES
 
 HELP = "train prior-work baselines and the paper's sweep into one table"
 DESCRIPTION = ("Proxy-train the prior-work policies and the paper's technique at r = 0, 0.1, ..., 1 with "
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precsearch.search import DataSpec, run_baselines
+    from precsearch.search.study import DataSpec, run_baselines
 
     names = [name.strip() for name in args.names.split(",") if name.strip()]
     table = run_baselines(

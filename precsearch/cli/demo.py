@@ -51,10 +51,10 @@ def _clear_previous_demo(out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from precsearch.analysis.report import write_report
     from precsearch.cli.search import accuracy_text, confidence_text, tie_text
-    from precsearch.report import write_report
-    from precsearch.search import Budget, run_baselines, run_search
-    from precsearch.spaces import paper_space
+    from precsearch.config.spaces import paper_space
+    from precsearch.search.study import Budget, run_baselines, run_search
 
     start = time.perf_counter()
     out = Path(args.out)

@@ -7,7 +7,7 @@ import argparse
 import pandas as pd
 import torch
 
-from precsearch import formats
+from precsearch.formats import numerics as formats
 
 HELP = "list float formats, or round values in them"
 DESCRIPTION = f"List float formats, or round values in them. Spec grammar: {formats.GRAMMAR}."

@@ -19,9 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from precsearch.analysis.report import write_report
     from precsearch.errors import PrecsearchError
-    from precsearch.report import write_report
-    from precsearch.search import STUDY_NAME, export_study
+    from precsearch.search.study import STUDY_NAME, export_study
 
     if args.study_name is not None and args.storage is None:
         raise PrecsearchError("--study-name needs --storage (the URL the study is in)")

@@ -10,8 +10,8 @@ import signal
 import sys
 from typing import Any
 
-from precsearch.data import DATASETS
-from precsearch.spec import SAMPLERS
+from precsearch.config.spec import SAMPLERS
+from precsearch.train.data import DATASETS
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def add_space_arguments(parser: argparse.ArgumentParser) -> None:
 
 def space_argument(args: argparse.Namespace) -> Any:
     """The --space file, or the built-in paper space when none is given."""
-    from precsearch.spaces import paper_space
+    from precsearch.config.spaces import paper_space
 
     return args.space if args.space is not None else paper_space()
 
@@ -109,7 +109,7 @@ def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precsearch.search import Budget, DataSpec, SearchInterrupted, run_search
+    from precsearch.search.study import Budget, DataSpec, SearchInterrupted, run_search
 
     budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory,
                     confidence=args.confidence)

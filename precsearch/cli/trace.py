@@ -1,6 +1,7 @@
 """`precsearch trace MODEL`: a model's tensor graph as tables: groups and their tensors, MiB per group and
 kind, and activation memory counted the paper's way and autograd's way. `--json` writes the whole graph;
-`--check` measures the saved bytes against the prediction and lists the ops not enforced (precsearch.check)."""
+`--check` measures the saved bytes against the prediction and lists the ops not enforced
+(precsearch.analysis.checks)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def report(graph: Any, cost: Any) -> str:
     """The text `precsearch trace` prints for a TensorGraph and its CostModel."""
     import pandas as pd
 
-    from precsearch.cost import MIB
+    from precsearch.cost.model import MIB
 
     rows = [{"group": info.group, "tensor": tid, "kind": info.kind, "shape": str(info.shape),
              "MiB": info.numel * 4 / MIB}
@@ -84,8 +85,8 @@ def report(graph: Any, cost: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from precsearch.cost import CostModel
-    from precsearch.graph import trace
+    from precsearch.cost.model import CostModel
+    from precsearch.graph.tracing import trace
     from precsearch.models import build
 
     shape = _input_shape(args.input_shape)
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     print(report(graph, CostModel(graph)))
     if not args.check:
         return 0
-    from precsearch.check import check_model
+    from precsearch.analysis.checks import check_model
 
     batch = torch.randn((args.batch_size, *shape), generator=torch.Generator().manual_seed(1))
     result = check_model(model, batch, leaf_modules=args.leaf, name=args.model)

@@ -1,6 +1,7 @@
 """`precsearch train MODEL --policy FILE ...`: full training under a policy, metrics to a CSV.
 
-With ``--nproc N`` it trains data-parallel in N processes (precsearch.comm), with or without a policy, and
+With ``--nproc N`` it trains data-parallel in N processes
+(precsearch.train.data_parallel), with or without a policy, and
 ``--compress adacomp`` (or a policy's ``compression``) compresses their gradient exchange.
 """
 
@@ -11,9 +12,9 @@ import math
 from typing import Any
 
 from precsearch.cli.search import add_data_arguments
+from precsearch.config.spec import COMPRESSIONS, ProxyConfig
 from precsearch.errors import PrecsearchError
-from precsearch.spec import COMPRESSIONS, ProxyConfig
-from precsearch.train import PAPER_LR
+from precsearch.train.trainer import PAPER_LR
 
 HELP = "train a model under a policy file"
 DESCRIPTION = ("Train MODEL under a policy (e.g. a search's best.json) with the paper's recipe (SGD lr 0.1, "
@@ -50,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from precsearch.data import load_dataset
-    from precsearch.policy import Policy
-    from precsearch.train import PAPER_RECIPE, train_policy
+    from precsearch.config.policy import Policy
+    from precsearch.train.data import load_dataset
+    from precsearch.train.trainer import PAPER_RECIPE, train_policy
 
     if args.threads is not None:
         if args.threads < 1:
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_data_parallel(args: argparse.Namespace, policy: Any, data: Any, steps: int, config: ProxyConfig) -> int:
-    from precsearch.comm import compression_by_type, train_data_parallel
+    from precsearch.train.data_parallel import compression_by_type, train_data_parallel
 
     result = train_data_parallel(args.model, policy, data, steps, nproc=args.nproc, compress=args.compress,
                                  seed=args.seed, device=args.device, config=config, eval_every=args.eval_every,

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precsearch.fidelity import validate_run
+    from precsearch.analysis.fidelity import validate_run
 
     result = validate_run(args.run, steps=args.steps, seed=args.seed, device=args.device, threads=args.threads,
                           progress=not args.no_progress)

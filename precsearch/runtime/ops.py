@@ -1,13 +1,13 @@
 """The runtime's tensor operations as ``torch.library`` ops: one dispatch each, traceable by ``torch.compile``.
 
-Each op is one call into precsearch.formats' fused kernels (one kernel when compiled), so a training step
+Each op is one call into precsearch.formats.numerics' fused kernels (one kernel when compiled), so a training step
 dispatches one op per rounded or unpacked tensor, and overflow counts stay on the device: the kernel's own
 pass adds them to ``counts``, an int64 tensor of 2 holding ``[overflowed, unencodable]`` for one tensor id,
 which the runtime reads once per step. The ops are defined with ``torch.library.Library`` (its
 dispatch to a Python kernel measured about 18 us a call on a 2-core CPU, ``torch.library.custom_op``'s about
 95 us) and have
 fake implementations, so ``torch.compile`` can trace through them. Their autograd formulas are the runtime's
-autograd Functions (precsearch.runtime), which call these ops in forward and backward.
+autograd Functions (precsearch.runtime.wrapper), which call these ops in forward and backward.
 
 * ``precsearch::round(x, counts, fmt, rounding, overflow, seed, with_codes) -> (rounded, codes)``:
   ``x`` rounded to ``fmt``; ``codes`` are the format's bit patterns of the result (for packed storage; an
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from precsearch import formats as F
+from precsearch.formats import numerics as F
 
 __all__ = ["round", "round_", "decode"]
 

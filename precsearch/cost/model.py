@@ -6,7 +6,7 @@ Two countings of activation memory, which differ and are both reported:
 - autograd's: only what backward needs is kept (`saved_activation_bytes`): conv saves its input, ReLU its
   output, add/cat/flatten nothing, max-pool its input plus int64 indices, an in-place ReLU6 a clone of its
   input, ... each storage once, stored at the whole bytes of its format's storage dtype. What each op saves
-  is derived, not guessed: `precsearch.graph.trace` records it (saved_tensors_hooks) while it runs the FX
+  is derived, not guessed: `precsearch.graph.tracing.trace` records it (saved_tensors_hooks) while it runs the FX
   graph, and `_SAVE_RULES` is only the fallback for graphs traced with module hooks.
   `measure_saved_bytes` measures the same on a real forward.
 - which format a saved storage is in, the rule the runtime's packer follows: a saved activation is stored at
@@ -16,13 +16,13 @@ Two countings of activation memory, which differ and are both reported:
 For ResNet-18 the paper's counting is larger, because BN outputs and residual sums are never saved.
 
 Weight-update memory (fp32 masters, Kahan buffers, optimizer state) depends on the training configuration:
-`update_bytes` and `breakdown(..., optimizer=...)` price it with `precsearch.optim`'s own per-parameter rule,
+`update_bytes` and `breakdown(..., optimizer=...)` price it with `precsearch.runtime.optim`'s own per-parameter rule,
 so the cost model and the optimizer cannot disagree. Without an optimizer, every trainable parameter keeps an
 fp32 master copy and an fp32 SGD momentum (the graph's `master_weight` and `optimizer_state` tensors).
 
 The peak of a training step (`peak_bytes`, `peak_timeline`) is a third measure: what one forward, backward
 and optimizer step holds at once above parameters and optimizer state, predicted by replaying the step on
-the graph (precsearch.memory measures it).
+the graph (precsearch.cost.measured measures it).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from precsearch.config.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
-from precsearch.formats import FloatFormat, get_format
-from precsearch.graph import (
+from precsearch.formats.numerics import FloatFormat, get_format
+from precsearch.graph.tracing import (
     OpInfo,
     TensorGraph,
     backward_slice_channels,
@@ -53,8 +54,7 @@ from precsearch.graph import (
     sliced_saved_tensor,
     training_mode,
 )
-from precsearch.optim import UpdateConfig, update_bytes_per_param
-from precsearch.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
+from precsearch.runtime.optim import UpdateConfig, update_bytes_per_param
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -91,18 +91,18 @@ _SAVE_RULES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("dropout1d", "dropout2d", "dropout3d"), ("channelmask",)),
 }
 _UNKNOWN_RULE = ("inputs", "output")
-# Workspaces of backward kernels, in float32 copies of the op's input, measured with precsearch.memory on
+# Workspaces of backward kernels, in float32 copies of the op's input, measured with precsearch.cost.measured on
 # torch 2.13's CPU kernels (oneDNN conv: a reordered input gradient and input; batch norm: one temporary).
 _CONV_BACKWARD_WORKSPACE = 2
 _BN_BACKWARD_WORKSPACE = 1
 # A sliced backward (``graph.sliced_saved_tensor``), in float32 slices of the tensor it decodes, measured with
-# precsearch.memory: conv: the decoded slice, or the slice's input gradient before its copy into the whole one,
+# precsearch.cost.measured: conv: the decoded slice, or the slice's input gradient before its copy into the whole one,
 # and oneDNN's workspace, plus two weight-sized blocks (a slice's weight gradient before it is summed, and
 # oneDNN's reordered weight); batch norm: the decoded slice and the slice minus the mean; ReLU: the decoded
 # slice.
 _SLICED_WORKSPACE = {"Conv2d": 3, "BatchNorm2d": 2, "ReLU": 1}
 # A conv's backward in groups of input channels (``graph.backward_slice_channels``), measured with
-# precsearch.memory: oneDNN's reordered copy of the whole output gradient (each call makes one); float32 input
+# precsearch.cost.measured: oneDNN's reordered copy of the whole output gradient (each call makes one); float32 input
 # slices of one group: the decoded slice, oneDNN's reordered copy, the group's input gradient before its copy
 # into the whole one; weight slices: the slice rounded again from the master and the group's weight gradient
 # before its copy.
@@ -262,7 +262,7 @@ class CostModel:
         amsgrad: bool = False,
     ) -> dict[str, float]:
         """Bytes of every trainable parameter's `weight`, fp32 `master_weight`, Kahan `compensation` buffer
-        and `optimizer_state` (the keys of `precsearch.optim.update_bytes_per_param`) when training with
+        and `optimizer_state` (the keys of `precsearch.runtime.optim.update_bytes_per_param`) when training with
         `optimizer` ("sgd", "adam", "adamw") under `config` (an `UpdateConfig` or a policy's optimizer dict,
         master_weights included).
 
@@ -307,7 +307,7 @@ class CostModel:
 
     def peak_bytes(self, assignment: Mapping[str, Spec] | None = None) -> int:
         """Predicted peak of one training step (forward, backward, optimizer) above the parameters and
-        optimizer state, under `assignment` as `precsearch.runtime` trains it (see `peak_timeline`)."""
+        optimizer state, under `assignment` as `precsearch.runtime.wrapper` trains it (see `peak_timeline`)."""
         blocks = self.peak_timeline(assignment)
         times = sorted({time for block in blocks for time in (block.start, block.end)})
         return max((sum(b.nbytes for b in blocks if b.start <= time <= b.end) for time in times), default=0)
@@ -540,7 +540,7 @@ def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
             root[tid] = root[op.input_tensors[0]] if in_place else tid
         if op.role == "input" or not needs_grad:
             continue
-        if "saves" in op.attrs:  # what autograd was seen to save while tracing (precsearch.graph)
+        if "saves" in op.attrs:  # what autograd was seen to save while tracing (precsearch.graph.tracing)
             for index, (kind, what, *itemsize) in enumerate(op.attrs["saves"]):
                 if kind == "activation":
                     save(root[what], what, graph.tensors[what].numel, None, op.name)

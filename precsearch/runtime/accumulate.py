@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats import FloatFormat, get_format, quantize
+from precsearch.formats.numerics import FloatFormat, get_format, quantize
 
 __all__ = ["chunked_matmul", "chunked_sum", "ChunkedLinear", "ChunkedConv2d", "swap_chunked_layers"]
 

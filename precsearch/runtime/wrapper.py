@@ -1,6 +1,6 @@
 """Train any CNN under a policy: rounding, packed saved activations, master weights, loss scaling, promotion.
 
-``apply_policy(model, policy)`` traces the model (precsearch.graph), checks that the policy was made for it,
+``apply_policy(model, policy)`` traces the model (precsearch.graph.tracing), checks that the policy was made for it,
 and returns a ``PrecisionModel`` that trains in the ordinary loop::
 
     model = apply_policy(model, Policy.load("policy.json"))
@@ -15,7 +15,7 @@ and returns a ``PrecisionModel`` that trains in the ordinary loop::
 The pieces, each in one place:
 
 * ``TensorState``: per tensor id of the graph, its format now, and what was seen of it. Every rounding is one
-  ``precsearch::round`` op (precsearch.ops: one fused kernel when compiled) that also adds the number of
+  ``precsearch::round`` op (precsearch.runtime.ops: one fused kernel when compiled) that also adds the number of
   overflowing values to the tensor's row of a counts tensor on the device. The counts are read once per
   step, together with the loss scaler's own overflow test (``scaler.step``; or at the next training forward
   when the loop does not call it): a training step makes one host synchronisation, however many tensors it
@@ -43,7 +43,7 @@ What each tensor kind gets:
   a layer's backward rounds its master again (``_RoundedFromMaster``: the same values, no copy of the weight
   held in between; a weight rounded stochastically keeps its codes instead);
   with ``master_weights=False`` the parameters themselves are rounded and ``wrap_optimizer`` returns a
-  precsearch.optim ``LowPrecisionOptimizer`` that keeps them so. With master weights, an optimizer
+  precsearch.runtime.optim ``LowPrecisionOptimizer`` that keeps them so. With master weights, an optimizer
   ``update="stochastic"`` rounds the working copy stochastically (Wang et al.'s stochastic weight update).
 * activations: rounded by the module after their op; its backward rounds the activation's gradient, on the
   loss-scaled values. With ``policy.gradient_rounding == "per_use"`` (the paper's reference), an activation
@@ -64,7 +64,7 @@ What each tensor kind gets:
 * statistics: overflow fractions always (per step); underflow / subnormal / NaN fractions when
   ``stats_every`` is set (every n-th step; they cost a few passes and a host read per tensor).
 * accumulation: with ``policy.accumulation`` the layers it names are swapped, in the user's model, for
-  precsearch.accumulate's chunked Linear/Conv2d (same Parameters), whose forward and backward GEMMs sum in
+  precsearch.runtime.accumulate's chunked Linear/Conv2d (same Parameters), whose forward and backward GEMMs sum in
   the accumulation format; ``accumulation_layers`` lists them and ``unwrap`` puts the plain layers back. The
   model is traced before the swap, so the graph, its fingerprint and ``module_types`` rules (``"Conv2d"``)
   are those of the plain model; the swap is a change of arithmetic, not of what tensors are stored.
@@ -94,10 +94,11 @@ import torch
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from precsearch import formats as F
-from precsearch import ops
+from precsearch.config.policy import CHUNKED_LAYERS, Policy
+from precsearch.config.spec import GRAD_KINDS
 from precsearch.errors import PrecsearchError
-from precsearch.graph import (
+from precsearch.formats import numerics as F
+from precsearch.graph.tracing import (
     TensorGraph,
     backward_slice_channels,
     backward_slice_rows,
@@ -108,10 +109,9 @@ from precsearch.graph import (
     trace,
     untraced_modules,
 )
-from precsearch.optim import LowPrecisionOptimizer, from_config
-from precsearch.policy import CHUNKED_LAYERS, Policy
-from precsearch.scaling import LossScaler, epoch_growth, make_scaler
-from precsearch.spec import GRAD_KINDS
+from precsearch.runtime import ops
+from precsearch.runtime.optim import LowPrecisionOptimizer, from_config
+from precsearch.runtime.scaling import LossScaler, epoch_growth, make_scaler
 
 __all__ = ["PrecisionModel", "Promotion", "SavedBytes", "TensorState", "apply_policy", "instrument_fx"]
 
@@ -1548,7 +1548,7 @@ class PrecisionModel(nn.Module):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to step: ``optimizer`` itself with fp32 masters and no optimizer settings, else a
-        precsearch.optim ``LowPrecisionOptimizer`` keeping pure low-precision weights (and rounded state)."""
+        precsearch.runtime.optim ``LowPrecisionOptimizer`` keeping pure low-precision weights (and rounded state)."""
         settings = dict(self.policy.optimizer)
         if self.policy.master_weights:
             if "state_format" not in settings:

@@ -22,11 +22,8 @@ from typing import Any
 
 import yaml
 
-from precsearch import spec
-from precsearch.errors import PrecsearchError
-from precsearch.formats import spec_name
-from precsearch.optim import UpdateConfig
-from precsearch.spec import (
+from precsearch.config import spec
+from precsearch.config.spec import (
     ASSIGNABLE_KINDS,
     GRADIENT_ROUNDINGS,
     LOSS_SCALING_MODES,
@@ -44,6 +41,9 @@ from precsearch.spec import (
     choice,
     number,
 )
+from precsearch.errors import PrecsearchError
+from precsearch.formats.numerics import spec_name
+from precsearch.runtime.optim import UpdateConfig
 
 __all__ = [
     "GRANULARITIES",
@@ -178,7 +178,7 @@ def _proxy_config(raw: Any, where: str) -> ProxyConfig:
 
 
 def _optimizer_for_weights(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:
-    """Weight-update settings, checked by precsearch.optim against the low weight format."""
+    """Weight-update settings, checked by precsearch.runtime.optim against the low weight format."""
     settings = spec.optimizer(raw, f"{where}: optimizer")
     try:
         UpdateConfig(weight_format=weight_format, master_weights=master_weights, **settings)

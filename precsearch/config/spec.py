@@ -72,18 +72,18 @@ GRADIENT_ROUNDINGS: tuple[str, ...] = ("sum", "per_use")
 
 # Training settings.
 LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
-# The options of a ``loss_scaling`` entry (precsearch.scaling's scaler arguments that a file can hold).
+# The options of a ``loss_scaling`` entry (precsearch.runtime.scaling's scaler arguments that a file can hold).
 LOSS_SCALING_KEYS: tuple[str, ...] = (
     "mode", "scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "underflow_rate",
     "max_scale", "grad_format", "overflow_format",
 )
 UPDATES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
-# The settings of a policy's ``optimizer`` entry (precsearch.optim.UpdateConfig's, less the weight format and
+# The settings of a policy's ``optimizer`` entry (precsearch.runtime.optim.UpdateConfig's, less the weight format and
 # master_weights, which are policy fields of their own).
 OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format", "compensation_format", "seed")
 COMPRESSIONS: tuple[str, ...] = ("none", "adacomp")
 BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
-# Optuna samplers a search can use (precsearch.samplers): multivariate TPE, NSGA-II, random, Gaussian process.
+# Optuna samplers a search can use (precsearch.search.samplers): multivariate TPE, NSGA-II, random, Gaussian process.
 SAMPLERS: tuple[str, ...] = ("tpe", "nsga2", "random", "gp")
 
 # The paper (Lee, Sharma, Aiken 2023): its high format and per-kind low formats, forward tensors saturating
@@ -291,7 +291,7 @@ def loss_scaling(raw: Any, where: str, defaults: Defaults, canonical: bool = Fal
         elif key != "mode":
             amount = number(value, f"{where}.{key}", 0.0)
             settings[key] = amount if canonical else value
-    from precsearch.scaling import epoch_growth, make_scaler  # torch: loaded when a file is checked, not here
+    from precsearch.runtime.scaling import epoch_growth, make_scaler  # torch: loaded when a file is checked, not here
 
     try:
         make_scaler(settings["mode"], **epoch_growth({k: v for k, v in settings.items() if k != "mode"}, 1))
@@ -311,7 +311,7 @@ def _growth_interval(value: Any, where: str) -> int | str:
 
 
 def optimizer(raw: Any, where: str) -> dict[str, Any]:
-    """An ``optimizer`` entry (``OPTIMIZER_KEYS``); how it fits the weight format is precsearch.optim's check."""
+    """An ``optimizer`` entry (``OPTIMIZER_KEYS``); its fit to the weight format is runtime.optim's check."""
     if not isinstance(raw, Mapping):
         raise PrecsearchError(f"{where} must be a mapping of {', '.join(OPTIMIZER_KEYS)}")
     check_keys(raw, OPTIMIZER_KEYS, where)
@@ -328,6 +328,6 @@ def optimizer(raw: Any, where: str) -> dict[str, Any]:
 
 
 def _format_name(value: Any, where: str) -> str:
-    from precsearch.formats import spec_name  # torch: loaded when a file is checked, not here
+    from precsearch.formats.numerics import spec_name  # torch: loaded when a file is checked, not here
 
     return spec_name(value, where)

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
+from precsearch.config.spec import UPDATES
 from precsearch.errors import PrecsearchError
-from precsearch.formats import FloatFormat, get_format, quantize
-from precsearch.spec import UPDATES
+from precsearch.formats.numerics import FloatFormat, get_format, quantize
 
 __all__ = [
     "UPDATES",

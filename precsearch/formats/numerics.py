@@ -54,8 +54,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from precsearch.config.spec import OVERFLOWS, ROUNDINGS
 from precsearch.errors import PrecsearchError
-from precsearch.spec import OVERFLOWS, ROUNDINGS
 
 __all__ = [
     "FloatFormat",

@@ -14,7 +14,7 @@ guard (promote a tensor to high once its overflow fraction passes a threshold) i
 ``promotion_threshold`` and stays on. The ablations order the groups smallest first or randomly.
 
 The search starts from the points of every registered ``Seeding`` (all-high, the paper's sweep, all-low):
-a new kind of starting point is one subclass and ``register_seeding``, as a sampler is in precsearch.samplers.
+a new kind of starting point is one subclass and ``register_seeding``, as a sampler is in precsearch.search.samplers.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from precsearch import cost
+from precsearch.config.policy import Policy, baseline
+from precsearch.config.spaces import SearchSpace
+from precsearch.config.spec import ASSIGNABLE_KINDS, BASELINES
+from precsearch.cost import model as cost
 from precsearch.errors import PrecsearchError
-from precsearch.policy import Policy, baseline
-from precsearch.spaces import SearchSpace
-from precsearch.spec import ASSIGNABLE_KINDS, BASELINES
 
 __all__ = [
     "ACCEPTANCE_WINDOW", "BASELINES", "ORDERS", "R_GRID", "SEEDINGS", "Candidate", "Seeding", "assign",
@@ -115,7 +115,7 @@ def assign(graph: Any, space: SearchSpace, decisions: Mapping[str, str]) -> dict
 
 
 def low_share(graph: Any, space: SearchSpace, decisions: Mapping[str, str]) -> float:
-    """Fraction of assignable elements whose unit is not at the high level (precsearch.cost.low_share)."""
+    """Fraction of assignable elements whose unit is not at the high level (precsearch.cost.model.low_share)."""
     numel = {info.id: int(info.numel) for info in _assignable(graph)}
     decided = units(graph, space)
     sizes = [sum(numel[tensor_id] for tensor_id in tensor_ids) for tensor_ids in decided.values()]
@@ -253,5 +253,5 @@ def seed_candidates(graph: Any, space: SearchSpace) -> list[tuple[Candidate, lis
 
 
 def baseline_policies(graph: Any, names: Sequence[str] = BASELINES) -> dict[str, Policy]:
-    """Prior-work policies (precsearch.policy.baseline) for ``graph``, by name."""
+    """Prior-work policies (precsearch.config.policy.baseline) for ``graph``, by name."""
     return {name: baseline(name, graph) for name in names}

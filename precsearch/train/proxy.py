@@ -6,8 +6,8 @@ loss scaling and promotion guard are the ones the final training will use. It is
 init, the batch order and every rounding draw come from ``seed``, so one assignment and seed always give the
 same numbers (the search relies on that to never train an assignment twice).
 
-A proxy stops at the first sign of divergence (precsearch.train.Divergence) and says why. The trainer itself
-(model, optimizer, schedule, loop, evaluation) is precsearch.train; its names are re-exported here.
+A proxy stops at the first sign of divergence (precsearch.train.trainer.Divergence) and says why. The trainer itself
+(model, optimizer, schedule, loop, evaluation) is precsearch.train.trainer; its names are re-exported here.
 
 The default recipe (``ProxyConfig``) is the paper's (SGD, momentum 0.9, weight decay 5e-4, cosine to zero)
 shrunk to 150 steps of batch 64 on 16x16 images, with lr 0.2: a sweep of lr {0.05, 0.1, 0.2} x steps
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from precsearch.data import ImageDataset
-from precsearch.policy import Policy
-from precsearch.spec import ProxyConfig  # re-exported: a space's proxy section
-from precsearch.train import (
+from precsearch.config.policy import Policy
+from precsearch.config.spec import ProxyConfig  # re-exported: a space's proxy section
+from precsearch.train.data import ImageDataset
+from precsearch.train.trainer import (
     PAPER_LR,
     PAPER_RECIPE,
     ProxyResult,

@@ -28,13 +28,13 @@ import pandas as pd
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.noise import rank_correlations
-from precsearch.policy import Policy
-from precsearch.search import Budget, DataSpec, SearchContext, _threads
-from precsearch.spaces import parse_space
-from precsearch.train import ProxyResult, train
+from precsearch.search.noise import rank_correlations
+from precsearch.search.study import Budget, DataSpec, SearchContext, _threads
+from precsearch.train.trainer import ProxyResult, train
 
 __all__ = ["LONG_FACTOR", "FidelityResult", "long_run", "plot_fidelity", "validate_run"]
 

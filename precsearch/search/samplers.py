@@ -1,6 +1,6 @@
 """The Optuna samplers a search can use, by name: a space's ``sampler`` key, or ``precsearch search --sampler``.
 
-Adding one is a factory here and its name in ``precsearch.spec.SAMPLERS``. Each factory takes the seed the
+Adding one is a factory here and its name in ``precsearch.config.spec.SAMPLERS``. Each factory takes the seed the
 search derives per worker (None in a shared study, whose hosts would otherwise propose the same points).
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import optuna
 
+from precsearch.config.spec import SAMPLERS
 from precsearch.errors import PrecsearchError
-from precsearch.spec import SAMPLERS
 
 __all__ = ["FACTORIES", "make_sampler"]
 

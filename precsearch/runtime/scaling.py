@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats import FloatFormat, get_format
-from precsearch.graph import is_gemm_module
+from precsearch.formats.numerics import FloatFormat, get_format
+from precsearch.graph.tracing import is_gemm_module
 
 __all__ = [
     "LossScaler",
@@ -580,4 +580,4 @@ def make_scaler(mode: str = "dynamic", **options: Any) -> LossScaler:
     try:
         return _KINDS[mode](**options)
     except TypeError as error:
-        raise PrecsearchError(f"loss scaling {mode!r}: bad option ({error}); see precsearch.scaling") from None
+        raise PrecsearchError(f"loss scaling {mode!r}: bad option ({error}); see precsearch.runtime.scaling") from None

@@ -46,9 +46,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from precsearch.config.spec import ASSIGNABLE_KINDS, TensorId
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.spec import ASSIGNABLE_KINDS, TensorId
 
 if TYPE_CHECKING:
     import networkx
@@ -89,7 +89,7 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 _REFLECTED = {"radd", "rsub", "rmul", "rtruediv", "rdiv", "rmatmul", "rpow", "rfloordiv"}
 _IN_PLACE_DUNDERS = {"iadd", "isub", "imul", "itruediv", "idiv", "imatmul", "ipow"}
 _RENAMED = {"truediv": "div", "concat": "cat", "concatenate": "cat"}
-JSON_FORMAT = "precsearch.graph"
+JSON_FORMAT = "precsearch.graph.tracing"
 JSON_VERSION = 1
 
 
@@ -321,7 +321,7 @@ def makes_fresh_output(op: OpInfo) -> bool:
 
 
 # A Conv2d or BatchNorm2d module that reads a low activation, and a ReLU module that makes one, computes its
-# backward a slice of samples at a time from the codes (precsearch.runtime's ``_ConvOfPackedInput``,
+# backward a slice of samples at a time from the codes (precsearch.runtime.wrapper's ``_ConvOfPackedInput``,
 # ``_BatchNormOfPackedInput``, ``_ReluOfPackedOutput``), each slice's decoded float32 values about this many
 # bytes on CPU. Conv (torch 2.13's oneDNN, 2 cores): with 1 MiB slices, ResNet-18's conv backwards took
 # 0.3-1.0x as long as one call over the batch, and held about a slice's worth of workspace besides their
@@ -458,7 +458,7 @@ class _LeafSpec:
     def __call__(self, module: nn.Module, qualname: str) -> bool:
         if isinstance(module, self.types) or type(module).__name__ in self.names or qualname in self.names:
             return True
-        if is_gemm_module(module):  # subclasses too (e.g. precsearch.accumulate's chunked layers)
+        if is_gemm_module(module):  # subclasses too (e.g. precsearch.runtime.accumulate's chunked layers)
             return True
         return self.default.is_leaf_module(module, qualname)
 

@@ -1,6 +1,6 @@
 """The policy file: which float format every training tensor uses, and how training enforces it.
 
-A ``Policy`` is what a search (or a hand) produces and what ``precsearch.runtime.apply_policy`` loads into
+A ``Policy`` is what a search (or a hand) produces and what ``precsearch.runtime.wrapper.apply_policy`` loads into
 ordinary training. It is a versioned JSON document (``schema_version`` 1), written with sorted keys and one
 entry per line so that two policies diff cleanly.
 
@@ -18,14 +18,14 @@ Master weights and optimizer state are not assigned here: master copies are fp32
 true, and the optimizer settings (``optimizer``) say how the update is rounded.
 
 ``compression`` (``none`` by default, or ``adacomp``) is how data-parallel training exchanges gradients
-(precsearch.comm), so a search may treat it as one more dimension beside the formats.
+(precsearch.train.data_parallel), so a search may treat it as one more dimension beside the formats.
 
 The paper's reference code differs from plain training in four settings, each explicit here (its values in
 the paper's space, ``search_spaces/hfp8.yaml``):
 
 * ``promotion_kinds``: which kinds the divergence guard may promote (default weights and activations, as the
   reference; a gradient that overflows is the loss scaler's to handle). Promotion is checked once per
-  training step, never in eval mode or under ``no_grad`` (precsearch.runtime).
+  training step, never in eval mode or under ``no_grad`` (precsearch.runtime.wrapper).
 * ``gradient_rounding``: ``sum`` rounds an activation's gradient once, after autograd summed the gradients of
   its consumers; ``per_use`` (the reference) rounds each consumer's gradient, then sums them in float32 (the
   two branches of a residual block).
@@ -35,7 +35,7 @@ the paper's space, ``search_spaces/hfp8.yaml``):
   once per epoch: the trainer passes the steps per epoch to ``apply_policy``).
 
 ``accumulation`` (optional, off by default) makes the GEMMs of the layers it names sum in a low format, forward
-and backward, by Wang et al.'s chunk-based accumulation (precsearch.accumulate); see ``Accumulation``.
+and backward, by Wang et al.'s chunk-based accumulation (precsearch.runtime.accumulate); see ``Accumulation``.
 """
 
 from __future__ import annotations
@@ -55,20 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precsearch.accumulate import (
-    CHUNKABLE_LAYERS,
-    DEFAULT_ACC,
-    DEFAULT_CHUNK,
-    ChunkedConv2d,
-    ChunkedLinear,
-    swap_chunked_layers,
-)
-from precsearch.cost import CostModel
-from precsearch.errors import PrecsearchError
-from precsearch.files import atomic_write_text
-from precsearch.formats import FloatFormat, get_format, spec_name
-from precsearch.graph import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
-from precsearch.spec import (
+from precsearch.config.spec import (
     ASSIGNABLE_KINDS,
     BASELINES,
     COMPRESSIONS,
@@ -87,6 +74,19 @@ from precsearch.spec import (
     loss_scaling,
     optimizer,
     promotion_threshold,
+)
+from precsearch.cost.model import CostModel
+from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
+from precsearch.formats.numerics import FloatFormat, get_format, spec_name
+from precsearch.graph.tracing import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
+from precsearch.runtime.accumulate import (
+    CHUNKABLE_LAYERS,
+    DEFAULT_ACC,
+    DEFAULT_CHUNK,
+    ChunkedConv2d,
+    ChunkedLinear,
+    swap_chunked_layers,
 )
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class Accumulation:
     ``format``: the accumulation format (Wang et al.: 16-bit ``e6m9s``); ``chunk``: the chunk length CL (>= 1;
     None sums sequentially, the swamping-prone baseline that chunking fixes); ``layers``: glob patterns over
     module qualified names (``"layer*.conv?"``), every Linear/Conv2d by default. ``apply_policy`` swaps the
-    layers for precsearch.accumulate's chunked ones, forward and backward, before it instruments the model.
+    layers for precsearch.runtime.accumulate's chunked ones, forward and backward, before it instruments the model.
 
     Costly: a chunked layer makes CL + K/CL rounding passes in Python, 26x to 1000x the time of the plain
     layer on CPU, so no baseline turns it on. Wang et al.'s full recipe is
@@ -387,7 +387,7 @@ class Policy:
         return cls(**values).fill_predicted(graph)
 
     def fill_predicted(self, graph: TensorGraph) -> Policy:
-        """Set ``predicted`` from precsearch.cost for ``graph``: bytes, the fp32 bytes, their ratio, saved bytes."""
+        """Set ``predicted`` from the cost model for ``graph``: bytes, the fp32 bytes, their ratio, saved bytes."""
         cost = CostModel(graph)
         assignment = self.assignment(graph)
         total, fp32 = cost.bytes(assignment), cost.bytes({})

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from precsearch.cost import MIB, CostModel, measure_saved_bytes
-from precsearch.graph import trace
-from precsearch.policy import baseline
-from precsearch.runtime import apply_policy
+from precsearch.config.policy import baseline
+from precsearch.cost.model import MIB, CostModel, measure_saved_bytes
+from precsearch.graph.tracing import trace
+from precsearch.runtime.wrapper import apply_policy
 
 TOLERANCE = 0.02  # the agreement the cost model is held to (tests and the zoo check)
 
@@ -69,7 +69,7 @@ class ModelCheck:
 def check_model(model: nn.Module, batch: torch.Tensor, policies: Iterable[str] = ("hfp8", "fp16"),
                 leaf_modules: Iterable[type | str] = (), name: str | None = None, seed: int = 0) -> ModelCheck:
     """Trace `model` on two samples of `batch` at its full batch size, as `apply_policy` does, and measure
-    one training forward on `batch`: plain (fp32) and under each baseline policy (`precsearch.policy.baseline`
+    one training forward on `batch`: plain (fp32) and under each baseline policy (`precsearch.config.policy.baseline`
     names). The model is left as it was (the runtime runs on copies)."""
     leaf_modules = list(leaf_modules)
     graph = trace(model, batch[:2], batch_size=batch.shape[0], leaf_modules=leaf_modules, model_name=name)

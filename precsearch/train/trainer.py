@@ -1,5 +1,5 @@
 """The trainer: a model from the zoo under a policy, SGD with momentum and weight decay, a cosine schedule,
-the loop, and evaluation; full training (``train_policy``) and the search's proxies (precsearch.proxy) both
+the loop, and evaluation; full training (``train_policy``) and the search's proxies (precsearch.train.proxy) both
 run it.
 
 A run is deterministic: the model init, the batch order and every rounding draw come from ``seed``. It asks
@@ -33,13 +33,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from precsearch import models
-from precsearch.data import ImageDataset, make_loader, random_crop_flip
+from precsearch.config.policy import Policy
+from precsearch.config.spec import ProxyConfig
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.policy import Policy
-from precsearch.runtime import apply_policy
-from precsearch.scaling import LossScaler, NoLossScaler
-from precsearch.spec import ProxyConfig
+from precsearch.runtime.scaling import LossScaler, NoLossScaler
+from precsearch.runtime.wrapper import apply_policy
+from precsearch.train.data import ImageDataset, make_loader, random_crop_flip
 
 __all__ = [
     "PAPER_LR",
@@ -69,7 +69,7 @@ class Recipe:
     ``precsearch train`` uses for zoo models. A proxy has none of it (``train(..., recipe=None)``).
 
     ``augment``: random crop with black padding of 1/8 of the image side (4 pixels at 32) and a horizontal
-    flip with probability 1/2, per image, seeded (precsearch.data.random_crop_flip); ``kaiming_init``:
+    flip with probability 1/2, per image, seeded (precsearch.train.data.random_crop_flip); ``kaiming_init``:
     convolution weights of zoo models Kaiming-normal with fan-out (ReLU gain); ``epoch_schedule``:
     the cosine learning rate steps once per epoch (T_max = epochs), not per step.
     """

@@ -68,15 +68,14 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import make_url
 from tqdm.auto import tqdm
 
-from precsearch.cost import CostModel
-from precsearch.data import ImageDataset, load_dataset
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import SearchSpace, load_space, parse_space
+from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.graph import TensorGraph, trace
-from precsearch.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
-from precsearch.policy import Policy
-from precsearch.proxy import run_proxy
-from precsearch.rundir import (
+from precsearch.graph.tracing import TensorGraph, trace
+from precsearch.search.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
+from precsearch.search.rundir import (
     LOCK_FILES,
     RunLock,
     SearchStop,
@@ -86,9 +85,8 @@ from precsearch.rundir import (
     remove_stale_journal_lock,
     remove_temporaries,
 )
-from precsearch.samplers import make_sampler
-from precsearch.spaces import SearchSpace, load_space, parse_space
-from precsearch.strategies import (
+from precsearch.search.samplers import make_sampler
+from precsearch.search.strategies import (
     BASELINES,
     assign,
     assignment_key,
@@ -99,7 +97,9 @@ from precsearch.strategies import (
     uniform,
     units,
 )
-from precsearch.train import ProxyResult, build_model, resolve_device
+from precsearch.train.data import ImageDataset, load_dataset
+from precsearch.train.proxy import run_proxy
+from precsearch.train.trainer import ProxyResult, build_model, resolve_device
 
 __all__ = [
     "Budget",
@@ -143,7 +143,7 @@ AUTO_MIN_SEEDS = 2  # ... and every proxy at least this many, so each trial adds
 
 @dataclass(frozen=True)
 class DataSpec:
-    """Which dataset the proxies train on: a name of ``precsearch.data`` and, for local data, its folder."""
+    """Which dataset the proxies train on: a name of ``precsearch.train.data`` and, for local data, its folder."""
 
     name: str = "digits"
     root: str | None = None
@@ -164,7 +164,7 @@ class Budget:
     max_memory: float | None = None
     max_accuracy_drop: float | None = None
     memory: str = "bytes"
-    confidence: float = DEFAULT_CONFIDENCE  # one-sided confidence of accuracy decisions (see precsearch.noise)
+    confidence: float = DEFAULT_CONFIDENCE  # one-sided confidence of accuracy decisions (see precsearch.search.noise)
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.confidence < 1.0:
@@ -1311,7 +1311,7 @@ def run_search(
     4, as many as the noise they show needs, see ``noise.seeds_for``); the pick is then taken at the budget's
     confidence. One seed keeps the single-number comparison, with a warning that its confidence is unknown.
 
-    ``sampler`` (one of ``precsearch.spec.SAMPLERS``) replaces the space's Optuna sampler (default TPE).
+    ``sampler`` (one of ``precsearch.config.spec.SAMPLERS``) replaces the space's Optuna sampler (default TPE).
     """
     start = time.perf_counter()
     if isinstance(space, str | Path):

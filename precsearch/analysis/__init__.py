@@ -1,0 +1,1 @@
+"""Reports, proxy fidelity and predicted-vs-measured checks."""

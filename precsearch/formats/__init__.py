@@ -1,0 +1,1 @@
+"""Float formats and their rounding, encoding and statistics kernels."""

@@ -1,0 +1,1 @@
+"""Tracing a model into a TensorGraph of every tensor training keeps, and the paper's groups."""

@@ -1,0 +1,1 @@
+"""Training under a policy: rounding, packed saved tensors, loss scaling, low-precision updates."""

@@ -1,0 +1,1 @@
+"""Searching assignments with Optuna: strategies, samplers, seed noise, run directories."""

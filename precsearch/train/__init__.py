@@ -1,0 +1,1 @@
+"""Data, the training loop, proxies and data-parallel training."""
