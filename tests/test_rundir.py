@@ -27,9 +27,10 @@ from optuna.trial import TrialState
 from precsearch.cli import main
 from precsearch.config.spaces import PAPER_SPACE, paper_space
 from precsearch.errors import PrecsearchError
+from precsearch.search import rundir
 from precsearch.search import study as search
 from precsearch.search.rundir import RunLock, StopSignals, hold_worker_lock
-from precsearch.search.study import run_search, rundir
+from precsearch.search.study import run_search
 
 PROXY = {"steps": 2, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 SPACE = paper_space(proxy=PROXY)

@@ -19,7 +19,7 @@ from precsearch.cost import model as cost
 from precsearch.errors import PrecsearchError
 from precsearch.graph.tracing import trace
 from precsearch.runtime.optim import UpdateConfig
-from precsearch.search.study import strategies
+from precsearch.search import strategies
 
 PACKAGE = Path(spec.__file__).parent
 

@@ -14,6 +14,7 @@ from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.graph.tracing import trace
+from precsearch.search import strategies
 from precsearch.search import study as search
 from precsearch.search.strategies import (
     ACCEPTANCE_WINDOW,
@@ -30,7 +31,6 @@ from precsearch.search.strategies import (
     uniform,
     units,
 )
-from precsearch.search.study import strategies
 from precsearch.train.proxy import build_model
 
 SPACE = paper_space()
