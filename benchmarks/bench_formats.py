@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 from timing import median_seconds  # benchmarks/timing.py (the script's folder is on sys.path)
 
-from precsearch.formats import numerics as formats
+from precsearch.formats import kernels as formats
 
 
 def main() -> None:

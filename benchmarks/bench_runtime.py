@@ -9,7 +9,7 @@
    importable, the paper's own style (QPyTorch ``float_quantize`` e5m2 in module hooks). On CUDA each row
    also gives ``torch.cuda.max_memory_allocated()`` during a step above what was allocated before it.
    Goal: all-low and hfp8 <= 1.5x plain fp32.
-2. Rounding 2^28 values (CUDA; 2^24 on CPU): nearest and stochastic e5m2 (``precsearch.formats.numerics.quantize``)
+2. Rounding 2^28 values (CUDA; 2^24 on CPU): nearest and stochastic e5m2 (``precsearch.formats.kernels.quantize``)
    against torch's native float8_e5m2 cast round trip. Goal: stochastic <= 1.5x the native cast.
 3. Bytes autograd saves for backward after one forward under several policies, measured (packed storages,
    each once) against the fp32 model's measured bytes and against the cost model's prediction.
@@ -153,7 +153,7 @@ def _qpytorch_hooks(model):
 def _bench_quantize(device: str) -> None:
     import torch
 
-    from precsearch.formats.numerics import quantize
+    from precsearch.formats.kernels import quantize
 
     n = 2**28 if device == "cuda" else 2**24
     x = torch.randn(n, device=device)

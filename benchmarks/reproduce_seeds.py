@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precsearch.formats.numerics import get_format, quantize
+from precsearch.formats.format import get_format
+from precsearch.formats.kernels import quantize
 from precsearch.runtime.accumulate import ChunkedLinear, chunked_matmul
 from precsearch.runtime.optim import LowPrecisionOptimizer
 from precsearch.runtime.scaling import DynamicLossScaler

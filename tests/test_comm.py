@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import quantize
+from precsearch.formats.kernels import quantize
 from precsearch.models import build
 from precsearch.train.data import load_dataset
 from precsearch.train.data_parallel import AdaCompState, register_adacomp, train_data_parallel

@@ -18,7 +18,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph.tracing import trace
 from precsearch.models import NAMES, build
 
-# bits of each format, written out by hand (1 sign + E + M) as an oracle independent of precsearch.formats.numerics
+# bits of each format, written out by hand (1 sign + E + M) as an oracle independent of precsearch.formats.format
 BITS = {"e4m3b4s": 8, "e5m2s": 8, "e6m9s": 16, "fp16": 16, "bf16": 16, "fp8_e4m3fn": 8, "fp6_e3m2fn": 6,
         "fp4_e2m1fn": 4, "e3m4": 8, "fp32": 32}
 

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from precsearch.config.policy import Policy, baseline
-from precsearch.formats import numerics as formats
-from precsearch.formats.numerics import decode, encode, quantize, round_and_count
+from precsearch.formats.compiled import RUNNER
+from precsearch.formats.format import get_format
+from precsearch.formats.kernels import decode, encode, quantize, round_and_count
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.wrapper import apply_policy
@@ -48,10 +49,10 @@ def test_every_format_rounds_on_cuda_bit_for_bit_as_on_cpu(spec, rounding):
         cuda, _, cuda_counts = round_and_count(x.cuda(), spec, rounding, overflow, seed=torch.tensor(seed).cuda())
         assert torch.equal(_bits(cuda), _bits(cpu)), (spec, rounding, overflow)
         assert torch.equal(cuda_counts.cpu(), cpu_counts)
-    assert not formats._failed, f"compile failed on CUDA for {formats._failed}"
+    assert not RUNNER.failed, f"compile failed on CUDA for {RUNNER.failed}"
 
 
-@pytest.mark.parametrize("spec", [s for s in FORMATS if formats.get_format(s).bits <= 16])
+@pytest.mark.parametrize("spec", [s for s in FORMATS if get_format(s).bits <= 16])
 def test_codes_round_trip_on_cuda_as_on_cpu(spec):
     x = quantize(_values(), spec, overflow="saturate")
     x = x[torch.isfinite(x)]
@@ -77,7 +78,7 @@ def test_e4m3fn_saturates_on_cuda_as_torchs_cpu_cast():
 def test_stochastic_rounding_compiles_on_cuda():
     x = torch.randn(1 << 24, device="cuda")
     q = quantize(x, "e5m2", "stochastic", generator=torch.Generator(device="cuda").manual_seed(0))
-    assert not any(label.startswith("e5m2 ") for label in formats._failed)
+    assert not any(label.startswith("e5m2 ") for label in RUNNER.failed)
     assert torch.equal(quantize(q, "e5m2"), q)  # on the grid
 
 

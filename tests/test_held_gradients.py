@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from precsearch.config.policy import Policy
-from precsearch.formats.numerics import quantize
+from precsearch.formats.kernels import quantize
 from precsearch.models import build
 from precsearch.runtime.wrapper import apply_policy
 

@@ -13,7 +13,7 @@ from torch import nn
 from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import quantize
+from precsearch.formats.kernels import quantize
 from precsearch.models import build
 from precsearch.runtime.wrapper import apply_policy
 from precsearch.search.study import Budget, choose_best

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import quantize
+from precsearch.formats.kernels import quantize
 from precsearch.runtime.optim import (
     LowPrecisionOptimizer,
     UpdateConfig,

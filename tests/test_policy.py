@@ -15,7 +15,7 @@ from precsearch.config.policy import SCHEMA_VERSION, Accumulation, Policy, basel
 from precsearch.config.spec import ASSIGNABLE_KINDS, BASELINES
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import NAMED_FORMATS, get_format
+from precsearch.formats.format import NAMED_FORMATS, get_format
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from precsearch.config.policy import Policy, baseline
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import get_format
+from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.wrapper import apply_policy

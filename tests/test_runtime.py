@@ -1,7 +1,7 @@
 """The runtime wrapper: exactness at fp32, rounding of every tensor kind, promotion, loss scaling, packed memory.
 
 Tensors stay below formats.COMPILE_MIN_NUMEL elements so the quantizer runs eagerly (no compile time here).
-Reference values come from precsearch.formats.numerics.quantize on values captured with module hooks (an independent
+Reference values come from precsearch.formats.kernels.quantize on values captured with module hooks (an independent
 path: the hooks see what the model's own modules receive), from the unwrapped model, and from the cost model.
 """
 
@@ -22,7 +22,7 @@ from precsearch.config.spaces import paper_space
 from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.cost.model import CostModel, measure_saved_bytes
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import quantize
+from precsearch.formats.kernels import quantize
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.accumulate import ChunkedConv2d, ChunkedLinear, chunked_matmul, swap_chunked_layers

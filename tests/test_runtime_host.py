@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from precsearch.config.policy import Policy, baseline
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import sgd_step
-from precsearch.formats import numerics as formats
+from precsearch.formats.compiled import RUNNER
 from precsearch.graph.tracing import grad_id, gradient_arrives_fresh, gradient_passes_from, trace
 from precsearch.models import build
 from precsearch.runtime import wrapper as runtime
@@ -187,12 +187,12 @@ def test_compiled_kernels_train_bit_identically_to_eager_ones(name, monkeypatch)
         losses = [step() for _ in range(3)]
         return losses, [p.detach().clone() for p in model.parameters()]
 
-    monkeypatch.setattr(formats, "_COMPILE", False)
+    monkeypatch.setattr(RUNNER, "enabled", False)
     eager_losses, eager_weights = three_steps()
-    monkeypatch.setattr(formats, "_COMPILE", True)
-    monkeypatch.setattr(formats, "COMPILE_MIN_NUMEL", 0)  # every kernel call compiled
+    monkeypatch.setattr(RUNNER, "enabled", True)
+    monkeypatch.setattr(RUNNER, "min_numel", 0)  # every kernel call compiled
     compiled_losses, compiled_weights = three_steps()
-    assert not formats._failed, f"torch.compile failed for {formats._failed}: the compiled path went untested"
+    assert not RUNNER.failed, f"torch.compile failed for {RUNNER.failed}: the compiled path went untested"
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(eager_weights, [p.detach() for p in plain.parameters()],
@@ -263,7 +263,7 @@ def test_a_gradient_that_arrives_non_contiguous_is_rounded_into_a_new_tensor_wit
     """Where the rounding may write over a gradient but it arrives non-contiguous (channels_last), it is
     rounded into a new tensor: the gradient it received is left as it was, the result is torch's own rounding
     of it, and one WARNING says so however often it happens."""
-    from precsearch.formats.numerics import quantize
+    from precsearch.formats.kernels import quantize
     from precsearch.runtime.wrapper import _RoundActivation
 
     plain, graph, _, _ = _setup()

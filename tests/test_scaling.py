@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import get_format, quantize, stats
+from precsearch.formats.format import get_format
+from precsearch.formats.kernels import quantize, stats
 from precsearch.runtime.scaling import (
     AdaptiveLossScaler,
     DynamicLossScaler,
@@ -58,7 +59,7 @@ def fp16_harness(model: nn.Sequential) -> list[torch.Tensor]:
 
 
 def underflow_fraction(grads: list[torch.Tensor]) -> float:
-    """Share of nonzero activation-gradient values that fp16 rounds to zero (precsearch.formats.numerics.stats)."""
+    """Share of nonzero activation-gradient values that fp16 rounds to zero (precsearch.formats.kernels.stats)."""
     lost = sum(stats(g, "fp16")["underflow"] * g.numel() for g in grads)
     nonzero = sum(int((g != 0).sum()) for g in grads)
     return lost / nonzero

@@ -17,7 +17,7 @@ from precsearch.config.spaces import paper_space
 from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import get_format
+from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
 from precsearch.search import study as search
 from precsearch.search.strategies import R_GRID

@@ -9,7 +9,7 @@ import pytest
 from precsearch.config.spaces import load_space, paper_space, parse_space
 from precsearch.config.spec import ASSIGNABLE_KINDS, PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import get_format
+from precsearch.formats.format import get_format
 
 SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
 BASE = {"high": "e6m9s", "low": "e4m3b4s"}

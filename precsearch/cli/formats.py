@@ -7,7 +7,8 @@ import argparse
 import pandas as pd
 import torch
 
-from precsearch.formats import numerics as formats
+from precsearch.formats import format as formats
+from precsearch.formats.kernels import quantize
 
 HELP = "list float formats, or round values in them"
 DESCRIPTION = f"List float formats, or round values in them. Spec grammar: {formats.GRAMMAR}."
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         table = pd.DataFrame({"x": values.tolist()})
         generator = torch.Generator().manual_seed(0)
         for fmt in fmts:
-            table[fmt.name] = formats.quantize(values, fmt, args.rounding, args.overflow, generator).tolist()
+            table[fmt.name] = quantize(values, fmt, args.rounding, args.overflow, generator).tolist()
     else:
         table = pd.DataFrame(
             {

@@ -78,7 +78,7 @@ from precsearch.config.spec import (
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.formats.numerics import FloatFormat, get_format, spec_name
+from precsearch.formats.format import FloatFormat, get_format, spec_name
 from precsearch.graph.tracing import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
 from precsearch.runtime.accumulate import (
     CHUNKABLE_LAYERS,

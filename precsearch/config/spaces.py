@@ -42,7 +42,7 @@ from precsearch.config.spec import (
     number,
 )
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import spec_name
+from precsearch.formats.format import spec_name
 from precsearch.runtime.optim import UpdateConfig
 
 __all__ = [

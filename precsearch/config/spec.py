@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from precsearch.errors import PrecsearchError
+from precsearch.formats.format import spec_name
 
 __all__ = [
     "ASSIGNABLE_KINDS",
@@ -328,6 +329,4 @@ def optimizer(raw: Any, where: str) -> dict[str, Any]:
 
 
 def _format_name(value: Any, where: str) -> str:
-    from precsearch.formats.numerics import spec_name  # torch: loaded when a file is checked, not here
-
     return spec_name(value, where)

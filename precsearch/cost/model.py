@@ -39,7 +39,7 @@ from torch import nn
 
 from precsearch.config.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import FloatFormat, get_format
+from precsearch.formats.format import FloatFormat, get_format
 from precsearch.graph.tracing import (
     OpInfo,
     TensorGraph,
@@ -136,7 +136,7 @@ class SavedTensor:
 
 def _storage_bytes(fmt: FloatFormat) -> int:
     """Bytes per element when a tensor is stored packed in `fmt`: 4 for fp32, else the storage dtype's."""
-    return 4 if fmt.is_fp32 else fmt.storage_dtype.itemsize
+    return fmt.storage_bytes
 
 
 class CostModel:

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import FloatFormat, get_format, quantize
+from precsearch.formats.format import FloatFormat, get_format
+from precsearch.formats.kernels import quantize
 
 __all__ = ["chunked_matmul", "chunked_sum", "ChunkedLinear", "ChunkedConv2d", "swap_chunked_layers"]
 

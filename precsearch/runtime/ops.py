@@ -1,6 +1,6 @@
 """The runtime's tensor operations as ``torch.library`` ops: one dispatch each, traceable by ``torch.compile``.
 
-Each op is one call into precsearch.formats.numerics' fused kernels (one kernel when compiled), so a training step
+Each op is one call into precsearch.formats.kernels' fused kernels (one kernel when compiled), so a training step
 dispatches one op per rounded or unpacked tensor, and overflow counts stay on the device: the kernel's own
 pass adds them to ``counts``, an int64 tensor of 2 holding ``[overflowed, unencodable]`` for one tensor id,
 which the runtime reads once per step. The ops are defined with ``torch.library.Library`` (its
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from precsearch.formats import numerics as F
+from precsearch.formats import kernels
+from precsearch.formats.format import get_format
 
 __all__ = ["round", "round_", "decode"]
 
@@ -41,7 +42,7 @@ def _round_and_count(x: torch.Tensor, counts: torch.Tensor, fmt: str, rounding: 
                      seed: torch.Tensor | None, with_codes: bool, in_place: bool = False):
     if rounding == "stochastic" and seed is not None:
         seed.add_(_SEED_STEP)
-    return F.round_and_count_fn(fmt, rounding, overflow, with_codes, in_place)(x, seed, counts)[:2]
+    return kernels.round_and_count_fn(fmt, rounding, overflow, with_codes, in_place)(x, seed, counts)[:2]
 
 
 def _no_codes(x: torch.Tensor, codes: torch.Tensor | None) -> torch.Tensor:
@@ -59,7 +60,7 @@ def _round_(x, counts, fmt, rounding, overflow, seed, with_codes):
 
 
 def _decode(codes, fmt, size, stride, offset):
-    return F.decode(codes, fmt).as_strided(size, stride, offset)
+    return kernels.decode(codes, fmt).as_strided(size, stride, offset)
 
 
 _lib.impl("round", _round, "CompositeExplicitAutograd")
@@ -68,9 +69,9 @@ _lib.impl("decode", _decode, "CompositeExplicitAutograd")
 
 
 def _codes_fake(x: torch.Tensor, fmt: str, with_codes: bool) -> torch.Tensor:
-    spec = F.get_format(fmt)
+    spec = get_format(fmt)
     packed = with_codes and spec.packs
-    return x.new_empty(x.shape if packed else (0,), dtype=spec.storage_dtype if packed else torch.uint8)
+    return x.new_empty(x.shape if packed else (0,), dtype=kernels.storage_dtype(spec) if packed else torch.uint8)
 
 
 @torch.library.register_fake("precsearch::round", lib=_lib)

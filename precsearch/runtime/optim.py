@@ -40,7 +40,8 @@ import torch
 
 from precsearch.config.spec import UPDATES
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import FloatFormat, get_format, quantize
+from precsearch.formats.format import FloatFormat, get_format
+from precsearch.formats.kernels import quantize
 
 __all__ = [
     "UPDATES",

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats.numerics import FloatFormat, get_format
+from precsearch.formats.format import FloatFormat, get_format
 from precsearch.graph.tracing import is_gemm_module
 
 __all__ = [

@@ -97,7 +97,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from precsearch.config.policy import CHUNKED_LAYERS, Policy
 from precsearch.config.spec import GRAD_KINDS
 from precsearch.errors import PrecsearchError
-from precsearch.formats import numerics as F
+from precsearch.formats import kernels
+from precsearch.formats.format import FloatFormat, get_format
 from precsearch.graph.tracing import (
     TensorGraph,
     backward_slice_channels,
@@ -151,7 +152,7 @@ class SavedBytes:
 class _Slot:
     """One assigned tensor id: its format now, how it rounds, its row of the counts, and what was seen."""
 
-    def __init__(self, tensor_id: str, kind: str, row: int, fmt: F.FloatFormat, rounding: str,
+    def __init__(self, tensor_id: str, kind: str, row: int, fmt: FloatFormat, rounding: str,
                  overflow: str | None) -> None:
         self.id, self.kind, self.row, self.assigned = tensor_id, kind, row, fmt
         self.rounding, self.overflow_mode = rounding, overflow
@@ -182,7 +183,7 @@ class TensorState:
     scaler's once-a-step read of those counts (``LossScaler.watch``); ``flush`` reads them itself.
     """
 
-    def __init__(self, slots: dict[str, _Slot], high: F.FloatFormat, threshold: float | None, seed: int,
+    def __init__(self, slots: dict[str, _Slot], high: FloatFormat, threshold: float | None, seed: int,
                  promotion_kinds: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
                  ) -> None:
         self.slots = slots
@@ -256,7 +257,7 @@ class TensorState:
         self._dirty = True
         if self.stats_due:
             n = x.numel()
-            slot.stat_sums.update({key: value * n for key, value in F.stats(x.detach(), slot.fmt).items()})
+            slot.stat_sums.update({key: value * n for key, value in kernels.stats(x.detach(), slot.fmt).items()})
             slot.stat_elements += n
 
     # -- the once-a-step read ---------------------------------------------------------------------------
@@ -359,7 +360,7 @@ class TensorState:
         for promotion in self.promotions:
             slot = self.slots[promotion.id]
             if not slot.promoted:
-                slot.fmt, slot.promoted = F.get_format(promotion.to_format), True
+                slot.fmt, slot.promoted = get_format(promotion.to_format), True
                 promoted.append(slot)
         return promoted
 
@@ -376,7 +377,7 @@ class _Packed:
 
     __slots__ = ("fmt", "kind", "version", "storage", "shape", "codes", "saves", "unpacks", "decoded")
 
-    def __init__(self, fmt: F.FloatFormat, kind: str, rounded: torch.Tensor, codes: torch.Tensor | None) -> None:
+    def __init__(self, fmt: FloatFormat, kind: str, rounded: torch.Tensor, codes: torch.Tensor | None) -> None:
         self.fmt, self.kind, self.version, self.shape, self.codes = fmt, kind, rounded._version, rounded.shape, codes
         self.storage = StorageWeakRef(rounded.untyped_storage())
         self.saves = self.unpacks = 0  # saved views of the storage, and how many were unpacked
@@ -546,7 +547,7 @@ class _Packer:
             self.last = self._measure()
             self._live, self._pending, self._all_pending, self._plain = {}, {}, [], {}
 
-    def register(self, raw: torch.Tensor, rounded: torch.Tensor, codes: torch.Tensor | None, fmt: F.FloatFormat,
+    def register(self, raw: torch.Tensor, rounded: torch.Tensor, codes: torch.Tensor | None, fmt: FloatFormat,
                  kind: str) -> None:
         """``rounded`` holds values of ``fmt`` and ``codes`` their bit patterns: saves of it are packed, and
         earlier saves of ``raw`` switch to it."""
@@ -1213,7 +1214,7 @@ class PrecisionModel(nn.Module):
         self._plain_layers: dict[str, nn.Module] = {}
         self.accumulation_layers = self._swap_accumulation()
         self.steps_per_epoch = steps_per_epoch
-        self.state = TensorState(self._make_slots(), F.get_format(policy.high_format), policy.promotion_threshold,
+        self.state = TensorState(self._make_slots(), get_format(policy.high_format), policy.promotion_threshold,
                                  seed, promotion_kinds=policy.promotion_kinds)
         self._packer = _Packer(model)
         self.scaler: LossScaler = self._make_scaler()
@@ -1301,7 +1302,7 @@ class PrecisionModel(nn.Module):
         stochastic_update = self.policy.optimizer.get("update") == "stochastic"
         for row, tensor_id in enumerate(self.graph.assignable_ids()):
             info = self.graph.tensors[tensor_id]
-            fmt = F.get_format(self.policy.format_for(info))
+            fmt = get_format(self.policy.format_for(info))
             rounding = self.policy.rounding.get(info.kind, "nearest")
             if rounding == "nearest" and self.policy.ties == "away":
                 rounding = "nearest_away"
@@ -1352,7 +1353,7 @@ class PrecisionModel(nn.Module):
             clipped = []
             for name, (param, slot) in self._weights.items():
                 param.copy_(rounded[name] if not slot.promoted else
-                            F.quantize(param.detach(), slot.fmt, overflow=slot.overflow_mode))
+                            kernels.quantize(param.detach(), slot.fmt, overflow=slot.overflow_mode))
                 if slot.overflowed and not slot.promoted:
                     clipped.append(f"{slot.id} {100 * slot.overflowed / slot.counted:.2g}%")
                 slot.reset()

@@ -32,7 +32,7 @@ rank ends with the same gradient, bit for bit. Both collectives block inside the
 callbacks instead, they could interleave with another bucket's differently on different ranks (gloo then
 aborts on mismatched message sizes), so this hook trades overlap with backward for a fixed order.
 
-The residual is kept in ``residual_format`` (fp32 by default, or any precsearch.formats.numerics format, nearest
+The residual is kept in ``residual_format`` (fp32 by default, or any precsearch.formats.format format, nearest
 rounding, saturating) and in units of the unscaled loss: a training loop with a loss scaler sets
 ``state.loss_scale`` before each backward. A non-finite local gradient (a loss-scale overflow) is sent as
 a NaN scale so that every rank's gradient is non-finite and every scaler skips the step; the residual is
@@ -65,7 +65,8 @@ from precsearch.config.policy import Policy
 from precsearch.config.spec import COMPRESSIONS, ProxyConfig
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.formats.numerics import get_format, quantize
+from precsearch.formats.format import get_format
+from precsearch.formats.kernels import quantize
 from precsearch.runtime.scaling import NoLossScaler
 from precsearch.runtime.wrapper import apply_policy
 from precsearch.train.data import ImageDataset, make_loader
