@@ -17,13 +17,15 @@ import sys
 
 import torch
 
-from precsearch.config.policy import Policy, baseline
+from precsearch.config.policy import Policy
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import measure_peak, sgd_step, trace_step
 from precsearch.cost.model import MIB, CostModel
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.strategies import baseline
 
 ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 
@@ -46,7 +48,7 @@ def main() -> int:
     cost = CostModel(graph)
     policies: dict[str, Policy | None] = {"plain fp32": None}
     policies.update({name: baseline(name, graph) for name in ("fp32", "fp16", "bf16", "hfp8")})
-    policies["all-low"] = Policy.from_assignment(
+    policies["all-low"] = policy_from_assignment(
         graph, {tid: ALL_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
         overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
         promotion_threshold=0.01)

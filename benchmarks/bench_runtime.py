@@ -51,13 +51,14 @@ def main() -> int:
 
     import torch
 
-    from precsearch.config.policy import Policy, baseline
     from precsearch.config.spec import PAPER_OVERFLOW
     from precsearch.cost.measured import sgd_step
     from precsearch.cost.model import CostModel, measure_saved_bytes
+    from precsearch.cost.policies import policy_from_assignment
     from precsearch.graph.tracing import trace
     from precsearch.models import build
     from precsearch.runtime.wrapper import apply_policy
+    from precsearch.search.strategies import baseline
 
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
@@ -72,7 +73,7 @@ def main() -> int:
     policies = {
         name: baseline(name, graph) for name in ("fp32", "fp16", "bf16", "hfp8")
     }
-    policies["all-low"] = Policy.from_assignment(
+    policies["all-low"] = policy_from_assignment(
         graph, {tid: all_low[graph.tensors[tid].kind] for tid in graph.assignable_ids()},
         high_format="e6m9s", overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
         promotion_threshold=0.01, provenance={"strategy": "all-low"},

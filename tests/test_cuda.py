@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precsearch.config.policy import Policy, baseline
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.formats.compiled import RUNNER
 from precsearch.formats.format import get_format
 from precsearch.formats.kernels import decode, encode, quantize, round_and_count
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.strategies import baseline
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available here")]
@@ -119,7 +120,7 @@ def test_a_paper_policy_step_on_cuda_matches_the_cpu_step(monkeypatch):
     x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
     graph = trace(plain, x[:2], batch_size=8)
     low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
-    policy = Policy.from_assignment(graph, {t: low[graph.tensors[t].kind] for t in graph.assignable_ids()},
+    policy = policy_from_assignment(graph, {t: low[graph.tensors[t].kind] for t in graph.assignable_ids()},
                                     high_format="e6m9s", promotion_threshold=0.01)
     cpu = apply_policy(copy.deepcopy(plain), policy)
     cuda = apply_policy(copy.deepcopy(plain).cuda(), policy, example_input=x[:2].cuda())

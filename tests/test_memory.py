@@ -8,13 +8,15 @@ import copy
 import pytest
 import torch
 
-from precsearch.config.policy import Policy, baseline
+from precsearch.config.policy import Policy
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import measure_peak, sgd_step, trace_step
 from precsearch.cost.model import MIB, CostModel
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
 from precsearch.models import NAMES, build
 from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.strategies import baseline
 
 KIB = 1024
 
@@ -87,7 +89,7 @@ def _policy(name: str, graph) -> Policy | None:
         return None
     if name != "all-low":
         return baseline(name, graph)
-    return Policy.from_assignment(
+    return policy_from_assignment(
         graph, {tid: ALL_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
         overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
         promotion_threshold=0.01)

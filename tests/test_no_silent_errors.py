@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from precsearch.analysis.checks import check_policy_on_model
 from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
@@ -52,7 +53,7 @@ def test_a_policy_rule_naming_no_tensor_is_an_error_with_the_closest_ids():
     assert "allow_unmatched_rules" in str(error.value) and "\n" not in str(error.value)
     kinds = Policy(input_shape=SHAPE, batch_size=8, module_types={"Conv2d": {"weight_grad": "fp16"},
                                                                    "Conv2D": {"weight": "fp16"}})
-    report = kinds.check(build("tiny_cnn"))
+    report = check_policy_on_model(kinds, build("tiny_cnn"))
     assert report.missing == ["module type 'Conv2D'"] and report.hints["module type 'Conv2D'"][0] == "Conv2d"
     allowed = policy.replace(allow_unmatched_rules=True)
     assert apply_policy(build("tiny_cnn"), allowed).formats()["conv1:weight"] == "e5m2s"
@@ -115,7 +116,7 @@ def test_a_branch_the_example_input_skipped_is_reported_at_trace_check_and_run_t
     low = Policy(input_shape=SHAPE, batch_size=8, defaults={"weight": "e5m2s", "activation": "e5m2s"})
     torch.manual_seed(0)
     model = Branchy()
-    report = low.check(model)  # traced on zeros of the policy's input shape
+    report = check_policy_on_model(low, model)  # traced on zeros of the policy's input shape
     assert report.untraced == ["extra"] and not report.ok and "extra" in report.summary()
     with pytest.warns(UserWarning, match=r"1 module\(s\) of Branchy did not run on the example input.*extra"):
         wrapped = apply_policy(model, low)

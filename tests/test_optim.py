@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from precsearch.config.optimizer import UpdateConfig
 from precsearch.errors import PrecsearchError
 from precsearch.formats.kernels import quantize
 from precsearch.runtime.optim import (
     LowPrecisionOptimizer,
-    UpdateConfig,
     apply_update,
     from_config,
     update_bytes_per_param,

@@ -1,7 +1,10 @@
-"""Policy files: schema, precedence, compact assignments, checks against models, atomic saves, baselines."""
+"""Policy files: schema, precedence, atomic saves, loading without torch; compact assignments with their prediction
+(precsearch.cost.policies) and checks against graphs and models (precsearch.graph.policy_check,
+precsearch.analysis.checks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -11,11 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from precsearch.config.policy import SCHEMA_VERSION, Accumulation, Policy, baseline
-from precsearch.config.spec import ASSIGNABLE_KINDS, BASELINES
+from precsearch.analysis.checks import check_policy_on_model
+from precsearch.config.policy import SCHEMA_VERSION, Accumulation, Policy
+from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.cost.model import CostModel
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import NAMED_FORMATS, get_format
+from precsearch.graph.policy_check import check_policy, verify_policy
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 
@@ -72,7 +78,7 @@ def test_from_assignment_reproduces_the_assignment_compactly(graph):
     assignment = {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in ids}
     assignment["conv2:weight"] = "e6m9s"
     assignment["pool1:activation_grad"] = "fp16"
-    policy = Policy.from_assignment(graph, assignment, provenance={"strategy": "unit"})
+    policy = policy_from_assignment(graph, assignment, provenance={"strategy": "unit"})
     assert policy.assignment(graph) == assignment
     assert policy.overrides == {"conv2:weight": "e6m9s", "pool1:activation_grad": "fp16"}
     assert policy.defaults == PAPER_LOW
@@ -84,7 +90,7 @@ def test_from_assignment_reproduces_the_assignment_compactly(graph):
 
 def test_from_assignment_rejects_ids_of_another_graph(graph):
     with pytest.raises(PrecsearchError, match="graph lacks.*'layer1.0.conv1:weight'"):
-        Policy.from_assignment(graph, {"layer1.0.conv1:weight": "fp16"})
+        policy_from_assignment(graph, {"layer1.0.conv1:weight": "fp16"})
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -94,7 +100,7 @@ def test_check_reports_missing_rules_and_uncovered_tensors_by_name(graph):
     policy = Policy(defaults={"weight": "e5m2s", "activation": "e5m2s", "weight_grad": "e6m9s"},
                     overrides={"conv9:weight": "fp16", "layer*:activation": "fp16", "relu1:activation_grad": "fp16"},
                     module_types={"GELU": {"activation": "bf16"}})
-    report = policy.check(graph)
+    report = check_policy(policy, graph)
     assert report.missing == ["override 'conv9:weight'", "override 'layer*:activation'", "module type 'GELU'"]
     expected = [tid for tid in graph.assignable_ids()
                 if graph.tensors[tid].kind == "activation_grad" and tid != "relu1:activation_grad"]
@@ -103,7 +109,7 @@ def test_check_reports_missing_rules_and_uncovered_tensors_by_name(graph):
 
 
 def test_check_traces_a_model_from_the_policy_input_shape(policy):
-    report = policy.check(build("tiny_cnn"))
+    report = check_policy_on_model(policy, build("tiny_cnn"))
     assert report.fingerprint_matches and report.uncovered == []
     assert report.missing == []
 
@@ -111,8 +117,8 @@ def test_check_traces_a_model_from_the_policy_input_shape(policy):
 def test_policy_for_another_model_is_refused_unless_not_strict(policy):
     other = trace(build("tiny_cnn", width=0.5), torch.zeros(2, 3, 32, 32), batch_size=8)
     with pytest.raises(PrecsearchError, match=r"policy was made for tiny_cnn \(graph [0-9a-f]+\).*strict=False"):
-        policy.verify(other)
-    report = policy.verify(other, strict=False)
+        verify_policy(policy, other)
+    report = verify_policy(policy, other, strict=False)
     assert not report.fingerprint_matches
 
 
@@ -204,15 +210,15 @@ def test_newer_schema_unknown_keys_and_wrong_types_are_refused(policy, tmp_path)
 
 def test_failed_save_leaves_no_file_behind(policy, tmp_path, monkeypatch):
     target = tmp_path / "p.json"
-    policy.provenance["trial"] = object()  # not JSON
     with pytest.raises(PrecsearchError, match="provenance must hold only JSON data"):
-        policy.save(target)
+        policy.replace(provenance={"trial": object()})  # not JSON: refused before anything can be saved
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.provenance = {}  # a frozen policy changes by replace only
     assert list(tmp_path.iterdir()) == []
 
-    policy.provenance.pop("trial")
     policy.save(target)
     before = target.read_bytes()
-    policy.provenance["trial"] = 7
+    policy = policy.replace(provenance={"trial": 7})
 
     def broken_replace(src, dst):
         raise OSError(28, "No space left on device")
@@ -295,65 +301,8 @@ def test_bad_accumulation_values_are_refused_naming_file_and_field(policy, tmp_p
 
 
 def test_check_names_accumulation_patterns_that_match_no_layer(graph):
-    report = Policy(accumulation={"layers": ["conv?", "layer4.*"]}).check(graph)
+    report = check_policy(Policy(accumulation={"layers": ["conv?", "layer4.*"]}), graph)
     assert report.missing == ["accumulation layers 'layer4.*'"]
-
-
-# ------------------------------------------------------------------------------------------- baselines
-
-
-def test_every_baseline_builds_and_predicts_from_the_cost_model(graph):
-    cost = CostModel(graph)
-    fp32_bytes = cost.bytes({})
-    for name in BASELINES:
-        policy = baseline(name, graph)
-        assert policy.check(graph).ok, name
-        assignment = policy.assignment(graph)
-        assert policy.predicted["bytes"] == int(cost.bytes(assignment))
-        assert policy.predicted["ratio"] == pytest.approx(cost.bytes(assignment) / fp32_bytes)
-        assert policy.provenance == {"strategy": f"baseline:{name}"}
-        Policy.from_dict(json.loads(policy.to_json()))  # every baseline survives its own file format
-        assert policy.accumulation is None  # costly: never on by default
-    assert baseline("fp32", graph).predicted["ratio"] == 1.0
-    assert baseline("fp16", graph).predicted["ratio"] == 0.5
-    assert baseline("fp8", graph).predicted["ratio"] == 0.25
-    with pytest.raises(PrecsearchError, match="unknown baseline 'fp4'; use one of fp32, fp16"):
-        baseline("fp4", graph)
-
-
-def test_uniform_and_mixed_precision_baselines(graph):
-    ids = graph.assignable_ids()
-    for name, spec in (("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8_e5m2")):
-        policy = baseline(name, graph)
-        assert set(policy.assignment(graph).values()) == {spec}
-        assert policy.loss_scaling == {"mode": "none"} and policy.master_weights
-    mpt = baseline("mpt", graph)
-    assert mpt.assignment(graph) == dict.fromkeys(ids, "fp16")
-    assert mpt.master_weights and mpt.loss_scaling == {"mode": "dynamic", "init_scale": 2.0**16}
-
-
-def test_hfp8_keeps_only_the_inner_gemm_operands_low(graph):
-    # tiny_cnn: conv1 (first GEMM), conv2, linear (last GEMM). conv2 computes pool1:activation x conv2:weight;
-    # its backward multiplies conv2:activation_grad. Only those are low; everything else is e6m9s.
-    assignment = baseline("hfp8", graph).assignment(graph)
-    low = {tid: spec for tid, spec in assignment.items() if spec != "e6m9s"}
-    assert low == {"pool1:activation": "e4m3b4s", "conv2:weight": "e4m3b4s", "conv2:activation_grad": "e5m2s"}
-    policy = baseline("hfp8", graph)
-    assert policy.overflow == {"weight": "saturate", "activation": "saturate", "weight_grad": "inf",
-                               "activation_grad": "inf"}
-    assert policy.promotion_threshold is None and policy.high_format == "e6m9s"
-
-
-def test_wang_fp8_is_e5m2_data_with_16_bit_first_and_last_layers(graph):
-    policy = baseline("wang_fp8", graph)
-    assignment = policy.assignment(graph)
-    high = {"x:activation", "conv1:weight", "conv1:activation_grad",  # first GEMM's operands
-            "pool2:activation", "linear:weight", "linear:bias", "linear:activation_grad"}  # last GEMM's
-    for tid, spec in assignment.items():
-        kind = graph.tensors[tid].kind
-        expected = "e6m9s" if tid in high or kind == "weight_grad" else "e5m2s"
-        assert spec == expected, tid
-    assert policy.optimizer == {"update": "stochastic"}
 
 
 def test_the_paper_settings_round_trip_and_files_without_them_read_the_defaults(policy, tmp_path):
@@ -374,7 +323,7 @@ def test_the_paper_settings_round_trip_and_files_without_them_read_the_defaults(
         ({"promotion_kinds": "weight"}, "promotion_kinds must be a list of tensor kinds"),
         ({"promotion_kinds": ["weights"]}, "promotion_kinds: unknown tensor kind 'weights'"),
         ({"rounding": {"weight": "nearest_away"}}, "rounding.weight: 'nearest_away' is not allowed"),
-        ({"loss_scaling": {"mode": "dynamic", "growth_interval": "week"}}, "growth_interval 'week'"),
+        ({"loss_scaling": {"mode": "dynamic", "growth_interval": "week"}}, "growth_interval='week' must be a whole"),
     ]
     for value, pattern in cases:
         with pytest.raises(PrecsearchError, match=pattern) as info:

@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precsearch.config.policy import Policy, baseline
+from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.strategies import baseline
 
 SHAPE = (3, 32, 32)
 WEIGHTS_FP16 = {"weight": "fp16", "activation": "fp32", "activation_grad": "fp32", "weight_grad": "fp32"}

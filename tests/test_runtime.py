@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from precsearch.config.policy import Accumulation, Policy, baseline
+from precsearch.config.policy import Accumulation, Policy
 from precsearch.config.spaces import paper_space
 from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.cost.model import CostModel, measure_saved_bytes
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
 from precsearch.formats.kernels import quantize
 from precsearch.graph.tracing import trace
@@ -29,6 +30,7 @@ from precsearch.runtime.accumulate import ChunkedConv2d, ChunkedLinear, chunked_
 from precsearch.runtime.optim import LowPrecisionOptimizer
 from precsearch.runtime.scaling import AdaptiveLossScaler, DynamicLossScaler
 from precsearch.runtime.wrapper import PrecisionModel, apply_policy
+from precsearch.search.strategies import baseline
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 SHAPE = (3, 32, 32)
@@ -442,7 +444,7 @@ def test_eight_bit_policy_really_holds_a_quarter_of_the_fp32_saved_bytes():
     fp32_measured = measure_saved_bytes(model, x)
     graph = trace(model, x[:2], batch_size=batch)
     cost = CostModel(graph)
-    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
+    policy = policy_from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
     wrapped = apply_policy(model, policy)
 
     storages = []  # every float storage the model's modules receive or make, held only weakly
@@ -488,7 +490,7 @@ def test_in_place_ops_see_rounded_values_and_their_saves_are_packed_once():
     model = InPlace()
     x, y = _batch()
     graph = trace(model, x[:2], batch_size=8)
-    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
+    policy = policy_from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
     reference = copy.deepcopy(model)
     wrapped = apply_policy(model, policy)
     seen = {}
@@ -509,7 +511,7 @@ def test_packed_saved_bytes_match_the_cost_model_across_the_zoo(name):
     x, _ = _batch(n=4)
     graph = trace(model, x[:2], batch_size=4)
     for spec in ("fp16", "e4m3b4s"):
-        policy = Policy.from_assignment(graph, dict.fromkeys(graph.assignable_ids(), spec))
+        policy = policy_from_assignment(graph, dict.fromkeys(graph.assignable_ids(), spec))
         wrapped = apply_policy(model, policy)
         wrapped(x)
         saved = wrapped.saved_bytes()
@@ -635,7 +637,7 @@ def test_untraceable_models_keep_their_chunked_layers_rounded_through_hooks():
 
 
 def test_a_policy_for_another_model_is_refused():
-    policy = Policy.from_assignment(trace(_model(), torch.zeros(2, *SHAPE), batch_size=8), {})
+    policy = policy_from_assignment(trace(_model(), torch.zeros(2, *SHAPE), batch_size=8), {})
     with pytest.raises(PrecsearchError, match="policy was made for TinyCNN .*pass strict=False"):
         apply_policy(_model("tiny_cnn", width=0.5), policy)
     wrapped = apply_policy(_model("tiny_cnn", width=0.5), policy, strict=False)

@@ -18,14 +18,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precsearch.config.policy import Policy, baseline
+from precsearch.config.policy import Policy
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import sgd_step
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.formats.compiled import RUNNER
 from precsearch.graph.tracing import grad_id, gradient_arrives_fresh, gradient_passes_from, trace
 from precsearch.models import build
 from precsearch.runtime import wrapper as runtime
 from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.strategies import baseline
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 BATCH = 4
@@ -52,7 +54,7 @@ class DispatchCounter(TorchDispatchMode):
 
 
 def _paper_policy(graph) -> Policy:
-    return Policy.from_assignment(
+    return policy_from_assignment(
         graph, {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()},
         high_format="e6m9s", overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
         promotion_threshold=0.01,

@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precsearch.config.policy import Policy, baseline
+from precsearch.config.policy import Policy
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.model import CostModel, measure_saved_bytes
+from precsearch.cost.policies import policy_from_assignment
+from precsearch.graph.policy_check import check_policy
 from precsearch.graph.tracing import trace
 from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.strategies import baseline
 
 BATCH = 4
 ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
@@ -121,7 +124,7 @@ def _example(batch: int, seed: int = 0, size: int = 16) -> torch.Tensor:
 def _policy(name: str, graph) -> Policy:
     if name != "all-low":
         return baseline(name, graph)
-    return Policy.from_assignment(
+    return policy_from_assignment(
         graph, {tid: ALL_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
         overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16})
 
@@ -180,7 +183,7 @@ def test_an_in_place_relu_is_stored_in_its_own_format_not_its_inputs():
     graph = trace(model, x[:2], batch_size=BATCH)
     assignment = dict.fromkeys(graph.assignable_ids(), "e4m3b4s")
     assignment.update({tid: "e6m9s" for tid in graph.assignable_ids() if tid.startswith("bn")})
-    policy = Policy.from_assignment(graph, assignment, overflow=dict(PAPER_OVERFLOW))
+    policy = policy_from_assignment(graph, assignment, overflow=dict(PAPER_OVERFLOW))
     cost = CostModel(graph)
     relu_output = graph.tensors["relu#1:activation"].numel
     assert cost.saved_activation_bytes(policy.assignment(graph)) == _runtime_saved(model, policy, x)
@@ -213,6 +216,6 @@ def test_gemms_inside_a_leaf_function_are_listed_as_unenforced_with_a_warning(ca
     assert wrapped.unenforced == ["attention"]
     assert [r.message for r in caplog.records].count(next(m for m in caplog.messages if "attention" in m)) == 1
     assert "inside FX leaf" in caplog.text
-    report = policy.check(graph)
+    report = check_policy(policy, graph)
     assert report.unenforced == [f"attention ({graph.unenforced()['attention']})"]
     assert "WARNING: 1 op(s) not enforced inside" in report.summary()

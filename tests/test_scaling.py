@@ -215,7 +215,7 @@ def test_misuse_and_bad_settings_raise_clear_errors() -> None:
             DynamicLossScaler(**bad)
     with pytest.raises(PrecsearchError, match="underflow_rate"):
         AdaptiveLossScaler(underflow_rate=0.0)
-    with pytest.raises(PrecsearchError, match="unknown loss scaling mode"):
+    with pytest.raises(PrecsearchError, match="mode: .sometimes. is not allowed; use one of none, static"):
         make_scaler("sometimes")
     with pytest.raises(PrecsearchError, match="dynamic scaler"):
         StaticLossScaler(2.0).load_state_dict(DynamicLossScaler().state_dict())
@@ -223,7 +223,7 @@ def test_misuse_and_bad_settings_raise_clear_errors() -> None:
         DynamicLossScaler().load_state_dict({"scale": 2.0})
     with pytest.raises(PrecsearchError, match="not GEMM layers"):
         AdaptiveLossScaler().attach(small_cnn(), layers=["1"])  # a ReLU
-    assert isinstance(make_scaler("static", scale=8.0), StaticLossScaler)
+    assert isinstance(make_scaler("static", init_scale=8.0), StaticLossScaler)
 
 
 # --------------------------------------------------------------------------------------------- adaptive

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from precsearch.config.policy import Policy
 from precsearch.cost.measured import trace_step
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
 from precsearch.graph import tracing as graph_module
 from precsearch.graph.tracing import trace
@@ -61,7 +62,7 @@ def _setup(batch: int = 12):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)
     graph = trace(model, x[:2], batch_size=batch)
-    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
+    policy = policy_from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
                                             for tid in graph.assignable_ids()})
     return model, policy, x, y
 
@@ -104,7 +105,7 @@ def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
                            nn.Conv2d(64, 8, 1))
     x = torch.randn(4, 64, 64, 64)
     graph = trace(layers, x[:2], batch_size=4)
-    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
+    policy = policy_from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
                                             for tid in graph.assignable_ids()})
     x.requires_grad_(True)
     whole = x.nbytes
@@ -208,7 +209,7 @@ def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(mo
     model = Narrowed()
     x, y = torch.randn(6, 3, 12, 12), torch.randint(0, 10, (6,))
     graph = trace(model, x[:2], batch_size=6)
-    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
+    policy = policy_from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
                                             for tid in graph.assignable_ids()})
     monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
     expected = _gradients(model, policy, x, y)
@@ -267,7 +268,7 @@ def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_
     x, y = torch.randn(4, 3, 4, 4, generator=g), torch.randint(0, 10, (4,), generator=g)
     graph = trace(model, x[:2], batch_size=4)
     formats = {**PAPER_LOW, **({"weight": "fp32"} if weights == "fp32" else {})}
-    policy = Policy.from_assignment(graph, {tid: formats[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
+    policy = policy_from_assignment(graph, {tid: formats[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
     monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
     whole = _gradients(model, policy, x, y)
     monkeypatch.undo()
@@ -287,7 +288,7 @@ def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradie
     layers = nn.Sequential(nn.Conv2d(8, 256, 1, bias=False), nn.ReLU(), nn.Conv2d(256, 256, 3, padding=1, bias=False))
     x = torch.randn(8, 8, 4, 4)
     graph = trace(layers, x[:2], batch_size=8)
-    policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
+    policy = policy_from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
                                             for tid in graph.assignable_ids()})
     weight_bytes = layers[2].weight.nbytes
 

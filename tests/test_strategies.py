@@ -1,7 +1,9 @@
-"""The paper's assignment technique, its ablations, uniform assignments and the seed set of the search."""
+"""The paper's assignment technique, its ablations, uniform assignments, the seed set of the search and the
+prior-work baselines."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,19 +11,22 @@ import pytest
 import torch
 from torch import nn
 
+from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space, parse_space
-from precsearch.config.spec import ASSIGNABLE_KINDS
+from precsearch.config.spec import ASSIGNABLE_KINDS, BASELINES
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
+from precsearch.graph.policy_check import check_policy
 from precsearch.graph.tracing import trace
+from precsearch.models import build
 from precsearch.search import strategies
 from precsearch.search import study as search
 from precsearch.search.strategies import (
     ACCEPTANCE_WINDOW,
-    BASELINES,
     R_GRID,
     assign,
     assignment_key,
+    baseline,
     baseline_policies,
     group_sizes,
     low_share,
@@ -246,3 +251,65 @@ def test_the_acceptance_window_keeps_exactly_the_targets_the_reference_accepts(g
     assert len(accepted) < len(R_GRID)  # tiny_cnn's groups are coarse: some targets overshoot the window
     assert [c.r for c in sweep(graph, SPACE, window=ACCEPTANCE_WINDOW)] == accepted
     assert [c.r for c in sweep(graph, SPACE)] == list(R_GRID)  # no window: every target
+
+
+# ------------------------------------------------------------------------------------------- baselines
+
+
+@pytest.fixture(scope="module")
+def tiny_graph():
+    return trace(build("tiny_cnn"), torch.zeros(2, 3, 32, 32), batch_size=8)
+
+
+def test_every_baseline_builds_and_predicts_from_the_cost_model(tiny_graph):
+    cost = CostModel(tiny_graph)
+    fp32_bytes = cost.bytes({})
+    for name in BASELINES:
+        policy = baseline(name, tiny_graph)
+        assert check_policy(policy, tiny_graph).ok, name
+        assignment = policy.assignment(tiny_graph)
+        assert policy.predicted["bytes"] == int(cost.bytes(assignment))
+        assert policy.predicted["ratio"] == pytest.approx(cost.bytes(assignment) / fp32_bytes)
+        assert policy.provenance == {"strategy": f"baseline:{name}"}
+        Policy.from_dict(json.loads(policy.to_json()))  # every baseline survives its own file format
+        assert policy.accumulation is None  # costly: never on by default
+    assert baseline("fp32", tiny_graph).predicted["ratio"] == 1.0
+    assert baseline("fp16", tiny_graph).predicted["ratio"] == 0.5
+    assert baseline("fp8", tiny_graph).predicted["ratio"] == 0.25
+    with pytest.raises(PrecsearchError, match="unknown baseline 'fp4'; use one of fp32, fp16"):
+        baseline("fp4", tiny_graph)
+
+
+def test_uniform_and_mixed_precision_baselines(tiny_graph):
+    ids = tiny_graph.assignable_ids()
+    for name, spec in (("fp16", "fp16"), ("bf16", "bf16"), ("fp8", "fp8_e5m2")):
+        policy = baseline(name, tiny_graph)
+        assert set(policy.assignment(tiny_graph).values()) == {spec}
+        assert policy.loss_scaling == {"mode": "none"} and policy.master_weights
+    mpt = baseline("mpt", tiny_graph)
+    assert mpt.assignment(tiny_graph) == dict.fromkeys(ids, "fp16")
+    assert mpt.master_weights and mpt.loss_scaling == {"mode": "dynamic", "init_scale": 2.0**16}
+
+
+def test_hfp8_keeps_only_the_inner_gemm_operands_low(tiny_graph):
+    # tiny_cnn: conv1 (first GEMM), conv2, linear (last GEMM). conv2 computes pool1:activation x conv2:weight;
+    # its backward multiplies conv2:activation_grad. Only those are low; everything else is e6m9s.
+    assignment = baseline("hfp8", tiny_graph).assignment(tiny_graph)
+    low = {tid: spec for tid, spec in assignment.items() if spec != "e6m9s"}
+    assert low == {"pool1:activation": "e4m3b4s", "conv2:weight": "e4m3b4s", "conv2:activation_grad": "e5m2s"}
+    policy = baseline("hfp8", tiny_graph)
+    assert policy.overflow == {"weight": "saturate", "activation": "saturate", "weight_grad": "inf",
+                               "activation_grad": "inf"}
+    assert policy.promotion_threshold is None and policy.high_format == "e6m9s"
+
+
+def test_wang_fp8_is_e5m2_data_with_16_bit_first_and_last_layers(tiny_graph):
+    policy = baseline("wang_fp8", tiny_graph)
+    assignment = policy.assignment(tiny_graph)
+    high = {"x:activation", "conv1:weight", "conv1:activation_grad",  # first GEMM's operands
+            "pool2:activation", "linear:weight", "linear:bias", "linear:activation_grad"}  # last GEMM's
+    for tid, spec in assignment.items():
+        kind = tiny_graph.tensors[tid].kind
+        expected = "e6m9s" if tid in high or kind == "weight_grad" else "e5m2s"
+        assert spec == expected, tid
+    assert policy.optimizer == {"update": "stochastic"}

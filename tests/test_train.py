@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
 from precsearch.config.spec import ProxyConfig
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.search.strategies import paper_assignment
@@ -45,7 +45,7 @@ def run():
     data = load_dataset("synthetic", image_size=8, train_size=64, val_size=32)
     space = paper_space()
     graph = trace(build("tiny_cnn", num_classes=data[0].num_classes), data[0].images[:2])
-    policy = Policy.from_assignment(graph, paper_assignment(graph, 0.5, space).assignment,
+    policy = policy_from_assignment(graph, paper_assignment(graph, 0.5, space).assignment,
                                     loss_scaling=dict(space.loss_scaling), overflow=dict(space.overflow))
 
     def run(recipe, **options):

@@ -4,7 +4,8 @@ and the ops the runtime cannot enforce.
 Saved bytes decide the memory an assignment buys, so both sides are measured, not assumed: in fp32 against
 autograd's own (`measure_saved_bytes`, saved_tensors_hooks), under a policy against what the runtime's packer
 kept in one training forward. `precsearch trace MODEL --check` prints `ModelCheck.summary()`;
-benchmarks/zoo_check.py runs it over torchvision's zoo.
+benchmarks/zoo_check.py runs it over torchvision's zoo. `check_policy_on_model` holds a policy against a model
+as `apply_policy` traces it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from precsearch.config.policy import baseline
+from precsearch.config.policy import Policy
 from precsearch.cost.model import MIB, CostModel, measure_saved_bytes
-from precsearch.graph.tracing import trace
+from precsearch.graph.policy_check import PolicyReport, check_policy, policy_example_input
+from precsearch.graph.tracing import trace, untraced_modules
+from precsearch.runtime.accumulate import CHUNKED_LAYERS
 from precsearch.runtime.wrapper import apply_policy
+from precsearch.search.strategies import baseline
 
 TOLERANCE = 0.02  # the agreement the cost model is held to (tests and the zoo check)
 
@@ -69,8 +73,8 @@ class ModelCheck:
 def check_model(model: nn.Module, batch: torch.Tensor, policies: Iterable[str] = ("hfp8", "fp16"),
                 leaf_modules: Iterable[type | str] = (), name: str | None = None, seed: int = 0) -> ModelCheck:
     """Trace `model` on two samples of `batch` at its full batch size, as `apply_policy` does, and measure
-    one training forward on `batch`: plain (fp32) and under each baseline policy (`precsearch.config.policy.baseline`
-    names). The model is left as it was (the runtime runs on copies)."""
+    one training forward on `batch`: plain (fp32) and under each baseline policy
+    (`precsearch.search.strategies.baseline` names). The model is left as it was (the runtime runs on copies)."""
     leaf_modules = list(leaf_modules)
     graph = trace(model, batch[:2], batch_size=batch.shape[0], leaf_modules=leaf_modules, model_name=name)
     cost = CostModel(graph)
@@ -86,3 +90,13 @@ def check_model(model: nn.Module, batch: torch.Tensor, policies: Iterable[str] =
         runtime[policy_name] = (kept.activation + kept.other, cost.saved_activation_bytes(policy.assignment(graph)))
     return ModelCheck(graph.model_name, batch.shape[0], cost.saved_activation_bytes(), measured, runtime,
                       graph.unenforced())
+
+
+def check_policy_on_model(policy: Policy, model: nn.Module, example_input: torch.Tensor | None = None) -> PolicyReport:
+    """`check_policy` on `model` traced as `apply_policy` traces it (on `example_input`, or a batch of two zeros of
+    the policy's input shape: give a real batch, since a branch zeros do not take is not traced); the report
+    also names the model's modules that are not in the graph (`untraced`)."""
+    if example_input is None:
+        example_input = policy_example_input(policy, model)
+    graph = trace(model, example_input, batch_size=policy.batch_size, leaf_modules=CHUNKED_LAYERS)
+    return check_policy(policy, graph, untraced_modules(model, graph, CHUNKED_LAYERS))

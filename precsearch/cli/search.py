@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from precsearch.config.spec import SAMPLERS
+from precsearch.config.spec import MEMORY_MEASURES, SAMPLERS
 from precsearch.train.data import DATASETS
 
 
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="single objective: best accuracy with memory <= R x all-high")
     budget.add_argument("--max-accuracy-drop", type=float, default=None, metavar="D",
                         help="single objective: least memory with accuracy >= all-high - D (0.01 = 1 point)")
-    parser.add_argument("--memory", choices=("bytes", "peak"), default="bytes",
+    parser.add_argument("--memory", choices=MEMORY_MEASURES, default="bytes",
                         help="memory measure to minimize: bytes of the tensors training keeps (the paper's, "
                              "default) or the predicted peak of a training step")
     add_noise_arguments(parser)

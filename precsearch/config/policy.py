@@ -2,7 +2,10 @@
 
 A ``Policy`` is what a search (or a hand) produces and what ``precsearch.runtime.wrapper.apply_policy`` loads into
 ordinary training. It is a versioned JSON document (``schema_version`` 1), written with sorted keys and one
-entry per line so that two policies diff cleanly.
+entry per line so that two policies diff cleanly. A ``Policy`` is plain, frozen, validated data: it loads and
+saves without torch. The code that ties one to a model lives with the model's boxes: the cost model's
+prediction (precsearch.cost.policies), the check against a graph (precsearch.graph.policy_check) or a module
+(precsearch.analysis.checks), the prior-work baselines (precsearch.search.strategies).
 
 Resolving a tensor's format, in the spirit of torch.ao's QConfigMapping (most specific rule wins):
 
@@ -12,7 +15,7 @@ Resolving a tensor's format, in the spirit of torch.ao's QConfigMapping (most sp
 3. ``module_types[type][kind]``: the producing module's class name or function name (``"Conv2d"``,
    ``"add"``) and the tensor kind;
 4. ``defaults[kind]``;
-5. nothing matched: fp32, and ``check`` reports the tensor as not covered.
+5. nothing matched: fp32, and a check (precsearch.graph.policy_check) reports the tensor as not covered.
 
 Master weights and optimizer state are not assigned here: master copies are fp32 when ``master_weights`` is
 true, and the optimizer settings (``optimizer``) say how the update is rounded.
@@ -41,62 +44,44 @@ and backward, by Wang et al.'s chunk-based accumulation (precsearch.runtime.accu
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
 import json
-import logging
 import os
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import torch
-from torch import nn
-
+from precsearch.config.checks import check_keys, choice, flag
+from precsearch.config.loss_scaling import loss_scaling
+from precsearch.config.optimizer import optimizer
 from precsearch.config.spec import (
     ASSIGNABLE_KINDS,
-    BASELINES,
     COMPRESSIONS,
     GRADIENT_ROUNDINGS,
-    OVERFLOWS,
-    PAPER_OVERFLOW,
     PAPER_PROMOTION_KINDS,
     POLICY_DEFAULTS,
     POLICY_ROUNDINGS,
     TIES,
-    TensorId,
-    check_keys,
-    choice,
-    flag,
     kinds_list,
-    loss_scaling,
-    optimizer,
     promotion_threshold,
 )
-from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.formats.format import FloatFormat, get_format, spec_name
-from precsearch.graph.tracing import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
-from precsearch.runtime.accumulate import (
-    CHUNKABLE_LAYERS,
-    DEFAULT_ACC,
-    DEFAULT_CHUNK,
-    ChunkedConv2d,
-    ChunkedLinear,
-    swap_chunked_layers,
-)
+from precsearch.formats.format import OVERFLOWS, FloatFormat, get_format, spec_name
 
-log = logging.getLogger(__name__)
-
-__all__ = ["Accumulation", "SCHEMA_VERSION", "Policy", "PolicyReport", "baseline"]
+__all__ = [
+    "ACCUMULATION_CHUNK", "ACCUMULATION_FORMAT", "ACCUMULATION_LAYER_TYPES", "Accumulation", "SCHEMA_VERSION",
+    "Policy", "is_glob",
+]
 
 SCHEMA_VERSION = 1
 ACCUMULATION_KEYS: tuple[str, ...] = ("format", "chunk", "layers")
-# Traced as single GEMM ops, so a model whose layers were already swapped traces like the plain one.
-CHUNKED_LAYERS: tuple[type[nn.Module], ...] = (ChunkedLinear, ChunkedConv2d)
+# Wang et al. 2018: 16-bit (1,6,9) sums in chunks of 64.
+ACCUMULATION_FORMAT = "e6m9s"
+ACCUMULATION_CHUNK = 64
+# The module types whose GEMM sums ``accumulation`` may make low (precsearch.runtime.accumulate has their twins).
+ACCUMULATION_LAYER_TYPES: tuple[str, ...] = ("Linear", "Conv2d")
 _GLOB_CHARS = frozenset("*?[")
 _FIELDS = (
     "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
@@ -112,8 +97,25 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
 
 
-def _is_glob(key: str) -> bool:
+def is_glob(key: str) -> bool:
+    """Whether an ``overrides`` key is a glob over tensor ids rather than one id."""
     return not _GLOB_CHARS.isdisjoint(key)
+
+
+class TensorRef(Protocol):
+    """What resolving a format reads of a graph's tensor (precsearch.graph.tracing's ``TensorInfo`` is one)."""
+
+    id: str
+    kind: str
+    module_type: str
+
+
+class GraphRef(Protocol):
+    """What ``Policy.assignment`` reads of a graph (precsearch.graph.tracing's ``TensorGraph`` is one)."""
+
+    tensors: Mapping[str, Any]
+
+    def assignable_ids(self) -> list[str]: ...
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -158,15 +160,16 @@ class Accumulation:
     ``format``: the accumulation format (Wang et al.: 16-bit ``e6m9s``); ``chunk``: the chunk length CL (>= 1;
     None sums sequentially, the swamping-prone baseline that chunking fixes); ``layers``: glob patterns over
     module qualified names (``"layer*.conv?"``), every Linear/Conv2d by default. ``apply_policy`` swaps the
-    layers for precsearch.runtime.accumulate's chunked ones, forward and backward, before it instruments the model.
+    layers for precsearch.runtime.accumulate's chunked ones (``swap_chunked_layers``), forward and backward,
+    before it instruments the model.
 
     Costly: a chunked layer makes CL + K/CL rounding passes in Python, 26x to 1000x the time of the plain
     layer on CPU, so no baseline turns it on. Wang et al.'s full recipe is
-    ``baseline("wang_fp8", graph).replace(accumulation=Accumulation("e6m9s", 64))``.
+    ``baseline("wang_fp8", graph).replace(accumulation=Accumulation("e6m9s", 64))`` (precsearch.search.strategies).
     """
 
-    format: str = DEFAULT_ACC
-    chunk: int | None = DEFAULT_CHUNK
+    format: str = ACCUMULATION_FORMAT
+    chunk: int | None = ACCUMULATION_CHUNK
     layers: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
@@ -181,10 +184,6 @@ class Accumulation:
             raise PrecsearchError(f"accumulation.layers must be a non-empty list of glob patterns over module "
                                   f"names such as [\"*\"], not {layers!r}")
         object.__setattr__(self, "layers", tuple(layers))
-
-    def apply(self, model: nn.Module) -> list[str]:
-        """Swap the chosen layers of ``model`` in place for chunked ones (same Parameters); their names."""
-        return swap_chunked_layers(model, self.layers, self.format, self.chunk)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": self.format, "chunk": self.chunk, "layers": list(self.layers)}
@@ -204,55 +203,11 @@ def _accumulation(value: Any, where: str) -> Accumulation | None:
 # ---------------------------------------------------------------------------------------------- policy
 
 
-@dataclass
-class PolicyReport:
-    """What ``Policy.check`` found: rules naming nothing in the model, tensors no rule covers, graph identity."""
-
-    model: str
-    policy_fingerprint: str | None
-    graph_fingerprint: str
-    missing: list[str] = field(default_factory=list)
-    uncovered: list[str] = field(default_factory=list)
-    unenforced: list[str] = field(default_factory=list)  # ops the runtime rounds only at their boundary
-    hints: dict[str, list[str]] = field(default_factory=dict)  # missing rule -> the closest names in the model
-    untraced: list[str] = field(default_factory=list)  # modules of the model that are not in the graph
-
-    def named(self, item: str) -> str:
-        """A missing rule with its closest names, e.g. ``override 'conv9:weight' (closest: conv2:weight)``."""
-        close = self.hints.get(item)
-        return f"{item} (closest: {', '.join(close)})" if close else item
-
-    @property
-    def fingerprint_matches(self) -> bool:
-        return self.policy_fingerprint is None or self.policy_fingerprint == self.graph_fingerprint
-
-    @property
-    def ok(self) -> bool:
-        return self.fingerprint_matches and not self.missing and not self.uncovered and not self.untraced
-
-    def summary(self) -> str:
-        """A few human-readable lines (what ``precsearch`` commands print)."""
-        lines = [f"policy for {self.model or '<unnamed model>'}: graph fingerprint "
-                 + ("matches" if self.fingerprint_matches
-                    else f"differs ({self.policy_fingerprint} in the policy, {self.graph_fingerprint} here)")]
-        if self.missing:
-            lines.append(f"{len(self.missing)} rule(s) name nothing in this model: "
-                         + ", ".join(self.named(item) for item in self.missing))
-        if self.untraced:
-            lines.append(f"{len(self.untraced)} module(s) did not run when the model was traced, so no rule "
-                         f"covers them and their memory is not counted: {', '.join(self.untraced)}")
-        if self.uncovered:
-            lines.append(f"{len(self.uncovered)} tensor(s) covered by no rule (kept fp32): "
-                         + ", ".join(self.uncovered))
-        if self.unenforced:
-            lines.append(f"WARNING: {len(self.unenforced)} op(s) not enforced inside (rounded at their boundary "
-                         f"only): {'; '.join(self.unenforced)}")
-        return "\n".join(lines)
-
-
-@dataclass
+@dataclass(frozen=True)
 class Policy:
-    """A precision assignment plus everything training needs to enforce it; see the module docstring."""
+    """A precision assignment plus everything training needs to enforce it; see the module docstring.
+
+    Frozen and validated on construction (format specs normalized): ``replace`` makes a changed copy."""
 
     model: str = ""
     graph_fingerprint: str | None = None
@@ -278,10 +233,11 @@ class Policy:
     allow_unmatched_rules: bool = False  # a rule naming nothing in the model is then only a warning
 
     def __post_init__(self) -> None:
-        self.validate()
+        self._validate("policy")
 
-    def validate(self, where: str = "policy") -> None:
+    def _validate(self, where: str) -> None:
         """Check every field and normalize format specs; a ``PrecsearchError`` names the first problem."""
+        normal: dict[str, Any] = {}
         if not isinstance(self.model, str):
             raise PrecsearchError(f"{where}: model must be a model spec string, not {self.model!r}")
         if self.graph_fingerprint is not None and not isinstance(self.graph_fingerprint, str):
@@ -292,38 +248,42 @@ class Policy:
                 isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape
             ):
                 raise PrecsearchError(f"{where}: input_shape must be a list of positive integers, not {shape!r}")
-            self.input_shape = tuple(shape)
-        self.batch_size = _optional_int(self.batch_size, f"{where}: batch_size")
-        self.defaults = {k: spec_name(v, f"{where}: defaults.{k}")
-                         for k, v in _kinds(self.defaults, f"{where}: defaults").items()}
-        self.overrides = {k: spec_name(v, f"{where}: overrides[{k!r}]")
-                          for k, v in _mapping(self.overrides, f"{where}: overrides").items()}
-        self.module_types = {
+            normal["input_shape"] = tuple(shape)
+        normal["batch_size"] = _optional_int(self.batch_size, f"{where}: batch_size")
+        normal["defaults"] = {k: spec_name(v, f"{where}: defaults.{k}")
+                              for k, v in _kinds(self.defaults, f"{where}: defaults").items()}
+        normal["overrides"] = {k: spec_name(v, f"{where}: overrides[{k!r}]")
+                               for k, v in _mapping(self.overrides, f"{where}: overrides").items()}
+        normal["module_types"] = {
             name: {k: spec_name(v, f"{where}: module_types.{name}.{k}")
                    for k, v in _kinds(rules, f"{where}: module_types.{name}").items()}
             for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
         }
-        self.high_format = spec_name(self.high_format, f"{where}: high_format")
-        self.rounding = {k: choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")
-                         for k, v in _kinds(self.rounding, f"{where}: rounding").items()}
-        self.overflow = {k: choice(v, OVERFLOWS, f"{where}: overflow.{k}")
-                         for k, v in _kinds(self.overflow, f"{where}: overflow").items()}
-        self.loss_scaling = loss_scaling(self.loss_scaling, f"{where}: loss_scaling", POLICY_DEFAULTS)
-        self.promotion_threshold = promotion_threshold(self.promotion_threshold, where)
+        normal["high_format"] = spec_name(self.high_format, f"{where}: high_format")
+        normal["rounding"] = {k: choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")
+                              for k, v in _kinds(self.rounding, f"{where}: rounding").items()}
+        normal["overflow"] = {k: choice(v, OVERFLOWS, f"{where}: overflow.{k}")
+                              for k, v in _kinds(self.overflow, f"{where}: overflow").items()}
+        normal["loss_scaling"] = loss_scaling(self.loss_scaling, f"{where}: loss_scaling",
+                                              POLICY_DEFAULTS.loss_scaling_mode)
+        normal["promotion_threshold"] = promotion_threshold(self.promotion_threshold, where)
         flag(self.master_weights, f"{where}: master_weights")
         flag(self.allow_unmatched_rules, f"{where}: allow_unmatched_rules")
-        self.optimizer = optimizer(self.optimizer, f"{where}: optimizer")
-        self.accumulation = _accumulation(self.accumulation, where)
-        self.compression = choice(self.compression, COMPRESSIONS, f"{where}: compression")
-        self.promotion_kinds = kinds_list(self.promotion_kinds, f"{where}: promotion_kinds")
-        self.gradient_rounding = choice(self.gradient_rounding, GRADIENT_ROUNDINGS, f"{where}: gradient_rounding")
-        self.ties = choice(self.ties, TIES, f"{where}: ties")
-        self.predicted = _json_data(self.predicted, f"{where}: predicted")
-        self.provenance = _json_data(self.provenance, f"{where}: provenance")
+        normal["optimizer"] = optimizer(self.optimizer, f"{where}: optimizer")
+        normal["accumulation"] = _accumulation(self.accumulation, where)
+        normal["compression"] = choice(self.compression, COMPRESSIONS, f"{where}: compression")
+        normal["promotion_kinds"] = kinds_list(self.promotion_kinds, f"{where}: promotion_kinds")
+        normal["gradient_rounding"] = choice(self.gradient_rounding, GRADIENT_ROUNDINGS,
+                                             f"{where}: gradient_rounding")
+        normal["ties"] = choice(self.ties, TIES, f"{where}: ties")
+        normal["predicted"] = _json_data(self.predicted, f"{where}: predicted")
+        normal["provenance"] = _json_data(self.provenance, f"{where}: provenance")
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
 
     # -- resolution ---------------------------------------------------------------------------------------
 
-    def explain(self, tensor: TensorInfo) -> tuple[str, str]:
+    def explain(self, tensor: TensorRef) -> tuple[str, str]:
         """(format spec, the rule that chose it) for a ``TensorInfo``, by the documented precedence."""
         if tensor.id in self.overrides:
             return self.overrides[tensor.id], f"override {tensor.id!r}"
@@ -337,7 +297,7 @@ class Policy:
             return self.defaults[tensor.kind], f"default for {tensor.kind}"
         return "fp32", "no rule"
 
-    def format_for(self, tensor: TensorInfo) -> str:
+    def format_for(self, tensor: TensorRef) -> str:
         """The format spec of a ``TensorInfo`` (fp32 for master weights and anything no rule covers)."""
         if tensor.kind == "optimizer_state":
             return self.optimizer.get("state_format", "fp32")
@@ -345,7 +305,7 @@ class Policy:
             return "fp32"
         return self.explain(tensor)[0]
 
-    def assignment(self, graph: TensorGraph) -> dict[str, str]:
+    def assignment(self, graph: GraphRef) -> dict[str, str]:
         """Tensor id -> format spec for every assignable tensor of ``graph`` (a ``TensorGraph``)."""
         return {tensor_id: self.format_for(graph.tensors[tensor_id]) for tensor_id in graph.assignable_ids()}
 
@@ -360,119 +320,12 @@ class Policy:
         return {spec: get_format(spec) for spec in sorted(specs)}
 
     def _globs(self) -> list[str]:
-        return sorted((key for key in self.overrides if _is_glob(key)), key=lambda key: (-len(key), key))
-
-    @classmethod
-    def from_assignment(cls, graph: TensorGraph, assignment: Mapping[str, Any], **fields: Any) -> Policy:
-        """A compact policy for ``graph`` giving exactly ``assignment`` (ids not named are fp32).
-
-        Each kind's most common format becomes its default and the rest become exact-id overrides. The
-        model identity comes from the graph; ``fields`` set any other field (and may override those). The
-        cost model's prediction is filled in.
-        """
-        unknown = sorted(set(assignment) - set(graph.assignable_ids()))
-        if unknown:
-            raise PrecsearchError(f"assignment names {len(unknown)} id(s) the graph lacks, e.g. {unknown[0]!r}; "
-                                  "build it from this model's graph")
-        specs = {tensor_id: spec_name(assignment.get(tensor_id, "fp32"), f"assignment[{tensor_id!r}]")
-                 for tensor_id in graph.assignable_ids()}
-        defaults: dict[str, str] = {}
-        for kind in ASSIGNABLE_KINDS:
-            counts = Counter(spec for tensor_id, spec in specs.items() if graph.tensors[tensor_id].kind == kind)
-            if counts:
-                defaults[kind] = counts.most_common(1)[0][0]
-        overrides = {tensor_id: spec for tensor_id, spec in specs.items()
-                     if spec != defaults[graph.tensors[tensor_id].kind]}
-        values: dict[str, Any] = {**_identity(graph), "defaults": defaults, "overrides": overrides, **fields}
-        return cls(**values).fill_predicted(graph)
-
-    def fill_predicted(self, graph: TensorGraph) -> Policy:
-        """Set ``predicted`` from the cost model for ``graph``: bytes, the fp32 bytes, their ratio, saved bytes."""
-        cost = CostModel(graph)
-        assignment = self.assignment(graph)
-        total, fp32 = cost.bytes(assignment), cost.bytes({})
-        self.predicted = {
-            "bytes": int(total),
-            "fp32_bytes": int(fp32),
-            "ratio": float(total) / float(fp32) if fp32 else 1.0,
-            "low_share": float(cost.memory_ratio(assignment)),
-            "saved_activation_bytes": int(cost.saved_activation_bytes(assignment)),
-        }
-        return self
-
-    # -- checking against a model -------------------------------------------------------------------------
-
-    def check(self, model_or_graph: nn.Module | TensorGraph, example_input: torch.Tensor | None = None
-              ) -> PolicyReport:
-        """Report the rules that name nothing in the model and the tensors no rule covers, by name.
-
-        Takes a ``TensorGraph`` or an ``nn.Module`` (traced with ``example_input``, or a batch of two zeros of
-        the policy's ``input_shape``: give a real batch, since a branch zeros do not take is not traced). For
-        a module, the report also names its modules that are not in the graph (``untraced``).
-        """
-        graph = self._graph(model_or_graph, example_input)
-        untraced = ([] if isinstance(model_or_graph, TensorGraph)
-                    else untraced_modules(model_or_graph, graph, CHUNKED_LAYERS))
-        ids = set(graph.tensors)
-        missing = [f"override {key!r}" for key in sorted(self.overrides)
-                   if (key not in ids if not _is_glob(key) else not fnmatch.filter(ids, key))]
-        types = {info.module_type for info in graph.tensors.values()}
-        missing += [f"module type {name!r}" for name in sorted(self.module_types) if name not in types]
-        if self.accumulation is not None:
-            chunkable = {layer.__name__ for layer in CHUNKABLE_LAYERS}
-            layers = {op.name.partition("#")[0] for op in graph.ops if op.module_type in chunkable}
-            missing += [f"accumulation layers {pattern!r}" for pattern in self.accumulation.layers
-                        if not fnmatch.filter(layers, pattern)]
-        missing += [f"module type {name!r} {kind}" for name, rules in sorted(self.module_types.items())
-                    if name in types for kind in sorted(rules)
-                    if not any(t.module_type == name and t.kind == kind for t in graph.tensors.values())]
-        uncovered = [tensor_id for tensor_id in graph.assignable_ids()
-                     if self.explain(graph.tensors[tensor_id])[1] == "no rule"]
-        unenforced = [f"{name} ({why})" for name, why in graph.unenforced().items()]
-        hints = {item: _closest(item, ids, types) for item in missing}
-        return PolicyReport(self.model, self.graph_fingerprint, graph.fingerprint(), missing, uncovered, unenforced,
-                            {item: close for item, close in hints.items() if close}, untraced)
-
-    def verify(self, graph: TensorGraph, strict: bool = True) -> PolicyReport:
-        """``check`` that raises when the policy was made for another graph (unless ``strict`` is False)."""
-        report = self.check(graph)
-        if strict and not report.fingerprint_matches:
-            lacking = [item for item in report.missing if item.startswith("override")]
-            detail = f"; {len(lacking)} override(s) name nothing here, e.g. {lacking[0]}" if lacking else ""
-            raise PrecsearchError(
-                f"policy was made for {self.model or 'another model'} (graph {self.graph_fingerprint}), "
-                f"but this model's graph is {report.graph_fingerprint}{detail}; make a policy for this model "
-                "(or pass strict=False to apply_policy, in Python, to apply it anyway)"
-            )
-        if report.missing:
-            named = "; ".join(report.named(item) for item in report.missing[:3])
-            if self.allow_unmatched_rules or not strict:
-                log.warning("policy rule(s) name nothing in this model, ignored: %s", named)
-            else:
-                raise PrecsearchError(f"{len(report.missing)} policy rule(s) name nothing in this model: {named}; "
-                                      "fix the names (precsearch trace MODEL lists them), or set "
-                                      '"allow_unmatched_rules": true in the policy')
-        return report
-
-    def _graph(self, model_or_graph: nn.Module | TensorGraph, example_input: torch.Tensor | None) -> TensorGraph:
-        if isinstance(model_or_graph, TensorGraph):
-            return model_or_graph
-        if example_input is None:
-            example_input = self.example_input(model_or_graph)
-        return trace(model_or_graph, example_input, batch_size=self.batch_size, leaf_modules=CHUNKED_LAYERS)
-
-    def example_input(self, model: nn.Module | None = None, batch: int = 2) -> torch.Tensor:
-        """Zeros of ``(batch, *input_shape)`` on the model's device, for tracing."""
-        if self.input_shape is None:
-            raise PrecsearchError("policy has no input_shape; pass an example input")
-        device = next((p.device for p in model.parameters()), None) if model is not None else None
-        return torch.zeros(batch, *self.input_shape, device=device)
+        return sorted((key for key in self.overrides if is_glob(key)), key=lambda key: (-len(key), key))
 
     # -- files --------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document: every field, the schema version and the formats used with their parameters."""
-        self.validate()
         data = {name: getattr(self, name) for name in _FIELDS}
         data["input_shape"] = list(self.input_shape) if self.input_shape is not None else None
         if self.accumulation is None:
@@ -543,17 +396,6 @@ class Policy:
         return dataclasses.replace(self, **changes)
 
 
-def _closest(item: str, ids: set[str], types: set[str]) -> list[str]:
-    """The model's names nearest to what a missing rule names (tensor ids, or module types)."""
-    kind, _, name = item.partition(" '")
-    name = name.split("'")[0]
-    if kind.startswith("module type"):
-        return difflib.get_close_matches(name, sorted(types), n=3, cutoff=0.5)
-    if kind.startswith("override"):
-        return difflib.get_close_matches(name, sorted(ids), n=3, cutoff=0.5)
-    return []
-
-
 def _format_entry(fmt: FloatFormat) -> dict[str, Any]:
     return {"bits": fmt.bits, "exp": fmt.exp, "man": fmt.man, "bias": fmt.bias, "special": fmt.special,
             "max": fmt.max, "min_subnormal": fmt.min_subnormal}
@@ -575,79 +417,3 @@ def _check_listed_formats(listed: Any, where: str) -> None:
                                       "incompatible precsearch")
 
 
-def _identity(graph: TensorGraph) -> dict[str, Any]:
-    """The policy fields that tie it to one model's graph."""
-    return {
-        "model": graph.model_name,
-        "graph_fingerprint": graph.fingerprint(),
-        "input_shape": tuple(graph.input_shape) if graph.input_shape is not None else None,
-        "batch_size": graph.batch_size,
-    }
-
-
-# ------------------------------------------------------------------------------------------- baselines
-
-
-def _gemm_operands(graph: TensorGraph, op: OpInfo) -> set[str]:
-    """The tensors a GEMM op multiplies: its weights, its input activations and its output's gradient.
-
-    Forward computes Y = X W; backward computes dX = dY W and dW = X dY, so X, W and dY are its operands.
-    """
-    ids = {info.id for info in graph.tensors.values() if info.kind == "weight" and info.op == op.name}
-    ids |= {str(TensorId(name, "activation")) for name in op.inputs}
-    ids.add(str(TensorId(op.name, "activation_grad")))
-    return ids & set(graph.tensors)
-
-
-def _first_last_gemm_operands(graph: TensorGraph) -> set[str]:
-    gemms = [op for op in graph.ops if op.role == "gemm"]
-    if not gemms:
-        return set()
-    return _gemm_operands(graph, gemms[0]) | _gemm_operands(graph, gemms[-1])
-
-
-def baseline(name: str, graph: TensorGraph) -> Policy:
-    """A prior-work policy for any traced model (a ``TensorGraph``), with the cost model's prediction.
-
-    * ``fp32``: everything fp32, no loss scaling.
-    * ``fp16`` / ``bf16`` / ``fp8``: the format alone: every weight, activation and gradient in it (``fp8`` is
-      ``fp8_e5m2``, IEEE-like with inf: the one 8-bit format with range enough for data and gradients), fp32
-      master weights, no loss scaling, IEEE overflow to inf.
-    * ``mpt`` (Micikevicius et al. 2018): fp16 tensors, fp32 master weights, dynamic loss scaling from 2^16.
-    * ``hfp8`` (Sun et al. 2019, the paper's pi_op): every GEMM's operands low: weights and input activations
-      ``e4m3b4s``, the gradient of its output ``e5m2s``; weight gradients ``e6m9s``; the first and last GEMM
-      and every other tensor high (``e6m9s``); forward saturates, gradients overflow to inf; dynamic scaling.
-    * ``wang_fp8`` (Wang et al. 2018): weights, activations and activation gradients ``e5m2s``, weight
-      gradients ``e6m9s``, the first and last GEMM's operands 16-bit ``e6m9s``, stochastic rounding in the
-      weight update; dynamic scaling.
-
-    No baseline enables the promotion guard: they reproduce prior work, which had none.
-    """
-    if name not in BASELINES:
-        raise PrecsearchError(f"unknown baseline {name!r}; use one of {', '.join(BASELINES)}")
-    dynamic = {"mode": "dynamic", "init_scale": 2.0**16}
-    common: dict[str, Any] = {"promotion_threshold": None, "provenance": {"strategy": f"baseline:{name}"}}
-    if name in ("fp32", "fp16", "bf16", "fp8", "mpt"):
-        spec = {"fp8": "fp8_e5m2", "mpt": "fp16"}.get(name, name)
-        policy = Policy(**_identity(graph), defaults=dict.fromkeys(ASSIGNABLE_KINDS, spec), high_format="fp32",
-                        loss_scaling=dynamic if name == "mpt" else {"mode": "none"}, **common)
-        return policy.fill_predicted(graph)
-    high = "e6m9s"
-    first_last = _first_last_gemm_operands(graph)
-    if name == "hfp8":
-        low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s"}
-        operands: set[str] = set()
-        for op in graph.ops:
-            if op.role == "gemm":
-                operands |= _gemm_operands(graph, op)
-        low_ids = operands - first_last
-        overrides = {tensor_id: low[graph.tensors[tensor_id].kind] for tensor_id in sorted(low_ids)}
-        defaults = dict.fromkeys(ASSIGNABLE_KINDS, high)
-        optimizer: dict[str, Any] = {}
-    else:
-        defaults = {"weight": "e5m2s", "activation": "e5m2s", "activation_grad": "e5m2s", "weight_grad": high}
-        overrides = {tensor_id: high for tensor_id in sorted(first_last)}
-        optimizer = {"update": "stochastic"}
-    policy = Policy(**_identity(graph), defaults=defaults, overrides=overrides, high_format=high,
-                    overflow=dict(PAPER_OVERFLOW), loss_scaling=dynamic, optimizer=optimizer, **common)
-    return policy.fill_predicted(graph)

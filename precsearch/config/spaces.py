@@ -23,11 +23,12 @@ from typing import Any
 import yaml
 
 from precsearch.config import spec
+from precsearch.config.checks import check_keys, choice, flag, number
+from precsearch.config.loss_scaling import PAPER_LOSS_SCALING, loss_scaling
+from precsearch.config.optimizer import UpdateConfig, optimizer
 from precsearch.config.spec import (
     ASSIGNABLE_KINDS,
     GRADIENT_ROUNDINGS,
-    LOSS_SCALING_MODES,
-    OVERFLOWS,
     PAPER_HIGH,
     PAPER_LOW,
     PAPER_OVERFLOW,
@@ -37,18 +38,12 @@ from precsearch.config.spec import (
     SPACE_DEFAULTS,
     TIES,
     ProxyConfig,
-    check_keys,
-    choice,
-    number,
 )
 from precsearch.errors import PrecsearchError
-from precsearch.formats.format import spec_name
-from precsearch.runtime.optim import UpdateConfig
+from precsearch.formats.format import OVERFLOWS, spec_name
 
 __all__ = [
     "GRANULARITIES",
-    "ASSIGNABLE_KINDS",
-    "LOSS_SCALING_MODES",
     "OBJECTIVES",
     "SearchSpace",
     "PAPER_SPACE",
@@ -77,7 +72,7 @@ PAPER_SPACE: dict[str, Any] = {
     "overflow": dict(PAPER_OVERFLOW),
     "ties": "even",  # the reference rounds ties away from zero: "away" reproduces it bit for bit
     "gradient_rounding": "per_use",
-    "loss_scaling": {"mode": "dynamic", "init_scale": 65536, "growth_interval": "epoch"},
+    "loss_scaling": {**PAPER_LOSS_SCALING, "growth_interval": "epoch"},
     "promotion_threshold": 0.01,
     "promotion_kinds": list(PAPER_PROMOTION_KINDS),
     "master_weights": True,
@@ -158,7 +153,7 @@ def _per_kind(value: Any, where: str, check: Any, default: Mapping[str, Any]) ->
 
 
 def _allowed(allowed: tuple[str, ...]) -> Any:
-    """``spec.choice`` as a per-kind check."""
+    """``choice`` as a per-kind check."""
     return lambda value, where: choice(value, allowed, where)
 
 
@@ -178,8 +173,8 @@ def _proxy_config(raw: Any, where: str) -> ProxyConfig:
 
 
 def _optimizer_for_weights(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:
-    """Weight-update settings, checked by precsearch.runtime.optim against the low weight format."""
-    settings = spec.optimizer(raw, f"{where}: optimizer")
+    """Weight-update settings, checked against the low weight format (``UpdateConfig``)."""
+    settings = optimizer(raw, f"{where}: optimizer")
     try:
         UpdateConfig(weight_format=weight_format, master_weights=master_weights, **settings)
     except PrecsearchError as error:
@@ -223,7 +218,7 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
         raise PrecsearchError(f"{where}: choices apply only to granularity categorical; drop them or set it")
     choices = _choices(raw.get("choices"), high, where) if granularity == "categorical" else {}
     defaults = SearchSpace(name="", high=high, low=low)
-    master_weights = spec.flag(raw.get("master_weights", defaults.master_weights), f"{where}: master_weights")
+    master_weights = flag(raw.get("master_weights", defaults.master_weights), f"{where}: master_weights")
     name = raw.get("name", "space")
     if not isinstance(name, str) or not name:
         raise PrecsearchError(f"{where}: name must be a non-empty string")
@@ -236,8 +231,8 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
         choices=choices,
         rounding=_per_kind(raw.get("rounding"), f"{where}: rounding", _allowed(POLICY_ROUNDINGS), defaults.rounding),
         overflow=_per_kind(raw.get("overflow"), f"{where}: overflow", _allowed(OVERFLOWS), defaults.overflow),
-        loss_scaling=spec.loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), f"{where}: loss_scaling",
-                                       SPACE_DEFAULTS, canonical=True),
+        loss_scaling=loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), f"{where}: loss_scaling",
+                                  SPACE_DEFAULTS.loss_scaling_mode, canonical=True),
         promotion_threshold=spec.promotion_threshold(raw.get("promotion_threshold", defaults.promotion_threshold),
                                                      where),
         promotion_kinds=spec.kinds_list(raw.get("promotion_kinds", list(defaults.promotion_kinds)),

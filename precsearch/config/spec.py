@@ -2,13 +2,14 @@
 policies and the runtime all speak, and the paper's constants.
 
 Plain data and no torch, so configuration code (spaces, policies, reports) can import it without loading
-the training stack. Every other module imports these names from here (or re-exports them).
+the training stack. Every other module imports these names from here. The settings with a schema of their own
+live beside it: float formats in precsearch.formats.format, loss scaling in precsearch.config.loss_scaling,
+weight updates in precsearch.config.optimizer, and the shared validators in precsearch.config.checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 from collections.abc import Mapping
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from precsearch.config.loss_scaling import PAPER_LOSS_SCALING
 from precsearch.errors import PrecsearchError
-from precsearch.formats.format import spec_name
 
 __all__ = [
     "ASSIGNABLE_KINDS",
@@ -27,10 +28,7 @@ __all__ = [
     "GRADIENT_ROUNDINGS",
     "GRAD_KINDS",
     "KINDS",
-    "LOSS_SCALING_KEYS",
-    "LOSS_SCALING_MODES",
-    "OPTIMIZER_KEYS",
-    "OVERFLOWS",
+    "MEMORY_MEASURES",
     "PAPER_HIGH",
     "PAPER_LOW",
     "PAPER_OVERFLOW",
@@ -38,20 +36,12 @@ __all__ = [
     "POLICY_DEFAULTS",
     "POLICY_ROUNDINGS",
     "ProxyConfig",
-    "ROUNDINGS",
     "SAMPLERS",
     "SPACE_DEFAULTS",
     "TIES",
     "TensorId",
-    "UPDATES",
     "Defaults",
-    "check_keys",
-    "choice",
-    "flag",
     "kinds_list",
-    "loss_scaling",
-    "number",
-    "optimizer",
     "promotion_threshold",
 ]
 
@@ -62,30 +52,21 @@ EXTRA_KINDS: tuple[str, ...] = ("master_weight", "optimizer_state")
 KINDS: tuple[str, ...] = ASSIGNABLE_KINDS + EXTRA_KINDS
 GRAD_KINDS: tuple[str, ...] = ("weight_grad", "activation_grad")
 
-# Rounding. A kernel's modes (formats); what a policy's per-kind ``rounding`` may say (ties are the policy-wide
-# ``ties``: half to even, the IEEE default, or away from zero as the paper's QPyTorch fork rounds).
-ROUNDINGS: tuple[str, ...] = ("nearest", "nearest_away", "stochastic")
+# Rounding. What a policy's per-kind ``rounding`` may say (ties are the policy-wide ``ties``: half to even, the
+# IEEE default, or away from zero as the paper's QPyTorch fork rounds); a kernel's modes and the overflow modes
+# are the formats' (precsearch.formats.format.ROUNDINGS, OVERFLOWS).
 POLICY_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 TIES: tuple[str, ...] = ("even", "away")
-OVERFLOWS: tuple[str, ...] = ("inf", "saturate", "nan")
 # How an activation with several consumers has its gradient rounded: once on the sum, or per use (the paper).
 GRADIENT_ROUNDINGS: tuple[str, ...] = ("sum", "per_use")
 
-# Training settings.
-LOSS_SCALING_MODES: tuple[str, ...] = ("none", "static", "dynamic", "adaptive")
-# The options of a ``loss_scaling`` entry (precsearch.runtime.scaling's scaler arguments that a file can hold).
-LOSS_SCALING_KEYS: tuple[str, ...] = (
-    "mode", "scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "underflow_rate",
-    "max_scale", "grad_format", "overflow_format",
-)
-UPDATES: tuple[str, ...] = ("nearest", "stochastic", "kahan")
-# The settings of a policy's ``optimizer`` entry (precsearch.runtime.optim.UpdateConfig's, less the weight format and
-# master_weights, which are policy fields of their own).
-OPTIMIZER_KEYS: tuple[str, ...] = ("update", "state_format", "compensation_format", "seed")
+# Training and search settings.
 COMPRESSIONS: tuple[str, ...] = ("none", "adacomp")
 BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8")
 # Optuna samplers a search can use (precsearch.search.samplers): multivariate TPE, NSGA-II, random, Gaussian process.
 SAMPLERS: tuple[str, ...] = ("tpe", "nsga2", "random", "gp")
+# What a search's memory objective measures: the cost model's bytes, or the measured peak of a step.
+MEMORY_MEASURES: tuple[str, ...] = ("bytes", "peak")
 
 # The paper (Lee, Sharma, Aiken 2023): its high format and per-kind low formats, forward tensors saturating
 # and gradients overflowing to inf (so the loss scaler sees them), promotion of weights and activations only.
@@ -203,50 +184,12 @@ class Defaults:
 
 # A search trains as the paper does unless its space says otherwise: dynamic loss scaling from 2^16; low
 # weights updated in place (a space turns fp32 master copies on with ``master_weights: true``).
-SPACE_DEFAULTS = Defaults(loss_scaling=MappingProxyType({"mode": "dynamic", "init_scale": 2.0**16}),
-                          master_weights=False)
+SPACE_DEFAULTS = Defaults(loss_scaling=PAPER_LOSS_SCALING, master_weights=False)
 # A policy file without these keys predates them: it trained unscaled, with fp32 master weights.
 POLICY_DEFAULTS = Defaults(loss_scaling=MappingProxyType({"mode": "none"}), master_weights=True)
 
 
 # ----------------------------------------------------------------------------------------------- validators
-# Shared by spaces and policies, so a bad value gets the same one-line message from both: ``where`` names the
-# file and key, the rest says what is allowed.
-
-
-def check_keys(keys: Any, allowed: tuple[str, ...], where: str) -> None:
-    """Raise on the first key not in ``allowed``, with the closest allowed key as a hint."""
-    unknown = [str(key) for key in keys if key not in allowed]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], allowed, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise PrecsearchError(f"{where}: unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(allowed)}")
-
-
-def choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
-    """``value`` if it is one of ``allowed``."""
-    if value not in allowed:
-        raise PrecsearchError(f"{where}: {value!r} is not allowed; use one of {', '.join(allowed)}")
-    return value
-
-
-def flag(value: Any, where: str) -> bool:
-    """``value`` if it is a bool (YAML and JSON ``true``/``false``)."""
-    if not isinstance(value, bool):
-        raise PrecsearchError(f"{where} must be true or false, not {value!r}")
-    return value
-
-
-def number(value: Any, where: str, low: float, high: float = math.inf, integer: bool = False) -> Any:
-    """A finite number in [low, high] as float (int if ``integer``; a float with an integral value is one)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and integer:
-        ok = float(value).is_integer()
-    if not ok or not low <= value <= high:
-        kind = "an integer" if integer else "a number"
-        bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise PrecsearchError(f"{where}={value!r} must be {kind} {bounds}")
-    return int(value) if integer else float(value)
 
 
 def promotion_threshold(value: Any, where: str) -> float | None:
@@ -267,66 +210,3 @@ def kinds_list(value: Any, where: str) -> tuple[str, ...]:
     if unknown:
         raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(ASSIGNABLE_KINDS)}")
     return tuple(kind for kind in ASSIGNABLE_KINDS if kind in value)
-
-
-def loss_scaling(raw: Any, where: str, defaults: Defaults, canonical: bool = False) -> dict[str, Any]:
-    """A ``loss_scaling`` entry: a mode, or ``{"mode": ..., **options}`` with the mode first and the options
-    numbers (``growth_interval`` a whole number or ``"epoch"``) or format names; checked by building the scaler
-    once. ``where`` names the entry (``"policy x.json: loss_scaling"``).
-
-    ``canonical`` writes the numbers as floats (``growth_interval`` as int), so that equal settings hash
-    equal (a space's fingerprint); without it they stay as the file wrote them, so a policy saved again is
-    byte for byte the file it was read from."""
-    if isinstance(raw, str):
-        raw = {"mode": raw}
-    if not isinstance(raw, Mapping):
-        raise PrecsearchError(f"{where} must be a mode ({', '.join(LOSS_SCALING_MODES)}) or a mapping with a mode")
-    check_keys(raw, LOSS_SCALING_KEYS, where)
-    settings = {"mode": choice(raw.get("mode", defaults.loss_scaling_mode), LOSS_SCALING_MODES, f"{where}.mode")}
-    for key, value in raw.items():
-        if key in ("grad_format", "overflow_format"):
-            settings[key] = _format_name(value, f"{where}.{key}")
-        elif key == "growth_interval":
-            interval = _growth_interval(value, f"{where}.{key}")
-            settings[key] = interval if canonical else value
-        elif key != "mode":
-            amount = number(value, f"{where}.{key}", 0.0)
-            settings[key] = amount if canonical else value
-    from precsearch.runtime.scaling import epoch_growth, make_scaler  # torch: loaded when a file is checked, not here
-
-    try:
-        make_scaler(settings["mode"], **epoch_growth({k: v for k, v in settings.items() if k != "mode"}, 1))
-    except PrecsearchError as error:
-        raise PrecsearchError(f"{where}: {error}") from None
-    return settings
-
-
-def _growth_interval(value: Any, where: str) -> int | str:
-    """Clean steps between scale growths, or ``"epoch"`` (resolved by the trainer: scaling.epoch_growth)."""
-    if value == "epoch":
-        return value
-    try:
-        return number(value, where, 0, integer=True)
-    except PrecsearchError:
-        raise PrecsearchError(f"{where} {value!r} must be a whole number of steps or \"epoch\"") from None
-
-
-def optimizer(raw: Any, where: str) -> dict[str, Any]:
-    """An ``optimizer`` entry (``OPTIMIZER_KEYS``); its fit to the weight format is runtime.optim's check."""
-    if not isinstance(raw, Mapping):
-        raise PrecsearchError(f"{where} must be a mapping of {', '.join(OPTIMIZER_KEYS)}")
-    check_keys(raw, OPTIMIZER_KEYS, where)
-    settings = dict(raw)
-    if "update" in settings:
-        choice(settings["update"], UPDATES, f"{where}.update")
-    for key in ("state_format", "compensation_format"):
-        if key in settings:
-            settings[key] = _format_name(settings[key], f"{where}.{key}")
-    seed = settings.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise PrecsearchError(f"{where}.seed must be a non-negative integer or null, not {seed!r}")
-    return settings
-
-
-def _format_name(value: Any, where: str) -> str:
-    return spec_name(value, where)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from precsearch.config.optimizer import UpdateConfig
 from precsearch.config.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
@@ -54,7 +55,7 @@ from precsearch.graph.tracing import (
     sliced_saved_tensor,
     training_mode,
 )
-from precsearch.runtime.optim import UpdateConfig, update_bytes_per_param
+from precsearch.runtime.optim import update_bytes_per_param
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -33,19 +33,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from precsearch.config.policy import ACCUMULATION_CHUNK, ACCUMULATION_FORMAT, ACCUMULATION_LAYER_TYPES
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
 from precsearch.formats.kernels import quantize
 
-__all__ = ["chunked_matmul", "chunked_sum", "ChunkedLinear", "ChunkedConv2d", "swap_chunked_layers"]
+__all__ = ["CHUNKED_LAYERS", "chunked_matmul", "chunked_sum", "ChunkedLinear", "ChunkedConv2d", "swap_chunked_layers"]
 
 log = logging.getLogger(__name__)
 
 FormatSpec = str | FloatFormat
-DEFAULT_ACC = "e6m9s"
-DEFAULT_CHUNK = 64
 # The layer types with a chunked twin (swap_chunked_layers swaps exactly these; subclasses are left alone).
-CHUNKABLE_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv2d)
+CHUNKABLE_LAYERS: tuple[type[nn.Module], ...] = tuple(getattr(nn, name) for name in ACCUMULATION_LAYER_TYPES)
 
 
 def _check_chunk(chunk: int | None) -> None:
@@ -54,7 +53,8 @@ def _check_chunk(chunk: int | None) -> None:
 
 
 def chunked_matmul(
-    a: torch.Tensor, b: torch.Tensor, acc_format: FormatSpec = DEFAULT_ACC, chunk: int | None = DEFAULT_CHUNK
+    a: torch.Tensor, b: torch.Tensor, acc_format: FormatSpec = ACCUMULATION_FORMAT,
+    chunk: int | None = ACCUMULATION_CHUNK,
 ) -> torch.Tensor:
     """``a @ b`` (shapes ``(..., M, K)`` and ``(..., K, N)``, batch dims broadcast) with sums in ``acc_format``."""
     _check_chunk(chunk)
@@ -83,7 +83,7 @@ def chunked_matmul(
 
 
 def chunked_sum(
-    x: torch.Tensor, acc_format: FormatSpec = DEFAULT_ACC, chunk: int | None = DEFAULT_CHUNK
+    x: torch.Tensor, acc_format: FormatSpec = ACCUMULATION_FORMAT, chunk: int | None = ACCUMULATION_CHUNK
 ) -> torch.Tensor:
     """Sum of a (N, F) tensor over its first dimension, accumulated like ``chunked_matmul``."""
     return chunked_matmul(x.new_ones(1, x.shape[0]), x, acc_format, chunk).squeeze(0)
@@ -165,15 +165,16 @@ class ChunkedLinear(nn.Linear):
     """``nn.Linear`` whose forward and backward GEMMs accumulate in ``acc_format`` with chunk length ``chunk``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 acc_format: FormatSpec = DEFAULT_ACC, chunk: int | None = DEFAULT_CHUNK, **factory: Any) -> None:
+                 acc_format: FormatSpec = ACCUMULATION_FORMAT, chunk: int | None = ACCUMULATION_CHUNK,
+                 **factory: Any) -> None:
         super().__init__(in_features, out_features, bias, **factory)
         _check_chunk(chunk)
         self.acc_format = get_format(acc_format)
         self.chunk = chunk
 
     @classmethod
-    def from_linear(cls, layer: nn.Linear, acc_format: FormatSpec = DEFAULT_ACC,
-                    chunk: int | None = DEFAULT_CHUNK) -> ChunkedLinear:
+    def from_linear(cls, layer: nn.Linear, acc_format: FormatSpec = ACCUMULATION_FORMAT,
+                    chunk: int | None = ACCUMULATION_CHUNK) -> ChunkedLinear:
         """A ChunkedLinear sharing ``layer``'s Parameter objects (optimizers built on them keep working)."""
         new = cls(layer.in_features, layer.out_features, layer.bias is not None, acc_format, chunk, device="meta")
         new.weight, new.bias = layer.weight, layer.bias
@@ -189,7 +190,7 @@ class ChunkedLinear(nn.Linear):
 class ChunkedConv2d(nn.Conv2d):
     """``nn.Conv2d`` (zero padding, numeric padding) computed as unfold + chunked GEMMs, forward and backward."""
 
-    def __init__(self, *args: Any, acc_format: FormatSpec = DEFAULT_ACC, chunk: int | None = DEFAULT_CHUNK,
+    def __init__(self, *args: Any, acc_format: FormatSpec = ACCUMULATION_FORMAT, chunk: int | None = ACCUMULATION_CHUNK,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _check_chunk(chunk)
@@ -202,8 +203,8 @@ class ChunkedConv2d(nn.Conv2d):
         self.chunk = chunk
 
     @classmethod
-    def from_conv(cls, layer: nn.Conv2d, acc_format: FormatSpec = DEFAULT_ACC,
-                  chunk: int | None = DEFAULT_CHUNK) -> ChunkedConv2d:
+    def from_conv(cls, layer: nn.Conv2d, acc_format: FormatSpec = ACCUMULATION_FORMAT,
+                  chunk: int | None = ACCUMULATION_CHUNK) -> ChunkedConv2d:
         """A ChunkedConv2d sharing ``layer``'s Parameter objects."""
         new = cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
                   padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
@@ -220,11 +221,15 @@ class ChunkedConv2d(nn.Conv2d):
         return f"{super().extra_repr()}, acc_format={self.acc_format}, chunk={self.chunk}"
 
 
+# Traced as single GEMM ops, so a model whose layers were already swapped traces like the plain one.
+CHUNKED_LAYERS: tuple[type[nn.Module], ...] = (ChunkedLinear, ChunkedConv2d)
+
+
 def swap_chunked_layers(
     model: nn.Module,
     names_or_filter: Iterable[str] | Callable[[str, nn.Module], bool] | None = None,
-    acc_format: FormatSpec = DEFAULT_ACC,
-    chunk: int | None = DEFAULT_CHUNK,
+    acc_format: FormatSpec = ACCUMULATION_FORMAT,
+    chunk: int | None = ACCUMULATION_CHUNK,
 ) -> list[str]:
     """Replace Linear/Conv2d layers of ``model`` in place by chunked ones; returns the swapped names.
 

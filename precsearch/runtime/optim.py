@@ -33,20 +33,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from precsearch.config.spec import UPDATES
+from precsearch.config.optimizer import STATE_MIN_EXP, UPDATES, UpdateConfig, state_specs
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
 from precsearch.formats.kernels import quantize
 
 __all__ = [
-    "UPDATES",
     "SUPPORTED_OPTIMIZERS",
-    "UpdateConfig",
     "LowPrecisionOptimizer",
     "apply_update",
     "update_bytes_per_param",
@@ -60,67 +57,7 @@ SUPPORTED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
 }
-# Minimum exponent bits of a state format, per state tensor name (see the module docstring).
-_STATE_MIN_EXP = {"momentum_buffer": 5, "exp_avg": 5, "exp_avg_sq": 8, "max_exp_avg_sq": 8}
-
 FormatSpec = str | FloatFormat
-
-
-@dataclass(frozen=True)
-class UpdateConfig:
-    """How weights are stored and updated: the ``optimizer`` entry of a policy (plus ``master_weights``)."""
-
-    weight_format: str = "bf16"
-    update: str = "nearest"
-    master_weights: bool = True
-    state_format: str | dict[str, str] | None = None
-    compensation_format: str | None = None
-    seed: int | None = None  # seeds the stochastic-rounding generator when none is passed
-
-    def __post_init__(self) -> None:
-        if self.update not in UPDATES:
-            raise PrecsearchError(f"unknown weight update {self.update!r}: use one of {', '.join(UPDATES)}")
-        if self.update == "kahan" and self.master_weights:
-            raise PrecsearchError(
-                "update 'kahan' compensates low-precision weights; with master_weights=True the fp32 master needs "
-                "none: set master_weights=False or update='nearest'"
-            )
-        weight = get_format(self.weight_format)
-        if self.compensation_format is not None:
-            if self.update != "kahan":
-                raise PrecsearchError("compensation_format is only used by update='kahan': drop it or use kahan")
-            comp = get_format(self.compensation_format)
-            if comp.bits > weight.bits:
-                raise PrecsearchError(
-                    f"Kahan buffer format {comp} ({comp.bits} bits) is wider than the weight format {weight} "
-                    f"({weight.bits} bits): use the weight's format or a narrower one"
-                )
-        for spec in _state_specs(self.state_format).values():
-            get_format(spec)
-
-    @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> UpdateConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise PrecsearchError(
-                f"unknown optimizer setting(s) {', '.join(unknown)}: use {', '.join(sorted(known))}"
-            )
-        return cls(**dict(config))
-
-
-def _state_specs(state_format: str | Mapping[str, str] | None) -> dict[str, str]:
-    """``{state name: format}``; a single spec applies to every known state name."""
-    if state_format is None:
-        return {}
-    if isinstance(state_format, (str, FloatFormat)):
-        return dict.fromkeys(_STATE_MIN_EXP, str(state_format))
-    unknown = sorted(set(state_format) - set(_STATE_MIN_EXP))
-    if unknown:
-        raise PrecsearchError(
-            f"unknown optimizer state {', '.join(unknown)} in state_format: use {', '.join(_STATE_MIN_EXP)}"
-        )
-    return {name: str(spec) for name, spec in state_format.items()}
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer | str | type) -> str:
@@ -151,10 +88,10 @@ def _check_state_range(kind: str, specs: Mapping[str, str]) -> None:
     for name, spec in specs.items():
         fmt = get_format(spec)
         relevant = name == "momentum_buffer" if kind == "sgd" else name != "momentum_buffer"
-        if relevant and fmt.exp < _STATE_MIN_EXP[name]:
+        if relevant and fmt.exp < STATE_MIN_EXP[name]:
             raise PrecsearchError(
                 f"state format {fmt} has {fmt.exp} exponent bits, too few for {name} (needs >= "
-                f"{_STATE_MIN_EXP[name]}): use e.g. {'bf16' if _STATE_MIN_EXP[name] == 8 else 'fp16 or bf16'}"
+                f"{STATE_MIN_EXP[name]}): use e.g. {'bf16' if STATE_MIN_EXP[name] == 8 else 'fp16 or bf16'}"
             )
 
 
@@ -192,9 +129,9 @@ def update_bytes_per_param(
     cfg = config if isinstance(config, UpdateConfig) else UpdateConfig.from_dict(config)
     comp = None if cfg.compensation_format is None else get_format(cfg.compensation_format)
     group = {"momentum": 1.0 if momentum else 0.0, "amsgrad": amsgrad}
-    state_specs = _state_specs(cfg.state_format)
-    _check_state_range(kind, state_specs)  # price only what LowPrecisionOptimizer accepts
-    return _bytes_per_param(kind, get_format(cfg.weight_format), cfg.update, cfg.master_weights, state_specs,
+    specs = state_specs(cfg.state_format)
+    _check_state_range(kind, specs)  # price only what LowPrecisionOptimizer accepts
+    return _bytes_per_param(kind, get_format(cfg.weight_format), cfg.update, cfg.master_weights, specs,
                             comp, group)
 
 
@@ -253,7 +190,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         for spec in {str(get_format(s)) for s in (formats.values() if formats is not None else [weight_format])}:
             UpdateConfig(weight_format=spec, update=update, master_weights=master_weights,
                          compensation_format=comp_spec)  # validates the combination for every weight format
-        self._state_specs = _state_specs(state_format)
+        self._state_specs = state_specs(state_format)
         _check_state_range(self._kind, self._state_specs)
         self.optimizer = optimizer
         self.update = update

@@ -17,6 +17,9 @@ they cost a synchronisation per gradient.
 
 Adaptive loss scaling (Zhao et al. 2019) lives in ``AdaptiveLossScaler``; its docstring says exactly what it
 computes.
+
+Each scaler takes its defaults from precsearch.config.loss_scaling's ``OPTIONS`` and checks its arguments with
+its ``check_option``, so a policy file and a Python call are held to the same ranges with the same words.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from precsearch.config.loss_scaling import EPOCH, OPTIONS, check_option, loss_scaling
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
 from precsearch.graph.tracing import is_gemm_module
@@ -71,12 +75,12 @@ class _Schedule:
     interval: int
 
     def __post_init__(self) -> None:
-        if not self.growth_factor > 1.0:
-            raise PrecsearchError(f"growth_factor {self.growth_factor}: must be > 1 (GradScaler uses 2.0)")
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise PrecsearchError(f"backoff_factor {self.backoff_factor}: must be in (0, 1) (GradScaler uses 0.5)")
-        if not (isinstance(self.interval, int) and self.interval >= 1):
-            raise PrecsearchError(f"growth_interval {self.interval!r}: must be an integer >= 1 (GradScaler: 2000)")
+        for name in ("growth_factor", "backoff_factor"):
+            object.__setattr__(self, name, check_option(name, getattr(self, name), name))
+        interval = check_option("growth_interval", self.interval, "growth_interval")
+        if interval == EPOCH:
+            raise PrecsearchError("growth_interval 'epoch' needs the steps per epoch: resolve it with epoch_growth")
+        object.__setattr__(self, "interval", interval)
 
     def next(self, value: float, overflowed: bool, tracker: int) -> tuple[float, int]:
         if overflowed:
@@ -85,13 +89,6 @@ class _Schedule:
         if tracker == self.interval:
             return value * self.growth_factor, 0
         return value, tracker
-
-
-def _positive_scale(value: float, what: str) -> float:
-    value = float(value)
-    if not (math.isfinite(value) and value > 0.0):
-        raise PrecsearchError(f"{what} {value}: must be a finite number > 0")
-    return value
 
 
 def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -113,7 +110,7 @@ class LossScaler:
     ) -> None:
         if overflow_format is not None and overflow_check is not None:
             raise PrecsearchError("give either overflow_format or overflow_check to a loss scaler, not both")
-        self._scale = _positive_scale(init_scale, "loss scale")
+        self._scale = check_option("init_scale", init_scale, "init_scale")
         self._overflow_max = None
         if overflow_format is not None:
             fmt = get_format(overflow_format)
@@ -218,7 +215,7 @@ class LossScaler:
             raise PrecsearchError(f"loss scaler state lacks {', '.join(missing)}: pass a state_dict() of the same kind")
         if state["kind"] != self._kind:
             raise PrecsearchError(f"loss scaler state is for a {state['kind']} scaler, not {self._kind}")
-        self._scale = _positive_scale(state["scale"], "loss scale")
+        self._scale = check_option("init_scale", state["scale"], "loss scaler state's scale")
         self._growth_tracker = int(state["growth_tracker"])
         self.steps = int(state["steps"])
         self.skipped_steps = int(state["skipped_steps"])
@@ -249,12 +246,12 @@ class StaticLossScaler(LossScaler):
 
     def __init__(
         self,
-        scale: float,
+        init_scale: float,
         *,
         overflow_format: str | FloatFormat | None = None,
         overflow_check: OverflowCheck | None = None,
     ) -> None:
-        super().__init__(scale, overflow_format=overflow_format, overflow_check=overflow_check)
+        super().__init__(init_scale, overflow_format=overflow_format, overflow_check=overflow_check)
 
 
 class NoLossScaler(LossScaler):
@@ -277,16 +274,16 @@ class DynamicLossScaler(LossScaler):
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = OPTIONS["dynamic"]["init_scale"],
+        growth_factor: float = OPTIONS["dynamic"]["growth_factor"],
+        backoff_factor: float = OPTIONS["dynamic"]["backoff_factor"],
+        growth_interval: int = OPTIONS["dynamic"]["growth_interval"],
         *,
         overflow_format: str | FloatFormat | None = None,
         overflow_check: OverflowCheck | None = None,
     ) -> None:
         super().__init__(init_scale, overflow_format=overflow_format, overflow_check=overflow_check)
-        self._schedule = _Schedule(float(growth_factor), float(backoff_factor), growth_interval)
+        self._schedule = _Schedule(growth_factor, backoff_factor, growth_interval)
 
     def _adjust(self, overflowed: bool) -> None:
         self._scale, self._growth_tracker = self._schedule.next(self._scale, overflowed, self._growth_tracker)
@@ -375,25 +372,25 @@ class AdaptiveLossScaler(LossScaler):
 
     def __init__(
         self,
-        grad_format: str | FloatFormat = "fp16",
-        underflow_rate: float = 1e-3,
-        init_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-        growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,  # as dynamic's
+        grad_format: str | FloatFormat = OPTIONS["adaptive"]["grad_format"],
+        underflow_rate: float = OPTIONS["adaptive"]["underflow_rate"],
+        init_scale: float = OPTIONS["adaptive"]["init_scale"],
+        max_scale: float = OPTIONS["adaptive"]["max_scale"],
+        growth_factor: float = OPTIONS["adaptive"]["growth_factor"],
+        backoff_factor: float = OPTIONS["adaptive"]["backoff_factor"],
+        growth_interval: int = OPTIONS["adaptive"]["growth_interval"],
         *,
         overflow_format: str | FloatFormat | None = None,
         overflow_check: OverflowCheck | None = None,
     ) -> None:
         super().__init__(init_scale, overflow_format=overflow_format, overflow_check=overflow_check)
-        if not 0.0 < underflow_rate <= 0.5:
-            raise PrecsearchError(f"underflow_rate {underflow_rate}: must be in (0, 0.5] (the paper uses 1e-3)")
         self.grad_format = get_format(grad_format)
-        self.underflow_rate = float(underflow_rate)
+        self.underflow_rate = check_option("underflow_rate", underflow_rate, "underflow_rate")
         self._t_grad = _gaussian_quantile(self.underflow_rate)
         self._t_product = _product_quantile(self.underflow_rate)
-        self._max_scale_limit = _positive_scale(max_scale, "max_scale")
+        self._max_scale_limit = check_option("max_scale", max_scale, "max_scale")
         self._max_scale = self._max_scale_limit
-        self._schedule = _Schedule(float(growth_factor), float(backoff_factor), growth_interval)
+        self._schedule = _Schedule(growth_factor, backoff_factor, growth_interval)
         self._formats: dict[str, FloatFormat] = {}
         self._pending: dict[Any, _Point] = {}  # autograd node -> point, from forwards since the last scale()
         self._calls: dict[str, int] = {}  # calls per layer since the last scale(): later calls are "name#k"
@@ -550,14 +547,12 @@ class AdaptiveLossScaler(LossScaler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self._max_scale = _positive_scale(state["max_scale"], "max_scale")
+        self._max_scale = check_option("max_scale", state["max_scale"], "loss scaler state's max_scale")
 
 
-_KINDS: dict[str, type[LossScaler]] = {
-    "none": NoLossScaler,
-    "static": StaticLossScaler,
-    "dynamic": DynamicLossScaler,
-    "adaptive": AdaptiveLossScaler,
+# The scaler of each mode of precsearch.config.loss_scaling (the modes are named there, and by each ``_kind``).
+_SCALERS: dict[str, type[LossScaler]] = {
+    scaler._kind: scaler for scaler in (NoLossScaler, StaticLossScaler, DynamicLossScaler, AdaptiveLossScaler)
 }
 
 
@@ -565,7 +560,7 @@ def epoch_growth(options: dict[str, Any], steps_per_epoch: int | None) -> dict[s
     """``options`` with ``growth_interval: "epoch"`` replaced by ``steps_per_epoch``: the Lee et al. reference
     doubles its scale once per epoch (torch's GradScaler with ``growth_interval`` = batches per epoch, so an
     overflow restarts the count)."""
-    if options.get("growth_interval") != "epoch":
+    if options.get("growth_interval") != EPOCH:
         return dict(options)
     if steps_per_epoch is None:
         raise PrecsearchError("loss_scaling.growth_interval is 'epoch' but the steps per epoch are unknown; pass "
@@ -573,11 +568,8 @@ def epoch_growth(options: dict[str, Any], steps_per_epoch: int | None) -> dict[s
     return {**options, "growth_interval": steps_per_epoch}
 
 
-def make_scaler(mode: str = "dynamic", **options: Any) -> LossScaler:
-    """A scaler from a policy's loss-scaling entry: ``mode`` in none/static/dynamic/adaptive plus its options."""
-    if mode not in _KINDS:
-        raise PrecsearchError(f"unknown loss scaling mode {mode!r}: use one of {', '.join(_KINDS)}")
-    try:
-        return _KINDS[mode](**options)
-    except TypeError as error:
-        raise PrecsearchError(f"loss scaling {mode!r}: bad option ({error}); see precsearch.runtime.scaling") from None
+def make_scaler(mode: str, **options: Any) -> LossScaler:
+    """A scaler from a policy's loss-scaling entry: a mode of precsearch.config.loss_scaling plus the options that
+    mode takes (checked there first, so a bad entry is refused in the file's words)."""
+    settings = loss_scaling({"mode": mode, **options}, "loss_scaling", mode)
+    return _SCALERS[mode](**{key: value for key, value in settings.items() if key != "mode"})

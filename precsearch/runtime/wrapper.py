@@ -94,11 +94,12 @@ import torch
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from precsearch.config.policy import CHUNKED_LAYERS, Policy
+from precsearch.config.policy import Policy
 from precsearch.config.spec import GRAD_KINDS
 from precsearch.errors import PrecsearchError
 from precsearch.formats import kernels
 from precsearch.formats.format import FloatFormat, get_format
+from precsearch.graph.policy_check import policy_example_input, verify_policy
 from precsearch.graph.tracing import (
     TensorGraph,
     backward_slice_channels,
@@ -111,6 +112,7 @@ from precsearch.graph.tracing import (
     untraced_modules,
 )
 from precsearch.runtime import ops
+from precsearch.runtime.accumulate import CHUNKED_LAYERS, swap_chunked_layers
 from precsearch.runtime.optim import LowPrecisionOptimizer, from_config
 from precsearch.runtime.scaling import LossScaler, epoch_growth, make_scaler
 
@@ -1291,7 +1293,8 @@ class PrecisionModel(nn.Module):
         if self.policy.accumulation is None:
             return []
         before = dict(self.module.named_modules())
-        names = self.policy.accumulation.apply(self.module)
+        accumulation = self.policy.accumulation
+        names = swap_chunked_layers(self.module, accumulation.layers, accumulation.format, accumulation.chunk)
         self._plain_layers = {name: before[name] for name in names}
         log.info("chunked %s accumulation (CL=%s) in %d layer(s)", self.policy.accumulation.format,
                  self.policy.accumulation.chunk, len(names))
@@ -1650,9 +1653,9 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
         raise PrecsearchError(f"model has {', '.join(not_fp32)} parameters; formats are simulated in float32: "
                               "call model.float() first")
     if example_input is None:
-        example_input = policy.example_input(model)
+        example_input = policy_example_input(policy, model)
     graph = trace(model, example_input, batch_size=policy.batch_size or example_input.shape[0],
                   leaf_modules=CHUNKED_LAYERS)
-    policy.verify(graph, strict=strict)
+    verify_policy(policy, graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch)
 

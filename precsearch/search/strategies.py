@@ -29,16 +29,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from precsearch.config.policy import Policy, baseline
+from precsearch.config.loss_scaling import PAPER_LOSS_SCALING
+from precsearch.config.policy import Policy
 from precsearch.config.spaces import SearchSpace
-from precsearch.config.spec import ASSIGNABLE_KINDS, BASELINES
+from precsearch.config.spec import ASSIGNABLE_KINDS, BASELINES, PAPER_HIGH, PAPER_LOW, PAPER_OVERFLOW, TensorId
 from precsearch.cost import model as cost
+from precsearch.cost.policies import policy_for_graph
 from precsearch.errors import PrecsearchError
+from precsearch.graph.tracing import OpInfo, TensorGraph
 
 __all__ = [
-    "ACCEPTANCE_WINDOW", "BASELINES", "ORDERS", "R_GRID", "SEEDINGS", "Candidate", "Seeding", "assign",
-    "assignment_key", "baseline_policies", "group_sizes", "low_share", "paper_assignment", "register_seeding",
-    "seed_candidates", "sweep", "uniform", "units",
+    "ACCEPTANCE_WINDOW", "ORDERS", "R_GRID", "SEEDINGS", "WANG_LOW", "Candidate", "Seeding", "assign",
+    "assignment_key", "baseline", "baseline_policies", "group_sizes", "low_share", "paper_assignment",
+    "register_seeding", "seed_candidates", "sweep", "uniform", "units",
 ]
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 ORDERS: tuple[str, ...] = ("largest", "smallest", "random")
 R_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
 ACCEPTANCE_WINDOW = 0.1  # the reference runs r only if the low share it reaches is at most r + 0.1
+WANG_LOW = "e5m2s"  # Wang et al. 2018: (1,5,2) weights, activations and activation gradients
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,71 @@ def seed_candidates(graph: Any, space: SearchSpace) -> list[tuple[Candidate, lis
     return list(seen.values())
 
 
-def baseline_policies(graph: Any, names: Sequence[str] = BASELINES) -> dict[str, Policy]:
-    """Prior-work policies (precsearch.config.policy.baseline) for ``graph``, by name."""
+# ------------------------------------------------------------------------------------------- baselines
+
+
+def _gemm_operands(graph: TensorGraph, op: OpInfo) -> set[str]:
+    """The tensors a GEMM op multiplies: its weights, its input activations and its output's gradient.
+
+    Forward computes Y = X W; backward computes dX = dY W and dW = X dY, so X, W and dY are its operands.
+    """
+    ids = {info.id for info in graph.tensors.values() if info.kind == "weight" and info.op == op.name}
+    ids |= {str(TensorId(name, "activation")) for name in op.inputs}
+    ids.add(str(TensorId(op.name, "activation_grad")))
+    return ids & set(graph.tensors)
+
+
+def _first_last_gemm_operands(graph: TensorGraph) -> set[str]:
+    gemms = [op for op in graph.ops if op.role == "gemm"]
+    if not gemms:
+        return set()
+    return _gemm_operands(graph, gemms[0]) | _gemm_operands(graph, gemms[-1])
+
+
+def baseline(name: str, graph: TensorGraph) -> Policy:
+    """A prior-work policy for any traced model (a ``TensorGraph``), with the cost model's prediction
+    (precsearch.cost.policies.policy_for_graph).
+
+    * ``fp32``: everything fp32, no loss scaling.
+    * ``fp16`` / ``bf16`` / ``fp8``: the format alone: every weight, activation and gradient in it (``fp8`` is
+      ``fp8_e5m2``, IEEE-like with inf: the one 8-bit format with range enough for data and gradients), fp32
+      master weights, no loss scaling, IEEE overflow to inf.
+    * ``mpt`` (Micikevicius et al. 2018): fp16 tensors, fp32 master weights, dynamic loss scaling from 2^16.
+    * ``hfp8`` (Sun et al. 2019, the paper's pi_op): every GEMM's operands low: weights and input activations
+      ``e4m3b4s``, the gradient of its output ``e5m2s``; weight gradients ``e6m9s``; the first and last GEMM
+      and every other tensor high (``e6m9s``); forward saturates, gradients overflow to inf; dynamic scaling.
+    * ``wang_fp8`` (Wang et al. 2018): weights, activations and activation gradients ``e5m2s``, weight
+      gradients ``e6m9s``, the first and last GEMM's operands 16-bit ``e6m9s``, stochastic rounding in the
+      weight update; dynamic scaling.
+
+    No baseline enables the promotion guard: they reproduce prior work, which had none.
+    """
+    if name not in BASELINES:
+        raise PrecsearchError(f"unknown baseline {name!r}; use one of {', '.join(BASELINES)}")
+    dynamic = dict(PAPER_LOSS_SCALING)
+    common: dict[str, Any] = {"promotion_threshold": None, "provenance": {"strategy": f"baseline:{name}"}}
+    if name in ("fp32", "fp16", "bf16", "fp8", "mpt"):
+        spec = {"fp8": "fp8_e5m2", "mpt": "fp16"}.get(name, name)
+        return policy_for_graph(graph, defaults=dict.fromkeys(ASSIGNABLE_KINDS, spec), high_format="fp32",
+                                loss_scaling=dynamic if name == "mpt" else {"mode": "none"}, **common)
+    first_last = _first_last_gemm_operands(graph)
+    if name == "hfp8":
+        operands: set[str] = set()
+        for op in graph.ops:
+            if op.role == "gemm":
+                operands |= _gemm_operands(graph, op)
+        low_ids = operands - first_last  # weights, input activations and output gradients: never weight grads
+        overrides = {tensor_id: PAPER_LOW[graph.tensors[tensor_id].kind] for tensor_id in sorted(low_ids)}
+        defaults = dict.fromkeys(ASSIGNABLE_KINDS, PAPER_HIGH)
+        optimizer: dict[str, Any] = {}
+    else:
+        defaults = {**dict.fromkeys(ASSIGNABLE_KINDS, WANG_LOW), "weight_grad": PAPER_HIGH}
+        overrides = {tensor_id: PAPER_HIGH for tensor_id in sorted(first_last)}
+        optimizer = {"update": "stochastic"}
+    return policy_for_graph(graph, defaults=defaults, overrides=overrides, high_format=PAPER_HIGH,
+                            overflow=dict(PAPER_OVERFLOW), loss_scaling=dynamic, optimizer=optimizer, **common)
+
+
+def baseline_policies(graph: TensorGraph, names: Sequence[str] = BASELINES) -> dict[str, Policy]:
+    """Prior-work policies (``baseline``) for ``graph``, by name."""
     return {name: baseline(name, graph) for name in names}

@@ -70,7 +70,9 @@ from tqdm.auto import tqdm
 
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import SearchSpace, load_space, parse_space
+from precsearch.config.spec import MEMORY_MEASURES
 from precsearch.cost.model import CostModel
+from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.graph.tracing import TensorGraph, trace
@@ -151,8 +153,6 @@ class DataSpec:
     def load(self, image_size: int, seed: int = 0) -> tuple[ImageDataset, ImageDataset]:
         return load_dataset(self.name, root=self.root, image_size=image_size, seed=seed)
 
-
-MEMORY_MEASURES = ("bytes", "peak")
 
 
 @dataclass(frozen=True)
@@ -274,9 +274,9 @@ class SearchContext:
 
     def policy(self, assignment: Mapping[str, str], provenance: Mapping[str, Any]) -> Policy:
         """The policy file for an assignment under this space's numerics (rounding, scaling, guard); the
-        policy's ``predicted`` comes from the cost model (``Policy.from_assignment``)."""
+        policy's ``predicted`` comes from the cost model (``policy_from_assignment``)."""
         space = self.space
-        return Policy.from_assignment(
+        return policy_from_assignment(
             self.graph, dict(assignment),
             model=self.model,
             high_format=space.high,

@@ -1,0 +1,52 @@
+"""The validators every configuration file shares, so a bad value gets the same one-line message from a space
+and a policy: ``where`` names the file and key, the rest says what is allowed."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any
+
+from precsearch.errors import PrecsearchError
+
+__all__ = ["check_keys", "choice", "flag", "number"]
+
+
+def check_keys(keys: Any, allowed: tuple[str, ...], where: str) -> None:
+    """Raise on the first key not in ``allowed``, with the closest allowed key as a hint."""
+    unknown = [str(key) for key in keys if key not in allowed]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise PrecsearchError(f"{where}: unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(allowed)}")
+
+
+def choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
+    """``value`` if it is one of ``allowed``."""
+    if value not in allowed:
+        raise PrecsearchError(f"{where}: {value!r} is not allowed; use one of {', '.join(allowed)}")
+    return value
+
+
+def flag(value: Any, where: str) -> bool:
+    """``value`` if it is a bool (YAML and JSON ``true``/``false``)."""
+    if not isinstance(value, bool):
+        raise PrecsearchError(f"{where} must be true or false, not {value!r}")
+    return value
+
+
+def number(value: Any, where: str, low: float, high: float = math.inf, integer: bool = False, *,
+           open_low: bool = False, open_high: bool = False) -> Any:
+    """A finite number in [low, high] (``open_low``/``open_high``: excluding that end) as float (int if
+    ``integer``; a float with an integral value is one)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if ok:
+        ok = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        interval = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        bounds = f"{'>' if open_low else '>='} {low}" if high == math.inf else interval
+        raise PrecsearchError(f"{where}={value!r} must be {kind} {bounds}")
+    return int(value) if integer else float(value)
