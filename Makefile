@@ -1,4 +1,4 @@
-# Two commands do all set-up on a fresh machine: `make test` and `make demo`.
+# Two commands do all set-up on a fresh machine: `make test` and `make demo`; `make test-slow` runs the slow tests.
 # Both create .venv if missing and install from constraints.txt (torch pinned to the 2.13.0 CPU build).
 # tests/test_search_postgres.py starts its own PostgreSQL server: `make postgres` installs the server binaries
 # (Debian's postgresql package, as root) when they are missing; `make test` runs it first.
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,postgres]'
 	touch $(STAMP)
 
-.PHONY: install test demo lint bench postgres device-wheels
+.PHONY: install test test-slow demo lint bench postgres device-wheels
 install: $(STAMP)
 
 postgres:
@@ -22,9 +22,13 @@ postgres:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
 	else echo "PostgreSQL server binaries missing: install the postgresql package (its tests are skipped)"; fi
 
+# The quick suite (under 10 minutes on 2 cores, install included); tests marked slow run with `make test-slow`.
 test: $(STAMP) postgres
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP) postgres
+	$(PY) -m pytest -q -m slow
 
 demo: $(STAMP)
 	$(VENV)/bin/precsearch demo
