@@ -143,7 +143,7 @@ def test_every_low_share_of_the_package_is_cost_low_share(monkeypatch):
     real = cost.low_share
     monkeypatch.setattr(cost, "low_share", lambda numel, low: calls.append(1) or real(numel, low))
     strategies.low_share(graph, space, candidate.decisions)
-    model.memory_ratio(candidate.assignment)
+    model.low_share(candidate.assignment)
     model.ratio_batch([[True] * model.n_groups])
     assert len(calls) == 3
 

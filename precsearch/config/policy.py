@@ -79,7 +79,8 @@ from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.formats.numerics import FloatFormat, get_format, spec_name
-from precsearch.graph.tracing import OpInfo, TensorGraph, TensorInfo, trace, untraced_modules
+from precsearch.graph.tracing import trace, untraced_modules
+from precsearch.graph.types import OpInfo, TensorGraph, TensorInfo
 from precsearch.runtime.accumulate import (
     CHUNKABLE_LAYERS,
     DEFAULT_ACC,
@@ -395,7 +396,7 @@ class Policy:
             "bytes": int(total),
             "fp32_bytes": int(fp32),
             "ratio": float(total) / float(fp32) if fp32 else 1.0,
-            "low_share": float(cost.memory_ratio(assignment)),
+            "low_share": float(cost.low_share(assignment)),
             "saved_activation_bytes": int(cost.saved_activation_bytes(assignment)),
         }
         return self
