@@ -12,7 +12,8 @@ import torch
 
 from precsearch.cli import main
 from precsearch.cost.model import MIB, CostModel, measure_saved_bytes
-from precsearch.graph.tracing import TensorGraph, trace
+from precsearch.graph.tracing import trace
+from precsearch.graph.types import TensorGraph
 from precsearch.models import build
 
 

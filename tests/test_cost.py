@@ -184,14 +184,14 @@ def test_bytes_batch_matches_one_dict_at_a_time(resnet):
         resnet.bytes_batch(np.zeros((2, resnet.n_groups + 1)))
 
 
-def test_memory_ratios(resnet):
+def test_low_shares(resnet):
     graph = resnet.graph
     numel = {tid: info.numel for tid, info in graph.tensors.items() if info.kind in ASSIGNABLE_KINDS}
     total = sum(numel.values())
     activations = {tid: "e4m3b4s" for tid in numel if graph.tensors[tid].kind == "activation"}
-    assert resnet.memory_ratio(activations) == pytest.approx(sum(numel[t] for t in activations) / total)
+    assert resnet.low_share(activations) == pytest.approx(sum(numel[t] for t in activations) / total)
     # weight grads kept at e6m9s (the high format's width) are not held in fewer bits
-    assert resnet.memory_ratio(resnet.group_assignment([True] * resnet.n_groups)) == pytest.approx(
+    assert resnet.low_share(resnet.group_assignment([True] * resnet.n_groups)) == pytest.approx(
         sum(n for t, n in numel.items() if graph.tensors[t].kind != "weight_grad") / total)
     decisions = np.zeros((2, resnet.n_groups), dtype=bool)
     decisions[1, [0, 3]] = True

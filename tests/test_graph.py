@@ -19,7 +19,9 @@ from torch import nn
 
 from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.errors import PrecsearchError
-from precsearch.graph.tracing import PASS_THROUGH, TensorGraph, op_type_key, trace
+from precsearch.graph.op_rules import OP_RULES
+from precsearch.graph.tracing import trace
+from precsearch.graph.types import TensorGraph
 from precsearch.models import NAMES, build
 
 
@@ -91,7 +93,7 @@ def test_zoo_graph_structure(name):
             (source,) = op.input_tensors
             assert {graph.tensors[w].group for w in op.params} == {producer_group[source]}, op.name
     # layout-only ops make no tensor, and every activation is an op's output at the training batch
-    assert not any(op_type_key(op.module_type) in PASS_THROUGH for op in graph.ops)
+    assert not any(OP_RULES.op_type(op.module_type).pass_through for op in graph.ops)
     activations = [info for info in graph.tensors.values() if info.kind == "activation"]
     assert all(info.shape[0] == 5 for info in activations)
     assert graph.ops[0].role == "input" and f"{graph.ops[0].name}:activation_grad" not in graph.tensors
@@ -415,7 +417,7 @@ def test_gradients_arrive_fresh_exactly_where_one_conv_norm_or_relu_reads_an_out
     ReLU outputs read by one conv alone (8), the sums (read by a ReLU, 8) and the input batch (read by the stem
     conv); not the BN outputs that a sum reads (its backward passes the gradient through, 11), the ReLU
     outputs read by a conv and a sum (8), the pooling (read by flatten) or the logits."""
-    from precsearch.graph.tracing import gradient_arrives_fresh
+    from precsearch.graph.in_place import gradient_arrives_fresh
 
     graph = trace(build("resnet18", width=0.25), torch.randn(2, 3, 32, 32))
     fresh = gradient_arrives_fresh(graph)
@@ -442,7 +444,7 @@ def test_gradients_pass_from_a_sum_exactly_where_a_sum_alone_reads_an_output():
     """Hand count on ResNet-18: each block's second BN output (8) and each shortcut's BN output (3) is read by
     the block's sum alone, which passes its gradient to it; not the block inputs that the sum reads too (a
     conv reads them as well), and an output read twice by one sum (its gradient is a new sum) is excluded."""
-    from precsearch.graph.tracing import gradient_passes_from
+    from precsearch.graph.in_place import gradient_passes_from
 
     graph = trace(build("resnet18", width=0.25), torch.randn(2, 3, 32, 32))
     passes = gradient_passes_from(graph)

@@ -23,7 +23,9 @@ from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import sgd_step
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.formats.compiled import RUNNER
-from precsearch.graph.tracing import grad_id, gradient_arrives_fresh, gradient_passes_from, trace
+from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from
+from precsearch.graph.tracing import trace
+from precsearch.graph.types import grad_id
 from precsearch.models import build
 from precsearch.runtime import wrapper as runtime
 from precsearch.runtime.wrapper import apply_policy
@@ -235,7 +237,7 @@ def test_rounding_over_the_ops_own_output_trains_as_rounding_into_a_new_tensor(n
 
     def three_steps(in_place: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Counter[str]]:
         if not in_place:
-            monkeypatch.setattr(runtime, "makes_fresh_output", lambda op: False)
+            monkeypatch.setattr(runtime, "makes_fresh_output", lambda op, rules: False)
             monkeypatch.setattr(runtime, "gradient_arrives_fresh", lambda graph: frozenset())
             monkeypatch.setattr(runtime, "gradient_passes_from", lambda graph: {})
         model = copy.deepcopy(plain)

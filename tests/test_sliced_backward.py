@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from precsearch.config.policy import Policy
 from precsearch.cost.measured import trace_step
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
-from precsearch.graph import tracing as graph_module
+from precsearch.graph.op_rules import OP_RULES, OpRules
 from precsearch.graph.tracing import trace
 from precsearch.runtime import wrapper as runtime
 from precsearch.runtime.wrapper import apply_policy
@@ -67,9 +68,23 @@ def _setup(batch: int = 12):
     return model, policy, x, y
 
 
+def _slices(rows: dict[type[nn.Module], int] | None = None, channels: int | None = None) -> OpRules:
+    """The op rules with the sliced backwards of these module types in slices of ``rows`` bytes, and Conv2d's
+    channel groups in weight slices of ``channels`` bytes."""
+    changed = {}
+    for cls in (nn.Conv2d, nn.BatchNorm2d, nn.ReLU):
+        sliced = OP_RULES.modules[cls].sliced
+        if cls in (rows or {}):
+            sliced = replace(sliced, slice_bytes=rows[cls])
+        if cls is nn.Conv2d and channels is not None:
+            sliced = replace(sliced, channels=replace(sliced.channels, slice_bytes=channels))
+        changed[cls] = replace(OP_RULES.modules[cls], sliced=sliced)
+    return OP_RULES.with_modules(changed)
+
+
 def _gradients(model: nn.Module, policy: Policy, x: torch.Tensor, y: torch.Tensor,
-               mode: TorchDispatchMode | None = None) -> dict[str, torch.Tensor]:
-    wrapped = apply_policy(copy.deepcopy(model), policy)
+               mode: TorchDispatchMode | None = None, rules: OpRules = OP_RULES) -> dict[str, torch.Tensor]:
+    wrapped = apply_policy(copy.deepcopy(model), policy, rules=rules)
     loss = F.cross_entropy(wrapped(x), y)
     with mode if mode is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         loss.backward()
@@ -85,10 +100,9 @@ def test_gradients_in_slices_match_torchs_backward_over_the_whole_input(monkeypa
     monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
     whole = _gradients(model, policy, x, y)
     monkeypatch.undo()
-    for module_type in ("Conv2d", "BatchNorm2d", "ReLU"):
-        monkeypatch.setitem(graph_module.SLICE_BYTES, module_type, 1)  # one sample a slice
     counter = _CountSlices()
-    sliced = _gradients(model, policy, x, y, counter)
+    one_sample = _slices({nn.Conv2d: 1, nn.BatchNorm2d: 1, nn.ReLU: 1})  # one sample a slice
+    sliced = _gradients(model, policy, x, y, counter, one_sample)
     # conv1: a weight gradient per sample (the batch needs no gradient); conv2: a weight and an input gradient
     assert counter.calls == Counter({("convolution_backward", 1): 12 + 24, ("threshold_backward", 1): 24})
     for name, expected in whole.items():
@@ -111,13 +125,11 @@ def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
     whole = x.nbytes
 
     def big_blocks(sliced: bool) -> int:
-        if sliced:
-            monkeypatch.setitem(graph_module.SLICE_BYTES, "BatchNorm2d", 2**20)
-            monkeypatch.setitem(graph_module.SLICE_BYTES, "ReLU", 2**20)
-        else:
+        if not sliced:
             monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
             monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
-        wrapped = apply_policy(copy.deepcopy(layers), policy)
+        rules = _slices({nn.BatchNorm2d: 2**20, nn.ReLU: 2**20}) if sliced else OP_RULES
+        wrapped = apply_policy(copy.deepcopy(layers), policy, rules=rules)
         x.grad = None
         out = wrapped(x).sum()
         memory = trace_step(out.backward)
@@ -272,16 +284,16 @@ def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_
     monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
     whole = _gradients(model, policy, x, y)
     monkeypatch.undo()
-    monkeypatch.setattr(graph_module, "CHANNEL_SLICE_BYTES", 12 * 4 * 32 * 9)  # 12 input channels of conv2's weight
     counter = _CountChannels()
-    sliced = _gradients(model, policy, x, y, counter)
+    twelve_channels = _slices(channels=12 * 4 * 32 * 9)  # 12 input channels of conv2's weight
+    sliced = _gradients(model, policy, x, y, counter, twelve_channels)
     assert counter.calls == Counter({3: 1, **calls})
     for name, expected in whole.items():
         torch.testing.assert_close(sliced[name], expected, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(expected, torch.zeros_like(expected)), name
 
 
-def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradient(monkeypatch):
+def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradient():
     """A 256->256 3x3 conv over a (8, 256, 4, 4) packed input (weight 2.25 MiB, input 0.5 MiB), in 1 MiB weight
     slices: torch.profiler's allocator record of its backward shows one block of the weight's size (the whole
     weight gradient); in one group it shows the weight rounded again and oneDNN's reordered copy besides."""
@@ -293,14 +305,13 @@ def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradie
     weight_bytes = layers[2].weight.nbytes
 
     def weight_sized_blocks(channel_bytes: int) -> int:
-        monkeypatch.setattr(graph_module, "CHANNEL_SLICE_BYTES", channel_bytes)
-        wrapped = apply_policy(copy.deepcopy(layers), policy)
+        wrapped = apply_policy(copy.deepcopy(layers), policy, rules=_slices(channels=channel_bytes))
         for _ in range(2):  # the second: oneDNN's kernels set up
             out = wrapped(x).sum()
             memory = trace_step(out.backward)
         return sum(a.nbytes >= weight_bytes for a in memory.allocations
                    if a.phase == "backward:_ConvOfPackedInputBackward")
 
-    assert graph_module.CHANNEL_SLICE_BYTES == 2**20
+    assert OP_RULES.modules[nn.Conv2d].sliced.channels.slice_bytes == 2**20
     assert weight_sized_blocks(2**20) == 1
     assert weight_sized_blocks(2**40) >= 3

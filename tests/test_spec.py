@@ -178,7 +178,7 @@ def test_every_low_share_of_the_package_is_the_share_of_elements_held_low():
     expected = held_low / sum(info.numel for info in assignable)  # counted by hand from the graph
     assert 0 < expected < 1
     assert strategies.low_share(graph, space, candidate.decisions) == pytest.approx(expected)
-    assert model.memory_ratio(candidate.assignment) == pytest.approx(expected)
+    assert model.low_share(candidate.assignment) == pytest.approx(expected)
     rows = [[candidate.decisions[f"g{group}"] == "low" for group in range(model.n_groups)], [True] * model.n_groups]
     assert model.ratio_batch(rows).tolist() == pytest.approx([expected, 1.0])
 

@@ -7,7 +7,8 @@ Two countings of activation memory, which differ and are both reported:
   output, add/cat/flatten nothing, max-pool its input plus int64 indices, an in-place ReLU6 a clone of its
   input, ... each storage once, stored at the whole bytes of its format's storage dtype. What each op saves
   is derived, not guessed: `precsearch.graph.tracing.trace` records it (saved_tensors_hooks) while it runs the FX
-  graph, and `_SAVE_RULES` is only the fallback for graphs traced with module hooks.
+  graph, and the op rules' `saves` (`precsearch.graph.op_rules`, the graph's `rules`) are only the fallback for
+  graphs traced with module hooks.
   `measure_saved_bytes` measures the same on a real forward.
 - which format a saved storage is in, the rule the runtime's packer follows: a saved activation is stored at
   the format of the tensor whose value was saved, the last rounding of that storage (an in-place ReLU after
@@ -41,20 +42,10 @@ from precsearch.config.optimizer import UpdateConfig
 from precsearch.config.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
-from precsearch.graph.tracing import (
-    OpInfo,
-    TensorGraph,
-    backward_slice_channels,
-    backward_slice_rows,
-    forward_error,
-    grad_id,
-    gradient_arrives_fresh,
-    gradient_passes_from,
-    makes_fresh_output,
-    op_type_key,
-    sliced_saved_tensor,
-    training_mode,
-)
+from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
+from precsearch.graph.op_rules import ASSUMED_SAVES
+from precsearch.graph.runs import forward_error, training_mode
+from precsearch.graph.types import OpInfo, TensorGraph, grad_id
 from precsearch.runtime.optim import update_bytes_per_param
 
 if TYPE_CHECKING:
@@ -65,50 +56,6 @@ log = logging.getLogger(__name__)
 MIB = 2**20
 FP32 = get_format("fp32")
 Spec = str | FloatFormat
-
-# What autograd saves for backward, per op type (keys as `op_type_key` spells them), measured on torch 2.13;
-# used only for graphs without recorded saves (traced with module hooks, or read from older JSON files):
-#   inputs: every input activation; pair: every input activation when the op has two tensor operands (a
-#   product needs the other factor; scaling by a number saves nothing); output: its own output;
-#   pool: its input unless the output is 1x1 (adaptive average pooling to 1 is a mean and saves nothing);
-#   indices: int64 argmax indices of the output's size; bnstats: per-channel fp32 vectors (save_mean,
-#   save_invstd, and running_mean/var when tracked); mask/channelmask: dropout's float32 mask of the output's
-#   size / of (N, C). Parameters autograd saves are weights, counted as such, never here.
-_GEMM = ("inputs",)
-_SAVE_RULES: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "convtranspose1d", "convtranspose2d", "convtranspose3d",
-                     "linear"), _GEMM),
-    **dict.fromkeys(("batchnorm", "batchnorm1d", "batchnorm2d", "batchnorm3d", "syncbatchnorm"),
-                    ("inputs", "bnstats")),
-    **dict.fromkeys(("relu", "sigmoid", "tanh", "softmax", "logsoftmax", "exp"), ("output",)),
-    **dict.fromkeys(("relu6", "hardtanh", "silu", "hardswish", "hardsigmoid", "gelu", "elu", "leakyrelu", "mish",
-                     "softplus", "avgpool1d", "avgpool2d", "avgpool3d", "layernorm", "groupnorm"), ("inputs",)),
-    **dict.fromkeys(("adaptiveavgpool1d", "adaptiveavgpool2d", "adaptiveavgpool3d"), ("pool",)),
-    **dict.fromkeys(("maxpool1d", "maxpool2d", "maxpool3d", "adaptivemaxpool1d", "adaptivemaxpool2d",
-                     "adaptivemaxpool3d"), ("inputs", "indices")),
-    **dict.fromkeys(("add", "sub", "cat", "stack", "neg", "pad", "mean", "sum", "clone", "identity"), ()),
-    **dict.fromkeys(("mul", "div", "matmul", "mm", "bmm"), ("pair",)),
-    "dropout": ("mask",),
-    **dict.fromkeys(("dropout1d", "dropout2d", "dropout3d"), ("channelmask",)),
-}
-_UNKNOWN_RULE = ("inputs", "output")
-# Workspaces of backward kernels, in float32 copies of the op's input, measured with precsearch.cost.measured on
-# torch 2.13's CPU kernels (oneDNN conv: a reordered input gradient and input; batch norm: one temporary).
-_CONV_BACKWARD_WORKSPACE = 2
-_BN_BACKWARD_WORKSPACE = 1
-# A sliced backward (``graph.sliced_saved_tensor``), in float32 slices of the tensor it decodes, measured with
-# precsearch.cost.measured: conv: the decoded slice, or the slice's input gradient before its copy into the whole one,
-# and oneDNN's workspace, plus two weight-sized blocks (a slice's weight gradient before it is summed, and
-# oneDNN's reordered weight); batch norm: the decoded slice and the slice minus the mean; ReLU: the decoded
-# slice.
-_SLICED_WORKSPACE = {"Conv2d": 3, "BatchNorm2d": 2, "ReLU": 1}
-# A conv's backward in groups of input channels (``graph.backward_slice_channels``), measured with
-# precsearch.cost.measured: oneDNN's reordered copy of the whole output gradient (each call makes one); float32 input
-# slices of one group: the decoded slice, oneDNN's reordered copy, the group's input gradient before its copy
-# into the whole one; weight slices: the slice rounded again from the master and the group's weight gradient
-# before its copy.
-_CHANNEL_SLICED_WORKSPACE = {"output_gradient": 1, "input": 3, "weight": 2}
-
 
 @dataclass(frozen=True)
 class Held:
@@ -142,7 +89,8 @@ def _storage_bytes(fmt: FloatFormat) -> int:
 
 class CostModel:
     """Prices assignments of one TensorGraph. `high` and `low` (per assignable kind) are the two formats a
-    group decision chooses between (`bytes_batch`, `group_assignment`); they default to the paper's."""
+    group decision chooses between (`bytes_batch`, `group_assignment`); they default to the paper's. What each
+    op saves, and its workspaces, come from the op rules the graph was traced with (`graph.rules`)."""
 
     def __init__(self, graph: TensorGraph, high: Spec = PAPER_HIGH, low: Mapping[str, Spec] | None = None) -> None:
         self.graph = graph
@@ -296,7 +244,7 @@ class CostModel:
                 table[kind][row] = size * self._numel[self._index[tid]]
         return table
 
-    def memory_ratio(self, assignment: Mapping[str, Spec]) -> float:
+    def low_share(self, assignment: Mapping[str, Spec]) -> float:
         """Share of the assignable tensors' elements held in fewer bits than the high format. (The paper's
         ratio over group decisions, which also counts weight grads whose low format equals the high one, is
         `ratio_batch`.)"""
@@ -323,7 +271,7 @@ class CostModel:
         decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient (not where
         the rounding writes over it: ``graph.gradient_arrives_fresh``, the activation low too, or
         ``graph.gradient_passes_from``, the add's output gradient in the same format), a sliced backward's
-        workspace (``graph.sliced_saved_tensor``: a conv, batch norm or ReLU whose codes are never decoded
+        workspace (``OpRules.sliced_saved_tensor``: a conv, batch norm or ReLU whose codes are never decoded
         whole),
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
         through module hooks) and again during its layer's backward, which rounds the fp32 master again rather
@@ -334,7 +282,7 @@ class CostModel:
         optimizer holds one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it
         exists before the step) unless packed."""
         formats = self._formats(assignment)
-        graph, ops = self.graph, self.graph.ops
+        graph, ops, rules = self.graph, self.graph.ops, self.graph.rules
         n = len(ops)
         index = {op.name: i for i, op in enumerate(ops)}
         blocks: list[Held] = []
@@ -352,7 +300,7 @@ class CostModel:
         traced = graph.graph_module is not None
         sliced = {}  # op index -> the low tensor whose codes its backward reads in slices
         for i, op in enumerate(ops):
-            tid = sliced_saved_tensor(op) if traced else None
+            tid = rules.sliced_saved_tensor(op) if traced else None
             if tid is not None and not formats.get(tid, FP32).is_fp32:
                 sliced[i] = tid
         saved_fp32, reads_kept = set(), set()
@@ -380,7 +328,7 @@ class CostModel:
             if ops[i].role != "input" and root[tid] == tid:
                 if tid not in saved_fp32:
                     hold(4 * numel, fwd(i), fwd(last_use.get(tid, i)), f"float32 {tid}")
-                in_place = makes_fresh_output(ops[i]) and tid not in self_saved
+                in_place = makes_fresh_output(ops[i], rules) and tid not in self_saved
                 if not formats.get(tid, FP32).is_fp32 and not in_place:
                     hold(4 * numel, fwd(i), fwd(i), f"unrounded {tid}")
             if needs_grad[tid]:
@@ -397,37 +345,37 @@ class CostModel:
         channel_sliced = set()  # weights whose conv's backward decodes them a channel slice at a time
         for i, op in enumerate(ops):
             inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)
-            key = op_type_key(op.module_type)
-            conv = key.startswith("conv") and any(needs_grad[t] for t in op.input_tensors)
-            kernel = _CONV_BACKWARD_WORKSPACE if conv else _BN_BACKWARD_WORKSPACE if key.startswith("batchnorm") else 0
-            if key.startswith("conv"):  # oneDNN's forward: the reordered input and weight beside the blocked
+            rule = rules.op_type(op.module_type)
+            kernel = rule.backward_workspace + (rule.input_gradient_workspace
+                                                if any(needs_grad[t] for t in op.input_tensors) else 0)
+            if rule.forward_workspace:  # oneDNN's forward: the reordered input and weight beside the blocked
                 # output, then that beside the output's plain copy (the output's own block)
                 params = 4 * sum(graph.tensors[p].numel for p in op.params)
                 outputs = 4 * sum(graph.tensors[t].numel for t in op.outputs)
                 hold(max(inputs + params, outputs), fwd(i), fwd(i), f"forward workspace {op.name}")
             if i in sliced:
-                shape = graph.tensors[sliced[i]].shape
+                shape, slicing = graph.tensors[sliced[i]].shape, rule.sliced
                 weight_info = max((graph.tensors[p] for p in op.params), key=lambda t: t.numel, default=None)
                 sample, weight = math.prod(shape[1:]), 0 if weight_info is None else weight_info.numel
-                rows = backward_slice_rows(op.module_type, shape, weight)
+                rows = slicing.rows(shape, weight)
                 decodes = i not in reads_kept
-                channels = (backward_slice_channels(shape, weight_info.shape) if op.module_type == "Conv2d"
+                channels = (slicing.channels_per_group(shape, weight_info.shape) if slicing.channels is not None
                             else shape[1])
                 if channels < shape[1]:  # one slice of samples in groups of input channels
                     channel_sliced.add(weight_info.id)
                     group_input = 4 * shape[0] * channels * math.prod(shape[2:])
                     group_weight = 4 * weight * channels // shape[1]
-                    work = (_CHANNEL_SLICED_WORKSPACE["output_gradient"] * 4 * graph.tensors[op.outputs[0]].numel
-                            + (_CHANNEL_SLICED_WORKSPACE["input"] - (not decodes)) * group_input
-                            + _CHANNEL_SLICED_WORKSPACE["weight"] * group_weight)
+                    work = (slicing.channels.output_gradient * 4 * graph.tensors[op.outputs[0]].numel
+                            + (slicing.channels.input - (not decodes)) * group_input
+                            + slicing.channels.weight * group_weight)
                     hold(work, bwd(i), bwd(i), f"channel slice workspace {op.name}")
-                elif rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (a
-                    # conv whose weight outsizes its input: oneDNN's reordered weight)
-                    work = max(kernel * inputs, 4 * weight if op.module_type == "Conv2d" else 0)
+                elif rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (an
+                    # op with weight blocks whose weight outsizes its input: oneDNN's reordered weight)
+                    work = max(kernel * inputs, 4 * weight if slicing.weight_blocks else 0)
                     hold(decodes * 4 * sample * shape[0] + work, bwd(i), bwd(i), f"workspace {op.name}")
                 else:
-                    summed = 2 * 4 * weight if op.module_type == "Conv2d" else 0
-                    slices = _SLICED_WORKSPACE[op.module_type] - (not decodes)
+                    summed = slicing.weight_blocks * 4 * weight
+                    slices = slicing.workspace - (not decodes)
                     hold(slices * 4 * rows * sample + summed, bwd(i), bwd(i), f"slice workspace {op.name}")
             elif kernel:
                 hold(kernel * inputs, bwd(i), bwd(i), f"workspace {op.name}")
@@ -492,7 +440,7 @@ class CostModel:
     # ------------------------------------------------------------------------- autograd saved bytes
 
     def saved_activation_bytes(self, assignment: Mapping[str, Spec] | None = None) -> int:
-        """Bytes autograd keeps for backward, as predicted from the graph (see `_SAVE_RULES`): every saved
+        """Bytes autograd keeps for backward, as predicted from the graph (see `_predict_saved`): every saved
         storage once, a saved activation at its format's storage bytes (4 for fp32, 1 for <= 8 bits, 2 for
         <= 16), byproducts at their own dtype. Parameters are weights and are not counted here."""
         return sum(self._saved_bytes(assignment))
@@ -521,8 +469,8 @@ def low_share(numel: Any, low: Any) -> Any:
 
 
 def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
-    """What every op whose output needs a gradient saves (recorded while tracing, else `_SAVE_RULES`); one
-    entry per storage."""
+    """What every op whose output needs a gradient saves (recorded while tracing, else the op rules' `saves`,
+    `ASSUMED_SAVES` for an op they do not describe); one entry per storage."""
     requires_grad: dict[str, bool] = {}
     root: dict[str, str] = {}  # activation id -> activation owning its storage (in-place ops share it)
     entries: dict[str, SavedTensor] = {}
@@ -541,17 +489,17 @@ def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
             root[tid] = root[op.input_tensors[0]] if in_place else tid
         if op.role == "input" or not needs_grad:
             continue
-        if "saves" in op.attrs:  # what autograd was seen to save while tracing (precsearch.graph.tracing)
+        if "saves" in op.attrs:  # what autograd was seen to save while tracing (precsearch.graph.fx_trace)
             for index, (kind, what, *itemsize) in enumerate(op.attrs["saves"]):
                 if kind == "activation":
                     save(root[what], what, graph.tensors[what].numel, None, op.name)
                 else:
                     save(f"{op.name}:saved{index}", None, what, itemsize[0], op.name)
             continue
-        rule = _SAVE_RULES.get(op_type_key(op.module_type))
+        rule = graph.rules.op_type(op.module_type).saves
         if rule is None:
             unknown.add(op.module_type)
-            rule = _UNKNOWN_RULE
+            rule = ASSUMED_SAVES
         for item in rule:
             for saved in _rule_items(item, op, graph, trainable):
                 if isinstance(saved, str):

@@ -17,7 +17,7 @@ from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import spec_name
-from precsearch.graph.tracing import TensorGraph
+from precsearch.graph.types import TensorGraph
 
 __all__ = ["policy_for_graph", "policy_from_assignment", "prediction"]
 
@@ -32,7 +32,7 @@ def prediction(policy: Policy, graph: TensorGraph) -> dict[str, Any]:
         "bytes": int(total),
         "fp32_bytes": int(fp32),
         "ratio": float(total) / float(fp32) if fp32 else 1.0,
-        "low_share": float(cost.memory_ratio(assignment)),
+        "low_share": float(cost.low_share(assignment)),
         "saved_activation_bytes": int(cost.saved_activation_bytes(assignment)),
     }
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from precsearch.config.policy import ACCUMULATION_LAYER_TYPES, Policy, is_glob
 from precsearch.errors import PrecsearchError
-from precsearch.graph.tracing import TensorGraph
+from precsearch.graph.types import TensorGraph
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from torch import nn
 from precsearch.config.loss_scaling import EPOCH, OPTIONS, check_option, loss_scaling
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
-from precsearch.graph.tracing import is_gemm_module
+from precsearch.graph.op_rules import OP_RULES
 
 __all__ = [
     "LossScaler",
@@ -411,12 +411,12 @@ class AdaptiveLossScaler(LossScaler):
         ``include_output``, the model output. Returns the forward-hook handles (``.remove()`` detaches)."""
         modules = dict(model.named_modules())
         if layers is None:
-            chosen = [name for name, module in modules.items() if is_gemm_module(module)]
+            chosen = [name for name, module in modules.items() if OP_RULES.module(module).gemm]
         elif callable(layers):
             chosen = [name for name, module in modules.items() if layers(name, module)]
         else:
             chosen = list(layers)
-            unknown = [name for name in chosen if name not in modules or not is_gemm_module(modules[name])]
+            unknown = [name for name in chosen if name not in modules or not OP_RULES.module(modules[name]).gemm]
             if unknown:
                 raise PrecsearchError(
                     f"adaptive loss scaling: {', '.join(unknown)} not GEMM layers of the model; name Linear/Conv layers"
@@ -435,7 +435,7 @@ class AdaptiveLossScaler(LossScaler):
             point = self._pending.get(output.grad_fn)
             if point is not None and not name:  # the model output is a GEMM layer's output: guard both
                 point.guard_grad = True
-            elif is_gemm_module(module):
+            elif OP_RULES.module(module).gemm:
                 calls = self._calls[name] = self._calls.get(name, -1) + 1
                 label = (name or "<output>") + (f"#{calls}" if calls else "")
                 self._pending[output.grad_fn] = _Point(label, module.weight, _reduction_fan(module), not name)

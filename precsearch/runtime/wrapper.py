@@ -32,9 +32,9 @@ The pieces, each in one place:
 * sliced backwards: a ``Conv2d`` or training ``BatchNorm2d`` reading a low activation, and an ``nn.ReLU`` making
   one, are called through autograd Functions (``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``,
   ``_ReluOfPackedOutput``) whose backward decodes the codes a slice of samples at a time
-  (``graph.backward_slice_rows``), so the step never holds a float32 copy of a whole saved tensor; a conv whose
+  (``SlicedBackward.rows``), so the step never holds a float32 copy of a whole saved tensor; a conv whose
   weight outsizes its input decodes its input, and rounds its weight again from the master, a group of input
-  channels at a time instead (``graph.backward_slice_channels``).
+  channels at a time instead (``SlicedBackward.channels_per_group``).
 
 What each tensor kind gets:
 
@@ -99,18 +99,11 @@ from precsearch.config.spec import GRAD_KINDS
 from precsearch.errors import PrecsearchError
 from precsearch.formats import kernels
 from precsearch.formats.format import FloatFormat, get_format
+from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
+from precsearch.graph.op_rules import OP_RULES, OpRules
 from precsearch.graph.policy_check import policy_example_input, verify_policy
-from precsearch.graph.tracing import (
-    TensorGraph,
-    backward_slice_channels,
-    backward_slice_rows,
-    grad_id,
-    gradient_arrives_fresh,
-    gradient_passes_from,
-    makes_fresh_output,
-    trace,
-    untraced_modules,
-)
+from precsearch.graph.tracing import trace, untraced_modules
+from precsearch.graph.types import TensorGraph, grad_id
 from precsearch.runtime import ops
 from precsearch.runtime.accumulate import CHUNKED_LAYERS, swap_chunked_layers
 from precsearch.runtime.optim import LowPrecisionOptimizer, from_config
@@ -119,9 +112,6 @@ from precsearch.runtime.scaling import LossScaler, epoch_growth, make_scaler
 __all__ = ["PrecisionModel", "Promotion", "SavedBytes", "TensorState", "apply_policy", "instrument_fx"]
 
 log = logging.getLogger(__name__)
-
-# Layout ops whose output is no tensor: no alias module after them.
-_NOT_TENSORS = frozenset({"size", "dim", "numel", "stride", "storage_offset"})
 
 
 class Promotion(NamedTuple):
@@ -789,17 +779,21 @@ def _take_stored(ctx: Any) -> _Stored:
 
 
 def _slice_rows(ctx: Any, grad_out: torch.Tensor, module_type: str, weight_numel: int = 0) -> int:
-    """``graph.backward_slice_rows`` on CPU; the whole batch elsewhere (slicing not measured off CPU)."""
-    if grad_out.device.type != "cpu":
+    """``SlicedBackward.rows`` of ``module_type`` in the op rules ``ctx.rules`` on CPU; the whole batch elsewhere
+    (slicing not measured off CPU) or where the rules slice no backward of that type."""
+    sliced = ctx.rules.op_type(module_type).sliced
+    if grad_out.device.type != "cpu" or sliced is None:
         return ctx.input_shape[0]
-    return backward_slice_rows(module_type, ctx.input_shape, weight_numel)
+    return sliced.rows(ctx.input_shape, weight_numel)
 
 
 def _slice_channels(ctx: Any, grad_out: torch.Tensor) -> int:
-    """``graph.backward_slice_channels`` of a conv on CPU; all channels elsewhere (not measured off CPU)."""
-    if grad_out.device.type != "cpu":
+    """``SlicedBackward.channels_per_group`` of a Conv2d in the op rules ``ctx.rules`` on CPU; all channels
+    elsewhere (not measured off CPU) or where the rules slice no Conv2d backward."""
+    sliced = ctx.rules.op_type("Conv2d").sliced
+    if grad_out.device.type != "cpu" or sliced is None:
         return ctx.input_shape[1]
-    return backward_slice_channels(ctx.input_shape, ctx.weight_shape)
+    return sliced.channels_per_group(ctx.input_shape, ctx.weight_shape)
 
 
 def _channel_slicer(stored: _Stored) -> Callable[[int, int], torch.Tensor]:
@@ -815,8 +809,8 @@ class _ConvOfPackedInput(torch.autograd.Function):
     """A Conv2d whose input autograd would hold as codes. Its backward, in slices of samples, makes the weight
     gradient as a sum over slices of the decoded input, then the input gradient slice by slice from the
     output gradient alone (as ``torch.nn.grad.conv2d_input``), so no float32 copy of the whole input, nor
-    oneDNN's reordered copies of it, is made. One slice (``graph.backward_slice_rows``: a weight larger than
-    the input): groups of input channels instead (``graph.backward_slice_channels``), one call each, from that
+    oneDNN's reordered copies of it, is made. One slice (``SlicedBackward.rows``: a weight larger than
+    the input): groups of input channels instead (``SlicedBackward.channels_per_group``), one call each, from that
     group's slices of the input, decoded from its codes, and of the weight, rounded again from the master or
     decoded where it keeps codes (a group's input gradient needs only its weight slice, its weight gradient
     only its input slice), written into the whole gradients: no float32 copy of the whole weight, nor
@@ -831,8 +825,9 @@ class _ConvOfPackedInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                stored: list[_Stored], layer: nn.Conv2d, weight_stored: _Stored | None) -> torch.Tensor:
+                stored: list[_Stored], rules: OpRules, layer: nn.Conv2d, weight_stored: _Stored | None) -> torch.Tensor:
         ctx.stored, ctx.layer, ctx.input_shape, ctx.has_bias = stored, layer, x.shape, bias is not None
+        ctx.rules = rules
         ctx.weight_shape, ctx.weight_stored = weight.shape, weight_stored
         if weight_stored is None:  # not packed: autograd keeps it (and checks that nothing changed it)
             ctx.save_for_backward(weight)
@@ -888,7 +883,7 @@ class _ConvOfPackedInput(torch.autograd.Function):
                     grad_input[start:start + rows].copy_(conv_backward(g, g.new_empty(1).expand(shape), weight,
                                                                        [True, False, False])[0])
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class _BatchNormOfPackedInput(torch.autograd.Function):
@@ -905,11 +900,11 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                stored: list[_Stored], layer: nn.BatchNorm2d) -> torch.Tensor:
+                stored: list[_Stored], rules: OpRules, layer: nn.BatchNorm2d) -> torch.Tensor:
         layer.num_batches_tracked.add_(1)  # nn.BatchNorm2d's own training forward, for a set momentum
         out, mean, invstd = torch.native_batch_norm(x, weight, bias, layer.running_mean, layer.running_var, True,
                                                     layer.momentum, layer.eps)
-        ctx.stored, ctx.input_shape, ctx.eps = stored, x.shape, layer.eps
+        ctx.stored, ctx.input_shape, ctx.eps, ctx.rules = stored, x.shape, layer.eps, rules
         # the running statistics too, unused: what torch's batch norm saves, so that saved bytes stay its own
         ctx.save_for_backward(weight, mean, invstd, layer.running_mean, layer.running_var)
         return out
@@ -925,7 +920,7 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
             (_, x), = passes()
             grads = torch.ops.aten.native_batch_norm_backward(grad_out, x, weight, None, None, mean, invstd, True,
                                                               ctx.eps, need)
-            return *grads, None, None
+            return *grads, None, None, None
         channel, dims = (1, -1, 1, 1), (0, 2, 3)
         sum_dy = dot = 0  # per channel: sums of grad_out and of grad_out * (x - mean), slice sums added in float64
         for start, x in passes():
@@ -946,7 +941,7 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
                 out.sub_(mean_dy).mul_(scale)
         grad_weight = (dot * invstd.double()).float() if need[1] else None
         grad_bias = sum_dy.float() if need[2] else None
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 class _ReluOfPackedOutput(torch.autograd.Function):
@@ -955,25 +950,26 @@ class _ReluOfPackedOutput(torch.autograd.Function):
     time into torch's own ReLU backward, so no float32 copy of the whole output is made."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, stored: list[_Stored], inplace: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, stored: list[_Stored], rules: OpRules, inplace: bool) -> torch.Tensor:
         out = torch.relu_(x) if inplace else torch.relu(x)
         if inplace:
             ctx.mark_dirty(x)
         ctx.stored, ctx.input_shape = stored, out.shape  # the caller saves the output, as autograd returns it
+        ctx.rules = rules
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         stored = _take_stored(ctx)
         if stored.packed is None:  # not rounded after all (a promoted slot): the output itself
-            return torch.ops.aten.threshold_backward(grad_out, stored.tensor, 0), None, None
+            return torch.ops.aten.threshold_backward(grad_out, stored.tensor, 0), None, None, None
         rows = _slice_rows(ctx, grad_out, "ReLU")
         grad_input = torch.empty_like(grad_out)
         for start, out in stored.packed.batch_slices(rows)():
             torch.ops.aten.threshold_backward.grad_input(grad_out[start:start + rows], out, 0,
                                                          grad_input=grad_input[start:start + rows])
-        return grad_input, None, None
+        return grad_input, None, None, None
 
 
 class _PackedOutputRelu(nn.Module):
@@ -993,7 +989,7 @@ class _PackedOutputRelu(nn.Module):
         if not packer.active:
             return self.layer(x)
         stored: list[_Stored] = []
-        out = _ReluOfPackedOutput.apply(x, stored, self.layer.inplace)
+        out = _ReluOfPackedOutput.apply(x, stored, self._model.graph.rules, self.layer.inplace)
         stored.append(packer.pack(out))  # after the call: an in-place ReLU's output has its final version now
         return _after_forward_hooks(self.layer, x, out)
 
@@ -1043,8 +1039,8 @@ class _PackedInputCall(_RoundedWeightsCall):
             return torch.func.functional_call(self.layer, weights, (x,))
         weight = weights.get("weight", self.layer.weight)
         weight_stored = (packer.save_packed(weight),) if self.function.slices_weight else ()
-        out = self.function.apply(x, weight, weights.get("bias", self.layer.bias), [stored], self.layer,
-                                  *weight_stored)
+        out = self.function.apply(x, weight, weights.get("bias", self.layer.bias), [stored], self._model.graph.rules,
+                                  self.layer, *weight_stored)
         return _after_forward_hooks(self.layer, x, out)
 
 
@@ -1124,7 +1120,7 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
         inserted = rounder(op)
         if inserted is not None:
             # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
-            inserted.in_place = makes_fresh_output(op)
+            inserted.in_place = makes_fresh_output(op, graph.rules)
             inserted.grad_in_place = op.name in fresh_gradients and set(inserted.slots) == {0}
             node = nodes[op.node]
             after = last_placeholder if node.op == "placeholder" else node
@@ -1138,7 +1134,7 @@ def instrument_fx(graph: TensorGraph, module: nn.Module,
     op_nodes = {op.node for op in graph.ops}
     for node in list(fx_graph.nodes):
         if (node.name in op_nodes or node in carried or not node.op.startswith("call_")
-                or node.target in _NOT_TENSORS or node.target is getattr):
+                or graph.rules.returns_no_tensor(node.target) or node.target is getattr):
             continue
         source_slots = next((carried[arg] for arg in node.all_input_nodes if arg in carried), None)
         if not source_slots:
@@ -1637,14 +1633,15 @@ def _is_module(model: nn.Module, op: Any) -> bool:
 
 def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor | None = None, *,
                  strict: bool = True, seed: int = 0, stats_every: int | None = None,
-                 steps_per_epoch: int | None = None) -> PrecisionModel:
+                 steps_per_epoch: int | None = None, rules: OpRules = OP_RULES) -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
     ``example_input`` (default: zeros of the policy's input shape) is used to trace the model at the
     policy's batch size; a policy made for another graph raises unless ``strict=False``. ``seed`` seeds
     stochastic rounding; ``stats_every`` turns on underflow statistics every n-th step; ``steps_per_epoch``
     resolves a loss scale ``growth_interval`` of ``"epoch"`` (the paper's schedule). The layers of
-    ``policy.accumulation`` are swapped in ``model`` itself (``accumulation_layers`` names them).
+    ``policy.accumulation`` are swapped in ``model`` itself (``accumulation_layers`` names them). ``rules``:
+    the op rules to trace and train with (``precsearch.graph.op_rules``).
     """
     if not isinstance(policy, Policy):
         raise PrecsearchError(f"apply_policy needs a precsearch Policy, got {type(policy).__name__}")
@@ -1655,7 +1652,7 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     if example_input is None:
         example_input = policy_example_input(policy, model)
     graph = trace(model, example_input, batch_size=policy.batch_size or example_input.shape[0],
-                  leaf_modules=CHUNKED_LAYERS)
+                  leaf_modules=CHUNKED_LAYERS, rules=rules)
     verify_policy(policy, graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch)
 

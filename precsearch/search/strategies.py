@@ -36,7 +36,7 @@ from precsearch.config.spec import ASSIGNABLE_KINDS, BASELINES, PAPER_HIGH, PAPE
 from precsearch.cost import model as cost
 from precsearch.cost.policies import policy_for_graph
 from precsearch.errors import PrecsearchError
-from precsearch.graph.tracing import OpInfo, TensorGraph
+from precsearch.graph.types import OpInfo, TensorGraph
 
 __all__ = [
     "ACCEPTANCE_WINDOW", "ORDERS", "R_GRID", "SEEDINGS", "WANG_LOW", "Candidate", "Seeding", "assign",

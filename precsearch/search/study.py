@@ -75,7 +75,8 @@ from precsearch.cost.model import CostModel
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.graph.tracing import TensorGraph, trace
+from precsearch.graph.tracing import trace
+from precsearch.graph.types import TensorGraph
 from precsearch.search.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
 from precsearch.search.rundir import (
     LOCK_FILES,

@@ -1,0 +1,109 @@
+"""The op rules are one table that graph, cost model and runtime all read: a made-up module type declared in one
+injected ``OpRules`` changes the graph's ops and groups, the predicted saved bytes and what the runtime rounds.
+
+Oracles: the groups and saved bytes are worked out by hand from the model below; the saved bytes of the plain
+table are autograd's own (``measure_saved_bytes``); a rounded tensor is one that rounding to its format leaves
+unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from precsearch.cost.model import CostModel, measure_saved_bytes
+from precsearch.cost.policies import policy_from_assignment
+from precsearch.formats.kernels import quantize
+from precsearch.graph.op_rules import OP_RULES, OpRule, OpRules
+from precsearch.graph.tracing import trace
+from precsearch.runtime.wrapper import apply_policy
+
+LOW = "e4m3b4s"
+BATCH = 2
+SHIFT_NUMEL = BATCH * 4 * 4 * 4  # Shift's output: (2, 4, 4, 4)
+
+
+class Shift(nn.Module):
+    """A made-up elementwise layer the table does not know."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class Net(nn.Module):
+    """conv -> Shift -> ReLU -> flatten -> linear, with data-dependent control flow: torch.fx cannot trace it, so
+    the module hooks do and the cost model takes what each op saves from the rules, not from a recorded run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.shift = Shift()
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().sum() < 0:  # never taken
+            return x
+        return self.fc(torch.flatten(self.relu(self.shift(self.conv(x))), 1))
+
+
+PASS_THROUGH = OP_RULES.with_modules({Shift: OpRule(pass_through=True)})
+SAVES_OUTPUT = OP_RULES.with_modules({Shift: OpRule(saves=("output",))})
+
+
+def _trace(rules: OpRules) -> tuple[Net, torch.Tensor, object]:
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(BATCH, 3, 4, 4)
+    with pytest.warns(UserWarning, match="torch.fx could not trace"):
+        graph = trace(model, x, rules=rules)
+    return model, x, graph
+
+
+@pytest.mark.parametrize(("rules", "group_ops"), [
+    (OP_RULES, ["conv", "add", "relu"]),  # not in the table: traced through, its sum is a function op
+    (PASS_THROUGH, ["conv", "relu"]),  # a layout op: no op, no tensor
+    (SAVES_OUTPUT, ["conv", "shift", "relu"]),  # one op of its own
+])
+def test_a_rule_declared_once_decides_the_graphs_ops_and_groups(rules, group_ops):
+    _, _, graph = _trace(rules)
+    assert [list(group.ops) for group in graph.groups] == [["x"], group_ops, ["fc"]]
+    assert graph.rules is rules
+    ops = {op.name: op for op in graph.ops}
+    assert ops["relu"].input_tensors == (f"{group_ops[-2]}:activation",)  # reads Shift's output, or conv's
+    if "shift" in ops:
+        assert ops["shift"].module_type == "Shift" and ops["shift"].role == "other"
+        assert {"shift:activation", "shift:activation_grad"} <= set(graph.groups[1].tensor_ids)
+
+
+def test_the_cost_model_prices_what_the_rule_says_the_op_saves():
+    """conv saves its input (2*3*4*4 floats), ReLU its output (2*4*4*4), the linear layer the same storage
+    through the flatten; an add saves nothing, and so does a pass-through. Declared as saving its output,
+    Shift adds its output's float32 bytes, and its output is one more activation in the paper's counting."""
+    model, x, plain = _trace(OP_RULES)
+    measured = measure_saved_bytes(model, x)
+    assert measured == 4 * (BATCH * 3 * 4 * 4 + SHIFT_NUMEL)
+    assert CostModel(plain).saved_activation_bytes() == measured
+    passed, saving = CostModel(_trace(PASS_THROUGH)[2]), CostModel(_trace(SAVES_OUTPUT)[2])
+    assert passed.saved_activation_bytes() == measured
+    assert saving.saved_activation_bytes() == measured + 4 * SHIFT_NUMEL
+    assert saving.activation_bytes() == passed.activation_bytes() + 4 * SHIFT_NUMEL
+
+
+@pytest.mark.parametrize("rules", [PASS_THROUGH, SAVES_OUTPUT])
+def test_the_runtime_rounds_an_op_of_the_table_and_not_a_pass_through(rules):
+    """Every activation low: Shift's output is rounded where the table makes it an op, and where it is a
+    pass-through the ReLU reads the rounded conv output plus one, which the format cannot hold everywhere."""
+    model, x, graph = _trace(rules)
+    policy = policy_from_assignment(graph, {tid: LOW for tid in graph.assignable_ids()
+                                            if graph.tensors[tid].kind == "activation"})
+    with pytest.warns(UserWarning, match="torch.fx could not trace"):
+        wrapped = apply_policy(copy.deepcopy(model), policy, x, rules=rules)
+    seen = []
+    wrapped.module.relu.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    wrapped(x)
+    relu_input = seen[0]
+    rounded = torch.equal(quantize(relu_input, LOW), relu_input)
+    assert ("shift:activation" in wrapped.state.slots) is (rules is SAVES_OUTPUT)
+    assert rounded is (rules is SAVES_OUTPUT)
