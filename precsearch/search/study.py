@@ -651,6 +651,23 @@ def _prepare(study: optuna.Study, context: SearchContext, ledger: Ledger, config
     return calibration
 
 
+def _settle(study: optuna.Study, objective: Objective) -> None:
+    """Before confirmation (which freezes the front), wait for the trials other workers of a shared study
+    are running, and run here the retries of those whose worker died (found stale by their heartbeat)."""
+    while True:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        retries = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                   if "failed_trial" in t.system_attrs]
+        if retries:
+            study.optimize(objective, n_trials=len(retries), catch=(Exception,))
+        elif not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            return
+        else:
+            time.sleep(0.5)
+
+
 def _confirm(study: optuna.Study, context: SearchContext, ledger: Ledger, config: SearchConfig,
              check: Callable[[int, float], None]) -> None:
     """Train the front's points (within the memory budget), all-high and plain fp32 at the confirmation
@@ -937,6 +954,8 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                                          config.threads or max(1, (os.cpu_count() or 1) // jobs))
                     _optimize_workers(study, context, setup, gpus, bar)
                 bar.close()
+                if location.shared:
+                    _settle(study, Objective(context, location, backend, out_dir, signals))
                 _confirm(study, context, ledger, config, check)
                 _write_run_file(out_dir, run_config, location, study)
             except KeyboardInterrupt as stop:
