@@ -26,9 +26,9 @@ from scipy import stats
 
 from precsearch.analysis.fidelity import long_run
 from precsearch.config.spaces import paper_space
+from precsearch.search.context import Budget, DataSpec, SearchContext, seed_record
 from precsearch.search.noise import pooled_noise, rank_correlations
 from precsearch.search.strategies import assign, assignment_key, sweep
-from precsearch.search.study import Budget, DataSpec, SearchContext, _seed_record
 from precsearch.train.data import load_dataset
 
 RS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
@@ -70,7 +70,7 @@ def study(task: str, model: str, proxy_steps: int, long_steps: int, seeds: int,
         groups.append(accuracies)
         rows.append({"task": task, "assignment": label, "key": assignment_key(assignment),
                      "val_accuracy": proxy.val_accuracy,
-                     **_seed_record(accuracies), "proxy_diverged": proxy.diverged,
+                     **seed_record(accuracies), "proxy_diverged": proxy.diverged,
                      "proxy_promotions": len(proxy.promotions), "long_accuracy": long.val_accuracy,
                      "long_diverged": long.diverged, "long_promotions": len(long.promotions),
                      "long_memory": memory, "proxy_seconds": proxy_time / seeds, "trained": True, "diverged": False})

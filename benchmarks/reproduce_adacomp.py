@@ -20,8 +20,8 @@ import logging
 from torch import nn
 
 from precsearch.config.spaces import paper_space
+from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.strategies import uniform
-from precsearch.search.study import Budget, DataSpec, SearchContext
 from precsearch.train.data_parallel import compression_by_type, train_data_parallel
 
 PAPER = {"conv": "~40x", "fc": "~200x", "accuracy": "no loss"}

@@ -60,11 +60,15 @@ def test_search_prints_its_front_and_writes_outputs(search_run):
     assert any((searched / "policies").iterdir())
     lines = printed.splitlines()
     pareto = pd.read_csv(searched / "pareto.csv", keep_default_na=False)
-    assert lines[0].startswith("5 trials (5 complete") and f"Pareto front: {len(pareto)} point(s)" in lines[0]
+    assert lines[0] == "proxy length: 4 steps (fixed)"
+    assert lines[1].startswith("5 trials (5 complete") and f"Pareto front: {len(pareto)} point(s)" in lines[1]
     front = [line for line in lines if line.startswith("  trial ")]
     assert [int(line.split()[1].rstrip(":")) for line in front] == pareto["number"].tolist()
     for line, (_, row) in zip(front, pareto.iterrows(), strict=True):
         assert f"memory {row['memory']:.3f} of all-high" in line and f"accuracy {row['val_accuracy']:.4f}" in line
+        assert f"confirmed {float(row['confirmed_accuracy']):.4f}" in line and "12 steps" in line
+    assert any(line.startswith("confirmed yardsticks: ") and "plain fp32" in line for line in lines)
+    assert "training steps:" in lines and any(line.strip().startswith("confirmation") for line in lines)
     trial = json.loads((searched / "best.json").read_text())["provenance"]["trial"]
     assert any(line.startswith(f"best.json: trial {trial} ") for line in lines)
 
@@ -91,6 +95,39 @@ def test_best_json_trains_under_precsearch_train(searched, tmp_path, capsys):
     assert float(list(csv.DictReader((tmp_path / "fp32.csv").open()))[-1]["val_loss"]) != loss
 
 
+def test_train_without_a_policy_is_plain_fp32(tmp_path, capsys):
+    """The yardstick: no policy, no wrapper; the same numbers as a plain SGD loop written out here."""
+    import torch
+    import torch.nn.functional as F
+
+    from precsearch.train.data import make_loader
+    from precsearch.train.trainer import build_model
+
+    metrics = tmp_path / "plain.csv"
+    assert main(["train", "tiny_cnn", "--steps", "4", "--eval-every", "4", "--recipe", "proxy", "--metrics",
+                 str(metrics), "--image-size", "8", "--batch-size", "16", "--lr", "0.1", "--seed", "3",
+                 "--device", "cpu", "--threads", "1"]) == 0
+    assert "trained in plain fp32 (no policy): 4 steps" in capsys.readouterr().out
+    train_set, val_set = load_dataset("digits", image_size=8)
+    torch.manual_seed(3)
+    model = build_model("tiny_cnn", train_set.num_classes)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=4)
+    batches = make_loader(train_set, 16, shuffle=True, seed=3, drop_last=True)
+    for _, (images, labels) in zip(range(4), batches, strict=False):
+        sgd.zero_grad()
+        F.cross_entropy(model(images), labels).backward()
+        sgd.step()
+        schedule.step()
+    model.eval()
+    with torch.no_grad():
+        logits = model(val_set.images)
+    accuracy = float((logits.argmax(dim=1) == val_set.labels).float().mean())
+    row = list(csv.DictReader(metrics.open()))[-1]
+    assert float(row["val_accuracy"]) == pytest.approx(accuracy)
+    assert float(row["val_loss"]) == pytest.approx(float(F.cross_entropy(logits, val_set.labels)), rel=1e-5)
+
+
 def test_baselines_reuse_the_sweep_and_report_draws_everything(searched, space_file, capsys):
     code = main(["baselines", "tiny_cnn", "--space", str(space_file), "--out", str(searched), "--names", "fp32,fp8",
                  "--no-progress", *TINY])
@@ -108,6 +145,7 @@ def test_baselines_reuse_the_sweep_and_report_draws_everything(searched, space_f
     assert "report.png" in capsys.readouterr().out
     text = (searched / "report.md").read_text()
     assert "| baseline | fp8 |" in text and "| paper sweep | r=0.5 |" in text and "| pareto |" in text
+    assert "- proxy length: 4 steps (fixed)" in text and "plain fp32" in text and "## Training steps" in text
 
 
 def _bad_space(tmp_path, **changes):

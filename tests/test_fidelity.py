@@ -11,8 +11,9 @@ from precsearch.analysis.fidelity import long_run
 from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
-from precsearch.search import study as search
-from precsearch.search.study import Budget, run_search
+from precsearch.search.config import SearchConfig
+from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
+from precsearch.search.study import run_search
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 LONG = 10
@@ -21,9 +22,10 @@ LONG = 10
 @pytest.fixture(scope="module")
 def validated(tmp_path_factory):
     out = tmp_path_factory.mktemp("fidelity") / "run"
-    with search._threads(1):
-        run_search("tiny_cnn", paper_space(proxy=PROXY), "digits", trials=4, out_dir=out, device="cpu",
-                   progress=False, proxy_seeds=2, budget=Budget(max_accuracy_drop=0.3))
+    with torch_threads(1):
+        run_search(SearchConfig("tiny_cnn", paper_space(proxy=PROXY), "digits", trials=4, out_dir=out,
+                                proxy_steps=PROXY["steps"], device="cpu", progress=False, proxy_seeds=2,
+                                budget=Budget(max_accuracy_drop=0.3)))
         code = main(["validate", str(out), "--steps", str(LONG), "--threads", "1", "--no-progress"])
     return out, code
 
@@ -51,11 +53,14 @@ def test_long_runs_are_the_policy_trained_for_the_given_steps(validated):
     row = table.iloc[-1]
     trials = pd.read_csv(out / "trials.csv", keep_default_na=False).set_index("number")
     policy = Policy.load(trials.loc[int(row["trial"]), "policy"])
-    context = search.SearchContext.create("tiny_cnn", paper_space(proxy=PROXY), search.DataSpec(), Budget(), 0, "cpu")
-    with search._threads(1):
+    context = SearchContext.create("tiny_cnn", paper_space(proxy=PROXY), DataSpec(), Budget(), 0, "cpu")
+    with torch_threads(1):
         result = long_run(context, policy, LONG, seed=0)
+        plain = long_run(context, None, LONG, seed=0)
     assert row["long_accuracy"] == pytest.approx(result.val_accuracy)
     assert row["long_promotions"] == len(result.promotions)
+    summary = json.loads((out / "fidelity.json").read_text())
+    assert summary["plain_fp32_accuracy"] == pytest.approx(plain.val_accuracy)  # the yardstick, no policy
 
 
 def test_best_verdict_follows_the_long_runs(validated):

@@ -17,7 +17,8 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats.kernels import quantize
 from precsearch.models import build
 from precsearch.runtime.wrapper import apply_policy
-from precsearch.search.study import Budget, choose_best
+from precsearch.search.context import Budget
+from precsearch.search.selection import choose_best
 
 SHAPE = (3, 8, 8)
 

@@ -10,10 +10,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
-from precsearch.search import study as search
+from precsearch.search.config import SearchConfig
+from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import Noise, pooled_noise, rank_correlations, seeds_for
-from precsearch.search.study import Budget, choose_best, mark_ties, run_search
+from precsearch.search.selection import choose_best, mark_ties
+from precsearch.search.study import run_search
 from precsearch.train.proxy import run_proxy
 
 T_90_20 = 1.325  # Student t, one-sided 90%, 20 degrees of freedom (printed tables)
@@ -107,14 +110,15 @@ def test_rank_correlations_by_hand():
 
 def test_multi_seed_search_records_means_over_the_same_seeds(tmp_path):
     space = paper_space(proxy=PROXY)
-    with search._threads(1):
-        result = run_search("tiny_cnn", space, "digits", trials=3, out_dir=tmp_path / "run", device="cpu",
-                            progress=False, proxy_seeds=2, budget=Budget(max_accuracy_drop=0.5))
+    with torch_threads(1):
+        result = run_search(SearchConfig("tiny_cnn", space, "digits", trials=3, out_dir=tmp_path / "run",
+                                         proxy_steps=4, device="cpu", progress=False, proxy_seeds=2,
+                                         budget=Budget(max_accuracy_drop=0.5)))
         trials = result.trials.set_index("number")
         assert set(trials["seeds"]) == {2}
-        context = search.SearchContext.create("tiny_cnn", space, search.DataSpec(), Budget(), 0, "cpu")
+        context = SearchContext.create("tiny_cnn", space, DataSpec(), Budget(), 0, "cpu")
         row = trials.loc[1]  # the first trial after all-high, trained here with seeds 0 and 1
-        policy = search.Policy.load(row["policy"])
+        policy = Policy.load(row["policy"])
         alone = [run_proxy("tiny_cnn", policy, context.data, 4, seed=seed, device="cpu", config=space.proxy)
                  for seed in (0, 1)]
     accuracies = [r.val_accuracy for r in alone]

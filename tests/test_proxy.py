@@ -13,8 +13,8 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
 from precsearch.errors import PrecsearchError
 from precsearch.runtime.scaling import DynamicLossScaler, NoLossScaler
+from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.strategies import paper_assignment, uniform
-from precsearch.search.study import Budget, DataSpec, SearchContext, _threads
 from precsearch.train import trainer as train_module
 from precsearch.train.data import load_dataset
 from precsearch.train.proxy import (
@@ -35,7 +35,7 @@ SPACE = paper_space(proxy={"steps": 6, "batch_size": 16, "image_size": 8, "lr": 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny proxies run fastest on one thread (and are not slowed by other busy cores)."""
-    with _threads(1):
+    with torch_threads(1):
         yield
 
 

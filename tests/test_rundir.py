@@ -29,6 +29,8 @@ from precsearch.config.spaces import PAPER_SPACE, paper_space
 from precsearch.errors import PrecsearchError
 from precsearch.search import rundir
 from precsearch.search import study as search
+from precsearch.search.config import SearchConfig
+from precsearch.search.context import torch_threads
 from precsearch.search.rundir import RunLock, StopSignals, hold_worker_lock
 from precsearch.search.study import run_search
 
@@ -39,12 +41,13 @@ RESULTS = ("trials.csv", "pareto.csv", "best.json", "run.json")
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    with search._threads(1):
+    with torch_threads(1):
         yield
 
 
 def _search(out, trials, **kwargs):
-    return run_search("tiny_cnn", SPACE, trials=trials, out_dir=out, device="cpu", progress=False, **kwargs)
+    return run_search(SearchConfig("tiny_cnn", SPACE, trials=trials, out_dir=out, proxy_steps=PROXY["steps"],
+                                   device="cpu", progress=False, **kwargs))
 
 
 def _contender(barrier, out, storage, outcomes):

@@ -10,9 +10,10 @@ import pytest
 from precsearch.config.spaces import paper_space, parse_space
 from precsearch.config.spec import SAMPLERS
 from precsearch.errors import PrecsearchError
-from precsearch.search import study as search
+from precsearch.search.config import SearchConfig
+from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.samplers import FACTORIES, make_sampler
-from precsearch.search.study import run_search
+from precsearch.search.study import _sampler, run_search
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 OPTUNA_CLASS = {"tpe": optuna.samplers.TPESampler, "nsga2": optuna.samplers.NSGAIISampler,
@@ -37,12 +38,12 @@ def test_a_space_names_its_sampler_which_does_not_change_what_a_trial_trains():
 
 
 def test_the_search_uses_the_sampler_it_is_given(tmp_path):
-    with search._threads(1):
-        result = run_search("tiny_cnn", paper_space(proxy=PROXY), data="digits", trials=6, out_dir=tmp_path / "run",
-                            device="cpu", progress=False, sampler="random")
-    assert len(result.trials) == 6
+    with torch_threads(1):
+        result = run_search(SearchConfig("tiny_cnn", paper_space(proxy=PROXY), data="digits", trials=6,
+                                         out_dir=tmp_path / "run", proxy_steps=PROXY["steps"], device="cpu",
+                                         progress=False, sampler="random"))
+    assert result.trials["key"].nunique() == 6
     assert json.loads((tmp_path / "run" / "run.json").read_text())["space"]["sampler"] == "random"
-    context = search.SearchContext.create("tiny_cnn", parse_space({**paper_space(proxy=PROXY).to_dict(),
-                                                                    "sampler": "random"}),
-                                          search.DataSpec("digits"), search.Budget(), 0, "cpu")
-    assert type(search._sampler(context, 0)) is optuna.samplers.RandomSampler
+    context = SearchContext.create("tiny_cnn", parse_space({**paper_space(proxy=PROXY).to_dict(), "sampler": "random"}),
+                                   DataSpec("digits"), Budget(), 0, "cpu")
+    assert type(_sampler(context, 0)) is optuna.samplers.RandomSampler

@@ -20,9 +20,11 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
 from precsearch.search import study as search
+from precsearch.search.config import SearchConfig
+from precsearch.search.context import Budget, DataSpec, torch_threads
 from precsearch.search.strategies import R_GRID
-from precsearch.search.study import Budget, SearchInterrupted, run_search
-from precsearch.train.proxy import build_model
+from precsearch.search.study import SearchInterrupted, run_search
+from precsearch.train.proxy import ProxyTrainer, build_model
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 SPACE = paper_space(proxy=PROXY)
@@ -31,13 +33,29 @@ SPACE = paper_space(proxy=PROXY)
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny proxies run fastest on one thread (and are not slowed by other busy cores)."""
-    with search._threads(1):
+    with torch_threads(1):
         yield
 
 
-def _search(out, trials, **kwargs):
+def _search(out, trials, trainer=None, **kwargs):
+    """A search with proxies of the space's fixed length (calibration has tests of its own)."""
     kwargs.setdefault("space", SPACE)
-    return run_search("tiny_cnn", data="digits", trials=trials, out_dir=out, device="cpu", progress=False, **kwargs)
+    kwargs.setdefault("proxy_steps", kwargs["space"].proxy.steps)
+    config = SearchConfig("tiny_cnn", data="digits", trials=trials, out_dir=out, device="cpu", progress=False,
+                          **kwargs)
+    return run_search(config, trainer=trainer)
+
+
+def _distinct(trials):
+    """Completed trials that used up budget: every distinct assignment, not the copies of a trial's results."""
+    copies = trials["duplicate_of"].astype(str).str.fullmatch(r"\d+")
+    return int(((trials["state"] == "COMPLETE") & ~copies).sum())
+
+
+def _confirmed(trials):
+    """Trained trials with a confirmation, one per assignment, by the confirmed accuracy."""
+    rows = trials[trials["trained"] & trials["confirmed_accuracy"].notna()].drop_duplicates("key")
+    return rows.sort_values("memory")
 
 
 def _study(out) -> optuna.Study:
@@ -58,10 +76,11 @@ def _graph():
 
 def test_outputs_exist_and_seeds_come_first(run):
     out, result = run
-    for name in ("trials.csv", "pareto.csv", "best.json", "run.json", "study.journal"):
+    for name in ("trials.csv", "pareto.csv", "best.json", "run.json", "study.journal", "calibration.csv",
+                 "budget.csv"):
         assert (out / name).is_file()
     trials = pd.read_csv(out / "trials.csv", keep_default_na=False)
-    assert len(trials) == 14 and set(trials["state"]) == {"COMPLETE"}
+    assert _distinct(trials) == 14 and set(trials["state"]) == {"COMPLETE"}
     origins = "; ".join(trials["origin"])
     assert all(f"paper r={r:.1f}" in origins for r in R_GRID) and "all-high" in origins and "all-low" in origins
     seeded = trials[trials["origin"] != "sampler"]
@@ -73,8 +92,10 @@ def test_no_assignment_is_trained_twice(run):
     trials = result.trials
     fresh = trials[trials["duplicate_of"] == ""]
     assert fresh["key"].is_unique
-    duplicates = trials[trials["duplicate_of"] != ""]
-    assert len(duplicates) > 0  # tiny_cnn has 4 groups: 16 assignments, so a 14-trial study repeats some
+    assert trials["key"].nunique() == 14  # the budget counts distinct assignments, not the sampler's repeats
+    high = trials[trials["duplicate_of"] == "reference"]
+    assert high["decisions"].tolist() == ["HHHH"]  # all-high is the reference, trained once before the trials
+    duplicates = trials[(trials["duplicate_of"] != "") & (trials["duplicate_of"] != "reference")]
     for _, row in duplicates.iterrows():
         original = trials.set_index("number").loc[int(row["duplicate_of"])]
         assert original["key"] == row["key"]
@@ -124,20 +145,24 @@ def test_policy_files_reproduce_their_trials_assignment(run):
         assert policy.provenance["proxy"]["val_accuracy"] == pytest.approx(row["val_accuracy"])
 
 
-def test_best_json_is_least_memory_within_one_point_of_all_high(run):
+def test_best_json_is_least_memory_confirmed_within_one_point_of_all_high(run):
     out, result = run
-    trials = result.trials
-    reference = float(trials[trials["decisions"] == "HHHH"]["val_accuracy"].iloc[0])
-    ok = trials[trials["feasible"] & (trials["val_accuracy"] >= reference - 0.01 - 1e-12)]
+    confirmed = _confirmed(result.trials)
+    assert set(result.pareto["key"]) <= set(confirmed["key"])  # every front point was confirmed
+    assert (confirmed["confirmed_steps"] == 3 * 4).all() and (confirmed["confirmed_seeds"] == 1).all()
+    reference = float(confirmed[confirmed["decisions"] == "HHHH"]["confirmed_accuracy"].iloc[0])
+    ok = confirmed[confirmed["confirmed_accuracy"] >= reference - 0.01 - 1e-12]
     best = Policy.load(out / "best.json")
-    chosen = trials.set_index("number").loc[best.provenance["trial"]]
+    chosen = result.trials.set_index("number").loc[best.provenance["trial"]]
     assert chosen["memory"] == pytest.approx(ok["memory"].min())
+    assert best.provenance["confirmation"]["confirmed_accuracy"] == pytest.approx(chosen["confirmed_accuracy"])
 
 
 def test_run_json_records_the_config(run):
     out, _ = run
     config = json.loads((out / "run.json").read_text())
     assert config["model"] == "tiny_cnn" and config["space"]["proxy"]["steps"] == 4 and config["seed"] == 0
+    assert config["proxy_length"] == 4 and config["calibration"]["fixed"] and config["confirmation"]["length"] == 12
 
 
 def test_diverged_trials_are_complete_and_infeasible(tmp_path):
@@ -153,44 +178,42 @@ def test_diverged_trials_are_complete_and_infeasible(tmp_path):
     assert result.pareto.empty and result.best is None and not (tmp_path / "run" / "best.json").exists()
 
 
-def _failing(monkeypatch, error, on_call):
-    real = search.run_proxy
-    calls = {"n": 0}
+class Failing:
+    """The real proxies, but the ``on_call``-th run raises ``error`` (the first run is the reference's)."""
 
-    def proxy(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == on_call:
-            raise error
-        return real(*args, **kwargs)
+    def __init__(self, error, on_call):
+        self.real = ProxyTrainer("tiny_cnn", DataSpec("digits").load(SPACE.proxy.image_size), "cpu", SPACE.proxy)
+        self.error, self.on_call, self.calls = error, on_call, 0
 
-    monkeypatch.setattr(search, "run_proxy", proxy)
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.on_call:
+            raise self.error
+        return self.real(*args, **kwargs)
 
 
-def test_a_raising_trial_is_failed_and_the_study_goes_on(tmp_path, monkeypatch):
-    _failing(monkeypatch, RuntimeError("boom"), on_call=2)
-    result = _search(tmp_path / "run", 6)
+def test_a_raising_trial_is_failed_and_the_study_goes_on(tmp_path):
+    result = _search(tmp_path / "run", 6, trainer=Failing(RuntimeError("boom"), on_call=2))
     states = result.trials["state"].tolist()
-    assert states.count("FAIL") == 1 and states.count("COMPLETE") == 5
+    assert states.count("FAIL") == 1 and _distinct(result.trials) == 5
     failed = result.trials[result.trials["state"] == "FAIL"].iloc[0]
     assert failed["error"] == "RuntimeError: boom" and failed["number"] == 1
 
 
-def test_interrupt_keeps_completed_trials_and_resume_finishes(tmp_path, monkeypatch):
+def test_interrupt_keeps_completed_trials_and_resume_finishes(tmp_path):
     out = tmp_path / "run"
-    _failing(monkeypatch, KeyboardInterrupt(), on_call=3)
     with pytest.raises(SearchInterrupted) as stop:
-        _search(out, 6)
+        _search(out, 6, trainer=Failing(KeyboardInterrupt(), on_call=3))
     saved = pd.read_csv(out / "trials.csv", keep_default_na=False)
     assert saved["state"].tolist() == ["COMPLETE", "COMPLETE", "FAIL"]
     assert stop.value.result.interrupted
     interrupted_key = _study(out).trials[2].user_attrs["key"]
-    monkeypatch.undo()
     result = _search(out, 6, resume=True)
     trials = result.trials
     assert trials.iloc[:2]["key"].tolist() == saved.iloc[:2]["key"].tolist()
     before = saved.iloc[:2]["val_accuracy"].astype(float).tolist()
     assert trials.iloc[:2]["val_accuracy"].tolist() == pytest.approx(before)
-    assert int(trials["state"].isin(["COMPLETE"]).sum()) == 6  # the interrupted trial does not use budget
+    assert _distinct(trials) == 6  # the interrupted trial does not use budget
     retried = trials[(trials["key"] == interrupted_key) & (trials["state"] == "COMPLETE")]
     assert len(retried) == 1 and retried.iloc[0]["duplicate_of"] == ""
 
@@ -205,7 +228,7 @@ def test_a_trial_left_running_by_a_killed_process_is_requeued(tmp_path):
     trials = result.trials
     assert trials.set_index("number").loc[orphan.number, "state"] == "FAIL"
     assert trials.iloc[:2]["val_accuracy"].tolist() == first["val_accuracy"].tolist()
-    assert int((trials["state"] == "COMPLETE").sum()) == 4
+    assert _distinct(trials) == 4
     study = _study(out)
     assert any(t.params == orphan_params and t.state == TrialState.COMPLETE for t in study.trials)
 
@@ -216,9 +239,10 @@ def test_max_memory_budget(tmp_path):
     over = trials[trials["memory_planned"] > 0.6]
     assert len(over) > 0 and not over["trained"].any() and not over["feasible"].any()
     assert set(over["reason"]) == {"over the memory budget"}
-    under = trials[trials["trained"] & ~trials["diverged"]]
-    assert result.best["memory"] <= 0.6
-    assert result.best["val_accuracy"] == under["val_accuracy"].max()
+    confirmed = _confirmed(trials)
+    under = confirmed[confirmed["memory"] <= 0.6]
+    assert result.best["memory"] <= 0.6 and len(under) > 0
+    assert result.best["val_accuracy"] == under["confirmed_accuracy"].max()  # one seed: the best confirmed mean
 
 
 def test_max_accuracy_drop_budget(tmp_path):
@@ -227,7 +251,9 @@ def test_max_accuracy_drop_budget(tmp_path):
     trials = result.trials
     high = trials[trials["decisions"] == "HHHH"].iloc[0]
     assert high["duplicate_of"] == "reference" and high["val_accuracy"] == reference  # not trained twice
-    ok = trials[trials["trained"] & ~trials["diverged"] & (trials["val_accuracy"] >= reference - 0.05)]
+    confirmed = _confirmed(trials)
+    confirmed_high = float(confirmed[confirmed["decisions"] == "HHHH"]["confirmed_accuracy"].iloc[0])
+    ok = confirmed[confirmed["confirmed_accuracy"] >= confirmed_high - 0.05]
     assert result.best["memory"] == ok["memory"].min()
 
 
@@ -266,7 +292,7 @@ def test_storage_url_and_errors(tmp_path):
     assert not out.exists()
     result = _search(out, 2, storage=f"sqlite:///{tmp_path}/study.db")
     assert (tmp_path / "study.db").is_file() and not (out / "study.journal").exists()
-    assert len(result.trials) == 2
+    assert _distinct(result.trials) == 2
 
 
 def test_out_dir_rules(tmp_path):
@@ -286,7 +312,7 @@ def test_out_dir_rules(tmp_path):
 def test_categorical_and_tensor_spaces_search(tmp_path):
     space = paper_space(proxy=PROXY, granularity="categorical", choices={"half": "fp16"})
     trials = _search(tmp_path / "cat", 4, space=space).trials
-    assert set(trials["state"]) == {"COMPLETE"}
+    assert set(trials["state"]) == {"COMPLETE"} and _distinct(trials) == 4
     # the sampler is offered every level of the space for every unit (seeded trials included)
     for trial in _study(tmp_path / "cat").trials:
         assert {name: dist.choices for name, dist in trial.distributions.items()} == dict.fromkeys(
@@ -303,8 +329,7 @@ def test_categorical_and_tensor_spaces_search(tmp_path):
 def test_parallel_workers_share_the_study(tmp_path):
     result = _search(tmp_path / "run", 10, jobs=2)
     trials = result.trials
-    counted = int(trials["state"].isin(["COMPLETE", "PRUNED"]).sum())
-    assert counted == 10  # the trials other workers are running count against the budget
+    assert _distinct(trials) == 10  # the trials other workers are running count against the budget
     fresh = trials[trials["trained"] & (trials["duplicate_of"] == "")]
     assert fresh["key"].is_unique
 
@@ -316,7 +341,7 @@ def test_a_torn_journal_record_is_dropped_on_resume(tmp_path):
         journal.write(b'{"op_code": 5, "worker_id": "x", "trial_id": 9')  # a write cut short by kill -9
     trials = _search(out, 3, resume=True).trials
     assert trials.iloc[:2]["key"].tolist() == first["key"].tolist()
-    assert int((trials["state"] == "COMPLETE").sum()) == 3
+    assert _distinct(trials) == 3
     assert (out / "study.journal").read_bytes().endswith(b"\n")
 
 

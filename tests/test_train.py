@@ -14,8 +14,8 @@ from precsearch.config.spec import ProxyConfig
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
 from precsearch.models import build
+from precsearch.search.context import torch_threads
 from precsearch.search.strategies import paper_assignment
-from precsearch.search.study import _threads
 from precsearch.train.data import load_dataset
 from precsearch.train.trainer import PAPER_RECIPE, train
 
@@ -49,7 +49,7 @@ def run():
                                     loss_scaling=dict(space.loss_scaling), overflow=dict(space.overflow))
 
     def run(recipe, **options):
-        with _threads(1):
+        with torch_threads(1):
             return train("tiny_cnn", policy, data, 6, seed=3, device="cpu", config=CONFIG, recipe=recipe, **options)
 
     return run

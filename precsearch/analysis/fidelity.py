@@ -10,7 +10,8 @@ length; give the real training length for a real check), and writes:
 * ``fidelity.json``: Spearman's and Kendall's rank correlations of proxy mean against long-run accuracy with
   bootstrap intervals (``noise.rank_correlations``), whether ``best.json`` still meets its budget after
   full training (memory including the long run's promotions; accuracy against the long all-high run), and
-  how often the proxy foretold the long run: assignments whose divergence the proxy got right
+  plain fp32's accuracy over the same steps (the yardstick next to all-high), and how often the proxy
+  foretold the long run: assignments whose divergence the proxy got right
   (``divergence_predicted``) and those where the long run promoted more tensors (``promotions_under_counted``).
 * ``fidelity.png``: proxy accuracy (with seed error bars) against long-run accuracy per assignment.
 """
@@ -32,8 +33,8 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
+from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
-from precsearch.search.study import Budget, DataSpec, SearchContext, _threads
 from precsearch.train.trainer import ProxyResult, train
 
 __all__ = ["LONG_FACTOR", "FidelityResult", "long_run", "plot_fidelity", "validate_run"]
@@ -51,8 +52,9 @@ class FidelityResult:
     files: tuple[Path, Path, Path]
 
 
-def long_run(context: SearchContext, policy: Policy, steps: int, seed: int) -> ProxyResult:
-    """Training under ``policy`` for ``steps`` steps with the proxy's recipe, not stopped by divergence."""
+def long_run(context: SearchContext, policy: Policy | None, steps: int, seed: int) -> ProxyResult:
+    """Training under ``policy`` (None: plain fp32) for ``steps`` steps with the proxy's recipe, not stopped by
+    divergence."""
     return train(context.model, policy, context.data, steps, seed=seed, device=context.device,
                  config=context.space.proxy, stop_on_divergence=False)
 
@@ -63,8 +65,10 @@ def _context(run_dir: Path, device: str) -> SearchContext:
         raise PrecsearchError(f"{run_dir} holds no run.json and trials.csv; give a run directory written by "
                               "precsearch search")
     config = json.loads(run_file.read_text(encoding="utf-8"))
-    return SearchContext.create(config["model"], parse_space(config["space"]), DataSpec(**config["data"]),
-                                Budget(**config["budget"]), config["seed"], device)
+    context = SearchContext.create(config["model"], parse_space(config["space"]), DataSpec(**config["data"]),
+                                   Budget(**config["budget"]), config["seed"], device)
+    context.length = config.get("proxy_length", context.space.proxy.steps)
+    return context
 
 
 def _roles(run_dir: Path, trials: pd.DataFrame) -> dict[str, list[str]]:
@@ -101,7 +105,7 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
     docstring); ``seed`` defaults to the search's seed."""
     run_dir = Path(run_dir)
     context = _context(run_dir, device)
-    steps = steps or LONG_FACTOR * context.space.proxy.steps
+    steps = steps or LONG_FACTOR * context.length
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")
     seed = context.seed if seed is None else seed
@@ -110,7 +114,7 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
     first = trials[trials["trained"].astype(bool) & (trials["state"] == "COMPLETE")].drop_duplicates("key")
     first = first[first["key"].isin(roles)].set_index("key")
     rows = []
-    with _threads(threads):
+    with torch_threads(threads):
         for key in tqdm(list(roles), desc="validate", unit="run", disable=not progress):
             row = first.loc[key]
             policy = Policy.load(_policy_file(run_dir, row))
@@ -128,8 +132,10 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
                 "long_promotions": len(result.promotions),
                 "long_memory": memories[f"memory_{context.budget.memory}"],
             })
+        plain = long_run(context, None, steps, seed)
     table = pd.DataFrame(rows)
     summary = _summary(table, context.budget)
+    summary["plain_fp32_accuracy"] = plain.val_accuracy
     out = (run_dir / "fidelity.csv", run_dir / "fidelity.json", run_dir / "fidelity.png")
     atomic_write_text(out[0], table.to_csv(index=False))
     atomic_write_text(out[1], json.dumps(summary, indent=2))

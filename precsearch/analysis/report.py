@@ -1,8 +1,11 @@
 """Reports of a run directory: the memory-accuracy tradeoff as a PNG and a markdown table.
 
 Everything comes from the files a search and ``precsearch baselines`` leave in the run directory
-(``trials.csv``, ``pareto.csv``, ``baselines.csv``, ``run.json``), so the Pareto front, the paper's sweep
-and the prior-work baselines are shown side by side with numbers from the same proxies. Memory is the
+(``trials.csv``, ``pareto.csv``, ``baselines.csv``, ``run.json``, ``calibration.csv``, ``budget.csv``,
+``best.json``), so the Pareto front, the paper's sweep and the prior-work baselines are shown side by side
+with numbers from the same proxies, the front's confirmed accuracies next to its proxy accuracies, the pick
+next to the confirmed all-high and plain fp32 runs, the reference's learning curve that set the proxy
+length, and the training steps each phase spent. Memory is the
 cost model's bytes of the assignable tensors relative to the space's all-high assignment.
 
 Figures are made with ``matplotlib.figure.Figure`` (rendered by the Agg canvas), never through pyplot, so
@@ -28,7 +31,8 @@ from precsearch.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunTables", "load_run", "plot_tradeoff", "summary_table", "sweep_points", "write_report"]
+__all__ = ["RunTables", "calibration_table", "load_run", "plot_tradeoff", "summary_table", "sweep_points",
+           "write_report"]
 
 _R_PATTERN = re.compile(r"paper r=(\d+(?:\.\d+)?)")
 MEASURE_LABELS = {"bytes": "bytes of the tensors training keeps", "peak": "peak of a training step"}
@@ -44,6 +48,8 @@ class RunTables:
     pareto: pd.DataFrame
     baselines: pd.DataFrame
     best: dict[str, Any] | None
+    calibration: pd.DataFrame
+    budget: pd.DataFrame
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
@@ -81,7 +87,9 @@ def load_run(run_dir: str | Path) -> RunTables:
     best = None
     if (run_dir / "best.json").is_file():
         best = json.loads((run_dir / "best.json").read_text()).get("provenance")
-    return RunTables(run_dir, config, trials, pareto, baselines, best)
+    calibration, budget = (_read_csv(run_dir / name) if (run_dir / name).is_file() else pd.DataFrame()
+                           for name in ("calibration.csv", "budget.csv"))
+    return RunTables(run_dir, config, trials, pareto, baselines, best, calibration, budget)
 
 
 def sweep_points(trials: pd.DataFrame) -> pd.DataFrame:
@@ -107,6 +115,8 @@ def _entry(source: str, name: str, row: pd.Series) -> dict[str, Any]:
         "val_accuracy": float(row["val_accuracy"]),
         "val_accuracy_sd": float(row.get("val_accuracy_sd", math.nan)),
         "val_loss": float(row["val_loss"]),
+        "confirmed_accuracy": float(row.get("confirmed_accuracy", math.nan)),
+        "confirmed_sd": float(row.get("confirmed_sd", math.nan)),
         "diverged": bool(row["diverged"]),
         "promotions": int(row["promotions"]) if not pd.isna(row.get("promotions", math.nan)) else 0,
     }
@@ -214,6 +224,31 @@ def _markdown(frame: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _confirmation_lines(record: dict[str, Any] | None) -> list[str]:
+    """The pick's proxy and confirmed accuracy next to the confirmed all-high and plain fp32 runs."""
+    if not record:
+        return []
+    def text(value: Any) -> str:
+        return "n/a" if value is None else f"{value:.4f}"
+
+    lines = [f"- confirmed over {record['steps']} steps on {record['seeds']} fresh seed(s): the pick "
+             f"{text(record['confirmed_accuracy'])} (proxy {text(record['proxy_accuracy'])}), all-high "
+             f"{text(record['all_high_accuracy'])}, plain fp32 {text(record['plain_fp32_accuracy'])}"]
+    if record.get("note"):
+        lines.append(f"- {record['note']}")
+    return lines
+
+
+def calibration_table(calibration: pd.DataFrame) -> pd.DataFrame:
+    """calibration.csv summarized: one row per (length, step) with the seeds' mean, min and max accuracy."""
+    grouped = calibration.groupby(["length", "step"])["val_accuracy"]
+    table = grouped.agg(["mean", "min", "max", "count"]).reset_index()
+    chosen = calibration.groupby("length")["chosen"].first()
+    table["chosen"] = table["length"].map(chosen).astype(bool)
+    return table.rename(columns={"mean": "accuracy_mean", "min": "accuracy_min", "max": "accuracy_max",
+                                 "count": "seeds"})
+
+
 def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     """Write ``report.png`` and ``report.md`` into ``run_dir``; returns their paths."""
     tables = load_run(run_dir)
@@ -237,13 +272,23 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
         diverged = int(tables.trials["diverged"].astype(bool).sum())
         lines.append(f"- trials: {len(tables.trials)} ({', '.join(f'{n} {s}' for s, n in states.items())}), "
                      f"{diverged} diverged")
+    if "proxy_length" in config:
+        how = "fixed" if config.get("calibration", {}).get("fixed") else "calibrated on the all-high reference"
+        lines.append(f"- proxy length: {config['proxy_length']} steps ({how})")
     if tables.best:
         lines.append(f"- best.json: trial {tables.best.get('trial')} ({tables.best.get('role')})")
+        lines += _confirmation_lines(tables.best.get("confirmation"))
         if tables.best.get("noise"):
             lines.append(f"- noise: {tables.best['noise']['statement']}")
     lines += ["", "Memory is the cost model's bytes of weights, activations and their gradients relative to the "
               "all-high assignment (promoted tensors counted high); accuracy is the proxy's validation accuracy.",
               "", "![tradeoff](report.png)", "", _markdown(table)]
+    if not tables.calibration.empty:
+        lines += ["## Calibration: the all-high reference's learning curve", "",
+                  "Mean (min-max over seeds) validation accuracy at each evaluated step of each length; the chosen "
+                  "length is the proxy length.", "", _markdown(calibration_table(tables.calibration))]
+    if not tables.budget.empty:
+        lines += ["## Training steps", "", _markdown(tables.budget)]
     md = run_dir / "report.md"
     atomic_write_text(md, "\n".join(lines))
     return png, md

@@ -9,8 +9,9 @@ from precsearch.config.spec import BASELINES
 
 HELP = "train prior-work baselines and the paper's sweep into one table"
 DESCRIPTION = ("Proxy-train the prior-work policies and the paper's technique at r = 0, 0.1, ..., 1 with "
-               "the space's proxy budget; writes baselines.csv and baselines/*.json into --out. In a search "
-               "run directory with the same settings, sweep points the search trained are reused.")
+               "the space's proxy budget (in a search run directory: the search's proxy length); writes "
+               "baselines.csv and baselines/*.json into --out. In a search run directory with the same settings, "
+               "sweep points the search trained are reused.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precsearch.search.study import DataSpec, run_baselines
+    from precsearch.search.context import DataSpec
+    from precsearch.search.study import run_baselines
 
     names = [name.strip() for name in args.names.split(",") if name.strip()]
     table = run_baselines(

@@ -4,10 +4,11 @@ The configuration is fixed so the run is comparable across machines: tiny_cnn, t
 (per group: (1,6,9) high, (1,4,3)+bias 4 / (1,5,2) low), the generated ``gratings`` task at 16x16 (faint
 gratings on a bright background: 8-bit activations round the class signal away where the first activations
 are low, so the paper's sweep spans chance to 100% instead of sitting within seed noise as on the digits
-data), batch 64, 150-step proxies with seeds chosen from the measured noise (``--proxy-seeds auto``), 24
-trials on two worker processes, then the seven prior-work baselines under the same proxies and the report.
-It prints the noise level, the confidence of its pick, its own wall time and the policy it would hand to
-training.
+data), batch 64, proxies whose length is calibrated on the all-high reference with seeds chosen from the
+measured noise (``--proxy-seeds auto``), 24 trials on two worker processes, confirmation of the front, then
+the seven prior-work baselines under the same proxies and the report. It prints the calibrated length, the
+noise level, the confirmed pick and its confidence, the training steps per phase, its own wall time and the
+policy it would hand to training.
 """
 
 from __future__ import annotations
@@ -52,42 +53,48 @@ def _clear_previous_demo(out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from precsearch.analysis.report import write_report
-    from precsearch.cli.search import accuracy_text, confidence_text, tie_text
+    from precsearch.cli.search import accuracy_text, confidence_text, confirmed_text, tie_text, yardsticks_text
     from precsearch.config.spaces import paper_space
-    from precsearch.search.study import Budget, run_baselines, run_search
+    from precsearch.search.accounting import describe_budget
+    from precsearch.search.config import SearchConfig
+    from precsearch.search.study import run_baselines, run_search
 
     start = time.perf_counter()
     out = Path(args.out)
     _clear_previous_demo(out)
     space = paper_space()
     print(f"precsearch demo: {MODEL} on {DATA} ({space.proxy.image_size}x{space.proxy.image_size}), space "
-          f"{space.name}, {args.trials} trials of {space.proxy.steps}-step proxies on {args.jobs} worker(s)")
-    result = run_search(MODEL, space, DATA, trials=args.trials, out_dir=out, jobs=args.jobs,
-                        budget=Budget(), seed=0, device=args.device,
-                        threads=1 if args.jobs == 1 else None, proxy_seeds=None)
+          f"{space.name}, {args.trials} trials of calibrated proxies on {args.jobs} worker(s)")
+    result = run_search(SearchConfig(MODEL, space, DATA, trials=args.trials, out_dir=out, jobs=args.jobs, seed=0,
+                                     device=args.device, threads=1 if args.jobs == 1 else None, proxy_seeds=None))
     search_time = time.perf_counter() - start
     baselines = run_baselines(MODEL, space, DATA, out_dir=out, seed=0, device=args.device, threads=1)
     png, md = write_report(out)
     wall = time.perf_counter() - start
     trials = result.trials
-    high = trials[trials["decisions"] == "H" * len(trials["decisions"].iloc[0])]
+    high = trials[trials["decisions"].str.fullmatch("H+")]
     front = result.pareto
-    print(f"\nsearch: {len(trials)} trials ({int(trials['trained'].sum() - (trials['duplicate_of'] != '').sum())} "
+    print(f"\nproxy length: {result.calibration.length} steps (calibrated on the all-high reference)")
+    print(f"search: {len(trials)} trials ({int(trials['trained'].sum() - (trials['duplicate_of'] != '').sum())} "
           f"assignments trained) in {search_time:.0f} s; all-high proxy accuracy {accuracy_text(high.iloc[0])}")
     print(result.noise.describe())
     print("Pareto front (memory as a share of the all-high assignment):")
     for _, row in front.iterrows():
         print(f"  trial {int(row['number']):3d}  memory {row['memory']:.3f}  accuracy {accuracy_text(row)}"
-              f"  [{row['origin']}]{tie_text(row)}")
+              f"{confirmed_text(row)}  [{row['origin']}]{tie_text(row)}")
+    print(yardsticks_text(result))
     print("baselines (same proxies):")
     for _, row in baselines[baselines["source"] == "baseline"].iterrows():
         state = "diverged" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
         print(f"  {row['name']:<9} memory {row['memory']:.3f}  {state}")
     if result.best is not None:
-        print(f"best.json: trial {int(result.best['number'])}, memory {result.best['memory']:.3f}, accuracy "
-              f"{accuracy_text(result.best)} (least memory within {100 * MAX_DROP:g} point of all-high at "
+        print(f"best.json: trial {int(result.best['number'])}, memory {result.best['memory']:.3f}, confirmed "
+              f"accuracy {accuracy_text(result.best)} (least memory within {100 * MAX_DROP:g} point of all-high at "
               f"{100 * result.noise.confidence:g}% confidence){confidence_text(result.best)}")
         print(f"  {json.loads((out / 'best.json').read_text())['provenance']['noise']['statement']}")
+    else:
+        print(f"best.json not written: {result.note}")
+    print(describe_budget(result.budget))
     print(f"\npolicies: {out / 'policies'}/ and {out / 'best.json'}\nreport:   {md} and {png}")
     print(f"train under the best policy: precsearch train {MODEL} --policy {out / 'best.json'} --epochs 10 "
           f"--metrics {out / 'train.csv'}")

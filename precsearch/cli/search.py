@@ -30,15 +30,34 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                              "1 is fastest for small proxies")
 
 
-def add_space_arguments(parser: argparse.ArgumentParser) -> None:
-    """MODEL, --space, --proxy-steps."""
+def add_space_arguments(parser: argparse.ArgumentParser, calibrated: bool = False) -> None:
+    """MODEL, --space, --proxy-steps (``calibrated``: auto, the default, or a number; else a number)."""
     parser.add_argument("model", metavar="MODEL",
                         help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
     parser.add_argument("--space", default=None, metavar="YAML",
                         help="search space file (see search_spaces/README.md; default: the paper's HFP8 space, "
                              "as search_spaces/hfp8.yaml)")
-    parser.add_argument("--proxy-steps", type=int, default=None, metavar="S",
-                        help="SGD steps per proxy (default: the space's proxy.steps)")
+    if calibrated:
+        parser.add_argument("--proxy-steps", type=proxy_steps, default="auto", metavar="S",
+                            help="SGD steps per proxy: auto (default) calibrates them from the all-high reference's "
+                                 "learning curve; a number fixes them")
+    else:
+        parser.add_argument("--proxy-steps", type=int, default=None, metavar="S",
+                            help="SGD steps per proxy (default: a search run directory's, else the space's "
+                                 "proxy.steps)")
+
+
+def proxy_steps(text: str) -> int | str:
+    """--proxy-steps of a search: auto, or a count >= 1."""
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of steps >= 1, or auto")
+    return count
 
 
 def space_argument(args: argparse.Namespace) -> Any:
@@ -54,8 +73,16 @@ DESCRIPTION = ("Search mixed-precision assignments of MODEL: memory from the cos
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_space_arguments(parser)
-    parser.add_argument("--trials", type=int, default=40, metavar="N", help="trials in the study (default 40)")
+    from precsearch.search.calibration import CalibrationSettings
+    from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
+
+    add_space_arguments(parser, calibrated=True)
+    parser.add_argument("--max-proxy-steps", type=int, default=CalibrationSettings.max_steps, metavar="S",
+                        help="cap of the calibration's doubling schedule (default %(default)s)")
+    parser.add_argument("--confirm-factor", type=float, default=DEFAULT_CONFIRM_FACTOR, metavar="F",
+                        help="confirmation runs are F x the proxy length, on fresh seeds (default %(default)s)")
+    parser.add_argument("--trials", type=int, default=40, metavar="N",
+                        help="distinct assignments the study tries (default 40; a smaller space is enumerated)")
     parser.add_argument("--out", required=True, metavar="DIR", help="run directory")
     parser.add_argument("--storage", default=None, metavar="URL",
                         help="Optuna storage URL (postgresql://user:password@host/db, sqlite:///f.db) or journal "
@@ -109,18 +136,20 @@ def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precsearch.search.study import Budget, DataSpec, SearchInterrupted, run_search
+    from precsearch.search.config import SearchConfig
+    from precsearch.search.context import Budget, DataSpec
+    from precsearch.search.study import SearchInterrupted, run_search
 
     budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory,
                     confidence=args.confidence)
+    config = SearchConfig(
+        args.model, space_argument(args), DataSpec(args.data, args.data_root), trials=args.trials, out_dir=args.out,
+        proxy_steps=args.proxy_steps, max_proxy_steps=args.max_proxy_steps, confirm_factor=args.confirm_factor,
+        storage=args.storage, jobs=args.jobs, resume=args.resume, budget=budget, seed=args.seed, device=args.device,
+        batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
+        study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds, sampler=args.sampler)
     try:
-        result = run_search(
-            args.model, space_argument(args), DataSpec(args.data, args.data_root), trials=args.trials,
-            proxy_steps=args.proxy_steps, out_dir=args.out, storage=args.storage, jobs=args.jobs,
-            resume=args.resume, budget=budget, seed=args.seed, device=args.device, batch_size=args.batch_size,
-            image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
-            study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds,
-            sampler=args.sampler)
+        result = run_search(config)
     except SearchInterrupted as stop:
         done = int(stop.result.trials["state"].isin(["COMPLETE", "PRUNED"]).sum()) if len(stop.result.trials) else 0
         name = signal.Signals(stop.signum).name
@@ -149,25 +178,66 @@ def confidence_text(best: Any) -> str:
     return "" if confidence != confidence else f", picked with {100 * confidence:.0f}% confidence"
 
 
+def confirmed_text(row: Any) -> str:
+    """', confirmed A +- sd (K seeds, S steps)' for a row with a confirmation, else ''."""
+    accuracy = row.get("confirmed_accuracy", float("nan"))
+    if accuracy != accuracy:
+        return ""
+    sd = row.get("confirmed_sd", float("nan"))
+    spread = f" +- {sd:.4f}" if sd == sd else ""
+    return (f", confirmed {accuracy:.4f}{spread} ({int(row['confirmed_seeds'])} seeds, "
+            f"{int(row['confirmed_steps'])} steps)")
+
+
+def yardsticks_text(result: Any) -> str:
+    """The confirmed all-high and plain fp32 accuracies, the pick's yardsticks."""
+    from precsearch.search.confirmation import PLAIN_FP32
+
+    table = result.confirmation
+    if table is None or table.empty:
+        return ""
+    high = result.trials[result.trials["decisions"].str.fullmatch("H+")]
+    names = {PLAIN_FP32: "plain fp32"}
+    if not high.empty:
+        names[high.iloc[0]["key"]] = "all-high"
+    parts = [f"{names[row['key']]} {row['confirmed_accuracy']:.4f}" for _, row in table.iterrows()
+             if row["key"] in names]
+    return "confirmed yardsticks: " + ", ".join(parts)
+
+
 def summarize(result: Any) -> str:
-    """A few lines: trials, the front, the budget's pick, where the files are."""
+    """A few lines: the proxy length, trials, the front (proxy and confirmed), the pick, the budget, files."""
+    from precsearch.search.accounting import describe_budget
+
     trials = result.trials
     interrupted = trials["interrupted"] if "interrupted" in trials else trials["state"] != trials["state"]
     failed = (trials["state"] == "FAIL") & ~interrupted
-    lines = [f"{len(trials)} trials ({int((trials['state'] == 'COMPLETE').sum())} complete, "
-             f"{int(trials['diverged'].sum())} diverged, {int(failed.sum())} failed, "
-             f"{int(interrupted.sum())} interrupted and retried) "
-             f"in {result.wall_time:.1f} s; Pareto front: {len(result.pareto)} point(s)"]
+    lines = []
+    if result.calibration is not None:
+        how = "fixed" if result.calibration.fixed else "calibrated on the all-high reference"
+        lines.append(f"proxy length: {result.calibration.length} steps ({how})")
+    stopped = int(trials["stopped_at"].notna().sum()) if "stopped_at" in trials else 0
+    lines.append(f"{len(trials)} trials ({int((trials['state'] == 'COMPLETE').sum())} complete, "
+                 f"{int(trials['diverged'].sum())} diverged, {stopped} stopped at a rung, {int(failed.sum())} failed, "
+                 f"{int(interrupted.sum())} interrupted and retried) "
+                 f"in {result.wall_time:.1f} s; Pareto front: {len(result.pareto)} point(s)")
     for _, row in result.pareto.iterrows():
         lines.append(f"  trial {int(row['number']):4d}: memory {row['memory']:.3f} of all-high, "
-                     f"proxy accuracy {accuracy_text(row)}  [{row['origin']}]{tie_text(row)}")
+                     f"proxy accuracy {accuracy_text(row)}{confirmed_text(row)}  [{row['origin']}]{tie_text(row)}")
     if result.noise is not None:
         lines.append(result.noise.describe())
+    yardsticks = yardsticks_text(result)
+    if yardsticks:
+        lines.append(yardsticks)
     if result.best is not None:
         lines.append(f"best.json: trial {int(result.best['number'])} (memory {result.best['memory']:.3f}, "
-                     f"accuracy {accuracy_text(result.best)}){confidence_text(result.best)}")
+                     f"confirmed accuracy {accuracy_text(result.best)}){confidence_text(result.best)}")
+        if result.note:
+            lines.append(f"  {result.note}")
     else:
         lines.append(f"best.json not written: {result.note or 'no trial meets the budget'}")
-    lines.append(f"outputs: {result.out_dir}/trials.csv, pareto.csv, policies/, best.json; "
-                 f"plot with: precsearch report {result.out_dir}")
+    if result.budget is not None:
+        lines.append(describe_budget(result.budget))
+    lines.append(f"outputs: {result.out_dir}/trials.csv, pareto.csv, calibration.csv, budget.csv, policies/, "
+                 f"best.json; plot with: precsearch report {result.out_dir}")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""`precsearch train MODEL --policy FILE ...`: full training under a policy, metrics to a CSV.
+"""`precsearch train MODEL [--policy FILE] ...`: full training under a policy (without one: plain fp32, the
+yardstick a pick is held against), metrics to a CSV.
 
 With ``--nproc N`` it trains data-parallel in N processes
 (precsearch.train.data_parallel), with or without a policy, and
@@ -16,7 +17,7 @@ from precsearch.config.spec import COMPRESSIONS, ProxyConfig
 from precsearch.errors import PrecsearchError
 from precsearch.train.trainer import PAPER_LR
 
-HELP = "train a model under a policy file"
+HELP = "train a model under a policy file, or in plain fp32 without one"
 DESCRIPTION = ("Train MODEL under a policy (e.g. a search's best.json) with the paper's recipe (SGD lr 0.1, "
                "momentum 0.9, weight decay 5e-4, cosine per epoch, random crop + flip, Kaiming fan-out "
                "init); validation accuracy and loss go to --metrics after every evaluation.")
@@ -25,7 +26,7 @@ DESCRIPTION = ("Train MODEL under a policy (e.g. a search's best.json) with the 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the model the policy was made for (e.g. tiny_cnn)")
     parser.add_argument("--policy", default=None, metavar="FILE",
-                        help="policy JSON file (optional with --nproc: without one, plain fp32)")
+                        help="policy JSON file (default: none, plain fp32 training)")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="train in N data-parallel processes (gloo on CPU, nccl on CUDA); --batch-size is "
                              "the global batch")
@@ -61,8 +62,6 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.compress is not None and args.nproc is None:
         raise PrecsearchError(f"--compress {args.compress} needs --nproc N (the data-parallel processes)")
-    if args.policy is None and args.nproc is None:
-        raise PrecsearchError("give --policy FILE, or --nproc N to train data-parallel without a policy")
     policy = Policy.load(args.policy) if args.policy is not None else None
     if policy is not None and policy.input_shape is None:
         raise PrecsearchError(f"policy {args.policy} has no input_shape; make it with precsearch search")
@@ -83,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                           eval_every=args.eval_every, metrics=args.metrics,
                           recipe=PAPER_RECIPE if args.recipe == "paper" else None)
     status = f"diverged ({result.reason})" if result.diverged else "trained"
+    status += "" if policy is not None else " in plain fp32 (no policy)"
     print(f"{status}: {result.steps_run} steps in {result.wall_time:.1f} s; validation accuracy "
           f"{result.val_accuracy:.4f}, loss {result.val_loss:.4f}; {len(result.promotions)} promotion(s)")
     if args.metrics:

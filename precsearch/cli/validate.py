@@ -35,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: n/a (fewer than 3 assignments or no spread)" if value is None else
               f"{name}: {value:.3f} (90% bootstrap interval {summary[f'{name}_low']:.3f} to "
               f"{summary[f'{name}_high']:.3f})")
+    high = result.table[result.table["roles"].str.contains("all-high")]
+    if not high.empty:
+        print(f"after {summary['long_steps']} steps: all-high {high.iloc[0]['long_accuracy']:.4f}, plain fp32 "
+              f"{summary['plain_fp32_accuracy']:.4f}")
     best = summary.get("best")
     if best is not None:
         state = "still meets" if best["meets_budget"] else "no longer meets"

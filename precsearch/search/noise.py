@@ -70,7 +70,10 @@ class Noise:
         (NaN when unmeasured)."""
         if not self.measured:
             return math.nan
-        return float(stats.t.cdf((difference - bound) / float(self.standard_error(seeds_a, seeds_b)), self.df))
+        error = float(self.standard_error(seeds_a, seeds_b))
+        if error == 0.0:  # every seed agreed: the observed difference is the true one
+            return 1.0 if difference > bound else 0.0
+        return float(stats.t.cdf((difference - bound) / error, self.df))
 
     def describe(self) -> str:
         if not self.measured:

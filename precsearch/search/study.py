@@ -1,38 +1,53 @@
-"""The search: Optuna studies over precision assignments, scored by the cost model and short proxies.
+"""The search: Optuna studies over precision assignments, scored by the cost model and proxies whose length
+and worth are measured, not assumed.
 
-``run_search`` traces the model once, seeds an Optuna study with the paper's technique at r = 0, 0.1, ..., 1
-plus all-high and all-low (``enqueue_trial``), and lets a TPE sampler propose further assignments. Each
-trial decides one level per unit of the space, prices it with ``cost.CostModel`` (no training) and trains a
-proxy under the resulting policy.
+``run_search(SearchConfig(...))`` traces the model once and runs four phases, each a step of the shared study
+(any worker may take it; none is done twice, precsearch.search.ledger):
+
+1. Calibration (precsearch.search.calibration): the all-high reference trains on a geometric schedule of
+   lengths until every seed is clearly above chance and the last doubling gained no more than the seed
+   noise; that length L is the proxy length (``--proxy-steps N`` fixes it instead). Its learning curve is
+   recorded (calibration.csv) and gives the reference's accuracy at every rung.
+2. Trials: the study is seeded with the paper's technique at r = 0, 0.1, ..., 1 plus all-high and all-low
+   (``enqueue_trial``), and every assignment of the space when it has no more than ``trials`` of them; a
+   sampler (TPE by default) proposes the rest. Each trial decides one level per unit of the space, prices
+   it with ``cost.CostModel`` (no training), and trains a proxy of L steps evaluated at the rungs, where it
+   is stopped only on clear failure against the reference at the same step (precsearch.search.rungs). A
+   candidate that a known point already beats (less memory and within the allowed drop) is not trained.
+3. Confirmation (precsearch.search.confirmation): the Pareto front and the reference train again at a
+   multiple of L on fresh seeds, with a plain fp32 run beside them; best.json comes only from confirmed
+   points.
+4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
+   with every trial at full length and the paper's one run per sweep point (budget.csv).
 
 Objectives. By default two, both minimized: memory (bytes of the assignable tensors relative to all-high,
 counting tensors the divergence guard promoted as high) and the proxy's validation error (or loss, per the
-space). Under a budget the study has one objective and can prune with Optuna's ``PercentilePruner`` on the
-proxy's running training loss: ``max_memory=R`` maximizes accuracy among assignments within R of the
-all-high memory (an assignment over R is not trained at all), ``max_accuracy_drop=D`` minimizes memory
-among assignments whose accuracy is within D (a fraction: 0.01 = 1 point) of the all-high proxy.
+space). Under a budget the study has one objective: ``max_memory=R`` maximizes accuracy among assignments
+within R of the all-high memory (an assignment over R is not trained at all), ``max_accuracy_drop=D``
+minimizes memory among assignments whose accuracy is within D (a fraction: 0.01 = 1 point) of all-high.
 
 Bookkeeping rules:
 
-* A diverged proxy is a COMPLETE trial whose constraint ``diverged`` is violated (``Trial.set_constraint``,
-  which replaces ``constraints_func`` in Optuna 5), so the sampler learns from it. A trial that raises is
-  FAILED with the error in its ``error`` user attr, and the study goes on.
+* A diverged proxy, or one stopped at a rung, is a COMPLETE trial whose constraint (``diverged``, ``stopped``)
+  is violated (``Trial.set_constraint``), so the sampler learns from it. A trial that raises is FAILED with
+  the error in its ``error`` user attr, and the study goes on.
 * Identical assignments are trained once, by every worker on every host: under a lock all workers share
   (a PostgreSQL advisory lock, or an flock on a SQLite or journal file) a trial either copies the results of
   a finished trial with its assignment key (``duplicate_of``), waits for the live trial that trains that
-  key, or marks itself as the one that trains it (``trains``).
+  key, or marks itself as the one that trains it (``trains``). The trial budget counts distinct
+  assignments: a copy does not use it up.
 * Storage is a PostgreSQL or SQLite URL, or a journal file (the default: ``study.journal`` in the run
-  directory), so ``resume=True`` continues an interrupted search without losing a completed trial; trials a
-  killed process left RUNNING are failed as ``interrupted`` and queued again. ``jobs=N`` runs N worker
-  processes on the same study (on CUDA, one per visible GPU).
+  directory), so ``resume=True`` continues an interrupted search without losing a completed trial or
+  calibration or confirmation run; trials a killed process left RUNNING are failed as ``interrupted`` and
+  queued again. ``jobs=N`` runs N worker processes on the same study (on CUDA, one per visible GPU).
 * A shared study (``study_name``) is joined by any number of workers on any number of hosts: the first
-  creates and seeds it, and a worker with another model, graph, space, data, seed or budget is refused. A
-  worker that dies stops heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again
-  (Optuna's ``RetryHeartbeatStaleTrialCallback``), so only that trial's work is lost.
-* After every trial the outputs are rewritten atomically from the storage: ``trials.csv``, ``pareto.csv``,
-  ``policies/`` (one policy per Pareto point) and ``best.json`` (the point the budget picks); the policy each
-  proxy trained under is in ``trials/`` of the worker that ran it. ``export_study`` rebuilds all of it from
-  the storage alone.
+  creates and seeds it, and a worker with another model, graph, space, data, seed, budget or search setting
+  is refused. A worker that dies stops heartbeating; its trial is failed after ``3 x heartbeat`` seconds
+  and queued again (Optuna's ``RetryHeartbeatStaleTrialCallback``), and its calibration or confirmation run
+  is taken over by another worker, so only that run's work is lost.
+* After every trial the outputs are rewritten atomically from the storage (precsearch.search.export);
+  the policy each proxy trained under is in ``trials/`` of the worker that ran it. ``export_study`` rebuilds
+  all of it from the storage alone.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ import dataclasses
 import fcntl
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -53,8 +69,8 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +86,28 @@ from tqdm.auto import tqdm
 
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import SearchSpace, load_space, parse_space
-from precsearch.config.spec import MEMORY_MEASURES
-from precsearch.cost.model import CostModel
-from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.graph.tracing import trace
-from precsearch.graph.types import TensorGraph
-from precsearch.search.noise import DEFAULT_CONFIDENCE, Noise, pooled_noise, seeds_for
+from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
+from precsearch.search.config import DEFAULT_HEARTBEAT, SearchConfig
+from precsearch.search.confirmation import (
+    CONFIRM_SEED_OFFSET,
+    PLAIN_FP32,
+    confirm,
+    confirmation_length,
+)
+from precsearch.search.context import Budget, DataSpec, SearchContext, combine_seeds, seed_record, torch_threads
+from precsearch.search.export import (
+    Exported,
+    export,
+    params_of,
+    policy_of,
+    proxy_reference,
+    study_noise,
+    trials_frame,
+)
+from precsearch.search.ledger import Ledger
+from precsearch.search.noise import Noise, pooled_noise, seeds_for
 from precsearch.search.rundir import (
     LOCK_FILES,
     RunLock,
@@ -88,7 +118,9 @@ from precsearch.search.rundir import (
     remove_stale_journal_lock,
     remove_temporaries,
 )
+from precsearch.search.rungs import RungRule, RungStop, rung_steps
 from precsearch.search.samplers import make_sampler
+from precsearch.search.selection import choose_best, pareto_front
 from precsearch.search.strategies import (
     BASELINES,
     assign,
@@ -98,21 +130,15 @@ from precsearch.search.strategies import (
     seed_candidates,
     sweep,
     uniform,
-    units,
 )
-from precsearch.train.data import ImageDataset, load_dataset
-from precsearch.train.proxy import run_proxy
-from precsearch.train.trainer import ProxyResult, build_model, resolve_device
+from precsearch.train.proxy import Trainer, run_proxy
+from precsearch.train.trainer import ProxyResult, resolve_device
 
 __all__ = [
-    "Budget",
-    "DataSpec",
-    "SearchContext",
+    "SearchInterrupted",
     "SearchResult",
     "StudyLocation",
-    "atomic_write_text",
     "export_study",
-    "pareto_front",
     "run_baselines",
     "run_search",
 ]
@@ -124,262 +150,23 @@ JOURNAL_NAME = "study.journal"
 RUN_FILE = "run.json"
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
 POSTGRES_DRIVER = "postgresql+psycopg"
-DEFAULT_HEARTBEAT = 20  # seconds between heartbeats; a trial silent for 3x this is failed and retried
 MAX_RETRIES = 3  # times a trial whose worker died is queued again
 CONFIG_WAIT = 30.0  # seconds a joining worker waits for a new study's creator to record its config ...
-SEED_WAIT = 600.0  # ... and to queue its seeds (after training the reference, for --max-accuracy-drop)
+SEED_WAIT = 600.0  # ... and to queue its seeds
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
-DEFAULT_ACCURACY_DROP = 0.01
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+SAMPLER_REPEATS = 10  # a study stops after this many x trials even if the sampler kept proposing known assignments
 METRICS = (
     "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
     "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
     "memory_bytes", "memory_peak", "memory_planned", "low_share", "trained", "device",
-    "val_accuracy_sd", "val_accuracies", "seeds",
+    "val_accuracy_sd", "val_accuracies", "seeds", "stopped_at", "seed_steps",
 )
 AUTO_REFERENCE_SEEDS = 3  # with --proxy-seeds auto, the all-high reference trains this many seeds to measure noise
 AUTO_MIN_SEEDS = 2  # ... and every proxy at least this many, so each trial adds to the noise estimate
 
 
-# ------------------------------------------------------------------------------------------ configuration
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """Which dataset the proxies train on: a name of ``precsearch.train.data`` and, for local data, its folder."""
-
-    name: str = "digits"
-    root: str | None = None
-
-    def load(self, image_size: int, seed: int = 0) -> tuple[ImageDataset, ImageDataset]:
-        return load_dataset(self.name, root=self.root, image_size=image_size, seed=seed)
-
-
-
-@dataclass(frozen=True)
-class Budget:
-    """At most one of: ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction), and the
-    memory measure the search minimizes: ``bytes`` (the paper's: bytes of the assignable tensors) or
-    ``peak`` (the predicted peak of a training step, ``CostModel.peak_bytes``)."""
-
-    max_memory: float | None = None
-    max_accuracy_drop: float | None = None
-    memory: str = "bytes"
-    confidence: float = DEFAULT_CONFIDENCE  # one-sided confidence of accuracy decisions (see precsearch.search.noise)
-
-    def __post_init__(self) -> None:
-        if not 0.5 <= self.confidence < 1.0:
-            raise PrecsearchError(f"confidence {self.confidence} must lie in [0.5, 1), e.g. 0.9")
-        if self.memory not in MEMORY_MEASURES:
-            raise PrecsearchError(f"memory measure {self.memory!r}: use one of {', '.join(MEMORY_MEASURES)}")
-        if self.max_memory is not None and self.max_accuracy_drop is not None:
-            raise PrecsearchError("give either --max-memory or --max-accuracy-drop, not both")
-        if self.max_memory is not None and not 0.0 < self.max_memory <= 1.0:
-            raise PrecsearchError(f"max memory {self.max_memory} must be a ratio of all-high memory in (0, 1]")
-        if self.max_accuracy_drop is not None and not 0.0 <= self.max_accuracy_drop <= 1.0:
-            raise PrecsearchError(f"max accuracy drop {self.max_accuracy_drop} must be a fraction in [0, 1] "
-                                  "(0.01 = 1 point)")
-
-    @property
-    def single_objective(self) -> bool:
-        return self.max_memory is not None or self.max_accuracy_drop is not None
-
-    @property
-    def drop(self) -> float:
-        """The accuracy drop the pick allows (the default 1 point when the budget gives none)."""
-        return DEFAULT_ACCURACY_DROP if self.max_accuracy_drop is None else self.max_accuracy_drop
-
-    def describe(self) -> str:
-        if self.max_memory is not None:
-            return (f"best accuracy with memory <= {self.max_memory:g} of all-high (least memory among accuracies "
-                    f"within seed noise of the best at {100 * self.confidence:g}% confidence)")
-        return (f"least memory with accuracy within {100 * self.drop:g} point(s) of all-high at "
-                f"{100 * self.confidence:g}% confidence")
-
-
-# ---------------------------------------------------------------------------------------------- context
-
-
-@dataclass
-class SearchContext:
-    """Everything one process needs to run trials: data, traced graph, cost model, space and budget."""
-
-    model: str
-    space: SearchSpace
-    data_spec: DataSpec
-    budget: Budget
-    seed: int
-    device: str
-    data: tuple[ImageDataset, ImageDataset]
-    graph: TensorGraph
-    cost: CostModel
-    high_bytes: float = 0.0
-    high_peak: float = 0.0
-    units: dict[str, list[str]] = field(default_factory=dict)
-    proxy_seeds: int | None = 1  # seeds per proxy; None: chosen from the noise the reference measures
-
-    @classmethod
-    def create(cls, model: str, space: SearchSpace, data_spec: DataSpec, budget: Budget, seed: int,
-               device: str, data: tuple[ImageDataset, ImageDataset] | None = None,
-               proxy_seeds: int | None = 1) -> SearchContext:
-        """Load the data (unless given), build and trace the model at the proxy's batch and image size."""
-        if data is None:
-            data = data_spec.load(space.proxy.image_size, seed=0)
-        torch.manual_seed(seed)
-        network = build_model(model, num_classes=data[0].num_classes)
-        example = data[0].images[:2]  # real images: a data-dependent branch zeros would skip is traced
-        graph = trace(network, example, batch_size=space.proxy.batch_size)
-        if proxy_seeds is not None and proxy_seeds < 1:
-            raise PrecsearchError(f"proxy_seeds={proxy_seeds} must be at least 1 (or auto)")
-        context = cls(model=model, space=space, data_spec=data_spec, budget=budget, seed=seed, device=device,
-                      data=data, graph=graph, cost=CostModel(graph), proxy_seeds=proxy_seeds)
-        context.units = units(graph, space)
-        high = uniform(graph, space, "high").assignment
-        context.high_bytes = float(context.cost.bytes(high))
-        context.high_peak = float(context.cost.peak_bytes(high))
-        return context
-
-    @property
-    def levels(self) -> list[str]:
-        return list(self.space.levels)
-
-    @property
-    def chance(self) -> float:
-        """The validation accuracy a network that learned nothing reaches by luck: the majority class's share
-        plus 3 binomial standard deviations over the validation set. An accuracy at or below it is no signal."""
-        labels = self.data[1].labels
-        share = float(torch.bincount(labels).max()) / len(labels)
-        return share + 3.0 * math.sqrt(share * (1.0 - share) / len(labels))
-
-    def decisions(self, params: Mapping[str, Any]) -> dict[str, str]:
-        return {unit: str(params.get(unit, "high")) for unit in self.units}
-
-    def key(self, params: Mapping[str, Any]) -> str:
-        return assignment_key(assign(self.graph, self.space, self.decisions(params)))
-
-    def memory(self, assignment: Mapping[str, str], promoted: list[str] = ()) -> tuple[float, float]:
-        """(ratio to all-high in the budget's measure, bytes) of an assignment; promoted tensors count at the
-        high format."""
-        ratios, size = self.memories(assignment, promoted)
-        return ratios[f"memory_{self.budget.memory}"], size
-
-    def memories(self, assignment: Mapping[str, str], promoted: list[str] = ()) -> tuple[dict[str, float], float]:
-        """Both measures as ratios to all-high (``memory_bytes``, ``memory_peak``), and the bytes."""
-        effective = dict(assignment)
-        for tensor_id in promoted:
-            if tensor_id in effective:
-                effective[tensor_id] = self.space.high
-        size = float(self.cost.bytes(effective))
-        peak = float(self.cost.peak_bytes(effective))
-        return {"memory_bytes": size / self.high_bytes, "memory_peak": peak / self.high_peak}, size
-
-    def policy(self, assignment: Mapping[str, str], provenance: Mapping[str, Any]) -> Policy:
-        """The policy file for an assignment under this space's numerics (rounding, scaling, guard); the
-        policy's ``predicted`` comes from the cost model (``policy_from_assignment``)."""
-        space = self.space
-        return policy_from_assignment(
-            self.graph, dict(assignment),
-            model=self.model,
-            high_format=space.high,
-            rounding=dict(space.rounding),
-            overflow=dict(space.overflow),
-            loss_scaling=dict(space.loss_scaling),
-            promotion_threshold=space.promotion_threshold,
-            promotion_kinds=space.promotion_kinds,
-            gradient_rounding=space.gradient_rounding,
-            ties=space.ties,
-            master_weights=space.master_weights,
-            optimizer=dict(space.optimizer),
-            provenance=dict(provenance),
-        )
-
-    def constraints(self, result: ProxyResult | None, memory: float, reference: float | None,
-                    margin: float = 0.0) -> dict[str, float]:
-        """Constraint values (feasible when all <= 0): divergence (or untrained), then the budget's bound;
-        the accuracy bound holds when the mean is within the drop by more than the noise ``margin``."""
-        constraints = {"diverged": 1.0 if result is None or result.diverged else 0.0}
-        if self.budget.max_memory is not None:
-            constraints["memory_budget"] = memory - self.budget.max_memory
-        if self.budget.max_accuracy_drop is not None:
-            accuracy = result.val_accuracy if result is not None else 0.0
-            constraints["accuracy_drop"] = (reference or 0.0) - self.budget.max_accuracy_drop - accuracy + margin
-        return constraints
-
-    def proxy_seed_list(self, count: int) -> list[int]:
-        """The seeds of a ``count``-seed proxy: the search seed and the ones after it (same for every trial
-        and for the all-high reference, so differences are not differences of seeds)."""
-        return [self.seed + index for index in range(count)]
-
-    def train_seeds(self, policy: Policy, count: int, report: Callable[[int, float], None] | None = None,
-                    check: Callable[[int, float], None] | None = None) -> tuple[ProxyResult, list[float]]:
-        """Train ``count`` seeded proxies of one policy; the first one calls ``report`` (the pruner), the others
-        ``check`` (stop signals). Returns the combined result (``combine_seeds``) and the per-seed accuracies
-        (stopping at the first divergence)."""
-        results = []
-        for index, seed in enumerate(self.proxy_seed_list(count)):
-            results.append(run_proxy(self.model, policy, self.data, self.space.proxy.steps, seed=seed,
-                                     device=self.device, config=self.space.proxy,
-                                     report=report if index == 0 else check))
-            if results[-1].diverged:
-                break
-        return combine_seeds(results), [result.val_accuracy for result in results]
-
-    def score(self, result: ProxyResult) -> float:
-        """The accuracy-side objective value (finite, so Optuna stores it even for a diverged proxy)."""
-        if self.space.accuracy_objective == "val_loss":
-            return min(result.val_loss, 1e6) if math.isfinite(result.val_loss) else 1e6
-        return result.val_error
-
-    def values(self, memory: float, result: ProxyResult) -> list[float]:
-        if self.budget.max_memory is not None:
-            return [self.score(result)]
-        if self.budget.max_accuracy_drop is not None:
-            return [memory]
-        return [memory, self.score(result)]
-
-
-# ------------------------------------------------------------------------------------------- the objective
-
-
-def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
-    """One result for proxies of the same policy under several seeds: mean accuracy and loss, the union of
-    promotions (memory counts every tensor any seed promoted), diverged if any seed diverged, worst overflow
-    and underflow, summed wall time; the loss curve is the first seed's."""
-    first = results[0]
-    if len(results) == 1:
-        return first
-    diverged = [result for result in results if result.diverged]
-    return dataclasses.replace(
-        first,
-        val_accuracy=sum(result.val_accuracy for result in results) / len(results),
-        val_loss=sum(result.val_loss for result in results) / len(results),
-        diverged=bool(diverged),
-        reason=diverged[0].reason if diverged else "",
-        steps_run=min(result.steps_run for result in results),
-        skipped_steps=max(result.skipped_steps for result in results),
-        promotions=sorted({tensor for result in results for tensor in result.promotions}),
-        overflow_max=max(result.overflow_max for result in results),
-        underflow_max=max(result.underflow_max for result in results),
-        underflow_mean=sum(result.underflow_mean for result in results) / len(results),
-        wall_time=sum(result.wall_time for result in results),
-    )
-
-
-def _seed_record(accuracies: list[float]) -> dict[str, Any]:
-    """User attrs of a multi-seed proxy: per-seed accuracies, their count and sample sd (NaN for one)."""
-    count = len(accuracies)
-    mean = sum(accuracies) / count
-    sd = math.sqrt(sum((a - mean) ** 2 for a in accuracies) / (count - 1)) if count > 1 else math.nan
-    return {"val_accuracies": accuracies, "seeds": count, "val_accuracy_sd": sd}
-
-
-def _feasible(trial: FrozenTrial) -> bool:
-    """A completed trial whose constraints all hold (a trial without constraints was never judged)."""
-    constraints = trial.constraints
-    return trial.state == TrialState.COMPLETE and bool(constraints) and all(v <= 0 for v in constraints.values())
-
-
-def _set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
+def _set_constraints(trial: optuna.Trial, constraints: dict[str, float]) -> None:
     for name, value in constraints.items():
         trial.set_constraint(name, value)
 
@@ -413,8 +200,7 @@ class Objective:
 
     def _run(self, trial: optuna.Trial) -> Any:
         context = self.context
-        levels = context.levels
-        decisions = {unit: trial.suggest_categorical(unit, levels) for unit in context.units}
+        decisions = {unit: trial.suggest_categorical(unit, context.levels) for unit in context.units}
         assignment = assign(context.graph, context.space, decisions)
         key = assignment_key(assignment)
         planned, _ = context.memory(assignment)
@@ -426,23 +212,37 @@ class Objective:
         previous = self._claim(trial, key)
         if previous is not None:
             return self._reuse(trial, previous)
-        reference = _reference_accuracy(study)
+        attrs = study.user_attrs
+        reference = proxy_reference(attrs)
         if context.budget.max_memory is not None and planned > context.budget.max_memory:
             return self._untrained(trial, planned, "over the memory budget")
-        if context.budget.max_accuracy_drop is not None:
-            best = _best_feasible_memory(study)
-            if best is not None and planned >= best:
-                trial.set_user_attr("reason", f"cannot beat the best feasible memory {best:.4f}")
-                raise optuna.TrialPruned(f"memory {planned:.4f} >= best feasible {best:.4f}")
+        if key != attrs.get("reference_key"):
+            beaten = _beaten_by(study, context, planned)
+            if beaten is not None:
+                return self._untrained(trial, planned, f"trial {int(beaten['number'])} has less memory "
+                                       f"({beaten['memory']:.4f}) and is within the allowed drop: no training needed")
         policy = context.policy(assignment, {"trial": trial.number})
-        if key == study.user_attrs.get("reference_key"):
-            result = ProxyResult.from_dict(study.user_attrs["reference_result"])
-            accuracies = study.user_attrs.get("reference_accuracies", [result.val_accuracy])
+        stopped: RungStop | None = None
+        if key == attrs.get("reference_key"):
+            result = ProxyResult.from_dict({**attrs["reference_result"], "loss_curve": []})
+            accuracies = attrs.get("reference_accuracies", [result.val_accuracy])
+            seed_steps: list[int] = []
             trial.set_user_attr("duplicate_of", "reference")
         else:
-            result, accuracies = context.train_seeds(
-                policy, int(study.user_attrs.get("proxy_seeds", 1)), report=self._pruning_hook(trial),
-                check=self._check_signals)
+            rule = _rung_rule(attrs, context)
+            seeds = context.proxy_seed_list(int(attrs.get("proxy_seeds", 1)))
+            try:
+                results = context.train_seeds(policy, context.length, seeds, evaluate_at=rule.steps,
+                                              on_eval=rule.check, report=self._check_signals)
+            except RungStop as stop:
+                stopped, results = stop, []
+            if stopped is not None:
+                result = ProxyResult(stopped.accuracy, math.nan, False, stopped.reason, stopped.step, [])
+                accuracies, seed_steps = [stopped.accuracy], [stopped.step]
+            else:
+                result = combine_seeds(results)
+                accuracies = [run.val_accuracy for run in results]
+                seed_steps = [run.steps_run for run in results]
         ratios, size = context.memories(assignment, result.promotions)
         memory = ratios[f"memory_{context.budget.memory}"]
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
@@ -450,16 +250,21 @@ class Objective:
         proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
         policy.replace(provenance={**policy.provenance, "worker": WORKER, "proxy": proxy}).save(path)
         record = result.to_dict()
-        record.pop("loss_curve")
+        for name in ("loss_curve", "val_curve"):
+            record.pop(name)
         record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **ratios,
-                      **_seed_record(accuracies))
+                      **seed_record(accuracies), seed_steps=seed_steps)
+        if stopped is not None:
+            record["stopped_at"] = stopped.step
         for name, value in record.items():
             trial.set_user_attr(name, value)
         margin = 0.0
         if reference is not None:
-            noise = _study_noise(study, context)
-            margin = float(noise.margin(len(accuracies), len(study.user_attrs.get("reference_accuracies", [0]))))
-        _set_constraints(trial, context.constraints(result, memory, reference, margin))
+            noise = study_noise(attrs, context, trials_frame(study, context))
+            margin = float(noise.margin(len(accuracies), len(attrs.get("reference_accuracies", [0]))))
+        constraints = context.constraints(result, memory, reference, margin)
+        constraints["stopped"] = 1.0 if stopped is not None else 0.0
+        _set_constraints(trial, constraints)
         trial.set_user_attr("loss_curve", [round(v, 5) for v in result.loss_curve])
         return context.values(memory, result)
 
@@ -467,19 +272,6 @@ class Objective:
         """Called every few proxy steps: a stop signal recorded but not raised is raised here."""
         if self.signals is not None:
             self.signals.check()
-
-    def _pruning_hook(self, trial: optuna.Trial) -> Callable[[int, float], None]:
-        """``_check_signals``, and under a single-objective budget the running loss reported to the pruner."""
-        def report(step: int, loss: float) -> None:
-            self._check_signals(step, loss)
-            if not self.context.budget.single_objective:
-                return
-            trial.report(loss, step)
-            if trial.should_prune():
-                trial.set_user_attr("reason", f"pruned at step {step} (running loss {loss:.3g})")
-                raise optuna.TrialPruned(f"pruned at step {step}")
-
-        return report
 
     def _claim(self, trial: optuna.Trial, key: str) -> FrozenTrial | None:
         """Decide, under the study's lock, whether this trial trains the assignment ``key``.
@@ -523,7 +315,10 @@ class Objective:
         trial.set_user_attr("reason", reason)
         trial.set_user_attr("memory", memory)
         _set_constraints(trial, context.constraints(None, memory, None))
-        return [1e6 if context.space.accuracy_objective == "val_loss" else 1.0]
+        worst = 1e6 if context.space.accuracy_objective == "val_loss" else 1.0
+        if context.budget.max_memory is not None:
+            return [worst]
+        return [memory] if context.budget.max_accuracy_drop is not None else [memory, worst]
 
 
 def _wait_while_running(study: optuna.Study, number: int) -> None:
@@ -536,15 +331,28 @@ def _wait_while_running(study: optuna.Study, number: int) -> None:
             optuna.storages.fail_stale_trials(study)
 
 
-def _reference_accuracy(study: optuna.Study) -> float | None:
-    result = study.user_attrs.get("reference_result")
-    return None if result is None else float(result["val_accuracy"])
+def _beaten_by(study: optuna.Study, context: SearchContext, planned: float) -> pd.Series | None:
+    """A trained point that makes training a candidate of ``planned`` memory pointless: the accuracy-drop pick
+    among the proxies so far (least memory within the drop of all-high), when its memory is at most
+    ``planned``; None under a memory budget (whose pick wants accuracy, not memory) or when there is none."""
+    if context.budget.max_memory is not None:
+        return None
+    attrs = study.user_attrs
+    frame = trials_frame(study, context)
+    reference = proxy_reference(attrs)
+    if frame.empty or reference is None:
+        return None
+    best = choose_best(frame, context.budget, reference, study_noise(attrs, context, frame),
+                       len(attrs.get("reference_accuracies", [0])), attrs.get("reference_key"), context.chance)
+    return best if best is not None and best["memory"] <= planned else None
 
 
-def _best_feasible_memory(study: optuna.Study) -> float | None:
-    feasible = [t.values[0] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if _feasible(t)]
-    return min(feasible) if feasible else None
+def _rung_rule(attrs: dict[str, Any], context: SearchContext) -> RungRule:
+    """The study's rung rule: the calibrated reference's accuracy at each rung step and its noise."""
+    calibration = recorded_calibration(attrs)
+    steps = rung_steps(calibration.length, attrs["config"]["rungs"])
+    return RungRule({step: calibration.at(step) for step in steps}, calibration.noise(context.budget.confidence),
+                    context.budget.drop, context.chance)
 
 
 # ------------------------------------------------------------------------------------------------ storage
@@ -676,24 +484,19 @@ def _sampler(context: SearchContext, worker: int | None) -> optuna.samplers.Base
     return make_sampler(context.space.sampler, None if worker is None else context.seed * 1000 + worker)
 
 
-def _pruner(context: SearchContext) -> optuna.pruners.BasePruner:
-    if not context.budget.single_objective:
-        return optuna.pruners.NopPruner()
-    steps = context.space.proxy.steps
-    return optuna.pruners.PercentilePruner(75.0, n_startup_trials=5, n_warmup_steps=steps // 4)
-
-
 def _load_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation,
                 worker: int) -> optuna.Study:
     return optuna.load_study(study_name=location.study_name, storage=storage,
-                             sampler=_sampler(context, None if location.shared else worker), pruner=_pruner(context))
+                             sampler=_sampler(context, None if location.shared else worker),
+                             pruner=optuna.pruners.NopPruner())
 
 
 def _new_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation) -> optuna.Study:
     """Create the study; raises DuplicatedStudyError when the name is taken (a unique insert in RDB storages)."""
     directions = ["minimize"] if context.budget.single_objective else ["minimize", "minimize"]
     return optuna.create_study(storage=storage, study_name=location.study_name, directions=directions,
-                               sampler=_sampler(context, None if location.shared else 0), pruner=_pruner(context))
+                               sampler=_sampler(context, None if location.shared else 0),
+                               pruner=optuna.pruners.NopPruner())
 
 
 def _check_same_config(study: optuna.Study, context: SearchContext, location: StudyLocation, fix: str) -> None:
@@ -706,13 +509,15 @@ def _check_same_config(study: optuna.Study, context: SearchContext, location: St
             f"{(theirs.get('space') or {}).get('name')}); {fix}")
 
 
-def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation) -> optuna.Study:
+def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation,
+                trials: int) -> optuna.Study:
     """Create and seed a shared study, or join it once its creator has seeded it.
 
     The database decides who creates it: study names are unique, so of any number of workers starting at
-    once exactly one ``create_study`` succeeds. That one records the config, trains the all-high reference
-    (when the budget needs it), queues the seeds, then sets ``seeded``. Every other worker waits for
-    ``seeded`` and refuses a study made for another model, graph, space, data, seed or budget.
+    once exactly one ``create_study`` succeeds. That one records the config, queues the seeds, then sets
+    ``seeded``. Every other worker waits for ``seeded`` and refuses a study made for another model, graph,
+    space, data, seed, budget or search setting. Calibration is no one's privilege: every worker takes part
+    in it afterwards (``_prepare``).
     """
     try:
         study = _new_study(context, storage, location)
@@ -725,8 +530,7 @@ def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, lo
                        "setting it up)")
         return study
     study.set_user_attr("config", _config(context))
-    _ensure_reference(study, context)
-    _seed_study(study, context)
+    _seed_study(study, context, trials)
     study.set_user_attr("seeded", True)
     return study
 
@@ -750,6 +554,7 @@ def _config(context: SearchContext) -> dict[str, Any]:
         "budget": dataclasses.asdict(context.budget),
         "graph_fingerprint": context.graph.fingerprint(),
         "proxy_seeds": context.proxy_seeds,
+        **context.settings,
     }
 
 
@@ -757,10 +562,11 @@ def _config(context: SearchContext) -> dict[str, Any]:
 
 
 def _counted(trial: FrozenTrial) -> bool:
-    """A trial that used up budget: finished, or failed by its own error (not by an interruption or a dead
-    worker's missing heartbeat: those are queued again)."""
+    """A trial that used up budget: a distinct assignment finished (a copy of another trial's results does
+    not count), or a trial failed by its own error (not by an interruption or a dead worker's missing
+    heartbeat: those are queued again)."""
     if trial.state in FINISHED:
-        return True
+        return not isinstance(trial.user_attrs.get("duplicate_of"), int)
     return trial.state == TrialState.FAIL and "error" in trial.user_attrs
 
 
@@ -779,11 +585,11 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
         storage.set_trial_user_attr(trial_id, "interrupted", True)
         storage.set_trial_state_values(trial_id, TrialState.FAIL)
     trials = study.get_trials(deepcopy=False)
-    pending = {context.key(_params_of(t)) for t in trials
-               if t.state in (*FINISHED, TrialState.WAITING) and len(_params_of(t)) == len(context.units)}
+    pending = {context.key(params_of(t)) for t in trials
+               if t.state in (*FINISHED, TrialState.WAITING) and len(params_of(t)) == len(context.units)}
     queued = 0
     for trial in trials:
-        params = _params_of(trial)
+        params = params_of(trial)
         if trial.state != TrialState.FAIL or not trial.user_attrs.get("interrupted"):
             continue
         if len(params) != len(context.units) or context.key(params) in pending:
@@ -795,282 +601,89 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     return queued
 
 
-def _params_of(trial: FrozenTrial) -> dict[str, Any]:
-    return dict(trial.system_attrs.get("fixed_params") or trial.params)
-
-
-def _seed_study(study: optuna.Study, context: SearchContext) -> None:
-    for candidate, origins in seed_candidates(context.graph, context.space):
+def _seed_study(study: optuna.Study, context: SearchContext, trials: int) -> None:
+    """Queue the seed candidates, then, when the space holds no more than ``trials`` assignments, every
+    other one (a sampler would only propose them again and again)."""
+    seeded = seed_candidates(context.graph, context.space)
+    for candidate, origins in seeded:
         study.enqueue_trial(candidate.decisions, user_attrs={"origin": origins})
-
-
-def _ensure_reference(study: optuna.Study, context: SearchContext) -> None:
-    """Train the all-high proxy first, with the seeds every trial will use, so that every trial can test an
-    accuracy-drop constraint against it and the seed noise is measured before the first trial. Needed for an
-    accuracy-drop budget and for several seeds per proxy; with ``proxy_seeds=None`` the reference trains
-    ``AUTO_REFERENCE_SEEDS`` seeds and the seeds per proxy are chosen from the noise they show
-    (``noise.seeds_for``). The seed count is a study attribute, so every worker trains the same seeds."""
-    if "reference_result" in study.user_attrs:
+    if context.assignments > trials:
         return
-    requested = context.proxy_seeds
-    if context.budget.max_accuracy_drop is None and requested == 1:
-        study.set_user_attr("proxy_seeds", 1)
-        return
-    candidate = uniform(context.graph, context.space, "high")
-    policy = context.policy(candidate.assignment, {"strategy": "all-high reference"})
-    result, accuracies = context.train_seeds(policy, requested or AUTO_REFERENCE_SEEDS)
-    seeds = requested
-    if seeds is None:
-        noise = pooled_noise(pd.DataFrame(), context.budget.confidence, extra=[accuracies])
-        seeds = seeds_for(noise, context.budget.drop, len(accuracies), min_seeds=AUTO_MIN_SEEDS)
-        log.info("%s; %d seed(s) per proxy", noise.describe(), seeds)
-    study.set_user_attr("proxy_seeds", seeds)
-    study.set_user_attr("reference_key", candidate.key)
-    study.set_user_attr("reference_accuracies", accuracies)
-    study.set_user_attr("reference_result", result.to_dict())
+    known = {candidate.key for candidate, _ in seeded}
+    for levels in itertools.product(context.levels, repeat=len(context.units)):
+        decisions = dict(zip(context.units, levels, strict=True))
+        if context.key(decisions) not in known:
+            study.enqueue_trial(decisions, user_attrs={"origin": ["enumerated"]})
 
 
-def _study_noise(study: optuna.Study, context: SearchContext, frame: pd.DataFrame | None = None) -> Noise:
-    """The pooled seed noise of the study's trained trials and the all-high reference (counted once)."""
-    frame = trials_frame(study, context) if frame is None else frame
-    reference = study.user_attrs.get("reference_accuracies", [])
-    counted = not frame.empty and study.user_attrs.get("reference_key") in set(frame["key"])
-    return pooled_noise(frame, context.budget.confidence, extra=[] if counted else [reference])
+def _trial_budget(context: SearchContext, trials: int) -> int:
+    """Distinct assignments the study trains or judges: ``trials``, or every assignment of a smaller space."""
+    return min(trials, context.assignments)
 
 
-# ------------------------------------------------------------------------------------------------ outputs
+def _ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage) -> Ledger:
+    return Ledger(study, lambda: location.lock(storage), WORKER, stale=3.0 * location.heartbeat)
 
 
-def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
-    attrs = trial.user_attrs
-    params = _params_of(trial)
-    accuracy = attrs.get("val_accuracy")
-    row = {
-        "number": trial.number,
-        "state": trial.state.name,
-        "origin": "; ".join(attrs.get("origin", [])) or "sampler",
-        "memory": attrs.get("memory", math.nan),
-        "memory_bytes": attrs.get("memory_bytes", math.nan),
-        "memory_peak": attrs.get("memory_peak", math.nan),
-        "memory_planned": attrs.get("memory_planned", math.nan),
-        "bytes": attrs.get("bytes", math.nan),
-        "low_share": attrs.get("low_share", math.nan),
-        "val_accuracy": math.nan if accuracy is None else accuracy,
-        "val_error": math.nan if accuracy is None else 1.0 - accuracy,
-        "val_loss": attrs.get("val_loss", math.nan),
-        "val_accuracy_sd": attrs.get("val_accuracy_sd", math.nan),
-        "seeds": attrs.get("seeds", 1 if accuracy is not None else math.nan),
-        "trained": bool(attrs.get("trained", False)),
-        "diverged": bool(attrs.get("diverged", False)),
-        "feasible": _feasible(trial),
-        "reason": attrs.get("reason", ""),
-        "promotions": len(attrs.get("promotions", [])),
-        "skipped_steps": attrs.get("skipped_steps", math.nan),
-        "steps_run": attrs.get("steps_run", math.nan),
-        "wall_time": attrs.get("wall_time", math.nan),
-        "duplicate_of": attrs.get("duplicate_of", ""),
-        "retry_of": trial.system_attrs.get("failed_trial", ""),
-        "worker": attrs.get("worker", ""),
-        "policy": attrs.get("policy", ""),
-        "error": attrs.get("error", ""),
-        "interrupted": bool(attrs.get("interrupted", False)),
-        "key": attrs.get("key", context.key(params) if len(params) == len(context.units) else ""),
-        "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
-    }
-    return row
+def _reference_seeds(context: SearchContext) -> list[int]:
+    return context.proxy_seed_list(context.proxy_seeds or AUTO_REFERENCE_SEEDS)
 
 
-def _level_code(level: str, context: SearchContext) -> str:
-    """One character per unit for the decisions column: H, L, or the choice's index among the levels."""
-    if level == "high":
-        return "H"
-    if level == "low":
-        return "L"
-    return str(context.levels.index(level)) if level in context.levels else "?"
+def _prepare(study: optuna.Study, context: SearchContext, ledger: Ledger, config: SearchConfig,
+             check: Callable[[int, float], None]) -> Calibration:
+    """Calibrate (or train the reference at the fixed length), then record the reference every trial compares
+    with: its result at the proxy length, its seeds' accuracies and the seeds per proxy (with
+    ``proxy_seeds=None`` chosen from the noise the reference shows, ``noise.seeds_for``). Every worker runs
+    it; the ledger makes each run happen once."""
+    calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context), check, config.rungs)
+    context.length = calibration.length
+    if "reference_result" not in study.user_attrs:
+        accuracies = calibration.accuracies
+        seeds = context.proxy_seeds
+        if seeds is None:
+            noise = pooled_noise(pd.DataFrame(), context.budget.confidence, extra=[accuracies])
+            seeds = seeds_for(noise, context.budget.drop, len(accuracies), min_seeds=AUTO_MIN_SEEDS)
+            log.info("%s; %d seed(s) per proxy", noise.describe(), seeds)
+        study.set_user_attr("proxy_seeds", seeds)
+        study.set_user_attr("reference_key", uniform(context.graph, context.space, "high").key)
+        study.set_user_attr("reference_accuracies", accuracies)
+        study.set_user_attr("reference_result", {**calibration.result().to_dict(), "loss_curve": []})
+    return calibration
 
 
-def trials_frame(study: optuna.Study, context: SearchContext) -> pd.DataFrame:
-    """One row per started trial (queued ones are not trials yet) with origin, memory, proxy metrics, state."""
-    rows = [_trial_row(t, context) for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING]
-    return pd.DataFrame(rows)
+def _settle(study: optuna.Study, objective: Objective) -> None:
+    """Before confirmation (which freezes the front), wait for the trials other workers of a shared study
+    are running, and run here the retries of those whose worker died (found stale by their heartbeat)."""
+    while True:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        retries = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                   if "failed_trial" in t.system_attrs]
+        if retries:
+            study.optimize(objective, n_trials=len(retries), catch=(Exception,))
+        elif not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            return
+        else:
+            time.sleep(0.5)
 
 
-def pareto_front(frame: pd.DataFrame, objective: str = "val_error") -> pd.DataFrame:
-    """Non-dominated trained, non-diverged trials in (memory, objective), one per assignment, by memory."""
-    if frame.empty:
-        return frame
-    ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]]
-    ok = ok.sort_values(["memory", objective, "number"]).drop_duplicates("key")
-    front, best = [], math.inf
-    for index, row in ok.iterrows():
-        if row[objective] < best:
-            front.append(index)
-            best = row[objective]
-    return ok.loc[front]
-
-
-def _reference(frame: pd.DataFrame, context: SearchContext, study: optuna.Study) -> float | None:
-    """The all-high proxy accuracy, from the reference run or the all-high trial; None when that proxy
-    did not train (not run yet, or diverged): accuracy drops are then measured from nothing."""
-    result = study.user_attrs.get("reference_result")
-    if result is not None:
-        return None if result.get("diverged") else float(result["val_accuracy"])
-    key = uniform(context.graph, context.space, "high").key
-    rows = frame[(frame["key"] == key) & frame["trained"]] if not frame.empty else frame
-    if rows.empty or bool(rows["diverged"].iloc[0]):
-        return None
-    return float(rows["val_accuracy"].iloc[0])
-
-
-def pick_note(frame: pd.DataFrame, context: SearchContext, study: optuna.Study) -> str:
-    """Why ``choose_best`` picked nothing, in one line ('' when it picked or nothing explains it)."""
-    chance = context.chance
-    if context.budget.max_memory is None:
-        reference = _reference(frame, context, study)
-        if reference is None:
-            return ("the all-high proxy diverged or did not train, so no accuracy drop can be measured: no pick; "
-                    "lower the learning rate or lengthen the proxies")
-        if reference <= chance:
-            return (f"the all-high proxy reached accuracy {reference:.3f}, no better than chance ({chance:.3f}): no "
-                    "pick; lengthen the proxies (--proxy-steps) or check the data")
-    return f"no trained, non-diverged trial within the budget beats chance accuracy ({chance:.3f}): no pick"
-
-
-def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, noise: Noise | None = None,
-                reference_seeds: int = 1, reference_key: str | None = None, chance: float = 0.0
-                ) -> pd.Series | None:
-    """The point the budget picks among trained, non-diverged trials above ``chance`` accuracy (None when none
-    qualifies, or when the all-high ``reference`` is None or itself at chance level), never on a difference of
-    proxy means smaller than the seed ``noise`` allows at the budget's confidence.
-
-    ``max_memory``: within the memory bound, the least memory among the trials whose accuracy is not
-    distinguishably below the best mean (``_least_memory_among_ties``). Otherwise least memory among the
-    trials whose accuracy is within the allowed drop (default 1 point) of the ``reference_seeds``-seed
-    all-high mean ``reference`` with the budget's confidence (``_confidently_within_drop``), then best
-    accuracy; the all-high assignment itself (``reference_key``) always qualifies, so too much noise picks
-    all-high rather than nothing. The row gets ``pick_confidence``: the confidence that its true accuracy is
-    within the drop (accuracy-drop rule) or no worse than the best mean (memory rule); NaN when the noise is
-    unmeasured or the pick is the reference itself.
-    """
-    if frame.empty:
-        return None
-    noise = noise or Noise(math.nan, 0, budget.confidence)
-    ok = frame[(frame["state"] == "COMPLETE") & frame["trained"] & ~frame["diverged"]
-               & (frame["val_accuracy"] > chance)]
-    if budget.max_memory is not None:
-        return _least_memory_among_ties(ok[ok["memory"] <= budget.max_memory + 1e-12], noise)
-    if reference is None or reference <= chance:
-        return None
-    return _confidently_within_drop(ok, reference, reference_seeds, budget.drop, noise, reference_key)
-
-
-def _seeds_of(frame: pd.DataFrame) -> pd.Series:
-    return frame["seeds"].fillna(1) if "seeds" in frame else pd.Series(1, index=frame.index)
-
-
-def _least_memory_among_ties(ok: pd.DataFrame, noise: Noise) -> pd.Series | None:
-    """Least memory (then best accuracy) among trials not distinguishably less accurate than the best mean."""
-    if ok.empty:
-        return None
-    seeds = _seeds_of(ok)
-    top = ok["val_accuracy"].idxmax()
-    gap = ok.loc[top, "val_accuracy"] - ok["val_accuracy"]
-    ties = ok[gap <= noise.margin(seeds, seeds[top]) + 1e-12]
-    best = ties.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True]).iloc[0].copy()
-    best["pick_confidence"] = (math.nan if best.name == top else
-                               1 - noise.probability_above(gap[best.name], 0.0, seeds[best.name], seeds[top]))
-    return best
-
-
-def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds: int, drop: float,
-                             noise: Noise, reference_key: str | None) -> pd.Series | None:
-    """Least memory (then best accuracy) among trials whose one-sided bound on (mean - reference) is at
-    least ``-drop``, and the reference assignment itself."""
-    seeds = _seeds_of(ok)
-    itself = ok["key"] == reference_key
-    ok = ok[itself | (ok["val_accuracy"] - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12)]
-    if ok.empty:
-        return None
-    best = ok.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True]).iloc[0].copy()
-    best["pick_confidence"] = (math.nan if best["key"] == reference_key else noise.probability_above(
-        best["val_accuracy"] - reference, -drop, _seeds_of(ok)[best.name], reference_seeds))
-    return best
-
-
-def mark_ties(front: pd.DataFrame, noise: Noise) -> pd.DataFrame:
-    """The front with ``within_noise_of``: for each point, the cheapest front point (trial number) it is not
-    distinguishably more accurate than at the noise's confidence, or -1 when it is distinguishable from every
-    cheaper point (the extra memory buys measurable accuracy)."""
-    front = front.sort_values("memory").copy()
-    seeds = _seeds_of(front)
-    marks = []
-    for position, (index, row) in enumerate(front.iterrows()):
-        cheaper = front.iloc[:position]
-        gain = row["val_accuracy"] - cheaper["val_accuracy"]
-        tied = cheaper[gain <= noise.margin(seeds[index], seeds[cheaper.index]) + 1e-12]
-        marks.append(int(tied["number"].iloc[0]) if not tied.empty else -1)
-    front["within_noise_of"] = marks
-    return front
-
-
-def _policy_for_row(row: pd.Series, study: optuna.Study, context: SearchContext, role: str) -> Policy:
-    trial = study.get_trials(deepcopy=False)[int(row["number"])]
-    assignment = assign(context.graph, context.space, context.decisions(_params_of(trial)))
-    provenance = {
-        "strategy": str(row["origin"]), "role": role, "trial": int(row["number"]), "space": context.space.name,
-        "space_fingerprint": context.space.fingerprint(), "seed": context.seed,
-        "proxy_steps": context.space.proxy.steps, "data": context.data_spec.name,
-        "proxy": {"val_accuracy": float(row["val_accuracy"]), "val_loss": float(row["val_loss"]),
-                  "memory": float(row["memory"]), "promotions": int(row["promotions"])},
-    }
-    return context.policy(assignment, provenance)
-
-
-def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame,
-                                                                                   pd.Series | None]:
-    """Rewrite trials.csv, pareto.csv, policies/ and best.json from the storage (each file atomically)."""
+def _confirm(study: optuna.Study, context: SearchContext, ledger: Ledger, config: SearchConfig,
+             check: Callable[[int, float], None]) -> None:
+    """Train the front's points (within the memory budget), all-high and plain fp32 at the confirmation
+    length on fresh seeds (precsearch.search.confirmation)."""
     frame = trials_frame(study, context)
-    objective = context.space.accuracy_objective
-    noise = _study_noise(study, context, frame)
-    front = pareto_front(frame, objective)
-    if not front.empty:
-        front = mark_ties(front, noise)
-    atomic_write_text(out_dir / "trials.csv", frame.to_csv(index=False))
-    atomic_write_text(out_dir / "pareto.csv", front.to_csv(index=False))
-    policies = out_dir / "policies"
-    policies.mkdir(exist_ok=True)
-    wanted = set()
+    front = pareto_front(frame, context.space.accuracy_objective)
+    if context.budget.max_memory is not None and not front.empty:
+        front = front[front["memory"] <= context.budget.max_memory + 1e-12]
+    trials = study.get_trials(deepcopy=False)
+    high = uniform(context.graph, context.space, "high")
+    policies: dict[str, Policy | None] = {high.key: context.policy(high.assignment, {"strategy": "all-high"})}
     for _, row in front.iterrows():
-        name = f"trial_{int(row['number']):04d}.json"
-        wanted.add(name)
-        if not (policies / name).is_file():
-            _policy_for_row(row, study, context, "pareto").save(policies / name)
-    for stale in policies.glob("trial_*.json"):
-        if stale.name not in wanted:
-            stale.unlink()
-    best = choose_best(frame, context.budget, _reference(frame, context, study), noise,
-                       len(study.user_attrs.get("reference_accuracies", [0])),
-                       uniform(context.graph, context.space, "high").key, context.chance)
-    if best is not None:
-        policy = _policy_for_row(best, study, context, f"best: {context.budget.describe()}")
-        pick = {**noise.to_dict(), "seeds": int(best.get("seeds", 1)),
-                "pick_confidence": float(best["pick_confidence"]), "statement": _pick_statement(best, noise)}
-        pick = {name: None if isinstance(value, float) and math.isnan(value) else value  # JSON has no NaN
-                for name, value in pick.items()}
-        policy.replace(provenance={**policy.provenance, "noise": pick}).save(out_dir / "best.json")
-    else:  # a pick of an earlier export that no longer holds must not stay behind
-        (out_dir / "best.json").unlink(missing_ok=True)
-    return frame, front, best
-
-
-def _pick_statement(best: pd.Series, noise: Noise) -> str:
-    """One sentence on how sure the pick is."""
-    if not noise.measured:
-        return noise.describe()
-    confidence = best["pick_confidence"]
-    sure = "no bound needed (it is all-high or the best mean)" if math.isnan(confidence) else \
-        f"{100 * confidence:.0f}% confidence"
-    return f"{noise.describe()}; trial {int(best['number'])} picked with {sure}"
+        policies[row["key"]] = policy_of(trials[int(row["number"])], context, {"trial": int(row["number"])})
+    policies[PLAIN_FP32] = None
+    seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(_reference_seeds(context)))]
+    confirm(context, ledger, policies, confirmation_length(context.length, config.confirm_factor), seeds, check)
 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME) -> SearchResult:
@@ -1091,14 +704,16 @@ def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME
         raise PrecsearchError(f"study {location.study_name} in {location.shown} is not a precsearch study")
     context = SearchContext.create(config["model"], parse_space(config["space"]), DataSpec(**config["data"]),
                                    Budget(**config["budget"]), config["seed"], "cpu")
+    context.settings = {name: config[name] for name in SearchConfig.SETTINGS}
     if context.graph.fingerprint() != config["graph_fingerprint"]:
         raise PrecsearchError(f"model {config['model']} now traces to graph {context.graph.fingerprint()}, not the "
                               f"study's {config['graph_fingerprint']}; rebuild with the code that ran the study")
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / RUN_FILE, json.dumps(
         {**config, "storage": location.shown, "study": location.study_name}, indent=2))
-    frame, front, best = export(study, context, out_dir)
-    return SearchResult(out_dir, frame, front, best, time.perf_counter() - start)
+    calibration = recorded_calibration(study.user_attrs)
+    context.length = calibration.length if calibration is not None else None
+    return SearchResult.of(out_dir, export(study, context, out_dir), time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -1115,18 +730,6 @@ def _quiet() -> Iterator[None]:
         optuna.logging.set_verbosity(verbosity)
 
 
-@contextlib.contextmanager
-def _threads(count: int | None) -> Iterator[None]:
-    """torch's intra-op threads for the duration (None: leave as is). Small proxies run best on one."""
-    before = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @dataclass
 class SearchResult:
     """What a search left in its run directory, as tables."""
@@ -1137,33 +740,40 @@ class SearchResult:
     best: pd.Series | None
     wall_time: float
     interrupted: bool = False
-    noise: Noise | None = None  # the pooled seed noise the pick was taken with
-    note: str = ""  # why best is None, when it is
+    noise: Noise | None = None  # the pooled seed noise of the proxies
+    note: str = ""  # why best is None, or which proxy pick confirmation replaced
+    calibration: Calibration | None = None
+    confirmation: pd.DataFrame | None = None  # confirmed accuracy per key (precsearch.search.confirmation)
+    budget: pd.DataFrame | None = None  # training steps per phase (precsearch.search.accounting)
+
+    @classmethod
+    def of(cls, out_dir: Path, exported: Exported, wall_time: float, interrupted: bool = False) -> SearchResult:
+        return cls(out_dir, exported.trials, exported.pareto, exported.best, wall_time, interrupted, exported.noise,
+                   exported.note, exported.calibration, exported.confirmation, exported.budget)
 
 
 class _Progress:
-    """A tqdm bar of counted trials with the budget's best-so-far in its postfix."""
+    """A tqdm bar of counted trials with the size of the proxy front in its postfix (no pick before
+    confirmation)."""
 
     def __init__(self, total: int, done: int, enabled: bool) -> None:
         self.bar = tqdm(total=total, initial=min(done, total), desc="search", unit="trial", disable=not enabled,
                         dynamic_ncols=True)
         self.done = done
 
-    def update(self, done: int, front: pd.DataFrame, best: pd.Series | None) -> None:
+    def update(self, done: int, front: pd.DataFrame) -> None:
         if done > self.done:
             self.bar.update(min(done, self.bar.total) - min(self.done, self.bar.total))
             self.done = done
-        postfix = {"front": len(front)}
-        if best is not None:
-            postfix["best"] = f"mem {best['memory']:.3f} acc {best['val_accuracy']:.3f}"
-        self.bar.set_postfix(postfix, refresh=True)
+        self.bar.set_postfix({"front": len(front)}, refresh=True)
 
     def close(self) -> None:
         self.bar.close()
 
 
 def _budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study, FrozenTrial], None]:
-    """Stop once ``trials`` trials counted and no retry of a dead worker's trial is still queued. With
+    """Stop once ``trials`` trials counted (distinct assignments, ``_counted``) and no retry of a dead worker's
+    trial is still queued, or once the sampler has had ``SAMPLER_REPEATS`` x ``trials`` turns. With
     ``count_running`` (the workers of one run, all alive) the trials other workers are running count too,
     so that N workers do not start N - 1 trials past the budget; a shared study may hold RUNNING trials of
     dead hosts until their heartbeat times out, so there they do not count."""
@@ -1172,6 +782,10 @@ def _budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study
         queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if count_running else []
         if _done(study) + len(running) >= trials and not any("failed_trial" in t.system_attrs for t in queued):
+            study.stop()
+        elif len(study.get_trials(deepcopy=False)) >= SAMPLER_REPEATS * trials:
+            log.warning("the sampler keeps proposing assignments already known; stopping at %d distinct",
+                        _done(study))
             study.stop()
 
     return stop
@@ -1201,6 +815,7 @@ class _WorkerSetup:
     budget and seed; the device is the worker's own) and where it runs."""
 
     context: tuple[str, SearchSpace, DataSpec, Budget, int]
+    settings: dict[str, Any]
     device: str
     location: StudyLocation
     out_dir: Path
@@ -1222,9 +837,12 @@ def _worker(setup: _WorkerSetup, index: int, gpu: str | None, parent: int) -> No
     # the parent reports the interruption
     with StopSignals() as signals, quiet_optuna_interrupts(), contextlib.suppress(KeyboardInterrupt):
         context = SearchContext.create(*setup.context, device)
+        context.settings = setup.settings
         storage = setup.location.open()
         study = _load_study(context, storage, setup.location, index)
-        study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals), n_trials=setup.trials,
+        context.length = recorded_calibration(study.user_attrs).length  # the parent calibrated before
+        study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals),
+                       n_trials=SAMPLER_REPEATS * setup.trials,
                        catch=(Exception,), callbacks=[_budget_callback(setup.trials, not setup.location.shared),
                                                       _parent_watch(parent), _stop_on_signal(signals)])
 
@@ -1276,105 +894,104 @@ def _check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: b
                               "another --out")
 
 
-def run_search(
-    model_spec: str,
-    space: SearchSpace | str | Path,
-    data: DataSpec | str = "digits",
-    trials: int = 40,
-    proxy_steps: int | None = None,
-    out_dir: str | Path = "runs/search",
-    storage: str | None = None,
-    jobs: int = 1,
-    resume: bool = False,
-    budget: Budget | None = None,
-    seed: int = 0,
-    device: str = "auto",
-    *,
-    batch_size: int | None = None,
-    image_size: int | None = None,
-    threads: int | None = None,
-    progress: bool = True,
-    study_name: str | None = None,
-    heartbeat: int = DEFAULT_HEARTBEAT,
-    proxy_seeds: int | None = 1,
-    sampler: str | None = None,
-) -> SearchResult:
-    """Search assignments of ``model_spec`` in ``space``; outputs go to ``out_dir`` (see the module docstring).
+def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> SearchResult:
+    """Run the search ``config`` describes; outputs go to its ``out_dir`` (see the module docstring).
 
-    Everything a user can get wrong (model, data, space, storage, budget) is checked before ``out_dir`` is
-    created, so a bad call leaves nothing behind. Ctrl-C stops after the running trial is marked
-    interrupted; completed trials are kept and written out, and ``resume=True`` picks up from there.
-
-    With ``study_name`` the process joins the shared study of that name in ``storage`` (a PostgreSQL URL
-    for several hosts), creating and seeding it if it is the first; ``trials`` is the study's total.
-
-    ``proxy_seeds`` seeds train each proxy and the all-high reference (None: 3 for the reference, then 2 to
-    4, as many as the noise they show needs, see ``noise.seeds_for``); the pick is then taken at the budget's
-    confidence. One seed keeps the single-number comparison, with a warning that its confidence is unknown.
-
-    ``sampler`` (one of ``precsearch.config.spec.SAMPLERS``) replaces the space's Optuna sampler (default TPE).
+    Everything a user can get wrong (model, data, space, storage, budget, settings) is checked before
+    ``out_dir`` is created, so a bad call leaves nothing behind. Ctrl-C stops after the running trial is
+    marked interrupted; completed trials and runs are kept and written out, and ``resume=True`` picks up
+    from there. ``trainer`` replaces the real proxies (tests inject scripted learning curves; only with
+    ``jobs=1``, since worker processes build their own).
     """
     start = time.perf_counter()
-    if isinstance(space, str | Path):
-        space = load_space(space)
-    space = space.with_proxy(steps=proxy_steps, batch_size=batch_size, image_size=image_size)
-    if sampler is not None:  # checked like a space file's key
-        space = parse_space({**space.to_dict(), "sampler": sampler}, "--sampler")
-    data_spec = DataSpec(data) if isinstance(data, str) else data
-    budget = budget or Budget()
-    if trials < 1 or jobs < 1 or (threads is not None and threads < 1):
-        raise PrecsearchError(f"trials={trials}, jobs={jobs} and threads={threads} must be at least 1")
-    gpus = worker_gpus(jobs, resolve_device(device).type == "cuda") if jobs > 1 else [None]
-    out_dir = Path(out_dir)
-    location = StudyLocation.of(storage, out_dir, study_name, heartbeat)
+    space = config.resolved_space()
+    data_spec, budget, jobs = config.data_spec, config.budget, config.jobs
+    if trainer is not None and jobs > 1:
+        raise PrecsearchError("an injected trainer runs in this process only; use jobs=1")
+    gpus = worker_gpus(jobs, resolve_device(config.device).type == "cuda") if jobs > 1 else [None]
+    out_dir = Path(config.out_dir)
+    location = StudyLocation.of(config.storage, out_dir, config.study_name, config.heartbeat)
     with StopSignals() as signals, quiet_optuna_interrupts():
-        context = SearchContext.create(model_spec, space, data_spec, budget, seed, device, proxy_seeds=proxy_seeds)
-        if proxy_seeds == 1:
+        context = SearchContext.create(config.model, space, data_spec, budget, config.seed, config.device,
+                                       proxy_seeds=config.proxy_seeds, trainer=trainer)
+        context.settings = config.settings()
+        if config.proxy_seeds == 1:
             log.warning("one seed per proxy: the pick compares single-seed accuracies and cannot state its "
                         "confidence; use --proxy-seeds auto (or K >= 2)")
-        config = {**_config(context), **({"storage": location.shown, "study": location.study_name}
-                                         if location.shared else {})}
-        backend = location.open() if storage is not None else None  # fail on a bad URL before anything is written
+        run_config = {**_config(context), **({"storage": location.shown, "study": location.study_name}
+                                             if location.shared else {})}
+        backend = location.open() if config.storage is not None else None  # fail on a bad URL before writing
         created = _make_run_dir(out_dir)
-        with _quiet(), _threads(threads), _owned(out_dir):
+        with _quiet(), torch_threads(config.threads), _owned(out_dir):
             try:
-                _check_resume(out_dir, resume, config, location.shared)
-                _check_journal_kept(out_dir, location, resume)
+                _check_resume(out_dir, config.resume, run_config, location.shared)
+                _check_journal_kept(out_dir, location, config.resume)
                 remove_temporaries(out_dir)
                 if location.target == str(out_dir / JOURNAL_NAME):  # this run's own journal
                     remove_stale_journal_lock(Path(location.target))
                 backend = backend or location.open()
-                study = _create_study(context, location, backend, resume, out_dir)
+                study = _create_study(context, location, backend, config.resume, out_dir, config.trials)
             except BaseException:
                 if created:
                     _remove_new_run_dir(out_dir)
                 raise
-            atomic_write_text(out_dir / RUN_FILE, json.dumps(
-                {**config, "storage": location.shown, "study": location.study_name}, indent=2))
-            bar = _Progress(trials, _done(study), progress)
+            _write_run_file(out_dir, run_config, location, study)
+            trials = _trial_budget(context, config.trials)
+            bar = _Progress(trials, _done(study), config.progress)
             stopped_by: int | None = None
+            ledger = _ledger(study, location, backend)
+            check = _signal_check(signals)
             try:
-                _ensure_reference(study, context)
+                calibration = _prepare(study, context, ledger, config, check)
+                log.info("proxy length %d steps (%s)", calibration.length,
+                         "fixed" if calibration.fixed else "calibrated")
+                _write_run_file(out_dir, run_config, location, study)
                 if jobs == 1:
                     _optimize_here(study, context, location, backend, trials, out_dir, bar, signals)
                 else:
                     created = (context.model, context.space, context.data_spec, context.budget, context.seed)
-                    setup = _WorkerSetup(created, context.device, location, out_dir, trials,
-                                         threads or max(1, (os.cpu_count() or 1) // jobs))
+                    setup = _WorkerSetup(created, context.settings, context.device, location, out_dir, trials,
+                                         config.threads or max(1, (os.cpu_count() or 1) // jobs))
                     _optimize_workers(study, context, setup, gpus, bar)
+                bar.close()
+                if location.shared:
+                    _settle(study, Objective(context, location, backend, out_dir, signals))
+                _confirm(study, context, ledger, config, check)
+                _write_run_file(out_dir, run_config, location, study)
             except KeyboardInterrupt as stop:
                 stopped_by = getattr(stop, "signum", signal.SIGINT)
             finally:
                 with signals.held():  # a second Ctrl-C must not tear the files being written
                     bar.close()
-                    frame, front, best = export(study, context, out_dir)
+                    exported = export(study, context, out_dir)
     stopped_by = stopped_by or signals.received  # a signal Python dropped (raised inside a finalizer)
-    result = SearchResult(out_dir, frame, front, best, time.perf_counter() - start, stopped_by is not None,
-                          noise=_study_noise(study, context, frame),
-                          note="" if best is not None else pick_note(frame, context, study))
+    result = SearchResult.of(out_dir, exported, time.perf_counter() - start, stopped_by is not None)
     if stopped_by is not None:
         raise SearchInterrupted(result, stopped_by)
     return result
+
+
+def _signal_check(signals: StopSignals) -> Callable[[int, float], None]:
+    """A ``report`` hook for calibration and confirmation runs: a recorded stop signal is raised there."""
+    def check(step: int, loss: float) -> None:
+        signals.check()
+
+    return check
+
+
+def _write_run_file(out_dir: Path, run_config: dict[str, Any], location: StudyLocation, study: optuna.Study) -> None:
+    """run.json: the config, where the study lives, and the calibration and confirmation once recorded."""
+    attrs = study.user_attrs
+    calibration = recorded_calibration(attrs)
+    confirmation = attrs.get("confirmation")
+    extra: dict[str, Any] = {}
+    if calibration is not None:
+        extra["proxy_length"] = calibration.length
+        extra["calibration"] = calibration.to_dict()
+    if confirmation is not None:
+        extra["confirmation"] = confirmation
+    atomic_write_text(out_dir / RUN_FILE, json.dumps(
+        {**run_config, "storage": location.shown, "study": location.study_name, **extra}, indent=2))
 
 
 def _make_run_dir(out_dir: Path) -> bool:
@@ -1422,12 +1039,12 @@ class SearchInterrupted(SearchStop):
 
 
 def _create_study(context: SearchContext, location: StudyLocation, backend: optuna.storages.BaseStorage,
-                  resume: bool, out_dir: Path) -> optuna.Study:
+                  resume: bool, out_dir: Path, trials: int) -> optuna.Study:
     """A shared study is joined (``_join_study``); a study of one run is created, or loaded with --resume
     after failing and queueing again what a killed process left RUNNING. --resume never starts a new study:
     one that is missing (a deleted, emptied or cut journal) would overwrite the results left of the old one."""
     if location.shared:
-        return _join_study(context, backend, location)
+        return _join_study(context, backend, location, trials)
     names = {summary.study_name for summary in optuna.get_all_study_summaries(backend)}
     taken = PrecsearchError(f"storage {location.shown} already holds a precsearch study; pass --resume, give "
                             "another --storage, or join it with --study-name")
@@ -1441,7 +1058,7 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
         except optuna.exceptions.DuplicatedStudyError:
             raise taken from None  # another process created it between the listing and here
         study.set_user_attr("config", _config(context))
-        _seed_study(study, context)
+        _seed_study(study, context, trials)
         return study
     study = _load_study(context, backend, location, 0)
     _check_same_config(study, context, location, "resume with the same settings or give another --storage")
@@ -1471,13 +1088,13 @@ def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyL
                    backend: optuna.storages.BaseStorage, trials: int, out_dir: Path, bar: _Progress,
                    signals: StopSignals) -> None:
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
-        _, front, best = export(study, context, out_dir)
-        bar.update(_done(study), front, best)
+        bar.update(_done(study), export(study, context, out_dir).pareto)
 
     remaining = trials - _done(study)
     if remaining <= 0:
         return
-    study.optimize(Objective(context, location, backend, out_dir, signals), n_trials=remaining, catch=(Exception,),
+    study.optimize(Objective(context, location, backend, out_dir, signals), n_trials=SAMPLER_REPEATS * remaining,
+                   catch=(Exception,),
                    callbacks=[after, _budget_callback(trials, not location.shared), _stop_on_signal(signals)])
 
 
@@ -1498,8 +1115,7 @@ def _optimize_workers(study: optuna.Study, context: SearchContext, setup: _Worke
             done = _done(study)
             if done != seen:
                 seen = done
-                _, front, best = export(study, context, setup.out_dir)
-                bar.update(done, front, best)
+                bar.update(done, export(study, context, setup.out_dir).pareto)
     except KeyboardInterrupt:
         for worker in workers:  # SIGTERM reaches this process only; Ctrl-C reached them all (once is enough)
             if worker.is_alive():
@@ -1524,11 +1140,17 @@ def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[st
     if not run_file.is_file() or not trials_file.is_file():
         return {}
     previous = json.loads(run_file.read_text(encoding="utf-8"))
+    length = previous.get("proxy_length")
     config = _config(context)
-    if any(previous.get(key) != config[key] for key in config if key not in ("budget", "proxy_seeds")):
+    ignored = ("budget", "proxy_seeds", "space", *SearchConfig.SETTINGS)
+    if length != context.space.proxy.steps or any(previous.get(key) != config[key] for key in config
+                                                  if key not in ignored):
+        return {}
+    if parse_space(previous["space"]).with_proxy(steps=length).to_dict() != config["space"]:
         return {}
     frame = pd.read_csv(trials_file)
-    frame = frame[frame["trained"].astype(bool) & (frame["state"] == "COMPLETE")].sort_values("number")
+    stopped = frame["stopped_at"].notna() if "stopped_at" in frame else False
+    frame = frame[frame["trained"].astype(bool) & (frame["state"] == "COMPLETE") & ~stopped].sort_values("number")
     reusable: dict[str, dict[str, Any]] = {}
     for _, row in frame.iterrows():
         reusable.setdefault(row["key"], row.to_dict())  # the trial that trained it, not a later duplicate
@@ -1558,11 +1180,15 @@ def run_baselines(
     """Train the prior-work baselines and the paper's sweep (plus its ablations) under the same proxies.
 
     Writes ``baselines.csv`` (rewritten after each proxy) and ``baselines/<source>_<name>.json`` policies.
-    In a search's run directory made with the same model, space, data and seed, sweep points the search
-    already trained are reused, not trained again; so are sweep points that coincide with each other.
+    In a search's run directory made with the same model, space, data and seed, the proxies are as long as
+    the search's (unless ``proxy_steps`` says otherwise), and sweep points the search already trained are
+    reused, not trained again; so are sweep points that coincide with each other.
     """
     if isinstance(space, str | Path):
         space = load_space(space)
+    run_file = Path(out_dir) / RUN_FILE
+    if proxy_steps is None and run_file.is_file():
+        proxy_steps = json.loads(run_file.read_text(encoding="utf-8")).get("proxy_length")
     space = space.with_proxy(steps=proxy_steps, batch_size=batch_size, image_size=image_size)
     data_spec = DataSpec(data) if isinstance(data, str) else data
     unknown = [name for name in names if name not in BASELINES]
@@ -1585,7 +1211,7 @@ def run_baselines(
                          candidate.key))
     (out_dir / "baselines").mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    with _quiet(), _threads(threads):
+    with _quiet(), torch_threads(threads):
         for source, name, policy, r, key in tqdm(todo, desc="baselines", unit="proxy", disable=not progress):
             row: dict[str, Any] = {"source": source, "name": name, "r": math.nan if r is None else r, "key": key}
             if key in known:

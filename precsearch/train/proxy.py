@@ -18,7 +18,9 @@ differences between assignments mean something.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from precsearch.config.policy import Policy
 from precsearch.config.spec import ProxyConfig  # re-exported: a space's proxy section
@@ -40,6 +42,7 @@ __all__ = [
     "PAPER_RECIPE",
     "ProxyConfig",
     "ProxyResult",
+    "ProxyTrainer",
     "Recipe",
     "build_model",
     "evaluate",
@@ -47,11 +50,39 @@ __all__ = [
     "run_proxy",
     "train",
     "train_policy",
+    "Trainer",
 ]
 
 
-def run_proxy(model_spec: str, policy: Policy, data: tuple[ImageDataset, ImageDataset], steps: int,
+def run_proxy(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,
               **options: Any) -> ProxyResult:
     """One proxy: ``train`` (with its ``seed``, ``device``, ``config``, ``report``) that stops at the first sign
     of divergence; what the search calls per trial."""
     return train(model_spec, policy, data, steps, stop_on_divergence=True, **options)
+
+
+class Trainer(Protocol):
+    """What the search trains with: one seeded run of ``policy`` (None: plain fp32) for ``steps`` steps, the
+    schedule spanning them, evaluated at each step of ``evaluate_at`` (``on_eval(step, accuracy, loss)``,
+    whose exception stops the run) and at the end; ``report(step, loss)`` every few steps. Tests inject
+    scripted learning curves through it."""
+
+    def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
+                 on_eval: Callable[[int, float, float], None] | None = None,
+                 report: Callable[[int, float], None] | None = None) -> ProxyResult: ...
+
+
+@dataclass(frozen=True)
+class ProxyTrainer:
+    """The real ``Trainer``: ``run_proxy`` of one model on one data set and device with a space's proxy recipe."""
+
+    model_spec: str
+    data: tuple[ImageDataset, ImageDataset]
+    device: str
+    config: ProxyConfig
+
+    def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
+                 on_eval: Callable[[int, float, float], None] | None = None,
+                 report: Callable[[int, float], None] | None = None) -> ProxyResult:
+        return run_proxy(self.model_spec, policy, self.data, steps, seed=seed, device=self.device,
+                         config=self.config, evaluate_at=evaluate_at, on_eval=on_eval, report=report)

@@ -22,7 +22,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,7 @@ class ProxyResult:
     underflow_mean: float = 0.0
     wall_time: float = 0.0
     device: str = "cpu"
+    val_curve: list[list[float]] = field(default_factory=list)  # [step, validation accuracy] at ``evaluate_at``
 
     @property
     def val_error(self) -> float:
@@ -240,7 +241,7 @@ Evaluate = Callable[[int, float, float], None]
 
 def train(
     model_spec: str,
-    policy: Policy,
+    policy: Policy | None,
     data: tuple[ImageDataset, ImageDataset],
     steps: int,
     seed: int = 0,
@@ -251,17 +252,21 @@ def train(
     report: Report | None = None,
     eval_every: int | None = None,
     on_eval: Evaluate | None = None,
+    evaluate_at: Collection[int] = (),
     recipe: Recipe | None = None,
     deterministic: bool = True,
 ) -> ProxyResult:
-    """Train ``model_spec`` under ``policy`` for ``steps`` SGD steps and evaluate on the validation split.
+    """Train ``model_spec`` under ``policy`` (None: plain fp32, no wrapper and no loss scaling) for ``steps``
+    SGD steps and evaluate on the validation split.
 
     ``recipe`` adds full training's augmentation, init and per-epoch schedule (see ``Recipe``); a proxy
     has none. The loss scaler learns the steps per epoch (a ``growth_interval`` of ``"epoch"``).
 
     ``report(step, loss)`` is called every ``config.report_every`` steps with the running mean loss (the
     search passes Optuna's pruning hook; whatever it raises propagates). ``on_eval(step, acc, loss)`` gets
-    a validation result every ``eval_every`` steps (full training's metrics). ``stop_on_divergence=False``
+    a validation result every ``eval_every`` steps (full training's metrics) and at each step of
+    ``evaluate_at`` (the search's rungs; those accuracies are the result's ``val_curve``, and whatever
+    ``on_eval`` raises there propagates). ``stop_on_divergence=False``
     keeps training after a divergence was detected and records it all the same. ``deterministic``
     runs it under ``determinism`` (the search relies on a seed giving the same numbers).
     """
@@ -280,18 +285,20 @@ def train(
         if recipe is not None and recipe.kaiming_init and ":" not in models.parse_model_spec(model_spec)[0]:
             kaiming_fan_out_(model)  # zoo models only: a user's factory keeps its own init
         per_epoch = len(train_set) // config.batch_size
-        # traced on real images, as the search traced it: a branch zeros would not take is in the graph
-        model = apply_policy(model, policy, train_set.images[:2].to(torch_device), seed=seed,
-                             stats_every=config.stats_every, steps_per_epoch=per_epoch)
+        if policy is not None:  # traced on real images, as the search traced it: a branch zeros skip is kept
+            model = apply_policy(model, policy, train_set.images[:2].to(torch_device), seed=seed,
+                                 stats_every=config.stats_every, steps_per_epoch=per_epoch)
         model.train()
         sgd = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                               weight_decay=config.weight_decay)
-        optimizer = model.wrap_optimizer(sgd)
+        optimizer = model.wrap_optimizer(sgd) if policy is not None else sgd
         epoch_schedule = recipe is not None and recipe.epoch_schedule
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
             sgd, T_max=math.ceil(steps / per_epoch) if epoch_schedule else steps)
         augment = torch.Generator().manual_seed(seed + 1) if recipe is not None and recipe.augment else None
-        scaler = model.scaler
+        scaler = model.scaler if policy is not None else NoLossScaler()
+        rungs = {step for step in evaluate_at if 1 <= step <= steps}
+        val_curve: list[list[float]] = []
         monitor = Divergence(config, steps)
         curve: list[float] = []
         reason = ""
@@ -320,14 +327,21 @@ def train(
                 window.clear()
             if step == steps:
                 break
-            if on_eval is not None and eval_every and step % eval_every == 0:
-                on_eval(step, *evaluate(model, val_set, torch_device, config.eval_batch_size))
+            if step in rungs or (eval_every and step % eval_every == 0):
+                step_accuracy, step_loss = evaluate(model, val_set, torch_device, config.eval_batch_size)
+                if step in rungs:
+                    val_curve.append([step, step_accuracy])
+                if on_eval is not None:
+                    on_eval(step, step_accuracy, step_loss)
         accuracy, val_loss = evaluate(model, val_set, torch_device, config.eval_batch_size)
+        if len(curve) in rungs:
+            val_curve.append([len(curve), accuracy])
         if on_eval is not None:
             on_eval(len(curve), accuracy, val_loss)
     if not reason and not math.isfinite(val_loss):
         reason = "non-finite validation loss"
-    overflow_max, underflow_max, underflow_mean = _stat_summary(model.tensor_stats())
+    stats = model.tensor_stats() if policy is not None else {}
+    overflow_max, underflow_max, underflow_mean = _stat_summary(stats)
     result = ProxyResult(
         val_accuracy=accuracy,
         val_loss=val_loss if math.isfinite(val_loss) else float("inf"),
@@ -337,12 +351,13 @@ def train(
         loss_curve=curve,
         skipped_steps=scaler.skipped_steps,
         final_loss_scale=float(scaler.get_scale()),
-        promotions=[promotion.id for promotion in model.promotions],
+        promotions=[promotion.id for promotion in model.promotions] if policy is not None else [],
         overflow_max=overflow_max,
         underflow_max=underflow_max,
         underflow_mean=underflow_mean,
         wall_time=time.perf_counter() - start,
         device=str(torch_device),
+        val_curve=val_curve,
     )
     log.info("proxy: acc %.4f loss %.4f%s in %.1fs", accuracy, result.val_loss,
              f" (diverged: {reason})" if reason else "", result.wall_time)
@@ -350,21 +365,23 @@ def train(
 
 
 def train_policy(
-    model_spec: str, policy: Policy, data: tuple[ImageDataset, ImageDataset], steps: int, *,
+    model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int, *,
     config: ProxyConfig | None = None,
     eval_every: int | None = None,
     metrics: str | Path | None = None,
     recipe: Recipe | None = PAPER_RECIPE,
     **options: Any,
 ) -> ProxyResult:
-    """Full training under a policy file: checks the policy was made for this model (graph fingerprint),
+    """Full training under a policy file (None: plain fp32, the yardstick a pick is held against): checks
+    the policy was made for this model (graph fingerprint),
     trains without stopping at divergence with the paper's ``recipe`` (augmentation, Kaiming fan-out init,
     cosine per epoch; None: a proxy's), and rewrites the ``metrics`` CSV after every evaluation
     (columns step, epoch, train_loss, val_accuracy, val_loss, loss_scale, wall_time). ``options`` are
     ``train``'s (``seed``, ``device``, ``deterministic``)."""
     config = config or ProxyConfig()
     train_set = data[0]
-    if policy.input_shape is not None and tuple(policy.input_shape) != tuple(train_set.image_shape):
+    shape = None if policy is None else policy.input_shape
+    if shape is not None and tuple(shape) != tuple(train_set.image_shape):
         raise PrecsearchError(f"the policy was made for inputs {tuple(policy.input_shape)}, the data has "
                               f"{tuple(train_set.image_shape)}; pass --image-size {policy.input_shape[-1]}")
     rows: list[str] = ["step,epoch,train_loss,val_accuracy,val_loss,wall_time"]

@@ -1,0 +1,101 @@
+"""Confirmation: the Pareto front and the all-high reference trained again, longer and on fresh seeds,
+before any pick is written.
+
+Proxies earn their speed only by agreeing with longer runs, and their rank agreement is modest, so every
+front point (within the memory budget, if any) and the all-high reference are trained for ``factor`` times
+the proxy length (default 3) on seeds no proxy used, as many as the reference's. ``best.json`` is then
+chosen from confirmed accuracies only (``selection.confirmed_front`` + ``choose_best``): a point whose
+proxy looked good but whose confirmation falls short is not picked, the next confirmed point is. A plain
+fp32 run (no policy) of the same length on the same seeds is the yardstick the report holds the pick
+against. Each run is a step of the study's ``Ledger``, so any worker may take it and none is run twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from precsearch.config.policy import Policy
+from precsearch.errors import PrecsearchError
+from precsearch.search.calibration import run_record
+from precsearch.search.context import SearchContext
+from precsearch.search.ledger import Ledger, recorded
+from precsearch.search.noise import Noise, pooled_noise
+
+__all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "Confirmation", "confirm",
+           "confirmation_length", "recorded_confirmation"]
+
+DEFAULT_CONFIRM_FACTOR = 3.0
+CONFIRM_SEED_OFFSET = 1000  # confirmation seeds are the search seed + 1000, 1001, ...: no proxy used them
+PLAIN_FP32 = "plain-fp32"  # the key of the plain fp32 runs
+
+
+def confirmation_length(length: int, factor: float) -> int:
+    if factor < 1:
+        raise PrecsearchError(f"confirmation factor {factor:g} must be at least 1 (a multiple of the proxy length)")
+    return max(1, round(factor * length))
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """Confirmation runs (``run_record``s) by assignment key, ``PLAIN_FP32`` for plain training."""
+
+    length: int
+    runs: dict[str, list[dict[str, Any]]]
+
+    def table(self) -> pd.DataFrame:
+        """One row per key: confirmed mean accuracy, sd (NaN for one seed), seeds, diverged, steps."""
+        rows = []
+        for key, runs in self.runs.items():
+            accuracies = [run["val_accuracy"] for run in runs]
+            rows.append({"key": key, "confirmed_accuracy": float(np.mean(accuracies)),
+                         "confirmed_sd": float(np.std(accuracies, ddof=1)) if len(runs) > 1 else float("nan"),
+                         "confirmed_seeds": len(runs), "confirmed_diverged": any(run["diverged"] for run in runs),
+                         "confirmed_steps": self.length})
+        return pd.DataFrame(rows, columns=["key", "confirmed_accuracy", "confirmed_sd", "confirmed_seeds",
+                                           "confirmed_diverged", "confirmed_steps"])
+
+    def noise(self, confidence: float) -> Noise:
+        """The seed noise of the confirmation runs, pooled over every confirmed policy (not plain fp32)."""
+        return pooled_noise(pd.DataFrame(), confidence, extra=[[run["val_accuracy"] for run in runs]
+                                                                 for key, runs in self.runs.items()
+                                                                 if key != PLAIN_FP32])
+
+    @property
+    def steps(self) -> int:
+        return sum(run["steps_run"] for runs in self.runs.values() for run in runs)
+
+
+def recorded_confirmation(attrs: Mapping[str, Any]) -> Confirmation | None:
+    """The confirmation among a study's user ``attrs`` (``confirm`` sets ``confirmation`` when done), or None."""
+    summary = attrs.get("confirmation")
+    if summary is None:
+        return None
+    runs = {key: [recorded(attrs, f"confirm:{key}:{seed}") for seed in summary["seeds"]] for key in summary["keys"]}
+    return Confirmation(summary["length"], runs)
+
+
+def confirm(context: SearchContext, ledger: Ledger, policies: Mapping[str, Policy | None], length: int,
+            seeds: Sequence[int], check: Callable[[int, float], None]) -> Confirmation:
+    """Train every policy (key -> policy; None: plain fp32) for ``length`` steps on each of ``seeds``; the
+    study records which as its ``confirmation`` user attr when all are done."""
+    names = {f"confirm:{key}:{seed}": (key, seed) for key in policies for seed in seeds}
+
+    def work(name: str, beat: Callable[[], None]) -> dict[str, Any]:
+        def report(step: int, loss: float) -> None:
+            beat()
+            check(step, loss)
+
+        key, seed = names[name]
+        return run_record(context.trainer(policies[key], length, seed, report=report), seed)
+
+    results = ledger.run(list(names), work)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for name, (key, _) in names.items():
+        runs.setdefault(key, []).append(results[name])
+    ledger.study.set_user_attr("confirmation", {"length": length, "keys": list(policies), "seeds": list(seeds)})
+    return Confirmation(length, runs)

@@ -1,0 +1,276 @@
+"""What every step of a search shares: the data it trains on, the budget it picks by, and the context of one
+process (traced graph, cost model, space, the trainer that runs proxies, the calibrated proxy length)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from precsearch.config.policy import Policy
+from precsearch.config.spaces import SearchSpace
+from precsearch.config.spec import MEMORY_MEASURES
+from precsearch.cost.model import CostModel
+from precsearch.cost.policies import policy_from_assignment
+from precsearch.errors import PrecsearchError
+from precsearch.graph.tracing import trace
+from precsearch.graph.types import TensorGraph
+from precsearch.search.noise import DEFAULT_CONFIDENCE
+from precsearch.search.strategies import assign, assignment_key, uniform, units
+from precsearch.train.data import ImageDataset, load_dataset
+from precsearch.train.proxy import ProxyTrainer, Trainer
+from precsearch.train.trainer import ProxyResult, build_model
+
+__all__ = ["DEFAULT_ACCURACY_DROP", "Budget", "DataSpec", "SearchContext", "combine_seeds", "seed_record",
+           "torch_threads"]
+
+DEFAULT_ACCURACY_DROP = 0.01
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Which dataset the proxies train on: a name of ``precsearch.train.data`` and, for local data, its folder."""
+
+    name: str = "digits"
+    root: str | None = None
+
+    def load(self, image_size: int, seed: int = 0) -> tuple[ImageDataset, ImageDataset]:
+        return load_dataset(self.name, root=self.root, image_size=image_size, seed=seed)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """At most one of: ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction), and the
+    memory measure the search minimizes: ``bytes`` (the paper's: bytes of the assignable tensors) or
+    ``peak`` (the predicted peak of a training step, ``CostModel.peak_bytes``)."""
+
+    max_memory: float | None = None
+    max_accuracy_drop: float | None = None
+    memory: str = "bytes"
+    confidence: float = DEFAULT_CONFIDENCE  # one-sided confidence of accuracy decisions (see precsearch.search.noise)
+
+    def __post_init__(self) -> None:
+        if not 0.5 <= self.confidence < 1.0:
+            raise PrecsearchError(f"confidence {self.confidence} must lie in [0.5, 1), e.g. 0.9")
+        if self.memory not in MEMORY_MEASURES:
+            raise PrecsearchError(f"memory measure {self.memory!r}: use one of {', '.join(MEMORY_MEASURES)}")
+        if self.max_memory is not None and self.max_accuracy_drop is not None:
+            raise PrecsearchError("give either --max-memory or --max-accuracy-drop, not both")
+        if self.max_memory is not None and not 0.0 < self.max_memory <= 1.0:
+            raise PrecsearchError(f"max memory {self.max_memory} must be a ratio of all-high memory in (0, 1]")
+        if self.max_accuracy_drop is not None and not 0.0 <= self.max_accuracy_drop <= 1.0:
+            raise PrecsearchError(f"max accuracy drop {self.max_accuracy_drop} must be a fraction in [0, 1] "
+                                  "(0.01 = 1 point)")
+
+    @property
+    def single_objective(self) -> bool:
+        return self.max_memory is not None or self.max_accuracy_drop is not None
+
+    @property
+    def drop(self) -> float:
+        """The accuracy drop the pick allows (the default 1 point when the budget gives none)."""
+        return DEFAULT_ACCURACY_DROP if self.max_accuracy_drop is None else self.max_accuracy_drop
+
+    def describe(self) -> str:
+        if self.max_memory is not None:
+            return (f"best accuracy with memory <= {self.max_memory:g} of all-high (least memory among accuracies "
+                    f"within seed noise of the best at {100 * self.confidence:g}% confidence)")
+        return (f"least memory with accuracy within {100 * self.drop:g} point(s) of all-high at "
+                f"{100 * self.confidence:g}% confidence")
+
+
+@dataclass
+class SearchContext:
+    """Everything one process needs to run trials: data, traced graph, cost model, space, budget, the
+    ``trainer`` (the real proxies unless one is injected) and ``length``, the proxy length once known."""
+
+    model: str
+    space: SearchSpace
+    data_spec: DataSpec
+    budget: Budget
+    seed: int
+    device: str
+    data: tuple[ImageDataset, ImageDataset]
+    graph: TensorGraph
+    cost: CostModel
+    trainer: Trainer
+    high_bytes: float = 0.0
+    high_peak: float = 0.0
+    units: dict[str, list[str]] = field(default_factory=dict)
+    proxy_seeds: int | None = 1  # seeds per proxy; None: chosen from the noise the reference measures
+    length: int | None = None  # steps of one proxy: fixed, or set by calibration
+    settings: dict[str, Any] = field(default_factory=dict)  # SearchConfig.settings(): part of the study's config
+
+    @classmethod
+    def create(cls, model: str, space: SearchSpace, data_spec: DataSpec, budget: Budget, seed: int,
+               device: str, data: tuple[ImageDataset, ImageDataset] | None = None,
+               proxy_seeds: int | None = 1, trainer: Trainer | None = None) -> SearchContext:
+        """Load the data (unless given), build and trace the model at the proxy's batch and image size."""
+        if data is None:
+            data = data_spec.load(space.proxy.image_size, seed=0)
+        torch.manual_seed(seed)
+        network = build_model(model, num_classes=data[0].num_classes)
+        example = data[0].images[:2]  # real images: a data-dependent branch zeros would skip is traced
+        graph = trace(network, example, batch_size=space.proxy.batch_size)
+        if proxy_seeds is not None and proxy_seeds < 1:
+            raise PrecsearchError(f"proxy_seeds={proxy_seeds} must be at least 1 (or auto)")
+        context = cls(model=model, space=space, data_spec=data_spec, budget=budget, seed=seed, device=device,
+                      data=data, graph=graph, cost=CostModel(graph), proxy_seeds=proxy_seeds,
+                      trainer=trainer or ProxyTrainer(model, data, device, space.proxy))
+        context.units = units(graph, space)
+        high = uniform(graph, space, "high").assignment
+        context.high_bytes = float(context.cost.bytes(high))
+        context.high_peak = float(context.cost.peak_bytes(high))
+        return context
+
+    @property
+    def levels(self) -> list[str]:
+        return list(self.space.levels)
+
+    @property
+    def assignments(self) -> int:
+        """How many distinct assignments the space holds."""
+        return len(self.levels) ** len(self.units)
+
+    @property
+    def chance(self) -> float:
+        """The validation accuracy a network that learned nothing reaches by luck: the majority class's share
+        plus 3 binomial standard deviations over the validation set. An accuracy at or below it is no signal."""
+        labels = self.data[1].labels
+        share = float(torch.bincount(labels).max()) / len(labels)
+        return share + 3.0 * math.sqrt(share * (1.0 - share) / len(labels))
+
+    def decisions(self, params: Mapping[str, Any]) -> dict[str, str]:
+        return {unit: str(params.get(unit, "high")) for unit in self.units}
+
+    def key(self, params: Mapping[str, Any]) -> str:
+        return assignment_key(assign(self.graph, self.space, self.decisions(params)))
+
+    def memory(self, assignment: Mapping[str, str], promoted: Sequence[str] = ()) -> tuple[float, float]:
+        """(ratio to all-high in the budget's measure, bytes) of an assignment; promoted tensors count at the
+        high format."""
+        ratios, size = self.memories(assignment, promoted)
+        return ratios[f"memory_{self.budget.memory}"], size
+
+    def memories(self, assignment: Mapping[str, str], promoted: Sequence[str] = ()) -> tuple[dict[str, float], float]:
+        """Both measures as ratios to all-high (``memory_bytes``, ``memory_peak``), and the bytes."""
+        effective = dict(assignment)
+        for tensor_id in promoted:
+            if tensor_id in effective:
+                effective[tensor_id] = self.space.high
+        size = float(self.cost.bytes(effective))
+        peak = float(self.cost.peak_bytes(effective))
+        return {"memory_bytes": size / self.high_bytes, "memory_peak": peak / self.high_peak}, size
+
+    def policy(self, assignment: Mapping[str, str], provenance: Mapping[str, Any]) -> Policy:
+        """The policy file for an assignment under this space's numerics (rounding, scaling, guard); the
+        policy's ``predicted`` comes from the cost model (``policy_from_assignment``)."""
+        space = self.space
+        return policy_from_assignment(
+            self.graph, dict(assignment),
+            model=self.model,
+            high_format=space.high,
+            rounding=dict(space.rounding),
+            overflow=dict(space.overflow),
+            loss_scaling=dict(space.loss_scaling),
+            promotion_threshold=space.promotion_threshold,
+            promotion_kinds=space.promotion_kinds,
+            gradient_rounding=space.gradient_rounding,
+            ties=space.ties,
+            master_weights=space.master_weights,
+            optimizer=dict(space.optimizer),
+            provenance=dict(provenance),
+        )
+
+    def constraints(self, result: ProxyResult | None, memory: float, reference: float | None,
+                    margin: float = 0.0) -> dict[str, float]:
+        """Constraint values (feasible when all <= 0): divergence (or untrained), then the budget's bound;
+        the accuracy bound holds when the mean is within the drop by more than the noise ``margin``."""
+        constraints = {"diverged": 1.0 if result is None or result.diverged else 0.0}
+        if self.budget.max_memory is not None:
+            constraints["memory_budget"] = memory - self.budget.max_memory
+        if self.budget.max_accuracy_drop is not None:
+            accuracy = result.val_accuracy if result is not None else 0.0
+            constraints["accuracy_drop"] = (reference or 0.0) - self.budget.max_accuracy_drop - accuracy + margin
+        return constraints
+
+    def proxy_seed_list(self, count: int) -> list[int]:
+        """The seeds of a ``count``-seed proxy: the search seed and the ones after it (same for every trial
+        and for the all-high reference, so differences are not differences of seeds)."""
+        return [self.seed + index for index in range(count)]
+
+    def train_seeds(self, policy: Policy | None, steps: int, seeds: Sequence[int], *,
+                    evaluate_at: Collection[int] = (), on_eval: Callable[[int, float, float], None] | None = None,
+                    report: Callable[[int, float], None] | None = None) -> list[ProxyResult]:
+        """One run per seed (stopping at the first divergence); the first is evaluated at ``evaluate_at``
+        and checked there by ``on_eval`` (the rungs), every one calls ``report`` (stop signals)."""
+        results = []
+        for index, seed in enumerate(seeds):
+            first = index == 0
+            results.append(self.trainer(policy, steps, seed, evaluate_at=evaluate_at if first else (),
+                                        on_eval=on_eval if first else None, report=report))
+            if results[-1].diverged:
+                break
+        return results
+
+    def score(self, result: ProxyResult) -> float:
+        """The accuracy-side objective value (finite, so Optuna stores it even for a diverged proxy)."""
+        if self.space.accuracy_objective == "val_loss":
+            return min(result.val_loss, 1e6) if math.isfinite(result.val_loss) else 1e6
+        return result.val_error
+
+    def values(self, memory: float, result: ProxyResult) -> list[float]:
+        if self.budget.max_memory is not None:
+            return [self.score(result)]
+        if self.budget.max_accuracy_drop is not None:
+            return [memory]
+        return [memory, self.score(result)]
+
+
+def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
+    """One result for proxies of the same policy under several seeds: mean accuracy and loss, the union of
+    promotions (memory counts every tensor any seed promoted), diverged if any seed diverged, worst overflow
+    and underflow, summed wall time; the loss and accuracy curves are the first seed's."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    diverged = [result for result in results if result.diverged]
+    return dataclasses.replace(
+        first,
+        val_accuracy=sum(result.val_accuracy for result in results) / len(results),
+        val_loss=sum(result.val_loss for result in results) / len(results),
+        diverged=bool(diverged),
+        reason=diverged[0].reason if diverged else "",
+        steps_run=min(result.steps_run for result in results),
+        skipped_steps=max(result.skipped_steps for result in results),
+        promotions=sorted({tensor for result in results for tensor in result.promotions}),
+        overflow_max=max(result.overflow_max for result in results),
+        underflow_max=max(result.underflow_max for result in results),
+        underflow_mean=sum(result.underflow_mean for result in results) / len(results),
+        wall_time=sum(result.wall_time for result in results),
+    )
+
+
+def seed_record(accuracies: Sequence[float]) -> dict[str, Any]:
+    """Per-seed accuracies, their count and sample sd (NaN for one): a multi-seed run's user attrs."""
+    count = len(accuracies)
+    mean = sum(accuracies) / count
+    sd = math.sqrt(sum((a - mean) ** 2 for a in accuracies) / (count - 1)) if count > 1 else math.nan
+    return {"val_accuracies": list(accuracies), "seeds": count, "val_accuracy_sd": sd}
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads for the duration (None: leave as is). Small proxies run best on one."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,128 @@
+"""The pick: the Pareto front of a trials table, and the point a budget picks from it, never on a
+difference smaller than the seed noise allows.
+
+The search picks from CONFIRMED accuracies (precsearch.search.confirmation): ``confirmed_front`` puts a
+front point's confirmed mean, sd and seed count where ``choose_best`` reads accuracies, so the same
+noise-aware rule decides on runs at the confirmation length, and a point whose proxy looked good but whose
+confirmation failed is never the pick.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from precsearch.search.context import Budget
+from precsearch.search.noise import Noise
+
+__all__ = ["choose_best", "confirmed_front", "mark_ties", "pareto_front", "usable"]
+
+
+def usable(frame: pd.DataFrame) -> pd.Series:
+    """Rows of complete, trained proxies that neither diverged nor were stopped at a rung."""
+    stopped = frame["stopped_at"].notna() if "stopped_at" in frame else False
+    return (frame["state"] == "COMPLETE") & frame["trained"].astype(bool) & ~frame["diverged"].astype(bool) & ~stopped
+
+
+def pareto_front(frame: pd.DataFrame, objective: str = "val_error") -> pd.DataFrame:
+    """Non-dominated ``usable`` trials in (memory, objective), one per assignment, by memory."""
+    if frame.empty:
+        return frame
+    ok = frame[usable(frame)]
+    ok = ok.sort_values(["memory", objective, "number"]).drop_duplicates("key")
+    front, best = [], math.inf
+    for index, row in ok.iterrows():
+        if row[objective] < best:
+            front.append(index)
+            best = row[objective]
+    return ok.loc[front]
+
+
+def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, noise: Noise | None = None,
+                reference_seeds: int = 1, reference_key: str | None = None, chance: float = 0.0
+                ) -> pd.Series | None:
+    """The point the budget picks among ``usable`` trials above ``chance`` accuracy (None when none
+    qualifies, or when the all-high ``reference`` is None or itself at chance level), never on a difference of
+    means smaller than the seed ``noise`` allows at the budget's confidence.
+
+    ``max_memory``: within the memory bound, the least memory among the trials whose accuracy is not
+    distinguishably below the best mean (``_least_memory_among_ties``). Otherwise least memory among the
+    trials whose accuracy is within the allowed drop (default 1 point) of the ``reference_seeds``-seed
+    all-high mean ``reference`` with the budget's confidence (``_confidently_within_drop``), then best
+    accuracy; the all-high assignment itself (``reference_key``) always qualifies, so too much noise picks
+    all-high rather than nothing. The row gets ``pick_confidence``: the confidence that its true accuracy is
+    within the drop (accuracy-drop rule) or no worse than the best mean (memory rule); NaN when the noise is
+    unmeasured or the pick is the reference itself.
+    """
+    if frame.empty:
+        return None
+    noise = noise or Noise(math.nan, 0, budget.confidence)
+    ok = frame[usable(frame) & (frame["val_accuracy"] > chance)]
+    if budget.max_memory is not None:
+        return _least_memory_among_ties(ok[ok["memory"] <= budget.max_memory + 1e-12], noise)
+    if reference is None or reference <= chance:
+        return None
+    return _confidently_within_drop(ok, reference, reference_seeds, budget.drop, noise, reference_key)
+
+
+def confirmed_front(front: pd.DataFrame, confirmed: pd.DataFrame) -> pd.DataFrame:
+    """The front points that were confirmed, with their confirmed mean, sd and seeds as ``val_accuracy``,
+    ``val_accuracy_sd`` and ``seeds`` (the proxy's kept as ``proxy_accuracy``), and ``diverged`` when a
+    confirmation run diverged."""
+    rows = front[front["key"].isin(confirmed["key"])].copy()
+    table = confirmed.set_index("key")
+    rows["proxy_accuracy"] = rows["val_accuracy"]
+    for column, source in (("val_accuracy", "confirmed_accuracy"), ("val_accuracy_sd", "confirmed_sd"),
+                           ("seeds", "confirmed_seeds"), ("diverged", "confirmed_diverged")):
+        rows[column] = rows["key"].map(table[source])
+    return rows
+
+
+def _seeds_of(frame: pd.DataFrame) -> pd.Series:
+    return frame["seeds"].fillna(1) if "seeds" in frame else pd.Series(1, index=frame.index)
+
+
+def _least_memory_among_ties(ok: pd.DataFrame, noise: Noise) -> pd.Series | None:
+    """Least memory (then best accuracy) among trials not distinguishably less accurate than the best mean."""
+    if ok.empty:
+        return None
+    seeds = _seeds_of(ok)
+    top = ok["val_accuracy"].idxmax()
+    gap = ok.loc[top, "val_accuracy"] - ok["val_accuracy"]
+    ties = ok[gap <= noise.margin(seeds, seeds[top]) + 1e-12]
+    best = ties.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True]).iloc[0].copy()
+    best["pick_confidence"] = (math.nan if best.name == top else
+                               1 - noise.probability_above(gap[best.name], 0.0, seeds[best.name], seeds[top]))
+    return best
+
+
+def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds: int, drop: float,
+                             noise: Noise, reference_key: str | None) -> pd.Series | None:
+    """Least memory (then best accuracy) among trials whose one-sided bound on (mean - reference) is at
+    least ``-drop``, and the reference assignment itself."""
+    seeds = _seeds_of(ok)
+    itself = ok["key"] == reference_key
+    ok = ok[itself | (ok["val_accuracy"] - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12)]
+    if ok.empty:
+        return None
+    best = ok.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True]).iloc[0].copy()
+    best["pick_confidence"] = (math.nan if best["key"] == reference_key else noise.probability_above(
+        best["val_accuracy"] - reference, -drop, _seeds_of(ok)[best.name], reference_seeds))
+    return best
+
+
+def mark_ties(front: pd.DataFrame, noise: Noise) -> pd.DataFrame:
+    """The front with ``within_noise_of``: for each point, the cheapest front point (trial number) it is not
+    distinguishably more accurate than at the noise's confidence, or -1 when it is distinguishable from every
+    cheaper point (the extra memory buys measurable accuracy)."""
+    front = front.sort_values("memory").copy()
+    seeds = _seeds_of(front)
+    marks = []
+    for position, (index, row) in enumerate(front.iterrows()):
+        cheaper = front.iloc[:position]
+        gain = row["val_accuracy"] - cheaper["val_accuracy"]
+        tied = cheaper[gain <= noise.margin(seeds[index], seeds[cheaper.index]) + 1e-12]
+        marks.append(int(tied["number"].iloc[0]) if not tied.empty else -1)
+    front["within_noise_of"] = marks
+    return front

@@ -1,0 +1,45 @@
+"""A fake ``Trainer`` whose learning curves are scripted, for search tests that must not depend on real training.
+
+Each policy is named by its decisions per unit of the space ("HHLL"; "plain" for no policy), as the trials
+table's ``decisions`` column names it. ``curve(name, step, length, seed)`` gives the validation accuracy
+``step`` steps into a run of ``length`` steps; every run is logged in ``calls``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from precsearch.search.context import SearchContext
+from precsearch.train.trainer import ProxyResult
+
+
+@dataclass
+class ScriptedTrainer:
+    curve: Callable[[str, int, int, int], float]
+    context: SearchContext  # of the same model, space and data as the search's: its graph, units, high format
+    calls: list[dict] = field(default_factory=list)  # name, length, seed, steps (how far it got)
+
+    def name(self, policy) -> str:
+        if policy is None:
+            return "plain"
+        assignment = policy.assignment(self.context.graph)
+        high = self.context.space.high
+        return "".join("H" if all(assignment[tensor] == high for tensor in tensors) else "L"
+                       for tensors in self.context.units.values())
+
+    def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None) -> ProxyResult:
+        name = self.name(policy)
+        call = {"name": name, "length": steps, "seed": seed, "steps": steps}
+        self.calls.append(call)
+        val_curve = []
+        for step in sorted(set(evaluate_at)):
+            accuracy = self.curve(name, step, steps, seed)
+            val_curve.append([step, accuracy])
+            if on_eval is not None and step < steps:
+                call["steps"] = step  # how far it got if the rung stops it here
+                on_eval(step, accuracy, 1.0 - accuracy)
+                call["steps"] = steps
+        final = self.curve(name, steps, steps, seed)
+        return ProxyResult(val_accuracy=final, val_loss=1.0 - final, diverged=False, reason="", steps_run=steps,
+                           loss_curve=[], val_curve=val_curve)
