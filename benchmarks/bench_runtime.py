@@ -57,7 +57,7 @@ def main() -> int:
     from precsearch.cost.model import CostModel, measure_saved_bytes
     from precsearch.graph.tracing import trace
     from precsearch.models import build
-    from precsearch.runtime.wrapper import apply_policy
+    from precsearch.runtime.model import apply_policy
 
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)

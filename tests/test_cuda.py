@@ -19,7 +19,7 @@ from precsearch.formats import numerics as formats
 from precsearch.formats.numerics import decode, encode, quantize, round_and_count
 from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available here")]

@@ -14,7 +14,7 @@ from precsearch.cost.measured import measure_peak, sgd_step, trace_step
 from precsearch.cost.model import MIB, CostModel
 from precsearch.graph.tracing import trace
 from precsearch.models import NAMES, build
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 
 KIB = 1024
 

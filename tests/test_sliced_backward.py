@@ -6,7 +6,9 @@ for the running statistics, and torch.profiler's record of the allocator for the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import math
 from collections import Counter
 
 import pytest
@@ -18,12 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from precsearch.config.policy import Policy
 from precsearch.cost.measured import trace_step
 from precsearch.errors import PrecsearchError
-from precsearch.graph import tracing as graph_module
-from precsearch.graph.tracing import trace
-from precsearch.runtime import wrapper as runtime
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.graph.tracing import backward_slice_rows, trace
+from precsearch.runtime.model import apply_policy
+from precsearch.runtime.rules import RULES, Rules
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+# the oracle: torch's own backward over the whole decoded tensors (no layer takes a sliced backward)
+WHOLE = dataclasses.replace(RULES, sliced_input=lambda layer: None, sliced_output=lambda layer: None)
 
 
 class TwoConvs(nn.Module):
@@ -67,27 +70,23 @@ def _setup(batch: int = 12):
 
 
 def _gradients(model: nn.Module, policy: Policy, x: torch.Tensor, y: torch.Tensor,
-               mode: TorchDispatchMode | None = None) -> dict[str, torch.Tensor]:
-    wrapped = apply_policy(copy.deepcopy(model), policy)
+               mode: TorchDispatchMode | None = None, rules: Rules = RULES) -> dict[str, torch.Tensor]:
+    wrapped = apply_policy(copy.deepcopy(model), policy, rules=rules)
     loss = F.cross_entropy(wrapped(x), y)
     with mode if mode is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         loss.backward()
     return {name: p.grad for name, p in wrapped.module.named_parameters()}
 
 
-def test_gradients_in_slices_match_torchs_backward_over_the_whole_input(monkeypatch):
+def test_gradients_in_slices_match_torchs_backward_over_the_whole_input():
     """One sample per slice (12 slices) for both convs, the batch norm and both ReLUs (one in place): every
     parameter gradient equals, to float32 summation order, torch's conv, batch-norm and ReLU backward over the
     whole decoded tensor; the input gradients feed conv1's weight gradient, so they are checked through it."""
     model, policy, x, y = _setup()
-    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-    monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
-    whole = _gradients(model, policy, x, y)
-    monkeypatch.undo()
-    for module_type in ("Conv2d", "BatchNorm2d", "ReLU"):
-        monkeypatch.setitem(graph_module.SLICE_BYTES, module_type, 1)  # one sample a slice
+    whole = _gradients(model, policy, x, y, rules=WHOLE)
+    one_sample = dataclasses.replace(RULES, slice_rows=lambda module_type, shape, weight_numel: 1)
     counter = _CountSlices()
-    sliced = _gradients(model, policy, x, y, counter)
+    sliced = _gradients(model, policy, x, y, counter, rules=one_sample)
     # conv1: a weight gradient per sample (the batch needs no gradient); conv2: a weight and an input gradient
     assert counter.calls == Counter({("convolution_backward", 1): 12 + 24, ("threshold_backward", 1): 24})
     for name, expected in whole.items():
@@ -95,7 +94,7 @@ def test_gradients_in_slices_match_torchs_backward_over_the_whole_input(monkeypa
         assert not torch.equal(expected, torch.zeros_like(expected)), name
 
 
-def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
+def test_the_backward_never_holds_the_whole_input_in_float32():
     """Conv, batch norm, ReLU, conv over (4, 64, 64, 64) packed tensors, in 1 MiB slices: torch.profiler's
     allocator record shows one block of the input's size in each layer's backward (its input gradient), and
     no decoded copy; torch's backward over the whole tensor holds the decoded tensor and, for the convs,
@@ -109,18 +108,18 @@ def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
     x.requires_grad_(True)
     whole = x.nbytes
 
+    def rows_of_1_mib(module_type: str, shape: tuple[int, ...], weight_numel: int) -> int:
+        """The graph's rule, with batch-norm slices of 1 MiB (float32) as the others'."""
+        if module_type == "BatchNorm2d":
+            return max(1, 2**20 // (4 * math.prod(shape[1:])))
+        return backward_slice_rows(module_type, shape, weight_numel)
+
     def big_blocks(sliced: bool) -> int:
-        if sliced:
-            monkeypatch.setitem(graph_module.SLICE_BYTES, "BatchNorm2d", 2**20)
-            monkeypatch.setitem(graph_module.SLICE_BYTES, "ReLU", 2**20)
-        else:
-            monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-            monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
-        wrapped = apply_policy(copy.deepcopy(layers), policy)
+        rules = dataclasses.replace(RULES, slice_rows=rows_of_1_mib) if sliced else WHOLE
+        wrapped = apply_policy(copy.deepcopy(layers), policy, rules=rules)
         x.grad = None
         out = wrapped(x).sum()
         memory = trace_step(out.backward)
-        monkeypatch.undo()
         return sum(a.nbytes >= whole for a in memory.allocations
                    if a.phase.startswith("backward:") and any(k in a.phase for k in ("Conv", "Norm", "Relu")))
 
@@ -128,17 +127,13 @@ def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
     assert big_blocks(sliced=False) >= 4 + 4  # and, at least, each layer's whole decoded tensor
 
 
-def test_batch_norm_statistics_and_outputs_are_torchs_own(monkeypatch):
+def test_batch_norm_statistics_and_outputs_are_torchs_own():
     """Two training steps and an evaluation through the sliced batch norm give bit-identical running mean,
     variance, batch count, losses and evaluation outputs to the model's own BatchNorm2d forward."""
     model, policy, x, y = _setup()
 
     def run(sliced: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        if not sliced:
-            monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-            monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
-        wrapped = apply_policy(copy.deepcopy(model), policy)
-        monkeypatch.undo()
+        wrapped = apply_policy(copy.deepcopy(model), policy, rules=RULES if sliced else WHOLE)
         losses = []
         for _ in range(2):
             loss = F.cross_entropy(wrapped(x), y)
@@ -168,7 +163,7 @@ def test_forward_hooks_run_on_the_sliced_path_and_other_hooks_make_the_layer_run
     hooked.conv1.register_forward_hook(lambda module, args, out: out * 1.0)  # replaces the output, same values
     hooked.relu2.register_forward_hook(lambda module, args, out: seen.append(("relu2", out.grad_fn.name())))
     hooked.conv2.register_forward_pre_hook(lambda module, args: seen.append(("conv2", args[0].shape)))
-    with caplog.at_level(logging.WARNING, logger="precsearch.runtime.wrapper"):
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
         wrapped = apply_policy(hooked, policy)
         seen.clear()  # the trace ran them too
         for _ in range(2):
@@ -191,7 +186,7 @@ def test_a_second_backward_through_a_packed_conv_is_refused():
         loss.backward()
 
 
-def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(monkeypatch, caplog):
+def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(caplog):
     """A conv reading a channel slice of a low activation (a view, not a whole packed batch) takes torch's
     whole-tensor backward, saying so once however many steps, with the same gradients as the sliced path off."""
 
@@ -210,10 +205,8 @@ def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(mo
     graph = trace(model, x[:2], batch_size=6)
     policy = Policy.from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
                                             for tid in graph.assignable_ids()})
-    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-    expected = _gradients(model, policy, x, y)
-    monkeypatch.undo()
-    with caplog.at_level(logging.WARNING, logger="precsearch.runtime.wrapper"):
+    expected = _gradients(model, policy, x, y, rules=dataclasses.replace(RULES, sliced_input=lambda layer: None))
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
         wrapped = apply_policy(copy.deepcopy(model), policy)
         for _ in range(2):
             wrapped.zero_grad(set_to_none=True)
@@ -254,8 +247,7 @@ class WideConv(nn.Module):
 
 @pytest.mark.parametrize(("weights", "groups", "calls"), [("low", 1, {12: 2, 8: 1}), ("fp32", 1, {12: 2, 8: 1}),
                                                         ("low", 2, {32: 1})])
-def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_and_weight(monkeypatch, weights,
-                                                                                          groups, calls):
+def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_and_weight(weights, groups, calls):
     """conv2 in groups of 12, 12 and 8 input channels (its weight low, rounded again from its master a group at a
     time, or an fp32 parameter), or, as a grouped conv (groups=2), in one call: every parameter gradient equals,
     to float32 summation order, torch's conv backward over the whole decoded input and weight (the sliced path
@@ -268,19 +260,21 @@ def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_
     graph = trace(model, x[:2], batch_size=4)
     formats = {**PAPER_LOW, **({"weight": "fp32"} if weights == "fp32" else {})}
     policy = Policy.from_assignment(graph, {tid: formats[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
-    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-    whole = _gradients(model, policy, x, y)
-    monkeypatch.undo()
-    monkeypatch.setattr(graph_module, "CHANNEL_SLICE_BYTES", 12 * 4 * 32 * 9)  # 12 input channels of conv2's weight
+    whole = _gradients(model, policy, x, y, rules=dataclasses.replace(RULES, sliced_input=lambda layer: None))
+
+    def groups_of_12(shape: tuple[int, ...], weight_shape: tuple[int, ...]) -> int:
+        """12 input channels a group where the weight reads every input channel (a grouped conv's does not)."""
+        return 12 if weight_shape[1] == shape[1] else shape[1]
+
     counter = _CountChannels()
-    sliced = _gradients(model, policy, x, y, counter)
+    sliced = _gradients(model, policy, x, y, counter, rules=dataclasses.replace(RULES, slice_channels=groups_of_12))
     assert counter.calls == Counter({3: 1, **calls})
     for name, expected in whole.items():
         torch.testing.assert_close(sliced[name], expected, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(expected, torch.zeros_like(expected)), name
 
 
-def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradient(monkeypatch):
+def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradient():
     """A 256->256 3x3 conv over a (8, 256, 4, 4) packed input (weight 2.25 MiB, input 0.5 MiB), in 1 MiB weight
     slices: torch.profiler's allocator record of its backward shows one block of the weight's size (the whole
     weight gradient); in one group it shows the weight rounded again and oneDNN's reordered copy besides."""
@@ -291,15 +285,14 @@ def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradie
                                             for tid in graph.assignable_ids()})
     weight_bytes = layers[2].weight.nbytes
 
-    def weight_sized_blocks(channel_bytes: int) -> int:
-        monkeypatch.setattr(graph_module, "CHANNEL_SLICE_BYTES", channel_bytes)
-        wrapped = apply_policy(copy.deepcopy(layers), policy)
+    def weight_sized_blocks(rules: Rules) -> int:
+        wrapped = apply_policy(copy.deepcopy(layers), policy, rules=rules)
         for _ in range(2):  # the second: oneDNN's kernels set up
             out = wrapped(x).sum()
             memory = trace_step(out.backward)
         return sum(a.nbytes >= weight_bytes for a in memory.allocations
                    if a.phase == "backward:_ConvOfPackedInputBackward")
 
-    assert graph_module.CHANNEL_SLICE_BYTES == 2**20
-    assert weight_sized_blocks(2**20) == 1
-    assert weight_sized_blocks(2**40) >= 3
+    assert RULES.slice_channels((8, 256, 4, 4), (256, 256, 3, 3)) == 2**20 // (4 * 256 * 9)  # 1 MiB weight slices
+    assert weight_sized_blocks(RULES) == 1
+    assert weight_sized_blocks(dataclasses.replace(RULES, slice_channels=lambda shape, weight_shape: shape[1])) >= 3

@@ -19,7 +19,7 @@ from torch import nn
 from precsearch.config.policy import baseline
 from precsearch.cost.model import MIB, CostModel, measure_saved_bytes
 from precsearch.graph.tracing import trace
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 
 TOLERANCE = 0.02  # the agreement the cost model is held to (tests and the zoo check)
 

@@ -66,8 +66,8 @@ from precsearch.config.spec import COMPRESSIONS, ProxyConfig
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.formats.numerics import get_format, quantize
+from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import NoLossScaler
-from precsearch.runtime.wrapper import apply_policy
 from precsearch.train.data import ImageDataset, make_loader
 from precsearch.train.trainer import build_model, evaluate, resolve_device
 
