@@ -24,7 +24,7 @@ from precsearch.cost.model import MIB, CostModel
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.strategies import baseline
 
 ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}

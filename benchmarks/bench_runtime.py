@@ -57,7 +57,7 @@ def main() -> int:
     from precsearch.cost.policies import policy_from_assignment
     from precsearch.graph.tracing import trace
     from precsearch.models import build
-    from precsearch.runtime.wrapper import apply_policy
+    from precsearch.runtime.model import apply_policy
     from precsearch.search.strategies import baseline
 
     if device == "cuda" and not torch.cuda.is_available():

@@ -38,7 +38,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
 from precsearch.config.spec import ProxyConfig
 from precsearch.cost.measured import measure_peak, sgd_step
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.strategies import ACCEPTANCE_WINDOW, baseline_policies, sweep
 from precsearch.train.trainer import PAPER_LR, PAPER_RECIPE, build_model, kaiming_fan_out_, train

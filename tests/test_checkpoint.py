@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
 from precsearch.models import build
+from precsearch.runtime.model import apply_policy
 from precsearch.runtime.optim import LowPrecisionOptimizer
-from precsearch.runtime.wrapper import apply_policy
 
 SHAPE = (3, 8, 8)  # small tensors: the quantizer runs eagerly (no compile time)
 # pure e5m2s weights (no fp32 masters: the optimizer keeps each weight's format), stochastic rounding of

@@ -20,7 +20,7 @@ from precsearch.formats.format import get_format
 from precsearch.formats.kernels import decode, encode, quantize, round_and_count
 from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.strategies import baseline
 
 pytestmark = [pytest.mark.cuda,

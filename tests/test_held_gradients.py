@@ -1,7 +1,7 @@
 """Low weight gradients held as their format's codes from their rounding to the end of the backward
-(``runtime._hold_gradient``). Oracles: the same runtime rounding the gradients in place as before (holding
-switched off through ``torch.distributed.is_initialized``), ``formats.quantize`` of the raw gradient (a tensor
-hook on the parameter sees it before it is accumulated), and a real gloo process group."""
+(precsearch.runtime.gradients). Oracles: the same runtime rounding the gradients in place as before (holding
+switched off through ``apply_policy(hold_gradients=...)``, as under DDP), ``formats.quantize`` of the raw
+gradient (a tensor hook on the parameter sees it before it is accumulated), and a real gloo process group."""
 
 from __future__ import annotations
 
@@ -15,17 +15,18 @@ import torch.nn.functional as F
 from precsearch.config.policy import Policy
 from precsearch.formats.kernels import quantize
 from precsearch.models import build
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.gradients import no_process_group
+from precsearch.runtime.model import apply_policy
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 SHAPE = (3, 32, 32)
 
 
-def _wrapped(weight_grad: str = "fp16", overrides: dict[str, str] | None = None):
+def _wrapped(weight_grad: str = "fp16", overrides: dict[str, str] | None = None, hold_gradients=no_process_group):
     torch.manual_seed(0)
     policy = Policy(input_shape=SHAPE, batch_size=8, defaults={**PAPER_LOW, "weight_grad": weight_grad},
                     overrides=overrides or {})
-    return apply_policy(build("tiny_cnn"), policy)
+    return apply_policy(build("tiny_cnn"), policy, hold_gradients=hold_gradients)
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,8 +34,8 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, *SHAPE, generator=g), torch.randint(0, 10, (8,), generator=g)
 
 
-def _not_holding(monkeypatch) -> None:
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # as under DDP: rounded in place, kept in .grad
+def _not_holding() -> bool:
+    return False  # as under DDP: rounded in place, kept in .grad
 
 
 def _train(wrapped, steps: int, backwards: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -53,19 +54,17 @@ def _train(wrapped, steps: int, backwards: int = 1) -> list[dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("weight_grad", ["fp16", "fp8_e5m2"])  # 16-bit (int16) and 8-bit (uint8) codes
-def test_held_gradients_train_bit_identically_to_in_place_rounding(monkeypatch, weight_grad):
+def test_held_gradients_train_bit_identically_to_in_place_rounding(weight_grad):
     held = _train(_wrapped(weight_grad), steps=3)
-    _not_holding(monkeypatch)
-    in_place = _train(_wrapped(weight_grad), steps=3)
+    in_place = _train(_wrapped(weight_grad, hold_gradients=_not_holding), steps=3)
     for step, (a, b) in enumerate(zip(held, in_place, strict=True)):
         for name in b:
             assert torch.equal(a[name], b[name]), (step, name)
 
 
-def test_two_backwards_before_a_step_accumulate_exactly_as_without_holding(monkeypatch):
+def test_two_backwards_before_a_step_accumulate_exactly_as_without_holding():
     held = _train(_wrapped(), steps=2, backwards=2)
-    _not_holding(monkeypatch)
-    in_place = _train(_wrapped(), steps=2, backwards=2)
+    in_place = _train(_wrapped(hold_gradients=_not_holding), steps=2, backwards=2)
     for step, (a, b) in enumerate(zip(held, in_place, strict=True)):
         for name in b:
             assert torch.equal(a[name], b[name]), (step, name)

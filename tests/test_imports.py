@@ -47,8 +47,8 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_the_reader_sees_the_imports_of_every_form():
     graph = import_graph()
-    assert "precsearch.formats.kernels" in graph["precsearch.runtime.wrapper"]  # from a package import a module
-    assert "precsearch.config.policy" in graph["precsearch.runtime.wrapper"]  # from a module import a name
+    assert "precsearch.formats.kernels" in graph["precsearch.runtime.state"]  # from a package import a module
+    assert "precsearch.config.policy" in graph["precsearch.runtime.state"]  # from a module import a name
     assert "precsearch.search.study" in graph["precsearch.cli.search"]  # inside a function
     assert graph["precsearch.formats.format"] == {"precsearch.errors"}
 

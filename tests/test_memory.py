@@ -15,7 +15,7 @@ from precsearch.cost.model import MIB, CostModel
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
 from precsearch.models import NAMES, build
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.strategies import baseline
 
 KIB = 1024

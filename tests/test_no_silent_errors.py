@@ -16,7 +16,7 @@ from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
 from precsearch.formats.kernels import quantize
 from precsearch.models import build
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.context import Budget
 from precsearch.search.selection import choose_best
 

@@ -18,7 +18,7 @@ from precsearch.cost.policies import policy_from_assignment
 from precsearch.formats.kernels import quantize
 from precsearch.graph.op_rules import OP_RULES, OpRule, OpRules
 from precsearch.graph.tracing import trace
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 
 LOW = "e4m3b4s"
 BATCH = 2

@@ -1,7 +1,7 @@
-"""Low weights rounded to nearest are rounded again from their fp32 master in the backward
-(``runtime._RoundedFromMaster``), so no copy of them, codes or float32, is held between a layer's forward and
-its backward. Oracles: torch's own fp16 cast of the masters and plain autograd over the cast weights, the
-dispatcher's count of the ops the backward runs, and the parameters' own sizes."""
+"""Low weights rounded to nearest are rounded again from their fp32 master in the backward (precsearch.runtime.packing's
+``_RoundedFromMaster``), so no copy of them, codes or float32, is held between a layer's forward and its backward.
+Oracles: torch's own fp16 cast of the masters and plain autograd over the cast weights, the dispatcher's count of the
+ops the backward runs, and the parameters' own sizes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.strategies import baseline
 
 SHAPE = (3, 32, 32)

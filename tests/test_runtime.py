@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
+import types
 
 import pytest
 import torch
@@ -27,9 +29,9 @@ from precsearch.formats.kernels import quantize
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.accumulate import ChunkedConv2d, ChunkedLinear, chunked_matmul, swap_chunked_layers
+from precsearch.runtime.model import PrecisionModel, apply_policy
 from precsearch.runtime.optim import LowPrecisionOptimizer
 from precsearch.runtime.scaling import AdaptiveLossScaler, DynamicLossScaler
-from precsearch.runtime.wrapper import PrecisionModel, apply_policy
 from precsearch.search.strategies import baseline
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
@@ -657,3 +659,64 @@ def test_tensor_stats_and_saved_bytes_report_per_tensor():
     wrapped.reset_stats()
     assert wrapped.tensor_stats() == {}
     assert wrapped.step_count == 1 and wrapped.saved_bytes().total > 0
+
+
+# ----------------------------------------------------------------------------------------- layout
+
+
+def _holds(value: object, target: object, depth: int, seen: set[int]) -> bool:
+    """Whether ``value`` is ``target`` or reaches it, ``depth`` steps down through attributes, containers,
+    closures and bound methods (modules are not entered: each is walked on its own)."""
+    if value is target:
+        return True
+    if depth == 0 or id(value) in seen or isinstance(value, torch.Tensor | nn.Module | str | int | float | type):
+        return False
+    seen.add(id(value))
+    if isinstance(value, dict):
+        children = list(value.values())
+    elif isinstance(value, list | tuple | set | frozenset):
+        children = list(value)
+    elif isinstance(value, types.MethodType):
+        children = [value.__self__, value.__func__]
+    elif isinstance(value, types.FunctionType):
+        children = [cell.cell_contents for cell in value.__closure__ or () if cell.cell_contents is not None]
+    else:
+        children = list(getattr(value, "__dict__", {}).values())
+    return any(_holds(child, target, depth - 1, seen) for child in children)
+
+
+def _modules_referring_to(wrapped: PrecisionModel) -> list[str]:
+    """The modules a wrapped model runs (its submodules and the instrumented FX module) whose attributes, hooks
+    included, reach the wrapper."""
+    modules = {id(m): m for m in wrapped.modules()}
+    for value in vars(wrapped).values():
+        if isinstance(value, nn.Module):
+            modules.update({id(m): m for m in value.modules()})
+    del modules[id(wrapped)]
+    return [type(m).__name__ for m in modules.values()
+            if any(_holds(value, wrapped, 6, set()) for value in vars(m).values())]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "untraceable"])
+def test_no_module_of_a_wrapped_model_refers_to_the_wrapper(name):
+    """Every inserted module gets the state it needs at construction: none reaches back to the PrecisionModel
+    (the walk finds a reference planted on purpose)."""
+    if name == "untraceable":
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match="torch.fx could not trace"):
+            wrapped = apply_policy(Untraceable(), _policy(), strict=False)
+    else:
+        wrapped = apply_policy(_model(name, width=0.125), _policy(gradient_rounding="per_use",
+                                                                  loss_scaling={"mode": "adaptive"}))
+    x, y = _batch()
+    wrapped.scaler.scale(F.cross_entropy(wrapped(x), y)).backward()
+    assert wrapped.graph.graph_module is None or any("precsearch_round" in n for n, _ in vars(wrapped)["_target"]
+                                                     .named_modules())
+    assert _modules_referring_to(wrapped) == []
+    last = list(wrapped.module.modules())[-1]
+    last.__dict__["planted"] = [wrapped]
+    assert _modules_referring_to(wrapped) == [type(last).__name__]
+
+
+def test_the_precision_model_is_a_thin_class():
+    assert len(inspect.getsource(PrecisionModel).splitlines()) < 150

@@ -27,8 +27,7 @@ from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_fr
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import grad_id
 from precsearch.models import build
-from precsearch.runtime import wrapper as runtime
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.strategies import baseline
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
@@ -217,16 +216,16 @@ def test_torch_compile_of_a_wrapped_model_runs_it_eagerly_with_one_warning(name,
         return losses, [p.detach().clone() for p in model.parameters()]
 
     eager_losses, eager_weights = three_steps(compiled=False)
-    with caplog.at_level("WARNING", logger="precsearch.runtime.wrapper"):
+    with caplog.at_level("WARNING", logger="precsearch.runtime"):
         compiled_losses, compiled_weights = three_steps(compiled=True)
-    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "precsearch.runtime.wrapper"] == [
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name.startswith("precsearch.runtime")] == [
         "torch.compile of a policy-wrapped model runs it eagerly"]
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
-def test_rounding_over_the_ops_own_output_trains_as_rounding_into_a_new_tensor(name, monkeypatch):
+def test_rounding_over_the_ops_own_output_trains_as_rounding_into_a_new_tensor(name):
     """Activations of GEMMs, normalizations and sums are rounded over the op's output (no second float32
     tensor), and activation gradients that arrive as new tensors (``graph.gradient_arrives_fresh``) or as an
     add's gradient rounded alike (``graph.gradient_passes_from``) over themselves; three steps give
@@ -236,13 +235,8 @@ def test_rounding_over_the_ops_own_output_trains_as_rounding_into_a_new_tensor(n
     policy = _paper_policy(graph)
 
     def three_steps(in_place: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Counter[str]]:
-        if not in_place:
-            monkeypatch.setattr(runtime, "makes_fresh_output", lambda op, rules: False)
-            monkeypatch.setattr(runtime, "gradient_arrives_fresh", lambda graph: frozenset())
-            monkeypatch.setattr(runtime, "gradient_passes_from", lambda graph: {})
         model = copy.deepcopy(plain)
-        step = _stepper(apply_policy(model, policy), x, y)
-        monkeypatch.undo()
+        step = _stepper(apply_policy(model, policy, round_in_place=in_place), x, y)
         losses = [step() for _ in range(2)]
         with DispatchCounter() as counter:
             losses.append(step())
@@ -268,7 +262,7 @@ def test_a_gradient_that_arrives_non_contiguous_is_rounded_into_a_new_tensor_wit
     rounded into a new tensor: the gradient it received is left as it was, the result is torch's own rounding
     of it, and one WARNING says so however often it happens."""
     from precsearch.formats.kernels import quantize
-    from precsearch.runtime.wrapper import _RoundActivation
+    from precsearch.runtime.rounding import RoundActivation
 
     plain, graph, _, _ = _setup()
     wrapped = apply_policy(plain, _paper_policy(graph))
@@ -276,12 +270,12 @@ def test_a_gradient_that_arrives_non_contiguous_is_rounded_into_a_new_tensor_wit
     act = next(slot for slot in slots.values() if slot.kind == "activation" and slot.is_low
                and grad_id(slot.id) in slots and slots[grad_id(slot.id)].is_low)
     grad = slots[grad_id(act.id)]
-    with caplog.at_level("WARNING", logger="precsearch.runtime.wrapper"):
+    with caplog.at_level("WARNING", logger="precsearch.runtime"):
         for _ in range(2):
             x = torch.randn(4, 8, 6, 6, requires_grad=True)
             g = (torch.randn(4, 8, 6, 6) * 2.0**-20).to(memory_format=torch.channels_last)
             received = g.clone()
-            rounded, _ = _RoundActivation.apply(x * 1.0, wrapped.state, act, grad, False, False, True)
+            rounded, _ = RoundActivation.apply(x * 1.0, wrapped.state, act, grad, False, False, True)
             rounded.backward(g)
             assert torch.equal(g, received)
             assert torch.equal(x.grad, quantize(received, *grad.args()[:1], rounding=grad.args()[1],

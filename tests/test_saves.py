@@ -19,7 +19,7 @@ from precsearch.cost.model import CostModel, measure_saved_bytes
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.policy_check import check_policy
 from precsearch.graph.tracing import trace
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.strategies import baseline
 
 BATCH = 4
@@ -211,7 +211,7 @@ def test_gemms_inside_a_leaf_function_are_listed_as_unenforced_with_a_warning(ca
     assert "aten.bmm" in graph.unenforced()["attention"] and "aten.mm" in graph.unenforced()["attention"]
     assert graph.ops[1].role == "gemm" and "hidden_gemms" not in graph.ops[1].attrs  # the conv is no leaf
     policy = baseline("hfp8", graph)
-    with caplog.at_level(logging.WARNING, logger="precsearch.runtime.wrapper"):
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
         wrapped = apply_policy(model, policy, x[:2])
     assert wrapped.unenforced == ["attention"]
     assert [r.message for r in caplog.records].count(next(m for m in caplog.messages if "attention" in m)) == 1

@@ -22,10 +22,20 @@ from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
 from precsearch.graph.op_rules import OP_RULES, OpRules
 from precsearch.graph.tracing import trace
-from precsearch.runtime import wrapper as runtime
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+
+
+def _unsliced(*classes: type[nn.Module]) -> OpRules:
+    """The op rules with no sliced backward for these module types: the runtime calls torch's own backward."""
+    return OP_RULES.with_modules({cls: replace(OP_RULES.modules[cls], sliced=None) for cls in classes})
+
+
+# the oracles: torch's own backward over the whole decoded tensors (no layer, or no layer over a packed input,
+# takes a sliced backward)
+WHOLE = _unsliced(nn.Conv2d, nn.BatchNorm2d, nn.ReLU)
+WHOLE_INPUTS = _unsliced(nn.Conv2d, nn.BatchNorm2d)
 
 
 class TwoConvs(nn.Module):
@@ -91,15 +101,12 @@ def _gradients(model: nn.Module, policy: Policy, x: torch.Tensor, y: torch.Tenso
     return {name: p.grad for name, p in wrapped.module.named_parameters()}
 
 
-def test_gradients_in_slices_match_torchs_backward_over_the_whole_input(monkeypatch):
+def test_gradients_in_slices_match_torchs_backward_over_the_whole_input():
     """One sample per slice (12 slices) for both convs, the batch norm and both ReLUs (one in place): every
     parameter gradient equals, to float32 summation order, torch's conv, batch-norm and ReLU backward over the
     whole decoded tensor; the input gradients feed conv1's weight gradient, so they are checked through it."""
     model, policy, x, y = _setup()
-    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-    monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
-    whole = _gradients(model, policy, x, y)
-    monkeypatch.undo()
+    whole = _gradients(model, policy, x, y, rules=WHOLE)
     counter = _CountSlices()
     one_sample = _slices({nn.Conv2d: 1, nn.BatchNorm2d: 1, nn.ReLU: 1})  # one sample a slice
     sliced = _gradients(model, policy, x, y, counter, one_sample)
@@ -110,7 +117,7 @@ def test_gradients_in_slices_match_torchs_backward_over_the_whole_input(monkeypa
         assert not torch.equal(expected, torch.zeros_like(expected)), name
 
 
-def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
+def test_the_backward_never_holds_the_whole_input_in_float32():
     """Conv, batch norm, ReLU, conv over (4, 64, 64, 64) packed tensors, in 1 MiB slices: torch.profiler's
     allocator record shows one block of the input's size in each layer's backward (its input gradient), and
     no decoded copy; torch's backward over the whole tensor holds the decoded tensor and, for the convs,
@@ -125,15 +132,11 @@ def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
     whole = x.nbytes
 
     def big_blocks(sliced: bool) -> int:
-        if not sliced:
-            monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-            monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
-        rules = _slices({nn.BatchNorm2d: 2**20, nn.ReLU: 2**20}) if sliced else OP_RULES
+        rules = _slices({nn.BatchNorm2d: 2**20, nn.ReLU: 2**20}) if sliced else WHOLE
         wrapped = apply_policy(copy.deepcopy(layers), policy, rules=rules)
         x.grad = None
         out = wrapped(x).sum()
         memory = trace_step(out.backward)
-        monkeypatch.undo()
         return sum(a.nbytes >= whole for a in memory.allocations
                    if a.phase.startswith("backward:") and any(k in a.phase for k in ("Conv", "Norm", "Relu")))
 
@@ -141,17 +144,13 @@ def test_the_backward_never_holds_the_whole_input_in_float32(monkeypatch):
     assert big_blocks(sliced=False) >= 4 + 4  # and, at least, each layer's whole decoded tensor
 
 
-def test_batch_norm_statistics_and_outputs_are_torchs_own(monkeypatch):
+def test_batch_norm_statistics_and_outputs_are_torchs_own():
     """Two training steps and an evaluation through the sliced batch norm give bit-identical running mean,
     variance, batch count, losses and evaluation outputs to the model's own BatchNorm2d forward."""
     model, policy, x, y = _setup()
 
     def run(sliced: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        if not sliced:
-            monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-            monkeypatch.setattr(runtime, "packed_output_function", lambda layer: None)
-        wrapped = apply_policy(copy.deepcopy(model), policy)
-        monkeypatch.undo()
+        wrapped = apply_policy(copy.deepcopy(model), policy, rules=OP_RULES if sliced else WHOLE)
         losses = []
         for _ in range(2):
             loss = F.cross_entropy(wrapped(x), y)
@@ -181,7 +180,7 @@ def test_forward_hooks_run_on_the_sliced_path_and_other_hooks_make_the_layer_run
     hooked.conv1.register_forward_hook(lambda module, args, out: out * 1.0)  # replaces the output, same values
     hooked.relu2.register_forward_hook(lambda module, args, out: seen.append(("relu2", out.grad_fn.name())))
     hooked.conv2.register_forward_pre_hook(lambda module, args: seen.append(("conv2", args[0].shape)))
-    with caplog.at_level(logging.WARNING, logger="precsearch.runtime.wrapper"):
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
         wrapped = apply_policy(hooked, policy)
         seen.clear()  # the trace ran them too
         for _ in range(2):
@@ -204,7 +203,7 @@ def test_a_second_backward_through_a_packed_conv_is_refused():
         loss.backward()
 
 
-def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(monkeypatch, caplog):
+def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(caplog):
     """A conv reading a channel slice of a low activation (a view, not a whole packed batch) takes torch's
     whole-tensor backward, saying so once however many steps, with the same gradients as the sliced path off."""
 
@@ -223,10 +222,8 @@ def test_a_layer_reading_a_view_of_a_packed_batch_runs_whole_with_one_warning(mo
     graph = trace(model, x[:2], batch_size=6)
     policy = policy_from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind]
                                             for tid in graph.assignable_ids()})
-    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-    expected = _gradients(model, policy, x, y)
-    monkeypatch.undo()
-    with caplog.at_level(logging.WARNING, logger="precsearch.runtime.wrapper"):
+    expected = _gradients(model, policy, x, y, rules=WHOLE_INPUTS)
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
         wrapped = apply_policy(copy.deepcopy(model), policy)
         for _ in range(2):
             wrapped.zero_grad(set_to_none=True)
@@ -267,8 +264,7 @@ class WideConv(nn.Module):
 
 @pytest.mark.parametrize(("weights", "groups", "calls"), [("low", 1, {12: 2, 8: 1}), ("fp32", 1, {12: 2, 8: 1}),
                                                         ("low", 2, {32: 1})])
-def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_and_weight(monkeypatch, weights,
-                                                                                          groups, calls):
+def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_and_weight(weights, groups, calls):
     """conv2 in groups of 12, 12 and 8 input channels (its weight low, rounded again from its master a group at a
     time, or an fp32 parameter), or, as a grouped conv (groups=2), in one call: every parameter gradient equals,
     to float32 summation order, torch's conv backward over the whole decoded input and weight (the sliced path
@@ -281,9 +277,7 @@ def test_gradients_in_channel_groups_match_torchs_backward_over_the_whole_input_
     graph = trace(model, x[:2], batch_size=4)
     formats = {**PAPER_LOW, **({"weight": "fp32"} if weights == "fp32" else {})}
     policy = policy_from_assignment(graph, {tid: formats[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
-    monkeypatch.setattr(runtime, "packed_input_function", lambda layer: None)
-    whole = _gradients(model, policy, x, y)
-    monkeypatch.undo()
+    whole = _gradients(model, policy, x, y, rules=WHOLE_INPUTS)
     counter = _CountChannels()
     twelve_channels = _slices(channels=12 * 4 * 32 * 9)  # 12 input channels of conv2's weight
     sliced = _gradients(model, policy, x, y, counter, twelve_channels)

@@ -75,7 +75,7 @@ def test_every_loss_scaling_mode_has_one_scaler_that_takes_exactly_its_options()
 @pytest.mark.parametrize("module", ["precsearch.analysis.report", "precsearch.config.spaces", "precsearch.config.spec"])
 def test_configuration_modules_load_neither_the_runtime_nor_the_model_zoo(module):
     probe = (f"import sys, {module}; "
-             "print(sorted(n for n in sys.modules if n.startswith(('precsearch.runtime.wrapper', 'precsearch.models', "
+             "print(sorted(n for n in sys.modules if n.startswith(('precsearch.runtime.model', 'precsearch.models', "
              "'precsearch.train.proxy', 'precsearch.train.data'))))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"

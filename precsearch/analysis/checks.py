@@ -22,7 +22,7 @@ from precsearch.cost.model import MIB, CostModel, measure_saved_bytes
 from precsearch.graph.policy_check import PolicyReport, check_policy, policy_example_input
 from precsearch.graph.tracing import trace, untraced_modules
 from precsearch.runtime.accumulate import CHUNKED_LAYERS
-from precsearch.runtime.wrapper import apply_policy
+from precsearch.runtime.model import apply_policy
 from precsearch.search.strategies import baseline
 
 TOLERANCE = 0.02  # the agreement the cost model is held to (tests and the zoo check)

@@ -1,6 +1,6 @@
 """The policy file: which float format every training tensor uses, and how training enforces it.
 
-A ``Policy`` is what a search (or a hand) produces and what ``precsearch.runtime.wrapper.apply_policy`` loads into
+A ``Policy`` is what a search (or a hand) produces and what ``precsearch.runtime.model.apply_policy`` loads into
 ordinary training. It is a versioned JSON document (``schema_version`` 1), written with sorted keys and one
 entry per line so that two policies diff cleanly. A ``Policy`` is plain, frozen, validated data: it loads and
 saves without torch. The code that ties one to a model lives with the model's boxes: the cost model's
@@ -28,7 +28,7 @@ the paper's space, ``search_spaces/hfp8.yaml``):
 
 * ``promotion_kinds``: which kinds the divergence guard may promote (default weights and activations, as the
   reference; a gradient that overflows is the loss scaler's to handle). Promotion is checked once per
-  training step, never in eval mode or under ``no_grad`` (precsearch.runtime.wrapper).
+  training step, never in eval mode or under ``no_grad`` (precsearch.runtime.model).
 * ``gradient_rounding``: ``sum`` rounds an activation's gradient once, after autograd summed the gradients of
   its consumers; ``per_use`` (the reference) rounds each consumer's gradient, then sums them in float32 (the
   two branches of a residual block).

@@ -256,7 +256,7 @@ class CostModel:
 
     def peak_bytes(self, assignment: Mapping[str, Spec] | None = None) -> int:
         """Predicted peak of one training step (forward, backward, optimizer) above the parameters and
-        optimizer state, under `assignment` as `precsearch.runtime.wrapper` trains it (see `peak_timeline`)."""
+        optimizer state, under `assignment` as `precsearch.runtime` trains it (see `peak_timeline`)."""
         blocks = self.peak_timeline(assignment)
         times = sorted({time for block in blocks for time in (block.start, block.end)})
         return max((sum(b.nbytes for b in blocks if b.start <= time <= b.end) for time in times), default=0)

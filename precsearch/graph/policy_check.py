@@ -2,7 +2,7 @@
 and whether the policy was made for this graph at all.
 
 ``check_policy`` reports; ``verify_policy`` raises where training under the policy would silently do something
-else than it says (precsearch.runtime.wrapper.apply_policy calls it). A module is checked by tracing it first
+else than it says (precsearch.runtime.model.apply_policy calls it). A module is checked by tracing it first
 (precsearch.analysis.checks.check_policy_on_model, which also names the modules the trace did not see).
 """
 

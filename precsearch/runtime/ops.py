@@ -7,7 +7,7 @@ which the runtime reads once per step. The ops are defined with ``torch.library.
 dispatch to a Python kernel measured about 18 us a call on a 2-core CPU, ``torch.library.custom_op``'s about
 95 us) and have
 fake implementations, so ``torch.compile`` can trace through them. Their autograd formulas are the runtime's
-autograd Functions (precsearch.runtime.wrapper), which call these ops in forward and backward.
+autograd Functions (precsearch.runtime.rounding and .sliced), which call these ops in forward and backward.
 
 * ``precsearch::round(x, counts, fmt, rounding, overflow, seed, with_codes) -> (rounded, codes)``:
   ``x`` rounded to ``fmt``; ``codes`` are the format's bit patterns of the result (for packed storage; an

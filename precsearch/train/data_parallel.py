@@ -67,8 +67,8 @@ from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.formats.format import get_format
 from precsearch.formats.kernels import quantize
+from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import NoLossScaler
-from precsearch.runtime.wrapper import apply_policy
 from precsearch.train.data import ImageDataset, make_loader
 from precsearch.train.trainer import build_model, evaluate, resolve_device
 

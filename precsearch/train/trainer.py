@@ -37,8 +37,8 @@ from precsearch.config.policy import Policy
 from precsearch.config.spec import ProxyConfig
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
+from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
-from precsearch.runtime.wrapper import apply_policy
 from precsearch.train.data import ImageDataset, make_loader, random_crop_flip
 
 __all__ = [

@@ -1,0 +1,69 @@
+"""Weight gradients: rounded in place as each arrives, then held as codes until the end of the backward.
+
+Each low weight gradient is rounded in place by a post-accumulate-grad hook, still loss-scaled. Where the
+format's codes hold every rounded value (``FloatFormat.codes_hold_rounded``: fp16, bf16, fp8; not e6m9s, which
+has no NaN code) it is then held as its codes, ``.grad`` None, until the end of the backward, when a callback
+sets ``.grad`` to the decoded (identical) values: the earlier layers' backward runs beside 16 (or 8) bits a
+value, not 32. Not while ``may_hold`` says no (by default ``no_process_group``: DDP reads ``.grad`` during the
+backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from precsearch.graph.types import TensorGraph
+from precsearch.runtime import ops
+from precsearch.runtime.state import Slot, TensorState
+
+__all__ = ["hook_weight_gradients", "no_process_group"]
+
+
+def no_process_group() -> bool:
+    """Whether no torch.distributed process group is up: DDP's reducer reads ``.grad`` in its own hooks during
+    the backward, so weight gradients are held as codes only without one."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def hook_weight_gradients(module: nn.Module, graph: TensorGraph, state: TensorState,
+                          may_hold: Callable[[], bool]) -> list[Any]:
+    """Round each low weight gradient of ``module`` as soon as it is accumulated; the hooks' handles."""
+    params = dict(module.named_parameters())
+    handles = []
+    for slot in state.slots.values():
+        info = graph.tensors[slot.id]
+        if slot.kind == "weight_grad" and slot.is_low and info.param in params:
+            hook = _rounding_hook(state, slot, may_hold)
+            handles.append(params[info.param].register_post_accumulate_grad_hook(hook))
+    return handles
+
+
+def _rounding_hook(state: TensorState, slot: Slot, may_hold: Callable[[], bool]) -> Callable[[torch.Tensor], None]:
+    """Round ``param.grad`` in place and, where its format's codes hold every rounded value (inf and NaN too),
+    hold only those until the end of the backward (``_hold``)."""
+
+    def hook(param: torch.Tensor) -> None:
+        if not slot.is_low:
+            return
+        hold = slot.fmt.codes_hold_rounded(slot.args()[2]) and may_hold()
+        codes = state.round_(param.grad, slot, with_codes=hold, count=state.counting)
+        if codes is not None:
+            _hold(param, codes, slot.fmt.name)
+
+    return hook
+
+
+def _hold(param: torch.Tensor, codes: torch.Tensor, fmt: str) -> None:
+    """Drop ``param.grad`` (already rounded) for its codes, and set it back, decoded, at the end of the backward:
+    the same values, since rounded values are exactly the format's. Inside the backward ``.grad`` is None; a
+    backward that raises leaves it None. A later backward accumulates into the restored ``.grad`` as usual."""
+    param.grad = None
+
+    def restore() -> None:
+        param.grad = ops.decode(codes, fmt, codes.shape, codes.stride(), 0)
+
+    torch.autograd.Variable._execution_engine.queue_callback(restore)

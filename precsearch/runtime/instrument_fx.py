@@ -1,0 +1,158 @@
+"""FX instrumentation: the traced graph rewritten with rounding modules, as torch.ao's prepare_fx inserts observers.
+
+A copy of the traced FX graph gets a ``Rounder`` after every op that makes a rounded tensor and an ``Alias``
+after every layout op that copies one; layer calls with low weights compute with them rounded at their use,
+and layers over packed tensors run their sliced backward (precsearch.runtime.sliced). Ops that run GEMMs inside
+an FX leaf function or module are rounded at their boundary only (``TensorGraph.unenforced``).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+from torch import fx, nn
+
+from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
+from precsearch.graph.types import TensorGraph
+from precsearch.runtime.rounding import (
+    Alias,
+    GradUse,
+    RoundedWeight,
+    RoundedWeightsCall,
+    Rounder,
+    Rounding,
+    rounder_for,
+)
+from precsearch.runtime.sliced import PackedInputCall, PackedOutputRelu, Slicing
+from precsearch.runtime.state import Slot
+
+__all__ = ["instrument_fx"]
+
+
+def instrument_fx(graph: TensorGraph, module: nn.Module, rounding: Rounding, slicing: Slicing,
+                  replaced: dict[str, nn.Module] | None = None, per_use: bool = False,
+                  in_place: bool = True) -> fx.GraphModule:
+    """A copy of ``graph``'s FX graph (calling ``module``'s submodules, with ``replaced`` swapped in) with a
+    ``Rounder`` after every op that makes a rounded tensor, an ``Alias`` after every layout op (contiguous,
+    reshape, ...) that may copy a rounded activation, and every call of a submodule or read of a parameter that
+    uses low weights, or a layer with a sliced backward, replaced (``_layer_call``): torch.ao's prepare_fx, with
+    rounding modules for observers. With ``per_use``, an output whose gradient is rounded and that has several
+    consumers gets a ``GradUse`` before each consumer, which rounds that consumer's gradient instead. Where the
+    op rules the graph was traced with (``graph.rules``) allow it, a rounding writes over the op's output and
+    over the gradient it receives (precsearch.graph.in_place); without ``in_place``, never."""
+    source = graph.graph_module
+    fx_graph = copy.deepcopy(source.graph)
+    gm = fx.GraphModule(source, fx_graph, type(module).__name__)
+    traced = dict(gm.named_modules())
+    for name, layer in (replaced or {}).items():
+        if name in traced:
+            gm.set_submodule(name, layer)
+    nodes = {node.name: node for node in fx_graph.nodes}
+    last_placeholder = [node for node in fx_graph.nodes if node.op == "placeholder"][-1]
+    carried: dict[fx.Node, dict[int, Slot]] = {}  # node -> the rounded activation slot of each output
+    rounded: list[tuple[fx.Node, Rounder]] = []  # each rounding node and its module
+
+    def insert(after: fx.Node, node: fx.Node, name: str, inserted: nn.Module) -> fx.Node:
+        gm.add_submodule(name, inserted)
+        with fx_graph.inserting_after(after):
+            new = fx_graph.call_module(name, (node,))
+        node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        return new
+
+    fresh_gradients = gradient_arrives_fresh(graph) if in_place else frozenset()
+    passes = gradient_passes_from(graph) if in_place else {}
+    rounders: dict[str, Rounder] = {}
+    for index, op in enumerate(graph.ops):
+        inserted = rounder_for(op, rounding)
+        if inserted is not None:
+            # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
+            inserted.in_place = in_place and makes_fresh_output(op, graph.rules)
+            inserted.grad_in_place = op.name in fresh_gradients and set(inserted.slots) == {0}
+            node = nodes[op.node]
+            after = last_placeholder if node.op == "placeholder" else node
+            new = insert(after, node, f"precsearch_round_{index}", inserted)
+            reader = next(iter(new.users)) if inserted.grad_in_place or op.name in passes else None  # the one
+            if reader is not None and reader.op == "call_module":
+                inserted.__dict__["reader"] = gm.get_submodule(reader.target)  # the user's, not a child
+            carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
+            rounded.append((new, inserted))
+            rounders[op.name] = inserted
+    op_nodes = {op.node for op in graph.ops}
+    for node in list(fx_graph.nodes):
+        if (node.name in op_nodes or node in carried or not node.op.startswith("call_")
+                or graph.rules.returns_no_tensor(node.target) or node.target is getattr):
+            continue
+        source_slots = next((carried[arg] for arg in node.all_input_nodes if arg in carried), None)
+        if not source_slots:
+            continue
+        if node.target is operator.getitem and isinstance(node.args[1], int):
+            picked = source_slots.get(node.args[1])
+            source_slots = {0: picked} if picked is not None else {}
+        if 0 in source_slots:
+            alias = Alias(rounding, source_slots[0])
+            carried[insert(node, node, f"precsearch_alias_{len(carried)}", alias)] = source_slots
+        elif source_slots:
+            carried[node] = source_slots
+    if per_use:
+        for node, inserted in rounded:
+            _round_per_use(fx_graph, gm, node, inserted, rounding)
+    for name, add in passes.items():  # after per_use, which may take the add's gradient rounding off
+        if name in rounders and add in rounders and set(rounders[name].slots) == {0}:
+            rounders[name].grad_source = rounders[add].slots.get(0, (None, None))[1]
+    for node in list(fx_graph.nodes):
+        if node.op == "call_module" and node.target in traced:  # the user's modules, not those inserted
+            names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]
+            low_input = bool(node.args) and node.args[0] in carried and not node.kwargs and len(node.args) == 1
+            consumer = next(iter(node.users)) if len(node.users) == 1 else None
+            low_output = 0 in carried.get(consumer, {})
+            inserted = _layer_call(module, rounding, slicing, node.target, names, low_input, low_output)
+            if inserted is not None:
+                name = f"precsearch_weights_{node.target.replace('.', '_')}"
+                if not hasattr(gm, name):
+                    gm.add_submodule(name, inserted)
+                node.target = name
+        elif node.op == "get_attr":
+            inserted = _layer_call(module, rounding, slicing, node.target, None, False, False)
+            if inserted is not None:
+                insert(node, node, f"precsearch_weight_{node.target.replace('.', '_')}", inserted)
+    fx_graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _round_per_use(fx_graph: fx.Graph, gm: fx.GraphModule, node: fx.Node, inserted: Rounder,
+                   rounding: Rounding) -> None:
+    """Give each consumer of ``node`` (a single-tensor rounding node) its own gradient rounding module, and
+    take the rounding of the summed gradient off ``inserted``."""
+    act, grad = inserted.slots.get(0, (None, None))
+    users = list(node.users)
+    if grad is None or len(users) < 2 or set(inserted.slots) != {0}:
+        return
+    inserted.slots[0] = (act, None)
+    for user in users:
+        name = f"precsearch_use_{node.name}_{user.name}"
+        gm.add_submodule(name, GradUse(rounding, grad))
+        with fx_graph.inserting_before(user):
+            use = fx_graph.call_module(name, (node,))
+        user.replace_input_with(node, use)
+
+
+def _layer_call(module: nn.Module, rounding: Rounding, slicing: Slicing, target: str,
+                names: list[str] | None, low_input: bool, low_output: bool) -> nn.Module | None:
+    """What replaces a layer call (``names``: its parameters) or a parameter read (``names`` None): a read of a
+    low weight becomes its rounding; a Conv2d or BatchNorm2d call of a low activation (``low_input``) a
+    ``PackedInputCall``, a ReLU making one (``low_output``) a ``PackedOutputRelu``, and another call with low
+    weights a ``RoundedWeightsCall``; None when none applies."""
+    if names is None:
+        rounding.at_use.add(target)
+        return RoundedWeight(rounding, target) if target in rounding.weights else None
+    layer = module.get_submodule(target)
+    if low_output and slicing.output_function(layer) is not None:
+        return PackedOutputRelu(rounding.packer, slicing, layer, target)
+    params = {name: f"{target}.{name}" for name in names if f"{target}.{name}" in rounding.weights}
+    rounding.at_use.update(params.values())
+    function = slicing.input_function(layer) if low_input else None
+    if function is not None:
+        return PackedInputCall(rounding, slicing, layer, target, params, function)
+    return RoundedWeightsCall(rounding, layer, params) if params else None

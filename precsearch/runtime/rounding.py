@@ -1,0 +1,252 @@
+"""Rounding in the forward and backward: the autograd Functions, and the modules the instrumentation inserts.
+
+* weights: the forward computes with ``round(param)`` through ``RoundWeight``, whose backward passes the
+  gradient straight through, so the parameters stay fp32 masters for any optimizer (Micikevicius et al.); a
+  layer's backward rounds its master again (precsearch.runtime.packing: the same values, no copy of the weight
+  held in between; a weight rounded stochastically keeps its codes instead).
+* activations: rounded by the module after their op (``Rounder``, through ``RoundActivation``); its backward
+  rounds the activation's gradient, on the loss-scaled values. With ``gradient_rounding: per_use`` (the
+  paper's reference), an activation with several consumers gets a ``GradUse`` before each, which rounds that
+  consumer's gradient, and autograd sums the rounded gradients in float32.
+
+Every inserted module is given the ``Rounding`` (state, packer, low weights) it rounds with at construction;
+none refers to the wrapper.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from precsearch.graph.types import TensorGraph, grad_id
+from precsearch.runtime.packing import Packer
+from precsearch.runtime.state import Slot, TensorState
+
+__all__ = ["Alias", "GradUse", "RoundActivation", "RoundWeight", "RoundedWeight", "RoundedWeightsCall", "Rounder",
+           "Rounding", "low_weights", "rounder_for"]
+
+
+class Rounding:
+    """What the inserted modules round with, each given it explicitly: the tensor state, the packer that holds
+    what they round, and the low weights (qualified name -> (parameter, slot))."""
+
+    def __init__(self, state: TensorState, packer: Packer, weights: dict[str, tuple[nn.Parameter, Slot]]) -> None:
+        self.state, self.packer, self.weights = state, packer, weights
+        self.at_use: set[str] = set()  # weights rounded where the FX graph reads them: not before the forward
+
+    def activation(self, t: torch.Tensor, act: Slot, grad: Slot | None, in_place: bool = False,
+                   grad_in_place: bool = False) -> torch.Tensor:
+        """``t`` rounded by ``act`` (its saves packed), its gradient by ``grad`` in the backward."""
+        grad = grad if grad is not None and grad.is_low and t.requires_grad else None
+        if act.is_low:
+            in_place = in_place and self.packer.fresh(t)
+            rounded, codes = RoundActivation.apply(t, self.state, act, grad, self.packer.active, in_place,
+                                                   grad_in_place)
+            self.packer.register(t, rounded, codes, act.fmt, act.kind)
+            return rounded
+        if grad is not None:
+            self.gradient_of(t, grad)
+        return t
+
+    def gradient_of(self, t: torch.Tensor, slot: Slot) -> None:
+        """Round the gradient that reaches ``t`` in backward (counted if this forward is a training one)."""
+        state, count = self.state, self.state.counting
+        t.register_hook(lambda g: state.round(g, slot, count=count)[0])
+
+    def weight(self, qualified: str) -> torch.Tensor:
+        """The weight the forward computes with: the parameter rounded to its format now (one round op)."""
+        param, slot = self.weights[qualified]
+        if not slot.is_low:
+            return param
+        if slot.rounding == "stochastic":  # a second rounding would draw other values: its saves hold codes
+            rounded, codes = RoundWeight.apply(param, self.state, slot, self.packer.active)
+            self.packer.register(param, rounded, codes, slot.fmt, "weight")
+        else:
+            rounded, _ = RoundWeight.apply(param, self.state, slot, False)
+            self.packer.register_weight(param, rounded, slot, self.state)
+        return rounded
+
+    def up_front(self) -> dict[str, torch.Tensor]:
+        """The rounded weights of a forward that are not rounded at their use (their float32 copies die with the
+        layer that uses them)."""
+        return {name: self.weight(name) for name in self.weights if name not in self.at_use}
+
+
+def low_weights(module: nn.Module, graph: TensorGraph, state: TensorState) -> dict[str, tuple[nn.Parameter, Slot]]:
+    """Qualified parameter name -> (parameter, slot) for the weights whose format is not fp32."""
+    params = dict(module.named_parameters())
+    found = {}
+    for slot in state.slots.values():
+        info = graph.tensors[slot.id]
+        if slot.kind == "weight" and slot.is_low and info.param in params:
+            found[info.param] = (params[info.param], slot)
+    return found
+
+
+def rounder_for(op: Any, rounding: Rounding) -> Rounder | None:
+    """The rounding module for ``op``'s outputs that need rounding, or None."""
+    found = {}
+    for tensor_id in op.outputs:
+        position = int(tensor_id.rsplit(":activation", 1)[1] or 0)
+        act = rounding.state.slots.get(tensor_id)
+        grad = rounding.state.slots.get(grad_id(tensor_id))
+        if act is not None and (act.is_low or (grad is not None and grad.is_low)):
+            found[position] = (act, grad if grad is not None and grad.is_low else None)
+    return Rounder(rounding, found, op.name) if found else None
+
+
+def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: Slot, with_codes: bool,
+                   in_place: bool = False) -> Any:
+    """The forward of the round Functions: rounded values (``x`` itself, ``in_place``), and their codes as a
+    non-differentiable output."""
+    ctx.set_materialize_grads(False)  # no zero gradients for the codes
+    if in_place:
+        rounded, codes = x, state.round_(x, slot, with_codes, count=state.counting)
+        ctx.mark_dirty(x)
+    else:
+        rounded, codes = state.round(x, slot, with_codes, count=state.counting)
+    if codes is None:
+        return rounded, None
+    ctx.mark_non_differentiable(codes)
+    return rounded, codes
+
+
+class RoundActivation(torch.autograd.Function):
+    """Forward: the activation rounded to its format (and its codes), over the op's own output with
+    ``in_place``. Backward: its gradient rounded, over the gradient itself with ``grad_in_place`` (a new
+    tensor only this rounding reads, ``graph.in_place.gradient_arrives_fresh``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, state: TensorState, act: Slot, grad: Slot | None,
+                with_codes: bool, in_place: bool, grad_in_place: bool) -> Any:
+        ctx.state, ctx.grad, ctx.count = state, grad, state.counting  # an evaluation's backward counts nothing
+        ctx.grad_in_place = grad_in_place
+        return _round_forward(ctx, x, state, act, with_codes, in_place)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor | None, None, None, None, None,
+                                                                  None, None]:
+        if ctx.grad is not None and g is not None:
+            if ctx.grad_in_place and g.is_contiguous():
+                ctx.state.round_(g, ctx.grad, count=ctx.count)
+            else:
+                if ctx.grad_in_place:
+                    ctx.state.warn_gradient_copied(ctx.grad)
+                g = ctx.state.round(g, ctx.grad, count=ctx.count)[0]
+        return g, None, None, None, None, None, None
+
+
+class RoundWeight(torch.autograd.Function):
+    """Forward: the weight the layer computes with, rounded (and its codes). Backward: straight through."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, state: TensorState, slot: Slot, with_codes: bool) -> Any:
+        return _round_forward(ctx, param, state, slot, with_codes)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor, None, None, None]:
+        return g, None, None, None
+
+
+class Rounder(nn.Module):
+    """The module inserted after an op: rounds each output position that has a slot (act, grad). With
+    ``in_place`` (set by ``instrument_fx`` after ops that make fresh outputs read by nothing else) it may write
+    the rounded values over the op's output (``Packer.fresh`` says when). It rounds the output's gradient over
+    itself, unless a backward hook of the reading module may keep it, with ``grad_in_place`` (the gradient
+    arrives as a new tensor, ``graph.in_place.gradient_arrives_fresh``) and where the gradient is an add's output
+    gradient that ``grad_source`` rounded exactly as this one rounds (``graph.in_place.gradient_passes_from``): the
+    values do not change then, so the add's other input, which holds the same tensor, sees no difference."""
+
+    def __init__(self, rounding: Rounding, slots: dict[int, tuple[Slot, Slot | None]], op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.rounding = rounding
+        self.slots = slots
+        self.in_place = self.grad_in_place = False
+        self.grad_source: Slot | None = None  # the add's output gradient this one's is (``gradient_passes_from``)
+        self.__dict__["reader"] = None  # the module reading the output, when its gradient may be rounded over
+
+    def forward(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._one(0, value)
+        if isinstance(value, tuple | list):
+            return type(value)(self._one(i, v) if isinstance(v, torch.Tensor) else v for i, v in enumerate(value))
+        return value
+
+    def _one(self, position: int, t: torch.Tensor) -> torch.Tensor:
+        pair = self.slots.get(position)
+        if pair is None or t.dtype != torch.float32:
+            return t
+        source, grad = self.grad_source, pair[1]
+        rounded_alike = source is not None and grad is not None and source.is_low and source.args() == grad.args()
+        grad_in_place = (self.grad_in_place or rounded_alike) and not keeps_input_gradients(self.reader)
+        return self.rounding.activation(t, *pair, in_place=self.in_place, grad_in_place=grad_in_place)
+
+    def extra_repr(self) -> str:
+        return self.op
+
+
+def keeps_input_gradients(module: nn.Module | None) -> bool:
+    """Whether a backward hook (the module's own or a global one) sees, and may keep, the gradients of the
+    module's inputs: a rounding must not write over them then."""
+    return module is not None and bool(module._backward_hooks or nn.modules.module._global_backward_hooks)
+
+
+class Alias(nn.Module):
+    """The module inserted after a layout op: a copy it made of rounded values is packed like its source."""
+
+    def __init__(self, rounding: Rounding, slot: Slot) -> None:
+        super().__init__()
+        self.rounding = rounding
+        self.slot = slot
+
+    def forward(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            self.rounding.packer.alias(value, self.slot, self.rounding.state)
+        return value
+
+
+class GradUse(nn.Module):
+    """Inserted before one consumer of an activation (``gradient_rounding: per_use``): the gradient this
+    consumer sends back is rounded on its own, and autograd sums the consumers' rounded gradients in float32."""
+
+    def __init__(self, rounding: Rounding, slot: Slot) -> None:
+        super().__init__()
+        self.rounding = rounding
+        self.slot = slot
+
+    def forward(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or not value.requires_grad or not self.slot.is_low:
+            return value
+        use = value.view_as(value)  # a node of its own in the autograd graph, sharing the storage
+        self.rounding.gradient_of(use, self.slot)
+        return use
+
+
+class RoundedWeightsCall(nn.Module):
+    """Calls a layer with its low weights rounded, so that their float32 copies die with the call."""
+
+    def __init__(self, rounding: Rounding, layer: nn.Module, params: dict[str, str]) -> None:
+        super().__init__()
+        self.rounding = rounding
+        self.__dict__["layer"] = layer  # the user's module, called as it is: not a child of this one
+        self.params = params  # the layer's parameter name -> its qualified name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        rounded = {name: self.rounding.weight(qualified) for name, qualified in self.params.items()}
+        return torch.func.functional_call(self.layer, rounded, args, kwargs)
+
+
+class RoundedWeight(nn.Module):
+    """Inserted after a read of a parameter (a weight passed to a function): the rounded weight."""
+
+    def __init__(self, rounding: Rounding, qualified: str) -> None:
+        super().__init__()
+        self.rounding = rounding
+        self.qualified = qualified
+
+    def forward(self, param: torch.Tensor) -> torch.Tensor:
+        return self.rounding.weight(self.qualified)
+

@@ -1,0 +1,292 @@
+"""What the runtime knows about each tensor id of the graph: its format now, how it rounds, what was seen of it.
+
+``TensorState`` is a plain object, made once by ``apply_policy`` and passed explicitly to everything that
+rounds. Every rounding is one ``precsearch::round`` op (precsearch.runtime.ops: one fused kernel when compiled)
+that also adds the number of overflowing values to the tensor's row of a counts tensor on the device. The
+counts are read once per step, together with the loss scaler's own overflow test (``LossScaler.watch``:
+``pending``/``settle``; or ``flush`` at the next training forward when the loop does not call
+``scaler.step``): a training step makes one host synchronisation, however many tensors it rounds. Only
+training forwards (``counting``) count, so evaluation never promotes.
+
+Divergence guard (Lee et al.): when a tensor of a kind in ``promotion_kinds`` has an overflow fraction in a
+step that reaches ``threshold``, it is promoted to the high format for the rest of training, logged and
+listed in ``promotions``, and that step is skipped (its values overflowed). An overflow in a gradient is
+reported to the loss scaler as an overflow (a saturating format hides it from the scaler's inf test). A saved
+tensor that holds inf/NaN in a format without such codes cannot be packed faithfully: that step is skipped
+too, with a WARNING.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from precsearch.config.policy import Policy
+from precsearch.config.spec import GRAD_KINDS
+from precsearch.errors import PrecsearchError
+from precsearch.formats import kernels
+from precsearch.formats.format import FloatFormat, get_format
+from precsearch.graph.types import TensorGraph
+from precsearch.runtime import ops
+
+__all__ = ["Promotion", "Slot", "TensorState", "make_state"]
+
+log = logging.getLogger(__name__)
+
+
+class Promotion(NamedTuple):
+    """A tensor moved to the high format: which, at which step, why (its overflow fraction), from and to."""
+
+    id: str
+    step: int
+    fraction: float
+    from_format: str
+    to_format: str
+
+
+
+
+class Slot:
+    """One assigned tensor id: its format now, how it rounds, its row of the counts, and what was seen."""
+
+    def __init__(self, tensor_id: str, kind: str, row: int, fmt: FloatFormat, rounding: str,
+                 overflow: str | None) -> None:
+        self.id, self.kind, self.row, self.assigned = tensor_id, kind, row, fmt
+        self.rounding, self.overflow_mode = rounding, overflow
+        self.promoted = False
+        self.fmt = fmt
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = self.counted = self.overflowed = 0
+        self.max_overflow = 0.0  # the largest fraction of one step
+        self.pending = 0  # elements counted on the device this step, not read yet
+        self.stat_sums: Counter[str] = Counter()
+        self.stat_elements = 0
+
+    @property
+    def is_low(self) -> bool:
+        return not self.fmt.is_fp32
+
+    def args(self) -> tuple[str, str, str]:
+        """The format arguments of the round ops."""
+        return self.fmt.name, self.rounding, self.overflow_mode or self.fmt.default_overflow
+
+
+class TensorState:
+    """What the runtime knows about each tensor id: format, promotion, statistics, and the device counters.
+
+    ``round`` rounds a tensor and counts its overflow on the device; ``pending``/``settle`` are the loss
+    scaler's once-a-step read of those counts (``LossScaler.watch``); ``flush`` reads them itself.
+    """
+
+    def __init__(self, slots: dict[str, Slot], high: FloatFormat, threshold: float | None, seed: int,
+                 promotion_kinds: tuple[str, ...]) -> None:
+        self.slots = slots
+        self.high = high
+        self.threshold = threshold
+        self.promotion_kinds = promotion_kinds
+        self.promotions: list[Promotion] = []
+        self.step = 0
+        self.counting = False  # this forward is a training forward: count and gather statistics
+        self.stats_due = False
+        self.on_promote: list[Callable[[Slot], None]] = []
+        self._seed = seed
+        self._counts: list[torch.Tensor] = []  # per slot row: [overflowed, unencodable] this step, on the device
+        self._uncounted: torch.Tensor | None = None  # what a rounding that counts nothing adds to, never read
+        self._seeds: torch.Tensor | None = None
+        self._dirty = False
+        self._warned_unencodable = self._warned_copied_gradient = False
+
+    def start_forward(self, training: bool, stats_every: int | None) -> None:
+        """A forward starts: counts left unread (no ``scaler.step`` in the loop) are read, once per step; a
+        training forward counts, and gathers statistics every ``stats_every``-th step."""
+        self.flush()
+        if training:
+            self.step += 1
+        self.counting = training
+        self.stats_due = training and bool(stats_every) and self.step % stats_every == 0
+
+    def _op_state(self, x: torch.Tensor, slot: Slot | None, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a rounding of ``x`` in ``slot`` passes its op, on ``x``'s device: the counts it adds to (the
+        slot's own tensor, ``count`` and ``x`` not empty, then accounted; else one never read; a kernel adds
+        to a whole tensor, not to a view at an offset) and the stochastic-rounding seed."""
+        device = x.device
+        if self._uncounted is None or self._uncounted.device != device:
+            self.flush()
+            self._counts = [torch.zeros(2, dtype=torch.int64, device=device) for _ in self.slots]
+            self._uncounted = torch.zeros(2, dtype=torch.int64, device=device)
+            self._seeds = torch.full((), self._seed, dtype=torch.int64, device=device)
+        if not (count and x.numel() > 0):
+            return self._uncounted, self._seeds
+        self._account(x, slot)
+        return self._counts[slot.row], self._seeds
+
+    def round(self, x: torch.Tensor, slot: Slot, with_codes: bool = False,
+              count: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` in the slot's format (a new tensor), its codes (``with_codes``, when the format fits 16 bits),
+        and the overflow counted on the device (``count``)."""
+        counts, seeds = self._op_state(x, slot, count)
+        rounded, codes = ops.round(x, counts, *slot.args(), seeds, with_codes)
+        return rounded, codes if codes.numel() else None
+
+    def round_(self, x: torch.Tensor, slot: Slot, with_codes: bool = False, count: bool = True
+               ) -> torch.Tensor | None:
+        """Round ``x`` in place, counting its overflow (``count``); its codes (``with_codes``, when the format
+        fits 16 bits)."""
+        counts, seeds = self._op_state(x, slot, count)
+        codes = ops.round_(x, counts, *slot.args(), seeds, with_codes)
+        return codes if codes.numel() else None
+
+    def round_again(self, x: torch.Tensor, args: tuple[str, str, str], in_place: bool = False) -> torch.Tensor:
+        """``x`` rounded again as an earlier rounding was (``args``: its ``Slot.args()``), counting nothing:
+        its overflow was counted the first time. No gradient flows through it."""
+        counts, seeds = self._op_state(x, None, count=False)
+        with torch.no_grad():
+            if in_place:
+                ops.round_(x, counts, *args, seeds, False)
+                return x
+            return ops.round(x, counts, *args, seeds, False)[0]
+
+    def warn_gradient_copied(self, slot: Slot) -> None:
+        """Once: a gradient that may be rounded over itself arrived non-contiguous, so it was rounded into a new
+        tensor."""
+        if not self._warned_copied_gradient:
+            self._warned_copied_gradient = True
+            log.warning("the gradient %s arrived non-contiguous (a channels_last model?): such gradients are "
+                        "rounded into a new tensor (one more float32 block each), not over themselves", slot.id)
+
+    def _account(self, x: torch.Tensor, slot: Slot) -> None:
+        slot.calls += 1
+        slot.pending += x.numel()
+        self._dirty = True
+        if self.stats_due:
+            n = x.numel()
+            slot.stat_sums.update({key: value * n for key, value in kernels.stats(x.detach(), slot.fmt).items()})
+            slot.stat_elements += n
+
+    # -- the once-a-step read ---------------------------------------------------------------------------
+
+    def pending(self) -> torch.Tensor | None:
+        return torch.cat(self._counts) if self._dirty else None
+
+    def settle(self, values: list[int]) -> tuple[bool, bool]:
+        """Take this step's counts: update statistics, promote, and say whether a gradient overflowed and
+        whether the step must be skipped (a promotion, or a saved tensor the format could not hold)."""
+        overflowed = skip = False
+        unencodable = 0
+        for slot in self.slots.values():
+            if not slot.pending:
+                continue
+            over, bad = values[2 * slot.row], values[2 * slot.row + 1]
+            fraction = over / slot.pending
+            slot.counted += slot.pending
+            slot.overflowed += over
+            slot.max_overflow = max(slot.max_overflow, fraction)
+            slot.pending = 0
+            unencodable += bad
+            if over and slot.kind in GRAD_KINDS:
+                overflowed = True
+            if self.threshold is not None and fraction >= self.threshold and self._promote(slot, fraction):
+                skip = True
+        if unencodable:
+            skip = True
+            if not self._warned_unencodable:
+                self._warned_unencodable = True
+                log.warning("step %d: %d saved value(s) were inf/NaN in a format without such codes, so their "
+                            "packed copies are wrong: the step is skipped (training has likely diverged)",
+                            self.step, unencodable)
+        torch._foreach_zero_(self._counts)
+        self._dirty = False
+        return overflowed, skip
+
+    def flush(self) -> None:
+        """Read and settle pending counts now (when the loop did not call ``scaler.step``)."""
+        if self._dirty:
+            self.settle(torch.cat(self._counts).tolist())
+
+    def _promote(self, slot: Slot, fraction: float) -> bool:
+        if slot.promoted or slot.fmt == self.high or not slot.is_low or slot.kind not in self.promotion_kinds:
+            return False
+        old = slot.fmt
+        slot.fmt = self.high
+        slot.promoted = True
+        for callback in self.on_promote:
+            callback(slot)
+        self.promotions.append(Promotion(slot.id, self.step, fraction, old.name, self.high.name))
+        log.info("promoted %s from %s to %s at step %d: %.2f%% of its values overflowed",
+                 slot.id, old.name, self.high.name, self.step, 100 * fraction)
+        return True
+
+    # -- reports ----------------------------------------------------------------------------------------
+
+    def table(self) -> dict[str, dict[str, Any]]:
+        self.flush()
+        table: dict[str, dict[str, Any]] = {}
+        for tensor_id, slot in self.slots.items():
+            if slot.assigned.is_fp32 or not slot.calls:
+                continue
+            row: dict[str, Any] = {"kind": slot.kind, "format": slot.fmt.name, "assigned": slot.assigned.name,
+                                   "promoted": slot.promoted, "calls": slot.calls}
+            if slot.counted:
+                row["overflow"] = slot.overflowed / slot.counted
+                row["max_overflow"] = slot.max_overflow
+            if slot.stat_elements:
+                row.update({key: value / slot.stat_elements for key, value in slot.stat_sums.items()})
+                row.setdefault("overflow", row.get("overflow", 0.0))
+            table[tensor_id] = row
+        return table
+
+    def reset(self) -> None:
+        self.flush()
+        for slot in self.slots.values():
+            slot.reset()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What training must carry over: the step, the promotions and the stochastic-rounding counter."""
+        self.flush()
+        return {"step": self.step, "promotions": [list(p) for p in self.promotions],
+                "rounding_seed": self._seed if self._seeds is None else int(self._seeds)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[Slot]:
+        """Restore ``state_dict()``; returns the slots promoted by it (the caller tells the optimizers)."""
+        unknown = [p[0] for p in state["promotions"] if p[0] not in self.slots]
+        if unknown:
+            raise PrecsearchError(f"checkpoint promotes {unknown[0]!r}, which this policy does not assign; load it "
+                                  "into a model wrapped with the policy it was trained under")
+        self.step = int(state["step"])
+        self.promotions = [Promotion(*p) for p in state["promotions"]]
+        self._seed = int(state["rounding_seed"])
+        if self._seeds is not None:
+            self._seeds.fill_(self._seed)
+        promoted = []
+        for promotion in self.promotions:
+            slot = self.slots[promotion.id]
+            if not slot.promoted:
+                slot.fmt, slot.promoted = get_format(promotion.to_format), True
+                promoted.append(slot)
+        return promoted
+
+
+
+def make_state(graph: TensorGraph, policy: Policy, seed: int) -> TensorState:
+    """One slot per assignable tensor id of ``graph``, in the format and rounding ``policy`` gives it."""
+    slots = {}
+    stochastic_update = policy.optimizer.get("update") == "stochastic"
+    for row, tensor_id in enumerate(graph.assignable_ids()):
+        info = graph.tensors[tensor_id]
+        fmt = get_format(policy.format_for(info))
+        rounding = policy.rounding.get(info.kind, "nearest")
+        if rounding == "nearest" and policy.ties == "away":
+            rounding = "nearest_away"
+        if info.kind == "weight" and policy.master_weights and stochastic_update:
+            rounding = "stochastic"  # the master's rounding to the working copy is the weight update
+        slots[tensor_id] = Slot(tensor_id, info.kind, row, fmt, rounding, policy.overflow.get(info.kind))
+    return TensorState(slots, get_format(policy.high_format), policy.promotion_threshold, seed,
+                       promotion_kinds=policy.promotion_kinds)
