@@ -74,7 +74,8 @@ def test_tracker_step_of_a_linear_layer_by_hand():
 # Small widths: activations still dominate parameters, as in real training (at 16x16 images and batch 8 they
 # do not, and the prediction of ResNet-18's peak is 17% high). tiny_cnn at width 1
 # (16 channels): narrower layers are padded to oneDNN's 16-channel blocks, a CPU artifact.
-WIDTHS = {"resnet18": 0.25, "mobilenet_v2": 0.25, "shufflenet_v2": 0.25, "squeezenet": 0.25, "tiny_cnn": 1.0}
+WIDTHS = {"resnet18": 0.25, "mobilenet_v2": 0.25, "shufflenet_v2": 0.25, "squeezenet": 0.25, "tiny_cnn": 1.0,
+          "narrow_cnn": 1.0}
 BATCHES = (16, 32)
 IMAGE = 32
 POLICIES = ("plain", "fp32", "fp16", "bf16", "hfp8", "all-low")

@@ -1,4 +1,4 @@
-"""The model zoo: the paper's four CNNs in CIFAR form plus a tiny CNN, and user models by factory path.
+"""The model zoo: the paper's four CNNs in CIFAR form plus a tiny CNN and a narrow patch-stem CNN, and user models by factory path.
 
 `build("resnet18", width=0.25, num_classes=100)` or `build("resnet18:width=0.25,classes=100")`;
 `build("mypackage.models:make_net", depth=3)` imports `mypackage.models` and calls `make_net(depth=3)`.
@@ -18,6 +18,7 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.models.mobilenet import mobilenet_v2
+from precsearch.models.narrow import narrow_cnn
 from precsearch.models.resnet import resnet18
 from precsearch.models.shufflenet import shufflenet_v2
 from precsearch.models.squeezenet import squeezenet
@@ -31,6 +32,7 @@ _ZOO: dict[str, Callable[..., nn.Module]] = {
     "shufflenet_v2": shufflenet_v2,
     "squeezenet": squeezenet,
     "tiny_cnn": tiny_cnn,
+    "narrow_cnn": narrow_cnn,
 }
 NAMES: tuple[str, ...] = tuple(_ZOO)
 OPTIONS: tuple[str, ...] = ("width", "num_classes")
