@@ -21,20 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's precsearch, not an installed one
+import torch
 
-import torch  # noqa: E402
-
-from precsearch.data import load_dataset  # noqa: E402
-from precsearch.policy import baseline  # noqa: E402
-from precsearch.search import Budget, DataSpec, SearchContext  # noqa: E402
-from precsearch.spaces import paper_space  # noqa: E402
-from precsearch.strategies import assign  # noqa: E402
-from precsearch.train import train  # noqa: E402
+from precsearch.config.spaces import paper_space
+from precsearch.search.context import Budget, DataSpec, SearchContext
+from precsearch.search.strategies import assign, baseline
+from precsearch.train.data import load_dataset
+from precsearch.train.trainer import train
 
 ASSIGNMENTS = ("fp32", "high", "low", "input_high", "stem_high", "input_low", "stem_low")
 
@@ -69,8 +64,8 @@ def step_ms(context: SearchContext, policy, data, config, threads: int, steps: i
               report=lambda step, loss: stamps.append((time.perf_counter(), time.process_time())))
     finally:
         torch.set_num_threads(before)
-    walls = [b[0] - a[0] for a, b in zip(stamps[5:], stamps[6:])]
-    cpus = [b[1] - a[1] for a, b in zip(stamps[5:], stamps[6:])]
+    walls = [b[0] - a[0] for a, b in zip(stamps[5:], stamps[6:], strict=False)]
+    cpus = [b[1] - a[1] for a, b in zip(stamps[5:], stamps[6:], strict=False)]
     return 1000 * statistics.median(walls), 1000 * statistics.median(cpus)
 
 
@@ -138,8 +133,9 @@ def main() -> None:
     print("\n".join(rows))
     print("(* = the run's divergence monitor fired; memory is the share of the all-high assignment's bytes; "
           "cpu-1t is the process CPU time of a step on one thread, wall-1t / wall-2t wall time on 1 / 2 "
-          f"threads (medians of steps 6..N, no statistics step); run-1t is a whole run's wall time (trace, "
-          f"compile, statistics every 50 steps, evaluation) per step, mean over its runs; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+          "threads (medians of steps 6..N, no statistics step); run-1t is a whole run's wall time (trace, "
+          "compile, statistics every 50 steps, evaluation) per step, mean over its runs; load average now "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from torch import nn
 
 from precsearch.models.common import scale_channels
 
-
 LAYERS = ((16, 1), (16, 1), (32, 1), (32, 1))  # (channels at width 1.0, stride) of the 3x3 layers
 
 
