@@ -1,4 +1,4 @@
-"""The model zoo: the paper's four CNNs in CIFAR form plus a tiny CNN and a narrow patch-stem CNN, and user models by factory path.
+"""The model zoo: the paper's four CNNs in CIFAR form, a tiny CNN, a narrow patch-stem CNN, and user models.
 
 `build("resnet18", width=0.25, num_classes=100)` or `build("resnet18:width=0.25,classes=100")`;
 `build("mypackage.models:make_net", depth=3)` imports `mypackage.models` and calls `make_net(depth=3)`.
