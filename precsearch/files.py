@@ -37,6 +37,12 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
             os.fsync(out.fileno())
         os.chmod(temp, user_file_mode())
         os.replace(temp, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        if error.filename is None:  # a failed write or fsync names no file: name the one being written
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)

@@ -4,6 +4,10 @@ file-system errors. Each test is named after the behaviour a defect of issue 16 
 from __future__ import annotations
 
 import errno
+import os
+import resource
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -78,16 +82,20 @@ def test_no_pick_when_the_reference_diverged_or_everything_is_at_chance_level():
     assert int(choose_best(good, Budget(max_memory=0.5), reference=None, chance=0.147)["number"]) == 1
 
 
-@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
-def test_a_file_system_error_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, code):
-    def refuse(path, text):
-        raise OSError(code, __import__("os").strerror(code), str(path))
+def test_a_file_too_large_for_the_file_system_is_one_line_and_exit_2(tmp_path):
+    """A real write failure, not a patched one: the process may write files of at most 1 KiB (RLIMIT_FSIZE),
+    so writing the graph's JSON fails with EFBIG; the command says so in one line and leaves no file."""
+    limit = 1024
 
-    monkeypatch.setattr("precsearch.cli.trace.atomic_write_text", refuse, raising=False)
-    monkeypatch.setattr("precsearch.graph.tracing.atomic_write_text", refuse)
-    assert main(["trace", "tiny_cnn", "--json", str(tmp_path / "graph.json")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and __import__("os").strerror(code) in err and "graph.json" in err
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    target = tmp_path / "graph.json"
+    done = subprocess.run([sys.executable, "-m", "precsearch", "trace", "tiny_cnn", "--json", str(target)],
+                          capture_output=True, text=True, preexec_fn=small_files, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and os.strerror(errno.EFBIG) in done.stderr and "graph.json" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no half-written file, no temp file left behind
 
 
 def test_writing_into_a_folder_where_a_file_goes_is_one_line_and_exit_2(tmp_path, capsys):
