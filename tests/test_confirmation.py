@@ -138,3 +138,20 @@ def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):
     assert budget.loc[f"every trial at full length {LENGTH}", "steps"] == (
         calibration + len(trained) * 3 * LENGTH + confirmation)
     assert budget.loc[f"paper: one run per sweep point at {CONFIRM} steps", "steps"] == 11 * CONFIRM
+
+
+def test_a_front_point_at_chance_is_not_confirmed(tmp_path, context):
+    """All-low is the front's cheapest point but its proxy stayed at chance: confirming it would buy nothing,
+    since no rule can pick it; the points that learned are confirmed."""
+
+    def curve(name, step, length, seed):
+        if name == "LLLL":  # keeps up with the slowest reference seed at the rungs, then falls to chance
+            return _at(REFERENCE, step)[0] if step < LENGTH else CHANCE
+        return _at(REFERENCE, step)[seed % 1000]
+
+    trainer = ScriptedTrainer(curve, context)
+    result = _search(tmp_path / "run", trainer)
+    confirmed = {call["name"] for call in trainer.calls if call["seed"] >= 1000}
+    front = set(result.pareto["decisions"])
+    assert "LLLL" in front and "LLLL" not in confirmed
+    assert {"HHHH", "plain"} <= confirmed and (front - {"LLLL"}) <= confirmed

@@ -671,11 +671,14 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
 def _confirm(study: optuna.Study, context: SearchContext, ledger: Ledger, config: SearchConfig,
              check: Callable[[int, float], None]) -> None:
     """Train the front's points (within the memory budget), all-high and plain fp32 at the confirmation
-    length on fresh seeds (precsearch.search.confirmation)."""
+    length on fresh seeds (precsearch.search.confirmation). A front point whose proxy diverged or stayed at
+    chance cannot be picked whatever its confirmation says, so it is not trained again."""
     frame = trials_frame(study, context)
     front = pareto_front(frame, context.space.accuracy_objective)
     if context.budget.max_memory is not None and not front.empty:
         front = front[front["memory"] <= context.budget.max_memory + 1e-12]
+    if not front.empty:
+        front = front[(front["val_accuracy"] > context.chance) & ~front["diverged"].astype(bool)]
     trials = study.get_trials(deepcopy=False)
     high = uniform(context.graph, context.space, "high")
     policies: dict[str, Policy | None] = {high.key: context.policy(high.assignment, {"strategy": "all-high"})}
