@@ -52,6 +52,33 @@ def _clear_previous_demo(out: Path) -> None:
     shutil.rmtree(out)
 
 
+def smaller_baselines(baselines, best, result, space, device: str) -> str:
+    """Hold the pick against every prior-work baseline that holds less memory: one that diverged or fell
+    behind at the proxy length is out; one that kept up is confirmed like the pick (same length, same seeds)."""
+    from precsearch.config.policy import Policy
+    from precsearch.search.confirmation import CONFIRM_SEED_OFFSET
+    from precsearch.search.context import Budget, DataSpec, SearchContext
+
+    rows = baselines[(baselines["source"] == "baseline") & (baselines["memory"] < best["memory"])]
+    if rows.empty:
+        return "baselines with less memory than the pick: none"
+    reference = float(result.confirmation["confirmed_accuracy"].max())  # the best confirmed yardstick
+    length, seeds = int(result.confirmation["confirmed_steps"].max()), int(best["seeds"])
+    lines = ["baselines with less memory than the pick:"]
+    for _, row in rows.iterrows():
+        if row["diverged"] or row["val_accuracy"] < reference - MAX_DROP - 3 * result.noise.sd:
+            state = "diverged" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
+            lines.append(f"  {row['name']:<9} memory {row['memory']:.3f}  {state} at the proxy length: out")
+            continue
+        context = SearchContext.create(MODEL, space, DataSpec(DATA), Budget(), 0, device)
+        policy = Policy.load(Path(result.out_dir) / row["policy"])
+        runs = context.train_seeds(policy, length, [CONFIRM_SEED_OFFSET + index for index in range(seeds)])
+        accuracy = sum(run.val_accuracy for run in runs) / len(runs)
+        lines.append(f"  {row['name']:<9} memory {row['memory']:.3f}  confirmed accuracy {accuracy:.4f} "
+                     f"({len(runs)} seeds, {length} steps)")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from precsearch.analysis.report import write_report
     from precsearch.cli.search import accuracy_text, confidence_text, confirmed_text, tie_text, yardsticks_text
@@ -89,10 +116,13 @@ def run(args: argparse.Namespace) -> int:
         state = "diverged" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
         print(f"  {row['name']:<9} memory {row['memory']:.3f}  {state}")
     if result.best is not None:
-        print(f"best.json: trial {int(result.best['number'])}, memory {result.best['memory']:.3f}, confirmed "
-              f"accuracy {accuracy_text(result.best)} (least memory within {100 * MAX_DROP:g} point of all-high at "
-              f"{100 * result.noise.confidence:g}% confidence){confidence_text(result.best)}")
+        best = result.best
+        print(f"best.json: trial {int(best['number'])}, memory {best['memory']:.3f} (predicted peak of a step "
+              f"{best['memory_peak']:.3f} of all-high's), confirmed accuracy {accuracy_text(best)} (least memory "
+              f"within {100 * MAX_DROP:g} point of all-high at {100 * result.noise.confidence:g}% confidence)"
+              f"{confidence_text(best)}")
         print(f"  {json.loads((out / 'best.json').read_text())['provenance']['noise']['statement']}")
+        print(smaller_baselines(baselines, best, result, space, args.device))
     else:
         print(f"best.json not written: {result.note}")
     print(describe_budget(result.budget))
