@@ -265,8 +265,9 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
         proxy = config.get("space", {}).get("proxy", {})
         lines.append(f"- model: `{config.get('model')}`, data: `{config.get('data', {}).get('name')}`, space: "
                      f"`{config.get('space', {}).get('name')}`, seed {config.get('seed')}")
-        if proxy:
-            lines.append("- proxies: " + ", ".join(f"{key} {value}" for key, value in proxy.items()))
+        if proxy:  # the space's steps are replaced by the run's proxy length where it has one (below)
+            shown = {key: value for key, value in proxy.items() if key != "steps" or "proxy_length" not in config}
+            lines.append("- proxies: " + ", ".join(f"{key} {value}" for key, value in shown.items()))
     if not tables.trials.empty:
         states = tables.trials["state"].value_counts().to_dict()
         diverged = int(tables.trials["diverged"].astype(bool).sum())
