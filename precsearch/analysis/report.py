@@ -2,10 +2,11 @@
 
 Everything comes from the files a search and ``precsearch baselines`` leave in the run directory
 (``trials.csv``, ``pareto.csv``, ``baselines.csv``, ``run.json``, ``calibration.csv``, ``budget.csv``,
-``best.json``), so the Pareto front, the paper's sweep and the prior-work baselines are shown side by side
-with numbers from the same proxies, the front's confirmed accuracies next to its proxy accuracies, the pick
+``best.json``, ``sensitivity.csv``), so the Pareto front, the paper's sweep and the prior-work baselines are shown
+side by side with numbers from the same proxies, the front's confirmed accuracies next to its proxy accuracies, the pick
 next to the confirmed all-high and plain fp32 runs, the reference's learning curve that set the proxy
-length, and the training steps each phase spent. Memory is the
+length, the training steps each phase spent, and the measured sensitivity of each unit against the bytes its
+demotion saves (``precsearch sensitivity``). Memory is the
 cost model's bytes of the assignable tensors relative to the space's all-high assignment.
 
 Figures are made with ``matplotlib.figure.Figure`` (rendered by the Agg canvas), never through pyplot, so
@@ -28,11 +29,12 @@ from matplotlib.figure import Figure
 
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
+from precsearch.search.sensitivity import SENSITIVITY_CSV, unit_table
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunTables", "calibration_table", "load_run", "plot_tradeoff", "summary_table", "sweep_points",
-           "write_report"]
+__all__ = ["RunTables", "calibration_table", "load_run", "plot_sensitivity", "plot_tradeoff", "summary_table",
+           "sweep_points", "write_report"]
 
 _R_PATTERN = re.compile(r"paper r=(\d+(?:\.\d+)?)")
 MEASURE_LABELS = {"bytes": "bytes of the tensors training keeps", "peak": "peak of a training step"}
@@ -50,6 +52,7 @@ class RunTables:
     best: dict[str, Any] | None
     calibration: pd.DataFrame
     budget: pd.DataFrame
+    sensitivity: pd.DataFrame  # empty unless the run has sensitivity.csv
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
@@ -87,9 +90,9 @@ def load_run(run_dir: str | Path) -> RunTables:
     best = None
     if (run_dir / "best.json").is_file():
         best = json.loads((run_dir / "best.json").read_text()).get("provenance")
-    calibration, budget = (_read_csv(run_dir / name) if (run_dir / name).is_file() else pd.DataFrame()
-                           for name in ("calibration.csv", "budget.csv"))
-    return RunTables(run_dir, config, trials, pareto, baselines, best, calibration, budget)
+    calibration, budget, sensitivity = (_read_csv(run_dir / name) if (run_dir / name).is_file() else pd.DataFrame()
+                                        for name in ("calibration.csv", "budget.csv", SENSITIVITY_CSV))
+    return RunTables(run_dir, config, trials, pareto, baselines, best, calibration, budget, sensitivity)
 
 
 def sweep_points(trials: pd.DataFrame) -> pd.DataFrame:
@@ -197,6 +200,25 @@ def plot_tradeoff(tables: RunTables, ax: Any = None) -> Figure:
     return fig
 
 
+def plot_sensitivity(table: pd.DataFrame, ax: Any = None) -> Figure:
+    """Each unit of a sensitivity table (``SENSITIVITY_CSV``) as its summed score against its bytes saved."""
+    units = unit_table(table)
+    if ax is None:
+        fig = Figure(figsize=(6.5, 4.5))
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    ax.scatter(units["bytes_saved"], units["score"].clip(lower=1e-30), color="tab:purple")
+    for row in units.itertuples():
+        ax.annotate(str(row.unit), (row.bytes_saved, max(row.score, 1e-30)), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes saved by demoting the unit")
+    ax.set_ylabel("sensitivity (summed score)")
+    ax.set_title("sensitivity against bytes")
+    return fig
+
+
 def _draw_noise(ax: Any, front: pd.DataFrame) -> None:
     """Seed error bars (+- sd) on the front, and a white centre on points whose accuracy is within seed noise
     of a cheaper front point (``within_noise_of``): their extra memory buys nothing measurable."""
@@ -290,6 +312,14 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
                   "length is the proxy length.", "", _markdown(calibration_table(tables.calibration))]
     if not tables.budget.empty:
         lines += ["## Training steps", "", _markdown(tables.budget)]
+    if not tables.sensitivity.empty:
+        figure = plot_sensitivity(tables.sensitivity)
+        temp = run_dir / ".sensitivity.png.tmp"
+        figure.savefig(temp, dpi=130, format="png")
+        temp.replace(run_dir / "sensitivity.png")
+        lines += ["## Sensitivity", "", "Each unit's summed score (the loss change its low format would cause, "
+                  "precsearch.search.sensitivity) against the bytes demoting it saves, least sensitive per byte "
+                  "first.", "", "![sensitivity](sensitivity.png)", "", _markdown(unit_table(tables.sensitivity))]
     md = run_dir / "report.md"
     atomic_write_text(md, "\n".join(lines))
     return png, md

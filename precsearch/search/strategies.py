@@ -46,7 +46,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ORDERS: tuple[str, ...] = ("largest", "smallest", "random")
+ORDERS: tuple[str, ...] = ("largest", "smallest", "random", "sensitivity")
 R_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
 ACCEPTANCE_WINDOW = 0.1  # the reference runs r only if the low share it reaches is at most r + 0.1
 WANG_LOW = "e5m2s"  # Wang et al. 2018: (1,5,2) weights, activations and activation gradients
@@ -140,9 +140,11 @@ def _candidate(graph: Any, space: SearchSpace, strategy: str, decisions: dict[st
 
 
 def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "largest",
-                     seed: int = 0) -> Candidate:
+                     seed: int = 0, scores: Mapping[int, float] | None = None) -> Candidate:
     """The paper's technique at memory-saving target ``r``: demote whole groups, in ``order``, until the low
-    share reaches ``r``. ``order`` "largest" is the paper; "smallest" and "random" (seeded) are its ablations.
+    share reaches ``r``. ``order`` "largest" is the paper; "smallest" and "random" (seeded) are its ablations;
+    "sensitivity" demotes the groups of least ``scores`` (group -> sensitivity per byte saved,
+    precsearch.search.sensitivity.group_order) first, ties in execution order.
     """
     if not 0.0 <= r <= 1.0:
         raise PrecsearchError(f"r={r} must lie in [0, 1]")
@@ -150,7 +152,14 @@ def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "lar
         raise PrecsearchError(f"unknown group order {order!r}; use one of {', '.join(ORDERS)}")
     sizes = group_sizes(graph)
     groups = list(sizes)  # execution order
-    if order == "largest":
+    if (order == "sensitivity") != (scores is not None):
+        raise PrecsearchError("give scores (group -> sensitivity per byte) with order sensitivity, and only then")
+    if order == "sensitivity":
+        unscored = sorted(set(groups) - set(scores))
+        if unscored:
+            raise PrecsearchError(f"no sensitivity score for group(s) {unscored}; measure this graph's groups")
+        groups.sort(key=lambda g: scores[g])
+    elif order == "largest":
         groups.sort(key=lambda g: -sizes[g])  # stable: ties keep execution order
     elif order == "smallest":
         groups.sort(key=lambda g: sizes[g])
@@ -170,10 +179,10 @@ def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "lar
 
 
 def sweep(graph: Any, space: SearchSpace, rs: Iterable[float] = R_GRID, order: str = "largest",
-          seed: int = 0, window: float | None = None) -> list[Candidate]:
+          seed: int = 0, window: float | None = None, scores: Mapping[int, float] | None = None) -> list[Candidate]:
     """The technique at each target in ``rs`` (default 0, 0.1, ..., 1); with a ``window`` (the paper's:
     ``ACCEPTANCE_WINDOW``), only the candidates whose low share lies in [r, r + window], the others logged."""
-    candidates = [paper_assignment(graph, r, space, order=order, seed=seed) for r in rs]
+    candidates = [paper_assignment(graph, r, space, order=order, seed=seed, scores=scores) for r in rs]
     if window is None:
         return candidates
     for candidate in candidates:
@@ -242,16 +251,18 @@ class AllLow(Seeding):
         return [(uniform(graph, space, "low"), self.name)]
 
 
-def seed_candidates(graph: Any, space: SearchSpace) -> list[tuple[Candidate, list[str]]]:
-    """The search's starting points from every registered seeding (all-high, the paper's sweep, all-low),
-    each assignment once.
+def seed_candidates(graph: Any, space: SearchSpace,
+                    first: Sequence[Seeding] = ()) -> list[tuple[Candidate, list[str]]]:
+    """The search's starting points from the seedings ``first`` (built from measurements, such as
+    precsearch.search.sensitivity.SensitivitySeeding), then every registered seeding (all-high, the paper's
+    sweep, all-low), each assignment once.
 
     Returns (candidate, origins) pairs; origins name every seed that produced the same assignment
     (e.g. ["all-high", "paper r=0.0"]) so the report can mark the sweep even where points coincide.
     """
     seen: dict[str, tuple[Candidate, list[str]]] = {}
-    for seeding in SEEDINGS.values():
-        for candidate, origin in seeding().candidates(graph, space):
+    for seeding in [*first, *(registered() for registered in SEEDINGS.values())]:
+        for candidate, origin in seeding.candidates(graph, space):
             seen.setdefault(candidate.key, (candidate, []))[1].append(origin)
     return list(seen.values())
 

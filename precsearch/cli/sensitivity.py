@@ -1,0 +1,45 @@
+"""`precsearch sensitivity MODEL ...`: which groups and tensor kinds the space's low format hurts, measured on
+a few all-high training steps (precsearch.search.sensitivity), as a table and sensitivity.csv."""
+
+from __future__ import annotations
+
+import argparse
+
+from precsearch.cli.search import add_data_arguments, space_argument
+from precsearch.search.sensitivity import DEFAULT_BATCHES
+
+HELP = "measure how much the low format hurts each group and tensor kind"
+DESCRIPTION = ("Run a few seeded plain-fp32 SGD steps of MODEL on the data and score, per decision unit and tensor "
+               "kind, the error the space's low format would introduce (gradient-weighted for activations and "
+               "weights, on the update for gradients) with its overflow and underflow shares; prints the units "
+               "least sensitive per byte saved first and writes sensitivity.csv into --out.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
+    parser.add_argument("--space", default=None, metavar="YAML",
+                        help="search space file (default: the paper's HFP8 space)")
+    parser.add_argument("--batches", type=int, default=DEFAULT_BATCHES, metavar="N",
+                        help="training batches measured (default %(default)s)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory for sensitivity.csv (a run directory)")
+    add_data_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from precsearch.config.spaces import load_space
+    from precsearch.search.context import DataSpec, torch_threads
+    from precsearch.search.sensitivity import measure_model, save_table, unit_table
+    from precsearch.train.trainer import resolve_device
+
+    space = space_argument(args)
+    space = load_space(space) if isinstance(space, str) else space
+    space = space.with_proxy(batch_size=args.batch_size, image_size=args.image_size)
+    device = resolve_device(args.device)
+    with torch_threads(args.threads):
+        data = DataSpec(args.data, args.data_root).load(space.proxy.image_size, seed=args.seed)
+        table = measure_model(args.model, space, data, batches=args.batches, seed=args.seed, device=str(device))
+    path = save_table(table, args.out)
+    print(unit_table(table).to_string(index=False, float_format=lambda value: f"{value:.3g}"))
+    print(f"table: {path}")
+    return 0

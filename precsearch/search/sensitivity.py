@@ -1,0 +1,356 @@
+"""Sensitivity before search: which tensors the space's low format hurts, measured on a few all-high steps.
+
+Inference tools score layers before they search (NVIDIA ModelOpt's auto_quantize: the gradient-weighted
+quantization error sum((dL/dY)^2 (Q(Y) - Y)^2)); ``measure`` does the same for every tensor kind a policy
+assigns, in the space's decision units, from a few seeded plain-fp32 SGD steps on the task's data:
+
+- forward tensors (activations, the input included, and weights): ``score`` = sum(g^2 (Q_low(v) - Q_high(v))^2),
+  with g the loss gradient of the tensor (the Fisher estimate of the loss change the rounding causes), divided
+  by the share of the tensor's energy that is not its per-channel mean. A few steps into training the loss
+  does not yet depend on a signal the network has not learned, so the gradient alone misses rounding that
+  erases a faint signal on a bright level (the ``gratings`` input); measured against the spread batch norm
+  keeps, that error is as large as the signal itself.
+- gradients, measured on the update they make (lr x gradient): a weight gradient's rounding error moves the
+  weight by lr x error, scored like a weight: lr^2 sum(g^2 error^2); an activation gradient's relative error
+  is carried, in proportion, into the updates of every weight it flows back to (its op and the ops before it):
+  relative error x lr^2 sum(g^4) over those weights. Gradients are rounded at the loss scale a dynamic scaler
+  settles on (the space's initial scale, halved until nothing overflows), as the runtime rounds them.
+
+Every error is the low format's against the high one (a kind whose low format is the high one scores 0), so
+scores add up over a unit's tensors. ``error`` is the squared error relative to the tensor's spread (forward
+tensors) or its energy (gradients), ``overflow`` and ``underflow`` the
+shares of values outside the low format's range (precsearch.formats.kernels.stats). The rounding is nearest,
+per tensor, once per step; the runtime's promotion guard and stochastic rounding are not modelled.
+
+``least_sensitive`` solves the knapsack exactly (scipy's MILP): demote the units of least summed score whose
+bytes saved reach a target; ``sensitivity_sweep`` does it for the paper's ladder of targets, and
+``SensitivitySeeding`` hands those points to the search as seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from scipy.optimize import Bounds, LinearConstraint, milp
+from torch import fx, nn
+
+from precsearch.config.spaces import SearchSpace
+from precsearch.config.spec import ASSIGNABLE_KINDS, TensorId
+from precsearch.cost.model import CostModel
+from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
+from precsearch.formats.format import get_format
+from precsearch.formats.kernels import quantize, stats
+from precsearch.graph.tracing import trace
+from precsearch.graph.types import TensorGraph
+from precsearch.search.strategies import R_GRID, Candidate, Seeding, assign, low_share, units
+from precsearch.train.data import ImageDataset, make_loader
+from precsearch.train.trainer import build_model, seeded
+
+__all__ = ["COLUMNS", "DEFAULT_BATCHES", "SENSITIVITY_CSV", "SensitivitySeeding", "group_order", "least_sensitive",
+           "measure", "measure_model", "save_table", "sensitivity_sweep", "unit_table"]
+
+DEFAULT_BATCHES = 4
+SENSITIVITY_CSV = "sensitivity.csv"  # in a run directory; the report plots it
+COLUMNS: tuple[str, ...] = ("unit", "group", "kind", "tensors", "numel", "bytes_saved", "score", "error",
+                            "overflow", "underflow")
+
+
+class _Tap(torch.autograd.Function):
+    """Identity that hands the gradient arriving at its output to ``sink`` (the tensor's dL/dY, before any
+    in-place op that later writes over the output changes what autograd holds)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sink: list[torch.Tensor]) -> torch.Tensor:
+        ctx.sink = sink
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.sink.append(grad.detach().clone())
+        return grad, None
+
+
+class _Probe(fx.Interpreter):
+    """Runs the traced FX graph (the plain model's own modules) and taps the outputs the graph names:
+    node name -> {output position: tensor id}."""
+
+    def __init__(self, module: fx.GraphModule, wanted: Mapping[str, Mapping[int, str]]) -> None:
+        super().__init__(module)
+        self.wanted = wanted
+        self.values: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, list[torch.Tensor]] = {}
+
+    def run_node(self, node: fx.Node) -> Any:
+        result = super().run_node(node)
+        positions = self.wanted.get(node.name)
+        if not positions:
+            return result
+        if isinstance(result, torch.Tensor):
+            return self._tap(result, positions.get(0))
+        return type(result)(self._tap(item, positions.get(index)) for index, item in enumerate(result))
+
+    def _tap(self, value: Any, tensor_id: str | None) -> Any:
+        if tensor_id is None or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            return value
+        self.values[tensor_id] = value.detach().clone()
+        if not value.requires_grad:
+            return value
+        sink = self.grads.setdefault(tensor_id, [])
+        return _Tap.apply(value, sink)
+
+
+def _gradient_scale(grads: Iterable[torch.Tensor], space: SearchSpace) -> float:
+    """The loss scale gradients are rounded at: none for ``none``, the initial scale otherwise, halved (for
+    ``dynamic``) until no rounded gradient overflows its low format, as a dynamic scaler would settle."""
+    scaling = dict(space.loss_scaling)
+    mode = scaling.get("mode", "none")
+    if mode == "none":
+        return 1.0
+    scale = float(scaling.get("init_scale", 1.0))
+    if mode != "dynamic":
+        return scale
+    largest = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+    limit = min(get_format(space.low[kind]).max for kind in ("activation_grad", "weight_grad"))
+    while scale > 1.0 and largest * scale > limit:
+        scale /= 2.0
+    return scale
+
+
+def _rounding_error(value: torch.Tensor, low: str, high: str, overflow: str, scale: float = 1.0) -> torch.Tensor:
+    """What holding ``value`` (at ``scale``) in ``low`` instead of ``high`` changes, in ``value``'s units."""
+    scaled = value * scale
+    return (quantize(scaled, low, overflow=overflow) - quantize(scaled, high, overflow=overflow)) / scale
+
+
+def _relative(error: torch.Tensor, value: torch.Tensor) -> float:
+    norm = float(value.square().sum())
+    return float(error.square().sum()) / norm if norm > 0 else 0.0
+
+
+def _spread_share(value: torch.Tensor) -> float:
+    """The share of ``value``'s energy that is not its per-channel mean (dim 1; the whole tensor's mean below
+    2 dims): what batch norm keeps of it. 1 for a centred tensor, small for a faint signal on a bright level."""
+    energy = float(value.square().sum())
+    if energy == 0:
+        return 1.0
+    dims = [dim for dim in range(value.dim()) if dim != 1] if value.dim() >= 2 else None
+    centred = value - (value.mean(dim=dims, keepdim=True) if dims is not None else value.mean())
+    return max(float(centred.square().sum()) / energy, 1e-12)
+
+
+def _upstream_weights(graph: TensorGraph) -> dict[str, list[str]]:
+    """Activation id -> the weight ids whose gradients its gradient flows into (its op's and its ancestors')."""
+    import networkx
+
+    ops = {op.name: op for op in graph.ops}
+    op_graph = networkx.DiGraph()
+    op_graph.add_nodes_from(ops)
+    op_graph.add_edges_from((source, op.name) for op in graph.ops for source in op.inputs if source in ops)
+    weights = {op.name: [tid for tid in op.params if tid in graph.tensors] for op in graph.ops}
+    upstream = {}
+    for op in graph.ops:
+        before = [*networkx.ancestors(op_graph, op.name), op.name]
+        for tensor_id in op.outputs:
+            upstream[tensor_id] = [weight for name in before for weight in weights[name]]
+    return upstream
+
+
+def measure(graph: TensorGraph, model: nn.Module, space: SearchSpace, batches: Iterable[tuple[torch.Tensor,
+            torch.Tensor]]) -> pd.DataFrame:
+    """The sensitivity table (``COLUMNS``, one row per unit and tensor kind, scores averaged over the steps)
+    of ``model`` traced as ``graph`` (by ``precsearch.graph.tracing.trace``, which shares its modules), from
+    one plain SGD step (the space's proxy recipe) per batch of ``batches``."""
+    if graph.graph_module is None:
+        raise PrecsearchError(f"sensitivity runs the FX graph, and {graph.model_name} was traced with module "
+                              "hooks; make the model FX-traceable")
+    proxy = space.proxy
+    lr = proxy.lr
+    parameters = dict(model.named_parameters())
+    wanted: dict[str, dict[int, str]] = {}
+    for op in graph.ops:
+        for tensor_id in op.outputs:
+            wanted.setdefault(op.node, {})[TensorId.parse(tensor_id).index] = tensor_id
+    upstream = _upstream_weights(graph)
+    sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=proxy.momentum, weight_decay=proxy.weight_decay)
+    model.train()
+    rows: dict[str, list[dict[str, float]]] = {}
+    steps = 0
+    for images, labels in batches:
+        probe = _Probe(graph.graph_module, wanted)
+        sgd.zero_grad(set_to_none=True)
+        F.cross_entropy(probe.run(images.clone().requires_grad_(True)), labels).backward()
+        values: dict[str, torch.Tensor] = dict(probe.values)
+        grads: dict[str, torch.Tensor] = {tid: sum(sink) for tid, sink in probe.grads.items() if sink}
+        for info in graph.tensors.values():
+            if info.kind == "weight" and info.param in parameters:
+                values[info.id] = parameters[info.param].detach()
+                if parameters[info.param].grad is not None:
+                    grads[info.id] = parameters[info.param].grad.detach()
+        scale = _gradient_scale(grads.values(), space)
+        weight_updates = {tid: lr**2 * float(g.pow(4).sum()) for tid, g in grads.items()
+                          if graph.tensors[tid].kind == "weight"}
+        for info in graph.tensors.values():
+            if info.kind not in ASSIGNABLE_KINDS:
+                continue
+            forward = str(TensorId.parse(info.id).forward())
+            gradient = info.kind.endswith("_grad")
+            value = grads.get(forward) if gradient else values.get(info.id)
+            if value is None:
+                continue
+            low, overflow = space.low[info.kind], space.overflow[info.kind]
+            error = _rounding_error(value, low, space.high, overflow, scale if gradient else 1.0)
+            share = 1.0 if gradient else _spread_share(value)
+            relative = _relative(error, value) / share
+            if info.kind == "weight_grad":
+                score = lr**2 * float((value.square() * error.square()).sum())
+            elif info.kind == "activation_grad":
+                score = relative * sum(weight_updates.get(tid, 0.0) for tid in upstream.get(forward, ()))
+            else:
+                weight = grads.get(info.id)
+                score = float((weight.square() * error.square()).sum()) / share if weight is not None else math.nan
+            shares = stats(value * scale if gradient else value, low)
+            rows.setdefault(info.id, []).append({"score": score, "error": relative,
+                                                 "overflow": shares["overflow"], "underflow": shares["underflow"]})
+        sgd.step()
+        steps += 1
+    if steps == 0:
+        raise PrecsearchError("sensitivity needs at least one batch; give batches >= 1")
+    return _table(graph, space, {tid: pd.DataFrame(measured).mean() for tid, measured in rows.items()})
+
+
+def _table(graph: TensorGraph, space: SearchSpace, per_tensor: Mapping[str, pd.Series]) -> pd.DataFrame:
+    """Per-tensor means summed (scores) or numel-weighted (error, overflow, underflow) per unit and kind."""
+    cost = CostModel(graph, high=space.high, low=space.low)
+    high = {tid: space.high for tid in graph.assignable_ids()}
+    all_high = cost.bytes(high)
+    records = []
+    for unit, tensor_ids in units(graph, space).items():
+        by_kind: dict[str, list[str]] = {}
+        for tensor_id in tensor_ids:
+            by_kind.setdefault(graph.tensors[tensor_id].kind, []).append(tensor_id)
+        for kind, ids in by_kind.items():
+            numel = np.array([graph.tensors[tid].numel for tid in ids], dtype=np.float64)
+            measured = [per_tensor.get(tid) for tid in ids]
+            weights = np.array([n if m is not None else 0.0 for n, m in zip(numel, measured, strict=True)])
+
+            def weighted(column: str, measured: list[pd.Series | None] = measured,
+                         weights: np.ndarray = weights) -> float:
+                total = weights.sum()
+                values = [m[column] if m is not None else 0.0 for m in measured]
+                return float(np.dot(weights, values) / total) if total > 0 else math.nan
+
+            demoted = {**high, **{tid: space.low[kind] for tid in ids}}
+            records.append({
+                "unit": unit, "group": graph.tensors[ids[0]].group, "kind": kind, "tensors": len(ids),
+                "numel": int(numel.sum()), "bytes_saved": all_high - cost.bytes(demoted),
+                "score": float(sum(m["score"] for m in measured if m is not None)) if any(
+                    m is not None for m in measured) else math.nan,
+                "error": weighted("error"), "overflow": weighted("overflow"), "underflow": weighted("underflow"),
+            })
+    return pd.DataFrame(records, columns=list(COLUMNS))
+
+
+def measure_model(model_spec: str, space: SearchSpace, data: tuple[ImageDataset, ImageDataset],
+                  batches: int = DEFAULT_BATCHES, seed: int = 0, device: str = "cpu") -> pd.DataFrame:
+    """``measure`` for a zoo model (or factory) on ``batches`` seeded training batches of the space's size."""
+    if batches < 1:
+        raise PrecsearchError(f"batches={batches} must be at least 1")
+    train_set = data[0]
+    batch_size = space.proxy.batch_size
+    if len(train_set) < batch_size:
+        raise PrecsearchError(f"the training set has {len(train_set)} images, fewer than the batch size "
+                              f"{batch_size}; lower the batch size or give more data")
+    torch_device = torch.device(device)
+    with seeded(seed, torch_device):
+        model = build_model(model_spec, num_classes=train_set.num_classes).to(torch_device)
+        graph = trace(model, train_set.images[:2].to(torch_device), batch_size=batch_size, model_name=model_spec)
+        loader = make_loader(train_set, batch_size, shuffle=True, seed=seed, drop_last=True)
+        chosen = [(images.to(torch_device), labels.to(torch_device))
+                  for _, (images, labels) in zip(range(batches), loader, strict=False)]
+        return measure(graph, model, space, chosen)
+
+
+def unit_table(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per unit: summed score and bytes saved, and ``per_byte`` (score per byte saved; 0 when both are
+    0, inf when demoting saves nothing yet costs), sorted least sensitive per byte first."""
+    summed = table.groupby(["unit", "group"], sort=False)[["bytes_saved", "score"]].sum(min_count=1).reset_index()
+    summed["score"] = summed["score"].fillna(0.0)
+    saved, score = summed["bytes_saved"].to_numpy(), summed["score"].to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        summed["per_byte"] = np.where(saved > 0, score / np.where(saved > 0, saved, 1.0),
+                                      np.where(score > 0, np.inf, 0.0))
+    return summed.sort_values("per_byte", kind="stable").reset_index(drop=True)
+
+
+def group_order(table: pd.DataFrame) -> dict[int, float]:
+    """Group -> score per byte saved: the key ``paper_assignment(order="sensitivity", scores=...)`` sorts by."""
+    per_group = table.assign(unit=table["group"].map(lambda group: f"g{group}"))
+    return {int(row.group): float(row.per_byte) for row in unit_table(per_group).itertuples()}
+
+
+def least_sensitive(scores: Mapping[str, float], saved: Mapping[str, float], need: float) -> set[str]:
+    """The units to demote: least summed score among the sets whose bytes saved reach ``need``, solved exactly
+    (a 0/1 integer program, scipy's HiGHS at zero gap). An unreachable ``need`` demotes every unit."""
+    names = list(scores)
+    if need <= 0 or not names:
+        return set()
+    savings = np.array([max(float(saved[name]), 0.0) for name in names])
+    if need >= savings.sum():
+        return set(names)
+    costs = np.array([float(scores[name]) for name in names])
+    result = milp(costs, constraints=LinearConstraint(savings[None, :], lb=need, ub=np.inf),
+                  integrality=np.ones(len(names)), bounds=Bounds(0, 1),
+                  options={"mip_rel_gap": 0.0})
+    if result.x is None:
+        raise PrecsearchError(f"the sensitivity knapsack found no solution ({result.message})")
+    return {name for name, chosen in zip(names, result.x, strict=True) if chosen > 0.5}
+
+
+def sensitivity_sweep(graph: TensorGraph, space: SearchSpace, table: pd.DataFrame,
+                      rs: Iterable[float] = R_GRID) -> list[Candidate]:
+    """For each target r, the least sensitive units (``least_sensitive``) that save r of the bytes all-low
+    saves: the knapsack's answer along the paper's ladder of targets."""
+    summed = unit_table(table)
+    scores = dict(zip(summed["unit"], summed["score"], strict=True))
+    saved = dict(zip(summed["unit"], summed["bytes_saved"], strict=True))
+    total = sum(max(value, 0.0) for value in saved.values())
+    candidates = []
+    for r in rs:
+        demoted = least_sensitive(scores, saved, r * total)
+        decisions = {unit: "low" if unit in demoted else "high" for unit in units(graph, space)}
+        candidates.append(Candidate(strategy="sensitivity", decisions=decisions,
+                                    assignment=assign(graph, space, decisions),
+                                    low_share=low_share(graph, space, decisions), r=r))
+    return candidates
+
+
+class SensitivitySeeding(Seeding):
+    """The knapsack's points (``sensitivity_sweep``) as seeds of a search; built from a measured table, so it
+    is passed to the search explicitly rather than registered."""
+
+    name = "sensitivity"
+
+    def __init__(self, table: pd.DataFrame, rs: Sequence[float] = R_GRID) -> None:
+        self.table = table
+        self.rs = tuple(rs)
+
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        return [(candidate, f"sensitivity r={candidate.r:.1f}")
+                for candidate in sensitivity_sweep(graph, space, self.table, self.rs)]
+
+
+def save_table(table: pd.DataFrame, directory: str | os.PathLike[str]) -> Path:
+    """Write ``table`` as ``SENSITIVITY_CSV`` in ``directory`` (created if missing), atomically."""
+    path = Path(directory) / SENSITIVITY_CSV
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, table.to_csv(index=False))
+    return path
