@@ -9,11 +9,14 @@ import random
 import pandas as pd
 import pytest
 import torch
+from scripted import ScriptedTrainer
 
 from precsearch.analysis.report import plot_sensitivity
 from precsearch.cli import main
 from precsearch.config.spaces import paper_space
 from precsearch.graph.tracing import trace
+from precsearch.search.config import SearchConfig
+from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.sensitivity import (
     SENSITIVITY_CSV,
     group_order,
@@ -23,6 +26,7 @@ from precsearch.search.sensitivity import (
     unit_table,
 )
 from precsearch.search.strategies import paper_assignment
+from precsearch.search.study import run_search
 from precsearch.train.data import load_dataset
 from precsearch.train.trainer import build_model
 
@@ -124,3 +128,22 @@ def test_the_report_plots_each_unit_at_its_bytes_and_score(narrow_table):
     points = figure.axes[0].collections[0].get_offsets()
     units = unit_table(narrow_table)
     assert sorted(map(tuple, points.tolist())) == sorted(zip(units["bytes_saved"], units["score"], strict=True))
+
+
+@pytest.mark.parametrize("seeding", ["paper", "sensitivity"])
+def test_the_sensitivity_seeding_queues_the_knapsacks_points_first_and_keeps_the_table(tmp_path, seeding):
+    """With ``seeding="sensitivity"`` the search measures before its first trial: the knapsack's points lead
+    the queue and sensitivity.csv is in the run directory; the paper's seeding is unchanged (scripted proxies)."""
+    space = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
+    context = SearchContext.create("tiny_cnn", space, DataSpec("digits"), Budget(), 0, "cpu")
+    trainer = ScriptedTrainer(lambda name, step, length, seed: 0.9, context)
+    config = SearchConfig("tiny_cnn", space, "digits", trials=4, out_dir=tmp_path / "run", proxy_steps=20,
+                          proxy_seeds=1, device="cpu", progress=False, seeding=seeding)
+    result = run_search(config, trainer=trainer)
+    first = result.trials.sort_values("number")["origin"].iloc[0]
+    table = tmp_path / "run" / SENSITIVITY_CSV
+    if seeding == "paper":
+        assert "sensitivity" not in " ".join(result.trials["origin"]) and not table.exists()
+    else:
+        assert first.startswith("sensitivity r=0.0")
+        assert set(pd.read_csv(table)["kind"]) >= {"activation", "weight"}

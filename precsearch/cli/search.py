@@ -74,6 +74,7 @@ DESCRIPTION = ("Search mixed-precision assignments of MODEL: memory from the cos
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from precsearch.search.calibration import CalibrationSettings
+    from precsearch.search.config import SEEDINGS
     from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
 
     add_space_arguments(parser, calibrated=True)
@@ -106,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory measure to minimize: bytes of the tensors training keeps (the paper's, "
                              "default) or the predicted peak of a training step")
     add_noise_arguments(parser)
+    parser.add_argument("--seeding", choices=SEEDINGS, default="paper",
+                        help="first trials: the paper's sweep with all-high and all-low (paper, the default), or the "
+                             "knapsack's points over measured sensitivity ahead of them (sensitivity)")
     parser.add_argument("--sampler", choices=SAMPLERS, default=None,
                         help="Optuna sampler: multivariate TPE, NSGA-II, random or a Gaussian process (default: the "
                              "space's sampler, tpe)")
@@ -147,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         proxy_steps=args.proxy_steps, max_proxy_steps=args.max_proxy_steps, confirm_factor=args.confirm_factor,
         storage=args.storage, jobs=args.jobs, resume=args.resume, budget=budget, seed=args.seed, device=args.device,
         batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
-        study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds, sampler=args.sampler)
+        study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds, sampler=args.sampler,
+        seeding=args.seeding)
     try:
         result = run_search(config)
     except SearchInterrupted as stop:

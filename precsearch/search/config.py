@@ -16,6 +16,7 @@ from precsearch.search.rungs import DEFAULT_RUNGS
 __all__ = ["AUTO", "DEFAULT_HEARTBEAT", "SearchConfig"]
 
 AUTO = "auto"
+SEEDINGS = ("paper", "sensitivity")  # sensitivity: the knapsack's points first (precsearch.search.sensitivity)
 DEFAULT_HEARTBEAT = 20  # seconds between heartbeats; a trial silent for 3x this is failed and retried
 
 
@@ -30,6 +31,8 @@ class SearchConfig:
     length (precsearch.search.confirmation). ``proxy_seeds``: seeds per proxy and for the reference (None:
     chosen from the noise, see ``noise.seeds_for``). ``study_name`` joins the shared study of that name in
     ``storage`` (``trials`` is then the study's total); ``sampler`` replaces the space's Optuna sampler.
+    ``seeding``: ``"paper"`` queues all-high, the paper's sweep and all-low first; ``"sensitivity"`` measures
+    each unit's sensitivity before the first trial and queues the knapsack's points ahead of those.
     """
 
     model: str
@@ -56,9 +59,10 @@ class SearchConfig:
     heartbeat: int = DEFAULT_HEARTBEAT
     proxy_seeds: int | None = 1
     sampler: str | None = None
+    seeding: str = "paper"
 
     SETTINGS: ClassVar[tuple[str, ...]] = ("proxy_steps", "max_proxy_steps", "calibration_start", "rungs",
-                                           "confirm_factor")
+                                           "confirm_factor", "seeding")
 
     def __post_init__(self) -> None:
         if self.trials < 1 or self.jobs < 1 or (self.threads is not None and self.threads < 1):
@@ -68,6 +72,8 @@ class SearchConfig:
             raise PrecsearchError(f"proxy steps {self.proxy_steps!r}: give auto or a number of steps >= 1")
         if not all(0 < fraction < 1 for fraction in self.rungs):
             raise PrecsearchError(f"rungs {self.rungs}: give fractions of the proxy length in (0, 1), e.g. 0.11,0.33")
+        if self.seeding not in SEEDINGS:
+            raise PrecsearchError(f"seeding {self.seeding!r}: use one of {', '.join(SEEDINGS)}")
         if self.confirm_factor < 1:
             raise PrecsearchError(f"confirmation factor {self.confirm_factor:g} must be at least 1")
         self.calibration  # noqa: B018 (checks the schedule)

@@ -1,5 +1,5 @@
 """The run directory, rebuilt from the study alone: trials.csv, pareto.csv, policies/, calibration.csv,
-budget.csv and best.json (each written atomically).
+budget.csv, sensitivity.csv (with the sensitivity seeding) and best.json (each written atomically).
 
 best.json comes only from confirmed points (precsearch.search.confirmation): until the confirmation runs
 are recorded there is no pick, and a pick of an earlier export that no longer holds is removed.
@@ -25,6 +25,7 @@ from precsearch.search.context import SearchContext
 from precsearch.search.noise import Noise, pooled_noise
 from precsearch.search.rungs import rung_steps
 from precsearch.search.selection import choose_best, confirmed_front, mark_ties, pareto_front, usable
+from precsearch.search.sensitivity import save_table
 from precsearch.search.strategies import R_GRID, assign, uniform
 
 __all__ = ["Exported", "export", "feasible", "params_of", "study_noise", "trials_frame"]
@@ -159,6 +160,8 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> Export
     _write_policies(front, study, context, out_dir)
     if calibration is not None:
         atomic_write_text(out_dir / "calibration.csv", calibration.frame().to_csv(index=False))
+    if "sensitivity" in attrs:
+        save_table(pd.DataFrame(attrs["sensitivity"]), out_dir)
     budget = None
     if calibration is not None:
         budget = _budget(frame, calibration, confirmation, attrs, context)

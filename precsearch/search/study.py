@@ -121,6 +121,7 @@ from precsearch.search.rundir import (
 from precsearch.search.rungs import RungRule, RungStop, rung_steps
 from precsearch.search.samplers import make_sampler
 from precsearch.search.selection import choose_best, pareto_front
+from precsearch.search.sensitivity import SensitivitySeeding, measure_model
 from precsearch.search.strategies import (
     BASELINES,
     assign,
@@ -603,8 +604,15 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
 
 def _seed_study(study: optuna.Study, context: SearchContext, trials: int) -> None:
     """Queue the seed candidates, then, when the space holds no more than ``trials`` assignments, every
-    other one (a sampler would only propose them again and again)."""
-    seeded = seed_candidates(context.graph, context.space)
+    other one (a sampler would only propose them again and again). With the ``sensitivity`` seeding the
+    units' sensitivity is measured first, kept in the study (``sensitivity`` user attr) and its knapsack points
+    lead the queue."""
+    first = []
+    if context.settings.get("seeding") == "sensitivity":
+        table = measure_model(context.model, context.space, context.data, seed=context.seed, device="cpu")
+        study.set_user_attr("sensitivity", table.to_dict(orient="records"))
+        first.append(SensitivitySeeding(table))
+    seeded = seed_candidates(context.graph, context.space, first)
     for candidate, origins in seeded:
         study.enqueue_trial(candidate.decisions, user_attrs={"origin": origins})
     if context.assignments > trials:
