@@ -82,7 +82,8 @@ def paper_sweep(model: str, space, data: str, length: int, seeds: list[int], thr
             rows.append({"key": candidate.key, "r": candidate.r, "memory": context.memory(candidate.assignment)[0],
                          "val_accuracy": float(np.mean(accuracies)), "seeds": len(accuracies),
                          "val_accuracy_sd": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else np.nan,
-                         "diverged": any(result.diverged for result in results), "trained": True})
+                         "diverged": any(result.diverged for result in results), "trained": True,
+                         "state": "COMPLETE"})
             print(f"  paper r={candidate.r:.1f}: memory {rows[-1]['memory']:.3f} accuracy "
                   f"{rows[-1]['val_accuracy']:.4f} (sd {rows[-1]['val_accuracy_sd']:.4f}, {len(accuracies)} seeds)",
                   flush=True)
@@ -105,16 +106,19 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="runs/efficiency", help="folder for the two searches' run directories")
+    parser.add_argument("--resume", action="store_true",
+                        help="finish the two searches from their run directories (a finished one is only re-read)")
     args = parser.parse_args()
     model, proxy = TASKS[args.task]
     space = paper_space(proxy=proxy)
     out = Path(args.out) / args.task
-    shutil.rmtree(out, ignore_errors=True)
+    if not args.resume:
+        shutil.rmtree(out, ignore_errors=True)
     rows = []
     start = time.perf_counter()
     common = dict(model=model, space=space, data="gratings", trials=args.trials, jobs=args.jobs, seed=0,
                   device="cpu", threads=1, proxy_seeds=None, progress=False,
-                  budget=Budget(max_accuracy_drop=DROP))
+                  budget=Budget(max_accuracy_drop=DROP), resume=args.resume)
     new = run_search(SearchConfig(out_dir=out / "new", **common))
     rows.append(searched("(a) calibrated, rungs, confirmed", new, total_steps(new)))
     print(f"(a) done in {time.perf_counter() - start:.0f} s", flush=True)
