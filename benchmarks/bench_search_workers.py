@@ -36,7 +36,7 @@ from local_postgres import local_postgres  # benchmarks/local_postgres.py (the s
 from optuna.trial import TrialState
 
 from precsearch.config.spaces import PAPER_SPACE
-from precsearch.search.study import StudyLocation
+from precsearch.search.storage import StudyLocation
 
 UNITS = 40  # decisions per empty trial, about tiny_cnn's tensor count
 

@@ -150,7 +150,7 @@ MUTANTS = (
     Mutant("T2", "precsearch/runtime/state.py",
            "slot.promoted or slot.fmt == self.high or not slot.is_low or slot.kind",
            "slot.promoted or slot.kind", ("tests/test_runtime.py",), "tensors already high are promoted again"),
-    Mutant("Q1", "precsearch/search/study.py",
+    Mutant("Q1", "precsearch/search/objective.py",
            "decisions = {unit: trial.suggest_categorical(unit, context.levels) for unit in context.units}",
            'decisions = {unit: trial.suggest_categorical(unit, ["high", "low"]) for unit in context.units}',
            ("tests/test_search.py",), "the sampler never proposes a categorical space's other levels"),

@@ -54,14 +54,14 @@ def _contender(barrier, out, storage, outcomes):
     """One of several processes released at once by ``barrier``; reports 'ok' or its one-line error. They
     meet again right after the run-directory check, the window in which two searches used to both find
     the directory free (a process refused before reaching it leaves the other waiting 2 s at most)."""
-    checked = search._check_resume
+    checked = search.check_resume
 
     def check_then_meet(*args, **kwargs):
         checked(*args, **kwargs)
         with contextlib.suppress(threading.BrokenBarrierError):
             barrier.wait(timeout=2)
 
-    search._check_resume = check_then_meet  # in this forked process only
+    search.check_resume = check_then_meet  # in this forked process only
     try:
         barrier.wait()
         _search(out, 1, storage=storage)

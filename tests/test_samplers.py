@@ -13,7 +13,8 @@ from precsearch.errors import PrecsearchError
 from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.samplers import FACTORIES, make_sampler
-from precsearch.search.study import _sampler, run_search
+from precsearch.search.study import run_search
+from precsearch.search.workers import sampler
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
 OPTUNA_CLASS = {"tpe": optuna.samplers.TPESampler, "nsga2": optuna.samplers.NSGAIISampler,
@@ -46,4 +47,4 @@ def test_the_search_uses_the_sampler_it_is_given(tmp_path):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["space"]["sampler"] == "random"
     context = SearchContext.create("tiny_cnn", parse_space({**paper_space(proxy=PROXY).to_dict(), "sampler": "random"}),
                                    DataSpec("digits"), Budget(), 0, "cpu")
-    assert type(_sampler(context, 0)) is optuna.samplers.RandomSampler
+    assert type(sampler(context, 0)) is optuna.samplers.RandomSampler

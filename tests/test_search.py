@@ -19,11 +19,11 @@ from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
-from precsearch.search import study as search
 from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, torch_threads
 from precsearch.search.strategies import R_GRID
 from precsearch.search.study import SearchInterrupted, run_search
+from precsearch.search.workers import worker_gpus
 from precsearch.train.proxy import ProxyTrainer, build_model
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
@@ -347,9 +347,9 @@ def test_a_torn_journal_record_is_dropped_on_resume(tmp_path):
 
 def test_workers_get_one_visible_gpu_each(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert search.worker_gpus(2, cuda=True) == ["3", "5"]
-    assert search.worker_gpus(3, cuda=True) == ["3", "5", "3"]  # more workers than GPUs: in turn
-    assert search.worker_gpus(2, cuda=False) == [None, None]
+    assert worker_gpus(2, cuda=True) == ["3", "5"]
+    assert worker_gpus(3, cuda=True) == ["3", "5", "3"]  # more workers than GPUs: in turn
+    assert worker_gpus(2, cuda=False) == [None, None]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(PrecsearchError, match="hides every GPU"):
-        search.worker_gpus(2, cuda=True)
+        worker_gpus(2, cuda=True)

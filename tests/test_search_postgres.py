@@ -27,8 +27,8 @@ from precsearch.cli import main
 from precsearch.config.spaces import paper_space
 from precsearch.search import study as search
 from precsearch.search.context import Budget, DataSpec
+from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import seed_candidates
-from precsearch.search.study import StudyLocation
 
 TINY = ["--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1", "--no-progress"]
 

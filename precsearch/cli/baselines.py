@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from precsearch.search.baselines import run_baselines
     from precsearch.search.context import DataSpec
-    from precsearch.search.study import run_baselines
 
     names = [name.strip() for name in args.names.split(",") if name.strip()]
     table = run_baselines(

@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.cli.search import accuracy_text, confidence_text, confirmed_text, tie_text, yardsticks_text
     from precsearch.config.spaces import paper_space
     from precsearch.search.accounting import describe_budget
+    from precsearch.search.baselines import run_baselines
     from precsearch.search.config import SearchConfig
-    from precsearch.search.study import run_baselines, run_search
+    from precsearch.search.study import run_search
 
     start = time.perf_counter()
     out = Path(args.out)

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from precsearch.analysis.report import write_report
     from precsearch.errors import PrecsearchError
-    from precsearch.search.study import STUDY_NAME, export_study
+    from precsearch.search.storage import STUDY_NAME
+    from precsearch.search.study import export_study
 
     if args.study_name is not None and args.storage is None:
         raise PrecsearchError("--study-name needs --storage (the URL the study is in)")

@@ -11,6 +11,9 @@ main thread, except where raising is unsafe: inside a finalizer (``__del__``: Py
 or inside Optuna's storage code (a journal lock half released). There the signal is only recorded, and the
 search raises it at its next safe point (``check()``, every few proxy steps) or stops after the trial. Later
 signals are recorded, not raised, so the results are written out in peace.
+
+``check_resume`` decides whether a search may use --out (new, resumed, or a shared study's worker coming
+back); ``run.json`` records the config and where the study lives (``write_run_file``).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import threading
@@ -29,17 +34,23 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from precsearch.errors import PrecsearchError
-from precsearch.files import TEMP_SUFFIX, user_file_mode
+import optuna
 
-__all__ = ["LOCK_FILES", "RunLock", "SearchStop", "StopSignals", "hold_worker_lock", "quiet_optuna_interrupts",
-           "remove_stale_journal_lock", "remove_temporaries"]
+from precsearch.errors import PrecsearchError
+from precsearch.files import TEMP_SUFFIX, atomic_write_text, user_file_mode
+from precsearch.search.calibration import recorded_calibration
+from precsearch.search.storage import StudyLocation
+
+__all__ = ["LOCK_FILES", "RUN_FILE", "RunLock", "SearchStop", "StopSignals", "check_journal_kept", "check_resume",
+           "hold_worker_lock", "lost_study", "make_run_dir", "owned", "quiet_optuna_interrupts", "remove_new_run_dir",
+           "remove_stale_journal_lock", "remove_temporaries", "write_run_file"]
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".precsearch.lock"
 WORKERS_LOCK_NAME = ".precsearch.workers.lock"
 LOCK_FILES = (LOCK_NAME, WORKERS_LOCK_NAME)
+RUN_FILE = "run.json"
 
 
 def owner_id() -> str:
@@ -227,3 +238,91 @@ def remove_stale_journal_lock(journal: Path) -> None:
     if lock.is_symlink() or lock.exists():
         lock.unlink()
         log.warning("removed the journal lock %s that a killed process left", lock)
+
+
+def write_run_file(out_dir: Path, run_config: dict[str, Any], location: StudyLocation, study: optuna.Study) -> None:
+    """run.json: the config, where the study lives, and the calibration and confirmation once recorded."""
+    attrs = study.user_attrs
+    calibration = recorded_calibration(attrs)
+    confirmation = attrs.get("confirmation")
+    extra: dict[str, Any] = {}
+    if calibration is not None:
+        extra["proxy_length"] = calibration.length
+        extra["calibration"] = calibration.to_dict()
+    if confirmation is not None:
+        extra["confirmation"] = confirmation
+    atomic_write_text(out_dir / RUN_FILE, json.dumps(
+        {**run_config, "storage": location.shown, "study": location.study_name, **extra}, indent=2))
+
+
+def make_run_dir(out_dir: Path) -> bool:
+    """Create ``out_dir`` (and its parents); True when this call created it, so only this call may remove it."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir()
+    except FileExistsError:
+        if not out_dir.is_dir():
+            raise PrecsearchError(f"--out {out_dir} is a file; give a folder") from None
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def owned(out_dir: Path) -> Iterator[None]:
+    """The run directory's lock for the block. A process refused the lock removes nothing, not even a
+    folder it created a moment ago: the owner got in first and writes there."""
+    lock = RunLock(out_dir)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+_RESULTS = ("trials.csv", "pareto.csv", "best.json", RUN_FILE)
+
+
+def remove_new_run_dir(out_dir: Path) -> None:
+    """Undo the folder this call created for a search that could not start, unless it somehow holds results."""
+    kept = [name for name in _RESULTS if (out_dir / name).exists()]
+    if kept:
+        log.warning("%s holds %s: left in place", out_dir, ", ".join(kept))
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def lost_study(out_dir: Path, location: StudyLocation) -> PrecsearchError:
+    kept = [name for name in _RESULTS if (out_dir / name).exists()]
+    return PrecsearchError(f"cannot resume {out_dir}: study {location.study_name} is missing from {location.shown} "
+                           f"(deleted, emptied or cut?) while {', '.join(kept)} remain; restore the storage, or "
+                           "start a new search in another --out")
+
+
+def check_journal_kept(out_dir: Path, location: StudyLocation, resume: bool) -> None:
+    """With --resume, a journal file that is gone or empty is refused before opening it (which creates it)."""
+    if not resume or location.shared or "://" in location.target:
+        return
+    journal = Path(location.target)
+    if not journal.is_file() or journal.stat().st_size == 0:
+        raise lost_study(out_dir, location)
+
+
+def check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: bool) -> None:
+    """Rules for --out: a new search needs it empty; --resume needs the same search in it; a worker of a
+    shared study may come back to its own --out (same study, same settings) without --resume."""
+    run_file = out_dir / RUN_FILE
+    if (resume and not shared) or (shared and run_file.is_file()):
+        if not run_file.is_file():
+            raise PrecsearchError(f"nothing to resume in {out_dir} (no {RUN_FILE}); drop --resume to start a search")
+        try:
+            previous = json.loads(run_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise PrecsearchError(f"{run_file} is corrupted; rebuild it from the study with export_study, or "
+                                  "choose another --out") from None
+        differ = [key for key in config if previous.get(key) != config[key]]
+        if differ:
+            raise PrecsearchError(f"{out_dir} holds a search with different {', '.join(differ)}; resume it with "
+                                  "the same model, space, data, seed, budget and study, or choose another --out")
+    elif out_dir.exists() and any(path.name not in LOCK_FILES for path in out_dir.iterdir()):
+        raise PrecsearchError(f"{out_dir} is not empty; pass --resume to continue the search in it, or choose "
+                              "another --out")

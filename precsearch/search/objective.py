@@ -1,0 +1,252 @@
+"""The Optuna objective: decide a trial's assignment, price it, reuse a trial that already has it or train its
+proxy against the reference at the rungs, and record the result and constraints on the trial.
+
+Bookkeeping rules:
+
+* A diverged proxy, or one stopped at a rung, is a COMPLETE trial whose constraint (``diverged``, ``stopped``)
+  is violated (``Trial.set_constraint``), so the sampler learns from it. A trial that raises is FAILED with
+  the error in its ``error`` user attr, and the study goes on.
+* Identical assignments are trained once, by every worker on every host: under a lock all workers share
+  (a PostgreSQL advisory lock, or an flock on a SQLite or journal file) a trial either copies the results of
+  a finished trial with its assignment key (``duplicate_of``), waits for the live trial that trains that
+  key, or marks itself as the one that trains it (``trains``). The trial budget counts distinct
+  assignments: a copy does not use it up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pandas as pd
+from optuna.trial import FrozenTrial, TrialState
+
+from precsearch.search.calibration import recorded_calibration
+from precsearch.search.context import SearchContext, combine_seeds, seed_record
+from precsearch.search.export import (
+    proxy_reference,
+    study_noise,
+    trials_frame,
+)
+from precsearch.search.rundir import (
+    StopSignals,
+)
+from precsearch.search.rungs import RungRule, RungStop, rung_steps
+from precsearch.search.selection import choose_best
+from precsearch.search.storage import StudyLocation
+from precsearch.search.strategies import (
+    assign,
+    assignment_key,
+    low_share,
+)
+from precsearch.train.trainer import ProxyResult
+
+__all__ = ["FINISHED", "WORKER", "Objective"]
+
+log = logging.getLogger(__name__)
+
+TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+METRICS = (
+    "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
+    "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
+    "memory_bytes", "memory_peak", "memory_planned", "low_share", "trained", "device",
+    "val_accuracy_sd", "val_accuracies", "seeds", "stopped_at", "seed_steps",
+)
+
+
+def _set_constraints(trial: optuna.Trial, constraints: dict[str, float]) -> None:
+    for name, value in constraints.items():
+        trial.set_constraint(name, value)
+
+
+class Objective:
+    """Optuna objective: decide, price, reuse or train, record. One instance per worker process.
+
+    ``location`` and ``storage`` are where the study lives (the decision lock is taken there);
+    ``out_dir`` is where this worker writes the policy of each proxy it trains.
+    """
+
+    def __init__(self, context: SearchContext, location: StudyLocation, storage: optuna.storages.BaseStorage,
+                 out_dir: Path, signals: StopSignals | None = None) -> None:
+        self.context = context
+        self.location = location
+        self.storage = storage
+        self.out_dir = out_dir
+        self.signals = signals
+
+    def __call__(self, trial: optuna.Trial) -> Any:
+        try:
+            return self._run(trial)
+        except optuna.TrialPruned:
+            raise
+        except KeyboardInterrupt:
+            trial.set_user_attr("interrupted", True)
+            raise
+        except Exception as error:
+            trial.set_user_attr("error", f"{type(error).__name__}: {error}"[:2000])
+            raise
+
+    def _run(self, trial: optuna.Trial) -> Any:
+        context = self.context
+        decisions = {unit: trial.suggest_categorical(unit, context.levels) for unit in context.units}
+        assignment = assign(context.graph, context.space, decisions)
+        key = assignment_key(assignment)
+        planned, _ = context.memory(assignment)
+        trial.set_user_attr("key", key)
+        trial.set_user_attr("memory_planned", planned)
+        trial.set_user_attr("low_share", low_share(context.graph, context.space, decisions))
+        trial.set_user_attr("worker", WORKER)
+        study = trial.study
+        previous = self._claim(trial, key)
+        if previous is not None:
+            return self._reuse(trial, previous)
+        attrs = study.user_attrs
+        reference = proxy_reference(attrs)
+        if context.budget.max_memory is not None and planned > context.budget.max_memory:
+            return self._untrained(trial, planned, "over the memory budget")
+        if key != attrs.get("reference_key"):
+            beaten = _beaten_by(study, context, planned)
+            if beaten is not None:
+                return self._untrained(trial, planned, f"trial {int(beaten['number'])} has less memory "
+                                       f"({beaten['memory']:.4f}) and is within the allowed drop: no training needed")
+        policy = context.policy(assignment, {"trial": trial.number})
+        stopped: RungStop | None = None
+        if key == attrs.get("reference_key"):
+            result = ProxyResult.from_dict({**attrs["reference_result"], "loss_curve": []})
+            accuracies = attrs.get("reference_accuracies", [result.val_accuracy])
+            seed_steps: list[int] = []
+            trial.set_user_attr("duplicate_of", "reference")
+        else:
+            rule = _rung_rule(attrs, context)
+            seeds = context.proxy_seed_list(int(attrs.get("proxy_seeds", 1)))
+            try:
+                results = context.train_seeds(policy, context.length, seeds, evaluate_at=rule.steps,
+                                              on_eval=rule.check, report=self._check_signals)
+            except RungStop as stop:
+                stopped, results = stop, []
+            if stopped is not None:
+                result = ProxyResult(stopped.accuracy, math.nan, False, stopped.reason, stopped.step, [])
+                accuracies, seed_steps = [stopped.accuracy], [stopped.step]
+            else:
+                result = combine_seeds(results)
+                accuracies = [run.val_accuracy for run in results]
+                seed_steps = [run.steps_run for run in results]
+        ratios, size = context.memories(assignment, result.promotions)
+        memory = ratios[f"memory_{context.budget.memory}"]
+        path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
+        path.parent.mkdir(exist_ok=True)
+        proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
+        policy.replace(provenance={**policy.provenance, "worker": WORKER, "proxy": proxy}).save(path)
+        record = result.to_dict()
+        for name in ("loss_curve", "val_curve"):
+            record.pop(name)
+        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **ratios,
+                      **seed_record(accuracies), seed_steps=seed_steps)
+        if stopped is not None:
+            record["stopped_at"] = stopped.step
+        for name, value in record.items():
+            trial.set_user_attr(name, value)
+        margin = 0.0
+        if reference is not None:
+            noise = study_noise(attrs, context, trials_frame(study, context))
+            margin = float(noise.margin(len(accuracies), len(attrs.get("reference_accuracies", [0]))))
+        constraints = context.constraints(result, memory, reference, margin)
+        constraints["stopped"] = 1.0 if stopped is not None else 0.0
+        _set_constraints(trial, constraints)
+        trial.set_user_attr("loss_curve", [round(v, 5) for v in result.loss_curve])
+        return context.values(memory, result)
+
+    def _check_signals(self, step: int, loss: float) -> None:
+        """Called every few proxy steps: a stop signal recorded but not raised is raised here."""
+        if self.signals is not None:
+            self.signals.check()
+
+    def _claim(self, trial: optuna.Trial, key: str) -> FrozenTrial | None:
+        """Decide, under the study's lock, whether this trial trains the assignment ``key``.
+
+        A finished trial with the key is returned for reuse. A live trial already training it is waited
+        for, then the decision is taken again (it may have finished, or failed by heartbeat: then this
+        trial trains). Otherwise this trial marks itself as the one training the key (``trains`` holds its
+        own number, so the marker a retried copy inherits from a dead trial claims nothing). Every worker
+        on every host takes the same lock, so no two trials ever train the same assignment.
+        """
+        study = trial.study
+        while True:
+            with self.location.lock(self.storage):
+                others = [t for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+                          if t.number != trial.number and t.user_attrs.get("key") == key]
+                finished = [t for t in others if t.state in FINISHED]
+                if finished:
+                    return finished[0]
+                owner = next((t for t in others if t.user_attrs.get("trains") == t.number), None)
+                if owner is None:
+                    trial.set_user_attr("trains", trial.number)
+                    return None
+            log.info("trial %d waits for trial %d, which trains the same assignment", trial.number, owner.number)
+            _wait_while_running(study, owner.number)
+
+    def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> Any:
+        """Copy a finished trial's results for the same assignment instead of training again."""
+        for name in (*METRICS, "loss_curve", "reason", "policy"):
+            if name in previous.user_attrs:
+                trial.set_user_attr(name, previous.user_attrs[name])
+        trial.set_user_attr("duplicate_of", previous.number)
+        if previous.state == TrialState.PRUNED:
+            raise optuna.TrialPruned(f"same assignment as pruned trial {previous.number}")
+        _set_constraints(trial, previous.constraints)
+        return previous.values
+
+    def _untrained(self, trial: optuna.Trial, memory: float, reason: str) -> Any:
+        """A completed, infeasible trial that was priced but not worth training."""
+        context = self.context
+        trial.set_user_attr("trained", False)
+        trial.set_user_attr("reason", reason)
+        trial.set_user_attr("memory", memory)
+        _set_constraints(trial, context.constraints(None, memory, None))
+        worst = 1e6 if context.space.accuracy_objective == "val_loss" else 1.0
+        if context.budget.max_memory is not None:
+            return [worst]
+        return [memory] if context.budget.max_accuracy_drop is not None else [memory, worst]
+
+
+def _wait_while_running(study: optuna.Study, number: int) -> None:
+    """Poll until trial ``number`` leaves RUNNING; meanwhile fail trials whose worker stopped heartbeating
+    (Optuna does so only when a trial starts, and every live worker may be waiting here)."""
+    while any(t.number == number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
+        time.sleep(0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+
+
+def _beaten_by(study: optuna.Study, context: SearchContext, planned: float) -> pd.Series | None:
+    """A trained point that makes training a candidate of ``planned`` memory pointless: the accuracy-drop pick
+    among the proxies so far (least memory within the drop of all-high), when its memory is at most
+    ``planned``; None under a memory budget (whose pick wants accuracy, not memory) or when there is none."""
+    if context.budget.max_memory is not None:
+        return None
+    attrs = study.user_attrs
+    frame = trials_frame(study, context)
+    reference = proxy_reference(attrs)
+    if frame.empty or reference is None:
+        return None
+    best = choose_best(frame, context.budget, reference, study_noise(attrs, context, frame),
+                       len(attrs.get("reference_accuracies", [0])), attrs.get("reference_key"), context.chance)
+    return best if best is not None and best["memory"] <= planned else None
+
+
+def _rung_rule(attrs: dict[str, Any], context: SearchContext) -> RungRule:
+    """The study's rung rule: the calibrated reference's accuracy at each rung step and its noise."""
+    calibration = recorded_calibration(attrs)
+    steps = rung_steps(calibration.length, attrs["config"]["rungs"])
+    return RungRule({step: calibration.at(step) for step in steps}, calibration.noise(context.budget.confidence),
+                    context.budget.drop, context.chance)

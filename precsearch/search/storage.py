@@ -1,0 +1,156 @@
+"""Where a study lives: a PostgreSQL or SQLite URL or a journal file, opened with the heartbeat and retries
+every worker uses, repaired after a torn write, and locked across all processes that share it."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import sqlalchemy
+from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages.journal import JournalFileBackend
+from sqlalchemy.engine import make_url
+
+from precsearch.errors import PrecsearchError
+from precsearch.search.config import DEFAULT_HEARTBEAT
+
+__all__ = ["JOURNAL_NAME", "STUDY_NAME", "StudyLocation"]
+
+log = logging.getLogger(__name__)
+
+STUDY_NAME = "precsearch"
+JOURNAL_NAME = "study.journal"
+POSTGRES_DRIVER = "postgresql+psycopg"
+MAX_RETRIES = 3  # times a trial whose worker died is queued again
+
+
+@dataclass(frozen=True)
+class StudyLocation:
+    """Where a study lives: a storage (URL or journal file path), the study's name in it, and the heartbeat.
+
+    A ``shared`` study (``--study-name``) is joined by name from any number of processes on any number of
+    hosts: the first creates and seeds it, the others load it (precsearch.search.study), and only Optuna's heartbeat
+    decides that a RUNNING trial is dead. On an RDB storage every trial records a heartbeat each
+    ``heartbeat`` seconds; a trial silent for ``3 x heartbeat`` seconds is failed and its assignment queued
+    again (``RetryHeartbeatStaleTrialCallback``), by whichever worker notices first.
+    """
+
+    target: str
+    study_name: str = STUDY_NAME
+    heartbeat: int = DEFAULT_HEARTBEAT
+    shared: bool = False
+
+    @classmethod
+    def of(cls, storage: str | None, out_dir: Path, study_name: str | None = None,
+           heartbeat: int = DEFAULT_HEARTBEAT) -> StudyLocation:
+        """``storage`` as given on the command line (None: the journal file in ``out_dir``)."""
+        if heartbeat < 1:
+            raise PrecsearchError(f"heartbeat={heartbeat} must be a whole number of seconds >= 1")
+        if study_name is not None and not study_name.strip():
+            raise PrecsearchError("--study-name must not be empty")
+        return cls(storage or str(out_dir / JOURNAL_NAME), study_name or STUDY_NAME, heartbeat, study_name is not None)
+
+    @property
+    def shown(self) -> str:
+        """The target with its password masked, for messages and run.json."""
+        if "://" not in self.target:
+            return self.target
+        with contextlib.suppress(Exception):
+            return make_url(self.target).render_as_string(hide_password=True)
+        return self.target
+
+    def open(self) -> optuna.storages.BaseStorage:
+        """The Optuna storage; one that cannot be opened or reached is a one-line PrecsearchError."""
+        try:
+            if "://" in self.target:
+                return self._open_rdb()
+            path = Path(self.target)
+            if not path.parent.is_dir():
+                raise FileNotFoundError(f"folder {path.parent} does not exist")
+            _repair_journal(path)
+            return JournalStorage(JournalFileBackend(str(path)))
+        except PrecsearchError:
+            raise
+        except Exception as error:  # drivers raise anything from ArgumentError to OperationalError
+            text = str(error).strip()
+            reason = text.splitlines()[0] if text else type(error).__name__
+            raise PrecsearchError(f"cannot open study storage {self.shown}: {reason}; check the URL or path "
+                                  "(leave --storage out to use a journal file in --out)") from None
+
+    def _open_rdb(self) -> RDBStorage:
+        """A plain ``postgresql://`` URL uses psycopg 3 (SQLAlchemy's default PostgreSQL driver is psycopg2)."""
+        url = make_url(self.target)
+        backend = url.get_backend_name()
+        if url.drivername == "postgresql":
+            url = url.set(drivername=POSTGRES_DRIVER)
+        if backend not in ("postgresql", "sqlite"):
+            raise PrecsearchError(f"study storage {self.shown}: precsearch shares studies through PostgreSQL "
+                                  f"(postgresql://...), SQLite (sqlite:///FILE) or a journal file, not {backend}")
+        engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        if backend == "postgresql":
+            if importlib.util.find_spec("psycopg") is None:
+                raise PrecsearchError(f"study storage {self.shown} needs psycopg 3; install it with "
+                                      "pip install 'precsearch[postgres]'")
+            engine_kwargs["connect_args"] = {"connect_timeout": 10}
+        def create() -> RDBStorage:
+            with warnings.catch_warnings():  # Optuna marks the heartbeat and its retry callback experimental
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return RDBStorage(url.render_as_string(hide_password=False), engine_kwargs=engine_kwargs,
+                                  heartbeat_interval=self.heartbeat, grace_period=3 * self.heartbeat,
+                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(MAX_RETRIES))
+
+        attempts = 3
+        while True:
+            try:
+                return create()
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError
+                    ) as error:
+                attempts -= 1  # workers creating Optuna's tables at once collide ("already exists"); retry
+                if attempts == 0 or (isinstance(error, sqlalchemy.exc.OperationalError)
+                                     and "already exists" not in str(error)):
+                    raise
+                time.sleep(0.5)
+
+    @contextlib.contextmanager
+    def lock(self, storage: optuna.storages.BaseStorage) -> Iterator[None]:
+        """Exclusive among all processes using this study: on PostgreSQL an advisory lock held for one
+        transaction (the server releases it when a killed worker's connection drops), on SQLite and journal
+        files an flock on the file (they are shared on one host only)."""
+        if isinstance(storage, RDBStorage) and storage.engine.dialect.name == "postgresql":
+            lock_id = int(hashlib.sha1(self.study_name.encode()).hexdigest()[:15], 16)
+            with storage.engine.begin() as connection:
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_xact_lock(:id)"), {"id": lock_id})
+                yield
+            return
+        path = make_url(self.target).database if "://" in self.target else self.target
+        with open(path, "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+
+def _repair_journal(path: Path) -> None:
+    """Drop a torn last line (a write cut by kill -9) so appends after it stay readable."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as journal:
+        journal.seek(-1, os.SEEK_END)
+        if journal.read(1) == b"\n":
+            return
+        journal.seek(0)
+        data = journal.read()
+        keep = data.rfind(b"\n") + 1
+        journal.truncate(keep)
+        log.warning("journal %s ended in a partial record (interrupted write); dropped %d bytes",
+                    path, len(data) - keep)
+

@@ -1,0 +1,176 @@
+"""Worker processes of one study: each loads the study with its own sampler and optimizes until the trial
+budget is used up, its parent dies or a stop signal arrives."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+from optuna.trial import FrozenTrial, TrialState
+
+from precsearch.config.spaces import SearchSpace
+from precsearch.errors import PrecsearchError
+from precsearch.search.calibration import recorded_calibration
+from precsearch.search.context import Budget, DataSpec, SearchContext
+from precsearch.search.objective import FINISHED, Objective
+from precsearch.search.rundir import (
+    StopSignals,
+    hold_worker_lock,
+    quiet_optuna_interrupts,
+)
+from precsearch.search.samplers import make_sampler
+from precsearch.search.storage import StudyLocation
+
+__all__ = [
+    "SAMPLER_REPEATS",
+    "WorkerSetup",
+    "budget_callback",
+    "load_study",
+    "run_worker",
+    "sampler",
+    "stop_on_signal",
+    "trials_done",
+    "worker_gpus",
+]
+
+log = logging.getLogger(__name__)
+
+SAMPLER_REPEATS = 10  # a study stops after this many x trials even if the sampler kept proposing known assignments
+
+
+def sampler(context: SearchContext, worker: int | None) -> optuna.samplers.BaseSampler:
+    """The space's sampler seeded from the search seed and the worker's index; unseeded (None) in a shared
+    study, whose workers on several hosts would otherwise propose the same first assignments."""
+    return make_sampler(context.space.sampler, None if worker is None else context.seed * 1000 + worker)
+
+
+def load_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation,
+               worker: int) -> optuna.Study:
+    return optuna.load_study(study_name=location.study_name, storage=storage,
+                             sampler=sampler(context, None if location.shared else worker),
+                             pruner=optuna.pruners.NopPruner())
+
+
+def _counted(trial: FrozenTrial) -> bool:
+    """A trial that used up budget: a distinct assignment finished (a copy of another trial's results does
+    not count), or a trial failed by its own error (not by an interruption or a dead worker's missing
+    heartbeat: those are queued again)."""
+    if trial.state in FINISHED:
+        return not isinstance(trial.user_attrs.get("duplicate_of"), int)
+    return trial.state == TrialState.FAIL and "error" in trial.user_attrs
+
+
+def trials_done(study: optuna.Study) -> int:
+    return sum(_counted(t) for t in study.get_trials(deepcopy=False))
+
+
+def budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop once ``trials`` trials counted (distinct assignments, ``_counted``) and no retry of a dead worker's
+    trial is still queued, or once the sampler has had ``SAMPLER_REPEATS`` x ``trials`` turns. With
+    ``count_running`` (the workers of one run, all alive) the trials other workers are running count too,
+    so that N workers do not start N - 1 trials past the budget; a shared study may hold RUNNING trials of
+    dead hosts until their heartbeat times out, so there they do not count."""
+
+    def stop(study: optuna.Study, trial: FrozenTrial) -> None:
+        queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if count_running else []
+        if trials_done(study) + len(running) >= trials and not any("failed_trial" in t.system_attrs for t in queued):
+            study.stop()
+        elif len(study.get_trials(deepcopy=False)) >= SAMPLER_REPEATS * trials:
+            log.warning("the sampler keeps proposing assignments already known; stopping at %d distinct",
+                        trials_done(study))
+            study.stop()
+
+    return stop
+
+
+def stop_on_signal(signals: StopSignals) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop before the next trial when a signal was recorded but not raised (it came inside Optuna's code)."""
+
+    def stop(study: optuna.Study, trial: FrozenTrial) -> None:
+        if signals.received is not None:
+            study.stop()
+
+    return stop
+
+
+def _parent_watch(parent: int) -> Callable[[optuna.Study, FrozenTrial], None]:
+    def watch(study: optuna.Study, trial: FrozenTrial) -> None:
+        if os.getppid() != parent:
+            study.stop()
+
+    return watch
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker process rebuilds its context from (``SearchContext.create``'s model, space, data spec,
+    budget and seed; the device is the worker's own) and where it runs."""
+
+    context: tuple[str, SearchSpace, DataSpec, Budget, int]
+    settings: dict[str, Any]
+    device: str
+    location: StudyLocation
+    out_dir: Path
+    trials: int
+    threads: int
+
+
+def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> None:
+    """One ``--jobs`` worker process: its own context and sampler on the study; ``gpu`` (an entry of the
+    parent's CUDA_VISIBLE_DEVICES) becomes the only GPU it sees."""
+    device = setup.device
+    if gpu is not None:  # before anything initializes CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+        device = "cuda"
+    torch.set_num_threads(setup.threads)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    hold_worker_lock(setup.out_dir)
+    _stop_when_orphaned(parent)
+    # the parent reports the interruption
+    with StopSignals() as signals, quiet_optuna_interrupts(), contextlib.suppress(KeyboardInterrupt):
+        context = SearchContext.create(*setup.context, device)
+        context.settings = setup.settings
+        storage = setup.location.open()
+        study = load_study(context, storage, setup.location, index)
+        context.length = recorded_calibration(study.user_attrs).length  # the parent calibrated before
+        study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals),
+                       n_trials=SAMPLER_REPEATS * setup.trials,
+                       catch=(Exception,), callbacks=[budget_callback(setup.trials, not setup.location.shared),
+                                                      _parent_watch(parent), stop_on_signal(signals)])
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """A worker whose parent died (kill -9) SIGTERMs itself, so its running trial is marked interrupted
+    at once instead of training on with nobody to export its results."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def worker_gpus(jobs: int, cuda: bool) -> list[str | None]:
+    """The GPU each of ``jobs`` workers sees: the visible GPUs (CUDA_VISIBLE_DEVICES, else every device)
+    one per worker, in turn when there are more workers than GPUs; None for every worker on the CPU."""
+    if not cuda:
+        return [None] * jobs
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = ([entry.strip() for entry in visible.split(",") if entry.strip()] if visible is not None
+            else [str(index) for index in range(torch.cuda.device_count())])
+    if not gpus:
+        raise PrecsearchError("CUDA_VISIBLE_DEVICES hides every GPU; unset it or use --device cpu")
+    if jobs > len(gpus):
+        log.warning("%d workers share %d GPU(s); --jobs %d gives each its own", jobs, len(gpus), len(gpus))
+    return [gpus[index % len(gpus)] for index in range(jobs)]
