@@ -17,14 +17,8 @@ from precsearch.config.spaces import paper_space
 from precsearch.graph.tracing import trace
 from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext
-from precsearch.search.sensitivity import (
-    SENSITIVITY_CSV,
-    group_order,
-    least_sensitive,
-    measure_model,
-    sensitivity_sweep,
-    unit_table,
-)
+from precsearch.search.sensitivity import least_sensitive, measure_model, sensitivity_sweep
+from precsearch.search.sensitivity_table import SENSITIVITY_CSV, group_order, unit_table
 from precsearch.search.strategies import paper_assignment
 from precsearch.search.study import run_search
 from precsearch.train.data import load_dataset

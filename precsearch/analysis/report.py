@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.search.sensitivity import SENSITIVITY_CSV, unit_table
+from precsearch.search.sensitivity_table import SENSITIVITY_CSV, unit_table
 
 log = logging.getLogger(__name__)
 

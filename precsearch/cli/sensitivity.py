@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from precsearch.config.spaces import load_space
     from precsearch.search.context import DataSpec, torch_threads
-    from precsearch.search.sensitivity import measure_model, save_table, unit_table
+    from precsearch.search.sensitivity import measure_model
+    from precsearch.search.sensitivity_table import save_table, unit_table
     from precsearch.train.trainer import resolve_device
 
     space = space_argument(args)

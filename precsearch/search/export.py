@@ -25,7 +25,7 @@ from precsearch.search.context import SearchContext
 from precsearch.search.noise import Noise, pooled_noise
 from precsearch.search.rungs import rung_steps
 from precsearch.search.selection import choose_best, confirmed_front, mark_ties, pareto_front, usable
-from precsearch.search.sensitivity import save_table
+from precsearch.search.sensitivity_table import save_table
 from precsearch.search.strategies import R_GRID, assign, uniform
 
 __all__ = ["Exported", "export", "feasible", "params_of", "study_noise", "trials_frame"]

@@ -30,9 +30,7 @@ bytes saved reach a target; ``sensitivity_sweep`` does it for the paper's ladder
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,22 +44,20 @@ from precsearch.config.spaces import SearchSpace
 from precsearch.config.spec import ASSIGNABLE_KINDS, TensorId
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.files import atomic_write_text
 from precsearch.formats.format import get_format
 from precsearch.formats.kernels import quantize, stats
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph
+from precsearch.search.sensitivity_table import COLUMNS, unit_table
 from precsearch.search.strategies import R_GRID, Candidate, Seeding, assign, low_share, units
 from precsearch.train.data import ImageDataset, make_loader
 from precsearch.train.trainer import build_model, seeded
 
-__all__ = ["COLUMNS", "DEFAULT_BATCHES", "SENSITIVITY_CSV", "SensitivitySeeding", "group_order", "least_sensitive",
-           "measure", "measure_model", "save_table", "sensitivity_sweep", "unit_table"]
+__all__ = ["DEFAULT_BATCHES", "SensitivitySeeding", "least_sensitive", "measure", "measure_model",
+           "sensitivity_sweep"]
 
 DEFAULT_BATCHES = 4
-SENSITIVITY_CSV = "sensitivity.csv"  # in a run directory; the report plots it
-COLUMNS: tuple[str, ...] = ("unit", "group", "kind", "tensors", "numel", "bytes_saved", "score", "error",
-                            "overflow", "underflow")
+
 
 
 class _Tap(torch.autograd.Function):
@@ -279,24 +275,6 @@ def measure_model(model_spec: str, space: SearchSpace, data: tuple[ImageDataset,
         return measure(graph, model, space, chosen)
 
 
-def unit_table(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per unit: summed score and bytes saved, and ``per_byte`` (score per byte saved; 0 when both are
-    0, inf when demoting saves nothing yet costs), sorted least sensitive per byte first."""
-    summed = table.groupby(["unit", "group"], sort=False)[["bytes_saved", "score"]].sum(min_count=1).reset_index()
-    summed["score"] = summed["score"].fillna(0.0)
-    saved, score = summed["bytes_saved"].to_numpy(), summed["score"].to_numpy()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        summed["per_byte"] = np.where(saved > 0, score / np.where(saved > 0, saved, 1.0),
-                                      np.where(score > 0, np.inf, 0.0))
-    return summed.sort_values("per_byte", kind="stable").reset_index(drop=True)
-
-
-def group_order(table: pd.DataFrame) -> dict[int, float]:
-    """Group -> score per byte saved: the key ``paper_assignment(order="sensitivity", scores=...)`` sorts by."""
-    per_group = table.assign(unit=table["group"].map(lambda group: f"g{group}"))
-    return {int(row.group): float(row.per_byte) for row in unit_table(per_group).itertuples()}
-
-
 def least_sensitive(scores: Mapping[str, float], saved: Mapping[str, float], need: float) -> set[str]:
     """The units to demote: least summed score among the sets whose bytes saved reach ``need``, solved exactly
     (a 0/1 integer program, scipy's HiGHS at zero gap). An unreachable ``need`` demotes every unit."""
@@ -346,11 +324,3 @@ class SensitivitySeeding(Seeding):
     def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
         return [(candidate, f"sensitivity r={candidate.r:.1f}")
                 for candidate in sensitivity_sweep(graph, space, self.table, self.rs)]
-
-
-def save_table(table: pd.DataFrame, directory: str | os.PathLike[str]) -> Path:
-    """Write ``table`` as ``SENSITIVITY_CSV`` in ``directory`` (created if missing), atomically."""
-    path = Path(directory) / SENSITIVITY_CSV
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, table.to_csv(index=False))
-    return path
