@@ -83,7 +83,7 @@ def paper_sweep(model: str, space, data: str, length: int, seeds: list[int], thr
                          "val_accuracy": float(np.mean(accuracies)), "seeds": len(accuracies),
                          "val_accuracy_sd": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else np.nan,
                          "diverged": any(result.diverged for result in results), "trained": True,
-                         "state": "COMPLETE"})
+                         "state": "COMPLETE", "number": len(rows)})
             print(f"  paper r={candidate.r:.1f}: memory {rows[-1]['memory']:.3f} accuracy "
                   f"{rows[-1]['val_accuracy']:.4f} (sd {rows[-1]['val_accuracy_sd']:.4f}, {len(accuracies)} seeds)",
                   flush=True)
