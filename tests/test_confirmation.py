@@ -155,3 +155,28 @@ def test_a_front_point_at_chance_is_not_confirmed(tmp_path, context):
     front = set(result.pareto["decisions"])
     assert "LLLL" in front and "LLLL" not in confirmed
     assert {"HHHH", "plain"} <= confirmed and (front - {"LLLL"}) <= confirmed
+
+
+def test_a_point_that_scatters_in_confirmation_does_not_widen_the_bound_of_another(tmp_path, context):
+    """The cheapest learner confirms exactly like all-high on every seed; a dearer one scatters (one seed
+    fails). Each is held to all-high with the noise of those two alone, so the scatter of one cannot sink
+    the other: the cheap point is picked."""
+    memories = _memories(context)
+    ordered = sorted((name for name in memories if name not in ("HHHH", "LLLL")), key=memories.get)
+    cheap, dear = ordered[0], ordered[-1]
+
+    def curve(name, step, length, seed):
+        index = seed % 1000
+        if name in ("HHHH", "plain", cheap, dear):
+            if name == dear and step == length:  # the proxy ranks it first (on the front); confirmation scatters
+                return 0.5 if length == CONFIRM and index == 0 else 0.99
+            return _at(REFERENCE, step)[index]
+        return CHANCE
+
+    trainer = ScriptedTrainer(curve, context)
+    result = _search(tmp_path / "run", trainer)
+    by_name = result.trials.drop_duplicates("decisions").set_index("decisions")
+    best = json.loads((tmp_path / "run" / "best.json").read_text())["provenance"]
+    pareto = pd.read_csv(tmp_path / "run" / "pareto.csv", keep_default_na=False).set_index("decisions")
+    assert pareto.loc[dear, "confirmed_sd"] > 0.2  # the scatter is there, and pooled it would sink cheap
+    assert best["trial"] == int(by_name.loc[cheap, "number"])

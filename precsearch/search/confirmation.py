@@ -59,11 +59,13 @@ class Confirmation:
         return pd.DataFrame(rows, columns=["key", "confirmed_accuracy", "confirmed_sd", "confirmed_seeds",
                                            "confirmed_diverged", "confirmed_steps"])
 
-    def noise(self, confidence: float) -> Noise:
-        """The seed noise of the confirmation runs, pooled over every confirmed policy (not plain fp32)."""
-        return pooled_noise(pd.DataFrame(), confidence, extra=[[run["val_accuracy"] for run in runs]
-                                                                 for key, runs in self.runs.items()
-                                                                 if key != PLAIN_FP32])
+    def noise(self, confidence: float, keys: Sequence[str] | None = None) -> Noise:
+        """The seed noise of the confirmation runs of ``keys`` (default: every confirmed policy, not plain
+        fp32), pooled. A point is held against the reference with the noise of those two alone: seed noise
+        differs from point to point (one that learns on every seed does not scatter like one at the edge)."""
+        chosen = [key for key in self.runs if key != PLAIN_FP32] if keys is None else keys
+        return pooled_noise(pd.DataFrame(), confidence, extra=[[run["val_accuracy"] for run in self.runs[key]]
+                                                                 for key in chosen])
 
     @property
     def steps(self) -> int:

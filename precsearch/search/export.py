@@ -206,11 +206,21 @@ def _confirmed_pick(frame: pd.DataFrame, front: pd.DataFrame, confirmed: pd.Data
     if reference <= chance:
         return None, (f"the all-high reference reached only {reference:.3f} in confirmation, no better than chance "
                       f"({chance:.3f}): no pick")
-    noise = confirmation.noise(context.budget.confidence)
     ok = frame[usable(frame)].sort_values("number").drop_duplicates("key") if not frame.empty else frame
     candidates = confirmed_front(ok.drop(columns=list(confirmed.columns.drop("key"))), confirmed)
-    best = choose_best(candidates, context.budget, reference, noise, int(table.loc[high, "confirmed_seeds"]), high,
-                       chance)
+    reference_seeds = int(table.loc[high, "confirmed_seeds"])
+    if context.budget.max_memory is None:  # each point against all-high with the noise of those two
+        best = None
+        for _, row in candidates.sort_values(["memory", "val_accuracy", "number"],
+                                             ascending=[True, False, True]).iterrows():
+            pair = candidates[candidates["key"].isin([row["key"], high])]
+            best = choose_best(pair, context.budget, reference, _pair_noise(confirmation, row["key"], high, context),
+                               reference_seeds, high, chance)
+            if best is not None and best["key"] == row["key"]:
+                break
+    else:
+        best = choose_best(candidates, context.budget, reference, confirmation.noise(context.budget.confidence),
+                           reference_seeds, high, chance)
     if best is None:
         return None, f"no confirmed point within the budget beats chance accuracy ({chance:.3f}): no pick"
     proxy_front = front.drop(columns=list(confirmed.columns.drop("key")))
@@ -222,12 +232,18 @@ def _confirmed_pick(frame: pd.DataFrame, front: pd.DataFrame, confirmed: pd.Data
     return best, ""
 
 
+def _pair_noise(confirmation: Confirmation, key: str, high: str, context: SearchContext) -> Noise:
+    """The confirmation noise a point is held to all-high with: pooled over the two alone."""
+    return confirmation.noise(context.budget.confidence, keys=sorted({key, high}))
+
+
 def _pick_provenance(best: pd.Series, confirmed: pd.DataFrame, confirmation: Confirmation, context: SearchContext,
                      note: str) -> dict[str, Any]:
     """best.json's ``noise`` (the decision's statement) and ``confirmation`` (the runs it rests on)."""
-    noise = confirmation.noise(context.budget.confidence)
     table = confirmed.set_index("key")
     high = uniform(context.graph, context.space, "high").key
+    noise = (_pair_noise(confirmation, best["key"], high, context) if context.budget.max_memory is None
+             else confirmation.noise(context.budget.confidence))
 
     def accuracy(key: str) -> float | None:
         return float(table.loc[key, "confirmed_accuracy"]) if key in table.index else None
