@@ -107,6 +107,8 @@ def _level_code(level: str, context: SearchContext) -> str:
 def trials_frame(study: optuna.Study, context: SearchContext) -> pd.DataFrame:
     """One row per started trial (queued ones are not trials yet) with origin, memory, proxy metrics, state."""
     rows = [_trial_row(t, context) for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING]
+    if not rows:  # still a table with its header: stopped before the first trial (say, in calibration)
+        return pd.DataFrame(columns=list(_trial_row(optuna.trial.create_trial(state=TrialState.FAIL), context)))
     return pd.DataFrame(rows)
 
 
