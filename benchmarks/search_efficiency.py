@@ -32,7 +32,7 @@ from precsearch.search.config import SearchConfig
 from precsearch.search.confirmation import CONFIRM_SEED_OFFSET, DEFAULT_CONFIRM_FACTOR, confirmation_length
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import pooled_noise
-from precsearch.search.selection import choose_best
+from precsearch.search.selection import pick_pairwise
 from precsearch.search.strategies import sweep
 from precsearch.search.study import run_search
 
@@ -67,31 +67,36 @@ def total_steps(result) -> int:
 
 
 def paper_sweep(model: str, space, data: str, length: int, seeds: list[int], threads: int) -> dict:
-    """(c): every distinct sweep point at ``length`` steps on ``seeds``, picked by the search's rule."""
+    """(c): every distinct sweep point at ``length`` steps on ``seeds``, its memory counting what the overflow
+    guard promoted (as the search's does), picked by the search's confirmed rule."""
     context = SearchContext.create(model, space, DataSpec(data), Budget(max_accuracy_drop=DROP), 0, "cpu")
-    rows, seen, steps = [], set(), 0
+    rows, accuracies, steps = [], {}, 0
     with torch_threads(threads):
         for candidate in sweep(context.graph, space):
-            if candidate.key in seen:
+            if candidate.key in accuracies:
                 continue
-            seen.add(candidate.key)
             policy = context.policy(candidate.assignment, {"strategy": "paper", "r": candidate.r})
             results = context.train_seeds(policy, length, seeds)
             steps += sum(result.steps_run for result in results)
-            accuracies = [result.val_accuracy for result in results]
-            rows.append({"key": candidate.key, "r": candidate.r, "memory": context.memory(candidate.assignment)[0],
-                         "val_accuracy": float(np.mean(accuracies)), "seeds": len(accuracies),
-                         "val_accuracy_sd": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else np.nan,
-                         "diverged": any(result.diverged for result in results), "trained": True,
-                         "state": "COMPLETE", "number": len(rows)})
+            accuracies[candidate.key] = [result.val_accuracy for result in results]
+            promoted = sorted({tensor for result in results for tensor in result.promotions})
+            rows.append({"key": candidate.key, "r": candidate.r, "number": len(rows), "state": "COMPLETE",
+                         "memory": context.memory(candidate.assignment, promoted)[0],
+                         "val_accuracy": float(np.mean(accuracies[candidate.key])), "seeds": len(results),
+                         "val_accuracy_sd": float(np.std(accuracies[candidate.key], ddof=1)) if len(results) > 1
+                         else np.nan, "diverged": any(result.diverged for result in results), "trained": True})
             print(f"  paper r={candidate.r:.1f}: memory {rows[-1]['memory']:.3f} accuracy "
-                  f"{rows[-1]['val_accuracy']:.4f} (sd {rows[-1]['val_accuracy_sd']:.4f}, {len(accuracies)} seeds)",
+                  f"{rows[-1]['val_accuracy']:.4f} (sd {rows[-1]['val_accuracy_sd']:.4f}, {len(results)} seeds)",
                   flush=True)
     frame = pd.DataFrame(rows)
     reference = frame.iloc[0]  # r = 0: all-high
-    noise = pooled_noise(frame, Budget().confidence)
-    best = choose_best(frame, Budget(max_accuracy_drop=DROP), float(reference["val_accuracy"]), noise,
-                       reference_seeds=int(reference["seeds"]), reference_key=reference["key"], chance=context.chance)
+    confidence = Budget().confidence
+
+    def pair_noise(key: str):
+        return pooled_noise(pd.DataFrame(), confidence, extra=[accuracies[key], accuracies[reference["key"]]])
+
+    best = pick_pairwise(frame, Budget(max_accuracy_drop=DROP), float(reference["val_accuracy"]),
+                         int(reference["seeds"]), reference["key"], context.chance, pair_noise)
     row = {"procedure": "(c) paper: sweep at full length", "proxy_length": None, "steps": steps,
            "all_high_confirmed": float(reference["val_accuracy"])}
     if best is None:

@@ -24,7 +24,7 @@ from precsearch.search.confirmation import PLAIN_FP32, Confirmation, recorded_co
 from precsearch.search.context import SearchContext
 from precsearch.search.noise import Noise, pooled_noise
 from precsearch.search.rungs import rung_steps
-from precsearch.search.selection import choose_best, confirmed_front, mark_ties, pareto_front, usable
+from precsearch.search.selection import choose_best, confirmed_front, mark_ties, pareto_front, pick_pairwise, usable
 from precsearch.search.sensitivity_table import save_table
 from precsearch.search.strategies import R_GRID, assign, uniform
 
@@ -212,14 +212,8 @@ def _confirmed_pick(frame: pd.DataFrame, front: pd.DataFrame, confirmed: pd.Data
     candidates = confirmed_front(ok.drop(columns=list(confirmed.columns.drop("key"))), confirmed)
     reference_seeds = int(table.loc[high, "confirmed_seeds"])
     if context.budget.max_memory is None:  # each point against all-high with the noise of those two
-        best = None
-        for _, row in candidates.sort_values(["memory", "val_accuracy", "number"],
-                                             ascending=[True, False, True]).iterrows():
-            pair = candidates[candidates["key"].isin([row["key"], high])]
-            best = choose_best(pair, context.budget, reference, _pair_noise(confirmation, row["key"], high, context),
-                               reference_seeds, high, chance)
-            if best is not None and best["key"] == row["key"]:
-                break
+        best = pick_pairwise(candidates, context.budget, reference, reference_seeds, high, chance,
+                             lambda key: _pair_noise(confirmation, key, high, context))
     else:
         best = choose_best(candidates, context.budget, reference, confirmation.noise(context.budget.confidence),
                            reference_seeds, high, chance)

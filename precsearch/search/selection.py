@@ -10,6 +10,7 @@ confirmation failed is never the pick.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pandas as pd
 
@@ -64,6 +65,20 @@ def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, no
     if reference is None or reference <= chance:
         return None
     return _confidently_within_drop(ok, reference, reference_seeds, budget.drop, noise, reference_key)
+
+
+def pick_pairwise(candidates: pd.DataFrame, budget: Budget, reference: float, reference_seeds: int,
+                  reference_key: str, chance: float, noise_for: Callable[[str], Noise]) -> pd.Series | None:
+    """``choose_best`` under an accuracy-drop budget, each point held to the reference with the seed noise of
+    those two alone (``noise_for(key)``), least memory first: one point's scatter cannot sink another's pick,
+    as a noise pooled over every point would (seed noise differs from point to point)."""
+    ordered = candidates.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True])
+    for _, row in ordered.iterrows():
+        pair = candidates[candidates["key"].isin([row["key"], reference_key])]
+        best = choose_best(pair, budget, reference, noise_for(row["key"]), reference_seeds, reference_key, chance)
+        if best is not None and best["key"] == row["key"]:
+            return best
+    return None
 
 
 def confirmed_front(front: pd.DataFrame, confirmed: pd.DataFrame) -> pd.DataFrame:
