@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from precsearch.config.spec import MEMORY_MEASURES, SAMPLERS
@@ -47,17 +48,25 @@ def add_space_arguments(parser: argparse.ArgumentParser, calibrated: bool = Fals
                                  "proxy.steps)")
 
 
-def proxy_steps(text: str) -> int | str:
-    """--proxy-steps of a search: auto, or a count >= 1."""
-    if text == "auto":
-        return text
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of steps >= 1, or auto")
-    return count
+def count_or_auto(unit: str, auto: Any) -> Callable[[str], Any]:
+    """An argparse type: ``auto`` (given back as ``auto``) or a count of ``unit`` >= 1."""
+
+    def parse(text: str) -> Any:
+        if text == "auto":
+            return auto
+        try:
+            count = int(text)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a number of {unit} >= 1, or auto")
+        return count
+
+    return parse
+
+
+proxy_steps = count_or_auto("steps", "auto")  # --proxy-steps of a search: a fixed length, or calibrated
+proxy_seeds = count_or_auto("seeds", None)  # --proxy-seeds: a count, or chosen from the noise (None)
 
 
 def space_argument(args: argparse.Namespace) -> Any:
@@ -117,17 +126,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
 
 
-def proxy_seeds(text: str) -> int | None:
-    """--proxy-seeds: a count >= 1, or auto (None)."""
-    if text == "auto":
-        return None
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seeds >= 1, or auto")
-    return count
 
 
 def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
