@@ -238,10 +238,11 @@ def _consistent(out, before):
 def test_twenty_sigints_at_random_moments_each_stop_the_search_with_130_and_consistent_files(tmp_path, capsys,
                                                                                             caplog):
     space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump({**PAPER_SPACE, "proxy": PROXY}))
+    # one unit per tensor: far more assignments than 20 stops of at most 2 s can train, so none ends the search
+    space.write_text(yaml.safe_dump({**PAPER_SPACE, "proxy": PROXY, "granularity": "tensor"}))
     out = tmp_path / "run"
     command = ["search", "tiny_cnn", "--space", str(space), "--trials", "500", "--out", str(out), "--no-progress",
-               "--device", "cpu", "--threads", "1"]
+               "--device", "cpu", "--threads", "1", "--proxy-steps", str(PROXY["steps"])]  # trials from the start
     rng = random.Random(16)
     inside = threading.Event()
 
