@@ -16,8 +16,8 @@ import precsearch
 PACKAGE = Path(precsearch.__file__).parent
 # Plain data: a policy, a space or a format name is read, checked and written without the training stack.
 TORCH_FREE = ["precsearch.config.checks", "precsearch.config.loss_scaling", "precsearch.config.optimizer",
-              "precsearch.config.policy", "precsearch.config.spaces", "precsearch.config.spec", "precsearch.errors",
-              "precsearch.files", "precsearch.formats.format"]
+              "precsearch.config.policy", "precsearch.config.reading", "precsearch.config.spaces",
+              "precsearch.config.spec", "precsearch.errors", "precsearch.files", "precsearch.formats.format"]
 
 
 def _modules() -> dict[str, Path]:

@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module in this package, named as the command, with ``HELP``, ``DESCRIPTION``,
 ``add_arguments(parser)`` and ``run(args)``. Modules are discovered, so adding a command never touches this
-file. Errors a user can fix (``PrecsearchError``, missing files) print one line and exit 2.
+file; a module whose name starts with ``_`` is a helper, not a command (``_arguments``: the checked values).
+Errors a user can fix (``PrecsearchError``, missing files) print one line and exit 2; with ``-v``, an error
+raised by user code also prints that code's traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import pkgutil
 import signal
 import sys
+import traceback
 
 from precsearch import __version__
 from precsearch.errors import PrecsearchError
@@ -27,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if module_info.name.startswith("_"):
+            continue
         module = importlib.import_module(f"{__name__}.{module_info.name}")
         command = subparsers.add_parser(module_info.name, help=module.HELP, description=module.DESCRIPTION)
         module.add_arguments(command)
@@ -44,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PrecsearchError as error:
+        if args.verbose and error.__cause__ is not None:  # user code raised it: show where
+            traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"precsearch {args.command}: error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and the like

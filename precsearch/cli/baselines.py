@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from precsearch.cli.search import add_data_arguments, add_space_arguments, space_argument
+from precsearch.cli._arguments import add_data_arguments, add_space_arguments, space_argument
 from precsearch.config.spec import BASELINES
 
 HELP = "train prior-work baselines and the paper's sweep into one table"

@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from precsearch.cli._arguments import DEVICE_HELP, count, device
 from precsearch.errors import PrecsearchError
 
 MODEL = "narrow_cnn"
@@ -36,9 +37,9 @@ DESCRIPTION = ("Search narrow_cnn's precision assignments in the paper's HFP8 sp
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", metavar="DIR", help="run directory (default runs/demo)")
-    parser.add_argument("--trials", type=int, default=TRIALS, metavar="N", help=f"trials (default {TRIALS})")
-    parser.add_argument("--jobs", type=int, default=JOBS, metavar="N", help=f"worker processes (default {JOBS})")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    parser.add_argument("--trials", type=count, default=TRIALS, metavar="N", help=f"trials (default {TRIALS})")
+    parser.add_argument("--jobs", type=count, default=JOBS, metavar="N", help=f"worker processes (default {JOBS})")
+    parser.add_argument("--device", type=device, default="auto", help=DEVICE_HELP)
 
 
 def _clear_previous_demo(out: Path) -> None:

@@ -1,6 +1,6 @@
 """`precsearch search MODEL ...`: search precision assignments with Optuna and short proxies.
 
-Also holds the argument helpers the other training commands (baselines, train, demo) share.
+Also holds the summary texts demo shares.
 """
 
 from __future__ import annotations
@@ -8,73 +8,17 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Callable
 from typing import Any
 
+from precsearch.cli._arguments import (
+    add_data_arguments,
+    add_space_arguments,
+    count,
+    proxy_seeds,
+    real,
+    space_argument,
+)
 from precsearch.config.spec import MEMORY_MEASURES, SAMPLERS
-from precsearch.train.data import DATASETS
-
-
-def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """--data, --data-root, --image-size, --batch-size, --device, --seed."""
-    parser.add_argument("--data", default="digits", metavar="NAME",
-                        help=f"dataset: {', '.join(DATASETS)} (default digits, bundled, no download)")
-    parser.add_argument("--data-root", default=None, metavar="DIR",
-                        help="folder of a local dataset (cifar10, cifar100, imagefolder)")
-    parser.add_argument("--image-size", type=int, default=None, metavar="PX",
-                        help="resize images to PX x PX (default: the space's proxy.image_size)")
-    parser.add_argument("--batch-size", type=int, default=None, metavar="N", help="training batch size")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
-    parser.add_argument("--seed", type=int, default=0, help="seed of model init, batches, rounding, sampler")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch threads per process (default: torch's own; with --jobs, cores / jobs); "
-                             "1 is fastest for small proxies")
-
-
-def add_space_arguments(parser: argparse.ArgumentParser, calibrated: bool = False) -> None:
-    """MODEL, --space, --proxy-steps (``calibrated``: auto, the default, or a number; else a number)."""
-    parser.add_argument("model", metavar="MODEL",
-                        help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
-    parser.add_argument("--space", default=None, metavar="YAML",
-                        help="search space file (see search_spaces/README.md; default: the paper's HFP8 space, "
-                             "as search_spaces/hfp8.yaml)")
-    if calibrated:
-        parser.add_argument("--proxy-steps", type=proxy_steps, default="auto", metavar="S",
-                            help="SGD steps per proxy: auto (default) calibrates them from the all-high reference's "
-                                 "learning curve; a number fixes them")
-    else:
-        parser.add_argument("--proxy-steps", type=int, default=None, metavar="S",
-                            help="SGD steps per proxy (default: a search run directory's, else the space's "
-                                 "proxy.steps)")
-
-
-def count_or_auto(unit: str, auto: Any) -> Callable[[str], Any]:
-    """An argparse type: ``auto`` (given back as ``auto``) or a count of ``unit`` >= 1."""
-
-    def parse(text: str) -> Any:
-        if text == "auto":
-            return auto
-        try:
-            count = int(text)
-        except ValueError:
-            count = 0
-        if count < 1:
-            raise argparse.ArgumentTypeError(f"{text!r}: give a number of {unit} >= 1, or auto")
-        return count
-
-    return parse
-
-
-proxy_steps = count_or_auto("steps", "auto")  # --proxy-steps of a search: a fixed length, or calibrated
-proxy_seeds = count_or_auto("seeds", None)  # --proxy-seeds: a count, or chosen from the noise (None)
-
-
-def space_argument(args: argparse.Namespace) -> Any:
-    """The --space file, or the built-in paper space when none is given."""
-    from precsearch.config.spaces import paper_space
-
-    return args.space if args.space is not None else paper_space()
-
 
 HELP = "search precision assignments (Optuna + proxy training)"
 DESCRIPTION = ("Search mixed-precision assignments of MODEL: memory from the cost model, accuracy from "
@@ -87,11 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
 
     add_space_arguments(parser, calibrated=True)
-    parser.add_argument("--max-proxy-steps", type=int, default=CalibrationSettings.max_steps, metavar="S",
+    parser.add_argument("--max-proxy-steps", type=count, default=CalibrationSettings.max_steps, metavar="S",
                         help="cap of the calibration's doubling schedule (default %(default)s)")
-    parser.add_argument("--confirm-factor", type=float, default=DEFAULT_CONFIRM_FACTOR, metavar="F",
+    parser.add_argument("--confirm-factor", type=real(1), default=DEFAULT_CONFIRM_FACTOR, metavar="F",
                         help="confirmation runs are F x the proxy length, on fresh seeds (default %(default)s)")
-    parser.add_argument("--trials", type=int, default=40, metavar="N",
+    parser.add_argument("--trials", type=count, default=40, metavar="N",
                         help="distinct assignments the study tries (default 40; a smaller space is enumerated)")
     parser.add_argument("--out", required=True, metavar="DIR", help="run directory")
     parser.add_argument("--storage", default=None, metavar="URL",
@@ -100,17 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study-name", default=None, metavar="NAME",
                         help="join the shared study NAME in --storage (creating and seeding it if new): run the "
                              "same command on every host, each with its own --out; --trials is the study's total")
-    parser.add_argument("--heartbeat", type=int, default=20, metavar="S",
+    parser.add_argument("--heartbeat", type=count, default=20, metavar="S",
                         help="seconds between a worker's heartbeats on a database storage; a trial silent for 3 x S "
                              "is failed and its assignment retried (default 20)")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+    parser.add_argument("--jobs", type=count, default=1, metavar="N",
                         help="worker processes on the study; with --device cuda, one per visible GPU")
     parser.add_argument("--resume", action="store_true",
                         help="continue the search in --out (with no other process working on its study)")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--max-memory", type=float, default=None, metavar="R",
+    budget.add_argument("--max-memory", type=real(0, 1, open_low=True), default=None, metavar="R",
                         help="single objective: best accuracy with memory <= R x all-high")
-    budget.add_argument("--max-accuracy-drop", type=float, default=None, metavar="D",
+    budget.add_argument("--max-accuracy-drop", type=real(0, 1), default=None, metavar="D",
                         help="single objective: least memory with accuracy >= all-high - D (0.01 = 1 point)")
     parser.add_argument("--memory", choices=MEMORY_MEASURES, default="bytes",
                         help="memory measure to minimize: bytes of the tensors training keeps (the paper's, "
@@ -126,14 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
 
 
-
-
 def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
     """--proxy-seeds, --confidence."""
     parser.add_argument("--proxy-seeds", type=proxy_seeds, default=None, metavar="K",
                         help="seeds per proxy (and for the all-high reference); auto (default): the reference "
                              "trains 3, and each proxy as many (2-4) as the noise they show needs")
-    parser.add_argument("--confidence", type=float, default=0.9, metavar="C",
+    parser.add_argument("--confidence", type=real(0.5, 1, open_high=True), default=0.9, metavar="C",
                         help="one-sided confidence of accuracy decisions against the seed noise (default 0.9)")
 
 

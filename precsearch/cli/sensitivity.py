@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from precsearch.cli.search import add_data_arguments, space_argument
+from precsearch.cli._arguments import add_data_arguments, count, space_argument
 from precsearch.search.sensitivity import DEFAULT_BATCHES
 
 HELP = "measure how much the low format hurts each group and tensor kind"
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
     parser.add_argument("--space", default=None, metavar="YAML",
                         help="search space file (default: the paper's HFP8 space)")
-    parser.add_argument("--batches", type=int, default=DEFAULT_BATCHES, metavar="N",
+    parser.add_argument("--batches", type=count, default=DEFAULT_BATCHES, metavar="N",
                         help="training batches measured (default %(default)s)")
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for sensitivity.csv (a run directory)")
     add_data_arguments(parser)

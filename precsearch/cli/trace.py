@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from precsearch.cli._arguments import count, input_shape
+
 DEFAULT_BATCH = 128
 EXAMPLE_BATCH = 2
 
@@ -19,9 +21,9 @@ DESCRIPTION = "Trace MODEL into its tensor graph and print its groups, tensors, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="zoo name with options (resnet18, resnet18:width=0.25) or package.module:factory")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, metavar="N",
+    parser.add_argument("--batch-size", type=count, default=DEFAULT_BATCH, metavar="N",
                         help=f"training batch size the shapes are given at (default {DEFAULT_BATCH})")
-    parser.add_argument("--input-shape", default=None, metavar="C,H,W",
+    parser.add_argument("--input-shape", type=input_shape, default=None, metavar="C,H,W",
                         help="per-sample input shape (default 3,32,32, the zoo's CIFAR form)")
     parser.add_argument("--leaf", nargs="+", action="extend", default=[], metavar="MODULE_TYPE",
                         help="module class names (or qualified module names) to keep as single ops")
@@ -30,21 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure one training forward at the batch size: saved bytes predicted vs "
                              "measured in fp32 and under the hfp8 and fp16 policies, and the ops not enforced "
                              "(exit status 1 when a figure is off by more than 2%%)")
-
-
-def _input_shape(text: str | None) -> tuple[int, ...]:
-    from precsearch.errors import PrecsearchError
-    from precsearch.models import INPUT_SHAPE
-
-    if text is None:
-        return INPUT_SHAPE
-    try:
-        shape = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        shape = ()
-    if not shape or any(dim < 1 for dim in shape):
-        raise PrecsearchError(f"--input-shape {text!r} must be positive integers separated by commas, e.g. 3,32,32")
-    return shape
 
 
 def report(graph: Any, cost: Any) -> str:
@@ -87,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
     from precsearch.cost.model import CostModel
     from precsearch.graph.tracing import trace
-    from precsearch.models import build
+    from precsearch.models import INPUT_SHAPE, build
 
-    shape = _input_shape(args.input_shape)
+    shape = args.input_shape or INPUT_SHAPE
     model = build(args.model)
     example = torch.randn((EXAMPLE_BATCH, *shape), generator=torch.Generator().manual_seed(0))
     graph = trace(model, example, batch_size=args.batch_size, leaf_modules=args.leaf, model_name=args.model)

@@ -9,13 +9,15 @@ With ``--nproc N`` it trains data-parallel in N processes
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
-from precsearch.cli.search import add_data_arguments
+from precsearch.cli._arguments import add_data_arguments, count, real
 from precsearch.config.spec import COMPRESSIONS, ProxyConfig
 from precsearch.errors import PrecsearchError
 from precsearch.train.trainer import PAPER_LR
+
+DEFAULT_BATCH = 64  # without --batch-size and a policy that names one
+DEFAULT_EPOCHS = 10
 
 HELP = "train a model under a policy file, or in plain fp32 without one"
 DESCRIPTION = ("Train MODEL under a policy (e.g. a search's best.json) with the paper's recipe (SGD lr 0.1, "
@@ -27,23 +29,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the model the policy was made for (e.g. tiny_cnn)")
     parser.add_argument("--policy", default=None, metavar="FILE",
                         help="policy JSON file (default: none, plain fp32 training)")
-    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+    parser.add_argument("--nproc", type=count, default=None, metavar="N",
                         help="train in N data-parallel processes (gloo on CPU, nccl on CUDA); --batch-size is "
                              "the global batch")
     parser.add_argument("--compress", choices=COMPRESSIONS, default=None,
                         help="gradient exchange with --nproc: none (all-reduce) or adacomp (default: the "
                              "policy's compression, else none)")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, default=None, metavar="N", help="SGD steps")
-    length.add_argument("--epochs", type=float, default=None, metavar="E", help="epochs (default 10)")
+    length.add_argument("--steps", type=count, default=None, metavar="N", help="SGD steps")
+    length.add_argument("--epochs", type=real(0, open_low=True), default=None, metavar="E",
+                        help=f"epochs (default {DEFAULT_EPOCHS})")
     recipe = ProxyConfig()
     parser.add_argument("--recipe", choices=("paper", "proxy"), default="paper",
                         help="paper: the reference recipe (augmentation, Kaiming fan-out init, cosine per epoch); "
                              "proxy: a search proxy's (none of these, cosine per step)")
-    parser.add_argument("--lr", type=float, default=PAPER_LR, help=f"peak learning rate (default {PAPER_LR})")
-    parser.add_argument("--momentum", type=float, default=recipe.momentum)
-    parser.add_argument("--weight-decay", type=float, default=recipe.weight_decay)
-    parser.add_argument("--eval-every", type=int, default=None, metavar="N",
+    parser.add_argument("--lr", type=real(0, open_low=True), default=PAPER_LR,
+                        help=f"peak learning rate (default {PAPER_LR})")
+    parser.add_argument("--momentum", type=real(0, 1, open_high=True), default=recipe.momentum,
+                        help=f"SGD momentum in [0, 1) (default {recipe.momentum})")
+    parser.add_argument("--weight-decay", type=real(0), default=recipe.weight_decay,
+                        help=f"L2 weight decay >= 0 (default {recipe.weight_decay})")
+    parser.add_argument("--eval-every", type=count, default=None, metavar="N",
                         help="evaluate every N steps (default: every epoch)")
     parser.add_argument("--metrics", default=None, metavar="CSV", help="write metrics to this CSV file")
     add_data_arguments(parser)
@@ -57,23 +63,17 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.train.trainer import PAPER_RECIPE, train_policy
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise PrecsearchError(f"--threads {args.threads} must be at least 1")
         torch.set_num_threads(args.threads)
     if args.compress is not None and args.nproc is None:
         raise PrecsearchError(f"--compress {args.compress} needs --nproc N (the data-parallel processes)")
     policy = Policy.load(args.policy) if args.policy is not None else None
     if policy is not None and policy.input_shape is None:
         raise PrecsearchError(f"policy {args.policy} has no input_shape; make it with precsearch search")
-    image_size = args.image_size or (policy.input_shape[-1] if policy is not None else ProxyConfig().image_size)
-    batch_size = args.batch_size or (policy.batch_size if policy is not None else None) or 64
-    if (args.steps is not None and args.steps < 1) or (args.epochs is not None and args.epochs <= 0):
-        raise PrecsearchError("--steps and --epochs must be positive")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise PrecsearchError(f"--lr {args.lr} must be a positive finite learning rate, such as 0.1")
+    image_size = _given_or(args.image_size, policy.input_shape[-1] if policy is not None else ProxyConfig().image_size)
+    batch_size = _given_or(args.batch_size, policy.batch_size if policy is not None else None, DEFAULT_BATCH)
     data = load_dataset(args.data, root=args.data_root, image_size=image_size)
     per_epoch = max(1, len(data[0]) // batch_size)
-    steps = args.steps or max(1, round((args.epochs or 10) * per_epoch))
+    steps = _given_or(args.steps, max(1, round(_given_or(args.epochs, DEFAULT_EPOCHS) * per_epoch)))
     config = ProxyConfig(steps=steps, batch_size=batch_size, image_size=image_size, lr=args.lr,
                          momentum=args.momentum, weight_decay=args.weight_decay)
     if args.nproc is not None:
@@ -88,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics:
         print(f"metrics: {args.metrics}")
     return 0
+
+
+def _given_or(given: Any, *defaults: Any) -> Any:
+    """The value the user gave (the argparse types refused any unusable one), else the first default set; a 0
+    the user typed is never replaced."""
+    return next(value for value in (given, *defaults) if value is not None)
 
 
 def _run_data_parallel(args: argparse.Namespace, policy: Any, data: Any, steps: int, config: ProxyConfig) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from precsearch.cli._arguments import DEVICE_HELP, count, device, seed
+
 HELP = "retrain a search's front and references at full length; write fidelity.csv and a plot"
 DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of "
                "the run directory RUN for --steps steps, then write fidelity.csv (proxy vs long-run "
@@ -14,11 +16,11 @@ DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sw
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", metavar="RUN", help="run directory of precsearch search")
-    parser.add_argument("--steps", type=int, default=None, metavar="N",
+    parser.add_argument("--steps", type=count, default=None, metavar="N",
                         help="training steps of each long run (default: 8 x the proxy's steps)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the long runs (default: the search's)")
-    parser.add_argument("--device", default="cpu", help="auto (CUDA when available), cpu or cuda")
-    parser.add_argument("--threads", type=int, default=None, metavar="N", help="torch threads")
+    parser.add_argument("--seed", type=seed, default=None, help="seed of the long runs (default: the search's)")
+    parser.add_argument("--device", type=device, default="cpu", help=DEVICE_HELP)
+    parser.add_argument("--threads", type=count, default=None, metavar="N", help="torch threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

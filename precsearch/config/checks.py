@@ -9,7 +9,7 @@ from typing import Any
 
 from precsearch.errors import PrecsearchError
 
-__all__ = ["check_keys", "choice", "flag", "number"]
+__all__ = ["check_keys", "choice", "flag", "number", "requirement"]
 
 
 def check_keys(keys: Any, allowed: tuple[str, ...], where: str) -> None:
@@ -45,8 +45,19 @@ def number(value: Any, where: str, low: float, high: float = math.inf, integer: 
     if ok:
         ok = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
     if not ok:
-        kind = "an integer" if integer else "a number"
-        interval = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        bounds = f"{'>' if open_low else '>='} {low}" if high == math.inf else interval
-        raise PrecsearchError(f"{where}={value!r} must be {kind} {bounds}")
+        wanted = requirement(low, high, integer, open_low=open_low, open_high=open_high)
+        raise PrecsearchError(f"{where}={value!r} must be {wanted}")
     return int(value) if integer else float(value)
+
+
+def requirement(low: float, high: float = math.inf, integer: bool = False, *, open_low: bool = False,
+                open_high: bool = False) -> str:
+    """What ``number`` accepts, in words: ``an integer >= 1``, ``a number in (0, 1]``, ``a number``."""
+    kind = "an integer" if integer else "a number"
+    if low == -math.inf and high == math.inf:
+        return kind
+    if high == math.inf:
+        return f"{kind} {'>' if open_low else '>='} {low}"
+    if low == -math.inf:
+        return f"{kind} {'<' if open_high else '<='} {high}"
+    return f"{kind} in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"

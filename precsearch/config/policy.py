@@ -55,6 +55,7 @@ from typing import Any, Protocol
 from precsearch.config.checks import check_keys, choice, flag
 from precsearch.config.loss_scaling import loss_scaling
 from precsearch.config.optimizer import optimizer
+from precsearch.config.reading import parse_json
 from precsearch.config.spec import (
     ASSIGNABLE_KINDS,
     COMPRESSIONS,
@@ -384,7 +385,7 @@ class Policy:
             raise PrecsearchError(f"policy {path}: not a text file (corrupted?); write it again with "
                                   "Policy.save") from None
         try:
-            data = json.loads(text)
+            data = parse_json(text, f"policy {path}")
         except json.JSONDecodeError as error:
             state = "empty" if not text.strip() else "truncated or corrupted"
             raise PrecsearchError(f"policy {path}: {state} JSON ({error.msg} at line {error.lineno} column "

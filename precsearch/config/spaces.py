@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from precsearch.config import spec
 from precsearch.config.checks import check_keys, choice, flag, number
 from precsearch.config.loss_scaling import PAPER_LOSS_SCALING, loss_scaling
 from precsearch.config.optimizer import UpdateConfig, optimizer
+from precsearch.config.reading import parse_yaml
 from precsearch.config.spec import (
     ASSIGNABLE_KINDS,
     GRADIENT_ROUNDINGS,
@@ -257,11 +256,10 @@ def load_space(path: str | Path) -> SearchSpace:
         raise PrecsearchError(f"search space file {path} does not exist; give a YAML file such as "
                               "search_spaces/hfp8.yaml")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        reason = str(error).replace("\n", " ")
-        raise PrecsearchError(f"cannot read search space {path}: {reason}; fix the YAML") from None
-    return parse_space(raw, where=f"search space {path}")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise PrecsearchError(f"cannot read search space {path}: {error}; give a UTF-8 YAML file") from None
+    return parse_space(parse_yaml(text, f"search space {path}"), where=f"search space {path}")
 
 
 def paper_space(**changes: Any) -> SearchSpace:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, raised_at
 from precsearch.graph.raw_ops import tensors_in
 
 
@@ -64,9 +64,10 @@ def _expected_input(model: nn.Module, given: tuple[int, ...]) -> str:
 
 def forward_error(name: str, model: nn.Module, x: torch.Tensor, error: BaseException,
                   fx_error: BaseException | None = None) -> PrecsearchError:
-    """One line for a forward that raised: the input shape, the error, the first layer's expected input."""
+    """One line for a forward that raised: the input shape, the error and the line it came from, the first
+    layer's expected input. Raised ``from error``, so the CLI's -v prints the traceback."""
     given = tuple(x.shape)
-    message = (f"{name} failed on the example input of shape {given} ({first_line(error)})"
+    message = (f"{name} failed on the example input of shape {given} ({first_line(error)}{raised_at(error)})"
                f"{_expected_input(model, given)}")
     if fx_error is not None:
         message += f"; torch.fx could not trace it either ({first_line(fx_error)})"

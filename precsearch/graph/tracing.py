@@ -74,9 +74,9 @@ def trace(model: nn.Module, example_input: torch.Tensor, batch_size: int | None 
         if gm is not None:
             ops, shapes1 = trace_fx(gm, name, model, example_input, b0 != target, rules)
         else:
-            warnings.warn(f"torch.fx could not trace {name} ({first_line(fx_error)}); "
-                          "tracing it with module hooks instead", stacklevel=2)
             ops, shapes1 = trace_hooks(model, leaf, name, example_input, fx_error, b0 != target)
+            warnings.warn(f"torch.fx could not trace {name} ({first_line(fx_error)}); "  # after: a forward that
+                          "tracing it with module hooks instead", stacklevel=2)  # fails says it in its error
     for op in ops:
         extrapolated = shapes1.get(op.name, op.shapes)
         op.shapes = [extrapolate(s0, s1, b0, target, op.name) if b0 != target else s0

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, user_code_error
 from precsearch.models.mobilenet import mobilenet_v2
 from precsearch.models.narrow import narrow_cnn
 from precsearch.models.resnet import resnet18
@@ -164,7 +164,10 @@ def build(name: str, **options: Any) -> nn.Module:
     if ":" in model_name:
         factory = _load_factory(model_name)
         _check_factory_options(model_name, factory, merged)
-        model = factory(**merged)
+        try:
+            model = factory(**merged)
+        except Exception as error:  # the user's code: its own line, not a traceback through ours
+            raise user_code_error(f"model factory {model_name!r}", error) from error
         if not isinstance(model, nn.Module):
             raise PrecsearchError(f"model factory {model_name!r} returned {type(model).__name__}, "
                                   "expected a torch.nn.Module")

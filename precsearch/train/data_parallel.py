@@ -70,7 +70,7 @@ from precsearch.formats.kernels import quantize
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import NoLossScaler
 from precsearch.train.data import ImageDataset, make_loader
-from precsearch.train.trainer import build_model, evaluate, resolve_device
+from precsearch.train.trainer import build_model, check_policy_inputs, evaluate, resolve_device
 
 __all__ = [
     "LAYER_TYPES",
@@ -380,10 +380,7 @@ def train_data_parallel(
     if config.batch_size < nproc:
         raise PrecsearchError(f"batch size {config.batch_size} is smaller than {nproc} processes; "
                               "raise the batch size or lower --nproc")
-    shape = tuple(data[0].image_shape)
-    if policy is not None and policy.input_shape is not None and tuple(policy.input_shape) != shape:
-        raise PrecsearchError(f"the policy was made for inputs {tuple(policy.input_shape)}, the data has {shape}; "
-                              f"pass --image-size {policy.input_shape[-1]}")
+    check_policy_inputs(policy, data[0])
     if len(data[0]) < config.batch_size:
         raise PrecsearchError(f"the training set has {len(data[0])} images, too few for a batch of "
                               f"{config.batch_size}; lower the batch size or give more data")

@@ -48,6 +48,7 @@ __all__ = [
     "ProxyResult",
     "Recipe",
     "build_model",
+    "check_policy_inputs",
     "determinism",
     "evaluate",
     "kaiming_fan_out_",
@@ -127,11 +128,30 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def check_policy_inputs(policy: Policy | None, train_set: ImageDataset) -> None:
+    """The policy was made for the data's sample shape: another image size is a flag away, other channels
+    are another dataset."""
+    shape = None if policy is None else policy.input_shape
+    if shape is None or tuple(shape) == tuple(train_set.image_shape):
+        return
+    made, data = tuple(shape), tuple(train_set.image_shape)
+    if made[0] != data[0]:
+        raise PrecsearchError(f"the policy was made for {made[0]}-channel inputs {made}, the data has {data[0]} "
+                              f"channels {data}; make a policy for this data (precsearch search --data ...)")
+    raise PrecsearchError(f"the policy was made for inputs {made}, the data has {data}; pass --image-size "
+                          f"{made[-1]}")
+
+
 def build_model(model_spec: str, num_classes: int) -> nn.Module:
-    """A zoo model sized for the dataset's classes; a user factory is called with its own options only."""
-    name, _ = models.parse_model_spec(model_spec)
+    """A zoo model sized for the dataset's classes (a spec that names other classes is refused, naming both); a
+    user factory is called with its own options only."""
+    name, options = models.parse_model_spec(model_spec)
     if ":" in name:
         return models.build(model_spec)
+    given = options.get("num_classes")
+    if isinstance(given, int | float) and not isinstance(given, bool) and given != num_classes:
+        raise PrecsearchError(f"model {model_spec!r} asks for num_classes={given:g}, but the data has {num_classes} "
+                              f"classes; drop the option (the data sets it) or give data with {given:g} classes")
     return models.build(model_spec, num_classes=num_classes)
 
 
@@ -380,10 +400,7 @@ def train_policy(
     ``train``'s (``seed``, ``device``, ``deterministic``)."""
     config = config or ProxyConfig()
     train_set = data[0]
-    shape = None if policy is None else policy.input_shape
-    if shape is not None and tuple(shape) != tuple(train_set.image_shape):
-        raise PrecsearchError(f"the policy was made for inputs {tuple(policy.input_shape)}, the data has "
-                              f"{tuple(train_set.image_shape)}; pass --image-size {policy.input_shape[-1]}")
+    check_policy_inputs(policy, train_set)
     rows: list[str] = ["step,epoch,train_loss,val_accuracy,val_loss,wall_time"]
     losses: list[float] = []
     start = time.perf_counter()

@@ -1,0 +1,140 @@
+"""The one place where command-line values are checked, before any work: argparse types with a range for every
+number, and the argument groups several commands share (data, space).
+
+A value outside its range is refused by argparse in the user's words (``argument --batch-size: '0': give an
+integer >= 1``, exit 2); nothing replaces it with a default. NaN and infinity are refused wherever a finite
+number is meant. The module's name starts with ``_`` so command discovery (precsearch.cli) skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from precsearch.config.checks import number, requirement
+from precsearch.errors import PrecsearchError
+from precsearch.train.data import DATASETS
+
+__all__ = ["DEVICE_HELP", "SEED_MAX", "add_data_arguments", "add_space_arguments", "count", "count_or_auto",
+           "device", "input_shape", "proxy_seeds", "proxy_steps", "real", "seed", "space_argument", "whole"]
+
+SEED_MAX = 2**32 - 1  # numpy's generators take seeds in [0, 2^32)
+DEVICE_HELP = "auto (CUDA when available), cpu, cuda or cuda:N"
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def whole(low: int = 1, high: float = math.inf) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+    wanted = requirement(low, high, integer=True)
+
+    def parse(text: str) -> int:
+        try:
+            return number(int(text), "", low, high, integer=True)
+        except (ValueError, PrecsearchError):
+            raise argparse.ArgumentTypeError(f"{text!r}: give {wanted}") from None
+
+    return parse
+
+
+def real(low: float = -math.inf, high: float = math.inf, *, open_low: bool = False,
+         open_high: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in the interval (``open_*``: that end excluded)."""
+    wanted = requirement(low, high, open_low=open_low, open_high=open_high)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; give {wanted}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give {wanted}")
+        try:
+            return number(value, "", low, high, open_low=open_low, open_high=open_high)
+        except PrecsearchError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {wanted}") from None
+
+    return parse
+
+
+def count_or_auto(unit: str, auto: Any) -> Callable[[str], Any]:
+    """An argparse type: ``auto`` (given back as ``auto``) or a count of ``unit`` >= 1."""
+    counted = whole(1)
+
+    def parse(text: str) -> Any:
+        if text == "auto":
+            return auto
+        try:
+            return counted(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a number of {unit} >= 1, or auto") from None
+
+    return parse
+
+
+def device(text: str) -> str:
+    """An argparse type: a device name (whether CUDA is there is checked by the command, before any write)."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: give {DEVICE_HELP}")
+    return text
+
+
+def input_shape(text: str) -> tuple[int, int, int]:
+    """An argparse type: one sample's shape as C,H,W, three positive integers."""
+    parts = text.split(",")
+    try:
+        shape = tuple(count(part.strip()) for part in parts)
+    except argparse.ArgumentTypeError:
+        shape = ()
+    if len(shape) != 3:
+        raise argparse.ArgumentTypeError(f"{text!r}: give C,H,W (channels, height, width), three positive "
+                                         "integers such as 3,32,32")
+    return shape
+
+
+count = whole(1)  # steps, batches, trials, processes, threads, a batch or image size: at least one
+seed = whole(0, SEED_MAX)
+proxy_steps = count_or_auto("steps", "auto")  # --proxy-steps of a search: a fixed length, or calibrated
+proxy_seeds = count_or_auto("seeds", None)  # --proxy-seeds: a count, or chosen from the noise (None)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """--data, --data-root, --image-size, --batch-size, --device, --seed, --threads."""
+    parser.add_argument("--data", default="digits", metavar="NAME",
+                        help=f"dataset: {', '.join(DATASETS)} (default digits, bundled, no download)")
+    parser.add_argument("--data-root", default=None, metavar="DIR",
+                        help="folder of a local dataset (cifar10, cifar100, imagefolder)")
+    parser.add_argument("--image-size", type=count, default=None, metavar="PX",
+                        help="resize images to PX x PX (default: the space's proxy.image_size)")
+    parser.add_argument("--batch-size", type=count, default=None, metavar="N", help="training batch size")
+    parser.add_argument("--device", type=device, default="auto", help=DEVICE_HELP)
+    parser.add_argument("--seed", type=seed, default=0, help="seed of model init, batches, rounding, sampler")
+    parser.add_argument("--threads", type=count, default=None, metavar="N",
+                        help="torch threads per process (default: torch's own; with --jobs, cores / jobs); "
+                             "1 is fastest for small proxies")
+
+
+def add_space_arguments(parser: argparse.ArgumentParser, calibrated: bool = False) -> None:
+    """MODEL, --space, --proxy-steps (``calibrated``: auto, the default, or a number; else a number)."""
+    parser.add_argument("model", metavar="MODEL",
+                        help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
+    parser.add_argument("--space", default=None, metavar="YAML",
+                        help="search space file (see search_spaces/README.md; default: the paper's HFP8 space, "
+                             "as search_spaces/hfp8.yaml)")
+    if calibrated:
+        parser.add_argument("--proxy-steps", type=proxy_steps, default="auto", metavar="S",
+                            help="SGD steps per proxy: auto (default) calibrates them from the all-high reference's "
+                                 "learning curve; a number fixes them")
+    else:
+        parser.add_argument("--proxy-steps", type=count, default=None, metavar="S",
+                            help="SGD steps per proxy (default: a search run directory's, else the space's "
+                                 "proxy.steps)")
+
+
+def space_argument(args: argparse.Namespace) -> Any:
+    """The --space file, or the built-in paper space when none is given."""
+    from precsearch.config.spaces import paper_space
+
+    return args.space if args.space is not None else paper_space()
