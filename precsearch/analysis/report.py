@@ -69,10 +69,39 @@ def _read_csv(path: Path) -> pd.DataFrame:
         frame = pd.read_csv(io.StringIO(text))
     except pd.errors.EmptyDataError:
         return pd.DataFrame()
+    except pd.errors.ParserError as error:
+        raise PrecsearchError(f"{path}: not a table precsearch wrote ({str(error).strip()}); write it again "
+                              "(precsearch report RUN_DIR --storage STUDY rebuilds a search's tables)") from None
+    _check_cells(frame, path)
     for column in ("origin", "reason", "error", "name", "source", "reused"):
         if column in frame:
             frame[column] = frame[column].astype(object).where(frame[column].notna(), "").astype(str)
     return frame
+
+
+# The columns the report reads as numbers and as flags; a cell of another kind (an edited or damaged file) is
+# refused naming the file, the column and the line, never read as NaN or as True.
+NUMBER_COLUMNS = ("number", "memory", "memory_bytes", "memory_peak", "bytes", "val_accuracy", "val_accuracy_sd",
+                  "val_loss", "promotions", "seeds", "within_noise_of", "confirmed_accuracy", "confirmed_sd",
+                  "confirmed_seeds", "confirmed_steps", "length", "seed", "step", "runs", "steps", "share_of_total")
+FLAG_COLUMNS = ("trained", "diverged", "feasible", "interrupted", "confirmed_diverged", "chosen")
+
+
+def _check_cells(frame: pd.DataFrame, path: Path) -> None:
+    for column in frame.columns:
+        cells = frame[column]
+        if column in NUMBER_COLUMNS:
+            bad = cells.notna() & pd.to_numeric(cells, errors="coerce").isna()
+            wanted = "a number"
+        elif column in FLAG_COLUMNS:
+            bad = cells.notna() & ~cells.astype(str).isin(("True", "False"))
+            wanted = "True or False"
+        else:
+            continue
+        if bad.any():
+            index = int(bad.to_numpy().nonzero()[0][0])
+            raise PrecsearchError(f"{path}: column {column} holds {cells.iloc[index]!r} on line {index + 2}, not "
+                                  f"{wanted}; the file was edited or damaged: fix that cell or write the file again")
 
 
 def load_run(run_dir: str | Path) -> RunTables:

@@ -39,7 +39,7 @@ from precsearch.config.spec import (
     ProxyConfig,
 )
 from precsearch.errors import PrecsearchError
-from precsearch.formats.format import OVERFLOWS, spec_name
+from precsearch.formats.format import OVERFLOWS, get_format, spec_name
 
 __all__ = [
     "GRANULARITIES",
@@ -203,6 +203,19 @@ def _choices(raw: Any, high: str, where: str) -> dict[str, dict[str, str]]:
     return levels
 
 
+def _check_narrower(high: str, low: Mapping[str, str], where: str) -> None:
+    """Every low format at most as wide as high, and one narrower: else "low" saves nothing (or costs more)."""
+    high_bits = get_format(high).bits
+    bits = {kind: get_format(spec).bits for kind, spec in low.items()}
+    for kind, width in bits.items():
+        if width > high_bits:
+            raise PrecsearchError(f"{where}: low.{kind} {low[kind]} ({width} bits) is wider than high {high} "
+                                  f"({high_bits} bits); give a low format narrower than the high one")
+    if all(width == high_bits for width in bits.values()):
+        raise PrecsearchError(f"{where}: every low format is as wide as high {high} ({high_bits} bits), so no "
+                              "assignment saves memory; give at least one low format narrower than the high one")
+
+
 def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     """Validate a space given as plain data (a parsed YAML mapping); ``where`` names it in errors."""
     if not isinstance(raw, Mapping):
@@ -212,6 +225,7 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
         raise PrecsearchError(f"{where} must name a high format and low formats (keys high and low)")
     high = spec_name(raw["high"], f"{where}: high")
     low = _per_kind(raw["low"], f"{where}: low", spec_name, {kind: high for kind in ASSIGNABLE_KINDS})
+    _check_narrower(high, low, where)
     granularity = choice(raw.get("granularity", "group"), GRANULARITIES, f"{where}: granularity")
     if "choices" in raw and granularity != "categorical":
         raise PrecsearchError(f"{where}: choices apply only to granularity categorical; drop them or set it")

@@ -42,8 +42,8 @@ from precsearch.search.calibration import recorded_calibration
 from precsearch.search.storage import StudyLocation
 
 __all__ = ["LOCK_FILES", "RUN_FILE", "RunLock", "SearchStop", "StopSignals", "check_journal_kept", "check_resume",
-           "hold_worker_lock", "lost_study", "make_run_dir", "owned", "quiet_optuna_interrupts", "remove_new_run_dir",
-           "remove_stale_journal_lock", "remove_temporaries", "write_run_file"]
+           "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files", "owned", "quiet_optuna_interrupts",
+           "remove_new_run_dir", "remove_stale_journal_lock", "remove_temporaries", "write_run_file"]
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +277,11 @@ def owned(out_dir: Path) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def missing_lock_files(out_dir: Path) -> list[Path]:
+    """The lock files ``out_dir`` lacks: a search that takes the lock and then cannot start removes them."""
+    return [out_dir / name for name in LOCK_FILES if not (out_dir / name).exists()]
 
 
 _RESULTS = ("trials.csv", "pareto.csv", "best.json", RUN_FILE)

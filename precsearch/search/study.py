@@ -96,6 +96,7 @@ from precsearch.search.rundir import (
     check_resume,
     lost_study,
     make_run_dir,
+    missing_lock_files,
     owned,
     quiet_optuna_interrupts,
     remove_new_run_dir,
@@ -341,6 +342,9 @@ def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME
     start = time.perf_counter()
     out_dir = Path(out_dir)
     location = StudyLocation.of(storage, out_dir, study_name)
+    if "://" not in location.target and not Path(location.target).is_file():  # opening it would create it
+        raise PrecsearchError(f"no journal file {location.target}; give the study.journal of a search run (or the "
+                              "database URL its workers shared)")
     backend = location.open()
     try:
         study = optuna.load_study(study_name=location.study_name, storage=backend)
@@ -434,7 +438,8 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
     data_spec, budget, jobs = config.data_spec, config.budget, config.jobs
     if trainer is not None and jobs > 1:
         raise PrecsearchError("an injected trainer runs in this process only; use jobs=1")
-    gpus = worker_gpus(jobs, resolve_device(config.device).type == "cuda") if jobs > 1 else [None]
+    cuda = resolve_device(config.device).type == "cuda"  # an unusable device is refused before out_dir is made
+    gpus = worker_gpus(jobs, cuda) if jobs > 1 else [None]
     out_dir = Path(config.out_dir)
     location = StudyLocation.of(config.storage, out_dir, config.study_name, config.heartbeat)
     with StopSignals() as signals, quiet_optuna_interrupts():
@@ -448,6 +453,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                                              if location.shared else {})}
         backend = location.open() if config.storage is not None else None  # fail on a bad URL before writing
         created = make_run_dir(out_dir)
+        new_locks = missing_lock_files(out_dir)
         with quiet(), torch_threads(config.threads), owned(out_dir):
             try:
                 check_resume(out_dir, config.resume, run_config, location.shared)
@@ -460,6 +466,8 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
             except BaseException:
                 if created:
                     remove_new_run_dir(out_dir)
+                for path in new_locks:  # a folder this search may not use is left as it was
+                    path.unlink(missing_ok=True)
                 raise
             write_run_file(out_dir, run_config, location, study)
             trials = _trial_budget(context, config.trials)
