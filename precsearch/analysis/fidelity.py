@@ -35,7 +35,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
-from precsearch.train.trainer import ProxyResult, train
+from precsearch.train.trainer import ProxyResult, resolve_device, train
 
 __all__ = ["LONG_FACTOR", "FidelityResult", "long_run", "plot_fidelity", "validate_run"]
 
@@ -104,8 +104,9 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
     """Retrain the run's front, all-high, sweep and best assignments for ``steps`` steps (see the module
     docstring); ``seed`` defaults to the search's seed."""
     run_dir = Path(run_dir)
+    resolve_device(device)  # refused before the run is read and retrained
     context = _context(run_dir, device)
-    steps = steps or LONG_FACTOR * context.length
+    steps = LONG_FACTOR * context.length if steps is None else steps
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")
     seed = context.seed if seed is None else seed

@@ -88,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.search.baselines import run_baselines
     from precsearch.search.config import SearchConfig
     from precsearch.search.study import run_search
+    from precsearch.train.trainer import resolve_device
 
     start = time.perf_counter()
     out = Path(args.out)
+    resolve_device(args.device)  # before an earlier demo in --out is cleared
     _clear_previous_demo(out)
     space = paper_space(proxy=PROXY)
     print(f"precsearch demo: {MODEL} on {DATA} ({space.proxy.image_size}x{space.proxy.image_size}), space "

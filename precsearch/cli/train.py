@@ -60,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
     from precsearch.config.policy import Policy
     from precsearch.train.data import load_dataset
-    from precsearch.train.trainer import PAPER_RECIPE, train_policy
+    from precsearch.train.trainer import PAPER_RECIPE, resolve_device, train_policy
 
+    resolve_device(args.device)  # before the data is loaded
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.compress is not None and args.nproc is None:

@@ -70,7 +70,7 @@ from precsearch.formats.kernels import quantize
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import NoLossScaler
 from precsearch.train.data import ImageDataset, make_loader
-from precsearch.train.trainer import build_model, check_policy_inputs, evaluate, resolve_device
+from precsearch.train.trainer import build_model, check_policy_inputs, eval_interval, evaluate, resolve_device
 
 __all__ = [
     "LAYER_TYPES",
@@ -377,6 +377,7 @@ def train_data_parallel(
         raise PrecsearchError(f"nproc={nproc!r}: the number of processes must be an integer >= 1")
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")
+    eval_interval(eval_every, 1)  # refused here, not in the processes
     if config.batch_size < nproc:
         raise PrecsearchError(f"batch size {config.batch_size} is smaller than {nproc} processes; "
                               "raise the batch size or lower --nproc")
@@ -435,7 +436,7 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> DataP
     scaler = model.scaler if job.policy is not None else NoLossScaler()
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=job.steps)
     per_epoch = max(1, len(train_set) // config.batch_size)
-    eval_every = job.eval_every or per_epoch
+    eval_every = eval_interval(job.eval_every, per_epoch)
     rows = ["step,epoch,train_loss,val_accuracy,val_loss,wall_time"]
     curve: list[float] = []
     batches = _epochs(_shard(train_set, rank, world), config.batch_size // world, job.seed + 1000 * rank)

@@ -49,6 +49,7 @@ __all__ = [
     "Recipe",
     "build_model",
     "check_policy_inputs",
+    "eval_interval",
     "determinism",
     "evaluate",
     "kaiming_fan_out_",
@@ -140,6 +141,15 @@ def check_policy_inputs(policy: Policy | None, train_set: ImageDataset) -> None:
                               f"channels {data}; make a policy for this data (precsearch search --data ...)")
     raise PrecsearchError(f"the policy was made for inputs {made}, the data has {data}; pass --image-size "
                           f"{made[-1]}")
+
+
+def eval_interval(eval_every: int | None, per_epoch: int) -> int:
+    """Steps between evaluations: ``eval_every`` (an integer >= 1), or once per epoch when None."""
+    if eval_every is None:
+        return per_epoch
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        raise PrecsearchError(f"eval_every={eval_every!r} must be a number of steps >= 1 (None: every epoch)")
+    return eval_every
 
 
 def build_model(model_spec: str, num_classes: int) -> nn.Module:
@@ -417,7 +427,7 @@ def train_policy(
     def remember(step: int, loss: float) -> None:
         losses.append(loss)
 
-    eval_every = eval_every or per_epoch
+    eval_every = eval_interval(eval_every, per_epoch)
     return train(model_spec, policy, data, steps, config=dataclasses.replace(config, report_every=1),
                  stop_on_divergence=False, report=remember, eval_every=eval_every, on_eval=record, recipe=recipe,
                  **options)
