@@ -73,6 +73,9 @@ def _read_csv(path: Path) -> pd.DataFrame:
         raise PrecsearchError(f"{path}: not a table precsearch wrote ({str(error).strip()}); write it again "
                               "(precsearch report RUN_DIR --storage STUDY rebuilds a search's tables)") from None
     _check_cells(frame, path)
+    missing = [column for column in REQUIRED_COLUMNS.get(path.name, ()) if column not in frame]
+    if missing and not frame.empty:
+        raise PrecsearchError(f"{path} has no column {missing[0]}; the file was edited or damaged: write it again")
     for column in ("origin", "reason", "error", "name", "source", "reused"):
         if column in frame:
             frame[column] = frame[column].astype(object).where(frame[column].notna(), "").astype(str)
@@ -85,6 +88,9 @@ NUMBER_COLUMNS = ("number", "memory", "memory_bytes", "memory_peak", "bytes", "v
                   "val_loss", "promotions", "seeds", "within_noise_of", "confirmed_accuracy", "confirmed_sd",
                   "confirmed_seeds", "confirmed_steps", "length", "seed", "step", "runs", "steps", "share_of_total")
 FLAG_COLUMNS = ("trained", "diverged", "feasible", "interrupted", "confirmed_diverged", "chosen")
+_POINT = ("memory", "val_accuracy", "val_loss", "diverged")
+REQUIRED_COLUMNS = {"trials.csv": ("number", "state", "origin", "trained", *_POINT), "pareto.csv": ("number", *_POINT),
+                    "baselines.csv": ("source", "name", *_POINT)}
 
 
 def _check_cells(frame: pd.DataFrame, path: Path) -> None:
