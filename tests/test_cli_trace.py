@@ -45,7 +45,6 @@ def test_trace_leaf_option(capsys):
     (["trace", "resnet19"], "unknown model 'resnet19' (did you mean resnet18?)"),
     (["trace", "no_such_package.models:make"], "cannot import module 'no_such_package.models'"),
     (["trace", "tiny_cnn", "--leaf", "NoSuchModule"], "leaf module 'NoSuchModule' names no module"),
-    (["trace", "tiny_cnn", "--input-shape", "3,x"], "--input-shape '3,x' must be positive integers"),
     (["trace", "tiny_cnn", "--input-shape", "1,32,32"], "expects (N, 3, H, W)"),
     (["trace", "tiny_cnn", "--json", "no_such_folder/graph.json"], "folder no_such_folder does not exist"),
 ])
