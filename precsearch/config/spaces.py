@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from precsearch.config import spec
-from precsearch.config.checks import check_keys, choice, flag, number
+from precsearch.config.checks import check_keys, choice, flag
 from precsearch.config.loss_scaling import PAPER_LOSS_SCALING, loss_scaling
 from precsearch.config.optimizer import UpdateConfig, optimizer
 from precsearch.config.reading import parse_yaml
@@ -160,15 +160,8 @@ def _proxy_config(raw: Any, where: str) -> ProxyConfig:
     if not isinstance(raw, Mapping):
         raise PrecsearchError(f"{where}: proxy must be a mapping of {', '.join(ProxyConfig.KEYS)}")
     check_keys(raw, ProxyConfig.KEYS, f"{where}: proxy")
-    values: dict[str, Any] = {}
-    for name in ProxyConfig.KEYS:
-        if name not in raw:
-            continue
-        default = getattr(ProxyConfig, name)
-        integer = isinstance(default, int)
-        low = 1 if name in ("steps", "batch_size", "image_size") else 0
-        values[name] = number(raw[name], f"{where}: proxy.{name}", low, integer=integer)
-    return ProxyConfig(**values)
+    return ProxyConfig(**{name: spec.proxy_value(name, raw[name], f"{where}: proxy") for name in ProxyConfig.KEYS
+                          if name in raw})
 
 
 def _optimizer_for_weights(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from precsearch.config.checks import number
 from precsearch.config.loss_scaling import PAPER_LOSS_SCALING
 from precsearch.errors import PrecsearchError
 
@@ -43,6 +44,7 @@ __all__ = [
     "Defaults",
     "kinds_list",
     "promotion_threshold",
+    "proxy_value",
 ]
 
 # Tensor kinds. An assignment gives a format to the four assignable kinds (the paper's P, Y, GP, GY); the
@@ -162,6 +164,18 @@ class ProxyConfig:
     max_skipped_fraction: float = 0.25
     report_every: int = 10
     stats_every: int = 50
+
+    def __post_init__(self) -> None:  # a recipe built in code is held to a space file's ranges
+        for name in self.KEYS:
+            proxy_value(name, getattr(self, name), "proxy")
+
+
+def proxy_value(name: str, value: Any, where: str) -> Any:
+    """A proxy setting checked (``where``: ``proxy`` or a file's ``proxy``): steps and sizes are counts >= 1, the
+    rest finite numbers >= 0, integers where the default is one."""
+    integer = isinstance(getattr(ProxyConfig, name), int)
+    return number(value, f"{where}.{name}", 1 if name in ("steps", "batch_size", "image_size") else 0,
+                  integer=integer)
 
 
 @dataclass(frozen=True)
