@@ -69,6 +69,9 @@ def files(tmp_path_factory):
 
         def bad_forward():
             return Forward()
+
+        def four_classes():
+            return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4))
         """))
     return folder
 
@@ -129,6 +132,8 @@ ROWS = [
      "asks for num_classes=4, but the data has 10 classes", ("m.csv",)),
     ("train-factory", ["train", f"{USER_MODULE}:broken", *FAST, "--metrics", "{tmp}/m.csv"],
      "raised RuntimeError: factory broke at", ("m.csv",)),
+    ("train-factory-classes", ["train", f"{USER_MODULE}:four_classes", *FAST, "--metrics", "{tmp}/m.csv"],
+     "outputs (2, 4) for a batch of the data of shape (2, 3, 8, 8), but the data has 10 classes", ("m.csv",)),
     ("train-compress", [*TRAIN, "--compress", "adacomp"], "needs --nproc", ()),
     # search
     ("search-batch-0", [*SEARCH, "--batch-size", "0"], "--batch-size: '0'", ("run",)),
@@ -173,7 +178,9 @@ ROWS = [
     ("search-factory", ["search", f"{USER_MODULE}:broken", *SEARCH[2:]], "model factory "
      f"'{USER_MODULE}:broken' raised RuntimeError: factory broke at", ("run",)),
     ("search-forward", ["search", f"{USER_MODULE}:bad_forward", *SEARCH[2:]],
-     "(ValueError: forward broke at", ("run",)),
+     "raised ValueError: forward broke at", ("run",)),
+    ("search-factory-classes", ["search", f"{USER_MODULE}:four_classes", *SEARCH[2:]],
+     "but the data has 10 classes; make it return (N, 10) logits", ("run",)),
     ("search-resume-foreign", [*SEARCH[:3], "{tmp}/foreign", *SEARCH[4:], "--resume"], "nothing to resume",
      ("foreign/.precsearch.lock", "foreign/.precsearch.workers.lock", "foreign/run.json")),
     ("search-foreign", [*SEARCH[:3], "{tmp}/foreign", *SEARCH[4:]], "is not empty",

@@ -114,7 +114,7 @@ class SearchContext:
         if data is None:
             data = data_spec.load(space.proxy.image_size, seed=0)
         torch.manual_seed(seed)
-        network = build_model(model, num_classes=data[0].num_classes)
+        network = build_model(model, data[0].num_classes, data[0].images[:2])
         example = data[0].images[:2]  # real images: a data-dependent branch zeros would skip is traced
         graph = trace(network, example, batch_size=space.proxy.batch_size)
         if proxy_seeds is not None and proxy_seeds < 1:

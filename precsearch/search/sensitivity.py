@@ -267,7 +267,7 @@ def measure_model(model_spec: str, space: SearchSpace, data: tuple[ImageDataset,
                               f"{batch_size}; lower the batch size or give more data")
     torch_device = torch.device(device)
     with seeded(seed, torch_device):
-        model = build_model(model_spec, num_classes=train_set.num_classes).to(torch_device)
+        model = build_model(model_spec, train_set.num_classes, train_set.images[:2]).to(torch_device)
         graph = trace(model, train_set.images[:2].to(torch_device), batch_size=batch_size, model_name=model_spec)
         loader = make_loader(train_set, batch_size, shuffle=True, seed=seed, drop_last=True)
         chosen = [(images.to(torch_device), labels.to(torch_device))

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 from precsearch import models
 from precsearch.config.policy import Policy
 from precsearch.config.spec import ProxyConfig
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, user_code_error
 from precsearch.files import atomic_write_text
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
@@ -152,12 +152,36 @@ def eval_interval(eval_every: int | None, per_epoch: int) -> int:
     return eval_every
 
 
-def build_model(model_spec: str, num_classes: int) -> nn.Module:
+def _check_logits(model: nn.Module, model_spec: str, example: torch.Tensor, num_classes: int) -> None:
+    """``model`` maps ``example`` to (N, num_classes) logits; run in eval mode without gradients or RNG draws."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            output = model(example)
+    except Exception as error:  # the user's forward
+        raise user_code_error(f"model {model_spec!r} on a batch of the data of shape {tuple(example.shape)}",
+                                     error) from error
+    finally:
+        model.train(was_training)
+    wanted = (example.shape[0], num_classes)
+    if not isinstance(output, torch.Tensor) or tuple(output.shape) != wanted:
+        given = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise PrecsearchError(f"model {model_spec!r} outputs {given} for a batch of the data of shape "
+                              f"{tuple(example.shape)}, but the data has {num_classes} classes; make it return "
+                              f"(N, {num_classes}) logits")
+
+
+def build_model(model_spec: str, num_classes: int, example: torch.Tensor | None = None) -> nn.Module:
     """A zoo model sized for the dataset's classes (a spec that names other classes is refused, naming both); a
-    user factory is called with its own options only."""
+    user factory is called with its own options only, and with ``example`` (a few samples of the data) its
+    output is checked to be one logit per class, before any training step could die of it."""
     name, options = models.parse_model_spec(model_spec)
     if ":" in name:
-        return models.build(model_spec)
+        model = models.build(model_spec)
+        if example is not None:
+            _check_logits(model, model_spec, example, num_classes)
+        return model
     given = options.get("num_classes")
     if isinstance(given, int | float) and not isinstance(given, bool) and given != num_classes:
         raise PrecsearchError(f"model {model_spec!r} asks for num_classes={given:g}, but the data has {num_classes} "
@@ -311,7 +335,7 @@ def train(
     start = time.perf_counter()
     checked = determinism(torch_device) if deterministic else contextlib.nullcontext()
     with checked, seeded(seed, torch_device):
-        model = build_model(model_spec, num_classes=train_set.num_classes).to(torch_device)
+        model = build_model(model_spec, train_set.num_classes, train_set.images[:2]).to(torch_device)
         if recipe is not None and recipe.kaiming_init and ":" not in models.parse_model_spec(model_spec)[0]:
             kaiming_fan_out_(model)  # zoo models only: a user's factory keeps its own init
         per_epoch = len(train_set) // config.batch_size
