@@ -11,6 +11,7 @@ from scripted import ScriptedTrainer
 
 from precsearch.config.spaces import paper_space
 from precsearch.errors import PrecsearchError
+from precsearch.search.calibration import CalibrationSettings
 from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.study import SearchInterrupted, run_search
@@ -98,3 +99,12 @@ def test_a_resumed_calibration_does_not_redo_finished_runs(tmp_path):
     again = {(call["length"], call["seed"]) for call in second.calls if call["name"] == "HHHH"}
     assert not again & {(50, 0), (50, 1), (50, 2), (100, 0), (100, 1), (100, 2), (200, 0)}
     assert result.calibration.length == 800
+
+
+def test_a_fixed_proxy_length_needs_no_calibration_schedule():
+    """--proxy-steps N trains N steps whatever --max-proxy-steps says; only calibration needs two lengths."""
+    fixed = CalibrationSettings(start=1, max_steps=1, fixed=1)
+    assert fixed.schedule() == [1]
+    with pytest.raises(PrecsearchError, match="at least two lengths"):
+        CalibrationSettings(start=1, max_steps=1)
+    assert CalibrationSettings(start=50, max_steps=400).schedule() == [50, 100, 200, 400]

@@ -50,7 +50,7 @@ class CalibrationSettings:
     def __post_init__(self) -> None:
         if self.fixed is not None and self.fixed < 1:
             raise PrecsearchError(f"--proxy-steps {self.fixed} must be at least 1 (or auto)")
-        if not 1 <= self.start <= self.max_steps // 2:
+        if self.fixed is None and not 1 <= self.start <= self.max_steps // 2:
             raise PrecsearchError(f"calibration needs at least two lengths: start {self.start} must be at least 1 "
                                   f"and at most half of --max-proxy-steps {self.max_steps}")
 
