@@ -729,3 +729,18 @@ def test_spec_name_normalizes_and_prefixes_errors():
         spec_name("fp7", "space s.yaml: high")
     with pytest.raises(PrecsearchError, match="must be a string"):
         spec_name(8, "x")
+
+
+@pytest.mark.parametrize("spec", ["e5m23", "e7m23s", "e6m23fn"])
+@pytest.mark.parametrize("rounding", ["nearest", "nearest_away", "stochastic"])
+def test_a_format_with_floats_whole_mantissa_keeps_every_float32_in_its_normal_range(spec, rounding):
+    """With M = 23 nothing is dropped: every float32 between the format's min normal and max is its own
+    rounding (the oracle is the input itself), odd last bits included."""
+    fmt = get_format(spec)
+    lo, hi = math.log2(fmt.min_normal), math.log2(fmt.max)
+    g = torch.Generator().manual_seed(3)
+    x = torch.exp2(lo + (hi - lo) * torch.rand(4096, generator=g))
+    x = (x.view(torch.int32) | 1).view(torch.float32)  # an odd last bit, which a wrong tie rule would move
+    x = x[x <= fmt.max]
+    x = torch.cat([x, -x, torch.tensor([1 + 2.0**-23, 1 + 3 * 2.0**-23])])
+    assert mismatches(quantize(x, fmt, rounding=rounding, generator=torch.Generator().manual_seed(0)), x) == 0

@@ -140,7 +140,8 @@ def _make_kernel(key: _KernelKey):
                 quanta = (significand + (1 << (shift - 1))) >> shift
             subnormal = _times_power_of_two(quanta.to(torch.float32), key.emin - key.man).view(torch.int32)
         else:
-            normal = (mag + ((mask >> 1) + ((mag >> drop) & 1))) & ~mask
+            # half a step less one, plus the kept part's last bit: ties go to even (nothing to drop when M = 23)
+            normal = (mag + ((mask >> 1) + ((mag >> drop) & 1))) & ~mask if drop else mag
             subnormal = ((mag.view(torch.float32) + magic) - magic).view(torch.int32)
         rounded = torch.where(mag < min_normal_bits, subnormal, normal)
         rounded = torch.where(rounded > key.max_bits, on_overflow, rounded)
