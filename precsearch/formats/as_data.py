@@ -1,0 +1,114 @@
+"""Rounding with the format as data: one traceable function serves every format, rounding and overflow mode.
+
+precsearch.formats.kernels bakes each format's constants into a kernel of its own, so ``torch.compile`` of a
+model that calls them specializes on every assignment (a search of 40 trials would compile 40 times). Here a
+format, its rounding and its overflow mode are one small int32 tensor (``format_row``) and ``round_with``
+computes, from it, bit for bit what ``kernels.round_and_count`` computes (values and overflow count), in plain
+torch ops that Inductor fuses into the neighbouring kernels: a compiled graph taking the rows as inputs serves
+every assignment. fp32 is a row too (``round_with`` then returns the values unchanged and counts nothing), so an
+assignment may move a tensor between fp32 and a low format without a new graph.
+
+``RoundWithGradient`` rounds a tensor and, in the backward, its gradient, each by its own row: the autograd
+step of a compiled runtime. Overflow counts leave a compiled graph as tensors, not by writes to a counter: the
+value's as an output, the gradient's as the gradient of a float64 leaf (``counter``), which autograd sums
+across the step like any gradient.
+
+Its cost against a kernel of one format: every call computes the stochastic rounding's hash, whatever its row
+says (a selection, not a branch, picks the row's rounding). Codes for packed storage are not made here: their
+dtype depends on the format, which a graph shared by every format cannot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from precsearch.formats.format import FloatFormat, get_format
+from precsearch.formats.kernels import _check_modes, _float_bits, _hash_bits, overflow_threshold
+
+__all__ = ["RoundWithGradient", "format_row", "round_with"]
+
+_NEAREST, _AWAY, _STOCHASTIC = 0, 1, 2
+_MODES = {"nearest": _NEAREST, "nearest_away": _AWAY, "stochastic": _STOCHASTIC}
+# the row's fields, in order
+(_DROP, _MASK, _MIN_NORMAL_BITS, _SHIFT_BASE, _SCALE_LOW, _SCALE_HIGH, _MAX_BITS, _ON_OVERFLOW, _KEEP_FROM,
+ _MODE, _OVER_BITS) = range(11)
+_INF_BITS = 0x7F800000
+
+
+@functools.lru_cache(maxsize=256)
+def _row_values(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[int, ...]:
+    if fmt.is_fp32:  # every value is kept (``_KEEP_FROM`` 0) and none counts as an overflow
+        return (0, 0, 0, 1, _float_bits(1.0), _float_bits(1.0), _INF_BITS, _INF_BITS, 0, _NEAREST, _INF_BITS + 1)
+    drop = 23 - fmt.man
+    exponent = fmt.emin - fmt.man  # of the min subnormal: quanta times 2 ** exponent, in two exact products
+    low = exponent // 2
+    return (drop, (1 << drop) - 1, (fmt.emin + 127) << 23, drop + fmt.emin + 127, _float_bits(2.0**low),
+            _float_bits(2.0 ** (exponent - low)), _float_bits(fmt.max),
+            {"saturate": _float_bits(fmt.max), "inf": _INF_BITS, "nan": 0x7FC00000}[overflow],
+            _INF_BITS if fmt.has_inf else _INF_BITS + 1, _MODES[rounding],
+            _float_bits(overflow_threshold(fmt, rounding)))
+
+
+def format_row(fmt: str | FloatFormat, rounding: str = "nearest", overflow: str | None = None,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """The int32 tensor that tells ``round_with`` how to round: ``fmt``, ``rounding`` and ``overflow`` (the
+    format's default when None) as data."""
+    fmt = get_format(fmt)
+    overflow = overflow or fmt.default_overflow
+    _check_modes(rounding, overflow)
+    return torch.tensor(_row_values(fmt, rounding, overflow), dtype=torch.int32, device=device)
+
+
+def round_with(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32) rounded as ``row`` says, and how many of its values overflow (int64, NaN excluded): the
+    values and count of ``kernels.round_and_count`` with the same format, rounding, overflow and ``seed`` (an
+    int64 tensor; the hash of stochastic rounding reads it, the caller advances it)."""
+    bits = x.view(torch.int32)
+    sign = bits & ~0x7FFFFFFF
+    mag = bits & 0x7FFFFFFF
+    drop, mask, mode = row[_DROP], row[_MASK], row[_MODE]
+    index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+    noise = _hash_bits(index, seed).to(torch.int32)
+    # normal range: add an increment, drop the low bits (a carry into the exponent is the correct rounding up)
+    to_even = (mask >> 1) + ((mag >> drop) & 1)
+    increment = torch.where(mode == _STOCHASTIC, noise & mask, torch.where(mode == _AWAY, (mask + 1) >> 1, to_even))
+    normal = (mag + increment) & ~mask
+    # below the min normal: a count of min-subnormal quanta, rounded the same three ways
+    exp_field = mag >> 23
+    significand = (mag & 0x7FFFFF) | ((exp_field > 0).to(torch.int32) << 23)
+    shift = torch.clamp(row[_SHIFT_BASE] - torch.clamp(exp_field, min=1), min=1, max=25)
+    half = torch.ones_like(shift) << (shift - 1)
+    sub_to_even = half - 1 + ((significand >> shift) & 1)
+    sub_increment = torch.where(mode == _STOCHASTIC, noise & ((half << 1) - 1),
+                                torch.where(mode == _AWAY, half, sub_to_even))
+    quanta = (significand + sub_increment) >> shift
+    scales = row[_SCALE_LOW:_SCALE_HIGH + 1].view(torch.float32)
+    subnormal = ((quanta.to(torch.float32) * scales[0]) * scales[1]).view(torch.int32)
+    rounded = torch.where(mag < row[_MIN_NORMAL_BITS], subnormal, normal)
+    rounded = torch.where(rounded > row[_MAX_BITS], row[_ON_OVERFLOW], rounded)
+    rounded = torch.where(mag >= row[_KEEP_FROM], mag, rounded)
+    overflowed = ((mag >= row[_OVER_BITS]) & (mag <= _INF_BITS)).sum()
+    return (rounded | sign).view(torch.float32), overflowed
+
+
+class RoundWithGradient(torch.autograd.Function):
+    """Forward: ``x`` rounded by ``row`` (``round_with``), and its overflow count (not differentiable).
+    Backward: the gradient rounded by ``grad_row``; its overflow count is the gradient of ``counter`` (a float64
+    leaf, exact to 2**53), so that a compiled graph counts without writing to a tensor."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, grad_row: torch.Tensor,
+                grad_seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(grad_row, grad_seed)
+        ctx.counter_dtype = counter.dtype
+        rounded, overflowed = round_with(x, row, seed)
+        ctx.mark_non_differentiable(overflowed)
+        return rounded, overflowed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _overflowed: torch.Tensor | None):
+        grad_row, grad_seed = ctx.saved_tensors
+        rounded, overflowed = round_with(grad.contiguous(), grad_row, grad_seed)
+        return rounded, None, None, None, None, overflowed.to(ctx.counter_dtype)
