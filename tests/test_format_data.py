@@ -13,7 +13,7 @@ from precsearch.formats.as_data import RoundWithGradient, format_row, round_with
 from precsearch.formats.format import get_format
 
 FORMATS = ("e5m2", "e4m3b4s", "e5m2s", "e6m9s", "fp16", "bf16", "fp8_e4m3fn", "e3m2s", "e2m1s", "e3m0", "e7m0s",
-           "e5m22")
+           "e5m22", "e5m23")
 
 
 def probe(fmt: str) -> torch.Tensor:

@@ -72,7 +72,7 @@ def round_with(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor) -> tuple[
     index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
     noise = _hash_bits(index, seed).to(torch.int32)
     # normal range: add an increment, drop the low bits (a carry into the exponent is the correct rounding up)
-    to_even = (mask >> 1) + ((mag >> drop) & 1)
+    to_even = (mask >> 1) + ((mag >> drop) & 1) * (drop > 0)  # ties to even; with M = 23 nothing to drop
     increment = torch.where(mode == _STOCHASTIC, noise & mask, torch.where(mode == _AWAY, (mask + 1) >> 1, to_even))
     normal = (mag + increment) & ~mask
     # below the min normal: a count of min-subnormal quanta, rounded the same three ways
