@@ -172,6 +172,7 @@ def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, lo
     empty study is taken over). The rest of setup is leased steps any worker takes (``_seed_study``,
     ``_prepare``): no worker's death loses the study.
     """
+    pause_point("join")
     with location.lock(storage):
         try:
             study = _new_study(context, storage, location)
