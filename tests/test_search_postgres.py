@@ -348,8 +348,8 @@ def _training(storage: optuna.storages.RDBStorage, name: str) -> list[int]:
 
 @pytest.mark.slow
 def test_a_database_restart_under_two_training_workers_loses_nothing(server, tmp_path):
+    watch = optuna.storages.RDBStorage(server.url)  # (creates Optuna's tables before the workers race to)
     workers = [_worker(server.url, "restart", tmp_path / f"w{i}", 10, 200, HEARTBEAT) for i in range(2)]
-    watch = optuna.storages.RDBStorage(server.url)
     _wait_for(lambda: _training(watch, "restart"), 180, "a worker to train")
     server.stop("immediate")  # a crash: no shutdown checkpoint, every connection cut
     time.sleep(HEARTBEAT)
@@ -366,11 +366,12 @@ def test_a_database_away_too_long_stops_the_worker_in_one_line_and_starting_it_a
         server, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(storage_module, "STORAGE_OUTAGE", 2.0)
     args = ["search", "tiny_cnn", "--storage", server.url, "--study-name", "away", "--out", str(tmp_path / "out"),
-            "--trials", "4", "--proxy-steps", "200", "--heartbeat", "1", "--proxy-seeds", "1", *TINY]
+            "--trials", "3", "--proxy-steps", "60", "--confirm-factor", "1", "--heartbeat", "1", "--proxy-seeds", "1",
+            *TINY]
     training: list[int] = []  # the trial training when the database went away
+    watch = optuna.storages.RDBStorage(server.url)  # (creates Optuna's tables before the search races to)
 
     def stop_while_training() -> None:
-        watch = optuna.storages.RDBStorage(server.url)
         deadline = time.monotonic() + 120
         while not training and time.monotonic() < deadline:
             training.extend(_training(watch, "away"))
