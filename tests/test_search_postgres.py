@@ -322,6 +322,7 @@ def test_the_creator_killed_during_setup_leaves_a_study_the_survivors_finish(kin
 
     _wait_for(taken_over, 120, "a survivor to take setup over")
     waited = time.monotonic() - killed
+    print(f"{kind}: setup taken over {waited:.1f} s after the creator died")  # shown with pytest -s
     assert waited <= 3 * HEARTBEAT + TAKEOVER_SLACK, f"setup was taken over {waited:.1f} s after the creator died"
     assert _finish(survivors) == [0, 0]
     assert victim.wait(timeout=10) == -signal.SIGKILL

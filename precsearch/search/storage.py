@@ -209,11 +209,9 @@ class RetryingRDBStorage(RDBStorage):
             except Exception as error:
                 if not _dropped(error):
                     raise
-                self.back_since = math.inf
+                self._unreachable()
                 now = time.monotonic()
-                if deadline is None:
-                    deadline = now + STORAGE_OUTAGE
-                    log.warning("lost the connection to %s; retrying for up to %.0f s", self.shown, STORAGE_OUTAGE)
+                deadline = deadline or now + STORAGE_OUTAGE
                 if now >= deadline:
                     self.lost = (f"the study storage {self.shown} was unreachable for {STORAGE_OUTAGE:.0f} s "
                                  f"({_reason(error)}); start this worker again once the database is back (with "
@@ -223,13 +221,17 @@ class RetryingRDBStorage(RDBStorage):
                 delay = min(2 * delay, MAX_BACKOFF)
                 continue
             self._reached()
-            if deadline is not None:
-                log.warning("%s is reachable again; going on", self.shown)
             return result
+
+    def _unreachable(self) -> None:
+        if self.back_since != math.inf:
+            self.back_since = math.inf
+            log.warning("lost the connection to %s; retrying for up to %.0f s", self.shown, STORAGE_OUTAGE)
 
     def _reached(self) -> None:
         if self.back_since == math.inf:
             self.back_since = time.monotonic()
+            log.warning("%s is reachable again; going on", self.shown)
 
     def record_heartbeat(self, trial_id: int) -> None:
         try:
@@ -237,7 +239,7 @@ class RetryingRDBStorage(RDBStorage):
         except Exception as error:
             if not _dropped(error):
                 raise
-            self.back_since = math.inf
+            self._unreachable()
             return
         self._reached()
 
