@@ -220,10 +220,16 @@ def test_workers_starting_at_once_create_and_seed_the_study_once(postgres):
     ("server down", "Connection refused"),
     ("another model", "different model, graph_fingerprint"),
     ("another space", "different space"),
+    ("not a precsearch study", "is not a precsearch study; delete it"),
 ])
 def test_bad_joins_are_one_line_exit_2(case, needle, postgres, tmp_path, capsys):
-    url, model, steps = postgres, "tiny_cnn", "4"
-    if case == "malformed url":
+    url, model, steps, name = postgres, "tiny_cnn", "4", "taken"
+    if case == "not a precsearch study":  # made by another program: it has trials, and no precsearch config
+        name = "foreign"
+        if name not in [summary.study_name for summary in optuna.get_all_study_summaries(postgres)]:
+            optuna.create_study(study_name=name, storage=postgres, directions=["minimize", "minimize"]).optimize(
+                lambda trial: (trial.suggest_float("x", 0, 1), 0.0), n_trials=1)
+    elif case == "malformed url":
         url = "postgresql+psycopg:/nohost"
     elif case == "unsupported database":
         url = "mysql://user@127.0.0.1/db"
@@ -237,7 +243,7 @@ def test_bad_joins_are_one_line_exit_2(case, needle, postgres, tmp_path, capsys)
             capsys.readouterr()
         model, steps = ("tiny_cnn:width=0.5", "4") if case == "another model" else ("tiny_cnn", "5")
     out = tmp_path / "out"
-    code = main(["search", model, "--storage", url, "--study-name", "taken", "--trials", "2", "--proxy-steps", steps,
+    code = main(["search", model, "--storage", url, "--study-name", name, "--trials", "2", "--proxy-steps", steps,
                  "--out", str(out), *TINY])
     err = capsys.readouterr().err.strip()
     assert code == 2
