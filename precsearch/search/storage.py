@@ -53,8 +53,8 @@ class StudyLocation:
     """Where a study lives: a storage (URL or journal file path), the study's name in it, and the heartbeat.
 
     A ``shared`` study (``--study-name``) is joined by name from any number of processes on any number of
-    hosts: the first creates and seeds it, the others load it (precsearch.search.study), and only Optuna's heartbeat
-    decides that a RUNNING trial is dead. On an RDB storage every trial records a heartbeat each
+    hosts: the first creates it, the others load it, and any of them sets it up (precsearch.search.study); only
+    Optuna's heartbeat decides that a RUNNING trial is dead. On an RDB storage every trial records a heartbeat each
     ``heartbeat`` seconds; a trial silent for ``3 x heartbeat`` seconds is failed and its assignment queued
     again (``RetryHeartbeatStaleTrialCallback``), by whichever worker notices first.
     """
