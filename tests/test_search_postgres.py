@@ -12,9 +12,12 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,8 +28,10 @@ from optuna.trial import TrialState
 
 from precsearch.cli import main
 from precsearch.config.spaces import paper_space
+from precsearch.search import storage as storage_module
 from precsearch.search import study as search
 from precsearch.search.context import Budget, DataSpec
+from precsearch.search.ledger import CLAIM, PAUSE_AT
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import seed_candidates
 
@@ -45,35 +50,52 @@ helper = _load_helper()
 
 
 @pytest.fixture(scope="module")
-def postgres():
-    """The URL of a fresh local server, for the whole module."""
+def server():
+    """A fresh local server for the whole module (``helper.LocalPostgres``: url, stop, start)."""
     try:
-        server = helper.local_postgres()
-        url = server.__enter__()
+        started = helper.local_server()
+        running = started.__enter__()
     except helper.PostgresUnavailable as error:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"no PostgreSQL server can be started here: {error}")
-    yield url
-    server.__exit__(None, None, None)
+    yield running
+    started.__exit__(None, None, None)
 
 
-def _worker(url: str, study: str, out: Path, trials: int, steps: int) -> subprocess.Popen:
-    """`precsearch search` as a separate process joining ``study``; eager rounding (no torch.compile warm-up);
-    one seed per proxy, so that every assignment, all-high included, is trained by a trial (with seeds the
-    all-high trial copies the reference the study's creator trained)."""
-    command = [sys.executable, "-m", "precsearch", "search", "tiny_cnn", "--storage", url, "--study-name", study,
-               "--out", str(out), "--trials", str(trials), "--proxy-steps", str(steps), "--heartbeat", "1",
-               "--proxy-seeds", "1", *TINY]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PRECSEARCH_COMPILE": "0"})
+@pytest.fixture
+def postgres(server):
+    """The URL of the module's server."""
+    return server.url
+
+
+def _worker(url: str, study: str, out: Path, trials: int, steps: int, heartbeat: int = 1,
+            pause_at: str | None = None) -> subprocess.Popen:
+    """`precsearch -v search` as a separate process joining ``study``, logging to ``_log(out)``; eager rounding
+    (no torch.compile warm-up); one seed per proxy, so that every assignment, all-high included, is trained by
+    a trial (with seeds the all-high trial copies the reference the study's creator trained). ``pause_at``:
+    the setup point where the worker stops itself (precsearch.search.ledger.pause_point)."""
+    command = [sys.executable, "-m", "precsearch", "-v", "search", "tiny_cnn", "--storage", url, "--study-name",
+               study, "--out", str(out), "--trials", str(trials), "--proxy-steps", str(steps), "--heartbeat",
+               str(heartbeat), "--proxy-seeds", "1", *TINY]
+    env = {**os.environ, "PRECSEARCH_COMPILE": "0"}
+    if pause_at is not None:
+        env[PAUSE_AT] = pause_at
+    with _log(out).open("w") as log:  # a file, not a pipe that fills up while the test polls the database
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+
+
+def _log(out: Path) -> Path:
+    """Where the worker writing to ``out`` logs."""
+    return out.with_name(out.name + ".log")
 
 
 def _finish(workers: list[subprocess.Popen]) -> list[int]:
     codes = []
     for worker in workers:
-        _, err = worker.communicate(timeout=300)
-        assert worker.returncode in (0, -signal.SIGKILL), err
+        worker.wait(timeout=300)
+        log = _log(Path(worker.args[worker.args.index("--out") + 1]))
+        assert worker.returncode in (0, -signal.SIGKILL), log.read_text()[-3000:]
         codes.append(worker.returncode)
     return codes
 
@@ -171,7 +193,8 @@ def _race(url: str, name: str, barrier) -> None:
     location = StudyLocation.of(url, Path("."), name, 1)
     storage = location.open()
     barrier.wait()
-    search._join_study(context, storage, location, trials=10)
+    study = search._join_study(context, storage, location)
+    search._seed_study(study, context, 10, search._ledger(study, location, storage))
 
 
 def test_workers_starting_at_once_create_and_seed_the_study_once(postgres):
@@ -197,10 +220,16 @@ def test_workers_starting_at_once_create_and_seed_the_study_once(postgres):
     ("server down", "Connection refused"),
     ("another model", "different model, graph_fingerprint"),
     ("another space", "different space"),
+    ("not a precsearch study", "is not a precsearch study; delete it"),
 ])
 def test_bad_joins_are_one_line_exit_2(case, needle, postgres, tmp_path, capsys):
-    url, model, steps = postgres, "tiny_cnn", "4"
-    if case == "malformed url":
+    url, model, steps, name = postgres, "tiny_cnn", "4", "taken"
+    if case == "not a precsearch study":  # made by another program: it has trials, and no precsearch config
+        name = "foreign"
+        if name not in [summary.study_name for summary in optuna.get_all_study_summaries(postgres)]:
+            optuna.create_study(study_name=name, storage=postgres, directions=["minimize", "minimize"]).optimize(
+                lambda trial: (trial.suggest_float("x", 0, 1), 0.0), n_trials=1)
+    elif case == "malformed url":
         url = "postgresql+psycopg:/nohost"
     elif case == "unsupported database":
         url = "mysql://user@127.0.0.1/db"
@@ -214,9 +243,165 @@ def test_bad_joins_are_one_line_exit_2(case, needle, postgres, tmp_path, capsys)
             capsys.readouterr()
         model, steps = ("tiny_cnn:width=0.5", "4") if case == "another model" else ("tiny_cnn", "5")
     out = tmp_path / "out"
-    code = main(["search", model, "--storage", url, "--study-name", "taken", "--trials", "2", "--proxy-steps", steps,
+    code = main(["search", model, "--storage", url, "--study-name", name, "--trials", "2", "--proxy-steps", steps,
                  "--out", str(out), *TINY])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------- a dead creator, a database restart
+
+HEARTBEAT = 2  # seconds; a setup step whose worker is silent for 3 x this is taken over
+TAKEOVER_SLACK = 4.0  # seconds a survivor may need beyond the lease to look again and claim (a loaded machine)
+KILL_POINTS = {  # where the creator is killed: named setup points (precsearch.search.ledger.pause_point)
+    "created": "inside the creation lock, the study made but no config recorded",
+    "config": "inside the creation lock, the config recorded",
+    "queued-early": "holding the seeds step, a seeded-random few of the seeds queued",
+    "queued-late": "holding the seeds step, a seeded-random most of the seeds queued",
+    "calibrating": "holding the reference's calibration run, before it trains",
+}
+
+
+def _pause_point(kind: str) -> str:
+    if kind in ("created", "config"):
+        return kind
+    if kind == "calibrating":
+        return "claimed:calibration:8:0"  # --proxy-steps 8, one reference seed: the search seed 0
+    context = search.SearchContext.create("tiny_cnn", paper_space(proxy={"image_size": 8, "batch_size": 16}),
+                                          DataSpec(), Budget(), 0, "cpu")
+    seeds = len(search._seed_queue(context, 10, []))
+    draw = random.Random(f"issue 31 {kind}")
+    return f"queued:{draw.randint(1, seeds // 2) if kind == 'queued-early' else draw.randint(seeds // 2 + 1, seeds)}"
+
+
+def _stopped(process: subprocess.Popen) -> bool:
+    """Whether ``process`` stopped itself (SIGSTOP at its pause point)."""
+    stat = Path(f"/proc/{process.pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _pid_of(worker: str) -> int:
+    return int(worker.rsplit(":", 1)[1])
+
+
+def _check_finished_once(trials: list[optuna.trial.FrozenTrial]) -> None:
+    """None running or queued; no assignment trained by two completed trials; every trial failed by its
+    heartbeat retried to completion; every seed queued once."""
+    assert not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    assert (_trained_once(trials) == 1).all()
+    retried = {t.system_attrs["failed_trial"] for t in trials if t.state == TrialState.COMPLETE
+               and "failed_trial" in t.system_attrs}
+    assert {t.number for t in trials if t.state == TrialState.FAIL} <= retried
+    origins = [origin for t in trials if "failed_trial" not in t.system_attrs  # a retry copies its origin
+               for origin in t.user_attrs.get("origin", [])]
+    assert sorted(origins) == sorted(_seed_origins())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KILL_POINTS)
+def test_the_creator_killed_during_setup_leaves_a_study_the_survivors_finish(kind, postgres, tmp_path):
+    name = f"creator-{kind}"
+    survivors = [_worker(postgres, name, tmp_path / f"s{i}", 10, 8, HEARTBEAT, pause_at="join") for i in range(2)]
+    _wait_for(lambda: all(_stopped(w) for w in survivors), 180, "the survivors to start")  # before the creator,
+    victim = _worker(postgres, name, tmp_path / "victim", 10, 8, HEARTBEAT, pause_at=_pause_point(kind))  # so
+    _wait_for(lambda: _stopped(victim), 180, f"the creator to reach {kind}")  # that it is the one to create
+    for survivor in survivors:
+        os.kill(survivor.pid, signal.SIGCONT)
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    storage = optuna.storages.RDBStorage(postgres)
+    study_id = storage.get_study_id_from_name(name)
+    pids = {survivor.pid for survivor in survivors}
+
+    def taken_over() -> bool:  # a survivor holds a setup step (the one the creator held, or the next)
+        return any(key.startswith(CLAIM) and _pid_of(claim["worker"]) in pids
+                   for key, claim in storage.get_study_user_attrs(study_id).items())
+
+    _wait_for(taken_over, 120, "a survivor to take setup over")
+    waited = time.monotonic() - killed
+    print(f"{kind}: setup taken over {waited:.1f} s after the creator died")  # shown with pytest -s
+    assert waited <= 3 * HEARTBEAT + TAKEOVER_SLACK, f"setup was taken over {waited:.1f} s after the creator died"
+    assert _finish(survivors) == [0, 0]
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    trials = _trials(postgres, name)
+    assert {t.state for t in trials} == {TrialState.COMPLETE}  # the creator died before any trial
+    assert all(_pid_of(t.user_attrs["worker"]) in pids for t in trials)
+    _check_finished_once(trials)
+    if kind == "calibrating":  # the survivors waited out the lease, saying for what, held by whom
+        logs = "".join(_log(tmp_path / f"s{i}").read_text() for i in range(2))
+        assert f"waiting for step calibration:8:0, which worker {socket.gethostname()}:{victim.pid} runs" in logs
+        assert "went silent" in logs
+
+
+def _training(storage: optuna.storages.RDBStorage, name: str) -> list[int]:
+    """The trials of study ``name`` training a proxy now."""
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:  # not created yet
+        return []
+    reference = storage.get_study_user_attrs(study_id).get("reference_key")  # all-high copies the reference
+    return [t.number for t in storage.get_all_trials(study_id, states=(TrialState.RUNNING,))
+            if t.user_attrs.get("trains") == t.number and t.user_attrs.get("key") != reference]
+
+
+@pytest.mark.slow
+def test_a_database_restart_under_two_training_workers_loses_nothing(server, tmp_path):
+    watch = optuna.storages.RDBStorage(server.url)  # (creates Optuna's tables before the workers race to)
+    workers = [_worker(server.url, "restart", tmp_path / f"w{i}", 10, 200, HEARTBEAT) for i in range(2)]
+    _wait_for(lambda: _training(watch, "restart"), 180, "a worker to train")
+    server.stop("immediate")  # a crash: no shutdown checkpoint, every connection cut
+    time.sleep(HEARTBEAT)
+    server.start()
+    assert _finish(workers) == [0, 0]
+    trials = _trials(server.url, "restart")
+    _check_finished_once(trials)
+    assert search.trials_done(optuna.load_study(study_name="restart", storage=server.url)) >= 10
+    for index in range(2):  # both lived through the restart
+        assert "is reachable again; going on" in _log(tmp_path / f"w{index}").read_text()
+
+
+def test_a_database_away_too_long_stops_the_worker_in_one_line_and_starting_it_again_finishes(
+        server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(storage_module, "STORAGE_OUTAGE", 2.0)
+    args = ["search", "tiny_cnn", "--storage", server.url, "--study-name", "away", "--out", str(tmp_path / "out"),
+            "--trials", "3", "--proxy-steps", "60", "--confirm-factor", "1", "--heartbeat", "1", "--proxy-seeds", "1",
+            *TINY]
+    training: list[int] = []  # the trial training when the database went away
+    watch = optuna.storages.RDBStorage(server.url)  # (creates Optuna's tables before the search races to)
+
+    def stop_while_training() -> None:
+        deadline = time.monotonic() + 120
+        while not training and time.monotonic() < deadline:
+            training.extend(_training(watch, "away"))
+            time.sleep(0.02)
+        if training:
+            server.stop("immediate")
+
+    stopper = threading.Thread(target=stop_while_training, daemon=True)
+    stopper.start()
+    try:
+        code = main(args)
+    finally:
+        stopper.join()
+        if training:
+            server.start()
+    assert training, "no proxy was seen training"
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("precsearch search: error:")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1, err
+    assert "was unreachable for 2 s" in errors[0] and "start this worker again" in errors[0]
+    assert main(args) == 0
+    trials = _trials(server.url, "away")
+    _check_finished_once(trials)
+    key = trials[training[0]].user_attrs["key"]  # finished before the database went, or failed and retried
+    assert [t.state for t in trials if t.user_attrs.get("key") == key and "duplicate_of" not in t.user_attrs
+            and t.state == TrialState.COMPLETE] == [TrialState.COMPLETE]

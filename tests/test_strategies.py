@@ -197,10 +197,8 @@ def test_a_registered_seeding_is_enqueued_by_the_search_without_editing_it(graph
             return [(strategies.Candidate(self.name, decisions, assign(graph, space, decisions),
                                           low_share(graph, space, decisions)), "alternate")]
 
-    enqueued = []
-    study = SimpleNamespace(enqueue_trial=lambda params, user_attrs: enqueued.append((params, user_attrs)))
-    search._seed_study(study, SimpleNamespace(graph=graph, space=SPACE, assignments=2**20, settings={}), trials=1)
-    origins = [attrs["origin"] for _, attrs in enqueued]
+    enqueued = search._seed_queue(SimpleNamespace(graph=graph, space=SPACE, assignments=2**20), trials=1, first=[])
+    origins = [origins for _, origins in enqueued]
     assert origins[0] == ["all-high", "paper r=0.0"] and origins[-1] == ["alternate"]
     assert enqueued[-1][0] == {unit: ("low" if i % 2 else "high") for i, unit in enumerate(units(graph, SPACE))}
     with pytest.raises(PrecsearchError, match="'alternate' is registered already"):

@@ -166,13 +166,9 @@ def _train_length(context: SearchContext, ledger: Ledger, policy: Policy, length
                   check: Callable[[int, float], None], rungs: Sequence[float]) -> list[dict[str, Any]]:
     names = {f"calibration:{length}:{seed}": seed for seed in seeds}
 
-    def work(name: str, beat: Callable[[], None]) -> dict[str, Any]:
-        def report(step: int, loss: float) -> None:
-            beat()
-            check(step, loss)
-
+    def work(name: str) -> dict[str, Any]:
         seed = names[name]
-        result = context.trainer(policy, length, seed, evaluate_at=curve_steps(length, rungs), report=report)
+        result = context.trainer(policy, length, seed, evaluate_at=curve_steps(length, rungs), report=check)
         return run_record(result, seed)
 
     results = ledger.run(list(names), work)

@@ -87,13 +87,9 @@ def confirm(context: SearchContext, ledger: Ledger, policies: Mapping[str, Polic
     study records which as its ``confirmation`` user attr when all are done."""
     names = {f"confirm:{key}:{seed}": (key, seed) for key in policies for seed in seeds}
 
-    def work(name: str, beat: Callable[[], None]) -> dict[str, Any]:
-        def report(step: int, loss: float) -> None:
-            beat()
-            check(step, loss)
-
+    def work(name: str) -> dict[str, Any]:
         key, seed = names[name]
-        return run_record(context.trainer(policies[key], length, seed, report=report), seed)
+        return run_record(context.trainer(policies[key], length, seed, report=check), seed)
 
     results = ledger.run(list(names), work)
     runs: dict[str, list[dict[str, Any]]] = {}

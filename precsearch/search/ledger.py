@@ -1,34 +1,54 @@
-"""Steps of a study's setup and wrap-up (calibration runs, confirmation runs) that any worker may take.
+"""Steps of a study's setup and wrap-up (queuing the seeds, calibration runs, confirmation runs) that any
+worker may take.
 
 Each step has a name. Its result is a study user attr ``step:<name>`` (so a resumed or joining worker never
-redoes a finished step); a worker about to run it first claims it (``claim:<name>``: worker and time) under
-the study's lock, and refreshes the claim while it trains (``beat``). A claim not refreshed for ``stale``
-seconds belonged to a worker that died: any other worker takes the step over. Runs are seeded, so a step
-run twice gives the same numbers.
+redoes a finished step); a worker about to run it first claims it (``claim:<name>``: worker, since when,
+last renewal) under the study's lock, and renews the claim every ``stale / 3`` seconds from a thread while
+the step runs: the claim is a lease. A claim not renewed for ``stale`` seconds belonged to a worker that
+died: the next worker that looks takes the step over and goes on from what the step recorded so far (a step
+that records as it goes checks under the lock that it still holds the claim, ``holding``). Runs are seeded,
+so a step run twice gives the same numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optuna
 
-__all__ = ["Ledger", "recorded"]
+from precsearch.errors import PrecsearchError
+
+__all__ = ["PAUSE_AT", "Ledger", "LeaseLost", "pause_point", "recorded"]
 
 log = logging.getLogger(__name__)
 
 RESULT = "step:"
 CLAIM = "claim:"
 POLL = 0.5  # seconds between looks at steps other workers run
+PAUSE_AT = "PRECSEARCH_PAUSE_AT"  # test hook: the setup point where this process stops itself (pause_point)
 
 
 def recorded(attrs: Mapping[str, Any], name: str) -> dict[str, Any] | None:
     """The result of step ``name`` among a study's user ``attrs`` (None while it is not done)."""
     return attrs.get(RESULT + name)
+
+
+def pause_point(name: str) -> None:
+    """A named point of a study's setup. Tests kill a worker at a known point: with ``PRECSEARCH_PAUSE_AT``
+    naming this point the process stops itself here (SIGSTOP) until the test kills it; unset, nothing happens."""
+    if os.environ.get(PAUSE_AT) == name:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class LeaseLost(Exception):
+    """Another worker took over a step this one held: this one had gone silent for longer than the lease."""
 
 
 class Ledger:
@@ -40,26 +60,42 @@ class Ledger:
         self.lock = lock
         self.worker = worker
         self.stale = stale
+        self._waiting_for: dict[str, str] = {}  # step -> the worker it was last seen held by
 
     def result(self, name: str) -> dict[str, Any] | None:
         return recorded(self.study.user_attrs, name)
 
-    def run(self, names: Sequence[str], work: Callable[[str, Callable[[], None]], dict[str, Any]]
-            ) -> dict[str, dict[str, Any]]:
+    def run(self, names: Sequence[str], work: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """The results of every step in ``names``: recorded ones as they are, the others run here by
-        ``work(name, beat)`` (``beat()`` keeps the claim alive) or waited for while another worker runs them."""
+        ``work(name)`` or waited for while another worker runs them (taken over if it goes silent)."""
         while True:
             missing = [name for name in names if self.result(name) is None]
             if not missing:
                 return {name: self.result(name) for name in names}
             ran = False
             for name in missing:
-                if self._claim(name):
-                    with self._claimed(name) as beat:
-                        self.study.set_user_attr(RESULT + name, work(name, beat))
-                    ran = True
+                if not self._claim(name):
+                    continue
+                pause_point(f"claimed:{name}")
+                try:
+                    with self._renewed(name):
+                        result = work(name)
+                except LeaseLost:
+                    log.warning("step %s: another worker took it over while this one was silent", name)
+                    continue
+                self.study.set_user_attr(RESULT + name, result)
+                ran = True
             if not ran:
                 time.sleep(POLL)
+
+    @contextlib.contextmanager
+    def holding(self, name: str) -> Iterator[None]:
+        """The study's lock, taken only while this worker still holds step ``name`` (else LeaseLost): what a
+        step records under it never collides with a worker that took the step over."""
+        with self.lock():
+            if (self.study.user_attrs.get(CLAIM + name) or {}).get("worker") != self.worker:
+                raise LeaseLost(name)
+            yield
 
     def _claim(self, name: str) -> bool:
         with self.lock():
@@ -67,20 +103,44 @@ class Ledger:
                 return False
             claim = self.study.user_attrs.get(CLAIM + name)
             if claim is not None and claim["worker"] != self.worker and time.time() - claim["time"] < self.stale:
+                self._log_wait(name, claim)
                 return False
             if claim is not None and claim["worker"] != self.worker:
-                log.warning("step %s: its worker %s went silent; taking it over", name, claim["worker"])
-            self.study.set_user_attr(CLAIM + name, {"worker": self.worker, "time": time.time()})
+                log.warning("step %s: its worker %s went silent %.0f s ago; taking it over", name, claim["worker"],
+                            time.time() - claim["time"])
+            now = time.time()
+            self.study.set_user_attr(CLAIM + name, {"worker": self.worker, "since": now, "time": now})
             return True
 
+    def _log_wait(self, name: str, claim: Mapping[str, Any]) -> None:
+        """Say once per holder what this worker waits for, held by whom, since when."""
+        if self._waiting_for.get(name) == claim["worker"]:
+            return
+        self._waiting_for[name] = claim["worker"]
+        since = claim.get("since", claim["time"])
+        log.info("waiting for step %s, which worker %s runs since %s (%.0f s); taken over if it is silent for "
+                 "%.0f s", name, claim["worker"], time.strftime("%H:%M:%S", time.localtime(since)),
+                 time.time() - since, self.stale)
+
     @contextlib.contextmanager
-    def _claimed(self, name: str) -> Iterator[Callable[[], None]]:
-        last = [time.time()]
+    def _renewed(self, name: str) -> Iterator[None]:
+        """Renew the claim on ``name`` every ``stale / 3`` seconds from a thread while the step runs (the step's
+        heartbeat, as Optuna's heartbeat thread is a trial's)."""
+        done = threading.Event()
 
-        def beat() -> None:
-            now = time.time()
-            if now - last[0] >= self.stale / 3:
-                self.study.set_user_attr(CLAIM + name, {"worker": self.worker, "time": now})
-                last[0] = now
+        def renew() -> None:
+            while not done.wait(self.stale / 3):
+                try:
+                    with self.holding(name):
+                        claim = self.study.user_attrs[CLAIM + name]
+                        self.study.set_user_attr(CLAIM + name, {**claim, "time": time.time()})
+                except (LeaseLost, PrecsearchError):  # taken over, or the storage is lost (the step meets it too)
+                    return
 
-        yield beat
+        thread = threading.Thread(target=renew, name=f"lease {name}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()

@@ -1,20 +1,29 @@
 """Where a study lives: a PostgreSQL or SQLite URL or a journal file, opened with the heartbeat and retries
-every worker uses, repaired after a torn write, and locked across all processes that share it."""
+every worker uses, repaired after a torn write, and locked across all processes that share it.
+
+A PostgreSQL storage outlives a database restart or a dropped connection (``RetryingRDBStorage``): every
+call retries with backoff for up to ``STORAGE_OUTAGE`` seconds, so a worker goes on where it was (a trial it
+finished meanwhile is written when the server is back); past that it stops with one line that says how to
+continue. The heartbeat is not retried (the next beat is), and no trial is judged stale until the workers
+had a grace period to beat again after an outage.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import logging
+import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
 import sqlalchemy
@@ -25,7 +34,7 @@ from sqlalchemy.engine import make_url
 from precsearch.errors import PrecsearchError
 from precsearch.search.config import DEFAULT_HEARTBEAT
 
-__all__ = ["JOURNAL_NAME", "STUDY_NAME", "StudyLocation"]
+__all__ = ["JOURNAL_NAME", "STORAGE_OUTAGE", "STUDY_NAME", "RetryingRDBStorage", "StudyLocation"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +42,10 @@ STUDY_NAME = "precsearch"
 JOURNAL_NAME = "study.journal"
 POSTGRES_DRIVER = "postgresql+psycopg"
 MAX_RETRIES = 3  # times a trial whose worker died is queued again
+STORAGE_OUTAGE = 120.0  # seconds a worker keeps retrying a database it lost (a restart) before it stops
+MAX_BACKOFF = 8.0  # seconds between two tries, at most
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -40,8 +53,8 @@ class StudyLocation:
     """Where a study lives: a storage (URL or journal file path), the study's name in it, and the heartbeat.
 
     A ``shared`` study (``--study-name``) is joined by name from any number of processes on any number of
-    hosts: the first creates and seeds it, the others load it (precsearch.search.study), and only Optuna's heartbeat
-    decides that a RUNNING trial is dead. On an RDB storage every trial records a heartbeat each
+    hosts: the first creates it, the others load it, and any of them sets it up (precsearch.search.study); only
+    Optuna's heartbeat decides that a RUNNING trial is dead. On an RDB storage every trial records a heartbeat each
     ``heartbeat`` seconds; a trial silent for ``3 x heartbeat`` seconds is failed and its assignment queued
     again (``RetryHeartbeatStaleTrialCallback``), by whichever worker notices first.
     """
@@ -103,12 +116,17 @@ class StudyLocation:
                 raise PrecsearchError(f"study storage {self.shown} needs psycopg 3; install it with "
                                       "pip install 'precsearch[postgres]'")
             engine_kwargs["connect_args"] = {"connect_timeout": 10}
+        kind = RetryingRDBStorage if backend == "postgresql" else RDBStorage  # SQLite has no server to lose
+
         def create() -> RDBStorage:
             with warnings.catch_warnings():  # Optuna marks the heartbeat and its retry callback experimental
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return RDBStorage(url.render_as_string(hide_password=False), engine_kwargs=engine_kwargs,
-                                  heartbeat_interval=self.heartbeat, grace_period=3 * self.heartbeat,
-                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(MAX_RETRIES))
+                storage = kind(url.render_as_string(hide_password=False), engine_kwargs=engine_kwargs,
+                               heartbeat_interval=self.heartbeat, grace_period=3 * self.heartbeat,
+                               heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(MAX_RETRIES))
+            if isinstance(storage, RetryingRDBStorage):
+                storage.shown = self.shown
+            return storage
 
         attempts = 3
         while True:
@@ -127,16 +145,136 @@ class StudyLocation:
         """Exclusive among all processes using this study: on PostgreSQL an advisory lock held for one
         transaction (the server releases it when a killed worker's connection drops), on SQLite and journal
         files an flock on the file (they are shared on one host only)."""
-        if isinstance(storage, RDBStorage) and storage.engine.dialect.name == "postgresql":
+        if isinstance(storage, RetryingRDBStorage):
             lock_id = int(hashlib.sha1(self.study_name.encode()).hexdigest()[:15], 16)
-            with storage.engine.begin() as connection:
-                connection.execute(sqlalchemy.text("SELECT pg_advisory_xact_lock(:id)"), {"id": lock_id})
+
+            def acquire() -> sqlalchemy.Connection:
+                connection = storage.engine.connect()
+                try:
+                    connection.execute(sqlalchemy.text("SELECT pg_advisory_xact_lock(:id)"), {"id": lock_id})
+                except BaseException:
+                    connection.close()
+                    raise
+                return connection
+
+            connection = storage.retried(acquire)
+            try:
                 yield
+            finally:
+                try:
+                    connection.rollback()  # ends the transaction, and the lock with it
+                except sqlalchemy.exc.DBAPIError:
+                    connection.invalidate()  # the connection dropped: the server released the lock with it
+                connection.close()
             return
         path = make_url(self.target).database if "://" in self.target else self.target
         with open(path, "rb") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
+
+
+def _dropped(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it; Optuna wraps SQLAlchemy's errors) is a lost connection or server."""
+    while error is not None:
+        if isinstance(error, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)) or (
+                isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class RetryingRDBStorage(RDBStorage):
+    """Optuna's RDB storage whose every database call survives a server restart or a dropped connection.
+
+    A call that fails for a lost connection is tried again (``pool_pre_ping`` replaces dead pooled
+    connections) with backoff for up to ``STORAGE_OUTAGE`` seconds; then the storage is ``lost`` for good and
+    every call raises the one-line PrecsearchError that says how to continue. A heartbeat that fails is
+    skipped (the heartbeat thread beats again a heartbeat later), and for ``grace_period`` seconds after an
+    outage no trial is judged stale, so that the other workers, which lost the server too, can beat again
+    before anyone fails their trials.
+    """
+
+    shown = "the study storage"  # the URL, password masked, for messages (StudyLocation.open sets it)
+    lost: str | None = None  # why the storage was given up, once it was
+    back_since = float("-inf")  # time.monotonic() when the server came back after an outage; inf while away
+
+    def retried(self, call: Callable[[], T]) -> T:
+        """``call()``, tried again while the database is unreachable (see the class docstring)."""
+        deadline, delay = None, 0.5
+        while True:
+            if self.lost is not None:
+                raise PrecsearchError(self.lost)
+            try:
+                result = call()
+            except Exception as error:
+                if not _dropped(error):
+                    raise
+                self._unreachable()
+                now = time.monotonic()
+                deadline = deadline or now + STORAGE_OUTAGE
+                if now >= deadline:
+                    self.lost = (f"the study storage {self.shown} was unreachable for {STORAGE_OUTAGE:.0f} s "
+                                 f"({_reason(error)}); start this worker again once the database is back (with "
+                                 "--resume for a study without --study-name): it continues where it stopped")
+                    raise PrecsearchError(self.lost) from None
+                time.sleep(min(delay, deadline - now))
+                delay = min(2 * delay, MAX_BACKOFF)
+                continue
+            self._reached()
+            return result
+
+    def _unreachable(self) -> None:
+        if self.back_since != math.inf:
+            self.back_since = math.inf
+            log.warning("lost the connection to %s; retrying for up to %.0f s", self.shown, STORAGE_OUTAGE)
+
+    def _reached(self) -> None:
+        if self.back_since == math.inf:
+            self.back_since = time.monotonic()
+            log.warning("%s is reachable again; going on", self.shown)
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        try:
+            super().record_heartbeat(trial_id)
+        except Exception as error:
+            if not _dropped(error):
+                raise
+            self._unreachable()
+            return
+        self._reached()
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        stale = self.retried(lambda: super(RetryingRDBStorage, self)._get_stale_trial_ids(study_id))
+        return [] if time.monotonic() - self.back_since < (self.grace_period or 0) else stale
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error.__cause__ or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# every RDBStorage method that talks to the database, the private ones Optuna's cache calls included
+_RETRIED = ("create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr",
+            "get_study_id_from_name", "get_study_name_from_id", "get_study_directions", "get_study_user_attrs",
+            "get_study_system_attrs", "get_trial_user_attrs", "get_trial_system_attrs", "get_all_studies",
+            "create_new_trial", "_create_new_trial", "set_trial_param", "_set_trial_param", "get_trial_param",
+            "set_trial_state_values", "set_trial_intermediate_value", "set_trial_user_attr",
+            "set_trial_system_attr", "get_trial_id_from_study_id_trial_number", "get_trial", "get_all_trials",
+            "_get_trials", "get_best_trial", "_get_best_trial_id")
+
+
+def _retrying(name: str) -> Callable[..., Any]:
+    method = getattr(RDBStorage, name)
+
+    @functools.wraps(method)
+    def call(self: RetryingRDBStorage, *args: Any, **kwargs: Any) -> Any:
+        return self.retried(lambda: method(self, *args, **kwargs))
+
+    return call
+
+
+for _name in _RETRIED:
+    setattr(RetryingRDBStorage, _name, _retrying(_name))
 
 
 def _repair_journal(path: Path) -> None:

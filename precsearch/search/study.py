@@ -34,10 +34,13 @@ Bookkeeping rules:
   calibration or confirmation run; trials a killed process left RUNNING are failed as ``interrupted`` and
   queued again. ``jobs=N`` runs N worker processes on the same study (on CUDA, one per visible GPU).
 * A shared study (``study_name``) is joined by any number of workers on any number of hosts: the first
-  creates and seeds it, and a worker with another model, graph, space, data, seed, budget or search setting
-  is refused. A worker that dies stops heartbeating; its trial is failed after ``3 x heartbeat`` seconds
-  and queued again (Optuna's ``RetryHeartbeatStaleTrialCallback``), and its calibration or confirmation run
-  is taken over by another worker, so only that run's work is lost.
+  creates it and records its config, and a worker with another model, graph, space, data, seed, budget or
+  search setting is refused. The rest of setup (queuing the seeds, calibration) and the wrap-up
+  (confirmation) are leased steps any worker takes (precsearch.search.ledger). A worker that dies stops
+  heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again (Optuna's
+  ``RetryHeartbeatStaleTrialCallback``), and its setup step or calibration or confirmation run is taken
+  over by another worker from what it recorded, so only that run's work is lost, whichever worker died. A
+  PostgreSQL restart is ridden out (precsearch.search.storage.RetryingRDBStorage).
 * After every trial the outputs are rewritten atomically from the storage (precsearch.search.export);
   the policy each proxy trained under is in ``trials/`` of the worker that ran it. ``export_study`` rebuilds
   all of it from the storage alone.
@@ -85,7 +88,7 @@ from precsearch.search.export import (
     policy_of,
     trials_frame,
 )
-from precsearch.search.ledger import Ledger
+from precsearch.search.ledger import Ledger, pause_point
 from precsearch.search.noise import Noise, pooled_noise, seeds_for
 from precsearch.search.objective import FINISHED, WORKER, Objective
 from precsearch.search.rundir import (
@@ -108,6 +111,7 @@ from precsearch.search.selection import pareto_front
 from precsearch.search.sensitivity import SensitivitySeeding, measure_model
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
 from precsearch.search.strategies import (
+    Seeding,
     seed_candidates,
     uniform,
 )
@@ -136,8 +140,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CONFIG_WAIT = 30.0  # seconds a joining worker waits for a new study's creator to record its config ...
-SEED_WAIT = 600.0  # ... and to queue its seeds
 AUTO_REFERENCE_SEEDS = 3  # with --proxy-seeds auto, the all-high reference trains this many seeds to measure noise
 AUTO_MIN_SEEDS = 2  # ... and every proxy at least this many, so each trial adds to the noise estimate
 
@@ -160,39 +162,40 @@ def _check_same_config(study: optuna.Study, context: SearchContext, location: St
             f"{(theirs.get('space') or {}).get('name')}); {fix}")
 
 
-def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation,
-                trials: int) -> optuna.Study:
-    """Create and seed a shared study, or join it once its creator has seeded it.
+def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation
+                ) -> optuna.Study:
+    """Create a shared study or join it; refuse one made for another model, graph, space, data, seed, budget
+    or search setting, or one that is not a precsearch study.
 
     The database decides who creates it: study names are unique, so of any number of workers starting at
-    once exactly one ``create_study`` succeeds. That one records the config, queues the seeds, then sets
-    ``seeded``. Every other worker waits for ``seeded`` and refuses a study made for another model, graph,
-    space, data, seed, budget or search setting. Calibration is no one's privilege: every worker takes part
-    in it afterwards (``_prepare``).
+    once exactly one ``create_study`` succeeds, and it records the config under the study's lock, so a worker
+    that gets the lock next sees either the config or a creator that died before writing it (then the
+    empty study is taken over). The rest of setup is leased steps any worker takes (``_seed_study``,
+    ``_prepare``): no worker's death loses the study.
     """
-    try:
-        study = _new_study(context, storage, location)
-    except optuna.exceptions.DuplicatedStudyError:
-        study = load_study(context, storage, location, 0)
-        _wait_for_attr(study, "config", CONFIG_WAIT, location, "is not a precsearch study")
-        _check_same_config(study, context, location,
-                           "join it with the same model and settings, or choose another --study-name")
-        _wait_for_attr(study, "seeded", SEED_WAIT, location, "was never seeded (its creator stopped while "
-                       "setting it up)")
-        return study
-    study.set_user_attr("config", study_config(context))
-    _seed_study(study, context, trials)
-    study.set_user_attr("seeded", True)
+    pause_point("join")
+    with location.lock(storage):
+        try:
+            study = _new_study(context, storage, location)
+        except optuna.exceptions.DuplicatedStudyError:
+            study = load_study(context, storage, location, 0)
+        pause_point("created")
+        if "config" not in study.user_attrs:
+            _adopt(study, context, location)
+        pause_point("config")
+    _check_same_config(study, context, location,
+                       "join it with the same model and settings, or choose another --study-name")
     return study
 
 
-def _wait_for_attr(study: optuna.Study, name: str, timeout: float, location: StudyLocation, problem: str) -> None:
-    deadline = time.monotonic() + timeout
-    while name not in study.user_attrs:
-        if time.monotonic() > deadline:
-            raise PrecsearchError(f"study {location.study_name} in {location.shown} {problem}; delete it (optuna "
-                                  "delete-study) or choose another --study-name")
-        time.sleep(0.5)
+def _adopt(study: optuna.Study, context: SearchContext, location: StudyLocation) -> None:
+    """Record the config in a study without one: only an empty study with our objectives, which a creator
+    that died before recording its config left (or this worker just created)."""
+    ours = ["minimize"] * (1 if context.budget.single_objective else 2)
+    if study.user_attrs or study.get_trials(deepcopy=False) or [d.name.lower() for d in study.directions] != ours:
+        raise PrecsearchError(f"study {location.study_name} in {location.shown} is not a precsearch study; delete "
+                              "it (optuna delete-study) or choose another --study-name")
+    study.set_user_attr("config", study_config(context))
 
 
 def study_config(context: SearchContext) -> dict[str, Any]:
@@ -240,26 +243,46 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     return queued
 
 
-def _seed_study(study: optuna.Study, context: SearchContext, trials: int) -> None:
-    """Queue the seed candidates, then, when the space holds no more than ``trials`` assignments, every
-    other one (a sampler would only propose them again and again). With the ``sensitivity`` seeding the
-    units' sensitivity is measured first, kept in the study (``sensitivity`` user attr) and its knapsack points
-    lead the queue."""
-    first = []
-    if context.settings.get("seeding") == "sensitivity":
-        table = measure_model(context.model, context.space, context.data, seed=context.seed, device="cpu")
-        study.set_user_attr("sensitivity", table.to_dict(orient="records"))
-        first.append(SensitivitySeeding(table))
+def _seed_study(study: optuna.Study, context: SearchContext, trials: int, ledger: Ledger) -> None:
+    """Queue the seed candidates (``_seed_queue``) as the study's ``seeds`` step: a worker that takes the step
+    over from a dead one reuses its sensitivity table and queues only what is not queued yet, each under the
+    lease (``Ledger.holding``), so no assignment is queued twice."""
+
+    def work(name: str) -> dict[str, Any]:
+        first = []
+        if context.settings.get("seeding") == "sensitivity":
+            if "sensitivity" not in study.user_attrs:
+                table = measure_model(context.model, context.space, context.data, seed=context.seed, device="cpu")
+                study.set_user_attr("sensitivity", table.to_dict(orient="records"))
+            first.append(SensitivitySeeding(pd.DataFrame(study.user_attrs["sensitivity"])))
+        queued = {context.key(params_of(trial)) for trial in study.get_trials(deepcopy=False)
+                  if len(params_of(trial)) == len(context.units)}
+        for decisions, origins in _seed_queue(context, trials, first):
+            if context.key(decisions) in queued:
+                continue
+            with ledger.holding(name):
+                study.enqueue_trial(decisions, user_attrs={"origin": origins})
+                queued.add(context.key(decisions))
+                pause_point(f"queued:{len(queued)}")
+        return {"queued": len(queued)}
+
+    ledger.run(["seeds"], work)
+
+
+def _seed_queue(context: SearchContext, trials: int, first: list[Seeding]) -> list[tuple[dict[str, str], list[str]]]:
+    """What a new study queues, in order, as (decisions, origins): the seed candidates (``first``' before the
+    paper's), then, when the space holds no more than ``trials`` assignments, every other one (a sampler
+    would only propose them again and again)."""
     seeded = seed_candidates(context.graph, context.space, first)
-    for candidate, origins in seeded:
-        study.enqueue_trial(candidate.decisions, user_attrs={"origin": origins})
+    queue = [(dict(candidate.decisions), list(origins)) for candidate, origins in seeded]
     if context.assignments > trials:
-        return
+        return queue
     known = {candidate.key for candidate, _ in seeded}
     for levels in itertools.product(context.levels, repeat=len(context.units)):
         decisions = dict(zip(context.units, levels, strict=True))
         if context.key(decisions) not in known:
-            study.enqueue_trial(decisions, user_attrs={"origin": ["enumerated"]})
+            queue.append((decisions, ["enumerated"]))
+    return queue
 
 
 def _trial_budget(context: SearchContext, trials: int) -> int:
@@ -280,7 +303,8 @@ def _prepare(study: optuna.Study, context: SearchContext, ledger: Ledger, config
     """Calibrate (or train the reference at the fixed length), then record the reference every trial compares
     with: its result at the proxy length, its seeds' accuracies and the seeds per proxy (with
     ``proxy_seeds=None`` chosen from the noise the reference shows, ``noise.seeds_for``). Every worker runs
-    it; the ledger makes each run happen once."""
+    it; the ledger makes each run happen once. The study's seeds are queued first (``_seed_study``)."""
+    _seed_study(study, context, config.trials, ledger)
     calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context), check, config.rungs)
     context.length = calibration.length
     if "reference_result" not in study.user_attrs:
@@ -462,7 +486,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 if location.target == str(out_dir / JOURNAL_NAME):  # this run's own journal
                     remove_stale_journal_lock(Path(location.target))
                 backend = backend or location.open()
-                study = _create_study(context, location, backend, config.resume, out_dir, config.trials)
+                study = _create_study(context, location, backend, config.resume, out_dir)
             except BaseException:
                 if created:
                     remove_new_run_dir(out_dir)
@@ -497,7 +521,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
             finally:
                 with signals.held():  # a second Ctrl-C must not tear the files being written
                     bar.close()
-                    exported = export(study, context, out_dir)
+                    exported = export(study, context, out_dir)  # a lost storage raises its one line here
     stopped_by = stopped_by or signals.received  # a signal Python dropped (raised inside a finalizer)
     result = SearchResult.of(out_dir, exported, time.perf_counter() - start, stopped_by is not None)
     if stopped_by is not None:
@@ -523,12 +547,12 @@ class SearchInterrupted(SearchStop):
 
 
 def _create_study(context: SearchContext, location: StudyLocation, backend: optuna.storages.BaseStorage,
-                  resume: bool, out_dir: Path, trials: int) -> optuna.Study:
+                  resume: bool, out_dir: Path) -> optuna.Study:
     """A shared study is joined (``_join_study``); a study of one run is created, or loaded with --resume
     after failing and queueing again what a killed process left RUNNING. --resume never starts a new study:
     one that is missing (a deleted, emptied or cut journal) would overwrite the results left of the old one."""
     if location.shared:
-        return _join_study(context, backend, location, trials)
+        return _join_study(context, backend, location)
     names = {summary.study_name for summary in optuna.get_all_study_summaries(backend)}
     taken = PrecsearchError(f"storage {location.shown} already holds a precsearch study; pass --resume, give "
                             "another --storage, or join it with --study-name")
@@ -542,7 +566,6 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
         except optuna.exceptions.DuplicatedStudyError:
             raise taken from None  # another process created it between the listing and here
         study.set_user_attr("config", study_config(context))
-        _seed_study(study, context, trials)
         return study
     study = load_study(context, backend, location, 0)
     _check_same_config(study, context, location, "resume with the same settings or give another --storage")

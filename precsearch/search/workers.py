@@ -144,10 +144,14 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
         storage = setup.location.open()
         study = load_study(context, storage, setup.location, index)
         context.length = recorded_calibration(study.user_attrs).length  # the parent calibrated before
-        study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals),
-                       n_trials=SAMPLER_REPEATS * setup.trials,
-                       catch=(Exception,), callbacks=[budget_callback(setup.trials, not setup.location.shared),
-                                                      _parent_watch(parent), stop_on_signal(signals)])
+        try:
+            study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals),
+                           n_trials=SAMPLER_REPEATS * setup.trials,
+                           catch=(Exception,), callbacks=[budget_callback(setup.trials, not setup.location.shared),
+                                                          _parent_watch(parent), stop_on_signal(signals)])
+        except PrecsearchError as error:  # the storage lost for good: one line, not a worker's traceback
+            log.error("worker %d: %s", index, error)
+            raise SystemExit(2) from None
 
 
 def _stop_when_orphaned(parent: int) -> None:
