@@ -3,6 +3,8 @@ proxy against the reference at the rungs, and record the result and constraints 
 
 Bookkeeping rules:
 
+* A write that finds the disk full stops the search (``files.DiskFull``) and leaves the trial RUNNING, so
+  ``--resume`` runs it again; it is no failure of the trial.
 * A diverged proxy, or one stopped at a rung, is a COMPLETE trial whose constraint (``diverged``, ``stopped``)
   is violated (``Trial.set_constraint``), so the sampler learns from it. A trial that raises is FAILED with
   the error in its ``error`` user attr, and the study goes on.
@@ -28,6 +30,7 @@ import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
+from precsearch.files import DiskFull, full_disk
 from precsearch.search.calibration import recorded_calibration
 from precsearch.search.context import SearchContext, combine_seeds, seed_record
 from precsearch.search.export import (
@@ -92,6 +95,8 @@ class Objective:
             trial.set_user_attr("interrupted", True)
             raise
         except Exception as error:
+            if full_disk(error) is not None:  # not the trial's fault: stop, and leave it RUNNING for --resume
+                raise DiskFull() from error
             trial.set_user_attr("error", f"{type(error).__name__}: {error}"[:2000])
             raise
 

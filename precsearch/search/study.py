@@ -31,8 +31,10 @@ Bookkeeping rules:
 * How a trial is recorded, and how identical assignments are trained once: precsearch.search.objective.
 * Storage is a PostgreSQL or SQLite URL, or a journal file (the default: ``study.journal`` in the run
   directory), so ``resume=True`` continues an interrupted search without losing a completed trial or
-  calibration or confirmation run; trials a killed process left RUNNING are failed as ``interrupted`` and
-  queued again. ``jobs=N`` runs N worker processes on the same study (on CUDA, one per visible GPU).
+  calibration or confirmation run; a trial a killed process (or a full disk, or a cut journal) left RUNNING
+  goes back to the queue as it is, first in line and marked ``interrupted``, and a trial failed as
+  ``interrupted`` (Ctrl-C) is queued again as a retry the trial budget waits for. ``jobs=N`` runs N worker
+  processes on the same study (on CUDA, one per visible GPU).
 * A shared study (``study_name``) is joined by any number of workers on any number of hosts: the first
   creates and seeds it, and a worker with another model, graph, space, data, seed, budget or search setting
   is refused. A worker that dies stops heartbeating; its trial is failed after ``3 x heartbeat`` seconds
@@ -62,13 +64,14 @@ from typing import Any
 
 import optuna
 import pandas as pd
+from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 from tqdm.auto import tqdm
 
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
-from precsearch.files import atomic_write_text
+from precsearch.files import DiskFull, atomic_write_text, full_disk
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
 from precsearch.search.config import SearchConfig
 from precsearch.search.confirmation import (
@@ -139,6 +142,7 @@ CONFIG_WAIT = 30.0  # seconds a joining worker waits for a new study's creator t
 SEED_WAIT = 600.0  # ... and to queue its seeds
 AUTO_REFERENCE_SEEDS = 3  # with --proxy-seeds auto, the all-high reference trains this many seeds to measure noise
 AUTO_MIN_SEEDS = 2  # ... and every proxy at least this many, so each trial adds to the noise estimate
+SEEDED = "seeded"  # study user attr: the first trials are all queued
 
 
 def _new_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation) -> optuna.Study:
@@ -213,15 +217,20 @@ def study_config(context: SearchContext) -> dict[str, Any]:
 
 
 def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage, context: SearchContext) -> int:
-    """Fail trials a dead process left RUNNING, and queue again every interrupted assignment not done yet.
+    """Queue again what a dead process left unfinished; the number of trials queued.
 
+    A trial left RUNNING (kill -9, a full disk, a journal cut before its end) goes back to WAITING as it is,
+    params included: the queue is taken in trial order, so it runs next, once, under its own number, and the
+    budget counts it once. A trial failed as interrupted (Ctrl-C) cannot be reopened; its assignment is queued
+    as a retry marked like Optuna's (``failed_trial``), which the budget waits for (``budget_callback``).
     Called only when resuming, before any worker starts, so every RUNNING trial belongs to a dead process.
     """
     study_id = storage.get_study_id_from_name(study.study_name)
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    reopened = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for trial in reopened:
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         storage.set_trial_user_attr(trial_id, "interrupted", True)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        storage.set_trial_state_values(trial_id, TrialState.WAITING)
     trials = study.get_trials(deepcopy=False)
     pending = {context.key(params_of(t)) for t in trials
                if t.state in (*FINISHED, TrialState.WAITING) and len(params_of(t)) == len(context.units)}
@@ -234,16 +243,22 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
             continue
         pending.add(context.key(params))
         origin = trial.user_attrs.get("origin", [f"requeued trial {trial.number}"])
-        study.enqueue_trial(params, user_attrs={"origin": origin})
+        study.add_trial(optuna.trial.create_trial(
+            state=TrialState.WAITING, params=params,
+            distributions={unit: CategoricalDistribution(context.levels) for unit in context.units},
+            user_attrs={"origin": origin}, system_attrs={"failed_trial": trial.number}))
         queued += 1
-    return queued
+    return len(reopened) + queued
 
 
 def _seed_study(study: optuna.Study, context: SearchContext, trials: int) -> None:
     """Queue the seed candidates, then, when the space holds no more than ``trials`` assignments, every
     other one (a sampler would only propose them again and again). With the ``sensitivity`` seeding the
     units' sensitivity is measured first, kept in the study (``sensitivity`` user attr) and its knapsack points
-    lead the queue."""
+    lead the queue. Assignments the study already holds are skipped (a resumed study whose journal lost the
+    end of its seeding)."""
+    present = {context.key(params_of(t)) for t in study.get_trials(deepcopy=False)
+               if len(params_of(t)) == len(context.units)}
     first = []
     if context.settings.get("seeding") == "sensitivity":
         table = measure_model(context.model, context.space, context.data, seed=context.seed, device="cpu")
@@ -251,10 +266,11 @@ def _seed_study(study: optuna.Study, context: SearchContext, trials: int) -> Non
         first.append(SensitivitySeeding(table))
     seeded = seed_candidates(context.graph, context.space, first)
     for candidate, origins in seeded:
-        study.enqueue_trial(candidate.decisions, user_attrs={"origin": origins})
+        if context.key(candidate.decisions) not in present:
+            study.enqueue_trial(candidate.decisions, user_attrs={"origin": origins})
     if context.assignments > trials:
         return
-    known = {candidate.key for candidate, _ in seeded}
+    known = {candidate.key for candidate, _ in seeded} | present
     for levels in itertools.product(context.levels, repeat=len(context.units)):
         decisions = dict(zip(context.units, levels, strict=True))
         if context.key(decisions) not in known:
@@ -457,14 +473,15 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                     remove_stale_journal_lock(Path(location.target))
                 backend = backend or location.open()
                 study = _create_study(context, location, backend, config.resume, out_dir, config.trials)
+                write_run_file(out_dir, run_config, location, study)
             except BaseException:
                 if created:
                     remove_new_run_dir(out_dir)
                 raise
-            write_run_file(out_dir, run_config, location, study)
             trials = _trial_budget(context, config.trials)
             bar = _Progress(trials, trials_done(study), config.progress)
             stopped_by: int | None = None
+            full: OSError | None = None
             ledger = _ledger(study, location, backend)
             check = _signal_check(signals)
             try:
@@ -486,10 +503,19 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 write_run_file(out_dir, run_config, location, study)
             except KeyboardInterrupt as stop:
                 stopped_by = getattr(stop, "signum", signal.SIGINT)
+            except (Exception, DiskFull) as error:
+                full = full_disk(error)
+                if full is None:
+                    raise
             finally:
                 with signals.held():  # a second Ctrl-C must not tear the files being written
                     bar.close()
-                    exported = export(study, context, out_dir)
+                    if full is None:  # on a full disk, --resume writes them
+                        exported = export(study, context, out_dir)
+    if full is not None:
+        raise PrecsearchError(f"{full.strerror or 'no space left'} writing {full.filename}; the search stopped and "
+                              f"every finished trial is kept in {location.shown}: free some space (or raise the "
+                              "file-size limit), then continue with --resume") from full
     stopped_by = stopped_by or signals.received  # a signal Python dropped (raised inside a finalizer)
     result = SearchResult.of(out_dir, exported, time.perf_counter() - start, stopped_by is not None)
     if stopped_by is not None:
@@ -535,9 +561,15 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
             raise taken from None  # another process created it between the listing and here
         study.set_user_attr("config", study_config(context))
         _seed_study(study, context, trials)
+        study.set_user_attr(SEEDED, True)
         return study
     study = load_study(context, backend, location, 0)
+    if "config" not in study.user_attrs:  # the journal was cut right after the study was made; run.json matched
+        study.set_user_attr("config", study_config(context))
     _check_same_config(study, context, location, "resume with the same settings or give another --storage")
+    if SEEDED not in study.user_attrs and not any(t.state != TrialState.WAITING for t in study.get_trials()):
+        _seed_study(study, context, trials)  # the journal lost the end of the seeding (or predates SEEDED)
+        study.set_user_attr(SEEDED, True)
     queued = _requeue_interrupted(study, backend, context)
     if queued:
         log.info("queued %d interrupted trial(s) again", queued)
