@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["DiskFull", "atomic_write_text", "full_disk", "user_file_mode"]
+__all__ = ["DiskFull", "atomic_write_bytes", "atomic_write_text", "full_disk", "user_file_mode"]
 
 TEMP_SUFFIX = ".tmp"
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # no space, a quota, the file-size limit
@@ -45,15 +45,20 @@ def user_file_mode() -> int:
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through ``.<name>.<random>.tmp`` in the same folder, fsync and a rename; on
+    """``atomic_write_bytes`` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through ``.<name>.<random>.tmp`` in the same folder, fsync and a rename; on
     any failure (a full disk, a read-only file system, Ctrl-C) the temporary is removed and ``path`` is as
     it was. The folder is created if missing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
             out.flush()
             os.fsync(out.fileno())
         os.chmod(temp, user_file_mode())

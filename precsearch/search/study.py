@@ -283,7 +283,11 @@ def _trial_budget(context: SearchContext, trials: int) -> int:
 
 
 def _ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage) -> Ledger:
-    return Ledger(study, lambda: location.lock(storage), WORKER, stale=3.0 * location.heartbeat)
+    """Workers of a shared study are told apart: a dead one's claim on a step is taken over after the heartbeat
+    timeout. In a study of one run only the process holding the run lock takes steps, so the run is the worker:
+    a step that a killed (or stopped by a full disk) process of it claimed is taken up at once by --resume."""
+    worker = WORKER if location.shared else "run"
+    return Ledger(study, lambda: location.lock(storage), worker, stale=3.0 * location.heartbeat)
 
 
 def _reference_seeds(context: SearchContext) -> list[int]:
