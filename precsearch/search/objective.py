@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
 METRICS = (
     "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
     "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
@@ -67,8 +68,16 @@ METRICS = (
 
 
 def _set_constraints(trial: optuna.Trial, constraints: dict[str, float]) -> None:
+    """Optuna keeps the first value of a trial's constraint (warning at a second). A trial reopened by --resume
+    may have set them before its end was lost (precsearch.search.study): those are written over, so the values
+    are this run's."""
+    recorded = trial.storage.get_trial_system_attrs(trial._trial_id)
     for name, value in constraints.items():
-        trial.set_constraint(name, value)
+        key = f"{OPTUNA_CONSTRAINTS}:{name}"
+        if key in recorded:
+            trial.storage.set_trial_system_attr(trial._trial_id, key, float(value))
+        else:
+            trial.set_constraint(name, value)
 
 
 class Objective:
