@@ -122,6 +122,7 @@ from precsearch.search.workers import (
     sampler,
     stop_on_signal,
     trials_done,
+    worker_disk_full,
     worker_gpus,
 )
 from precsearch.train.proxy import Trainer
@@ -626,5 +627,7 @@ def _optimize_workers(study: optuna.Study, context: SearchContext, setup: Worker
             if worker.is_alive():
                 worker.terminate()
                 worker.join()
+    for worker in workers:
+        worker_disk_full(worker.exitcode, setup.out_dir)
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from precsearch.config.spaces import SearchSpace
 from precsearch.errors import PrecsearchError
+from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
 from precsearch.search.calibration import recorded_calibration
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective
@@ -40,6 +42,7 @@ __all__ = [
     "sampler",
     "stop_on_signal",
     "trials_done",
+    "worker_disk_full",
     "worker_gpus",
 ]
 
@@ -144,10 +147,23 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
         storage = setup.location.open()
         study = load_study(context, storage, setup.location, index)
         context.length = recorded_calibration(study.user_attrs).length  # the parent calibrated before
-        study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals),
-                       n_trials=SAMPLER_REPEATS * setup.trials,
-                       catch=(Exception,), callbacks=[budget_callback(setup.trials, not setup.location.shared),
-                                                      _parent_watch(parent), stop_on_signal(signals)])
+        try:
+            study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals),
+                           n_trials=SAMPLER_REPEATS * setup.trials,
+                           catch=(Exception,), callbacks=[budget_callback(setup.trials, not setup.location.shared),
+                                                          _parent_watch(parent), stop_on_signal(signals)])
+        except (Exception, DiskFull) as error:
+            full = full_disk(error)
+            if full is None:
+                raise
+            sys.exit(full.errno)  # the parent reports it (worker_disk_full), in one line
+
+
+def worker_disk_full(exitcode: int | None, out_dir: Path) -> None:
+    """Raise the OSError of a worker that stopped on a full disk (it exits with the errno: ENOSPC, EDQUOT or
+    EFBIG, which no other exit of a worker gives)."""
+    if exitcode in FULL_ERRNOS:
+        raise OSError(exitcode, os.strerror(exitcode), f"{out_dir} (in a worker process)")
 
 
 def _stop_when_orphaned(parent: int) -> None:
