@@ -25,12 +25,10 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
-import yaml
 from optuna.storages.journal._storage import JournalOperation
 
 from precsearch.cli import main
 from precsearch.cli.search import summarize
-from precsearch.config.spaces import PAPER_SPACE
 from precsearch.files import TEMP_SUFFIX
 from precsearch.formats.compiled import RUNNER
 
@@ -64,13 +62,6 @@ def eager_kernels():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RUNNER, "enabled", False)
         yield
-
-
-@pytest.fixture(scope="module")
-def space_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("spaces") / "tiny.yaml"
-    path.write_text(yaml.safe_dump({**PAPER_SPACE, "proxy": {"eval_batch_size": 64}}))
-    return path
 
 
 @pytest.fixture(scope="module")
