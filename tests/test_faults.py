@@ -182,13 +182,20 @@ def test_a_cut_journal_resumes_to_the_whole_study(cut, finished, space_file, tmp
     assert _whole(out, finished, printed, _left_running(journal)) == []
 
 
+SWEEP_CHUNKS = 8  # the sweep is hundreds of resumes (a few seconds each): in chunks, each within the test timeout
+
+
 @pytest.mark.slow
-def test_a_journal_cut_at_every_record_boundary_and_mid_record_resumes_to_the_whole_study(finished, space_file,
+@pytest.mark.parametrize("chunk", range(SWEEP_CHUNKS))
+def test_a_journal_cut_at_every_record_boundary_and_mid_record_resumes_to_the_whole_study(chunk, finished, space_file,
                                                                                          tmp_path):
-    """Every boundary and the middle of every record. A cut inside the first record leaves no study: --resume
-    refuses it in one line (the folder's results stay; a new search goes to another --out)."""
+    """Every boundary and the middle of every record (records chunk, chunk + SWEEP_CHUNKS, ...). A cut inside the
+    first record leaves no study: --resume refuses it in one line (the folder's results stay; a new search goes to
+    another --out)."""
     failures = []
     for index, (start, end, _) in enumerate(_records(finished.journal)):
+        if index % SWEEP_CHUNKS != chunk:
+            continue
         for offset in (start, (start + end) // 2):
             journal = finished.journal[:offset]
             out = _copy(finished, tmp_path / f"cut{offset}", journal)
