@@ -7,13 +7,34 @@ would get (0666 minus the umask), so a shared results folder stays readable by t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "user_file_mode"]
+__all__ = ["DiskFull", "atomic_write_bytes", "atomic_write_text", "full_disk", "user_file_mode"]
 
 TEMP_SUFFIX = ".tmp"
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # no space, a quota, the file-size limit
+
+
+class DiskFull(BaseException):
+    """A write inside an Optuna trial found the disk full. A BaseException, so that Optuna's trial runner,
+    which handles every Exception by recording the trial as failed (a write to the same full disk), lets it
+    through: the trial stays RUNNING in the study and ``--resume`` runs it again. Its cause is the OSError."""
+
+
+def full_disk(error: BaseException | None) -> OSError | None:
+    """The OSError of a full disk, a quota or the file-size limit behind ``error``, if any. Causes and
+    contexts are followed: a library that fails while handling it (Optuna recording a trial on the same full
+    disk, then asserting) raises something else."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in FULL_ERRNOS:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def user_file_mode() -> int:
@@ -24,15 +45,20 @@ def user_file_mode() -> int:
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through ``.<name>.<random>.tmp`` in the same folder, fsync and a rename; on
+    """``atomic_write_bytes`` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through ``.<name>.<random>.tmp`` in the same folder, fsync and a rename; on
     any failure (a full disk, a read-only file system, Ctrl-C) the temporary is removed and ``path`` is as
     it was. The folder is created if missing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
             out.flush()
             os.fsync(out.fileno())
         os.chmod(temp, user_file_mode())

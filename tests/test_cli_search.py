@@ -30,13 +30,6 @@ TINY = ["--proxy-steps", "4", "--image-size", "8", "--batch-size", "16", "--devi
 
 
 @pytest.fixture(scope="module")
-def space_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("spaces") / "tiny.yaml"
-    path.write_text(yaml.safe_dump({**PAPER_SPACE, "proxy": {"eval_batch_size": 64}}))
-    return path
-
-
-@pytest.fixture(scope="module")
 def search_run(space_file, tmp_path_factory):
     """(run directory, what the command printed)."""
     out = tmp_path_factory.mktemp("cli") / "run"

@@ -29,6 +29,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
+from precsearch.analysis.report import save_figure
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
@@ -140,10 +141,7 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
     out = (run_dir / "fidelity.csv", run_dir / "fidelity.json", run_dir / "fidelity.png")
     atomic_write_text(out[0], table.to_csv(index=False))
     atomic_write_text(out[1], json.dumps(summary, indent=2))
-    figure = plot_fidelity(table, summary)
-    temp = run_dir / ".fidelity.png.tmp"
-    figure.savefig(temp, dpi=130, format="png")
-    temp.replace(out[2])
+    save_figure(plot_fidelity(table, summary), out[2])
     return FidelityResult(table, summary, out)
 
 

@@ -28,13 +28,13 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from precsearch.errors import PrecsearchError
-from precsearch.files import atomic_write_text
+from precsearch.files import atomic_write_bytes, atomic_write_text
 from precsearch.search.sensitivity_table import SENSITIVITY_CSV, unit_table
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunTables", "calibration_table", "load_run", "plot_sensitivity", "plot_tradeoff", "summary_table",
-           "sweep_points", "write_report"]
+__all__ = ["RunTables", "calibration_table", "load_run", "plot_sensitivity", "plot_tradeoff", "save_figure",
+           "summary_table", "sweep_points", "write_report"]
 
 _R_PATTERN = re.compile(r"paper r=(\d+(?:\.\d+)?)")
 MEASURE_LABELS = {"bytes": "bytes of the tensors training keeps", "peak": "peak of a training step"}
@@ -306,15 +306,19 @@ def calibration_table(calibration: pd.DataFrame) -> pd.DataFrame:
                                  "count": "seeds"})
 
 
+def save_figure(figure: Figure, path: Path) -> None:
+    """``figure`` as a PNG, written atomically (``files.atomic_write_bytes``): on a full disk nothing is left."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, dpi=130, format="png")
+    atomic_write_bytes(path, buffer.getvalue())
+
+
 def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     """Write ``report.png`` and ``report.md`` into ``run_dir``; returns their paths."""
     tables = load_run(run_dir)
     run_dir = Path(run_dir)
-    fig = plot_tradeoff(tables)
     png = run_dir / "report.png"
-    temp = run_dir / ".report.png.tmp"
-    fig.savefig(temp, dpi=130, format="png")
-    temp.replace(png)
+    save_figure(plot_tradeoff(tables), png)
     table = summary_table(tables)
     config = tables.config
     lines = [f"# precsearch report: {run_dir.name}", ""]
@@ -348,10 +352,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     if not tables.budget.empty:
         lines += ["## Training steps", "", _markdown(tables.budget)]
     if not tables.sensitivity.empty:
-        figure = plot_sensitivity(tables.sensitivity)
-        temp = run_dir / ".sensitivity.png.tmp"
-        figure.savefig(temp, dpi=130, format="png")
-        temp.replace(run_dir / "sensitivity.png")
+        save_figure(plot_sensitivity(tables.sensitivity), run_dir / "sensitivity.png")
         lines += ["## Sensitivity", "", "Each unit's summed score (the loss change its low format would cause, "
                   "precsearch.search.sensitivity) against the bytes demoting it saves, least sensitive per byte "
                   "first.", "", "![sensitivity](sensitivity.png)", "", _markdown(unit_table(tables.sensitivity))]

@@ -19,6 +19,7 @@ import traceback
 
 from precsearch import __version__
 from precsearch.errors import PrecsearchError
+from precsearch.files import DiskFull, full_disk
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if hasattr(signal, "SIGXFSZ"):
+        # Past a file-size limit (ulimit -f) the kernel kills the writer with SIGXFSZ; ignored, the write fails
+        # with EFBIG instead, which is reported in one line below. CPython ignores it at startup already; this
+        # keeps it so when the CLI is entered from a host that restored the default.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         return int(args.func(args) or 0)
     except PrecsearchError as error:
@@ -63,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         signum = getattr(stop, "signum", signal.SIGINT)
         print(f"precsearch {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
+    except (Exception, DiskFull) as error:  # a library that failed while handling a full disk says something else
+        full = full_disk(error)
+        if full is None:
+            raise
+        print(f"precsearch {args.command}: error: {os_error_line(full)}", file=sys.stderr)
+        return 2
 
 
 def os_error_line(error: OSError) -> str:

@@ -183,6 +183,7 @@ def summarize(result: Any) -> str:
         lines.append(f"best.json not written: {result.note or 'no trial meets the budget'}")
     if result.budget is not None:
         lines.append(describe_budget(result.budget))
-    lines.append(f"outputs: {result.out_dir}/trials.csv, pareto.csv, calibration.csv, budget.csv, policies/, "
-                 f"best.json; plot with: precsearch report {result.out_dir}")
+    best = ", best.json" if result.best is not None else ""
+    lines.append(f"outputs: {result.out_dir}/trials.csv, pareto.csv, calibration.csv, budget.csv, policies/{best}; "
+                 f"plot with: precsearch report {result.out_dir}")
     return "\n".join(lines)

@@ -3,6 +3,8 @@ proxy against the reference at the rungs, and record the result and constraints 
 
 Bookkeeping rules:
 
+* A write that finds the disk full stops the search (``files.DiskFull``) and leaves the trial RUNNING, so
+  ``--resume`` runs it again; it is no failure of the trial.
 * A diverged proxy, or one stopped at a rung, is a COMPLETE trial whose constraint (``diverged``, ``stopped``)
   is violated (``Trial.set_constraint``), so the sampler learns from it. A trial that raises is FAILED with
   the error in its ``error`` user attr, and the study goes on.
@@ -28,6 +30,7 @@ import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
+from precsearch.files import DiskFull, full_disk
 from precsearch.search.calibration import recorded_calibration
 from precsearch.search.context import SearchContext, combine_seeds, seed_record
 from precsearch.search.export import (
@@ -55,6 +58,7 @@ log = logging.getLogger(__name__)
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
 METRICS = (
     "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
     "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
@@ -64,8 +68,16 @@ METRICS = (
 
 
 def _set_constraints(trial: optuna.Trial, constraints: dict[str, float]) -> None:
+    """Optuna keeps the first value of a trial's constraint (warning at a second). A trial reopened by --resume
+    may have set them before its end was lost (precsearch.search.study): those are written over, so the values
+    are this run's."""
+    recorded = trial.storage.get_trial_system_attrs(trial._trial_id)
     for name, value in constraints.items():
-        trial.set_constraint(name, value)
+        key = f"{OPTUNA_CONSTRAINTS}:{name}"
+        if key in recorded:
+            trial.storage.set_trial_system_attr(trial._trial_id, key, float(value))
+        else:
+            trial.set_constraint(name, value)
 
 
 class Objective:
@@ -92,6 +104,8 @@ class Objective:
             trial.set_user_attr("interrupted", True)
             raise
         except Exception as error:
+            if full_disk(error) is not None:  # not the trial's fault: stop, and leave it RUNNING for --resume
+                raise DiskFull() from error
             trial.set_user_attr("error", f"{type(error).__name__}: {error}"[:2000])
             raise
 

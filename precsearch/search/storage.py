@@ -15,6 +15,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 import optuna
 import sqlalchemy
 from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
-from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from sqlalchemy.engine import make_url
 
 from precsearch.errors import PrecsearchError
@@ -92,14 +93,15 @@ class StudyLocation:
             if not path.parent.is_dir():
                 raise FileNotFoundError(f"folder {path.parent} does not exist")
             _repair_journal(path)
-            return JournalStorage(JournalFileBackend(str(path)))
+            return JournalStorage(JournalFile(path))
         except PrecsearchError:
             raise
         except Exception as error:  # drivers raise anything from ArgumentError to OperationalError
             text = str(error).strip()
             reason = text.splitlines()[0] if text else type(error).__name__
-            raise PrecsearchError(f"cannot open study storage {self.shown}: {reason}; check the URL or path "
-                                  "(leave --storage out to use a journal file in --out)") from None
+            fix = ("check the URL or path (leave --storage out to use a journal file in --out)" if "://" in self.target
+                   else "check the file and the permissions of its folder")
+            raise PrecsearchError(f"cannot open study storage {self.shown}: {reason}; {fix}") from None
 
     def _open_rdb(self) -> RDBStorage:
         """A plain ``postgresql://`` URL uses psycopg 3 (SQLAlchemy's default PostgreSQL driver is psycopg2)."""
@@ -277,18 +279,65 @@ for _name in _RETRIED:
     setattr(RetryingRDBStorage, _name, _retrying(_name))
 
 
+class JournalFile(JournalFileBackend):
+    """Optuna's journal file, whose appends never leave a torn record: an append that fails (a full disk, a
+    file-size limit) is cut back to where it began, under the journal's lock, so that whatever is appended
+    later (by any process, once there is space) starts on a line of its own. Its OSError names the journal."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.append_lock = JournalFileSymlinkLock(str(path))  # Optuna's default lock, kept at hand
+        super().__init__(str(path), self.append_lock)
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
+        self.append_lock.acquire()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            try:
+                start = os.lseek(fd, 0, os.SEEK_END)
+                try:
+                    written = 0
+                    while written < len(data):
+                        written += os.write(fd, data[written:])
+                    os.fsync(fd)
+                except OSError as error:
+                    os.ftruncate(fd, start)
+                    raise OSError(error.errno, error.strerror, str(self.path)) from None
+            finally:
+                os.close(fd)
+        finally:
+            self.append_lock.release()
+
+
 def _repair_journal(path: Path) -> None:
-    """Drop a torn last line (a write cut by kill -9) so appends after it stay readable."""
+    """Drop a torn last line (a write cut by kill -9) so appends after it stay readable, and refuse a journal
+    with a line that is not a record, naming the line (Optuna's error names neither file nor line)."""
     if not path.is_file() or path.stat().st_size == 0:
         return
-    with path.open("rb+") as journal:
-        journal.seek(-1, os.SEEK_END)
-        if journal.read(1) == b"\n":
-            return
-        journal.seek(0)
-        data = journal.read()
-        keep = data.rfind(b"\n") + 1
-        journal.truncate(keep)
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        os.truncate(path, keep)
         log.warning("journal %s ended in a partial record (interrupted write); dropped %d bytes",
                     path, len(data) - keep)
+    lines = data[:keep].split(b"\n")[:-1]
+    for number, line in enumerate(lines, start=1):
+        problem = _record_problem(line)
+        if problem:
+            keep_part = (f"or keep the {number - 1} whole record(s) before it (head -n {number - 1}) and run again "
+                         "with --resume, which reruns what the rest recorded") if number > 1 else (
+                "or start again in another --out")
+            raise PrecsearchError(f"journal {path} is damaged: line {number} of {len(lines)} is garbled ({problem}); "
+                                  f"restore the file, {keep_part}")
 
+
+def _record_problem(line: bytes) -> str:
+    """What is wrong with one line of a journal ('' for a record)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        return f"{error.msg} at byte {error.pos + 1}"
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    return "" if isinstance(record, dict) and "op_code" in record else "not an Optuna journal record"

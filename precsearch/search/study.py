@@ -31,8 +31,10 @@ Bookkeeping rules:
 * How a trial is recorded, and how identical assignments are trained once: precsearch.search.objective.
 * Storage is a PostgreSQL or SQLite URL, or a journal file (the default: ``study.journal`` in the run
   directory), so ``resume=True`` continues an interrupted search without losing a completed trial or
-  calibration or confirmation run; trials a killed process left RUNNING are failed as ``interrupted`` and
-  queued again. ``jobs=N`` runs N worker processes on the same study (on CUDA, one per visible GPU).
+  calibration or confirmation run; a trial a killed process (or a full disk, or a cut journal) left RUNNING
+  goes back to the queue as it is, first in line and marked ``interrupted``, and a trial failed as
+  ``interrupted`` (Ctrl-C) is queued again as a retry the trial budget waits for. ``jobs=N`` runs N worker
+  processes on the same study (on CUDA, one per visible GPU).
 * A shared study (``study_name``) is joined by any number of workers on any number of hosts: the first
   creates it and records its config, and a worker with another model, graph, space, data, seed, budget or
   search setting is refused. The rest of setup (queuing the seeds, calibration) and the wrap-up
@@ -65,13 +67,14 @@ from typing import Any
 
 import optuna
 import pandas as pd
+from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 from tqdm.auto import tqdm
 
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
-from precsearch.files import atomic_write_text
+from precsearch.files import DiskFull, atomic_write_text, full_disk
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
 from precsearch.search.config import SearchConfig
 from precsearch.search.confirmation import (
@@ -124,6 +127,7 @@ from precsearch.search.workers import (
     sampler,
     stop_on_signal,
     trials_done,
+    worker_disk_full,
     worker_gpus,
 )
 from precsearch.train.proxy import Trainer
@@ -217,15 +221,20 @@ def study_config(context: SearchContext) -> dict[str, Any]:
 
 
 def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage, context: SearchContext) -> int:
-    """Fail trials a dead process left RUNNING, and queue again every interrupted assignment not done yet.
+    """Queue again what a dead process left unfinished; the number of trials queued.
 
+    A trial left RUNNING (kill -9, a full disk, a journal cut before its end) goes back to WAITING as it is,
+    params included: the queue is taken in trial order, so it runs next, once, under its own number, and the
+    budget counts it once. A trial failed as interrupted (Ctrl-C) cannot be reopened; its assignment is queued
+    as a retry marked like Optuna's (``failed_trial``), which the budget waits for (``budget_callback``).
     Called only when resuming, before any worker starts, so every RUNNING trial belongs to a dead process.
     """
     study_id = storage.get_study_id_from_name(study.study_name)
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    reopened = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for trial in reopened:
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         storage.set_trial_user_attr(trial_id, "interrupted", True)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        storage.set_trial_state_values(trial_id, TrialState.WAITING)
     trials = study.get_trials(deepcopy=False)
     pending = {context.key(params_of(t)) for t in trials
                if t.state in (*FINISHED, TrialState.WAITING) and len(params_of(t)) == len(context.units)}
@@ -238,9 +247,12 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
             continue
         pending.add(context.key(params))
         origin = trial.user_attrs.get("origin", [f"requeued trial {trial.number}"])
-        study.enqueue_trial(params, user_attrs={"origin": origin})
+        study.add_trial(optuna.trial.create_trial(
+            state=TrialState.WAITING, params=params,
+            distributions={unit: CategoricalDistribution(context.levels) for unit in context.units},
+            user_attrs={"origin": origin}, system_attrs={"failed_trial": trial.number}))
         queued += 1
-    return queued
+    return len(reopened) + queued
 
 
 def _seed_study(study: optuna.Study, context: SearchContext, trials: int, ledger: Ledger) -> None:
@@ -291,7 +303,11 @@ def _trial_budget(context: SearchContext, trials: int) -> int:
 
 
 def _ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage) -> Ledger:
-    return Ledger(study, lambda: location.lock(storage), WORKER, stale=3.0 * location.heartbeat)
+    """Workers of a shared study are told apart: a dead one's claim on a step is taken over after the heartbeat
+    timeout. In a study of one run only the process holding the run lock takes steps, so the run is the worker:
+    a step that a killed (or stopped by a full disk) process of it claimed is taken up at once by --resume."""
+    worker = WORKER if location.shared else "run"
+    return Ledger(study, lambda: location.lock(storage), worker, stale=3.0 * location.heartbeat)
 
 
 def _reference_seeds(context: SearchContext) -> list[int]:
@@ -487,16 +503,17 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                     remove_stale_journal_lock(Path(location.target))
                 backend = backend or location.open()
                 study = _create_study(context, location, backend, config.resume, out_dir)
+                write_run_file(out_dir, run_config, location, study)
             except BaseException:
                 if created:
                     remove_new_run_dir(out_dir)
                 for path in new_locks:  # a folder this search may not use is left as it was
                     path.unlink(missing_ok=True)
                 raise
-            write_run_file(out_dir, run_config, location, study)
             trials = _trial_budget(context, config.trials)
             bar = _Progress(trials, trials_done(study), config.progress)
             stopped_by: int | None = None
+            full: OSError | None = None
             ledger = _ledger(study, location, backend)
             check = _signal_check(signals)
             try:
@@ -518,10 +535,19 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 write_run_file(out_dir, run_config, location, study)
             except KeyboardInterrupt as stop:
                 stopped_by = getattr(stop, "signum", signal.SIGINT)
+            except (Exception, DiskFull) as error:
+                full = full_disk(error)
+                if full is None:
+                    raise
             finally:
                 with signals.held():  # a second Ctrl-C must not tear the files being written
                     bar.close()
-                    exported = export(study, context, out_dir)  # a lost storage raises its one line here
+                    if full is None:  # on a full disk, --resume writes them
+                        exported = export(study, context, out_dir)  # a lost storage raises its one line here
+    if full is not None:
+        raise PrecsearchError(f"{full.strerror or 'no space left'} writing {full.filename}; the search stopped and "
+                              f"every finished trial is kept in {location.shown}: free some space (or raise the "
+                              "file-size limit), then continue with --resume") from full
     stopped_by = stopped_by or signals.received  # a signal Python dropped (raised inside a finalizer)
     result = SearchResult.of(out_dir, exported, time.perf_counter() - start, stopped_by is not None)
     if stopped_by is not None:
@@ -568,6 +594,8 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
         study.set_user_attr("config", study_config(context))
         return study
     study = load_study(context, backend, location, 0)
+    if "config" not in study.user_attrs:  # the journal was cut right after the study was made; run.json matched
+        study.set_user_attr("config", study_config(context))
     _check_same_config(study, context, location, "resume with the same settings or give another --storage")
     queued = _requeue_interrupted(study, backend, context)
     if queued:
@@ -621,5 +649,7 @@ def _optimize_workers(study: optuna.Study, context: SearchContext, setup: Worker
             if worker.is_alive():
                 worker.terminate()
                 worker.join()
+    for worker in workers:
+        worker_disk_full(worker.exitcode, setup.out_dir)
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from precsearch.config.spaces import SearchSpace
 from precsearch.errors import PrecsearchError
+from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
 from precsearch.search.calibration import recorded_calibration
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective
@@ -40,6 +42,7 @@ __all__ = [
     "sampler",
     "stop_on_signal",
     "trials_done",
+    "worker_disk_full",
     "worker_gpus",
 ]
 
@@ -149,9 +152,21 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
                            n_trials=SAMPLER_REPEATS * setup.trials,
                            catch=(Exception,), callbacks=[budget_callback(setup.trials, not setup.location.shared),
                                                           _parent_watch(parent), stop_on_signal(signals)])
-        except PrecsearchError as error:  # the storage lost for good: one line, not a worker's traceback
-            log.error("worker %d: %s", index, error)
-            raise SystemExit(2) from None
+        except (Exception, DiskFull) as error:
+            full = full_disk(error)
+            if full is not None:
+                sys.exit(full.errno)  # the parent reports it (worker_disk_full), in one line
+            if isinstance(error, PrecsearchError):  # the storage lost for good: one line, not a traceback
+                log.error("worker %d: %s", index, error)
+                raise SystemExit(2) from None
+            raise
+
+
+def worker_disk_full(exitcode: int | None, out_dir: Path) -> None:
+    """Raise the OSError of a worker that stopped on a full disk (it exits with the errno: ENOSPC, EDQUOT or
+    EFBIG, which no other exit of a worker gives)."""
+    if exitcode in FULL_ERRNOS:
+        raise OSError(exitcode, os.strerror(exitcode), f"{out_dir} (in a worker process)")
 
 
 def _stop_when_orphaned(parent: int) -> None:
