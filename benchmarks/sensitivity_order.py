@@ -12,9 +12,9 @@ recipe, which learns the bundled digits to 97% in 100 steps; its proxies are fix
    confirmation as ``run_search`` does by default: the trial at which each first trains its confirmed pick,
    and the training steps spent up to it (calibration included);
 3. every distinct point of the size-ordered sweep (``strategies.sweep``) and of the knapsack's
-   (``sensitivity_sweep``) for r = 0, 0.1, ..., 1, trained at the confirmation length (3x the calibrated
-   proxy length) on the confirmation seeds, each order's pick by the search's confirmed rule, and the points
-   of the two orders paired by nearest memory.
+   (``sensitivity_sweep``) for r = 0, 0.1, ..., 1, trained at the confirmation length (3x the proxy
+   length) on the confirmation seeds, each order's pick by the search's confirmed rule, and the points of
+   the two orders paired by nearest memory.
 
 Then the groups of narrow ResNet-18 (``resnet18:width=0.125``) and tiny_cnn on gratings ranked by score per
 byte saved and by summed score. Runs identical in policy, length and seed are trained once and shared
