@@ -66,37 +66,53 @@ def total_steps(result) -> int:
     return int(table.loc["total (this search)", "steps"])
 
 
-def paper_sweep(model: str, space, data: str, length: int, seeds: list[int], threads: int) -> dict:
-    """(c): every distinct sweep point at ``length`` steps on ``seeds``, its memory counting what the overflow
-    guard promoted (as the search's does), picked by the search's confirmed rule."""
-    context = SearchContext.create(model, space, DataSpec(data), Budget(max_accuracy_drop=DROP), 0, "cpu")
+def train_points(context: SearchContext, candidates, length: int, seeds: list[int],
+                 threads: int) -> tuple[pd.DataFrame, dict[str, list[float]], int]:
+    """Every distinct candidate at ``length`` steps on ``seeds``: one row per assignment (its first r, its
+    memory counting what the overflow guard promoted, as the search's does), each key's seed accuracies, and
+    the training steps spent."""
     rows, accuracies, steps = [], {}, 0
     with torch_threads(threads):
-        for candidate in sweep(context.graph, space):
+        for candidate in candidates:
             if candidate.key in accuracies:
                 continue
-            policy = context.policy(candidate.assignment, {"strategy": "paper", "r": candidate.r})
+            policy = context.policy(candidate.assignment, {"strategy": candidate.strategy, "r": candidate.r})
             results = context.train_seeds(policy, length, seeds)
             steps += sum(result.steps_run for result in results)
             accuracies[candidate.key] = [result.val_accuracy for result in results]
             promoted = sorted({tensor for result in results for tensor in result.promotions})
             rows.append({"key": candidate.key, "r": candidate.r, "number": len(rows), "state": "COMPLETE",
+                         "memory_planned": context.memory(candidate.assignment)[0],
                          "memory": context.memory(candidate.assignment, promoted)[0],
                          "val_accuracy": float(np.mean(accuracies[candidate.key])), "seeds": len(results),
                          "val_accuracy_sd": float(np.std(accuracies[candidate.key], ddof=1)) if len(results) > 1
                          else np.nan, "diverged": any(result.diverged for result in results), "trained": True})
-            print(f"  paper r={candidate.r:.1f}: memory {rows[-1]['memory']:.3f} accuracy "
+            print(f"  {candidate.strategy} r={candidate.r:.1f}: memory {rows[-1]['memory']:.3f} accuracy "
                   f"{rows[-1]['val_accuracy']:.4f} (sd {rows[-1]['val_accuracy_sd']:.4f}, {len(results)} seeds)",
                   flush=True)
-    frame = pd.DataFrame(rows)
-    reference = frame.iloc[0]  # r = 0: all-high
+    return pd.DataFrame(rows), accuracies, steps
+
+
+def pick_confirmed(frame: pd.DataFrame, accuracies: dict[str, list[float]], reference_key: str,
+                   chance: float) -> pd.Series | None:
+    """The search's confirmed rule over trained points (least memory within ``DROP`` of all-high, the
+    ``reference_key`` row, at 90% one-sided confidence, each point held to all-high with the noise of the two)."""
+    reference = frame.set_index("key").loc[reference_key]
     confidence = Budget().confidence
 
     def pair_noise(key: str):
-        return pooled_noise(pd.DataFrame(), confidence, extra=[accuracies[key], accuracies[reference["key"]]])
+        return pooled_noise(pd.DataFrame(), confidence, extra=[accuracies[key], accuracies[reference_key]])
 
-    best = pick_pairwise(frame, Budget(max_accuracy_drop=DROP), float(reference["val_accuracy"]),
-                         int(reference["seeds"]), reference["key"], context.chance, pair_noise)
+    return pick_pairwise(frame, Budget(max_accuracy_drop=DROP), float(reference["val_accuracy"]),
+                         int(reference["seeds"]), reference_key, chance, pair_noise)
+
+
+def paper_sweep(model: str, space, data: str, length: int, seeds: list[int], threads: int) -> dict:
+    """(c): every distinct sweep point at ``length`` steps on ``seeds``, picked by the search's confirmed rule."""
+    context = SearchContext.create(model, space, DataSpec(data), Budget(max_accuracy_drop=DROP), 0, "cpu")
+    frame, accuracies, steps = train_points(context, sweep(context.graph, space), length, seeds, threads)
+    reference = frame.iloc[0]  # r = 0: all-high
+    best = pick_confirmed(frame, accuracies, reference["key"], context.chance)
     row = {"procedure": "(c) paper: sweep at full length", "proxy_length": None, "steps": steps,
            "all_high_confirmed": float(reference["val_accuracy"])}
     if best is None:
