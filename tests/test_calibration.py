@@ -7,6 +7,8 @@ import json
 import optuna
 import pandas as pd
 import pytest
+from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.trial import TrialState
 from scripted import ScriptedTrainer
 
 from precsearch.config.spaces import paper_space
@@ -108,3 +110,42 @@ def test_a_fixed_proxy_length_needs_no_calibration_schedule():
     with pytest.raises(PrecsearchError, match="at least two lengths"):
         CalibrationSettings(start=1, max_steps=1)
     assert CalibrationSettings(start=50, max_steps=400).schedule() == [50, 100, 200, 400]
+
+
+class PausedPastItsLease(ScriptedTrainer):
+    """Trains as scripted, but while training its first trial another worker (simulated through a second handle
+    on the journal) fails that trial and queues its retry, as a worker does to one silent for 3 heartbeats."""
+
+    taken_over: int | None = None
+
+    def __call__(self, policy, steps, seed, **kwargs):
+        study = _journal_study(self.out)
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if running and self.taken_over is None:
+            trial = running[0]
+            self.taken_over = trial.number
+            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            RetryHeartbeatStaleTrialCallback()(study, study.trials[trial.number])  # what the heartbeat does
+        return super().__call__(policy, steps, seed, **kwargs)
+
+
+def _journal_study(out):
+    return optuna.load_study(study_name="precsearch", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(out / "study.journal"))))
+
+
+def test_a_trial_taken_over_while_its_worker_was_paused_is_dropped_and_its_retry_counts(tmp_path, caplog):
+    """Optuna refuses to record a result for a trial another worker already failed; the worker says so once and
+    carries on, and the retry gives the study that assignment's result."""
+    out = tmp_path / "run"
+    trainer = PausedPastItsLease(_plateau, _context())
+    trainer.out = out
+    with caplog.at_level("WARNING", logger="precsearch.search.workers"):
+        run_search(_config(out, trials=3, proxy_steps=100, proxy_seeds=1), trainer=trainer)
+    assert trainer.taken_over is not None
+    assert sum("was failed by another worker while this one was paused" in r.message for r in caplog.records) == 1
+    trials = _journal_study(out).get_trials(deepcopy=False)
+    taken = trials[trainer.taken_over]
+    assert taken.state == TrialState.FAIL
+    assert [t.state for t in trials if t.params == taken.params and t.number != taken.number] == [TrialState.COMPLETE]
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]

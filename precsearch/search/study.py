@@ -123,6 +123,7 @@ from precsearch.search.workers import (
     WorkerSetup,
     budget_callback,
     load_study,
+    optimize,
     run_worker,
     sampler,
     stop_on_signal,
@@ -347,7 +348,7 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
         retries = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                    if "failed_trial" in t.system_attrs]
         if retries:
-            study.optimize(objective, n_trials=len(retries), catch=(Exception,))
+            optimize(study, objective, len(retries), [])
         elif not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             return
         else:
@@ -613,9 +614,8 @@ def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyL
     remaining = trials - trials_done(study)
     if remaining <= 0:
         return
-    study.optimize(Objective(context, location, backend, out_dir, signals), n_trials=SAMPLER_REPEATS * remaining,
-                   catch=(Exception,),
-                   callbacks=[after, budget_callback(trials, not location.shared), stop_on_signal(signals)])
+    optimize(study, Objective(context, location, backend, out_dir, signals), SAMPLER_REPEATS * remaining,
+             [after, budget_callback(trials, not location.shared), stop_on_signal(signals)])
 
 
 def _optimize_workers(study: optuna.Study, context: SearchContext, setup: WorkerSetup, gpus: list[str | None],

@@ -38,6 +38,7 @@ __all__ = [
     "WorkerSetup",
     "budget_callback",
     "load_study",
+    "optimize",
     "run_worker",
     "sampler",
     "stop_on_signal",
@@ -75,6 +76,25 @@ def _counted(trial: FrozenTrial) -> bool:
 
 def trials_done(study: optuna.Study) -> int:
     return sum(_counted(t) for t in study.get_trials(deepcopy=False))
+
+
+def optimize(study: optuna.Study, objective: Objective, n_trials: int,
+             callbacks: list[Callable[[optuna.Study, FrozenTrial], None]]) -> None:
+    """``study.optimize`` that goes on when a trial this process trained was finished by another meanwhile.
+
+    A worker paused (suspended, stopped) for longer than 3 heartbeats has its trial failed and queued again
+    by another worker; when it wakes, Optuna refuses to record its result ("Cannot tell a FAIL trial"). The
+    retry trains that assignment, so this result is dropped, with a WARNING, and the worker carries on.
+    """
+    while True:
+        try:
+            study.optimize(objective, n_trials=n_trials, catch=(Exception,), callbacks=callbacks)
+            return
+        except ValueError as error:
+            if not str(error).startswith("Cannot tell a "):  # Optuna's words for a trial already finished
+                raise
+            log.warning("a trial this worker trained was failed by another worker while this one was paused "
+                        "(silent for over 3 heartbeats); its retry trains it again, this result is dropped")
 
 
 def budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study, FrozenTrial], None]:
@@ -148,10 +168,9 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
         study = load_study(context, storage, setup.location, index)
         context.length = recorded_calibration(study.user_attrs).length  # the parent calibrated before
         try:
-            study.optimize(Objective(context, setup.location, storage, setup.out_dir, signals),
-                           n_trials=SAMPLER_REPEATS * setup.trials,
-                           catch=(Exception,), callbacks=[budget_callback(setup.trials, not setup.location.shared),
-                                                          _parent_watch(parent), stop_on_signal(signals)])
+            optimize(study, Objective(context, setup.location, storage, setup.out_dir, signals),
+                     SAMPLER_REPEATS * setup.trials, [budget_callback(setup.trials, not setup.location.shared),
+                                                      _parent_watch(parent), stop_on_signal(signals)])
         except (Exception, DiskFull) as error:
             full = full_disk(error)
             if full is not None:
