@@ -45,7 +45,7 @@ import pandas as pd
 import torch
 from search_efficiency import DROP, TASKS, pick_confirmed, total_steps, train_points  # benchmarks/ is on sys.path
 
-from precsearch.analysis.report import _markdown
+from precsearch.analysis.report import markdown_table
 from precsearch.config.spaces import paper_space
 from precsearch.files import atomic_write_text
 from precsearch.search.accounting import seed_steps
@@ -221,11 +221,11 @@ def run_task(task: str, args: argparse.Namespace, out: Path) -> list[str]:
         f"Units {', '.join(units)} (decisions below: one letter per unit in this order, H high, L low).", "",
         f"Sensitivity ({DEFAULT_BATCHES} batches): {measure_seconds:.2f} s, {measure_seconds / proxy_seconds:.3f}x "
         f"one all-high proxy run of L = {calibration.length} steps ({proxy_seconds:.2f} s).", "",
-        _markdown(ranking(table, context.graph)),
-        "### Size order (the paper: largest group first)", "", _markdown(shown(size_points)),
+        markdown_table(ranking(table, context.graph)),
+        "### Size order (the paper: largest group first)", "", markdown_table(shown(size_points)),
         "### Sensitivity order (the knapsack: least summed score saving r of what all-low saves)", "",
-        _markdown(shown(knapsack_points)),
-        "### Paired by nearest memory", "", _markdown(paired(size_points, knapsack_points)),
+        markdown_table(shown(knapsack_points)),
+        "### Paired by nearest memory", "", markdown_table(paired(size_points, knapsack_points)),
         f"Seed noise of one confirmed run, pooled over every point: sd {100 * noise.sd:.2f} points ({noise.df} df); "
         f"two points at {args.seeds} seeds each differ by noise alone up to "
         f"{100 * float(noise.margin(args.seeds, args.seeds)):.2f} points at 90% one-sided confidence.", "",
@@ -233,7 +233,7 @@ def run_task(task: str, args: argparse.Namespace, out: Path) -> list[str]:
         pick_line("size order", size_points, accuracies, reference, context.chance),
         pick_line("sensitivity order", knapsack_points, accuracies, reference, context.chance), "",
         f"Sweep steps: {steps:,} for {len(frame)} distinct points ({point_counts}).", "",
-        "### The search seeded each way", "", _markdown(searches),
+        "### The search seeded each way", "", markdown_table(searches),
         f"Steps to then: calibration plus every trial up to and including that one; the sensitivity seeding also "
         f"ran {DEFAULT_BATCHES} measurement batches first. Runs shared between the procedures (trained once here): "
         f"{cache.shared_steps:,} steps.", ""]
@@ -249,7 +249,7 @@ def rankings(args: argparse.Namespace) -> list[str]:
         with torch_threads(args.threads):
             table = measure_model(model, space, context.data, seed=0)
         lines += [f"### {model}, batch {proxy['batch_size']}, {proxy['image_size']}x{proxy['image_size']}", "",
-                  _markdown(ranking(table, context.graph))]
+                  markdown_table(ranking(table, context.graph))]
     return lines
 
 

@@ -33,8 +33,8 @@ from precsearch.search.sensitivity_table import SENSITIVITY_CSV, unit_table
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunTables", "calibration_table", "load_run", "plot_sensitivity", "plot_tradeoff", "save_figure",
-           "summary_table", "sweep_points", "write_report"]
+__all__ = ["RunTables", "calibration_table", "load_run", "markdown_table", "plot_sensitivity", "plot_tradeoff",
+           "save_figure", "summary_table", "sweep_points", "write_report"]
 
 _R_PATTERN = re.compile(r"paper r=(\d+(?:\.\d+)?)")
 MEASURE_LABELS = {"bytes": "bytes of the tensors training keeps", "peak": "peak of a training step"}
@@ -267,7 +267,7 @@ def _draw_noise(ax: Any, front: pd.DataFrame) -> None:
                        label="front point within seed noise of a cheaper one")
 
 
-def _markdown(frame: pd.DataFrame) -> str:
+def markdown_table(frame: pd.DataFrame) -> str:
     """A GitHub markdown table (pandas' to_markdown needs tabulate, which we do not depend on)."""
     if frame.empty:
         return "(no rows)\n"
@@ -344,18 +344,18 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
             lines.append(f"- noise: {tables.best['noise']['statement']}")
     lines += ["", "Memory is the cost model's bytes of weights, activations and their gradients relative to the "
               "all-high assignment (promoted tensors counted high); accuracy is the proxy's validation accuracy.",
-              "", "![tradeoff](report.png)", "", _markdown(table)]
+              "", "![tradeoff](report.png)", "", markdown_table(table)]
     if not tables.calibration.empty:
         lines += ["## Calibration: the all-high reference's learning curve", "",
                   "Mean (min-max over seeds) validation accuracy at each evaluated step of each length; the chosen "
-                  "length is the proxy length.", "", _markdown(calibration_table(tables.calibration))]
+                  "length is the proxy length.", "", markdown_table(calibration_table(tables.calibration))]
     if not tables.budget.empty:
-        lines += ["## Training steps", "", _markdown(tables.budget)]
+        lines += ["## Training steps", "", markdown_table(tables.budget)]
     if not tables.sensitivity.empty:
         save_figure(plot_sensitivity(tables.sensitivity), run_dir / "sensitivity.png")
         lines += ["## Sensitivity", "", "Each unit's summed score (the loss change its low format would cause, "
                   "precsearch.search.sensitivity) against the bytes demoting it saves, least sensitive per byte "
-                  "first.", "", "![sensitivity](sensitivity.png)", "", _markdown(unit_table(tables.sensitivity))]
+                  "first.", "", "![sensitivity](sensitivity.png)", "", markdown_table(unit_table(tables.sensitivity))]
     md = run_dir / "report.md"
     atomic_write_text(md, "\n".join(lines))
     return png, md
