@@ -7,15 +7,40 @@ from __future__ import annotations
 
 import sysconfig
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["PrecsearchError", "raised_at", "user_code_error"]
+__all__ = ["PrecsearchError", "described", "find_cause", "first_line", "raised_at", "user_code_error"]
 
 _PACKAGE = Path(__file__).resolve().parent
 
 
 class PrecsearchError(ValueError):
     """A user-fixable problem: bad spec, bad file, bad option. Subclasses ValueError so callers may catch either."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, or its type's name when it has none: a reason fit for one line."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def described(error: BaseException) -> str:
+    """``Type: first line of the message`` (just the type when it has none), for errors of code not ours."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def find_cause(error: BaseException | None, matches: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first of ``error`` and what caused it (``__cause__``, else ``__context__``) that ``matches``: libraries
+    wrap the error that matters (a full disk, a lost connection) in their own, or fail while handling it."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if matches(error):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def raised_at(error: BaseException) -> str:
@@ -36,6 +61,4 @@ def raised_at(error: BaseException) -> str:
 def user_code_error(what: str, error: BaseException) -> PrecsearchError:
     """One line for an exception ``what`` (a model factory, a forward) raised: its type, message and the line it
     came from. Raise it ``from error``: the CLI prints that traceback with -v."""
-    text = str(error).strip().splitlines()
-    message = f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
-    return PrecsearchError(f"{what} raised {message}{raised_at(error)}; fix it there (-v shows the traceback)")
+    return PrecsearchError(f"{what} raised {described(error)}{raised_at(error)}; fix it there (-v shows the traceback)")

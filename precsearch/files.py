@@ -12,6 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from precsearch.errors import find_cause
+
 __all__ = ["DiskFull", "atomic_write_bytes", "atomic_write_text", "full_disk", "user_file_mode"]
 
 TEMP_SUFFIX = ".tmp"
@@ -28,13 +30,7 @@ def full_disk(error: BaseException | None) -> OSError | None:
     """The OSError of a full disk, a quota or the file-size limit behind ``error``, if any. Causes and
     contexts are followed: a library that fails while handling it (Optuna recording a trial on the same full
     disk, then asserting) raises something else."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in FULL_ERRNOS:
-            return error
-        error = error.__cause__ or error.__context__
-    return None
+    return find_cause(error, lambda cause: isinstance(cause, OSError) and cause.errno in FULL_ERRNOS)
 
 
 def user_file_mode() -> int:

@@ -24,6 +24,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from precsearch.errors import first_line
+
 __all__ = ["COMPILE_MIN_NUMEL", "INT32_LENGTHS", "RUNNER", "Compiled", "KernelRunner", "labelled"]
 
 log = logging.getLogger(__name__)
@@ -209,7 +211,7 @@ class KernelRunner:
             return result
         except Exception as error:  # any compiler failure: this kernel runs eagerly, visibly, from now on
             self.failed.add(kernel.label)
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            reason = first_line(error)
             log.warning("torch.compile failed for the %s kernel (%s): it runs eagerly from now on, several times "
                         "slower (a dozen passes over the tensor instead of one); other kernels stay compiled",
                         kernel.label, reason[:300])

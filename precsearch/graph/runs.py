@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precsearch.errors import PrecsearchError, raised_at
+from precsearch.errors import PrecsearchError, described, raised_at
 from precsearch.graph.raw_ops import tensors_in
 
 
@@ -67,10 +67,10 @@ def forward_error(name: str, model: nn.Module, x: torch.Tensor, error: BaseExcep
     """One line for a forward that raised: the input shape, the error and the line it came from, the first
     layer's expected input. Raised ``from error``, so the CLI's -v prints the traceback."""
     given = tuple(x.shape)
-    message = (f"{name} failed on the example input of shape {given} ({first_line(error)}{raised_at(error)})"
+    message = (f"{name} failed on the example input of shape {given} ({described(error)}{raised_at(error)})"
                f"{_expected_input(model, given)}")
     if fx_error is not None:
-        message += f"; torch.fx could not trace it either ({first_line(fx_error)})"
+        message += f"; torch.fx could not trace it either ({described(fx_error)})"
     return PrecsearchError(message.replace("\n", " "))
 
 
@@ -124,8 +124,3 @@ def extrapolate_save(item: list[Any], b0: int, target: int, op: str) -> list[Any
         return item
     kind, (numel0, numel1), itemsize = item
     return [kind, extrapolate((numel0,), (numel1,), b0, target, op)[0], itemsize]
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -30,13 +30,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, described
 from precsearch.graph.fx_trace import FxTracer, trace_fx
 from precsearch.graph.groups import assemble
 from precsearch.graph.hook_trace import trace_hooks
 from precsearch.graph.op_rules import OP_RULES, OpRules
 from precsearch.graph.raw_ops import LeafSpec
-from precsearch.graph.runs import extrapolate, extrapolate_save, first_line, shape_runs, training_mode
+from precsearch.graph.runs import extrapolate, extrapolate_save, shape_runs, training_mode
 from precsearch.graph.types import TensorGraph
 
 
@@ -75,7 +75,7 @@ def trace(model: nn.Module, example_input: torch.Tensor, batch_size: int | None 
             ops, shapes1 = trace_fx(gm, name, model, example_input, b0 != target, rules)
         else:
             ops, shapes1 = trace_hooks(model, leaf, name, example_input, fx_error, b0 != target)
-            warnings.warn(f"torch.fx could not trace {name} ({first_line(fx_error)}); "  # after: a forward that
+            warnings.warn(f"torch.fx could not trace {name} ({described(fx_error)}); "  # after: a forward that
                           "tracing it with module hooks instead", stacklevel=2)  # fails says it in its error
     for op in ops:
         extrapolated = shapes1.get(op.name, op.shapes)

@@ -32,7 +32,7 @@ from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrial
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from sqlalchemy.engine import make_url
 
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, find_cause, first_line
 from precsearch.search.config import DEFAULT_HEARTBEAT
 
 __all__ = ["JOURNAL_NAME", "STORAGE_OUTAGE", "STUDY_NAME", "RetryingRDBStorage", "StudyLocation"]
@@ -97,8 +97,7 @@ class StudyLocation:
         except PrecsearchError:
             raise
         except Exception as error:  # drivers raise anything from ArgumentError to OperationalError
-            text = str(error).strip()
-            reason = text.splitlines()[0] if text else type(error).__name__
+            reason = first_line(error)
             fix = ("check the URL or path (leave --storage out to use a journal file in --out)" if "://" in self.target
                    else "check the file and the permissions of its folder")
             raise PrecsearchError(f"cannot open study storage {self.shown}: {reason}; {fix}") from None
@@ -177,12 +176,11 @@ class StudyLocation:
 
 def _dropped(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it; Optuna wraps SQLAlchemy's errors) is a lost connection or server."""
-    while error is not None:
-        if isinstance(error, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)) or (
-                isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    def lost_connection(cause: BaseException) -> bool:
+        return isinstance(cause, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)) or (
+            isinstance(cause, sqlalchemy.exc.DBAPIError) and cause.connection_invalidated)
+
+    return find_cause(error, lost_connection) is not None
 
 
 class RetryingRDBStorage(RDBStorage):
@@ -215,8 +213,9 @@ class RetryingRDBStorage(RDBStorage):
                 now = time.monotonic()
                 deadline = deadline or now + STORAGE_OUTAGE
                 if now >= deadline:
+                    reason = first_line(error.__cause__ or error)
                     self.lost = (f"the study storage {self.shown} was unreachable for {STORAGE_OUTAGE:.0f} s "
-                                 f"({_reason(error)}); start this worker again once the database is back (with "
+                                 f"({reason}); start this worker again once the database is back (with "
                                  "--resume for a study without --study-name): it continues where it stopped")
                     raise PrecsearchError(self.lost) from None
                 time.sleep(min(delay, deadline - now))
@@ -248,11 +247,6 @@ class RetryingRDBStorage(RDBStorage):
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
         stale = self.retried(lambda: super(RetryingRDBStorage, self)._get_stale_trial_ids(study_id))
         return [] if time.monotonic() - self.back_since < (self.grace_period or 0) else stale
-
-
-def _reason(error: BaseException) -> str:
-    text = str(error.__cause__ or error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 # every RDBStorage method that talks to the database, the private ones Optuna's cache calls included
