@@ -1,20 +1,28 @@
 """Cost of training under a policy: step time against plain fp32, measured side by side in one run.
 
 1. One SGD training step (forward, backward, step; SGD lr 0.1, momentum 0.9, wd 5e-4) of ResNet-18 (CIFAR form)
-   under each policy, as a ratio to the plain fp32 model's step timed in the same run: steps alternate
-   between the models (interleaved), medians after warm-up. Rows: plain fp32; plain under
+   under each policy, eager and compiled, as ratios to the plain fp32 model's eager step and to its
+   ``torch.compile``-d step timed in the same run: steps alternate between the models (interleaved), medians
+   after warm-up. Compiled rows: plain ``torch.compile(model, fullgraph=True)``; a policy through
+   ``apply_policy(compile=True)`` (precsearch.runtime.compiled: one compiled graph serves every policy of the
+   model, so only the first policy row compiles). Per row: its first step (the compile, where it compiles),
+   the ops it runs a step (eager: aten ops dispatched, counted by a ``TorchDispatchMode``; compiled: the kernels
+   Inductor generated for the forward and backward, each run once a step, besides the convolutions' library
+   calls), and for a compiled policy the share of its rounding passes fused into a neighbouring kernel
+   (1 - extra kernels over the compiled plain step / rounding passes). The machine's CPU model and vector flags
+   head the output. Goal: compiled all-low and hfp8 <= 1.5x compiled plain fp32. Rows: plain fp32; plain under
    ``torch.autocast(bfloat16)`` (CUDA); the fp32 policy through ``apply_policy``; the fp16, bf16 and hfp8
    baselines; the paper's all-low policy (weights and activations e4m3b4s, activation gradients e5m2s,
    weight gradients e6m9s, high e6m9s, promotion guard on, dynamic loss scaling); and, when QPyTorch is
    importable, the paper's own style (QPyTorch ``float_quantize`` e5m2 in module hooks). On CUDA each row
    also gives ``torch.cuda.max_memory_allocated()`` during a step above what was allocated before it.
-   Goal: all-low and hfp8 <= 1.5x plain fp32.
 2. Rounding 2^28 values (CUDA; 2^24 on CPU): nearest and stochastic e5m2 (``precsearch.formats.kernels.quantize``)
    against torch's native float8_e5m2 cast round trip. Goal: stochastic <= 1.5x the native cast.
 3. Bytes autograd saves for backward after one forward under several policies, measured (packed storages,
    each once) against the fp32 model's measured bytes and against the cost model's prediction.
 
 Usage: python benchmarks/bench_runtime.py [--device cpu|cuda] [--width W] [--batch N] [--steps 7] [--warmup 3]
+       [--policies fp32,fp16,bf16,hfp8,all-low] [--no-compiled] [--sections 1,2,3]
 Defaults: CPU ResNet-18 width 0.25 batch 64; CUDA width 1.0 batch 128.
 """
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -44,7 +53,10 @@ def main() -> int:
     parser.add_argument("--width", type=float, default=None)
     parser.add_argument("--policies", default="fp32,fp16,bf16,hfp8,all-low",
                         help="comma-separated rows beside plain fp32 (default: all)")
+    parser.add_argument("--no-compiled", action="store_true", help="eager rows only")
+    parser.add_argument("--sections", default="1,2,3", help="which sections to run (default: 1,2,3)")
     args = parser.parse_args()
+    sections = {part.strip() for part in args.sections.split(",")}
     device = args.device
     width = args.width if args.width is not None else (1.0 if device == "cuda" else 0.25)
     batch = args.batch if args.batch is not None else (128 if device == "cuda" else 64)
@@ -82,25 +94,90 @@ def main() -> int:
 
     name_of = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {name_of}")
+    print(_cpu_line())
     print(f"ResNet-18 width {width}, batch {batch}, SGD(lr=0.1, momentum=0.9, wd=5e-4)\n")
+    if "1" in sections:
+        _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_step)
+    if "2" in sections:
+        _bench_quantize(device)
+    if "3" in sections:
+        _bench_saved(plain, x, graph, policies, chosen, apply_policy, CostModel, measure_saved_bytes)
+    return 0
+
+
+def _cpu_line() -> str:
+    """The CPU's model name, the vector ISA torch's kernels use, and its vector flags (from /proc/cpuinfo)."""
+    import platform
+
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = cpuinfo.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            model = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+    return (f"CPU: {model}, {os.cpu_count()} cores; torch kernels use {torch.backends.cpu.get_cpu_capability()}; "
+            f"flags: {' '.join(vector) or 'unknown'}")
+
+
+def _dispatched_ops(step: Callable[[], object]) -> int:
+    """aten ops one eager step dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.ops
+
+
+def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_step) -> None:  # noqa: N803
+    import torch
+    from torch._inductor import metrics
 
     def stepper(model, autocast: bool = False) -> Callable[[], object]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
         return sgd_step(model, optimizer, x, y, autocast=torch.bfloat16 if autocast else None)
 
     steps: dict[str, Callable[[], object]] = {"plain fp32": stepper(plain)}
+    compiled_rows: set[str] = set()
+    if not args.no_compiled:
+        steps["plain fp32, compiled"] = stepper(torch.compile(copy.deepcopy(plain), fullgraph=True))
+        compiled_rows.add("plain fp32, compiled")
     if device == "cuda":
         steps["plain, autocast bf16"] = stepper(copy.deepcopy(plain), autocast=True)
     wrapped_models = {}
+    passes = 0
     for name in chosen:
         wrapped = apply_policy(copy.deepcopy(plain), policies[name])
         wrapped_models[name] = wrapped
         steps[f"{name} policy"] = stepper(wrapped)
+        if not args.no_compiled:
+            wrapped = apply_policy(copy.deepcopy(plain), policies[name], compile=True)
+            wrapped_models[f"{name}, compiled"] = wrapped
+            steps[f"{name} policy, compiled"] = stepper(wrapped)
+            compiled_rows.add(f"{name} policy, compiled")
+            passes = wrapped._step.passes if wrapped.compiled else passes
     qpytorch = _qpytorch_hooks(copy.deepcopy(plain))
     if qpytorch is not None:
         steps["QPyTorch e5m2 in hooks"] = stepper(qpytorch)
 
     times: dict[str, list[float]] = {name: [] for name in steps}
+    first: dict[str, float] = {}
+    kernels: dict[str, int] = {}
     peaks: dict[str, int] = {}
     for index in range(args.warmup + args.steps):
         for name, step in steps.items():
@@ -108,32 +185,53 @@ def main() -> int:
                 _sync(device)
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
+            generated = metrics.generated_kernel_count
             _sync(device)
             start = time.perf_counter()
             step()
             _sync(device)
+            if index == 0:
+                first[name] = time.perf_counter() - start
+                if name in compiled_rows:
+                    kernels[name] = metrics.generated_kernel_count - generated
             if index >= args.warmup:
                 times[name].append(time.perf_counter() - start)
             if device == "cuda" and index == args.warmup:
                 peaks[name] = torch.cuda.max_memory_allocated() - before
+    for name, step in steps.items():
+        if name not in compiled_rows:
+            kernels[name] = _dispatched_ops(step)
+    shared = [name for name in compiled_rows if name != "plain fp32, compiled" and not kernels[name]]
+    for name in shared:  # a policy served by the graph an earlier row compiled
+        kernels[name] = next(kernels[other] for other in compiled_rows
+                             if other != "plain fp32, compiled" and kernels[other])
     base = statistics.median(times["plain fp32"])
+    base_compiled = statistics.median(times["plain fp32, compiled"]) if compiled_rows else None
     print(f"1. training step, median of {args.steps} after {args.warmup} warm-up steps, interleaved")
-    header = f"   {'step':28s} {'ms':>9s} {'x fp32':>7s}"
+    header = f"   {'step':30s} {'ms':>8s} {'x eager':>8s} {'x comp.':>8s} {'1st step s':>10s} {'ops/kernels':>12s}"
+    header += f" {'fused':>6s}"
     print(header + (f" {'peak MB':>9s} {'x fp32':>7s}" if peaks else ""))
+    plain_kernels = kernels.get("plain fp32, compiled")
     for name, samples in times.items():
         median = statistics.median(samples)
-        line = f"   {name:28s} {median * 1e3:9.1f} {median / base:7.2f}"
+        versus = f"{median / base_compiled:8.2f}" if base_compiled else f"{'-':>8s}"
+        count = f"{kernels[name]:,d}" + (" k" if name in compiled_rows else " op")
+        fused = "-"
+        if name in compiled_rows and name != "plain fp32, compiled" and passes and plain_kernels is not None:
+            fused = f"{1 - (kernels[name] - plain_kernels) / passes:.0%}"
+        line = (f"   {name:30s} {median * 1e3:8.1f} {median / base:8.2f} {versus} {first[name]:10.1f} {count:>12s}"
+                f" {fused:>6s}")
         if peaks:
             line += f" {peaks[name] / 1e6:9.0f} {peaks[name] / peaks['plain fp32']:7.2f}"
         print(line)
+    if compiled_rows:
+        print(f"   (k: kernels Inductor generated for the step's forward and backward, convolutions' library calls "
+              f"aside; op: aten ops dispatched; a compiled policy's step makes {passes} rounding passes; compiled "
+              f"rows after the first policy reuse its graph: no compile of their own)")
     for name, wrapped in wrapped_models.items():
         if wrapped.promotions:
             print(f"   ({name}: {len(wrapped.promotions)} promotion(s), loss scale {wrapped.scaler.get_scale():g})")
     print()
-
-    _bench_quantize(device)
-    _bench_saved(plain, x, graph, policies, chosen, apply_policy, CostModel, measure_saved_bytes)
-    return 0
 
 
 def _qpytorch_hooks(model):

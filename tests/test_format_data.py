@@ -13,7 +13,7 @@ from precsearch.formats.as_data import RoundWithGradient, format_row, round_with
 from precsearch.formats.format import get_format
 
 FORMATS = ("e5m2", "e4m3b4s", "e5m2s", "e6m9s", "fp16", "bf16", "fp8_e4m3fn", "e3m2s", "e2m1s", "e3m0", "e7m0s",
-           "e5m22", "e5m23")
+           "e5m22", "e5m23", "e8m0")
 
 
 def probe(fmt: str) -> torch.Tensor:
@@ -39,9 +39,10 @@ def test_round_with_gives_the_format_kernels_values_and_counts(fmt: str) -> None
     for rounding, overflow in itertools.product(("nearest", "nearest_away", "stochastic"), ("inf", "saturate", "nan")):
         seed = torch.tensor(12345, dtype=torch.int64)
         expected, _, counts = kernels.round_and_count(x, fmt, rounding, overflow, seed=seed)
-        got, overflowed = round_with(x, format_row(fmt, rounding, overflow), seed)
-        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (rounding, overflow)
-        assert int(overflowed) == int(counts[0]), (rounding, overflow)
+        for constant in (None, rounding):  # the rounding read from the row, or a constant of the graph
+            got, overflowed = round_with(x, format_row(fmt, rounding, overflow), seed, constant)
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (rounding, overflow, constant)
+            assert int(overflowed) == int(counts[0]), (rounding, overflow, constant)
 
 
 def test_an_fp32_row_keeps_every_value_and_counts_nothing() -> None:

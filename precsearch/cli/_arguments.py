@@ -9,7 +9,9 @@ number is meant. The module's name starts with ``_`` so command discovery (precs
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +20,11 @@ from precsearch.config.checks import number, requirement
 from precsearch.errors import PrecsearchError
 from precsearch.train.data import DATASETS
 
-__all__ = ["DEVICE_HELP", "SEED_MAX", "add_data_arguments", "add_space_arguments", "count", "count_or_auto",
-           "device", "input_shape", "proxy_seeds", "proxy_steps", "real", "seed", "space_argument", "whole"]
+__all__ = ["COMPILE_MIN_STEPS", "DEVICE_HELP", "SEED_MAX", "add_compile_argument", "add_data_arguments",
+           "add_space_arguments", "choose_compile", "count", "count_or_auto", "device", "input_shape", "proxy_seeds",
+           "proxy_steps", "real", "seed", "space_argument", "whole"]
+
+log = logging.getLogger(__name__)
 
 SEED_MAX = 2**32 - 1  # numpy's generators take seeds in [0, 2^32)
 DEVICE_HELP = "auto (CUDA when available), cpu, cuda or cuda:N"
@@ -138,3 +143,28 @@ def space_argument(args: argparse.Namespace) -> Any:
     from precsearch.config.spaces import paper_space
 
     return args.space if args.space is not None else paper_space()
+
+
+# Training steps from which a command compiles its step by default: a compile costs about as many steps as it
+# saves over this many (benchmarks/results/bench_runtime.md); fewer run eagerly.
+COMPILE_MIN_STEPS = 2000
+
+
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-compile", action="store_true",
+                        help=f"train eagerly; by default a command that trains {COMPILE_MIN_STEPS} steps or more "
+                             "(all its runs together) compiles the training step once per model "
+                             "(precsearch.runtime.compiled)")
+
+
+def choose_compile(args: argparse.Namespace, steps: int | None) -> bool:
+    """Whether this command's runs compile their step: not with ``--no-compile``, else when it trains ``steps``
+    (all runs together; None: long runs) of at least ``COMPILE_MIN_STEPS``. Set in the environment
+    (precsearch.runtime.compiled's ``COMPILE_STEP_ENV``) for this process and the workers it starts."""
+    from precsearch.runtime.compiled import COMPILE_STEP_ENV
+
+    on = not args.no_compile and (steps is None or steps >= COMPILE_MIN_STEPS)
+    os.environ[COMPILE_STEP_ENV] = "1" if on else "0"
+    reason = "" if on or args.no_compile else f" ({steps} steps, fewer than {COMPILE_MIN_STEPS})"
+    log.info("training step: %s", "compiled" if on else f"eager{reason}")
+    return on

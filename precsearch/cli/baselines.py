@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from precsearch.cli._arguments import add_data_arguments, add_space_arguments, space_argument
+from precsearch.cli._arguments import (
+    add_compile_argument,
+    add_data_arguments,
+    add_space_arguments,
+    choose_compile,
+    space_argument,
+)
 from precsearch.config.spec import BASELINES
 
 HELP = "train prior-work baselines and the paper's sweep into one table"
@@ -15,6 +21,7 @@ DESCRIPTION = ("Proxy-train the prior-work policies and the paper's technique at
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_compile_argument(parser)
     add_space_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="output (or search run) directory")
     parser.add_argument("--names", default=",".join(BASELINES), metavar="LIST",
@@ -26,10 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from precsearch.config.spec import ProxyConfig
     from precsearch.search.baselines import run_baselines
     from precsearch.search.context import DataSpec
 
     names = [name.strip() for name in args.names.split(",") if name.strip()]
+    choose_compile(args, len(names) * (args.proxy_steps or ProxyConfig.steps))
     table = run_baselines(
         args.model, space_argument(args), DataSpec(args.data, args.data_root), out_dir=args.out,
         proxy_steps=args.proxy_steps, seed=args.seed, device=args.device, names=names, ablations=args.ablations,

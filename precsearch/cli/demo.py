@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from precsearch.cli._arguments import DEVICE_HELP, count, device
+from precsearch.cli._arguments import DEVICE_HELP, add_compile_argument, choose_compile, count, device
 from precsearch.errors import PrecsearchError
 
 MODEL = "narrow_cnn"
@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=count, default=TRIALS, metavar="N", help=f"trials (default {TRIALS})")
     parser.add_argument("--jobs", type=count, default=JOBS, metavar="N", help=f"worker processes (default {JOBS})")
     parser.add_argument("--device", type=device, default="auto", help=DEVICE_HELP)
+    add_compile_argument(parser)
 
 
 def _clear_previous_demo(out: Path) -> None:
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # before an earlier demo in --out is cleared
     _clear_previous_demo(out)
     space = paper_space(proxy=PROXY)
+    choose_compile(args, args.trials * space.proxy.steps)
     print(f"precsearch demo: {MODEL} on {DATA} ({space.proxy.image_size}x{space.proxy.image_size}), space "
           f"{space.name}, {args.trials} trials of calibrated proxies on {args.jobs} worker(s)")
     result = run_search(SearchConfig(MODEL, space, DATA, trials=args.trials, out_dir=out, jobs=args.jobs, seed=0,

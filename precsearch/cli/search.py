@@ -11,8 +11,10 @@ import sys
 from typing import Any
 
 from precsearch.cli._arguments import (
+    add_compile_argument,
     add_data_arguments,
     add_space_arguments,
+    choose_compile,
     count,
     proxy_seeds,
     real,
@@ -26,6 +28,7 @@ DESCRIPTION = ("Search mixed-precision assignments of MODEL: memory from the cos
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_compile_argument(parser)
     from precsearch.search.calibration import CalibrationSettings
     from precsearch.search.config import SEEDINGS
     from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
@@ -80,10 +83,12 @@ def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from precsearch.config.spec import ProxyConfig
     from precsearch.search.config import SearchConfig
     from precsearch.search.context import Budget, DataSpec
     from precsearch.search.study import SearchInterrupted, run_search
 
+    choose_compile(args, args.trials * (args.proxy_steps if isinstance(args.proxy_steps, int) else ProxyConfig.steps))
     budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory,
                     confidence=args.confidence)
     config = SearchConfig(

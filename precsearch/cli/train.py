@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from precsearch.cli._arguments import add_data_arguments, count, real
+from precsearch.cli._arguments import add_compile_argument, add_data_arguments, choose_compile, count, real
 from precsearch.config.spec import COMPRESSIONS, ProxyConfig
 from precsearch.errors import PrecsearchError
 from precsearch.train.trainer import PAPER_LR
@@ -27,6 +27,7 @@ DESCRIPTION = ("Train MODEL under a policy (e.g. a search's best.json) with the 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the model the policy was made for (e.g. tiny_cnn)")
+    add_compile_argument(parser)
     parser.add_argument("--policy", default=None, metavar="FILE",
                         help="policy JSON file (default: none, plain fp32 training)")
     parser.add_argument("--nproc", type=count, default=None, metavar="N",
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                          momentum=args.momentum, weight_decay=args.weight_decay)
     if args.nproc is not None:
         return _run_data_parallel(args, policy, data, steps, config)
+    choose_compile(args, steps)
     result = train_policy(args.model, policy, data, steps, seed=args.seed, device=args.device, config=config,
                           eval_every=args.eval_every, metrics=args.metrics,
                           recipe=PAPER_RECIPE if args.recipe == "paper" else None)

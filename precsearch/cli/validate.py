@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from precsearch.cli._arguments import DEVICE_HELP, count, device, seed
+from precsearch.cli._arguments import DEVICE_HELP, add_compile_argument, choose_compile, count, device, seed
 
 HELP = "retrain a search's front and references at full length; write fidelity.csv and a plot"
 DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of "
@@ -21,12 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed, default=None, help="seed of the long runs (default: the search's)")
     parser.add_argument("--device", type=device, default="cpu", help=DEVICE_HELP)
     parser.add_argument("--threads", type=count, default=None, metavar="N", help="torch threads")
+    add_compile_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     from precsearch.analysis.fidelity import validate_run
 
+    choose_compile(args, None)  # long runs of several assignments
     result = validate_run(args.run, steps=args.steps, seed=args.seed, device=args.device, threads=args.threads,
                           progress=not args.no_progress)
     summary = result.summary

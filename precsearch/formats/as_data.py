@@ -21,6 +21,7 @@ dtype depends on the format, which a graph shared by every format cannot.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -33,14 +34,15 @@ _NEAREST, _AWAY, _STOCHASTIC = 0, 1, 2
 _MODES = {"nearest": _NEAREST, "nearest_away": _AWAY, "stochastic": _STOCHASTIC}
 # the row's fields, in order
 (_DROP, _MASK, _MIN_NORMAL_BITS, _SHIFT_BASE, _SCALE_LOW, _SCALE_HIGH, _MAX_BITS, _ON_OVERFLOW, _KEEP_FROM,
- _MODE, _OVER_BITS) = range(11)
+ _MODE, _OVER_BITS, _TIE, _SUB_MAGIC) = range(13)
 _INF_BITS = 0x7F800000
 
 
 @functools.lru_cache(maxsize=256)
 def _row_values(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[int, ...]:
     if fmt.is_fp32:  # every value is kept (``_KEEP_FROM`` 0) and none counts as an overflow
-        return (0, 0, 0, 1, _float_bits(1.0), _float_bits(1.0), _INF_BITS, _INF_BITS, 0, _NEAREST, _INF_BITS + 1)
+        return (0, 0, 0, 1, _float_bits(1.0), _float_bits(1.0), _INF_BITS, _INF_BITS, 0, _NEAREST, _INF_BITS + 1,
+                0, _float_bits(1.0))
     drop = 23 - fmt.man
     exponent = fmt.emin - fmt.man  # of the min subnormal: quanta times 2 ** exponent, in two exact products
     low = exponent // 2
@@ -48,7 +50,7 @@ def _row_values(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[int, ..
             _float_bits(2.0 ** (exponent - low)), _float_bits(fmt.max),
             {"saturate": _float_bits(fmt.max), "inf": _INF_BITS, "nan": 0x7FC00000}[overflow],
             _INF_BITS if fmt.has_inf else _INF_BITS + 1, _MODES[rounding],
-            _float_bits(overflow_threshold(fmt, rounding)))
+            _float_bits(overflow_threshold(fmt, rounding)), int(drop > 0), _float_bits(2.0 ** (exponent + 23)))
 
 
 def format_row(fmt: str | FloatFormat, rounding: str = "nearest", overflow: str | None = None,
@@ -61,31 +63,53 @@ def format_row(fmt: str | FloatFormat, rounding: str = "nearest", overflow: str 
     return torch.tensor(_row_values(fmt, rounding, overflow), dtype=torch.int32, device=device)
 
 
-def round_with(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def round_with(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
+               rounding: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (float32) rounded as ``row`` says, and how many of its values overflow (int64, NaN excluded): the
     values and count of ``kernels.round_and_count`` with the same format, rounding, overflow and ``seed`` (an
-    int64 tensor; the hash of stochastic rounding reads it, the caller advances it)."""
+    int64 tensor; the hash of stochastic rounding reads it, the caller advances it). ``rounding`` given (it
+    must be the row's) makes the rounding a constant of the graph: only its own arithmetic is computed, no
+    hash for nearest rounding."""
     bits = x.view(torch.int32)
     sign = bits & ~0x7FFFFFFF
     mag = bits & 0x7FFFFFFF
     drop, mask, mode = row[_DROP], row[_MASK], row[_MODE]
-    index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
-    noise = _hash_bits(index, seed).to(torch.int32)
+    noise = None
+    if rounding in (None, "stochastic"):
+        index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+        noise = _hash_bits(index, seed).to(torch.int32)
+
+    def pick(stochastic: Any, away: Any, to_even: Any) -> Any:
+        """The increment of the row's rounding: a selection on the row, or the constant ``rounding``'s own."""
+        if rounding is not None:
+            return {"stochastic": stochastic, "nearest_away": away, "nearest": to_even}[rounding]()
+        return torch.where(mode == _STOCHASTIC, stochastic(), torch.where(mode == _AWAY, away(), to_even()))
+
     # normal range: add an increment, drop the low bits (a carry into the exponent is the correct rounding up)
-    to_even = (mask >> 1) + ((mag >> drop) & 1) * (drop > 0)  # ties to even; with M = 23 nothing to drop
-    increment = torch.where(mode == _STOCHASTIC, noise & mask, torch.where(mode == _AWAY, (mask + 1) >> 1, to_even))
+    increment = pick(lambda: noise & mask, lambda: (mask + 1) >> 1,  # ties to even; with M = 23 nothing to drop
+                     lambda: (mask >> 1) + ((mag >> drop) & row[_TIE]))
     normal = (mag + increment) & ~mask
+    if rounding == "nearest":  # below the min normal, float32 addition rounds to the quantum, ties to even:
+        magic = row[_SUB_MAGIC].view(torch.float32)  # |x| < 2**emin < magic, so the sum's ulp is the quantum
+        subnormal = ((mag.view(torch.float32) + magic) - magic).view(torch.int32)
+        return _finish(row, mag, sign, subnormal, normal)
     # below the min normal: a count of min-subnormal quanta, rounded the same three ways
     exp_field = mag >> 23
     significand = (mag & 0x7FFFFF) | ((exp_field > 0).to(torch.int32) << 23)
     shift = torch.clamp(row[_SHIFT_BASE] - torch.clamp(exp_field, min=1), min=1, max=25)
     half = torch.ones_like(shift) << (shift - 1)
-    sub_to_even = half - 1 + ((significand >> shift) & 1)
-    sub_increment = torch.where(mode == _STOCHASTIC, noise & ((half << 1) - 1),
-                                torch.where(mode == _AWAY, half, sub_to_even))
+    sub_increment = pick(lambda: noise & ((half << 1) - 1), lambda: half,
+                         lambda: half - 1 + ((significand >> shift) & 1))
     quanta = (significand + sub_increment) >> shift
     scales = row[_SCALE_LOW:_SCALE_HIGH + 1].view(torch.float32)
     subnormal = ((quanta.to(torch.float32) * scales[0]) * scales[1]).view(torch.int32)
+    return _finish(row, mag, sign, subnormal, normal)
+
+
+def _finish(row: torch.Tensor, mag: torch.Tensor, sign: torch.Tensor, subnormal: torch.Tensor,
+            normal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounded magnitude of either range, overflow applied, inf and NaN kept, the sign back; and the count
+    of overflowing values."""
     rounded = torch.where(mag < row[_MIN_NORMAL_BITS], subnormal, normal)
     rounded = torch.where(rounded > row[_MAX_BITS], row[_ON_OVERFLOW], rounded)
     rounded = torch.where(mag >= row[_KEEP_FROM], mag, rounded)

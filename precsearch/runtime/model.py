@@ -58,6 +58,7 @@ from precsearch.graph.policy_check import policy_example_input, verify_policy
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph, grad_id
 from precsearch.runtime.accumulate import CHUNKED_LAYERS, swap_chunked_layers
+from precsearch.runtime.compiled import SEED_STRIDE, RoundingGraph, rounding_graph, rows_table, unsupported
 from precsearch.runtime.gradients import hook_weight_gradients, no_process_group
 from precsearch.runtime.instrument_fx import instrument_fx
 from precsearch.runtime.instrument_hooks import HookInstrument, is_module_call
@@ -78,7 +79,8 @@ class PrecisionModel(nn.Module):
 
     def __init__(self, model: nn.Module, policy: Policy, graph: TensorGraph, seed: int = 0,
                  stats_every: int | None = None, steps_per_epoch: int | None = None,
-                 hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True) -> None:
+                 hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
+                 compile: bool = False, compile_backend: str = "inductor") -> None:
         super().__init__()
         self.module, self.policy, self.graph = model, policy, graph
         self.stats_every, self.steps_per_epoch = stats_every, steps_per_epoch
@@ -94,6 +96,9 @@ class PrecisionModel(nn.Module):
         if not policy.master_weights:
             self.state.on_promote.append(self._optimizers.promote)
         self.clipped_at_start = [] if policy.master_weights else round_pure_weights(weights, self.state)
+        self._step = _compiled_step(policy, graph, self.state, compile_backend) if compile else None
+        self._rows: torch.Tensor | None = None  # the compiled step's table, made again after a promotion
+        self.state.on_promote.append(lambda _slot: setattr(self, "_rows", None))
         self._handles += hook_weight_gradients(model, graph, self.state, hold_gradients)
         self._rounding = Rounding(self.state, self._packer, weights)
         self._hooks: HookInstrument | None = None
@@ -160,8 +165,17 @@ class PrecisionModel(nn.Module):
                         "wrapped model without torch.compile")
         return self._forward(*args, **kwargs)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether forwards with gradients run the compiled step (precsearch.runtime.compiled)."""
+        return self._step is not None
+
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         self.state.start_forward(self.training and torch.is_grad_enabled(), self.stats_every)
+        self.state.graph_rounds = (self._step is not None and torch.is_grad_enabled() and not self.state.stats_due
+                                   and len(args) == 1 and not kwargs)
+        if self.state.graph_rounds:
+            return self._compiled_forward(args[0])
         packing = self._packer.forward() if torch.is_grad_enabled() else contextlib.nullcontext()
         with packing:
             if self._hooks is not None:
@@ -170,6 +184,20 @@ class PrecisionModel(nn.Module):
             if not weights:
                 return self._target(*args, **kwargs)
             return torch.func.functional_call(self._target, weights, args, kwargs)
+
+    def _compiled_forward(self, x: torch.Tensor) -> Any:
+        """One forward of the compiled step: the table of rows, a seed per step, and the counts handed to the
+        state (a training forward's only, as the eager path counts)."""
+        if self._rows is None or self._rows.device != x.device:
+            self._rows = rows_table(self.state, x.device)
+        seed = self.state.seed_tensor(x.device)
+        counters = self._step.counters(x.device)
+        output, forward = self._step.run(self.module, x, self._rows, seed.reshape(1).clone(), counters)
+        seed.add_(SEED_STRIDE * 2 * len(self._step.sites))
+        if self.training:
+            step, batch = self._step, x.shape[0]
+            self.state.count_compiled(lambda: step.counts(forward.detach(), counters, batch))
+        return output
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to step: ``optimizer`` itself with fp32 masters and no optimizer settings, else a
@@ -215,6 +243,17 @@ class PrecisionModel(nn.Module):
             self.module.set_submodule(name, layer)
         self._plain_layers.clear()
         return self.module
+
+
+def _compiled_step(policy: Policy, graph: TensorGraph, state: TensorState, backend: str) -> RoundingGraph | None:
+    """The shared compiled step for ``graph``, or None (with one WARNING saying why) where it cannot train
+    ``policy``."""
+    reason = unsupported(policy, graph)
+    if reason is not None:
+        log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
+                    graph.model_name, reason)
+        return None
+    return rounding_graph(graph, state, backend)
 
 
 def _swap_accumulation(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
@@ -275,7 +314,8 @@ def _hidden_gemms(graph: TensorGraph) -> list[str]:
 def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor | None = None, *,
                  strict: bool = True, seed: int = 0, stats_every: int | None = None,
                  steps_per_epoch: int | None = None, rules: OpRules = OP_RULES,
-                 hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True) -> PrecisionModel:
+                 hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
+                 compile: bool = False, compile_backend: str = "inductor") -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
     ``example_input`` (default: zeros of the policy's input shape) is used to trace the model at the
@@ -288,6 +328,11 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     may be held as codes until the end of the backward (by default: while no process group is up, as DDP reads
     ``.grad`` during the backward), and ``round_in_place=False`` rounds every activation and activation gradient
     into a new tensor, never over the op's own output or the gradient it receives.
+
+    ``compile=True`` trains with the compiled step (precsearch.runtime.compiled: the rounding fused into the
+    model's own kernels by ``torch.compile``, compiled once per model structure in the process, whatever the
+    assignment; ``compile_backend`` is torch.compile's backend), where the policy allows it (else one WARNING
+    says why, and the step runs eagerly). Forwards without gradients (evaluation) run eagerly.
     """
     if not isinstance(policy, Policy):
         raise PrecsearchError(f"apply_policy needs a precsearch Policy, got {type(policy).__name__}")
@@ -301,4 +346,5 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                   leaf_modules=CHUNKED_LAYERS, rules=rules)
     verify_policy(policy, graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
-                          hold_gradients=hold_gradients, round_in_place=round_in_place)
+                          hold_gradients=hold_gradients, round_in_place=round_in_place, compile=compile,
+                          compile_backend=compile_backend)

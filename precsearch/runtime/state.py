@@ -93,12 +93,14 @@ class TensorState:
         self.promotions: list[Promotion] = []
         self.step = 0
         self.counting = False  # this forward is a training forward: count and gather statistics
+        self.graph_rounds = False  # this forward is a compiled step's, whose backward rounds the weight gradients
         self.stats_due = False
         self.on_promote: list[Callable[[Slot], None]] = []
         self._seed = seed
         self._counts: list[torch.Tensor] = []  # per slot row: [overflowed, unencodable] this step, on the device
         self._uncounted: torch.Tensor | None = None  # what a rounding that counts nothing adds to, never read
         self._seeds: torch.Tensor | None = None
+        self._compiled: Callable[[], torch.Tensor] | None = None  # a compiled step's counts, read when settled
         self._dirty = False
         self._warned_unencodable = self._warned_copied_gradient = False
 
@@ -171,18 +173,44 @@ class TensorState:
 
     # -- the once-a-step read ---------------------------------------------------------------------------
 
+    def count_compiled(self, counts: Callable[[], torch.Tensor]) -> None:
+        """Take a compiled step's counts (precsearch.runtime.compiled): ``counts()`` gives (overflowed,
+        elements) per row, the forward's and, once the backward ran, the backward's; read with the others."""
+        self.flush()
+        self._compiled = counts
+        self._dirty = True
+
+    def seed_tensor(self, device: torch.device) -> torch.Tensor:
+        """The stochastic-rounding seed on ``device`` (an int64 tensor, advanced by whoever rounds with it)."""
+        self._op_state(torch.empty(0, device=device), None, count=False)
+        return self._seeds
+
     def pending(self) -> torch.Tensor | None:
-        return torch.cat(self._counts) if self._dirty else None
+        """This step's unread counts, one tensor: (overflowed, unencodable) per row from the eager roundings,
+        then (overflowed, elements) per row from a compiled step, if one ran."""
+        if not self._dirty:
+            return None
+        if self._compiled is None:
+            return torch.cat(self._counts)
+        compiled = self._compiled().flatten()
+        eager = torch.cat(self._counts).to(compiled.device) if self._counts else torch.zeros_like(compiled)
+        return torch.cat([eager, compiled])
 
     def settle(self, values: list[int]) -> tuple[bool, bool]:
-        """Take this step's counts: update statistics, promote, and say whether a gradient overflowed and
-        whether the step must be skipped (a promotion, or a saved tensor the format could not hold)."""
+        """Take this step's counts (``pending``): update statistics, promote, and say whether a gradient
+        overflowed and whether the step must be skipped (a promotion, or a saved tensor the format could not
+        hold)."""
         overflowed = skip = False
         unencodable = 0
+        compiled = values[2 * len(self.slots):]
         for slot in self.slots.values():
+            over, bad = values[2 * slot.row], values[2 * slot.row + 1]
+            if compiled and compiled[2 * slot.row + 1]:
+                over += compiled[2 * slot.row]
+                slot.pending += compiled[2 * slot.row + 1]
+                slot.calls += 1
             if not slot.pending:
                 continue
-            over, bad = values[2 * slot.row], values[2 * slot.row + 1]
             fraction = over / slot.pending
             slot.counted += slot.pending
             slot.overflowed += over
@@ -200,14 +228,17 @@ class TensorState:
                 log.warning("step %d: %d saved value(s) were inf/NaN in a format without such codes, so their "
                             "packed copies are wrong: the step is skipped (training has likely diverged)",
                             self.step, unencodable)
-        torch._foreach_zero_(self._counts)
+        if self._counts:
+            torch._foreach_zero_(self._counts)
+        self._compiled = None
         self._dirty = False
         return overflowed, skip
 
     def flush(self) -> None:
         """Read and settle pending counts now (when the loop did not call ``scaler.step``)."""
-        if self._dirty:
-            self.settle(torch.cat(self._counts).tolist())
+        values = self.pending()
+        if values is not None:
+            self.settle(values.tolist())
 
     def _promote(self, slot: Slot, fraction: float) -> bool:
         if slot.promoted or slot.fmt == self.high or not slot.is_low or slot.kind not in self.promotion_kinds:

@@ -1,0 +1,291 @@
+"""The compiled training step: rounding written into the model's FX graph as plain torch ops, compiled once per model.
+
+The eager runtime (precsearch.runtime.instrument_fx and friends) rounds through per-format kernels and packs what
+autograd saves as codes, bookkeeping TorchDynamo cannot trace. Here every assignable tensor of the graph gets a
+rounding site whose format, rounding and overflow mode are read from a table of rows (precsearch.formats.as_data),
+one row per tensor id, so the graph does not depend on the assignment:
+
+* a weight is rounded before the forward, its gradient in the backward by the weight gradient's row;
+* an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
+  a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output);
+* overflow counts leave the graph as tensors, never by writes: the forward's as an output, the backward's as the
+  gradients of float64 leaves, one per site (``counters``); ``TensorState`` reads them once a step with the rest,
+  for promotions and the loss scaler. Element counts come from the traced shapes, not from the device.
+
+``RoundingGraph`` is built, and compiled (``torch.compile(fullgraph=True)``), once per traced structure and the
+roundings of its tensor kinds (constants of the graph: nearest rounding computes no hash), and shared by every
+model of that structure in the process: trials change only the table and the parameters (passed through
+``functional_call``), so a search compiles its step once per worker. A promotion is a row update.
+
+What the compiled step does not do: pack saved tensors as codes or slice backwards (AOTAutograd's partitioner
+decides what is saved, in float32), so its memory is not the eager runtime's; gather underflow statistics (a step
+that gathers them, every ``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``),
+chunked accumulation, adaptive per-layer loss scaling, per-use gradient rounding and models FX cannot trace,
+which train eagerly. Its stochastic rounding draws from the same hash with other seeds (per site and step, not
+per call). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in the same order and
+trains bit for bit as it does with nearest rounding; Inductor sums some float32 reductions (batch norm) in
+another order, so its values differ in the last bits (tests/test_compiled_step.py states both).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch._dynamo
+from torch import fx, nn
+
+from precsearch.config.policy import Policy
+from precsearch.formats.as_data import format_row, round_with
+from precsearch.graph.types import TensorGraph, grad_id
+from precsearch.runtime.sliced import Slicing
+from precsearch.runtime.state import TensorState
+
+__all__ = ["COMPILE_STEP_ENV", "SEED_STRIDE", "RoundingGraph", "compile_by_default", "rounding_graph", "rows_table",
+           "unsupported"]
+
+log = logging.getLogger(__name__)
+
+COMPILE_STEP_ENV = "PRECSEARCH_COMPILE_STEP"  # "1": ``train`` compiles its step unless told; set by the CLI
+
+
+def compile_by_default() -> bool:
+    """Whether ``precsearch.train.trainer.train`` compiles the step when its caller does not say: the environment's
+    ``PRECSEARCH_COMPILE_STEP=1`` (which the CLI sets, and search and data-parallel workers inherit)."""
+    return os.environ.get(COMPILE_STEP_ENV) == "1"
+
+SEED_STRIDE = 0x3C6EF35F  # odd: each site and direction of a step draws with its own seed, steps apart
+
+
+def unsupported(policy: Policy, graph: TensorGraph) -> str | None:
+    """Why a compiled step cannot train ``policy`` on ``graph`` (None: it can)."""
+    if graph.graph_module is None:
+        return f"{graph.model_name} is not FX-traceable (traced with module hooks)"
+    reasons = {
+        "policy.accumulation (chunked accumulation layers)": policy.accumulation is not None,
+        "adaptive loss scaling (per-layer hooks)": policy.loss_scaling["mode"] == "adaptive",
+        "gradient_rounding: per_use": policy.gradient_rounding == "per_use",
+    }
+    found = [reason for reason, applies in reasons.items() if applies]
+    return f"the policy needs {', '.join(found)}" if found else None
+
+
+class Site(NamedTuple):
+    """One rounding of the graph: its rows (``grad`` None: the gradient is not rounded), the roundings of
+    both (constants of the graph), whether it follows a ReLU, and its values at the traced batch size."""
+
+    index: int
+    act: int
+    grad: int | None
+    rounding: tuple[str, str]
+    relu_output: bool
+    numel: int
+    per_sample: bool  # an activation (its values grow with the batch), not a weight
+
+
+class _Round(torch.autograd.Function):
+    """Forward: ``x`` rounded by the site's row of ``rows``, and how many values overflowed (float64, not
+    differentiable). Backward: the gradient rounded by the site's gradient row; how many of its values
+    overflowed is the gradient of ``counter`` (a float64 leaf of its own, exact to 2**53). After a ReLU
+    (``relu_output``) the rounded gradient is also masked by the rounded output, as the eager runtime's ReLU
+    backward reads its packed, rounded output (precsearch.runtime.sliced): a positive value that rounds to 0
+    passes no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
+                site: Site) -> Any:
+        ctx.site = site
+        rounded, overflowed = round_with(x, rows[site.act], seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
+        ctx.save_for_backward(rows, seed, *([rounded] if site.relu_output else []))
+        overflowed = overflowed.to(torch.float64).reshape(1)  # 1 element, not 0-d: Dynamo specializes no value
+        ctx.mark_non_differentiable(overflowed)
+        return rounded, overflowed
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _overflowed: Any) -> Any:
+        rows, seed, *output = ctx.saved_tensors
+        site, overflowed = ctx.site, None
+        if site.grad is not None:
+            g, overflowed = round_with(g.contiguous(), rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE,
+                                       site.rounding[1])
+            overflowed = overflowed.to(torch.float64).reshape(1)
+        if output:
+            g = torch.ops.aten.threshold_backward(g, output[0], 0)
+        return g, None, None, overflowed, None
+
+
+def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
+           sites: tuple[tuple[int, Site, int | None], ...]) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` (a tensor, or a tuple of them) with each (position, site, counter index) of ``sites``
+    rounded, and the forward's overflow counts."""
+    counts = []
+    items = list(value) if isinstance(value, tuple | list) else [value]
+    for position, site, counter in sites:
+        items[position], overflowed = _Round.apply(items[position], rows, seed,
+                                                   None if counter is None else counters[counter], site)
+        counts.append(overflowed)
+    rounded = type(value)(items) if isinstance(value, tuple | list) else items[0]
+    return rounded, counts
+
+
+def _stack(*counts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([count for group in counts for count in group])
+
+
+class RoundingGraph:
+    """The model's FX graph with a rounding site at every assignable tensor, and its compiled step.
+
+    ``run(model, x, rows, seed, counters)`` returns the model's output and the forward's overflow counts, one
+    per site; ``rows`` has one row per assignable tensor id (``graph.assignable_ids()`` order, the state's
+    rows), ``counters`` one float64 leaf per site whose gradient is rounded (``counters()``); ``counts``
+    turns both into (overflowed, elements) per row.
+    """
+
+    def __init__(self, graph: TensorGraph, roundings: dict[str, str], backend: str = "inductor") -> None:
+        rows = {tensor_id: row for row, tensor_id in enumerate(graph.assignable_ids())}
+        self.n_rows = len(rows)
+        self.backend = backend
+        self.batch_size = graph.batch_size
+        source = graph.graph_module
+        fx_graph = copy.deepcopy(source.graph)
+        # over a copy of the traced modules: every model of this structure passes its own tensors (functional_call)
+        gm = fx.GraphModule(copy.deepcopy(source), fx_graph, f"{graph.model_name}Rounded")
+        placeholders = [node for node in fx_graph.nodes if node.op == "placeholder"]
+        with fx_graph.inserting_after(placeholders[-1]):
+            rows_node = fx_graph.placeholder("precsearch_rows")
+        with fx_graph.inserting_after(rows_node):
+            seed_node = fx_graph.placeholder("precsearch_seed")
+        with fx_graph.inserting_after(seed_node):
+            counters_node = fx_graph.placeholder("precsearch_counters")
+        nodes = {node.name: node for node in fx_graph.nodes}
+        slicing = Slicing(graph.rules)  # which ReLUs the eager runtime runs over their rounded output
+        self.sites: list[Site] = []
+        self._counters = 0
+
+        def add_site(tensor_id: str, relu_output: bool) -> tuple[Site, int | None]:
+            gradient = grad_id(tensor_id) if grad_id(tensor_id) in rows else None
+            info = graph.tensors[tensor_id]
+            site = Site(len(self.sites), rows[tensor_id], rows.get(gradient),
+                        (roundings[info.kind], roundings[graph.tensors[gradient].kind] if gradient else "nearest"),
+                        relu_output, info.numel, info.kind != "weight")
+            self.sites.append(site)
+            counter = None
+            if site.grad is not None:
+                counter, self._counters = self._counters, self._counters + 1
+            return site, counter
+
+        forward_counts = []
+        for op in graph.ops:
+            ids = [tensor_id for tensor_id in op.outputs if tensor_id in rows]
+            if not ids:
+                continue
+            node = nodes[op.node]
+            relu_output = (node.op == "call_module"
+                           and slicing.output_function(gm.get_submodule(node.target)) is not None)
+            sites = tuple((int(tensor_id.rsplit(":activation", 1)[1] or 0), *add_site(tensor_id, relu_output))
+                          for tensor_id in ids)
+            with fx_graph.inserting_after(counters_node if node.op == "placeholder" else node):
+                pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites))
+            with fx_graph.inserting_after(pair):
+                rounded = fx_graph.call_function(operator.getitem, (pair, 0))
+            with fx_graph.inserting_after(rounded):
+                forward_counts.append(fx_graph.call_function(operator.getitem, (pair, 1)))
+            node.replace_all_uses_with(rounded, delete_user_cb=lambda user, pair=pair: user is not pair)
+        output = next(node for node in fx_graph.nodes if node.op == "output")
+        output.args = ((output.args[0], tuple(forward_counts)),)
+        fx_graph.lint()
+        gm.recompile()
+        self.graph_module = gm
+        self.weight_sites = {graph.tensors[tensor_id].param: add_site(tensor_id, False)
+                             for tensor_id in rows if graph.tensors[tensor_id].kind == "weight"}
+        self.passes = sum(1 + (site.grad is not None) for site in self.sites)  # roundings a step
+        self._forward_rows = [site.act for site in self.sites]
+        self._backward_rows = [site.grad for site in self.sites if site.grad is not None]
+        self._elements: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self.compiles = 0  # graphs Dynamo handed to the backend: 1 per structure, input shape and mode
+        self._compiled = torch.compile(_step, fullgraph=True, dynamic=False, backend=self._counted)
+
+    def _counted(self, graph_module: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        self.compiles += 1
+        return torch._dynamo.lookup_backend(self.backend)(graph_module, example_inputs)
+
+    def counters(self, device: torch.device) -> list[torch.Tensor]:
+        """Fresh float64 leaves, one per site whose gradient is rounded: their gradients count its overflows."""
+        return [torch.zeros(1, dtype=torch.float64, device=device, requires_grad=True) for _ in range(self._counters)]
+
+    def run(self, model: nn.Module, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
+            counters: list[torch.Tensor], compiled: bool = True) -> tuple[Any, torch.Tensor]:
+        """``model`` (of the traced structure) on ``x``, rounded as ``rows`` say: its output and the forward's
+        overflow counts, one per site. ``compiled=False`` runs the same graph eagerly."""
+        self.graph_module.train(model.training)
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        step = self._compiled if compiled else _step
+        return step(self.graph_module, self.weight_sites, params, buffers, x, rows, seed, counters)
+
+    def counts(self, forward: torch.Tensor, counters: list[torch.Tensor], batch: int) -> torch.Tensor:
+        """(overflowed, elements) per row, int64, from a step's forward counts and its counters' gradients
+        (none before the backward ran) at batch size ``batch``."""
+        device = forward.device
+        overflowed = torch.zeros(self.n_rows, dtype=torch.float64, device=device)
+        overflowed.index_add_(0, torch.tensor(self._forward_rows, device=device), forward)
+        grads = [counter.grad for counter in counters]
+        if grads and all(grad is not None for grad in grads):
+            overflowed.index_add_(0, torch.tensor(self._backward_rows, device=device), torch.cat(grads))
+            backward = True
+        else:
+            backward = False
+        return torch.stack([overflowed.to(torch.int64), self._elements_at(batch, device, backward)], dim=1)
+
+    def _elements_at(self, batch: int, device: torch.device, backward: bool) -> torch.Tensor:
+        key = (batch, device, backward)
+        if key not in self._elements:
+            elements = [0] * self.n_rows
+            for site in self.sites:
+                numel = site.numel * batch // self.batch_size if site.per_sample else site.numel
+                elements[site.act] += numel
+                if backward and site.grad is not None:
+                    elements[site.grad] += numel
+            self._elements[key] = torch.tensor(elements, dtype=torch.int64, device=device)
+        return self._elements[key]
+
+
+def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], params: dict[str, torch.Tensor],
+          buffers: dict[str, torch.Tensor], x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
+          counters: list[torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """The compiled function: weights rounded, then the rounded graph on them (``functional_call``)."""
+    tensors: dict[str, torch.Tensor] = {**buffers, **params}
+    weight_counts = []
+    for name, (site, counter) in weight_sites.items():  # in the order of the sites' rows
+        tensors[name], overflowed = _Round.apply(params[name], rows, seed,
+                                                 None if counter is None else counters[counter], site)
+        weight_counts.append(overflowed)
+    output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters))
+    return output, _stack(*counts, weight_counts)
+
+
+_GRAPHS: dict[tuple[Any, ...], RoundingGraph] = {}
+
+
+def rounding_graph(graph: TensorGraph, state: TensorState, backend: str = "inductor") -> RoundingGraph:
+    """The process's ``RoundingGraph`` for ``graph``'s structure and ``state``'s roundings per tensor kind,
+    built (and its step compiled, on first use) once."""
+    roundings: dict[str, str] = {}
+    for slot in state.slots.values():
+        roundings.setdefault(slot.kind, slot.rounding)
+    key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), backend)
+    if key not in _GRAPHS:
+        _GRAPHS[key] = RoundingGraph(graph, roundings, backend)
+    return _GRAPHS[key]
+
+
+def rows_table(state: TensorState, device: torch.device) -> torch.Tensor:
+    """The rows of ``state``'s slots now (int32, one per row), for ``RoundingGraph.run``."""
+    ordered = sorted(state.slots.values(), key=lambda slot: slot.row)
+    return torch.stack([format_row(*slot.args()) for slot in ordered]).to(device)
+
