@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from precsearch.formats import kernels
-from precsearch.formats.as_data import RoundWithGradient, format_row, round_with
+from precsearch.formats.as_data import RoundWithGradient, format_row, nearest_in_floats, round_nearest, round_with
 from precsearch.formats.format import get_format
 
 FORMATS = ("e5m2", "e4m3b4s", "e5m2s", "e6m9s", "fp16", "bf16", "fp8_e4m3fn", "e3m2s", "e2m1s", "e3m0", "e7m0s",
@@ -43,6 +43,10 @@ def test_round_with_gives_the_format_kernels_values_and_counts(fmt: str) -> None
             got, overflowed = round_with(x, format_row(fmt, rounding, overflow), seed, constant)
             assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (rounding, overflow, constant)
             assert int(overflowed) == int(counts[0]), (rounding, overflow, constant)
+        if rounding == "nearest" and nearest_in_floats(fmt):
+            got, overflowed = round_nearest(x, format_row(fmt, rounding, overflow))
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), ("round_nearest", overflow)
+            assert int(overflowed) == int(counts[0]), ("round_nearest", overflow)
 
 
 def test_an_fp32_row_keeps_every_value_and_counts_nothing() -> None:
@@ -110,3 +114,20 @@ def test_round_with_compiled_by_inductor_gives_the_kernels_bits() -> None:
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), fmt
         assert int(overflowed) == int(counts[0]), fmt
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("fmt", ["e4m3b4s", "e5m2s", "e6m9s", "bf16", "e2m1s"])
+def test_round_nearest_gives_the_kernels_bits_for_every_float32_of_three_binades(fmt: str) -> None:
+    """Every float32 (both signs) of the binade at 1, of the one below the format's min normal (its subnormal
+    quanta) and of the top of its range (bf16: 2**126, where the split works 2**64 smaller), against the
+    per-format kernel: every tie and every carry of the float32 split."""
+    spec = get_format(fmt)
+    row = format_row(fmt, "nearest", "inf")
+    for exponent in (0, spec.emin - 1, min(spec.emax, 126)):
+        start = (exponent + 127) << 23
+        x = torch.arange(start, start + (1 << 23), dtype=torch.int32).view(torch.float32)
+        x = torch.cat([x, -x])
+        expected, _, counts = kernels.round_and_count(x, fmt, "nearest", "inf")
+        got, overflowed = round_nearest(x, row)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), exponent
+        assert int(overflowed) == int(counts[0]), exponent

@@ -41,7 +41,7 @@ import torch._dynamo
 from torch import fx, nn
 
 from precsearch.config.policy import Policy
-from precsearch.formats.as_data import format_row, round_with
+from precsearch.formats.as_data import format_row, nearest_in_floats, round_nearest, round_with
 from precsearch.graph.types import TensorGraph, grad_id
 from precsearch.runtime.sliced import Slicing
 from precsearch.runtime.state import TensorState
@@ -62,14 +62,17 @@ def compile_by_default() -> bool:
 SEED_STRIDE = 0x3C6EF35F  # odd: each site and direction of a step draws with its own seed, steps apart
 
 
-def unsupported(policy: Policy, graph: TensorGraph) -> str | None:
+def unsupported(policy: Policy, graph: TensorGraph, state: TensorState) -> str | None:
     """Why a compiled step cannot train ``policy`` on ``graph`` (None: it can)."""
     if graph.graph_module is None:
         return f"{graph.model_name} is not FX-traceable (traced with module hooks)"
+    no_mantissa = sorted({slot.fmt.name for slot in state.slots.values()
+                          if slot.rounding == "nearest" and not nearest_in_floats(slot.fmt)})
     reasons = {
         "policy.accumulation (chunked accumulation layers)": policy.accumulation is not None,
         "adaptive loss scaling (per-layer hooks)": policy.loss_scaling["mode"] == "adaptive",
         "gradient_rounding: per_use": policy.gradient_rounding == "per_use",
+        f"nearest rounding to {', '.join(no_mantissa)} (no mantissa bit)": bool(no_mantissa),
     }
     found = [reason for reason, applies in reasons.items() if applies]
     return f"the policy needs {', '.join(found)}" if found else None
@@ -100,7 +103,7 @@ class _Round(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
                 site: Site) -> Any:
         ctx.site = site
-        rounded, overflowed = round_with(x, rows[site.act], seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
+        rounded, overflowed = _rounded(x, rows[site.act], seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
         ctx.save_for_backward(rows, seed, *([rounded] if site.relu_output else []))
         overflowed = overflowed.to(torch.float64).reshape(1)  # 1 element, not 0-d: Dynamo specializes no value
         ctx.mark_non_differentiable(overflowed)
@@ -111,12 +114,19 @@ class _Round(torch.autograd.Function):
         rows, seed, *output = ctx.saved_tensors
         site, overflowed = ctx.site, None
         if site.grad is not None:
-            g, overflowed = round_with(g.contiguous(), rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE,
-                                       site.rounding[1])
+            g, overflowed = _rounded(g, rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE,
+                                     site.rounding[1])
             overflowed = overflowed.to(torch.float64).reshape(1)
         if output:
             g = torch.ops.aten.threshold_backward(g, output[0], 0)
         return g, None, None, overflowed, None
+
+
+def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
+             rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` rounded by ``row`` and its overflow count; nearest rounding in float32 arithmetic (``unsupported``
+    keeps formats it does not serve out)."""
+    return round_nearest(x, row) if rounding == "nearest" else round_with(x, row, seed, rounding)
 
 
 def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],

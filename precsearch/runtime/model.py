@@ -73,6 +73,8 @@ __all__ = ["PrecisionModel", "apply_policy"]
 
 log = logging.getLogger(__name__)
 
+_WARNED_EAGER: set[tuple[str, str]] = set()  # (model, reason) of the eager steps taken instead of compiled ones
+
 
 class PrecisionModel(nn.Module):
     """A model training under a policy; build it with ``apply_policy``. The user's model is ``.module``."""
@@ -248,10 +250,12 @@ class PrecisionModel(nn.Module):
 def _compiled_step(policy: Policy, graph: TensorGraph, state: TensorState, backend: str) -> RoundingGraph | None:
     """The shared compiled step for ``graph``, or None (with one WARNING saying why) where it cannot train
     ``policy``."""
-    reason = unsupported(policy, graph)
+    reason = unsupported(policy, graph, state)
     if reason is not None:
-        log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
-                    graph.model_name, reason)
+        if (graph.model_name, reason) not in _WARNED_EAGER:  # once a process: a search wraps many policies
+            _WARNED_EAGER.add((graph.model_name, reason))
+            log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
+                        graph.model_name, reason)
         return None
     return rounding_graph(graph, state, backend)
 
