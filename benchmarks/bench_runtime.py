@@ -21,7 +21,8 @@
 3. Bytes autograd saves for backward after one forward under several policies, measured (packed storages,
    each once) against the fp32 model's measured bytes and against the cost model's prediction.
 
-Usage: python benchmarks/bench_runtime.py [--device cpu|cuda] [--width W] [--batch N] [--steps 7] [--warmup 3]
+Usage: python benchmarks/bench_runtime.py [--device cpu|cuda] [--model resnet18] [--width W] [--image-size 32]
+       [--batch N] [--steps 7] [--warmup 3]
        [--policies fp32,fp16,bf16,hfp8,all-low] [--no-compiled] [--sections 1,2,3]
 Defaults: CPU ResNet-18 width 0.25 batch 64; CUDA width 1.0 batch 128.
 """
@@ -50,7 +51,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=7, help="timed steps per model (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first (compiles)")
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--width", type=float, default=None)
+    parser.add_argument("--width", type=float, default=None, help="ResNet-18's width (other models: none)")
+    parser.add_argument("--model", default="resnet18", help="zoo model (default resnet18)")
+    parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--policies", default="fp32,fp16,bf16,hfp8,all-low",
                         help="comma-separated rows beside plain fp32 (default: all)")
     parser.add_argument("--no-compiled", action="store_true", help="eager rows only")
@@ -76,9 +79,9 @@ def main() -> int:
         print("--device cuda: CUDA is not available here", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    plain = build("resnet18", width=width).to(device)
+    plain = build(args.model, **({"width": width} if args.model == "resnet18" else {})).to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, 3, 32, 32, generator=g).to(device)
+    x = torch.randn(batch, 3, args.image_size, args.image_size, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
     graph = trace(plain, x[:2], batch_size=batch)
     all_low = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
@@ -95,7 +98,8 @@ def main() -> int:
     name_of = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {name_of}")
     print(_cpu_line())
-    print(f"ResNet-18 width {width}, batch {batch}, SGD(lr=0.1, momentum=0.9, wd=5e-4)\n")
+    model = f"ResNet-18 width {width}" if args.model == "resnet18" else args.model
+    print(f"{model}, {args.image_size}x{args.image_size}, batch {batch}, SGD(lr=0.1, momentum=0.9, wd=5e-4)\n")
     if "1" in sections:
         _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_step)
     if "2" in sections:
@@ -204,14 +208,14 @@ def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_
         if name not in compiled_rows:
             kernels[name] = _dispatched_ops(step)
     shared = [name for name in compiled_rows if name != "plain fp32, compiled" and not kernels[name]]
-    for name in shared:  # a policy served by the graph an earlier row compiled
-        kernels[name] = next(kernels[other] for other in compiled_rows
-                             if other != "plain fp32, compiled" and kernels[other])
+    known = [kernels[other] for other in compiled_rows if other != "plain fp32, compiled" and kernels[other]]
+    for name in shared:  # a policy served by the graph an earlier row compiled (none: Inductor's cache served it)
+        kernels[name] = known[0] if known else 0
     base = statistics.median(times["plain fp32"])
     base_compiled = statistics.median(times["plain fp32, compiled"]) if compiled_rows else None
     print(f"1. training step, median of {args.steps} after {args.warmup} warm-up steps, interleaved")
     header = f"   {'step':30s} {'ms':>8s} {'x eager':>8s} {'x comp.':>8s} {'1st step s':>10s} {'ops/kernels':>12s}"
-    header += f" {'fused':>6s}"
+    header += f" {'fused':>6s} {'pays after':>10s}"
     print(header + (f" {'peak MB':>9s} {'x fp32':>7s}" if peaks else ""))
     plain_kernels = kernels.get("plain fp32, compiled")
     for name, samples in times.items():
@@ -219,17 +223,23 @@ def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_
         versus = f"{median / base_compiled:8.2f}" if base_compiled else f"{'-':>8s}"
         count = f"{kernels[name]:,d}" + (" k" if name in compiled_rows else " op")
         fused = "-"
-        if name in compiled_rows and name != "plain fp32, compiled" and passes and plain_kernels is not None:
+        if name in compiled_rows and name != "plain fp32, compiled" and passes and plain_kernels and kernels[name]:
             fused = f"{1 - (kernels[name] - plain_kernels) / passes:.0%}"
+        pays = "-"
+        eager_name = name.removesuffix(", compiled")
+        if name in compiled_rows and eager_name in times:  # steps until the compile (its first step) is repaid
+            saved = statistics.median(times[eager_name]) - median
+            pays = f"{first[name] / saved:,.0f}" if saved > 0 else "never"
         line = (f"   {name:30s} {median * 1e3:8.1f} {median / base:8.2f} {versus} {first[name]:10.1f} {count:>12s}"
-                f" {fused:>6s}")
+                f" {fused:>6s} {pays:>10s}")
         if peaks:
             line += f" {peaks[name] / 1e6:9.0f} {peaks[name] / peaks['plain fp32']:7.2f}"
         print(line)
     if compiled_rows:
-        print(f"   (k: kernels Inductor generated for the step's forward and backward, convolutions' library calls "
-              f"aside; op: aten ops dispatched; a compiled policy's step makes {passes} rounding passes; compiled "
-              f"rows after the first policy reuse its graph: no compile of their own)")
+        print(f"   (k: kernels in the code Inductor wrote for the step's forward and backward, convolutions' library "
+              f"calls aside; op: aten ops dispatched; a compiled policy's step makes {passes} rounding passes; "
+              f"compiled rows after the first policy reuse its graph: no compile of their own; pays after: steps "
+              f"whose saving over the eager row repays the first step)")
     for name, wrapped in wrapped_models.items():
         if wrapped.promotions:
             print(f"   ({name}: {len(wrapped.promotions)} promotion(s), loss scale {wrapped.scaler.get_scale():g})")

@@ -10,14 +10,17 @@ within a tolerance.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from precsearch.cli._arguments import COMPILE_MIN_STEPS, choose_compile
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
@@ -65,8 +68,9 @@ def _batches(steps: int, batch: int, size: int) -> list[tuple[torch.Tensor, torc
             for _ in range(steps)]
 
 
-def _train(model: nn.Module, policy, batches, **options) -> tuple[nn.Module, list[float]]:
-    wrapped = apply_policy(copy.deepcopy(model), policy, batches[0][0][:2], **options)
+def _train(model: nn.Module, policy, batches, device: str = "cpu", **options) -> tuple[nn.Module, list[float]]:
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    wrapped = apply_policy(copy.deepcopy(model).to(device), policy, batches[0][0][:2], **options)
     optimizer = wrapped.wrap_optimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9,
                                                        weight_decay=5e-4))
     losses = []
@@ -153,15 +157,29 @@ def test_the_process_default_comes_from_the_environment(monkeypatch) -> None:
     assert not compiled.compile_by_default()
 
 
+@pytest.mark.parametrize(("no_compile", "steps", "expected"), [
+    (False, COMPILE_MIN_STEPS, "1"), (False, COMPILE_MIN_STEPS - 1, "0"), (False, None, "1"),
+    (True, COMPILE_MIN_STEPS * 10, "0"), (True, None, "0")])
+def test_the_command_line_compiles_long_work_unless_told_not_to(monkeypatch, no_compile, steps, expected) -> None:
+    """``--no-compile`` always wins; otherwise a command compiles from ``COMPILE_MIN_STEPS`` steps (None: long
+    runs), for itself and the workers it starts (the environment)."""
+    monkeypatch.delenv(compiled.COMPILE_STEP_ENV, raising=False)
+    assert choose_compile(argparse.Namespace(no_compile=no_compile), steps) == (expected == "1")
+    assert os.environ[compiled.COMPILE_STEP_ENV] == expected
+    assert compiled.compile_by_default() == (expected == "1")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "untraceable"])
-def test_zoo_models_train_bit_for_bit_compiled_as_eager(name: str, caplog) -> None:
-    """The issue's models, 20 steps of the all-low policy: ResNet-18 and MobileNetV2 (width 0.125) compiled
-    (aot_eager) against eager; a model FX cannot trace falls back to the eager step with one WARNING naming it,
-    so it trains as eager does."""
+@pytest.mark.parametrize(("name", "gradient_rounding"), [("resnet18", "sum"), ("resnet18", "per_use"),
+                                                         ("mobilenet_v2", "per_use"), ("untraceable", "sum")])
+def test_zoo_models_train_bit_for_bit_compiled_as_eager(name: str, gradient_rounding: str, caplog) -> None:
+    """The issue's models, 20 steps of the all-low policy with pure low-precision weights: ResNet-18 (its
+    residual values have two consumers: their gradients summed then rounded, or rounded per consumer, the
+    paper's ``per_use``) and MobileNetV2 (width 0.125) compiled (aot_eager) against eager; a model FX cannot
+    trace falls back to the eager step with one WARNING naming it, so it trains as eager does."""
     model = _model(name)
     batches = _batches(20, 8, 16)
-    policy = _policy(model, batches[0][0], ALL_LOW, master_weights=False)
+    policy = _policy(model, batches[0][0], ALL_LOW, master_weights=False, gradient_rounding=gradient_rounding)
     eager, eager_losses = _train(model, policy, batches)
     with caplog.at_level(logging.WARNING, logger="precsearch.runtime.model"):
         done, done_losses = _train(model, policy, batches, compile=True, compile_backend="aot_eager")
@@ -176,17 +194,17 @@ def test_zoo_models_train_bit_for_bit_compiled_as_eager(name: str, caplog) -> No
 @pytest.mark.slow
 def test_inductor_compiled_training_makes_the_eager_decisions_within_float32_reordering() -> None:
     """Inductor's code (the default backend) over 20 steps of tiny_cnn under all-low: the same promotions, loss
-    scale and skipped steps as eager; losses within 1e-3 relative and parameters within 1e-3 absolute (float32
-    sums in another order, then 8-bit roundings that may flip a value at a boundary)."""
+    scale and skipped steps as eager, and losses within 1% (measured: 0.45% at most). Not bit for bit: Inductor
+    sums batch-norm statistics in another order, and a last-bit difference that flips an 8-bit rounding moves
+    a value by a whole ulp of its format (weights of e4m3b4s differ by up to 20% of a tensor's largest value
+    after 20 steps)."""
     model = _model("tiny_cnn")
     batches = _batches(20, 16, 16)
     policy = _policy(model, batches[0][0], ALL_LOW)
     eager, eager_losses = _train(model, policy, batches)
     done, done_losses = _train(model, policy, batches, compile=True)
     assert done.compiled
-    assert done_losses == pytest.approx(eager_losses, rel=1e-3)
-    for (name, a), (_, b) in zip(eager.module.named_parameters(), done.module.named_parameters(), strict=True):
-        assert torch.allclose(a, b, rtol=0, atol=1e-3), name
+    assert done_losses == pytest.approx(eager_losses, rel=1e-2)
     assert done.promotions == eager.promotions
     assert done.scaler.get_scale() == eager.scaler.get_scale()
     assert done.scaler.skipped_steps == eager.scaler.skipped_steps
@@ -194,8 +212,9 @@ def test_inductor_compiled_training_makes_the_eager_decisions_within_float32_reo
 
 @pytest.mark.slow
 def test_a_search_of_40_trials_compiles_its_training_step_once(tmp_path, monkeypatch) -> None:
-    """A search of 40 trials (tiny_cnn on digits, 2-step proxies, one worker) with the compiled step on, as the
-    CLI turns it on for a long search: every trained policy runs the one compiled graph, compiled once."""
+    """A search of 40 trials (narrow_cnn on digits: 7 units, 128 assignments; 2-step proxies, one worker) with the
+    compiled step on, as the CLI turns it on for a long search: every trained policy runs the one compiled
+    graph, compiled once."""
     from precsearch.config.spaces import paper_space
     from precsearch.search.config import SearchConfig
     from precsearch.search.study import run_search
@@ -203,9 +222,30 @@ def test_a_search_of_40_trials_compiles_its_training_step_once(tmp_path, monkeyp
     monkeypatch.setenv(compiled.COMPILE_STEP_ENV, "1")
     monkeypatch.setattr(compiled, "_GRAPHS", {})
     space = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
-    result = run_search(SearchConfig("tiny_cnn", space, "digits", trials=40, out_dir=tmp_path / "run", device="cpu",
+    result = run_search(SearchConfig("narrow_cnn", space, "digits", trials=40, out_dir=tmp_path / "run", device="cpu",
                                      progress=False, proxy_steps=2, threads=1))
     trained = result.trials[result.trials["state"] == "COMPLETE"]
     assert len(trained) >= 40
     graphs = list(compiled._GRAPHS.values())
     assert len(graphs) == 1 and graphs[0].compiles == 1
+
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available here")]
+
+
+@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=CUDA), pytest.param("inductor", marks=CUDA)])
+def test_the_compiled_step_on_cuda(backend: str) -> None:
+    """On CUDA: without Inductor, bit for bit the eager runtime's 20 steps; with Inductor (Triton kernels), the
+    eager decisions (promotions, loss scale, skipped steps) and losses within 1% (as on CPU)."""
+    model = _model("tiny_cnn")
+    batches = _batches(20, 16, 16)
+    policy = _policy(model, batches[0][0], ALL_LOW)
+    eager, eager_losses = _train(model, policy, batches, "cuda")
+    done, done_losses = _train(model, policy, batches, "cuda", compile=True, compile_backend=backend)
+    assert done.compiled
+    if backend == "aot_eager":
+        _assert_same_training(eager, done, eager_losses, done_losses)
+    else:
+        assert done_losses == pytest.approx(eager_losses, rel=1e-2)
+        assert done.promotions == eager.promotions
+        assert done.scaler.get_scale() == eager.scaler.get_scale()

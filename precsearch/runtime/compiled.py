@@ -7,7 +7,8 @@ one row per tensor id, so the graph does not depend on the assignment:
 
 * a weight is rounded before the forward, its gradient in the backward by the weight gradient's row;
 * an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
-  a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output);
+  a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output; with
+  ``gradient_rounding: per_use``, each consumer's gradient of a value with several, before they are summed);
 * overflow counts leave the graph as tensors, never by writes: the forward's as an output, the backward's as the
   gradients of float64 leaves, one per site (``counters``); ``TensorState`` reads them once a step with the rest,
   for promotions and the loss scaler. Element counts come from the traced shapes, not from the device.
@@ -20,11 +21,12 @@ model of that structure in the process: trials change only the table and the par
 What the compiled step does not do: pack saved tensors as codes or slice backwards (AOTAutograd's partitioner
 decides what is saved, in float32), so its memory is not the eager runtime's; gather underflow statistics (a step
 that gathers them, every ``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``),
-chunked accumulation, adaptive per-layer loss scaling, per-use gradient rounding and models FX cannot trace,
-which train eagerly. Its stochastic rounding draws from the same hash with other seeds (per site and step, not
-per call). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in the same order and
-trains bit for bit as it does with nearest rounding; Inductor sums some float32 reductions (batch norm) in
-another order, so its values differ in the last bits (tests/test_compiled_step.py states both).
+chunked accumulation, adaptive per-layer loss scaling, nearest rounding to a format without a mantissa bit and
+models FX cannot trace, which train eagerly. Its stochastic rounding draws from the same hash with other seeds
+(per site and step, not per call). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in
+the same order and trains bit for bit as it does with nearest rounding; Inductor sums some float32 reductions
+(batch norm) in another order, so its values differ in the last bits, and where that flips an 8-bit rounding, by
+an ulp of the format (tests/test_compiled_step.py states both).
 """
 
 from __future__ import annotations
@@ -71,7 +73,6 @@ def unsupported(policy: Policy, graph: TensorGraph, state: TensorState) -> str |
     reasons = {
         "policy.accumulation (chunked accumulation layers)": policy.accumulation is not None,
         "adaptive loss scaling (per-layer hooks)": policy.loss_scaling["mode"] == "adaptive",
-        "gradient_rounding: per_use": policy.gradient_rounding == "per_use",
         f"nearest rounding to {', '.join(no_mantissa)} (no mantissa bit)": bool(no_mantissa),
     }
     found = [reason for reason, applies in reasons.items() if applies]
@@ -83,7 +84,7 @@ class Site(NamedTuple):
     both (constants of the graph), whether it follows a ReLU, and its values at the traced batch size."""
 
     index: int
-    act: int
+    act: int | None  # None: the value is not rounded (a consumer's gradient alone, ``gradient_rounding: per_use``)
     grad: int | None
     rounding: tuple[str, str]
     relu_output: bool
@@ -129,6 +130,30 @@ def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
     return round_nearest(x, row) if rounding == "nearest" else round_with(x, row, seed, rounding)
 
 
+class _RoundGradient(torch.autograd.Function):
+    """Forward: ``x`` as it is. Backward: the gradient rounded by the site's gradient row, its overflow count the
+    gradient of ``counter`` (one consumer's gradient, with ``gradient_rounding: per_use``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
+                site: Site) -> torch.Tensor:
+        ctx.site = site
+        ctx.save_for_backward(rows, seed)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        rows, seed = ctx.saved_tensors
+        site = ctx.site
+        g, overflowed = _rounded(g, rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE, site.rounding[1])
+        return g, None, None, overflowed.to(torch.float64).reshape(1), None
+
+
+def _round_gradient(value: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
+                    site: Site, counter: int) -> torch.Tensor:
+    return _RoundGradient.apply(value, rows, seed, counters[counter], site)
+
+
 def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
            sites: tuple[tuple[int, Site, int | None], ...]) -> tuple[Any, list[torch.Tensor]]:
     """``value`` (a tensor, or a tuple of them) with each (position, site, counter index) of ``sites``
@@ -153,10 +178,11 @@ class RoundingGraph:
     ``run(model, x, rows, seed, counters)`` returns the model's output and the forward's overflow counts, one
     per site; ``rows`` has one row per assignable tensor id (``graph.assignable_ids()`` order, the state's
     rows), ``counters`` one float64 leaf per site whose gradient is rounded (``counters()``); ``counts``
-    turns both into (overflowed, elements) per row.
+    turns both into (overflowed, elements, roundings) per row.
     """
 
-    def __init__(self, graph: TensorGraph, roundings: dict[str, str], backend: str = "inductor") -> None:
+    def __init__(self, graph: TensorGraph, roundings: dict[str, str], backend: str = "inductor",
+                 per_use: bool = False) -> None:
         rows = {tensor_id: row for row, tensor_id in enumerate(graph.assignable_ids())}
         self.n_rows = len(rows)
         self.backend = backend
@@ -177,10 +203,10 @@ class RoundingGraph:
         self.sites: list[Site] = []
         self._counters = 0
 
-        def add_site(tensor_id: str, relu_output: bool) -> tuple[Site, int | None]:
-            gradient = grad_id(tensor_id) if grad_id(tensor_id) in rows else None
+        def add_site(tensor_id: str, relu_output: bool, act: bool = True, grad: bool = True) -> tuple[Site, int | None]:
+            gradient = grad_id(tensor_id) if grad_id(tensor_id) in rows and grad else None
             info = graph.tensors[tensor_id]
-            site = Site(len(self.sites), rows[tensor_id], rows.get(gradient),
+            site = Site(len(self.sites), rows[tensor_id] if act else None, rows.get(gradient),
                         (roundings[info.kind], roundings[graph.tensors[gradient].kind] if gradient else "nearest"),
                         relu_output, info.numel, info.kind != "weight")
             self.sites.append(site)
@@ -197,7 +223,13 @@ class RoundingGraph:
             node = nodes[op.node]
             relu_output = (node.op == "call_module"
                            and slicing.output_function(gm.get_submodule(node.target)) is not None)
-            sites = tuple((int(tensor_id.rsplit(":activation", 1)[1] or 0), *add_site(tensor_id, relu_output))
+            # gradient_rounding per_use: a value with several consumers has each one's gradient rounded (before
+            # the consumer), not their sum (as runtime.instrument_fx's GradUse)
+            users = list(node.users)
+            per_use_id = (ids[0] if per_use and len(ids) == 1 and ":activation" in ids[0] and len(users) > 1
+                          and not ids[0].rsplit(":activation", 1)[1] and grad_id(ids[0]) in rows else None)
+            sites = tuple((int(tensor_id.rsplit(":activation", 1)[1] or 0),
+                           *add_site(tensor_id, relu_output, grad=tensor_id != per_use_id))
                           for tensor_id in ids)
             with fx_graph.inserting_after(counters_node if node.op == "placeholder" else node):
                 pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites))
@@ -206,6 +238,12 @@ class RoundingGraph:
             with fx_graph.inserting_after(rounded):
                 forward_counts.append(fx_graph.call_function(operator.getitem, (pair, 1)))
             node.replace_all_uses_with(rounded, delete_user_cb=lambda user, pair=pair: user is not pair)
+            for user in users if per_use_id else ():
+                site, counter = add_site(per_use_id, False, act=False)
+                with fx_graph.inserting_before(user):
+                    use = fx_graph.call_function(_round_gradient, (rounded, rows_node, seed_node, counters_node, site,
+                                                                   counter))
+                user.replace_input_with(rounded, use)
         output = next(node for node in fx_graph.nodes if node.op == "output")
         output.args = ((output.args[0], tuple(forward_counts)),)
         fx_graph.lint()
@@ -213,8 +251,8 @@ class RoundingGraph:
         self.graph_module = gm
         self.weight_sites = {graph.tensors[tensor_id].param: add_site(tensor_id, False)
                              for tensor_id in rows if graph.tensors[tensor_id].kind == "weight"}
-        self.passes = sum(1 + (site.grad is not None) for site in self.sites)  # roundings a step
-        self._forward_rows = [site.act for site in self.sites]
+        self.passes = sum((site.act is not None) + (site.grad is not None) for site in self.sites)  # roundings a step
+        self._forward_rows = [site.act for site in self.sites if site.act is not None]
         self._backward_rows = [site.grad for site in self.sites if site.grad is not None]
         self._elements: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.compiles = 0  # graphs Dynamo handed to the backend: 1 per structure, input shape and mode
@@ -239,8 +277,8 @@ class RoundingGraph:
         return step(self.graph_module, self.weight_sites, params, buffers, x, rows, seed, counters)
 
     def counts(self, forward: torch.Tensor, counters: list[torch.Tensor], batch: int) -> torch.Tensor:
-        """(overflowed, elements) per row, int64, from a step's forward counts and its counters' gradients
-        (none before the backward ran) at batch size ``batch``."""
+        """(overflowed, elements, roundings) per row, int64, from a step's forward counts and its counters'
+        gradients (none before the backward ran) at batch size ``batch``."""
         device = forward.device
         overflowed = torch.zeros(self.n_rows, dtype=torch.float64, device=device)
         overflowed.index_add_(0, torch.tensor(self._forward_rows, device=device), forward)
@@ -250,17 +288,20 @@ class RoundingGraph:
             backward = True
         else:
             backward = False
-        return torch.stack([overflowed.to(torch.int64), self._elements_at(batch, device, backward)], dim=1)
+        return torch.cat([overflowed.to(torch.int64)[:, None], self._elements_at(batch, device, backward)], dim=1)
 
     def _elements_at(self, batch: int, device: torch.device, backward: bool) -> torch.Tensor:
+        """(elements, roundings) per row of a step at batch size ``batch`` (its backward's too, ``backward``), from
+        the traced shapes: no device read."""
         key = (batch, device, backward)
         if key not in self._elements:
-            elements = [0] * self.n_rows
+            elements = [[0, 0] for _ in range(self.n_rows)]
             for site in self.sites:
                 numel = site.numel * batch // self.batch_size if site.per_sample else site.numel
-                elements[site.act] += numel
-                if backward and site.grad is not None:
-                    elements[site.grad] += numel
+                for row in (site.act, site.grad if backward else None):
+                    if row is not None:
+                        elements[row][0] += numel
+                        elements[row][1] += 1
             self._elements[key] = torch.tensor(elements, dtype=torch.int64, device=device)
         return self._elements[key]
 
@@ -282,15 +323,16 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
 _GRAPHS: dict[tuple[Any, ...], RoundingGraph] = {}
 
 
-def rounding_graph(graph: TensorGraph, state: TensorState, backend: str = "inductor") -> RoundingGraph:
+def rounding_graph(graph: TensorGraph, state: TensorState, backend: str = "inductor",
+                   per_use: bool = False) -> RoundingGraph:
     """The process's ``RoundingGraph`` for ``graph``'s structure and ``state``'s roundings per tensor kind,
     built (and its step compiled, on first use) once."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
-    key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), backend)
+    key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), backend, per_use)
     if key not in _GRAPHS:
-        _GRAPHS[key] = RoundingGraph(graph, roundings, backend)
+        _GRAPHS[key] = RoundingGraph(graph, roundings, backend, per_use)
     return _GRAPHS[key]
 
 

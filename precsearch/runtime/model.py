@@ -163,8 +163,8 @@ class PrecisionModel(nn.Module):
         if not self._warned_compile:
             self._warned_compile = True
             log.warning("torch.compile of a policy-wrapped model runs it eagerly (its saved-tensor bookkeeping "
-                        "cannot be traced; the rounding kernels are compiled one by one already): call the "
-                        "wrapped model without torch.compile")
+                        "cannot be traced): wrap with apply_policy(model, policy, compile=True) instead, which "
+                        "compiles the training step itself")
         return self._forward(*args, **kwargs)
 
     @property
@@ -257,7 +257,7 @@ def _compiled_step(policy: Policy, graph: TensorGraph, state: TensorState, backe
             log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
                         graph.model_name, reason)
         return None
-    return rounding_graph(graph, state, backend)
+    return rounding_graph(graph, state, backend, per_use=policy.gradient_rounding == "per_use")
 
 
 def _swap_accumulation(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:

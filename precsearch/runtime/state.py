@@ -175,7 +175,8 @@ class TensorState:
 
     def count_compiled(self, counts: Callable[[], torch.Tensor]) -> None:
         """Take a compiled step's counts (precsearch.runtime.compiled): ``counts()`` gives (overflowed,
-        elements) per row, the forward's and, once the backward ran, the backward's; read with the others."""
+        elements, roundings) per row, the forward's and, once the backward ran, the backward's; read with the
+        others."""
         self.flush()
         self._compiled = counts
         self._dirty = True
@@ -187,7 +188,7 @@ class TensorState:
 
     def pending(self) -> torch.Tensor | None:
         """This step's unread counts, one tensor: (overflowed, unencodable) per row from the eager roundings,
-        then (overflowed, elements) per row from a compiled step, if one ran."""
+        then (overflowed, elements, roundings) per row from a compiled step, if one ran."""
         if not self._dirty:
             return None
         if self._compiled is None:
@@ -205,10 +206,10 @@ class TensorState:
         compiled = values[2 * len(self.slots):]
         for slot in self.slots.values():
             over, bad = values[2 * slot.row], values[2 * slot.row + 1]
-            if compiled and compiled[2 * slot.row + 1]:
-                over += compiled[2 * slot.row]
-                slot.pending += compiled[2 * slot.row + 1]
-                slot.calls += 1
+            if compiled:
+                over += compiled[3 * slot.row]
+                slot.pending += compiled[3 * slot.row + 1]
+                slot.calls += compiled[3 * slot.row + 2]
             if not slot.pending:
                 continue
             fraction = over / slot.pending
