@@ -174,7 +174,7 @@ def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_
             wrapped_models[f"{name}, compiled"] = wrapped
             steps[f"{name} policy, compiled"] = stepper(wrapped)
             compiled_rows.add(f"{name} policy, compiled")
-            passes = wrapped._step.passes if wrapped.compiled else passes
+            passes = wrapped.compiled_step.graph.passes if wrapped.compiled_step else passes
     qpytorch = _qpytorch_hooks(copy.deepcopy(plain))
     if qpytorch is not None:
         steps["QPyTorch e5m2 in hooks"] = stepper(qpytorch)

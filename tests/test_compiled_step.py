@@ -114,7 +114,7 @@ def test_the_compiled_step_trains_bit_for_bit_as_the_eager_runtime(case: str) ->
     eager, eager_losses = _train(model, policy, batches, stats_every=stats_every)
     done, done_losses = _train(model, policy, batches, stats_every=stats_every, compile=True,
                                compile_backend="aot_eager")
-    assert done.compiled and done._step.compiles == 1
+    assert done.compiled_step is not None and done.compiled_step.graph.compiles == 1
     if promotes:
         assert eager.promotions, "the case must promote"
     _assert_same_training(eager, done, eager_losses, done_losses)
@@ -133,7 +133,7 @@ def test_one_compiled_graph_serves_every_assignment() -> None:
         eager, eager_losses = _train(model, policy, batches)
         done, done_losses = _train(model, policy, batches, compile=True, compile_backend="aot_eager")
         _assert_same_training(eager, done, eager_losses, done_losses)
-        steps.add(done._step)
+        steps.add(done.compiled_step.graph)
     assert len(steps) == 1 and steps.pop().compiles == 1
 
 
@@ -143,7 +143,7 @@ def test_a_policy_the_compiled_step_cannot_train_runs_eagerly_with_one_warning(c
     policy = _policy(model, x, ALL_LOW, loss_scaling={"mode": "adaptive"})
     with caplog.at_level(logging.WARNING, logger="precsearch.runtime.model"):
         wrapped = apply_policy(copy.deepcopy(model), policy, x[:2], compile=True)
-    assert not wrapped.compiled
+    assert wrapped.compiled_step is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "adaptive loss scaling" in warnings[0] and "eagerly" in warnings[0]
 
@@ -185,9 +185,9 @@ def test_zoo_models_train_bit_for_bit_compiled_as_eager(name: str, gradient_roun
         done, done_losses = _train(model, policy, batches, compile=True, compile_backend="aot_eager")
     fallback = [r.getMessage() for r in caplog.records if "not compiled" in r.getMessage()]
     if name == "untraceable":
-        assert not done.compiled and len(fallback) == 1 and "Untraceable is not FX-traceable" in fallback[0]
+        assert done.compiled_step is None and len(fallback) == 1 and "Untraceable is not FX-traceable" in fallback[0]
     else:
-        assert done.compiled and not fallback
+        assert done.compiled_step is not None and not fallback
     _assert_same_training(eager, done, eager_losses, done_losses)
 
 
@@ -203,7 +203,7 @@ def test_inductor_compiled_training_makes_the_eager_decisions_within_float32_reo
     policy = _policy(model, batches[0][0], ALL_LOW)
     eager, eager_losses = _train(model, policy, batches)
     done, done_losses = _train(model, policy, batches, compile=True)
-    assert done.compiled
+    assert done.compiled_step is not None
     assert done_losses == pytest.approx(eager_losses, rel=1e-2)
     assert done.promotions == eager.promotions
     assert done.scaler.get_scale() == eager.scaler.get_scale()
@@ -242,7 +242,7 @@ def test_the_compiled_step_on_cuda(backend: str) -> None:
     policy = _policy(model, batches[0][0], ALL_LOW)
     eager, eager_losses = _train(model, policy, batches, "cuda")
     done, done_losses = _train(model, policy, batches, "cuda", compile=True, compile_backend=backend)
-    assert done.compiled
+    assert done.compiled_step is not None
     if backend == "aot_eager":
         _assert_same_training(eager, done, eager_losses, done_losses)
     else:

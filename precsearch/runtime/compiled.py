@@ -48,8 +48,7 @@ from precsearch.graph.types import TensorGraph, grad_id
 from precsearch.runtime.sliced import Slicing
 from precsearch.runtime.state import TensorState
 
-__all__ = ["COMPILE_STEP_ENV", "SEED_STRIDE", "RoundingGraph", "compile_by_default", "rounding_graph", "rows_table",
-           "unsupported"]
+__all__ = ["COMPILE_STEP_ENV", "CompiledStep", "RoundingGraph", "compile_by_default", "compiled_step", "unsupported"]
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +320,44 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
 
 
 _GRAPHS: dict[tuple[Any, ...], RoundingGraph] = {}
+_WARNED_EAGER: set[tuple[str, str]] = set()  # (model, reason) of the eager steps taken instead of compiled ones
+
+
+class CompiledStep:
+    """One wrapped model's use of the shared ``RoundingGraph``: its table of rows (made again after a
+    promotion), a seed per step, and the counts handed to its state (a training forward's only, as the eager
+    path counts)."""
+
+    def __init__(self, graph: RoundingGraph, state: TensorState) -> None:
+        self.graph, self.state = graph, state
+        self._rows: tuple[int, torch.Tensor] | None = None  # the promotions the table has, and the table
+
+    def __call__(self, module: nn.Module, x: torch.Tensor, training: bool) -> Any:
+        state, graph = self.state, self.graph
+        promoted = len(state.promotions)
+        if self._rows is None or self._rows[0] != promoted or self._rows[1].device != x.device:
+            self._rows = promoted, rows_table(state, x.device)
+        seed = state.seed_tensor(x.device)
+        counters = graph.counters(x.device)
+        output, forward = graph.run(module, x, self._rows[1], seed.reshape(1).clone(), counters)
+        seed.add_(SEED_STRIDE * 2 * len(graph.sites))
+        if training:
+            batch = x.shape[0]
+            state.count_compiled(lambda: graph.counts(forward.detach(), counters, batch))
+        return output
+
+
+def compiled_step(policy: Policy, graph: TensorGraph, state: TensorState, backend: str) -> CompiledStep | None:
+    """The compiled step of ``graph`` under ``policy``, or None (with one WARNING a process saying why) where it
+    cannot train it."""
+    reason = unsupported(policy, graph, state)
+    if reason is not None:
+        if (graph.model_name, reason) not in _WARNED_EAGER:  # once a process: a search wraps many policies
+            _WARNED_EAGER.add((graph.model_name, reason))
+            log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
+                        graph.model_name, reason)
+        return None
+    return CompiledStep(rounding_graph(graph, state, backend, per_use=policy.gradient_rounding == "per_use"), state)
 
 
 def rounding_graph(graph: TensorGraph, state: TensorState, backend: str = "inductor",

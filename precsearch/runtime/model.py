@@ -58,7 +58,7 @@ from precsearch.graph.policy_check import policy_example_input, verify_policy
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph, grad_id
 from precsearch.runtime.accumulate import CHUNKED_LAYERS, swap_chunked_layers
-from precsearch.runtime.compiled import SEED_STRIDE, RoundingGraph, rounding_graph, rows_table, unsupported
+from precsearch.runtime.compiled import compiled_step
 from precsearch.runtime.gradients import hook_weight_gradients, no_process_group
 from precsearch.runtime.instrument_fx import instrument_fx
 from precsearch.runtime.instrument_hooks import HookInstrument, is_module_call
@@ -73,11 +73,9 @@ __all__ = ["PrecisionModel", "apply_policy"]
 
 log = logging.getLogger(__name__)
 
-_WARNED_EAGER: set[tuple[str, str]] = set()  # (model, reason) of the eager steps taken instead of compiled ones
-
-
 class PrecisionModel(nn.Module):
-    """A model training under a policy; build it with ``apply_policy``. The user's model is ``.module``."""
+    """A model training under a policy; build it with ``apply_policy``. The user's model is ``.module``;
+    ``compiled_step`` is the compiled step its forwards with gradients run (precsearch.runtime.compiled), or None."""
 
     def __init__(self, model: nn.Module, policy: Policy, graph: TensorGraph, seed: int = 0,
                  stats_every: int | None = None, steps_per_epoch: int | None = None,
@@ -98,9 +96,7 @@ class PrecisionModel(nn.Module):
         if not policy.master_weights:
             self.state.on_promote.append(self._optimizers.promote)
         self.clipped_at_start = [] if policy.master_weights else round_pure_weights(weights, self.state)
-        self._step = _compiled_step(policy, graph, self.state, compile_backend) if compile else None
-        self._rows: torch.Tensor | None = None  # the compiled step's table, made again after a promotion
-        self.state.on_promote.append(lambda _slot: setattr(self, "_rows", None))
+        self.compiled_step = compiled_step(policy, graph, self.state, compile_backend) if compile else None
         self._handles += hook_weight_gradients(model, graph, self.state, hold_gradients)
         self._rounding = Rounding(self.state, self._packer, weights)
         self._hooks: HookInstrument | None = None
@@ -167,17 +163,12 @@ class PrecisionModel(nn.Module):
                         "compiles the training step itself")
         return self._forward(*args, **kwargs)
 
-    @property
-    def compiled(self) -> bool:
-        """Whether forwards with gradients run the compiled step (precsearch.runtime.compiled)."""
-        return self._step is not None
-
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         self.state.start_forward(self.training and torch.is_grad_enabled(), self.stats_every)
-        self.state.graph_rounds = (self._step is not None and torch.is_grad_enabled() and not self.state.stats_due
-                                   and len(args) == 1 and not kwargs)
+        self.state.graph_rounds = (self.compiled_step is not None and torch.is_grad_enabled()
+                                   and not self.state.stats_due and len(args) == 1 and not kwargs)
         if self.state.graph_rounds:
-            return self._compiled_forward(args[0])
+            return self.compiled_step(self.module, args[0], self.training)
         packing = self._packer.forward() if torch.is_grad_enabled() else contextlib.nullcontext()
         with packing:
             if self._hooks is not None:
@@ -186,20 +177,6 @@ class PrecisionModel(nn.Module):
             if not weights:
                 return self._target(*args, **kwargs)
             return torch.func.functional_call(self._target, weights, args, kwargs)
-
-    def _compiled_forward(self, x: torch.Tensor) -> Any:
-        """One forward of the compiled step: the table of rows, a seed per step, and the counts handed to the
-        state (a training forward's only, as the eager path counts)."""
-        if self._rows is None or self._rows.device != x.device:
-            self._rows = rows_table(self.state, x.device)
-        seed = self.state.seed_tensor(x.device)
-        counters = self._step.counters(x.device)
-        output, forward = self._step.run(self.module, x, self._rows, seed.reshape(1).clone(), counters)
-        seed.add_(SEED_STRIDE * 2 * len(self._step.sites))
-        if self.training:
-            step, batch = self._step, x.shape[0]
-            self.state.count_compiled(lambda: step.counts(forward.detach(), counters, batch))
-        return output
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to step: ``optimizer`` itself with fp32 masters and no optimizer settings, else a
@@ -245,19 +222,6 @@ class PrecisionModel(nn.Module):
             self.module.set_submodule(name, layer)
         self._plain_layers.clear()
         return self.module
-
-
-def _compiled_step(policy: Policy, graph: TensorGraph, state: TensorState, backend: str) -> RoundingGraph | None:
-    """The shared compiled step for ``graph``, or None (with one WARNING saying why) where it cannot train
-    ``policy``."""
-    reason = unsupported(policy, graph, state)
-    if reason is not None:
-        if (graph.model_name, reason) not in _WARNED_EAGER:  # once a process: a search wraps many policies
-            _WARNED_EAGER.add((graph.model_name, reason))
-            log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
-                        graph.model_name, reason)
-        return None
-    return rounding_graph(graph, state, backend, per_use=policy.gradient_rounding == "per_use")
 
 
 def _swap_accumulation(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
