@@ -132,6 +132,20 @@ def _cpu_line() -> str:
             f"flags: {' '.join(vector) or 'unknown'}")
 
 
+def _kernels_written(step: Callable[[], object]) -> int:
+    """Kernels in the code Inductor writes while ``step`` runs (0 when it compiles nothing): its own
+    ``save_output_code`` hook, as ``torch._inductor.utils.run_and_get_code`` uses, without the latter's reset of
+    everything compiled before."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        step()
+    return sum(code.count("async_compile.cpp_pybinding(") + code.count("async_compile.triton(") for code in codes)
+
+
 def _dispatched_ops(step: Callable[[], object]) -> int:
     """aten ops one eager step dispatches."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -150,7 +164,6 @@ def _dispatched_ops(step: Callable[[], object]) -> int:
 
 def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_step) -> None:  # noqa: N803
     import torch
-    from torch._inductor.utils import run_and_get_code
 
     def stepper(model, autocast: bool = False) -> Callable[[], object]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
@@ -191,10 +204,8 @@ def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_
                 before = torch.cuda.memory_allocated()
             _sync(device)
             start = time.perf_counter()
-            if index == 0 and name in compiled_rows:  # the step that compiles: keep the code Inductor wrote
-                _, codes = run_and_get_code(step)
-                kernels[name] = sum(code.count("async_compile.cpp_pybinding(") + code.count("async_compile.triton(")
-                                    for code in codes)
+            if index == 0 and name in compiled_rows:  # the step that compiles: count the kernels Inductor wrote
+                kernels[name] = _kernels_written(step)
             else:
                 step()
             _sync(device)

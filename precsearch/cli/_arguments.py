@@ -145,22 +145,23 @@ def space_argument(args: argparse.Namespace) -> Any:
     return args.space if args.space is not None else paper_space()
 
 
-# Training steps from which a command compiles its step by default: a compile costs about as many steps as it
-# saves over this many (benchmarks/results/bench_runtime.md); fewer run eagerly.
+# Training steps (a process's) from which a command compiles its step by default: the demo's narrow_cnn repays its
+# compile after 2,141 all-low steps, ResNet-18 width 0.25 after about 190 (benchmarks/results/bench_runtime.md).
 COMPILE_MIN_STEPS = 2000
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", action="store_true",
-                        help=f"train eagerly; by default a command that trains {COMPILE_MIN_STEPS} steps or more "
-                             "(all its runs together) compiles the training step once per model "
-                             "(precsearch.runtime.compiled)")
+                        help=f"train eagerly; by default a command whose processes each train {COMPILE_MIN_STEPS} "
+                             "steps or more (all their runs together) compiles the training step, once per model "
+                             "and process (precsearch.runtime.compiled)")
 
 
 def choose_compile(args: argparse.Namespace, steps: int | None) -> bool:
-    """Whether this command's runs compile their step: not with ``--no-compile``, else when it trains ``steps``
-    (all runs together; None: long runs) of at least ``COMPILE_MIN_STEPS``. Set in the environment
-    (precsearch.runtime.compiled's ``COMPILE_STEP_ENV``) for this process and the workers it starts."""
+    """Whether this command's runs compile their step: not with ``--no-compile``, else when each of its processes
+    trains ``steps`` (all its runs together; None: long runs) of at least ``COMPILE_MIN_STEPS``. Set in the
+    environment (precsearch.runtime.compiled's ``COMPILE_STEP_ENV``) for this process and the workers it
+    starts."""
     from precsearch.runtime.compiled import COMPILE_STEP_ENV
 
     on = not args.no_compile and (steps is None or steps >= COMPILE_MIN_STEPS)

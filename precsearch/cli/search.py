@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.search.context import Budget, DataSpec
     from precsearch.search.study import SearchInterrupted, run_search
 
-    choose_compile(args, args.trials * (args.proxy_steps if isinstance(args.proxy_steps, int) else ProxyConfig.steps))
+    proxy_steps = args.proxy_steps if isinstance(args.proxy_steps, int) else ProxyConfig.steps  # calibrated: longer
+    choose_compile(args, args.trials * proxy_steps // args.jobs)  # each worker compiles once
     budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory,
                     confidence=args.confidence)
     config = SearchConfig(
