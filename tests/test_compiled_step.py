@@ -249,3 +249,21 @@ def test_the_compiled_step_on_cuda(backend: str) -> None:
         assert done_losses == pytest.approx(eager_losses, rel=1e-2)
         assert done.promotions == eager.promotions
         assert done.scaler.get_scale() == eager.scaler.get_scale()
+
+
+def test_stochastic_rounding_in_the_compiled_step_draws_from_its_seed() -> None:
+    """Stochastic rounding of activation gradients and weights inside the compiled graph (the hash computed in
+    the graph; its values are ``round_with``'s, tested against the kernels in tests/test_format_data.py): the
+    same seed trains the same bits, another seed other bits, and nearest rounding others again."""
+    model = _model("tiny_cnn")
+    batches = _batches(3, 16, 16)
+    stochastic = _policy(model, batches[0][0], ALL_LOW, rounding={"activation_grad": "stochastic",
+                                                                  "weight": "stochastic"})
+    runs = [_train(model, policy, batches, seed=seed, compile=True, compile_backend="aot_eager")[0]
+            for policy, seed in ((stochastic, 1), (stochastic, 1), (stochastic, 2), (_policy(model, batches[0][0],
+                                                                                             ALL_LOW), 1))]
+    assert {slot.rounding for slot in runs[0].state.slots.values() if slot.kind == "weight"} == {"stochastic"}
+    params = [[p.detach().clone() for p in run.module.parameters()] for run in runs]
+    assert all(map(torch.equal, params[0], params[1]))
+    assert not all(map(torch.equal, params[0], params[2]))
+    assert not all(map(torch.equal, params[0], params[3]))
