@@ -32,6 +32,7 @@ an ulp of the format (tests/test_compiled_step.py states both).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import operator
 import os
@@ -266,28 +267,31 @@ class RoundingGraph:
         return [torch.zeros(1, dtype=torch.float64, device=device, requires_grad=True) for _ in range(self._counters)]
 
     def run(self, model: nn.Module, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
-            counters: list[torch.Tensor], compiled: bool = True) -> tuple[Any, torch.Tensor]:
+            counters: list[torch.Tensor]) -> tuple[Any, torch.Tensor]:
         """``model`` (of the traced structure) on ``x``, rounded as ``rows`` say: its output and the forward's
-        overflow counts, one per site. ``compiled=False`` runs the same graph eagerly."""
+        overflow counts, one per site."""
         self.graph_module.train(model.training)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
-        step = self._compiled if compiled else _step
-        return step(self.graph_module, self.weight_sites, params, buffers, x, rows, seed, counters)
+        return self._compiled(self.graph_module, self.weight_sites, params, buffers, x, rows, seed, counters)
 
     def counts(self, forward: torch.Tensor, counters: list[torch.Tensor], batch: int) -> torch.Tensor:
         """(overflowed, elements, roundings) per row, int64, from a step's forward counts and its counters'
         gradients (none before the backward ran) at batch size ``batch``."""
         device = forward.device
+        forward_rows, backward_rows = self._row_indices(device)
         overflowed = torch.zeros(self.n_rows, dtype=torch.float64, device=device)
-        overflowed.index_add_(0, torch.tensor(self._forward_rows, device=device), forward)
+        overflowed.index_add_(0, forward_rows, forward)
         grads = [counter.grad for counter in counters]
-        if grads and all(grad is not None for grad in grads):
-            overflowed.index_add_(0, torch.tensor(self._backward_rows, device=device), torch.cat(grads))
-            backward = True
-        else:
-            backward = False
+        backward = bool(grads) and all(grad is not None for grad in grads)
+        if backward:
+            overflowed.index_add_(0, backward_rows, torch.cat(grads))
         return torch.cat([overflowed.to(torch.int64)[:, None], self._elements_at(batch, device, backward)], dim=1)
+
+    @functools.cache  # noqa: B019 (one per process and structure: the cache lives as long as the graph anyway)
+    def _row_indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of the forward counts and of the counters, as index tensors on ``device``, made once."""
+        return (torch.tensor(self._forward_rows, device=device), torch.tensor(self._backward_rows, device=device))
 
     def _elements_at(self, batch: int, device: torch.device, backward: bool) -> torch.Tensor:
         """(elements, roundings) per row of a step at batch size ``batch`` (its backward's too, ``backward``), from

@@ -73,6 +73,7 @@ __all__ = ["PrecisionModel", "apply_policy"]
 
 log = logging.getLogger(__name__)
 
+
 class PrecisionModel(nn.Module):
     """A model training under a policy; build it with ``apply_policy``. The user's model is ``.module``;
     ``compiled_step`` is the compiled step its forwards with gradients run (precsearch.runtime.compiled), or None."""
