@@ -4,9 +4,14 @@ and predicted, beside the bytes autograd saves, all as ratios to the plain fp32 
 Measured: the CPU allocator's events (precsearch.cost.measured), and CUDA's ``max_memory_allocated`` with
 ``--device cuda``; both above what is live before the step (parameters, momentum, the batch). Predicted:
 ``CostModel.peak_bytes``. Saved: ``CostModel.saved_activation_bytes``. Rows: plain fp32, plain under
-``torch.autocast(bfloat16)`` (CUDA only), the fp32/fp16/bf16/hfp8 baselines and the paper's all-low policy.
+``torch.autocast(bfloat16)`` (CUDA only), the fp32/fp16/bf16/hfp8 baselines and the paper's all-low policy, each
+eager; then, with ``--compiled`` (a list of policies), the same policies through ``apply_policy(compile=True)``:
+the compiled step with each rounded tensor's codes saved for the backward (precsearch.runtime.compiled), beside
+plain ``torch.compile`` of the fp32 model. Each compiled row compiles its own graph (its code widths), which
+takes minutes on a CPU; the step measured is the third, after the compile.
 
 Usage: python benchmarks/bench_memory.py [--width 1.0] [--batch 128] [--device cpu|cuda]
+       [--policies fp32,fp16,bf16,hfp8,all-low] [--compiled fp16,hfp8,all-low]
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--timeline", action="store_true", help="print the blocks at each measured peak")
+    parser.add_argument("--policies", default="fp32,fp16,bf16,hfp8,all-low", help="eager policy rows")
+    parser.add_argument("--compiled", default="", help="policies also measured compiled (e.g. fp16,hfp8,all-low)")
     args = parser.parse_args()
     device = torch.device(args.device)
 
@@ -46,22 +53,37 @@ def main() -> int:
     y = torch.randint(0, 10, (args.batch,), generator=g)
     graph = trace(plain, x[:2], batch_size=args.batch)
     cost = CostModel(graph)
-    policies: dict[str, Policy | None] = {"plain fp32": None}
-    policies.update({name: baseline(name, graph) for name in ("fp32", "fp16", "bf16", "hfp8")})
-    policies["all-low"] = policy_from_assignment(
+    every: dict[str, Policy] = {name: baseline(name, graph) for name in ("fp32", "fp16", "bf16", "hfp8")}
+    every["all-low"] = policy_from_assignment(
         graph, {tid: ALL_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
         overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
         promotion_threshold=0.01)
+    chosen = [name for name in args.policies.split(",") if name]
+    compiled = [name for name in args.compiled.split(",") if name]
+    unknown = sorted(set(chosen + compiled) - set(every))
+    if unknown:
+        parser.error(f"unknown policy {unknown[0]!r}; use any of {', '.join(every)}")
+    # (row, policy, compiled)
+    rows_to_run: list[tuple[str, Policy | None, bool]] = [("plain fp32", None, False)]
+    rows_to_run += [(name, every[name], False) for name in chosen]
+    if compiled:
+        rows_to_run.append(("plain fp32, torch.compile", None, True))
+    rows_to_run += [(f"{name}, compiled", every[name], True) for name in compiled]
 
     print(f"torch {torch.__version__}, ResNet-18 width {args.width}, batch {args.batch}, 32x32, "
           f"SGD(momentum=0.9, wd=5e-4); {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
     rows = []
-    for name, policy in policies.items():
-        model = copy.deepcopy(plain) if policy is None else apply_policy(copy.deepcopy(plain), policy)
+    for name, policy, compiling in rows_to_run:
+        model = copy.deepcopy(plain)
+        if policy is not None:
+            model = apply_policy(model, policy, compile=compiling)
+        elif compiling:
+            model = torch.compile(model, fullgraph=True)
         model = model.to(device)
         step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4),
                         x.to(device), y.to(device))
         step()  # momentum buffers, compiled kernels
+        step()
         memory = trace_step(step) if device.type == "cpu" else None
         cuda = measure_peak(step, device) if device.type == "cuda" else None
         assignment = None if policy is None else policy.assignment(graph)
@@ -77,11 +99,14 @@ def main() -> int:
         rows.insert(1, ("autocast bf16", None, measure_peak(autocast_step, device), None, None))
 
     base = rows[0][2] if device.type == "cuda" else rows[0][1].peak
-    print("\n| step | peak measured (MiB) | x fp32 | peak predicted | x fp32 | saved bytes | x fp32 |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, memory, cuda, predicted, saved in rows:
-        measured = cuda if device.type == "cuda" else memory.peak
-        cells = [f"{measured / MIB:.1f}", f"{measured / base:.3f}"]
+    measured_of = {name: cuda if device.type == "cuda" else memory.peak for name, memory, cuda, _, _ in rows}
+    print("\n| step | peak measured (MiB) | x fp32 | x its eager row | peak predicted | x fp32 | saved bytes "
+          "| x fp32 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, _, _, predicted, saved in rows:
+        measured = measured_of[name]
+        eager = measured_of.get(name.removesuffix(", compiled")) if name.endswith(", compiled") else None
+        cells = [f"{measured / MIB:.1f}", f"{measured / base:.3f}", "-" if eager is None else f"{measured / eager:.3f}"]
         cells += ["-", "-"] if predicted is None else [f"{predicted / MIB:.1f}", f"{predicted / base:.3f}"]
         cells += ["-", "-"] if saved is None else [f"{saved / MIB:.1f}", f"{saved / base:.3f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")

@@ -4,8 +4,8 @@
    under each policy, eager and compiled, as ratios to the plain fp32 model's eager step and to its
    ``torch.compile``-d step timed in the same run: steps alternate between the models (interleaved), medians
    after warm-up. Compiled rows: plain ``torch.compile(model, fullgraph=True)``; a policy through
-   ``apply_policy(compile=True)`` (precsearch.runtime.compiled: one compiled graph serves every policy of the
-   model, so only the first policy row compiles). Per row: its first step (the compile, where it compiles),
+   ``apply_policy(compile=True)`` (precsearch.runtime.compiled, saving codes for the backward: one compiled graph
+   serves the policies of the model with the same code widths, so hfp8 and all-low compile once between them). Per row: its first step (the compile, where it compiles),
    the ops it runs a step (eager: aten ops dispatched, counted by a ``TorchDispatchMode``; compiled: the kernels
    in the code Inductor wrote for the forward and backward, each run once a step, besides the convolutions'
    library calls), and for a compiled policy the share of its rounding passes fused into a neighbouring kernel

@@ -3,7 +3,8 @@
 # sees it: the cuda-marked tests, the runtime and memory benchmarks against plain fp32, and one short search.
 # Results (one text file per check) go to $OUT (default: device-results/). Each check has its own time limit,
 # so a hang costs one check, not the run; the whole script took about 6 minutes on one H200 before the runtime
-# benchmark gained its compiled rows (eager and compiled side by side; their compiles not yet timed on a GPU).
+# and memory benchmarks gained their compiled rows (eager and compiled side by side, the compiled step saving
+# codes; their compiles not yet timed on a GPU: each compiled memory row compiles a graph of its own).
 #
 #   make device-wheels                   # here: optuna and what it needs, as wheels in .whl/ (for a GPU machine
 #                                        # without them; Python 3.12, x86-64)
@@ -38,6 +39,7 @@ check() {  # check NAME SECONDS COMMAND...: run, keep its output, note its exit 
     | tee "$OUT/summary.txt"
 check cuda_tests 150 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider tests
 check runtime 360 "$PYTHON" benchmarks/bench_runtime.py --device cuda --width 1.0 --batch 128 --steps 10 --warmup 3
-check memory 90 "$PYTHON" benchmarks/bench_memory.py --device cuda --width 1.0 --batch 128
+check memory 420 "$PYTHON" benchmarks/bench_memory.py --device cuda --width 1.0 --batch 128 \
+    --compiled fp16,hfp8,all-low
 check search 120 "$PYTHON" -m precsearch search resnet18:width=0.25 --trials 8 --proxy-steps 100 --device cuda \
     --out /tmp/precsearch-device-search --no-progress

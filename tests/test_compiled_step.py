@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from precsearch.cli._arguments import COMPILE_MIN_STEPS, choose_compile
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
@@ -28,6 +29,7 @@ from precsearch.models import build
 from precsearch.runtime import compiled
 from precsearch.runtime.model import apply_policy
 
+AOT_EAGER = CompileOptions(backend="aot_eager")
 ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 
 
@@ -112,29 +114,37 @@ def test_the_compiled_step_trains_bit_for_bit_as_the_eager_runtime(case: str) ->
                      promotion_threshold=1e-4 if promotes else 0.01)
     stats_every = 7 if case.startswith("pure") else None
     eager, eager_losses = _train(model, policy, batches, stats_every=stats_every)
-    done, done_losses = _train(model, policy, batches, stats_every=stats_every, compile=True,
-                               compile_backend="aot_eager")
+    done, done_losses = _train(model, policy, batches, stats_every=stats_every, compile=AOT_EAGER)
     assert done.compiled_step is not None and done.compiled_step.graph.compiles == 1
     if promotes:
         assert eager.promotions, "the case must promote"
     _assert_same_training(eager, done, eager_losses, done_losses)
 
 
-def test_one_compiled_graph_serves_every_assignment() -> None:
-    """Four policies of one model (all-low, fp16, fp32, hfp8-like) compile one graph between them."""
+@pytest.mark.parametrize("saves_codes", [False, True])
+def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_codes: bool) -> None:
+    """Four policies of one model (all-low, fp16, fp32, hfp8-like), each trained bit for bit as eagerly: saving
+    float32 (a search's proxies), one compiled graph serves them all; saving codes, a graph serves the
+    assignments whose formats have the same code widths (all-low and hfp8-like: 1 byte but the weight
+    gradients' 2), so these four compile three graphs, each once."""
     model = _model("tiny_cnn")
     batches = _batches(2, 8, 16)
     kinds = ("weight", "activation", "activation_grad", "weight_grad")
     assignments = [ALL_LOW, dict.fromkeys(kinds, "fp16"), dict.fromkeys(kinds, "fp32"),
                    {"weight": "e4m3", "activation": "e4m3", "activation_grad": "e5m2", "weight_grad": "fp16"}]
-    steps = set()
+    graphs = []
     for formats in assignments:
         policy = _policy(model, batches[0][0], formats)
         eager, eager_losses = _train(model, policy, batches)
-        done, done_losses = _train(model, policy, batches, compile=True, compile_backend="aot_eager")
+        done, done_losses = _train(model, policy, batches,
+                                   compile=CompileOptions(backend="aot_eager", saves_codes=saves_codes))
         _assert_same_training(eager, done, eager_losses, done_losses)
-        steps.add(done.compiled_step.graph)
-    assert len(steps) == 1 and steps.pop().compiles == 1
+        graphs.append(done.compiled_step.graph)
+    if saves_codes:
+        assert graphs[0] is graphs[3] and len({id(graph) for graph in graphs}) == 3
+    else:
+        assert len({id(graph) for graph in graphs}) == 1
+    assert all(graph.compiles == 1 for graph in graphs)
 
 
 def test_a_policy_the_compiled_step_cannot_train_runs_eagerly_with_one_warning(caplog) -> None:
@@ -148,25 +158,16 @@ def test_a_policy_the_compiled_step_cannot_train_runs_eagerly_with_one_warning(c
     assert len(warnings) == 1 and "adaptive loss scaling" in warnings[0] and "eagerly" in warnings[0]
 
 
-def test_the_process_default_comes_from_the_environment(monkeypatch) -> None:
-    monkeypatch.delenv(compiled.COMPILE_STEP_ENV, raising=False)
-    assert not compiled.compile_by_default()
-    monkeypatch.setenv(compiled.COMPILE_STEP_ENV, "1")
-    assert compiled.compile_by_default()
-    monkeypatch.setenv(compiled.COMPILE_STEP_ENV, "0")
-    assert not compiled.compile_by_default()
-
-
 @pytest.mark.parametrize(("no_compile", "steps", "expected"), [
-    (False, COMPILE_MIN_STEPS, "1"), (False, COMPILE_MIN_STEPS - 1, "0"), (False, None, "1"),
-    (True, COMPILE_MIN_STEPS * 10, "0"), (True, None, "0")])
-def test_the_command_line_compiles_long_work_unless_told_not_to(monkeypatch, no_compile, steps, expected) -> None:
+    (False, COMPILE_MIN_STEPS, True), (False, COMPILE_MIN_STEPS - 1, False), (False, None, True),
+    (True, COMPILE_MIN_STEPS * 10, False), (True, None, False)])
+def test_the_command_line_compiles_long_work_unless_told_not_to(no_compile, steps, expected) -> None:
     """``--no-compile`` always wins; otherwise a command compiles from ``COMPILE_MIN_STEPS`` steps (None: long
-    runs), for itself and the workers it starts (the environment)."""
-    monkeypatch.delenv(compiled.COMPILE_STEP_ENV, raising=False)
-    assert choose_compile(argparse.Namespace(no_compile=no_compile), steps) == (expected == "1")
-    assert os.environ[compiled.COMPILE_STEP_ENV] == expected
-    assert compiled.compile_by_default() == (expected == "1")
+    runs): options it hands to its runs and workers, saving codes; no environment variable is set."""
+    before = dict(os.environ)
+    options = choose_compile(argparse.Namespace(no_compile=no_compile), steps)
+    assert options == (CompileOptions() if expected else None)
+    assert dict(os.environ) == before
 
 
 @pytest.mark.slow
@@ -182,7 +183,7 @@ def test_zoo_models_train_bit_for_bit_compiled_as_eager(name: str, gradient_roun
     policy = _policy(model, batches[0][0], ALL_LOW, master_weights=False, gradient_rounding=gradient_rounding)
     eager, eager_losses = _train(model, policy, batches)
     with caplog.at_level(logging.WARNING, logger="precsearch.runtime.model"):
-        done, done_losses = _train(model, policy, batches, compile=True, compile_backend="aot_eager")
+        done, done_losses = _train(model, policy, batches, compile=AOT_EAGER)
     fallback = [r.getMessage() for r in caplog.records if "not compiled" in r.getMessage()]
     if name == "untraceable":
         assert done.compiled_step is None and len(fallback) == 1 and "Untraceable is not FX-traceable" in fallback[0]
@@ -219,11 +220,10 @@ def test_a_search_of_40_trials_compiles_its_training_step_once(tmp_path, monkeyp
     from precsearch.search.config import SearchConfig
     from precsearch.search.study import run_search
 
-    monkeypatch.setenv(compiled.COMPILE_STEP_ENV, "1")
     monkeypatch.setattr(compiled, "_GRAPHS", {})
     space = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
     result = run_search(SearchConfig("narrow_cnn", space, "digits", trials=40, out_dir=tmp_path / "run", device="cpu",
-                                     progress=False, proxy_steps=2, threads=1))
+                                     progress=False, proxy_steps=2, threads=1, compile=CompileOptions()))
     trained = result.trials[result.trials["state"] == "COMPLETE"]
     assert len(trained) >= 40
     graphs = list(compiled._GRAPHS.values())
@@ -241,7 +241,7 @@ def test_the_compiled_step_on_cuda(backend: str) -> None:
     batches = _batches(20, 16, 16)
     policy = _policy(model, batches[0][0], ALL_LOW)
     eager, eager_losses = _train(model, policy, batches, "cuda")
-    done, done_losses = _train(model, policy, batches, "cuda", compile=True, compile_backend=backend)
+    done, done_losses = _train(model, policy, batches, "cuda", compile=CompileOptions(backend=backend))
     assert done.compiled_step is not None
     if backend == "aot_eager":
         _assert_same_training(eager, done, eager_losses, done_losses)
@@ -259,7 +259,7 @@ def test_stochastic_rounding_in_the_compiled_step_draws_from_its_seed() -> None:
     batches = _batches(3, 16, 16)
     stochastic = _policy(model, batches[0][0], ALL_LOW, rounding={"activation_grad": "stochastic",
                                                                   "weight": "stochastic"})
-    runs = [_train(model, policy, batches, seed=seed, compile=True, compile_backend="aot_eager")[0]
+    runs = [_train(model, policy, batches, seed=seed, compile=AOT_EAGER)[0]
             for policy, seed in ((stochastic, 1), (stochastic, 1), (stochastic, 2), (_policy(model, batches[0][0],
                                                                                              ALL_LOW), 1))]
     assert {slot.rounding for slot in runs[0].state.slots.values() if slot.kind == "weight"} == {"stochastic"}
@@ -267,3 +267,36 @@ def test_stochastic_rounding_in_the_compiled_step_draws_from_its_seed() -> None:
     assert all(map(torch.equal, params[0], params[1]))
     assert not all(map(torch.equal, params[0], params[2]))
     assert not all(map(torch.equal, params[0], params[3]))
+
+
+def _saved_tensors(wrapped, x: torch.Tensor) -> list[torch.Tensor]:
+    """What one training forward of ``wrapped`` leaves autograd for the backward (each tensor once)."""
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[id(tensor)] = tensor
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        wrapped(x)
+    return list(saved.values())
+
+
+@pytest.mark.parametrize(("formats", "code"), [(ALL_LOW, torch.uint8), (dict(ALL_LOW, activation="fp16"), torch.int16)])
+def test_the_compiled_step_saves_each_rounded_activation_as_codes_of_its_width(formats, code) -> None:
+    """Inductor's compiled step saves, for the backward, the codes of each rounded activation (1 byte for an
+    8-bit format, 2 for fp16), not its float32 values: every saved tensor that grows with the batch has the
+    code's dtype (but the max pool's int8 offsets, Inductor's own), and together they hold no more bytes than
+    the eager runtime's packed saves (its ``saved_bytes``, each storage's codes once). Counted by autograd's own
+    saved-tensor hooks."""
+    model = _model("tiny_cnn")
+    x = torch.randn(12, 3, 16, 16)  # a batch no channel count equals
+    policy = _policy(model, x, formats)
+    eager = apply_policy(copy.deepcopy(model), policy, x[:2])
+    eager(x)
+    eager_bytes = eager.saved_bytes().activation
+    done = apply_policy(copy.deepcopy(model), policy, x[:2], compile=True)
+    per_sample = [t for t in _saved_tensors(done, x)
+                  if t.dim() > 1 and t.shape[0] == x.shape[0] and t.dtype != torch.int8]
+    assert per_sample and {t.dtype for t in per_sample} == {code}
+    assert sum(t.numel() * t.element_size() for t in per_sample) <= eager_bytes

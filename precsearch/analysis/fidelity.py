@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from precsearch.analysis.report import save_figure
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
@@ -57,17 +58,17 @@ def long_run(context: SearchContext, policy: Policy | None, steps: int, seed: in
     """Training under ``policy`` (None: plain fp32) for ``steps`` steps with the proxy's recipe, not stopped by
     divergence."""
     return train(context.model, policy, context.data, steps, seed=seed, device=context.device,
-                 config=context.space.proxy, stop_on_divergence=False)
+                 config=context.space.proxy, stop_on_divergence=False, compile=context.compile)
 
 
-def _context(run_dir: Path, device: str) -> SearchContext:
+def _context(run_dir: Path, device: str, compile: CompileOptions | None) -> SearchContext:
     run_file = run_dir / "run.json"
     if not run_file.is_file() or not (run_dir / "trials.csv").is_file():
         raise PrecsearchError(f"{run_dir} holds no run.json and trials.csv; give a run directory written by "
                               "precsearch search")
     config = json.loads(run_file.read_text(encoding="utf-8"))
     context = SearchContext.create(config["model"], parse_space(config["space"]), DataSpec(**config["data"]),
-                                   Budget(**config["budget"]), config["seed"], device)
+                                   Budget(**config["budget"]), config["seed"], device, compile=compile)
     context.length = config.get("proxy_length", context.space.proxy.steps)
     return context
 
@@ -101,12 +102,13 @@ def _policy_file(run_dir: Path, row: pd.Series) -> Path:
 
 
 def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None = None, device: str = "cpu",
-                 threads: int | None = None, progress: bool = True) -> FidelityResult:
+                 threads: int | None = None, progress: bool = True,
+                 compile: CompileOptions | None = None) -> FidelityResult:
     """Retrain the run's front, all-high, sweep and best assignments for ``steps`` steps (see the module
-    docstring); ``seed`` defaults to the search's seed."""
+    docstring); ``seed`` defaults to the search's seed; ``compile``: how the runs compile (None: eagerly)."""
     run_dir = Path(run_dir)
     resolve_device(device)  # refused before the run is read and retrained
-    context = _context(run_dir, device)
+    context = _context(run_dir, device, compile)
     steps = LONG_FACTOR * context.length if steps is None else steps
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import re
 from collections.abc import Callable
 from typing import Any
 
 from precsearch.config.checks import number, requirement
+from precsearch.config.compiling import CompileOptions
 from precsearch.errors import PrecsearchError
 from precsearch.train.data import DATASETS
 
@@ -157,15 +157,11 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
                              "and process (precsearch.runtime.compiled)")
 
 
-def choose_compile(args: argparse.Namespace, steps: int | None) -> bool:
-    """Whether this command's runs compile their step: not with ``--no-compile``, else when each of its processes
-    trains ``steps`` (all its runs together; None: long runs) of at least ``COMPILE_MIN_STEPS``. Set in the
-    environment (precsearch.runtime.compiled's ``COMPILE_STEP_ENV``) for this process and the workers it
-    starts."""
-    from precsearch.runtime.compiled import COMPILE_STEP_ENV
-
+def choose_compile(args: argparse.Namespace, steps: int | None) -> CompileOptions | None:
+    """How this command's runs compile their step (None: eagerly): not with ``--no-compile``, else when each of
+    its processes trains ``steps`` (all its runs together; None: long runs) of at least ``COMPILE_MIN_STEPS``.
+    The command hands it to its runs and the workers it starts, with the rest of their configuration."""
     on = not args.no_compile and (steps is None or steps >= COMPILE_MIN_STEPS)
-    os.environ[COMPILE_STEP_ENV] = "1" if on else "0"
     reason = "" if on or args.no_compile else f" ({steps} steps, fewer than {COMPILE_MIN_STEPS})"
     log.info("training step: %s", "compiled" if on else f"eager{reason}")
-    return on
+    return CompileOptions() if on else None

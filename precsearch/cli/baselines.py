@@ -38,11 +38,12 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.search.context import DataSpec
 
     names = [name.strip() for name in args.names.split(",") if name.strip()]
-    choose_compile(args, len(names) * (args.proxy_steps or ProxyConfig.steps))
+    compile = choose_compile(args, len(names) * (args.proxy_steps or ProxyConfig.steps))
     table = run_baselines(
         args.model, space_argument(args), DataSpec(args.data, args.data_root), out_dir=args.out,
         proxy_steps=args.proxy_steps, seed=args.seed, device=args.device, names=names, ablations=args.ablations,
-        batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress)
+        batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
+        compile=compile)
     for _, row in table.iterrows():
         state = f"diverged: {row['reason']}" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
         reused = f" (reused {row['reused']})" if row["reused"] else ""

@@ -96,13 +96,15 @@ def run(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # before an earlier demo in --out is cleared
     _clear_previous_demo(out)
     space = paper_space(proxy=PROXY)
-    choose_compile(args, args.trials * space.proxy.steps // args.jobs)  # each worker compiles once
+    compile = choose_compile(args, args.trials * space.proxy.steps // args.jobs)  # each worker compiles once
     print(f"precsearch demo: {MODEL} on {DATA} ({space.proxy.image_size}x{space.proxy.image_size}), space "
           f"{space.name}, {args.trials} trials of calibrated proxies on {args.jobs} worker(s)")
     result = run_search(SearchConfig(MODEL, space, DATA, trials=args.trials, out_dir=out, jobs=args.jobs, seed=0,
-                                     device=args.device, threads=1 if args.jobs == 1 else None, proxy_seeds=None))
+                                     device=args.device, threads=1 if args.jobs == 1 else None, proxy_seeds=None,
+                                     compile=compile))
     search_time = time.perf_counter() - start
-    baselines = run_baselines(MODEL, space, DATA, out_dir=out, seed=0, device=args.device, threads=1)
+    baselines = run_baselines(MODEL, space, DATA, out_dir=out, seed=0, device=args.device, threads=1,
+                              compile=compile)
     png, md = write_report(out)
     wall = time.perf_counter() - start
     trials = result.trials

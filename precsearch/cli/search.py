@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.search.study import SearchInterrupted, run_search
 
     proxy_steps = args.proxy_steps if isinstance(args.proxy_steps, int) else ProxyConfig.steps  # calibrated: longer
-    choose_compile(args, args.trials * proxy_steps // args.jobs)  # each worker compiles once
+    compile = choose_compile(args, args.trials * proxy_steps // args.jobs)  # each worker compiles once
     budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory,
                     confidence=args.confidence)
     config = SearchConfig(
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         storage=args.storage, jobs=args.jobs, resume=args.resume, budget=budget, seed=args.seed, device=args.device,
         batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
         study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds, sampler=args.sampler,
-        seeding=args.seeding)
+        seeding=args.seeding, compile=compile)
     try:
         result = run_search(config)
     except SearchInterrupted as stop:

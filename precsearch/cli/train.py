@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
                          momentum=args.momentum, weight_decay=args.weight_decay)
     if args.nproc is not None:
         return _run_data_parallel(args, policy, data, steps, config)
-    choose_compile(args, steps)
     result = train_policy(args.model, policy, data, steps, seed=args.seed, device=args.device, config=config,
+                          compile=choose_compile(args, steps),
                           eval_every=args.eval_every, metrics=args.metrics,
                           recipe=PAPER_RECIPE if args.recipe == "paper" else None)
     status = f"diverged ({result.reason})" if result.diverged else "trained"

@@ -28,9 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from precsearch.analysis.fidelity import validate_run
 
-    choose_compile(args, None)  # long runs of several assignments
     result = validate_run(args.run, steps=args.steps, seed=args.seed, device=args.device, threads=args.threads,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, compile=choose_compile(args, None))  # long runs
     summary = result.summary
     print(result.table[["trial", "roles", "proxy_accuracy", "proxy_sd", "long_accuracy", "long_promotions",
                         "long_memory"]].to_string(index=False))

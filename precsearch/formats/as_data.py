@@ -14,8 +14,12 @@ value's as an output, the gradient's as the gradient of a float64 leaf (``counte
 across the step like any gradient.
 
 Its cost against a kernel of one format: every call computes the stochastic rounding's hash, whatever its row
-says (a selection, not a branch, picks the row's rounding). Codes for packed storage are not made here: their
-dtype depends on the format, which a graph shared by every format cannot.
+says (a selection, not a branch, picks the row's rounding).
+
+``encode_codes`` and ``decode_codes`` turn rounded values into the format's bit patterns and back, the format
+again a row, the code's dtype (``code_dtype``: uint8 up to 8 bits, int16 up to 16) a constant of the graph: a
+compiled step that passes each rounded value through its codes gives AOTAutograd's partitioner a tensor of the
+format's width to save for the backward, where it decodes it again.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ import torch
 from precsearch.formats.format import FloatFormat, get_format
 from precsearch.formats.kernels import _check_modes, _float_bits, _hash_bits, overflow_threshold
 
-__all__ = ["RoundWithGradient", "format_row", "nearest_in_floats", "round_nearest", "round_with"]
+__all__ = ["RoundWithGradient", "code_dtype", "decode_codes", "encode_codes", "format_row", "nearest_in_floats",
+           "round_nearest", "round_with"]
 
 _NEAREST, _AWAY, _STOCHASTIC = 0, 1, 2
 _MODES = {"nearest": _NEAREST, "nearest_away": _AWAY, "stochastic": _STOCHASTIC}
 # the row's fields, in order
 (_DROP, _MASK, _MIN_NORMAL_BITS, _SHIFT_BASE, _SCALE_LOW, _SCALE_HIGH, _MAX_BITS, _ON_OVERFLOW, _KEEP_FROM,
- _MODE, _OVER_BITS, _TIE, _SUB_MAGIC, _SPLITTER, _BIG) = range(15)
+ _MODE, _OVER_BITS, _TIE, _SUB_MAGIC, _SPLITTER, _BIG, _BITS, _MAN, _EMIN, _SPECIAL) = range(19)
+_SPECIAL_CODES = {"none": 0, "fn": 1, "ieee": 2}
 _SCALE_DOWN, _SCALE_UP = 2.0**-64, 2.0**64  # Veltkamp's split of the largest values, done 2**64 smaller
 _INF_BITS = 0x7F800000
 
@@ -43,7 +49,7 @@ _INF_BITS = 0x7F800000
 def _row_values(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[int, ...]:
     if fmt.is_fp32:  # every value is kept (``_KEEP_FROM`` 0) and none counts as an overflow
         return (0, 0, 0, 1, _float_bits(1.0), _float_bits(1.0), _INF_BITS, _INF_BITS, 0, _NEAREST, _INF_BITS + 1,
-                0, _float_bits(1.0), _float_bits(1.0), _INF_BITS)
+                0, _float_bits(1.0), _float_bits(1.0), _INF_BITS, 32, 23, -126, _SPECIAL_CODES["ieee"])
     drop = 23 - fmt.man
     exponent = fmt.emin - fmt.man  # of the min subnormal: quanta times 2 ** exponent, in two exact products
     low = exponent // 2
@@ -52,7 +58,8 @@ def _row_values(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[int, ..
             {"saturate": _float_bits(fmt.max), "inf": _INF_BITS, "nan": 0x7FC00000}[overflow],
             _INF_BITS if fmt.has_inf else _INF_BITS + 1, _MODES[rounding],
             _float_bits(overflow_threshold(fmt, rounding)), int(drop > 0), _float_bits(2.0 ** (exponent + 23)),
-            _float_bits(2.0**drop + 1), _float_bits(2.0 ** (127 - drop)))
+            _float_bits(2.0**drop + 1), _float_bits(2.0 ** (127 - drop)), fmt.bits, fmt.man, fmt.emin,
+            _SPECIAL_CODES[fmt.special])
 
 
 def format_row(fmt: str | FloatFormat, rounding: str = "nearest", overflow: str | None = None,
@@ -166,3 +173,70 @@ class RoundWithGradient(torch.autograd.Function):
         grad_row, grad_seed = ctx.saved_tensors
         rounded, overflowed = round_with(grad.contiguous(), grad_row, grad_seed)
         return rounded, None, None, None, None, overflowed.to(ctx.counter_dtype)
+
+
+def code_dtype(fmt: str | FloatFormat) -> torch.dtype | None:
+    """The integer dtype a compiled graph saves ``fmt``'s values in (uint8 up to 8 bits, int16 up to 16), or
+    None for a wider format, whose values stay float32."""
+    fmt = get_format(fmt)
+    return {1: torch.uint8, 2: torch.int16}.get(fmt.storage_bytes)
+
+
+def _exp2_int(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """2**k of an integer-valued float32 tensor as two normal float32 factors (2**k alone may be subnormal or
+    overflow for k in [-149, 149]); exp2 of an integer is exact."""
+    low = torch.floor(k * 0.5)
+    return torch.exp2(low), torch.exp2(k - low)
+
+
+def encode_codes(v: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit patterns (``dtype``: ``code_dtype`` of the row's format) of ``v``, values already rounded to the
+    row's format, and how many of them the format has no code for; in float arithmetic that Inductor
+    vectorizes (no bit view). The exponent is ``floor(log2 |v|)``, exact here: a value with at most 15
+    significant bits lies at least 2**-16 of a binade below the binade's top, far beyond log2's error. The
+    significand is an exact product with a power of two. inf and NaN take the format's codes; where it has
+    none (inf in an ``fn`` format, both in a ``none`` one) they are saved as its largest magnitude with their
+    sign, and counted: the runtime skips that step, as the eager runtime does (``TensorState.settle``)."""
+    man, emin = row[_MAN].to(torch.float32), row[_EMIN].to(torch.float32)
+    one = torch.ones_like(row[_BITS])
+    top = row[_BITS] - 1  # the sign's bit
+    a = v.abs()
+    finite = a < float("inf")
+    exponent = torch.where(finite, torch.clamp(torch.floor(torch.log2(a)), min=emin), emin)
+    low, high = _exp2_int(man - exponent)
+    mag = ((exponent - emin) * torch.exp2(man) + (torch.where(finite, a, 0.0) * low) * high).to(torch.int32)
+    ones = (one << top) - 1  # every magnitude bit: the largest code
+    ieee, fn = row[_SPECIAL] == _SPECIAL_CODES["ieee"], row[_SPECIAL] == _SPECIAL_CODES["fn"]
+    top_exponent = ones - ((one << row[_MAN]) - 1)
+    inf_code = torch.where(ieee, top_exponent, ones - fn.to(torch.int32))
+    nan_code = torch.where(ieee, top_exponent | (one << torch.clamp(row[_MAN] - 1, min=0)), ones)
+    infinite, nan = a == float("inf"), a != a
+    mag = torch.where(nan, nan_code, torch.where(infinite, inf_code, mag))
+    negative = (torch.copysign(torch.ones_like(v), v) < 0).to(torch.int32)
+    pattern = mag + (negative << top)
+    if dtype == torch.int16:  # a 16-bit pattern as two's complement
+        pattern = torch.where(pattern >= 1 << 15, pattern - (1 << 16), pattern)
+    unencodable = ((infinite & ~ieee) | (nan & ~(ieee | fn))).sum(dtype=torch.int32)
+    return pattern.to(dtype), unencodable
+
+
+def decode_codes(codes: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """float32 values of ``encode_codes``' bit patterns in the row's format: ``(significand * 2**low) * 2**high``,
+    two exact products (a subnormal format's smallest quantum may be no normal float32)."""
+    bits, man = row[_BITS], row[_MAN]
+    one = torch.ones_like(bits)
+    pattern = codes.to(torch.int32) & ((one << bits) - 1)
+    top = bits - 1
+    mag = pattern & ((one << top) - 1)
+    exponent_field = mag >> man
+    quanta = (mag & ((one << man) - 1)) + torch.where(exponent_field > 0, one << man, 0)
+    k = (torch.clamp(exponent_field, min=1) + row[_EMIN] - 1 - man).to(torch.float32)
+    low, high = _exp2_int(k)
+    value = (quanta.to(torch.float32) * low) * high
+    special = row[_SPECIAL]
+    ones = (one << top) - 1
+    top_exponent = ones - ((one << man) - 1)
+    is_ieee_special = (special == _SPECIAL_CODES["ieee"]) & (mag >= top_exponent)
+    value = torch.where(is_ieee_special, torch.where(mag == top_exponent, float("inf"), float("nan")), value)
+    value = torch.where((special == _SPECIAL_CODES["fn"]) & (mag == ones), float("nan"), value)
+    return torch.where((pattern >> top) > 0, -value, value)

@@ -1,32 +1,43 @@
-"""The compiled training step: rounding written into the model's FX graph as plain torch ops, compiled once per model.
+"""The compiled training step: rounding written into the model's FX graph as plain torch ops, compiled once per model
+structure and code widths.
 
 The eager runtime (precsearch.runtime.instrument_fx and friends) rounds through per-format kernels and packs what
 autograd saves as codes, bookkeeping TorchDynamo cannot trace. Here every assignable tensor of the graph gets a
 rounding site whose format, rounding and overflow mode are read from a table of rows (precsearch.formats.as_data),
-one row per tensor id, so the graph does not depend on the assignment:
+one row per tensor id, so the graph does not depend on the formats themselves:
 
 * a weight is rounded before the forward, its gradient in the backward by the weight gradient's row;
 * an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
-  a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output; with
-  ``gradient_rounding: per_use``, each consumer's gradient of a value with several, before they are summed);
-* overflow counts leave the graph as tensors, never by writes: the forward's as an output, the backward's as the
-  gradients of float64 leaves, one per site (``counters``); ``TensorState`` reads them once a step with the rest,
-  for promotions and the loss scaler. Element counts come from the traced shapes, not from the device.
+  a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output, and the ReLU itself
+  passes the gradient on: ``_ReluMaskedByItsSite``; with ``gradient_rounding: per_use``, each consumer's
+  gradient of a value with several, before they are summed);
+* with ``CompileOptions.saves_codes`` (the default), a rounded weight or activation passes through its format's
+  codes (``encode_codes`` then ``decode_codes``, uint8 up to 8 bits, int16 up to 16; exact, so the values are
+  the rounded ones), the decode marked for recomputation (``_RecomputeDecodes``): AOTAutograd's partitioner then
+  saves the codes for the backward, where the decode runs again, as the eager runtime saves packed codes;
+* overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable"; the step
+  is then skipped), leave the graph as tensors, never by writes: the forward's as an output, the backward's as
+  the gradients of float64 leaves, one per site (``counters``); ``TensorState`` reads them once a step with the
+  rest, for promotions and the loss scaler. Element counts come from the traced shapes, not from the device.
 
-``RoundingGraph`` is built, and compiled (``torch.compile(fullgraph=True)``), once per traced structure and the
-roundings of its tensor kinds (constants of the graph: nearest rounding computes no hash), and shared by every
-model of that structure in the process: trials change only the table and the parameters (passed through
-``functional_call``), so a search compiles its step once per worker. A promotion is a row update.
+``RoundingGraph`` is built, and compiled (``torch.compile(fullgraph=True)``), once per traced structure, the
+roundings of its tensor kinds (constants of the graph: nearest rounding computes no hash) and the code width of
+each weight and activation row (a dtype is a constant of a graph), and shared by every model of that structure
+in the process: trials change only the table and the parameters (passed through ``functional_call``). A
+promotion is a row update, and a new graph where it widens a code (compiled on its first step). A search's
+proxies save float32 (``saves_codes=False``), so that one graph serves every assignment and a search compiles
+its step once per worker.
 
-What the compiled step does not do: pack saved tensors as codes or slice backwards (AOTAutograd's partitioner
-decides what is saved, in float32), so its memory is not the eager runtime's; gather underflow statistics (a step
-that gathers them, every ``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``),
-chunked accumulation, adaptive per-layer loss scaling, nearest rounding to a format without a mantissa bit and
-models FX cannot trace, which train eagerly. Its stochastic rounding draws from the same hash with other seeds
-(per site and step, not per call). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in
-the same order and trains bit for bit as it does with nearest rounding; Inductor sums some float32 reductions
-(batch norm) in another order, so its values differ in the last bits, and where that flips an 8-bit rounding, by
-an ulp of the format (tests/test_compiled_step.py states both).
+What the compiled step does not do: slice backwards (Inductor's kernels of one backward op hold several float32
+buffers of an activation's size at once, so its peak stays above the eager runtime's: benchmarks/results/
+bench_memory.md); gather underflow statistics (a step that gathers them, every ``stats_every``-th, runs eagerly);
+and, said where it is chosen (``unsupported``), chunked accumulation, adaptive per-layer loss scaling, nearest
+rounding to a format without a mantissa bit and models FX cannot trace, which train eagerly. Its stochastic
+rounding draws from the same hash with other seeds (per site and step, not per call). With ``backend="aot_eager"``
+the graph runs the eager runtime's float32 ops in the same order and trains bit for bit as it does with nearest
+rounding (its partitioner ignores the recomputation marks and saves float32); Inductor sums some float32
+reductions (batch norm) in another order, so its values differ in the last bits, and where that flips an 8-bit
+rounding, by an ulp of the format (tests/test_compiled_step.py states both).
 """
 
 from __future__ import annotations
@@ -35,31 +46,57 @@ import copy
 import functools
 import logging
 import operator
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch._dynamo
+import torch._inductor.config
+import torch.fx.traceback
 from torch import fx, nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.checkpoint import CheckpointPolicy
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
-from precsearch.formats.as_data import format_row, nearest_in_floats, round_nearest, round_with
+from precsearch.config.spec import GRAD_KINDS
+from precsearch.formats.as_data import (
+    code_dtype,
+    decode_codes,
+    encode_codes,
+    format_row,
+    nearest_in_floats,
+    round_nearest,
+    round_with,
+)
 from precsearch.graph.types import TensorGraph, grad_id
 from precsearch.runtime.sliced import Slicing
 from precsearch.runtime.state import TensorState
 
-__all__ = ["COMPILE_STEP_ENV", "CompiledStep", "RoundingGraph", "compile_by_default", "compiled_step", "unsupported"]
+__all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "unsupported"]
 
 log = logging.getLogger(__name__)
 
-COMPILE_STEP_ENV = "PRECSEARCH_COMPILE_STEP"  # "1": ``train`` compiles its step unless told; set by the CLI
+DECODE = {"precsearch": "decode"}  # the annotation (node.meta["custom"]) of the ops that decode a site's codes
 
 
-def compile_by_default() -> bool:
-    """Whether ``precsearch.train.trainer.train`` compiles the step when its caller does not say: the environment's
-    ``PRECSEARCH_COMPILE_STEP=1`` (which the CLI sets, and search and data-parallel workers inherit)."""
-    return os.environ.get(COMPILE_STEP_ENV) == "1"
+class _RecomputeDecodes(CustomGraphPass):
+    """Inductor's joint-graph pass that marks every decode (``DECODE``) MUST_RECOMPUTE, as selective activation
+    checkpointing marks its ops: the min-cut partitioner then saves the codes a decode reads (the smallest
+    tensors of its chain) and decodes them again in the backward, where the op that reads the value needs
+    it. Its own heuristics would not: a decoded value feeds a convolution's backward ("materialized"), its
+    chain is long and leaves the allowlist, and its comparisons read more bytes than they write; turned off
+    for the whole graph, those heuristics recompute long chains of the forward (batch norm, ReLU, rounding)
+    in the backward and raise its peak above plain fp32's (measured on narrow_cnn)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for node in graph.nodes:
+            if node.meta.get("custom", {}).get("precsearch") == DECODE["precsearch"]:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+    def uuid(self) -> str:  # part of Inductor's cache key
+        return "precsearch-recompute-decodes-1"
+
 
 SEED_STRIDE = 0x3C6EF35F  # odd: each site and direction of a step draws with its own seed, steps apart
 
@@ -90,12 +127,14 @@ class Site(NamedTuple):
     relu_output: bool
     numel: int
     per_sample: bool  # an activation (its values grow with the batch), not a weight
+    code: torch.dtype | None  # the dtype of the codes its rounded values pass through (None: float32)
 
 
 class _Round(torch.autograd.Function):
-    """Forward: ``x`` rounded by the site's row of ``rows``, and how many values overflowed (float64, not
-    differentiable). Backward: the gradient rounded by the site's gradient row; how many of its values
-    overflowed is the gradient of ``counter`` (a float64 leaf of its own, exact to 2**53). After a ReLU
+    """Forward: ``x`` rounded by the site's row of ``rows`` (passed through its codes where the site has a
+    code dtype), and [how many values overflowed, how many had no code] (float64, not differentiable).
+    Backward: the gradient rounded by the site's gradient row; how many of its values overflowed is the
+    gradient of ``counter`` (a float64 leaf of its own, exact to 2**53). After a ReLU
     (``relu_output``) the rounded gradient is also masked by the rounded output, as the eager runtime's ReLU
     backward reads its packed, rounded output (precsearch.runtime.sliced): a positive value that rounds to 0
     passes no gradient."""
@@ -104,11 +143,18 @@ class _Round(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
                 site: Site) -> Any:
         ctx.site = site
-        rounded, overflowed = _rounded(x, rows[site.act], seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
+        row = rows[site.act]
+        rounded, overflowed = _rounded(x, row, seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
+        unencodable = torch.zeros_like(overflowed)
+        if site.code is not None:  # the partitioner saves these codes for the backward, which decodes them
+            codes, unencodable = encode_codes(rounded, row, site.code)
+            with torch.fx.traceback.annotate(DECODE):
+                rounded = decode_codes(codes, row)
         ctx.save_for_backward(rows, seed, *([rounded] if site.relu_output else []))
-        overflowed = overflowed.to(torch.float64).reshape(1)  # 1 element, not 0-d: Dynamo specializes no value
-        ctx.mark_non_differentiable(overflowed)
-        return rounded, overflowed
+        # [overflowed, unencodable], float64 of 2 elements (Dynamo specializes no value of a 0-d tensor)
+        counts = torch.stack([overflowed, unencodable.to(overflowed.dtype)]).to(torch.float64)
+        ctx.mark_non_differentiable(counts)
+        return rounded, counts
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _overflowed: Any) -> Any:
@@ -121,6 +167,25 @@ class _Round(torch.autograd.Function):
         if output:
             g = torch.ops.aten.threshold_backward(g, output[0], 0)
         return g, None, None, overflowed, None
+
+
+class _ReluMaskedByItsSite(torch.autograd.Function):
+    """A ReLU whose rounding site masks its gradient (``Site.relu_output``): the site's mask, where the rounded
+    output is positive, lies inside the ReLU's own (a value that rounds to a positive one was positive), so the
+    ReLU passes the gradient on as it is, bit for bit what masking again gives, and autograd saves nothing
+    for it (its own mask would be one more tensor of the activation's size)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def _relu_masked_by_its_site(x: torch.Tensor) -> torch.Tensor:
+    return _ReluMaskedByItsSite.apply(x)
 
 
 def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
@@ -161,9 +226,9 @@ def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[to
     counts = []
     items = list(value) if isinstance(value, tuple | list) else [value]
     for position, site, counter in sites:
-        items[position], overflowed = _Round.apply(items[position], rows, seed,
-                                                   None if counter is None else counters[counter], site)
-        counts.append(overflowed)
+        items[position], counted = _Round.apply(items[position], rows, seed,
+                                                None if counter is None else counters[counter], site)
+        counts.append(counted)
     rounded = type(value)(items) if isinstance(value, tuple | list) else items[0]
     return rounded, counts
 
@@ -178,11 +243,11 @@ class RoundingGraph:
     ``run(model, x, rows, seed, counters)`` returns the model's output and the forward's overflow counts, one
     per site; ``rows`` has one row per assignable tensor id (``graph.assignable_ids()`` order, the state's
     rows), ``counters`` one float64 leaf per site whose gradient is rounded (``counters()``); ``counts``
-    turns both into (overflowed, elements, roundings) per row.
+    turns both into (overflowed, elements, roundings, unencodable) per row.
     """
 
-    def __init__(self, graph: TensorGraph, roundings: dict[str, str], backend: str = "inductor",
-                 per_use: bool = False) -> None:
+    def __init__(self, graph: TensorGraph, roundings: dict[str, str], codes: tuple[torch.dtype | None, ...],
+                 backend: str = "inductor", per_use: bool = False) -> None:
         rows = {tensor_id: row for row, tensor_id in enumerate(graph.assignable_ids())}
         self.n_rows = len(rows)
         self.backend = backend
@@ -208,7 +273,7 @@ class RoundingGraph:
             info = graph.tensors[tensor_id]
             site = Site(len(self.sites), rows[tensor_id] if act else None, rows.get(gradient),
                         (roundings[info.kind], roundings[graph.tensors[gradient].kind] if gradient else "nearest"),
-                        relu_output, info.numel, info.kind != "weight")
+                        relu_output, info.numel, info.kind != "weight", codes[rows[tensor_id]] if act else None)
             self.sites.append(site)
             counter = None
             if site.grad is not None:
@@ -226,6 +291,8 @@ class RoundingGraph:
             # gradient_rounding per_use: a value with several consumers has each one's gradient rounded (before
             # the consumer), not their sum (as runtime.instrument_fx's GradUse)
             users = list(node.users)
+            if relu_output:  # the site masks the gradient by the rounded output, a subset of the ReLU's own mask
+                node.op, node.target, node.kwargs = "call_function", _relu_masked_by_its_site, {}
             per_use_id = (ids[0] if per_use and len(ids) == 1 and ":activation" in ids[0] and len(users) > 1
                           and not ids[0].rsplit(":activation", 1)[1] and grad_id(ids[0]) in rows else None)
             sites = tuple((int(tensor_id.rsplit(":activation", 1)[1] or 0),
@@ -260,7 +327,11 @@ class RoundingGraph:
 
     def _counted(self, graph_module: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
         self.compiles += 1
-        return torch._dynamo.lookup_backend(self.backend)(graph_module, example_inputs)
+        backend = torch._dynamo.lookup_backend(self.backend)
+        if all(site.code is None for site in self.sites):
+            return backend(graph_module, example_inputs)
+        with torch._inductor.config.patch(joint_custom_pre_pass=_RecomputeDecodes()):  # read as it partitions
+            return backend(graph_module, example_inputs)
 
     def counters(self, device: torch.device) -> list[torch.Tensor]:
         """Fresh float64 leaves, one per site whose gradient is rounded: their gradients count its overflows."""
@@ -276,17 +347,18 @@ class RoundingGraph:
         return self._compiled(self.graph_module, self.weight_sites, params, buffers, x, rows, seed, counters)
 
     def counts(self, forward: torch.Tensor, counters: list[torch.Tensor], batch: int) -> torch.Tensor:
-        """(overflowed, elements, roundings) per row, int64, from a step's forward counts and its counters'
-        gradients (none before the backward ran) at batch size ``batch``."""
+        """(overflowed, elements, roundings, unencodable) per row, int64, from a step's forward counts (two per
+        site) and its counters' gradients (none before the backward ran) at batch size ``batch``."""
         device = forward.device
         forward_rows, backward_rows = self._row_indices(device)
-        overflowed = torch.zeros(self.n_rows, dtype=torch.float64, device=device)
-        overflowed.index_add_(0, forward_rows, forward)
+        counted = torch.zeros(self.n_rows, 2, dtype=torch.float64, device=device)  # overflowed, unencodable
+        counted.index_add_(0, forward_rows, forward.view(-1, 2))
         grads = [counter.grad for counter in counters]
         backward = bool(grads) and all(grad is not None for grad in grads)
         if backward:
-            overflowed.index_add_(0, backward_rows, torch.cat(grads))
-        return torch.cat([overflowed.to(torch.int64)[:, None], self._elements_at(batch, device, backward)], dim=1)
+            counted[:, 0].index_add_(0, backward_rows, torch.cat(grads))
+        counted = counted.to(torch.int64)
+        return torch.cat([counted[:, :1], self._elements_at(batch, device, backward), counted[:, 1:]], dim=1)
 
     @functools.cache  # noqa: B019 (one per process and structure: the cache lives as long as the graph anyway)
     def _row_indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,9 +388,9 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
     tensors: dict[str, torch.Tensor] = {**buffers, **params}
     weight_counts = []
     for name, (site, counter) in weight_sites.items():  # in the order of the sites' rows
-        tensors[name], overflowed = _Round.apply(params[name], rows, seed,
-                                                 None if counter is None else counters[counter], site)
-        weight_counts.append(overflowed)
+        tensors[name], counted = _Round.apply(params[name], rows, seed,
+                                              None if counter is None else counters[counter], site)
+        weight_counts.append(counted)
     output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters))
     return output, _stack(*counts, weight_counts)
 
@@ -328,19 +400,26 @@ _WARNED_EAGER: set[tuple[str, str]] = set()  # (model, reason) of the eager step
 
 
 class CompiledStep:
-    """One wrapped model's use of the shared ``RoundingGraph``: its table of rows (made again after a
-    promotion), a seed per step, and the counts handed to its state (a training forward's only, as the eager
-    path counts)."""
+    """One wrapped model's use of the shared ``RoundingGraph``s: its table of rows and its graph (both found
+    again after a promotion, which may change a site's code width and so the graph), a seed per step, and the
+    counts handed to its state (a training forward's only, as the eager path counts)."""
 
-    def __init__(self, graph: RoundingGraph, state: TensorState) -> None:
-        self.graph, self.state = graph, state
+    def __init__(self, find_graph: Callable[[], RoundingGraph], state: TensorState) -> None:
+        self.find_graph, self.state = find_graph, state
+        self.graph = find_graph()
         self._rows: tuple[int, torch.Tensor] | None = None  # the promotions the table has, and the table
 
     def __call__(self, module: nn.Module, x: torch.Tensor, training: bool) -> Any:
-        state, graph = self.state, self.graph
+        state = self.state
         promoted = len(state.promotions)
         if self._rows is None or self._rows[0] != promoted or self._rows[1].device != x.device:
+            if self._rows is not None and self._rows[0] != promoted:
+                graph = self.find_graph()
+                if graph is not self.graph and not graph.compiles:
+                    log.info("a promotion widened a code: the step compiles a graph for the new code widths")
+                self.graph = graph
             self._rows = promoted, rows_table(state, x.device)
+        graph = self.graph
         seed = state.seed_tensor(x.device)
         counters = graph.counters(x.device)
         output, forward = graph.run(module, x, self._rows[1], seed.reshape(1).clone(), counters)
@@ -351,7 +430,8 @@ class CompiledStep:
         return output
 
 
-def compiled_step(policy: Policy, graph: TensorGraph, state: TensorState, backend: str) -> CompiledStep | None:
+def compiled_step(policy: Policy, graph: TensorGraph, state: TensorState,
+                  options: CompileOptions) -> CompiledStep | None:
     """The compiled step of ``graph`` under ``policy``, or None (with one WARNING a process saying why) where it
     cannot train it."""
     reason = unsupported(policy, graph, state)
@@ -361,19 +441,23 @@ def compiled_step(policy: Policy, graph: TensorGraph, state: TensorState, backen
             log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
                         graph.model_name, reason)
         return None
-    return CompiledStep(rounding_graph(graph, state, backend, per_use=policy.gradient_rounding == "per_use"), state)
+    per_use = policy.gradient_rounding == "per_use"
+    return CompiledStep(lambda: rounding_graph(graph, state, options, per_use=per_use), state)
 
 
-def rounding_graph(graph: TensorGraph, state: TensorState, backend: str = "inductor",
+def rounding_graph(graph: TensorGraph, state: TensorState, options: CompileOptions,
                    per_use: bool = False) -> RoundingGraph:
-    """The process's ``RoundingGraph`` for ``graph``'s structure and ``state``'s roundings per tensor kind,
-    built (and its step compiled, on first use) once."""
+    """The process's ``RoundingGraph`` for ``graph``'s structure, ``state``'s roundings per tensor kind and (with
+    ``options.saves_codes``) the code width of each row's format now, built (and its step compiled, on first
+    use) once."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
-    key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), backend, per_use)
+    codes = tuple(code_dtype(slot.fmt) if options.saves_codes and slot.kind not in GRAD_KINDS else None
+                  for slot in sorted(state.slots.values(), key=lambda slot: slot.row))  # gradients: never saved
+    key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, options.backend, per_use)
     if key not in _GRAPHS:
-        _GRAPHS[key] = RoundingGraph(graph, roundings, backend, per_use)
+        _GRAPHS[key] = RoundingGraph(graph, roundings, codes, options.backend, per_use)
     return _GRAPHS[key]
 
 

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
 from precsearch.graph.op_rules import OP_RULES, OpRules
@@ -81,7 +82,7 @@ class PrecisionModel(nn.Module):
     def __init__(self, model: nn.Module, policy: Policy, graph: TensorGraph, seed: int = 0,
                  stats_every: int | None = None, steps_per_epoch: int | None = None,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 compile: bool = False, compile_backend: str = "inductor") -> None:
+                 compile: CompileOptions | None = None) -> None:
         super().__init__()
         self.module, self.policy, self.graph = model, policy, graph
         self.stats_every, self.steps_per_epoch = stats_every, steps_per_epoch
@@ -97,7 +98,7 @@ class PrecisionModel(nn.Module):
         if not policy.master_weights:
             self.state.on_promote.append(self._optimizers.promote)
         self.clipped_at_start = [] if policy.master_weights else round_pure_weights(weights, self.state)
-        self.compiled_step = compiled_step(policy, graph, self.state, compile_backend) if compile else None
+        self.compiled_step = compiled_step(policy, graph, self.state, compile) if compile is not None else None
         self._handles += hook_weight_gradients(model, graph, self.state, hold_gradients)
         self._rounding = Rounding(self.state, self._packer, weights)
         self._hooks: HookInstrument | None = None
@@ -284,7 +285,7 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                  strict: bool = True, seed: int = 0, stats_every: int | None = None,
                  steps_per_epoch: int | None = None, rules: OpRules = OP_RULES,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 compile: bool = False, compile_backend: str = "inductor") -> PrecisionModel:
+                 compile: bool | CompileOptions = False) -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
     ``example_input`` (default: zeros of the policy's input shape) is used to trace the model at the
@@ -298,10 +299,11 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     ``.grad`` during the backward), and ``round_in_place=False`` rounds every activation and activation gradient
     into a new tensor, never over the op's own output or the gradient it receives.
 
-    ``compile=True`` trains with the compiled step (precsearch.runtime.compiled: the rounding fused into the
-    model's own kernels by ``torch.compile``, compiled once per model structure in the process, whatever the
-    assignment; ``compile_backend`` is torch.compile's backend), where the policy allows it (else one WARNING
-    says why, and the step runs eagerly). Forwards without gradients (evaluation) run eagerly.
+    ``compile=True`` (or a ``CompileOptions``: the backend, whether saved tensors are held as codes) trains
+    with the compiled step (precsearch.runtime.compiled: the rounding fused into the model's own kernels by
+    ``torch.compile``, compiled once per model structure and code widths in the process), where the policy
+    allows it (else one WARNING says why, and the step runs eagerly). Forwards without gradients (evaluation)
+    run eagerly.
     """
     if not isinstance(policy, Policy):
         raise PrecsearchError(f"apply_policy needs a precsearch Policy, got {type(policy).__name__}")
@@ -315,5 +317,5 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                   leaf_modules=CHUNKED_LAYERS, rules=rules)
     verify_policy(policy, graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
-                          hold_gradients=hold_gradients, round_in_place=round_in_place, compile=compile,
-                          compile_backend=compile_backend)
+                          hold_gradients=hold_gradients, round_in_place=round_in_place,
+                          compile=CompileOptions() if compile is True else compile or None)

@@ -175,8 +175,8 @@ class TensorState:
 
     def count_compiled(self, counts: Callable[[], torch.Tensor]) -> None:
         """Take a compiled step's counts (precsearch.runtime.compiled): ``counts()`` gives (overflowed,
-        elements, roundings) per row, the forward's and, once the backward ran, the backward's; read with the
-        others."""
+        elements, roundings, unencodable) per row, the forward's and, once the backward ran, the backward's; read
+        with the others."""
         self.flush()
         self._compiled = counts
         self._dirty = True
@@ -188,13 +188,14 @@ class TensorState:
 
     def pending(self) -> torch.Tensor | None:
         """This step's unread counts, one tensor: (overflowed, unencodable) per row from the eager roundings,
-        then (overflowed, elements, roundings) per row from a compiled step, if one ran."""
+        then (overflowed, elements, roundings, unencodable) per row from a compiled step, if one ran."""
         if not self._dirty:
             return None
         if self._compiled is None:
             return torch.cat(self._counts)
         compiled = self._compiled().flatten()
-        eager = torch.cat(self._counts).to(compiled.device) if self._counts else torch.zeros_like(compiled)
+        eager = (torch.cat(self._counts).to(compiled.device) if self._counts
+                 else compiled.new_zeros(2 * len(self.slots)))
         return torch.cat([eager, compiled])
 
     def settle(self, values: list[int]) -> tuple[bool, bool]:
@@ -207,9 +208,10 @@ class TensorState:
         for slot in self.slots.values():
             over, bad = values[2 * slot.row], values[2 * slot.row + 1]
             if compiled:
-                over += compiled[3 * slot.row]
-                slot.pending += compiled[3 * slot.row + 1]
-                slot.calls += compiled[3 * slot.row + 2]
+                over += compiled[4 * slot.row]
+                slot.pending += compiled[4 * slot.row + 1]
+                slot.calls += compiled[4 * slot.row + 2]
+                bad += compiled[4 * slot.row + 3]
             if not slot.pending:
                 continue
             fraction = over / slot.pending

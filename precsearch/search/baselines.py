@@ -11,12 +11,13 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import SearchSpace, load_space, parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.search.config import SearchConfig
-from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
+from precsearch.search.context import Budget, DataSpec, SearchContext, proxy_compile, torch_threads
 from precsearch.search.rundir import RUN_FILE
 from precsearch.search.strategies import (
     BASELINES,
@@ -72,13 +73,15 @@ def run_baselines(
     image_size: int | None = None,
     threads: int | None = None,
     progress: bool = True,
+    compile: CompileOptions | None = None,
 ) -> pd.DataFrame:
     """Train the prior-work baselines and the paper's sweep (plus its ablations) under the same proxies.
 
     Writes ``baselines.csv`` (rewritten after each proxy) and ``baselines/<source>_<name>.json`` policies.
     In a search's run directory made with the same model, space, data and seed, the proxies are as long as
     the search's (unless ``proxy_steps`` says otherwise), and sweep points the search already trained are
-    reused, not trained again; so are sweep points that coincide with each other.
+    reused, not trained again; so are sweep points that coincide with each other. ``compile``: how the
+    proxies compile their step (None: eagerly; ``proxy_compile``).
     """
     if isinstance(space, str | Path):
         space = load_space(space)
@@ -115,7 +118,7 @@ def run_baselines(
                 row.update({field: known[key][field] for field in _SEED_FIELDS if field in known[key]})
             else:
                 result = run_proxy(model_spec, policy, context.data, space.proxy.steps, seed=seed, device=device,
-                                   config=space.proxy)
+                                   config=space.proxy, compile=proxy_compile(compile))
                 memory, size = context.memory(policy.assignment(context.graph), result.promotions)
                 row.update(memory=memory, bytes=size, val_accuracy=result.val_accuracy, val_loss=result.val_loss,
                            diverged=result.diverged, reason=result.reason, promotions=len(result.promotions),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.spaces import SearchSpace, load_space, parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.search.calibration import CalibrationSettings
@@ -60,6 +61,7 @@ class SearchConfig:
     proxy_seeds: int | None = 1
     sampler: str | None = None
     seeding: str = "paper"
+    compile: CompileOptions | None = None  # how its runs compile their step (None: eagerly)
 
     SETTINGS: ClassVar[tuple[str, ...]] = ("proxy_steps", "max_proxy_steps", "calibration_start", "rungs",
                                            "confirm_factor", "seeding")

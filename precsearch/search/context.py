@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import SearchSpace
 from precsearch.config.spec import MEMORY_MEASURES
@@ -26,8 +27,8 @@ from precsearch.train.data import ImageDataset, load_dataset
 from precsearch.train.proxy import ProxyTrainer, Trainer
 from precsearch.train.trainer import ProxyResult, build_model
 
-__all__ = ["DEFAULT_ACCURACY_DROP", "Budget", "DataSpec", "SearchContext", "combine_seeds", "seed_record",
-           "torch_threads"]
+__all__ = ["DEFAULT_ACCURACY_DROP", "Budget", "DataSpec", "SearchContext", "combine_seeds", "proxy_compile",
+           "seed_record", "torch_threads"]
 
 DEFAULT_ACCURACY_DROP = 0.01
 
@@ -105,12 +106,16 @@ class SearchContext:
     proxy_seeds: int | None = 1  # seeds per proxy; None: chosen from the noise the reference measures
     length: int | None = None  # steps of one proxy: fixed, or set by calibration
     settings: dict[str, Any] = field(default_factory=dict)  # SearchConfig.settings(): part of the study's config
+    compile: CompileOptions | None = None  # how fixed-policy runs compile (None: eagerly); proxies save float32
 
     @classmethod
     def create(cls, model: str, space: SearchSpace, data_spec: DataSpec, budget: Budget, seed: int,
                device: str, data: tuple[ImageDataset, ImageDataset] | None = None,
-               proxy_seeds: int | None = 1, trainer: Trainer | None = None) -> SearchContext:
-        """Load the data (unless given), build and trace the model at the proxy's batch and image size."""
+               proxy_seeds: int | None = 1, trainer: Trainer | None = None,
+               compile: CompileOptions | None = None) -> SearchContext:
+        """Load the data (unless given), build and trace the model at the proxy's batch and image size.
+        ``compile``: how runs compile their step (None: eagerly); the proxies' graph saves float32
+        (``proxy_compile``), so that one compiled graph serves every assignment."""
         if data is None:
             data = data_spec.load(space.proxy.image_size, seed=0)
         torch.manual_seed(seed)
@@ -121,7 +126,8 @@ class SearchContext:
             raise PrecsearchError(f"proxy_seeds={proxy_seeds} must be at least 1 (or auto)")
         context = cls(model=model, space=space, data_spec=data_spec, budget=budget, seed=seed, device=device,
                       data=data, graph=graph, cost=CostModel(graph), proxy_seeds=proxy_seeds,
-                      trainer=trainer or ProxyTrainer(model, data, device, space.proxy))
+                      trainer=trainer or ProxyTrainer(model, data, device, space.proxy, proxy_compile(compile)),
+                      compile=compile)
         context.units = units(graph, space)
         high = uniform(graph, space, "high").assignment
         context.high_bytes = float(context.cost.bytes(high))
@@ -230,6 +236,12 @@ class SearchContext:
         if self.budget.max_accuracy_drop is not None:
             return [memory]
         return [memory, self.score(result)]
+
+
+def proxy_compile(options: CompileOptions | None) -> CompileOptions | None:
+    """How a search's proxies compile: as ``options`` say, but saving float32, so that every assignment of the
+    search trains with one compiled graph (a proxy's memory is priced by the cost model, not measured)."""
+    return None if options is None else dataclasses.replace(options, saves_codes=False)
 
 
 def combine_seeds(results: list[ProxyResult]) -> ProxyResult:

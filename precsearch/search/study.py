@@ -485,7 +485,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
     location = StudyLocation.of(config.storage, out_dir, config.study_name, config.heartbeat)
     with StopSignals() as signals, quiet_optuna_interrupts():
         context = SearchContext.create(config.model, space, data_spec, budget, config.seed, config.device,
-                                       proxy_seeds=config.proxy_seeds, trainer=trainer)
+                                       proxy_seeds=config.proxy_seeds, trainer=trainer, compile=config.compile)
         context.settings = config.settings()
         if config.proxy_seeds == 1:
             log.warning("one seed per proxy: the pick compares single-seed accuracies and cannot state its "
@@ -527,7 +527,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 else:
                     created = (context.model, context.space, context.data_spec, context.budget, context.seed)
                     setup = WorkerSetup(created, context.settings, context.device, location, out_dir, trials,
-                                        config.threads or max(1, (os.cpu_count() or 1) // jobs))
+                                        config.threads or max(1, (os.cpu_count() or 1) // jobs), config.compile)
                     _optimize_workers(study, context, setup, gpus, bar)
                 bar.close()
                 if location.shared:

@@ -19,6 +19,7 @@ import optuna
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.spaces import SearchSpace
 from precsearch.errors import PrecsearchError
 from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
@@ -147,6 +148,7 @@ class WorkerSetup:
     out_dir: Path
     trials: int
     threads: int
+    compile: CompileOptions | None
 
 
 def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> None:
@@ -162,7 +164,7 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
     _stop_when_orphaned(parent)
     # the parent reports the interruption
     with StopSignals() as signals, quiet_optuna_interrupts(), contextlib.suppress(KeyboardInterrupt):
-        context = SearchContext.create(*setup.context, device)
+        context = SearchContext.create(*setup.context, device, compile=setup.compile)
         context.settings = setup.settings
         storage = setup.location.open()
         study = load_study(context, storage, setup.location, index)

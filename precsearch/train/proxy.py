@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spec import ProxyConfig  # re-exported: a space's proxy section
 from precsearch.train.data import ImageDataset
@@ -80,9 +81,11 @@ class ProxyTrainer:
     data: tuple[ImageDataset, ImageDataset]
     device: str
     config: ProxyConfig
+    compile: CompileOptions | None = None
 
     def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
                  on_eval: Callable[[int, float, float], None] | None = None,
                  report: Callable[[int, float], None] | None = None) -> ProxyResult:
         return run_proxy(self.model_spec, policy, self.data, steps, seed=seed, device=self.device,
-                         config=self.config, evaluate_at=evaluate_at, on_eval=on_eval, report=report)
+                         config=self.config, evaluate_at=evaluate_at, on_eval=on_eval, report=report,
+                         compile=self.compile)

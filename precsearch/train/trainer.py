@@ -33,11 +33,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from precsearch import models
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spec import ProxyConfig
 from precsearch.errors import PrecsearchError, user_code_error
 from precsearch.files import atomic_write_text
-from precsearch.runtime.compiled import compile_by_default
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
 from precsearch.train.data import ImageDataset, make_loader, random_crop_flip
@@ -310,7 +310,7 @@ def train(
     evaluate_at: Collection[int] = (),
     recipe: Recipe | None = None,
     deterministic: bool = True,
-    compile: bool | None = None,
+    compile: CompileOptions | None = None,
 ) -> ProxyResult:
     """Train ``model_spec`` under ``policy`` (None: plain fp32, no wrapper and no loss scaling) for ``steps``
     SGD steps and evaluate on the validation split.
@@ -325,7 +325,7 @@ def train(
     ``on_eval`` raises there propagates). ``stop_on_divergence=False``
     keeps training after a divergence was detected and records it all the same. ``deterministic``
     runs it under ``determinism`` (the search relies on a seed giving the same numbers). ``compile`` trains
-    with the compiled step (precsearch.runtime.compiled; None: as ``compile_by_default`` says).
+    with the compiled step (precsearch.runtime.compiled; None: eagerly).
     """
     config = config or ProxyConfig()
     if steps < 1:
@@ -345,7 +345,7 @@ def train(
         if policy is not None:  # traced on real images, as the search traced it: a branch zeros skip is kept
             model = apply_policy(model, policy, train_set.images[:2].to(torch_device), seed=seed,
                                  stats_every=config.stats_every, steps_per_epoch=per_epoch,
-                                 compile=compile_by_default() if compile is None else compile)
+                                 compile=compile or False)
         model.train()
         sgd = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                               weight_decay=config.weight_decay)
