@@ -164,10 +164,10 @@ def test_a_policy_the_compiled_step_cannot_train_runs_eagerly_with_one_warning(c
 def test_the_command_line_compiles_long_work_unless_told_not_to(no_compile, steps, expected) -> None:
     """``--no-compile`` always wins; otherwise a command compiles from ``COMPILE_MIN_STEPS`` steps (None: long
     runs): options it hands to its runs and workers, saving codes; no environment variable is set."""
-    before = dict(os.environ)
+    before = {key: value for key, value in os.environ.items() if key.startswith("PRECSEARCH")}
     options = choose_compile(argparse.Namespace(no_compile=no_compile), steps)
     assert options == (CompileOptions() if expected else None)
-    assert dict(os.environ) == before
+    assert {key: value for key, value in os.environ.items() if key.startswith("PRECSEARCH")} == before
 
 
 @pytest.mark.slow
@@ -300,3 +300,54 @@ def test_the_compiled_step_saves_each_rounded_activation_as_codes_of_its_width(f
                   if t.dim() > 1 and t.shape[0] == x.shape[0] and t.dtype != torch.int8]
     assert per_sample and {t.dtype for t in per_sample} == {code}
     assert sum(t.numel() * t.element_size() for t in per_sample) <= eager_bytes
+
+
+def test_a_value_without_a_code_skips_the_compiled_step_as_the_eager_one() -> None:
+    """A NaN in the batch reaches activations whose format (e4m3b4s) has no NaN code: the eager step finds it
+    when it packs them, the compiled step when it encodes them, and both skip that step (and only that one), so
+    the parameters train bit for bit alike. Where they differ, as the module docstring says: the compiled
+    forward goes on with the code's value (the format's largest magnitude), so its batch-norm running
+    statistics stay finite where the eager step's become NaN."""
+    model = _model("tiny_cnn")
+    batches = _batches(4, 8, 16)
+    batches[2][0][0, 0, 0, 0] = float("nan")
+    policy = _policy(model, batches[0][0], ALL_LOW)
+    eager, eager_losses = _train(model, policy, batches)
+    done, done_losses = _train(model, policy, batches, compile=AOT_EAGER)
+    assert done.compiled_step is not None
+    assert eager.scaler.skipped_steps == done.scaler.skipped_steps == 1
+    for (name, a), (_, b) in zip(eager.module.named_parameters(), done.module.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert eager.module.bn1.running_mean.isnan().all() and done.module.bn1.running_mean.isfinite().all()
+
+
+class _Reached(BaseException):
+    """Raised where the test has seen what it looks for: the command stops there."""
+
+
+@pytest.mark.parametrize(("steps", "flags", "expected"), [
+    (3000, [], CompileOptions()), (1999, [], None), (3000, ["--no-compile"], None)])
+def test_train_with_a_policy_hands_its_compile_choice_to_the_wrapper(tmp_path, monkeypatch, steps, flags,
+                                                                     expected) -> None:
+    """``precsearch train MODEL --policy P --steps 3000`` wraps the model compiled and saving codes (so its saves
+    are the eager step's: the test above), through its configuration: not below 2,000 steps, not with
+    ``--no-compile``, and never through the environment."""
+    from precsearch.cli import main
+    from precsearch.train import trainer
+
+    model = _model("tiny_cnn")
+    x = torch.randn(64, 3, 8, 8)
+    _policy(model, x, ALL_LOW).save(tmp_path / "policy.json")
+    seen = []
+
+    def wrap(model, policy, example, **options):
+        seen.append(options.get("compile"))
+        raise _Reached
+
+    monkeypatch.setattr(trainer, "apply_policy", wrap)
+    before = {key: value for key, value in os.environ.items() if key.startswith("PRECSEARCH")}
+    with pytest.raises(_Reached):
+        main(["train", "tiny_cnn", "--policy", str(tmp_path / "policy.json"), "--steps", str(steps),
+              "--image-size", "8", "--device", "cpu", "--threads", "1", "--data", "digits", *flags])
+    assert seen == [expected or False]
+    assert {key: value for key, value in os.environ.items() if key.startswith("PRECSEARCH")} == before

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from precsearch.formats import kernels
-from precsearch.formats.as_data import RoundWithGradient, format_row, nearest_in_floats, round_nearest, round_with
+from precsearch.formats.as_data import (
+    RoundWithGradient,
+    code_dtype,
+    decode_codes,
+    encode_codes,
+    format_row,
+    nearest_in_floats,
+    round_nearest,
+    round_with,
+)
 from precsearch.formats.format import get_format
 
 FORMATS = ("e5m2", "e4m3b4s", "e5m2s", "e6m9s", "fp16", "bf16", "fp8_e4m3fn", "e3m2s", "e2m1s", "e3m0", "e7m0s",
@@ -131,3 +140,63 @@ def test_round_nearest_gives_the_kernels_bits_for_every_float32_of_three_binades
         got, overflowed = round_nearest(x, row)
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), exponent
         assert int(overflowed) == int(counts[0]), exponent
+
+
+CODED = [fmt for fmt in FORMATS if get_format(fmt).bits <= 16] + ["e1m6s", "e3m12s", "e4m3b4"]
+
+
+def _every_code(fmt: str) -> torch.Tensor:
+    """Every bit pattern of ``fmt`` in its storage dtype (uint8 up to 8 bits; int16 up to 16, as two's complement)."""
+    spec = get_format(fmt)
+    codes = torch.arange(2**spec.bits, dtype=torch.int64)
+    if code_dtype(spec) == torch.int16:
+        codes = torch.where(codes >= 2**15, codes - 2**16, codes)
+    return codes.to(code_dtype(spec))
+
+
+@pytest.mark.parametrize("fmt", CODED)
+def test_codes_as_data_are_the_kernels_codes_for_every_value(fmt: str) -> None:
+    """``decode_codes`` of every bit pattern of the format gives the float32 of ``kernels.decode`` (bit for bit;
+    NaN as NaN), and ``encode_codes`` of those values gives the patterns back (a NaN: the format's NaN code
+    decodes to NaN), counting none as unencodable."""
+    codes = _every_code(fmt)
+    row = format_row(fmt)
+    values = kernels.decode(codes, fmt)
+    decoded = decode_codes(codes, row)
+    nan = values.isnan()
+    assert torch.equal(decoded.isnan(), nan)
+    assert torch.equal(decoded[~nan].view(torch.int32), values[~nan].view(torch.int32))
+    encoded, unencodable = encode_codes(values, row, code_dtype(fmt))
+    assert encoded.dtype == code_dtype(fmt) and int(unencodable) == 0
+    assert torch.equal(encoded[~nan], codes[~nan])
+    assert bool(decode_codes(encoded[nan], row).isnan().all())
+
+
+@pytest.mark.parametrize(("fmt", "unencodable"), [("e4m3b4s", 4), ("fp8_e4m3fn", 2), ("e5m2", 0)])
+def test_values_without_a_code_are_counted_and_saved_as_the_largest_magnitude(fmt: str, unencodable: int) -> None:
+    """inf and NaN in a format without them (``s``: neither; ``fn``: no inf) are counted, and decode to the
+    format's largest magnitude with their sign (fn's NaN keeps its code); an IEEE-like format codes them all."""
+    spec = get_format(fmt)
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan"), 1.0, -0.0])
+    row = format_row(fmt)
+    codes, counted = encode_codes(x, row, code_dtype(fmt))
+    back = decode_codes(codes, row)
+    assert int(counted) == unencodable
+    assert torch.equal(back[4:].view(torch.int32), x[4:].view(torch.int32))
+    if spec.has_inf:
+        assert back[0] == float("inf") and back[1] == -float("inf") and bool(back[2:4].isnan().all())
+    else:
+        assert back[0] == spec.max and back[1] == -spec.max
+        assert bool(back[2:4].isnan().all()) if spec.has_nan else bool((back[2:4].abs() == spec.max).all())
+
+
+def test_codes_as_data_compiled_by_inductor_are_the_eager_ones() -> None:
+    """Inductor's vector code (log2, exp2, float products) gives the same patterns and values as eager torch,
+    for every pattern of the paper's formats."""
+    encode = torch.compile(encode_codes, backend="inductor", fullgraph=True, dynamic=False)
+    decode = torch.compile(decode_codes, backend="inductor", fullgraph=True, dynamic=False)
+    for fmt in ("e4m3b4s", "e5m2s", "e6m9s"):
+        codes, row = _every_code(fmt), format_row(fmt)
+        values = kernels.decode(codes, fmt)
+        assert torch.equal(decode(codes, row).view(torch.int32), values.view(torch.int32))
+        assert torch.equal(encode(values, row, code_dtype(fmt))[0], codes)

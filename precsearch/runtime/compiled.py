@@ -15,10 +15,12 @@ one row per tensor id, so the graph does not depend on the formats themselves:
   codes (``encode_codes`` then ``decode_codes``, uint8 up to 8 bits, int16 up to 16; exact, so the values are
   the rounded ones), the decode marked for recomputation (``_RecomputeDecodes``): AOTAutograd's partitioner then
   saves the codes for the backward, where the decode runs again, as the eager runtime saves packed codes;
-* overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable"; the step
-  is then skipped), leave the graph as tensors, never by writes: the forward's as an output, the backward's as
-  the gradients of float64 leaves, one per site (``counters``); ``TensorState`` reads them once a step with the
-  rest, for promotions and the loss scaler. Element counts come from the traced shapes, not from the device.
+* overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable": inf or
+  NaN in a format without them; the step is then skipped, as eagerly, but the compiled forward goes on with the
+  code's value, the format's largest magnitude, so batch-norm running statistics stay finite), leave the graph
+  as tensors, never by writes: the forward's as an output, the backward's as the gradients of float64 leaves,
+  one per site (``counters``); ``TensorState`` reads them once a step with the rest, for promotions and the
+  loss scaler. Element counts come from the traced shapes, not from the device.
 
 ``RoundingGraph`` is built, and compiled (``torch.compile(fullgraph=True)``), once per traced structure, the
 roundings of its tensor kinds (constants of the graph: nearest rounding computes no hash) and the code width of
