@@ -48,6 +48,7 @@ import copy
 import functools
 import logging
 import operator
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -325,7 +326,10 @@ class RoundingGraph:
         self._backward_rows = [site.grad for site in self.sites if site.grad is not None]
         self._elements: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.compiles = 0  # graphs Dynamo handed to the backend: 1 per structure, input shape and mode
-        self._compiled = torch.compile(_step, fullgraph=True, dynamic=False, backend=self._counted)
+        # a code object of its own: Dynamo keeps its compiled graphs per code object (at most 8, then it fails
+        # under fullgraph), and a process may build a graph per structure and code widths
+        own_step = types.FunctionType(_step.__code__.replace(co_name=f"_step_{id(self):x}"), _step.__globals__)
+        self._compiled = torch.compile(own_step, fullgraph=True, dynamic=False, backend=self._counted)
 
     def _counted(self, graph_module: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
         self.compiles += 1
