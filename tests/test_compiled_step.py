@@ -121,7 +121,7 @@ def test_the_compiled_step_trains_bit_for_bit_as_the_eager_runtime(case: str) ->
     _assert_same_training(eager, done, eager_losses, done_losses)
 
 
-@pytest.mark.parametrize("saves_codes", [False, True])
+@pytest.mark.parametrize("saves_codes", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_codes: bool) -> None:
     """Four policies of one model (all-low, fp16, fp32, hfp8-like), each trained bit for bit as eagerly: saving
     float32 (a search's proxies), one compiled graph serves them all; saving codes, a graph serves the
@@ -282,7 +282,8 @@ def _saved_tensors(wrapped, x: torch.Tensor) -> list[torch.Tensor]:
     return list(saved.values())
 
 
-@pytest.mark.parametrize(("formats", "code"), [(ALL_LOW, torch.uint8), (dict(ALL_LOW, activation="fp16"), torch.int16)])
+@pytest.mark.parametrize(("formats", "code"), [
+    (ALL_LOW, torch.uint8), pytest.param(dict(ALL_LOW, activation="fp16"), torch.int16, marks=pytest.mark.slow)])
 def test_the_compiled_step_saves_each_rounded_activation_as_codes_of_its_width(formats, code) -> None:
     """Inductor's compiled step saves, for the backward, the codes of each rounded activation (1 byte for an
     8-bit format, 2 for fp16), not its float32 values: every saved tensor that grows with the batch has the
