@@ -11,7 +11,7 @@ import torch
 from precsearch.formats import kernels
 from precsearch.formats.as_data import (
     RoundWithGradient,
-    code_dtype,
+    code_bytes,
     decode_codes,
     encode_codes,
     format_row,
@@ -145,13 +145,15 @@ def test_round_nearest_gives_the_kernels_bits_for_every_float32_of_three_binades
 CODED = [fmt for fmt in FORMATS if get_format(fmt).bits <= 16] + ["e1m6s", "e3m12s", "e4m3b4"]
 
 
-def _every_code(fmt: str) -> torch.Tensor:
-    """Every bit pattern of ``fmt`` in its storage dtype (uint8 up to 8 bits; int16 up to 16, as two's complement)."""
+def _every_code(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every bit pattern of ``fmt``: in the kernels' storage dtype (uint8 up to 8 bits; int16 up to 16, as two's
+    complement), and as ``encode_codes`` writes them (uint8; 16-bit patterns as a low and a high byte plane)."""
     spec = get_format(fmt)
-    codes = torch.arange(2**spec.bits, dtype=torch.int64)
-    if code_dtype(spec) == torch.int16:
-        codes = torch.where(codes >= 2**15, codes - 2**16, codes)
-    return codes.to(code_dtype(spec))
+    patterns = torch.arange(2**spec.bits, dtype=torch.int64)
+    if code_bytes(spec) == 1:
+        return patterns.to(torch.uint8), patterns.to(torch.uint8)
+    stored = torch.where(patterns >= 2**15, patterns - 2**16, patterns).to(torch.int16)
+    return stored, torch.stack([patterns & 0xFF, patterns >> 8]).to(torch.uint8)
 
 
 @pytest.mark.parametrize("fmt", CODED)
@@ -159,17 +161,17 @@ def test_codes_as_data_are_the_kernels_codes_for_every_value(fmt: str) -> None:
     """``decode_codes`` of every bit pattern of the format gives the float32 of ``kernels.decode`` (bit for bit;
     NaN as NaN), and ``encode_codes`` of those values gives the patterns back (a NaN: the format's NaN code
     decodes to NaN), counting none as unencodable."""
-    codes = _every_code(fmt)
-    row = format_row(fmt)
-    values = kernels.decode(codes, fmt)
-    decoded = decode_codes(codes, row)
+    stored, codes = _every_code(fmt)
+    row, nbytes = format_row(fmt), code_bytes(fmt)
+    values = kernels.decode(stored, fmt)
+    decoded = decode_codes(codes, row, nbytes)
     nan = values.isnan()
     assert torch.equal(decoded.isnan(), nan)
     assert torch.equal(decoded[~nan].view(torch.int32), values[~nan].view(torch.int32))
-    encoded, unencodable = encode_codes(values, row, code_dtype(fmt))
-    assert encoded.dtype == code_dtype(fmt) and int(unencodable) == 0
-    assert torch.equal(encoded[~nan], codes[~nan])
-    assert bool(decode_codes(encoded[nan], row).isnan().all())
+    encoded, unencodable = encode_codes(values, row, nbytes)
+    assert encoded.dtype == torch.uint8 and encoded.shape == codes.shape and int(unencodable) == 0
+    assert torch.equal(encoded[..., ~nan], codes[..., ~nan])
+    assert bool(decode_codes(encoded[..., nan], row, nbytes).isnan().all())
 
 
 @pytest.mark.parametrize(("fmt", "unencodable"), [("e4m3b4s", 4), ("fp8_e4m3fn", 2), ("e5m2", 0)])
@@ -179,8 +181,8 @@ def test_values_without_a_code_are_counted_and_saved_as_the_largest_magnitude(fm
     spec = get_format(fmt)
     x = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan"), 1.0, -0.0])
     row = format_row(fmt)
-    codes, counted = encode_codes(x, row, code_dtype(fmt))
-    back = decode_codes(codes, row)
+    codes, counted = encode_codes(x, row, code_bytes(fmt))
+    back = decode_codes(codes, row, code_bytes(fmt))
     assert int(counted) == unencodable
     assert torch.equal(back[4:].view(torch.int32), x[4:].view(torch.int32))
     if spec.has_inf:
@@ -196,7 +198,7 @@ def test_codes_as_data_compiled_by_inductor_are_the_eager_ones() -> None:
     encode = torch.compile(encode_codes, backend="inductor", fullgraph=True, dynamic=False)
     decode = torch.compile(decode_codes, backend="inductor", fullgraph=True, dynamic=False)
     for fmt in ("e4m3b4s", "e5m2s", "e6m9s"):
-        codes, row = _every_code(fmt), format_row(fmt)
-        values = kernels.decode(codes, fmt)
-        assert torch.equal(decode(codes, row).view(torch.int32), values.view(torch.int32))
-        assert torch.equal(encode(values, row, code_dtype(fmt))[0], codes)
+        (stored, codes), row, nbytes = _every_code(fmt), format_row(fmt), code_bytes(fmt)
+        values = kernels.decode(stored, fmt)
+        assert torch.equal(decode(codes, row, nbytes).view(torch.int32), values.view(torch.int32))
+        assert torch.equal(encode(values, row, nbytes)[0], codes)

@@ -17,7 +17,8 @@ Its cost against a kernel of one format: every call computes the stochastic roun
 says (a selection, not a branch, picks the row's rounding).
 
 ``encode_codes`` and ``decode_codes`` turn rounded values into the format's bit patterns and back, the format
-again a row, the code's dtype (``code_dtype``: uint8 up to 8 bits, int16 up to 16) a constant of the graph: a
+again a row, the code's width (``code_bytes``: one uint8 plane up to 8 bits, two up to 16) a constant of the
+graph (16-bit patterns as two byte planes, not int16: Inductor's CPU code converts int16 element by element): a
 compiled step that passes each rounded value through its codes gives AOTAutograd's partitioner a tensor of the
 format's width to save for the backward, where it decodes it again.
 """
@@ -32,7 +33,7 @@ import torch
 from precsearch.formats.format import FloatFormat, get_format
 from precsearch.formats.kernels import _check_modes, _float_bits, _hash_bits, overflow_threshold
 
-__all__ = ["RoundWithGradient", "code_dtype", "decode_codes", "encode_codes", "format_row", "nearest_in_floats",
+__all__ = ["RoundWithGradient", "code_bytes", "decode_codes", "encode_codes", "format_row", "nearest_in_floats",
            "round_nearest", "round_with"]
 
 _NEAREST, _AWAY, _STOCHASTIC = 0, 1, 2
@@ -175,11 +176,11 @@ class RoundWithGradient(torch.autograd.Function):
         return rounded, None, None, None, None, overflowed.to(ctx.counter_dtype)
 
 
-def code_dtype(fmt: str | FloatFormat) -> torch.dtype | None:
-    """The integer dtype a compiled graph saves ``fmt``'s values in (uint8 up to 8 bits, int16 up to 16), or
-    None for a wider format, whose values stay float32."""
+def code_bytes(fmt: str | FloatFormat) -> int | None:
+    """The bytes a compiled graph saves per value of ``fmt`` (1 up to 8 bits, 2 up to 16), or None for a wider
+    format, whose values stay float32."""
     fmt = get_format(fmt)
-    return {1: torch.uint8, 2: torch.int16}.get(fmt.storage_bytes)
+    return fmt.storage_bytes if fmt.storage_bytes <= 2 else None
 
 
 def _exp2_int(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,9 +190,10 @@ def _exp2_int(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.exp2(low), torch.exp2(k - low)
 
 
-def encode_codes(v: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bit patterns (``dtype``: ``code_dtype`` of the row's format) of ``v``, values already rounded to the
-    row's format, and how many of them the format has no code for; in float arithmetic that Inductor
+def encode_codes(v: torch.Tensor, row: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit patterns of ``v``, values already rounded to the row's format, as uint8 (``nbytes`` 1: shaped as
+    ``v``; 2: the low and the high byte, stacked first), and how many the format has no code for; in float and
+    integer arithmetic that Inductor
     vectorizes (no bit view). The exponent is ``floor(log2 |v|)``, exact here: a value with at most 15
     significant bits lies at least 2**-16 of a binade below the binade's top, far beyond log2's error. The
     significand is an exact product with a power of two. inf and NaN take the format's codes; where it has
@@ -214,18 +216,18 @@ def encode_codes(v: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> tupl
     mag = torch.where(nan, nan_code, torch.where(infinite, inf_code, mag))
     negative = (torch.copysign(torch.ones_like(v), v) < 0).to(torch.int32)
     pattern = mag + (negative << top)
-    if dtype == torch.int16:  # a 16-bit pattern as two's complement
-        pattern = torch.where(pattern >= 1 << 15, pattern - (1 << 16), pattern)
     unencodable = ((infinite & ~ieee) | (nan & ~(ieee | fn))).sum(dtype=torch.int32)
-    return pattern.to(dtype), unencodable
+    if nbytes == 1:
+        return pattern.to(torch.uint8), unencodable
+    return torch.stack([(pattern & 0xFF).to(torch.uint8), (pattern >> 8).to(torch.uint8)]), unencodable
 
 
-def decode_codes(codes: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+def decode_codes(codes: torch.Tensor, row: torch.Tensor, nbytes: int) -> torch.Tensor:
     """float32 values of ``encode_codes``' bit patterns in the row's format: ``(significand * 2**low) * 2**high``,
     two exact products (a subnormal format's smallest quantum may be no normal float32)."""
     bits, man = row[_BITS], row[_MAN]
     one = torch.ones_like(bits)
-    pattern = codes.to(torch.int32) & ((one << bits) - 1)
+    pattern = codes.to(torch.int32) if nbytes == 1 else codes[0].to(torch.int32) | (codes[1].to(torch.int32) << 8)
     top = bits - 1
     mag = pattern & ((one << top) - 1)
     exponent_field = mag >> man

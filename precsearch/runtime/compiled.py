@@ -12,7 +12,7 @@ one row per tensor id, so the graph does not depend on the formats themselves:
   passes the gradient on: ``_ReluMaskedByItsSite``; with ``gradient_rounding: per_use``, each consumer's
   gradient of a value with several, before they are summed);
 * with ``CompileOptions.saves_codes`` (the default), a rounded weight or activation passes through its format's
-  codes (``encode_codes`` then ``decode_codes``, uint8 up to 8 bits, int16 up to 16; exact, so the values are
+  codes (``encode_codes`` then ``decode_codes``, 1 byte up to 8 bits, 2 up to 16; exact, so the values are
   the rounded ones), the decode marked for recomputation (``_RecomputeDecodes``): AOTAutograd's partitioner then
   saves the codes for the backward, where the decode runs again, as the eager runtime saves packed codes;
 * overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable": inf or
@@ -64,7 +64,7 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spec import GRAD_KINDS
 from precsearch.formats.as_data import (
-    code_dtype,
+    code_bytes,
     decode_codes,
     encode_codes,
     format_row,
@@ -130,7 +130,7 @@ class Site(NamedTuple):
     relu_output: bool
     numel: int
     per_sample: bool  # an activation (its values grow with the batch), not a weight
-    code: torch.dtype | None  # the dtype of the codes its rounded values pass through (None: float32)
+    code: int | None  # bytes of the codes its rounded values pass through (None: float32, no codes)
 
 
 class _Round(torch.autograd.Function):
@@ -152,7 +152,7 @@ class _Round(torch.autograd.Function):
         if site.code is not None:  # the partitioner saves these codes for the backward, which decodes them
             codes, unencodable = encode_codes(rounded, row, site.code)
             with torch.fx.traceback.annotate(DECODE):
-                rounded = decode_codes(codes, row)
+                rounded = decode_codes(codes, row, site.code)
         ctx.save_for_backward(rows, seed, *([rounded] if site.relu_output else []))
         # [overflowed, unencodable], float64 of 2 elements (Dynamo specializes no value of a 0-d tensor)
         counts = torch.stack([overflowed, unencodable.to(overflowed.dtype)]).to(torch.float64)
@@ -249,7 +249,7 @@ class RoundingGraph:
     turns both into (overflowed, elements, roundings, unencodable) per row.
     """
 
-    def __init__(self, graph: TensorGraph, roundings: dict[str, str], codes: tuple[torch.dtype | None, ...],
+    def __init__(self, graph: TensorGraph, roundings: dict[str, str], codes: tuple[int | None, ...],
                  backend: str = "inductor", per_use: bool = False) -> None:
         rows = {tensor_id: row for row, tensor_id in enumerate(graph.assignable_ids())}
         self.n_rows = len(rows)
@@ -459,7 +459,7 @@ def rounding_graph(graph: TensorGraph, state: TensorState, options: CompileOptio
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
-    codes = tuple(code_dtype(slot.fmt) if options.saves_codes and slot.kind not in GRAD_KINDS else None
+    codes = tuple(code_bytes(slot.fmt) if options.saves_codes and slot.kind not in GRAD_KINDS else None
                   for slot in sorted(state.slots.values(), key=lambda slot: slot.row))  # gradients: never saved
     key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, options.backend, per_use)
     if key not in _GRAPHS:
