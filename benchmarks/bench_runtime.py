@@ -5,11 +5,12 @@
    ``torch.compile``-d step timed in the same run: steps alternate between the models (interleaved), medians
    after warm-up. Compiled rows: plain ``torch.compile(model, fullgraph=True)``; a policy through
    ``apply_policy(compile=True)`` (precsearch.runtime.compiled, saving codes for the backward: one compiled graph
-   serves the policies of the model with the same code widths, so hfp8 and all-low compile once between them). Per row: its first step (the compile, where it compiles),
-   the ops it runs a step (eager: aten ops dispatched, counted by a ``TorchDispatchMode``; compiled: the kernels
-   in the code Inductor wrote for the forward and backward, each run once a step, besides the convolutions'
-   library calls), and for a compiled policy the share of its rounding passes fused into a neighbouring kernel
-   (1 - extra kernels over the compiled plain step / rounding passes). The machine's CPU model and vector flags
+   serves the policies of the model with the same code widths; each other plan compiles its own). Per row: its
+   first step (the compile, where it compiles), the ops it runs a step (eager: aten ops dispatched, counted by
+   a ``TorchDispatchMode``; compiled: the kernels in the code Inductor wrote for the forward and backward, each
+   run once a step, besides the convolutions' library calls), and for a compiled policy the share of its
+   rounding passes fused into a neighbouring kernel (1 - extra kernels over the compiled plain step / rounding
+   passes). The machine's CPU model and vector flags
    head the output. Goal: compiled all-low and hfp8 <= 1.5x compiled plain fp32. Rows: plain fp32; plain under
    ``torch.autocast(bfloat16)`` (CUDA); the fp32 policy through ``apply_policy``; the fp16, bf16 and hfp8
    baselines; the paper's all-low policy (weights and activations e4m3b4s, activation gradients e5m2s,
