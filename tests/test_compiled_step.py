@@ -282,8 +282,8 @@ def _saved_tensors(wrapped, x: torch.Tensor) -> list[torch.Tensor]:
     return list(saved.values())
 
 
-@pytest.mark.parametrize(("formats", "code"), [
-    (ALL_LOW, 1), pytest.param(dict(ALL_LOW, activation="fp16"), 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize(("formats", "code"), [(ALL_LOW, 1), (dict(ALL_LOW, activation="fp16"), 2)])
 def test_the_compiled_step_saves_each_rounded_activation_as_codes_of_its_width(formats, code) -> None:
     """Inductor's compiled step saves, for the backward, the codes of each rounded activation (1 byte for an
     8-bit format, 2 for fp16: two byte planes), not its float32 values: every saved tensor that grows with the
@@ -305,6 +305,7 @@ def test_the_compiled_step_saves_each_rounded_activation_as_codes_of_its_width(f
     assert sum(t.numel() * t.element_size() for t in per_sample) <= eager_bytes
 
 
+@pytest.mark.slow
 def test_a_value_without_a_code_skips_the_compiled_step_as_the_eager_one() -> None:
     """A NaN in the batch reaches activations whose format (e4m3b4s) has no NaN code: the eager step finds it
     when it packs them, the compiled step when it encodes them, and both skip that step (and only that one), so

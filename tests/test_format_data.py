@@ -192,6 +192,7 @@ def test_values_without_a_code_are_counted_and_saved_as_the_largest_magnitude(fm
         assert bool(back[2:4].isnan().all()) if spec.has_nan else bool((back[2:4].abs() == spec.max).all())
 
 
+@pytest.mark.slow
 def test_codes_as_data_compiled_by_inductor_are_the_eager_ones() -> None:
     """Inductor's vector code (log2, exp2, float products) gives the same patterns and values as eager torch,
     for every pattern of the paper's formats."""
