@@ -14,6 +14,7 @@ import argparse
 import copy
 import logging
 import os
+import warnings
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from precsearch.cli._arguments import COMPILE_MIN_STEPS, choose_compile
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.policies import policy_from_assignment
+from precsearch.formats.kernels import quantize
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime import compiled
@@ -45,6 +47,33 @@ class Untraceable(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.bn(self.conv(x))
         out = torch.relu(out) if out.mean() > -1 else out
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
+
+
+class _Gated(nn.Module):
+    """A block whose data-dependent branch torch.fx cannot trace (Dynamo breaks its graph there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv(x)
+        return torch.relu(out) if out.mean() > -1 else out
+
+
+class PartlyTraceable(nn.Module):
+    """A model FX traces but for one block (``gate``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.gate = _Gated()
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.gate(torch.relu(self.bn(self.conv(x))))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
 
 
@@ -156,6 +185,48 @@ def test_a_policy_the_compiled_step_cannot_train_runs_eagerly_with_one_warning(c
     assert wrapped.compiled_step is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "adaptive loss scaling" in warnings[0] and "eagerly" in warnings[0]
+
+
+def test_a_block_fx_cannot_trace_runs_as_one_op_and_the_rest_compiles() -> None:
+    """One WARNING names the block; the graph stays FX's, with the block one op (``opaque_modules``), and the
+    compiled step (aot_eager) takes the model, its graph broken at the block's branch. Oracle: the same
+    training written by hand with torch ops, each weight and each op's output rounded (kernels.quantize, a
+    straight-through gradient), the values inside the block float32: every gradient is equal bit for bit."""
+    torch.manual_seed(0)
+    model = PartlyTraceable()
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    with pytest.warns(UserWarning) as caught:
+        policy = _policy(model, x, {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "fp32",
+                                    "weight_grad": "fp32"})
+    messages = [str(w.message) for w in caught if "torch.fx" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith("torch.fx could not trace gate (_Gated)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = apply_policy(copy.deepcopy(model), policy, x[:2], compile=AOT_EAGER)
+    assert wrapped.graph.tracer == "fx" and wrapped.graph.opaque_modules == ("gate",)
+    assert wrapped.compiled_step is not None
+    F.cross_entropy(wrapped(x), y).backward()
+    assert wrapped.compiled_step.graph.compiles >= 2  # Dynamo's graph breaks at the block's branch
+
+    class StraightThrough(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, value):
+            return quantize(value, "e4m3b4s")
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    q = StraightThrough.apply
+    w = {name: q(param) for name, param in model.named_parameters()}
+    out = q(F.conv2d(q(x), w["conv.weight"], w["conv.bias"], padding=1))
+    out = q(torch.relu(q(F.batch_norm(out, None, None, w["bn.weight"], w["bn.bias"], training=True))))
+    inside = F.conv2d(out, w["gate.conv.weight"], w["gate.conv.bias"], padding=1)  # float32 inside the block
+    out = q(F.adaptive_avg_pool2d(q(torch.relu(inside) if inside.mean() > -1 else inside), 1))
+    F.cross_entropy(q(F.linear(out.flatten(1), w["fc.weight"], w["fc.bias"])), y).backward()
+    trained = dict(wrapped.module.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(trained[name].grad, param.grad), name
 
 
 @pytest.mark.parametrize(("no_compile", "steps", "expected"), [

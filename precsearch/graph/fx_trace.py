@@ -28,12 +28,25 @@ from precsearch.graph.runs import record_runs
 
 
 class FxTracer(torch.fx.Tracer):
+    """torch.fx's tracer with precsearch's leaf modules, noting the innermost submodule whose forward it was
+    tracing when tracing failed (``failed_in``; None: the model's own forward), which may then be traced as one
+    op (precsearch.graph.tracing)."""
+
     def __init__(self, leaf: LeafSpec) -> None:
         super().__init__()
         self.leaf = leaf
+        self.failed_in: str | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.leaf(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:  # the innermost: its frame unwinds first
+                self.failed_in = self.path_of_module(m)
+            raise
 
 
 class _GemmRecorder(TorchDispatchMode):

@@ -17,7 +17,8 @@ from precsearch.graph.types import Group, OpInfo, TensorGraph, TensorInfo, grad_
 
 
 def assemble(raw_ops: list[RawOp], model_name: str, batch_size: int, input_shape: tuple[int, ...],
-             tracer: str, gm: torch.fx.GraphModule | None, rules: OpRules) -> TensorGraph:
+             tracer: str, gm: torch.fx.GraphModule | None, rules: OpRules,
+             opaque_modules: tuple[str, ...] = ()) -> TensorGraph:
     """Groups, tensors and ops from raw ops whose shapes are at the training batch."""
     group_of_op: dict[str, int] = {}
     producer: dict[str, str] = {}
@@ -78,5 +79,5 @@ def assemble(raw_ops: list[RawOp], model_name: str, batch_size: int, input_shape
     groups = [Group(index, tuple(o.name for o in ops if o.group == index),
                     tuple(tid for tid, info in tensors.items() if info.group == index))
               for index in range(group + 1)]
-    return TensorGraph(model_name, batch_size, input_shape, tensors, ops, groups, tracer, gm, rules)
+    return TensorGraph(model_name, batch_size, input_shape, tensors, ops, groups, tracer, gm, rules, opaque_modules)
 

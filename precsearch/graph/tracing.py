@@ -48,8 +48,9 @@ def trace(model: nn.Module, example_input: torch.Tensor, batch_size: int | None 
 
     `leaf_modules` (classes, class names or qualified module names) are kept as single ops, besides torch.nn's
     own modules and those the op `rules` name (default: the table, `precsearch.graph.op_rules`), which also say
-    what each op is. Falls back to module hooks, with one warning, when torch.fx cannot trace the model
-    (data-dependent control flow); `graph_module` is None then. `model_name` defaults to the class name.
+    what each op is. A submodule torch.fx cannot trace (data-dependent control flow) is traced as one op, with
+    one warning naming it (`opaque_modules`); where FX cannot trace the model's own forward, the whole model is
+    traced with module hooks, with one warning, and `graph_module` is None. `model_name` defaults to the class name.
     A forward that fails, or returns no float tensor, raises PrecsearchError with one line."""
     name = model_name or type(model).__name__
     if not isinstance(model, nn.Module):
@@ -61,19 +62,12 @@ def trace(model: nn.Module, example_input: torch.Tensor, batch_size: int | None 
     target = b0 if batch_size is None else batch_size
     if isinstance(target, bool) or not isinstance(target, int) or target < 1 or b0 < 1:
         raise PrecsearchError(f"batch size must be a positive integer, got {target!r} (example batch {b0})")
-    leaf = LeafSpec(model, list(leaf_modules), rules)
-    gm: torch.fx.GraphModule | None = None
-    fx_error: BaseException | None = None
     with training_mode(model), shape_runs():
-        try:
-            tracer = FxTracer(leaf)
-            graph = tracer.trace(model)
-            gm = torch.fx.GraphModule(tracer.root, graph, name)
-        except Exception as error:  # any FX failure means: use the hook tracer
-            fx_error = error
+        gm, opaque, fx_error = _trace_fx_module(model, list(leaf_modules), rules, name)
         if gm is not None:
             ops, shapes1 = trace_fx(gm, name, model, example_input, b0 != target, rules)
         else:
+            leaf = LeafSpec(model, list(leaf_modules), rules)
             ops, shapes1 = trace_hooks(model, leaf, name, example_input, fx_error, b0 != target)
             warnings.warn(f"torch.fx could not trace {name} ({described(fx_error)}); "  # after: a forward that
                           "tracing it with module hooks instead", stacklevel=2)  # fails says it in its error
@@ -84,13 +78,36 @@ def trace(model: nn.Module, example_input: torch.Tensor, batch_size: int | None 
         if b0 != target and "saves" in op.attrs:
             op.attrs["saves"] = [extrapolate_save(item, b0, target, op.name) for item in op.attrs["saves"]]
     graph = assemble(ops, name, target, tuple(example_input.shape[1:]), "fx" if gm is not None else "hooks", gm,
-                     rules)
+                     rules, opaque)
     missed = untraced_modules(model, graph, leaf_modules) if gm is None else []
     if missed:  # the hook tracer sees only the branch the example input took
         warnings.warn(f"{len(missed)} module(s) of {name} did not run on the example input, so no policy covers "
                       f"them and their memory is not counted: {', '.join(missed[:8])}; trace with a real batch "
                       "that takes every branch (PrecisionModel warns if they run)", stacklevel=2)
     return graph
+
+
+def _trace_fx_module(model: nn.Module, leaf_modules: list[type | str], rules: OpRules,
+                     name: str) -> tuple[torch.fx.GraphModule | None, tuple[str, ...], BaseException | None]:
+    """``model``'s FX GraphModule, the submodules FX could not trace and that it keeps as single ops instead
+    (one warning each: only their boundary is rounded), and, where FX cannot trace the model's own forward,
+    None and the error (the hook tracer takes the whole model then)."""
+    opaque: list[str] = []
+    while True:
+        tracer = FxTracer(LeafSpec(model, [*leaf_modules, *opaque], rules))
+        try:
+            graph = tracer.trace(model)
+        except Exception as error:  # any FX failure: inside a submodule, trace it as one op
+            if tracer.failed_in is None or tracer.failed_in in opaque:
+                return None, (), error
+            opaque.append(tracer.failed_in)
+            module = model.get_submodule(tracer.failed_in)
+            warnings.warn(f"torch.fx could not trace {tracer.failed_in} ({type(module).__name__}) of {name} "
+                          f"({described(error)}): it runs as one op, its inputs, weights and output rounded, the "
+                          "values inside it float32; the rest of the model is traced (and compiled) as usual",
+                          stacklevel=3)
+            continue
+        return torch.fx.GraphModule(tracer.root, graph, name), tuple(opaque), None
 
 
 def untraced_modules(model: nn.Module, graph: TensorGraph, leaf_modules: Iterable[type | str] = ()) -> list[str]:

@@ -95,6 +95,7 @@ class TensorGraph:
     tracer: str = "fx"
     graph_module: torch.fx.GraphModule | None = None
     rules: OpRules = field(default=OP_RULES, repr=False, compare=False)
+    opaque_modules: tuple[str, ...] = ()  # submodules FX could not trace, traced as single ops (FX traces only)
 
     @functools.cached_property
     def nx(self) -> networkx.DiGraph:
@@ -146,6 +147,7 @@ class TensorGraph:
         return json.dumps({
             "format": JSON_FORMAT, "version": JSON_VERSION, "model_name": self.model_name,
             "batch_size": self.batch_size, "input_shape": list(self.input_shape), "tracer": self.tracer,
+            "opaque_modules": list(self.opaque_modules),
             "fingerprint": self.fingerprint(), "ops": [asdict(op) for op in self.ops],
             "tensors": [asdict(info) for info in self.tensors.values()],
             "groups": [asdict(group) for group in self.groups],
@@ -167,7 +169,8 @@ class TensorGraph:
                for o in data["ops"]]
         groups = [Group(g["index"], tuple(g["ops"]), tuple(g["tensor_ids"])) for g in data["groups"]]
         return cls(data["model_name"], data["batch_size"], tuple(data["input_shape"]),
-                   {t.id: t for t in tensors}, ops, groups, data["tracer"], rules=rules)
+                   {t.id: t for t in tensors}, ops, groups, data["tracer"], rules=rules,
+                   opaque_modules=tuple(data.get("opaque_modules", ())))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write `to_json()` atomically: a temporary file in the same folder, then os.replace."""

@@ -329,7 +329,9 @@ class RoundingGraph:
         # a code object of its own: Dynamo keeps its compiled graphs per code object (at most 8, then it fails
         # under fullgraph), and a process may build a graph per structure and code widths
         own_step = types.FunctionType(_step.__code__.replace(co_name=f"_step_{id(self):x}"), _step.__globals__)
-        self._compiled = torch.compile(own_step, fullgraph=True, dynamic=False, backend=self._counted)
+        # a submodule FX could not trace (data-dependent control flow) breaks Dynamo's graph too: the rest compiles
+        self._compiled = torch.compile(own_step, fullgraph=not graph.opaque_modules, dynamic=False,
+                                       backend=self._counted)
 
     def _counted(self, graph_module: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
         self.compiles += 1
