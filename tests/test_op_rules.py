@@ -8,11 +8,13 @@ unchanged."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.cost.model import CostModel, measure_saved_bytes
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.formats.kernels import quantize
@@ -46,6 +48,13 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.abs().sum() < 0:  # never taken
             return x
+        return self.fc(torch.flatten(self.relu(self.shift(self.conv(x))), 1))
+
+
+class TraceableNet(Net):
+    """Net without its branch: torch.fx traces it, so the FX lowering and the compiled step round it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.flatten(self.relu(self.shift(self.conv(x))), 1))
 
 
@@ -107,3 +116,34 @@ def test_the_runtime_rounds_an_op_of_the_table_and_not_a_pass_through(rules):
     rounded = torch.equal(quantize(relu_input, LOW), relu_input)
     assert ("shift:activation" in wrapped.state.slots) is (rules is SAVES_OUTPUT)
     assert rounded is (rules is SAVES_OUTPUT)
+
+
+@pytest.mark.parametrize("rules", [PASS_THROUGH, SAVES_OUTPUT])
+@pytest.mark.parametrize("lowering", ["module hooks", "fx", "compiled"])
+def test_an_injected_rule_reaches_every_lowering(lowering, rules):
+    """The rule decides the sites (precsearch.runtime.sites), and every lowering rounds at them with no edit of
+    its own: the model's output under every activation low equals the same forward written by hand with
+    ``quantize`` at each site, Shift's output rounded where the rule makes it an op and not where it is a
+    pass-through (the ReLU then reads the rounded conv output plus one). The module-hook lowering runs Net
+    (FX cannot trace it), the others TraceableNet, the compiled step through aot_eager."""
+    torch.manual_seed(0)
+    model, x = (Net() if lowering == "module hooks" else TraceableNet()), torch.randn(BATCH, 3, 4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the hook lowering says FX could not trace Net
+        graph = trace(model, x, rules=rules)
+        policy = policy_from_assignment(graph, {tid: LOW for tid in graph.assignable_ids()
+                                                if graph.tensors[tid].kind == "activation"})
+        wrapped = apply_policy(copy.deepcopy(model), policy, x, rules=rules,
+                               compile=CompileOptions("aot_eager") if lowering == "compiled" else False)
+    assert graph.tracer == ("hooks" if lowering == "module hooks" else "fx")
+    assert (wrapped.compiled_step is not None) is (lowering == "compiled")
+    output = wrapped(x)
+
+    def q(value: torch.Tensor) -> torch.Tensor:
+        return quantize(value, LOW)
+
+    with torch.no_grad():
+        conv = q(model.conv(q(x)))
+        shifted = q(conv + 1) if rules is SAVES_OUTPUT else conv + 1
+        expected = q(model.fc(torch.flatten(q(torch.relu(shifted)), 1)))
+    assert torch.equal(output.detach(), expected)

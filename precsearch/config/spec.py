@@ -22,6 +22,8 @@ from precsearch.config.loss_scaling import PAPER_LOSS_SCALING
 from precsearch.errors import PrecsearchError
 
 __all__ = [
+    "ACTIVATION",
+    "ACTIVATION_GRAD",
     "ASSIGNABLE_KINDS",
     "BASELINES",
     "COMPRESSIONS",
@@ -41,6 +43,8 @@ __all__ = [
     "SPACE_DEFAULTS",
     "TIES",
     "TensorId",
+    "WEIGHT",
+    "WEIGHT_GRAD",
     "Defaults",
     "kinds_list",
     "promotion_threshold",
@@ -50,6 +54,7 @@ __all__ = [
 # Tensor kinds. An assignment gives a format to the four assignable kinds (the paper's P, Y, GP, GY); the
 # optimizer's master copy and state are training memory too, always fp32 unless the optimizer says otherwise.
 ASSIGNABLE_KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
+WEIGHT, ACTIVATION, WEIGHT_GRAD, ACTIVATION_GRAD = ASSIGNABLE_KINDS
 EXTRA_KINDS: tuple[str, ...] = ("master_weight", "optimizer_state")
 KINDS: tuple[str, ...] = ASSIGNABLE_KINDS + EXTRA_KINDS
 GRAD_KINDS: tuple[str, ...] = ("weight_grad", "activation_grad")

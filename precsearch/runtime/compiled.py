@@ -62,7 +62,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
-from precsearch.config.spec import GRAD_KINDS
+from precsearch.config.spec import GRAD_KINDS, WEIGHT
 from precsearch.formats.as_data import (
     code_bytes,
     decode_codes,
@@ -72,8 +72,8 @@ from precsearch.formats.as_data import (
     round_nearest,
     round_with,
 )
-from precsearch.graph.types import TensorGraph, grad_id
-from precsearch.runtime.sliced import Slicing
+from precsearch.graph.types import TensorGraph
+from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.state import TensorState
 
 __all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "unsupported"]
@@ -249,8 +249,8 @@ class RoundingGraph:
     turns both into (overflowed, elements, roundings, unencodable) per row.
     """
 
-    def __init__(self, graph: TensorGraph, roundings: dict[str, str], codes: tuple[int | None, ...],
-                 backend: str = "inductor", per_use: bool = False) -> None:
+    def __init__(self, graph: TensorGraph, plan: SitePlan, roundings: dict[str, str], codes: tuple[int | None, ...],
+                 backend: str = "inductor") -> None:
         rows = {tensor_id: row for row, tensor_id in enumerate(graph.assignable_ids())}
         self.n_rows = len(rows)
         self.backend = backend
@@ -267,16 +267,15 @@ class RoundingGraph:
         with fx_graph.inserting_after(seed_node):
             counters_node = fx_graph.placeholder("precsearch_counters")
         nodes = {node.name: node for node in fx_graph.nodes}
-        slicing = Slicing(graph.rules)  # which ReLUs the eager runtime runs over their rounded output
         self.sites: list[Site] = []
         self._counters = 0
 
-        def add_site(tensor_id: str, relu_output: bool, act: bool = True, grad: bool = True) -> tuple[Site, int | None]:
-            gradient = grad_id(tensor_id) if grad_id(tensor_id) in rows and grad else None
-            info = graph.tensors[tensor_id]
-            site = Site(len(self.sites), rows[tensor_id] if act else None, rows.get(gradient),
+        def add_site(value: str, gradient: str | None, relu_output: bool,
+                     act: bool = True) -> tuple[Site, int | None]:
+            info = graph.tensors[value]
+            site = Site(len(self.sites), rows[value] if act else None, rows.get(gradient),
                         (roundings[info.kind], roundings[graph.tensors[gradient].kind] if gradient else "nearest"),
-                        relu_output, info.numel, info.kind != "weight", codes[rows[tensor_id]] if act else None)
+                        relu_output, info.numel, info.kind != WEIGHT, codes[rows[value]] if act else None)
             self.sites.append(site)
             counter = None
             if site.grad is not None:
@@ -284,23 +283,14 @@ class RoundingGraph:
             return site, counter
 
         forward_counts = []
-        for op in graph.ops:
-            ids = [tensor_id for tensor_id in op.outputs if tensor_id in rows]
-            if not ids:
-                continue
-            node = nodes[op.node]
-            relu_output = (node.op == "call_module"
-                           and slicing.output_function(gm.get_submodule(node.target)) is not None)
-            # gradient_rounding per_use: a value with several consumers has each one's gradient rounded (before
-            # the consumer), not their sum (as runtime.instrument_fx's GradUse)
+        for op_sites in plan.ops:
+            node = nodes[op_sites.node]
             users = list(node.users)
-            if relu_output:  # the site masks the gradient by the rounded output, a subset of the ReLU's own mask
+            if op_sites.relu_output:  # the site masks the gradient by the rounded output, inside the ReLU's mask
                 node.op, node.target, node.kwargs = "call_function", _relu_masked_by_its_site, {}
-            per_use_id = (ids[0] if per_use and len(ids) == 1 and ":activation" in ids[0] and len(users) > 1
-                          and not ids[0].rsplit(":activation", 1)[1] and grad_id(ids[0]) in rows else None)
-            sites = tuple((int(tensor_id.rsplit(":activation", 1)[1] or 0),
-                           *add_site(tensor_id, relu_output, grad=tensor_id != per_use_id))
-                          for tensor_id in ids)
+            sites = tuple((out.position, *add_site(out.value, None if op_sites.per_use else out.gradient,
+                                                   op_sites.relu_output))
+                          for out in op_sites.outputs)
             with fx_graph.inserting_after(counters_node if node.op == "placeholder" else node):
                 pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites))
             with fx_graph.inserting_after(pair):
@@ -308,8 +298,8 @@ class RoundingGraph:
             with fx_graph.inserting_after(rounded):
                 forward_counts.append(fx_graph.call_function(operator.getitem, (pair, 1)))
             node.replace_all_uses_with(rounded, delete_user_cb=lambda user, pair=pair: user is not pair)
-            for user in users if per_use_id else ():
-                site, counter = add_site(per_use_id, False, act=False)
+            for user in users if op_sites.per_use else ():  # each consumer's gradient rounded before it
+                site, counter = add_site(op_sites.outputs[0].value, op_sites.outputs[0].gradient, False, act=False)
                 with fx_graph.inserting_before(user):
                     use = fx_graph.call_function(_round_gradient, (rounded, rows_node, seed_node, counters_node, site,
                                                                    counter))
@@ -319,8 +309,7 @@ class RoundingGraph:
         fx_graph.lint()
         gm.recompile()
         self.graph_module = gm
-        self.weight_sites = {graph.tensors[tensor_id].param: add_site(tensor_id, False)
-                             for tensor_id in rows if graph.tensors[tensor_id].kind == "weight"}
+        self.weight_sites = {site.param: add_site(site.value, site.gradient, False) for site in plan.weights}
         self.passes = sum((site.act is not None) + (site.grad is not None) for site in self.sites)  # roundings a step
         self._forward_rows = [site.act for site in self.sites if site.act is not None]
         self._backward_rows = [site.grad for site in self.sites if site.grad is not None]
@@ -438,7 +427,7 @@ class CompiledStep:
         return output
 
 
-def compiled_step(policy: Policy, graph: TensorGraph, state: TensorState,
+def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: TensorState,
                   options: CompileOptions) -> CompiledStep | None:
     """The compiled step of ``graph`` under ``policy``, or None (with one WARNING a process saying why) where it
     cannot train it."""
@@ -449,23 +438,23 @@ def compiled_step(policy: Policy, graph: TensorGraph, state: TensorState,
             log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
                         graph.model_name, reason)
         return None
-    per_use = policy.gradient_rounding == "per_use"
-    return CompiledStep(lambda: rounding_graph(graph, state, options, per_use=per_use), state)
+    return CompiledStep(lambda: rounding_graph(graph, plan, state, options), state)
 
 
-def rounding_graph(graph: TensorGraph, state: TensorState, options: CompileOptions,
-                   per_use: bool = False) -> RoundingGraph:
-    """The process's ``RoundingGraph`` for ``graph``'s structure, ``state``'s roundings per tensor kind and (with
-    ``options.saves_codes``) the code width of each row's format now, built (and its step compiled, on first
-    use) once."""
+def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState,
+                   options: CompileOptions) -> RoundingGraph:
+    """The process's ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per tensor kind
+    and (with ``options.saves_codes``) the code width of each row's format now, built (and its step compiled,
+    on first use) once."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
     codes = tuple(code_bytes(slot.fmt) if options.saves_codes and slot.kind not in GRAD_KINDS else None
                   for slot in sorted(state.slots.values(), key=lambda slot: slot.row))  # gradients: never saved
+    per_use = tuple(sites.per_use for sites in plan.ops)
     key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, options.backend, per_use)
     if key not in _GRAPHS:
-        _GRAPHS[key] = RoundingGraph(graph, roundings, codes, options.backend, per_use)
+        _GRAPHS[key] = RoundingGraph(graph, plan, roundings, codes, options.backend)
     return _GRAPHS[key]
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from precsearch.graph.types import TensorGraph
 from precsearch.runtime import ops
+from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.state import Slot, TensorState
 
 __all__ = ["hook_weight_gradients", "no_process_group"]
@@ -29,16 +29,16 @@ def no_process_group() -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
-def hook_weight_gradients(module: nn.Module, graph: TensorGraph, state: TensorState,
+def hook_weight_gradients(module: nn.Module, plan: SitePlan, state: TensorState,
                           may_hold: Callable[[], bool]) -> list[Any]:
     """Round each low weight gradient of ``module`` as soon as it is accumulated; the hooks' handles."""
     params = dict(module.named_parameters())
     handles = []
-    for slot in state.slots.values():
-        info = graph.tensors[slot.id]
-        if slot.kind == "weight_grad" and slot.is_low and info.param in params:
+    for site in plan.weights:
+        slot = state.slots[site.gradient] if site.gradient is not None else None
+        if slot is not None and slot.is_low and site.param in params:
             hook = _rounding_hook(state, slot, may_hold)
-            handles.append(params[info.param].register_post_accumulate_grad_hook(hook))
+            handles.append(params[site.param].register_post_accumulate_grad_hook(hook))
     return handles
 
 

@@ -24,24 +24,25 @@ from precsearch.runtime.rounding import (
     Rounding,
     rounder_for,
 )
+from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.sliced import PackedInputCall, PackedOutputRelu, Slicing
 from precsearch.runtime.state import Slot
 
 __all__ = ["instrument_fx"]
 
 
-def instrument_fx(graph: TensorGraph, module: nn.Module, rounding: Rounding, slicing: Slicing,
-                  replaced: dict[str, nn.Module] | None = None, per_use: bool = False,
-                  in_place: bool = True) -> fx.GraphModule:
+def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, rounding: Rounding,
+                  replaced: dict[str, nn.Module] | None = None, in_place: bool = True) -> fx.GraphModule:
     """A copy of ``graph``'s FX graph (calling ``module``'s submodules, with ``replaced`` swapped in) with a
     ``Rounder`` after every op that makes a rounded tensor, an ``Alias`` after every layout op (contiguous,
     reshape, ...) that may copy a rounded activation, and every call of a submodule or read of a parameter that
     uses low weights, or a layer with a sliced backward, replaced (``_layer_call``): torch.ao's prepare_fx, with
-    rounding modules for observers. With ``per_use``, an output whose gradient is rounded and that has several
-    consumers gets a ``GradUse`` before each consumer, which rounds that consumer's gradient instead. Where the
+    rounding modules for observers, at the sites of ``plan``: an output whose gradient the plan rounds per use
+    gets a ``GradUse`` before each consumer, which rounds that consumer's gradient instead. Where the
     op rules the graph was traced with (``graph.rules``) allow it, a rounding writes over the op's output and
     over the gradient it receives (precsearch.graph.in_place); without ``in_place``, never."""
     source = graph.graph_module
+    slicing = Slicing(graph.rules)  # which layers run their backward a slice at a time
     fx_graph = copy.deepcopy(source.graph)
     gm = fx.GraphModule(source, fx_graph, type(module).__name__)
     traced = dict(gm.named_modules())
@@ -51,7 +52,6 @@ def instrument_fx(graph: TensorGraph, module: nn.Module, rounding: Rounding, sli
     nodes = {node.name: node for node in fx_graph.nodes}
     last_placeholder = [node for node in fx_graph.nodes if node.op == "placeholder"][-1]
     carried: dict[fx.Node, dict[int, Slot]] = {}  # node -> the rounded activation slot of each output
-    rounded: list[tuple[fx.Node, Rounder]] = []  # each rounding node and its module
 
     def insert(after: fx.Node, node: fx.Node, name: str, inserted: nn.Module) -> fx.Node:
         gm.add_submodule(name, inserted)
@@ -63,8 +63,10 @@ def instrument_fx(graph: TensorGraph, module: nn.Module, rounding: Rounding, sli
     fresh_gradients = gradient_arrives_fresh(graph) if in_place else frozenset()
     passes = gradient_passes_from(graph) if in_place else {}
     rounders: dict[str, Rounder] = {}
+    per_use: list[tuple[fx.Node, Rounder]] = []  # the rounding nodes whose consumers round their own gradients
     for index, op in enumerate(graph.ops):
-        inserted = rounder_for(op, rounding)
+        sites = plan.of_op(op.name)
+        inserted = rounder_for(sites, rounding) if sites is not None else None
         if inserted is not None:
             # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
             inserted.in_place = in_place and makes_fresh_output(op, graph.rules)
@@ -76,8 +78,9 @@ def instrument_fx(graph: TensorGraph, module: nn.Module, rounding: Rounding, sli
             if reader is not None and reader.op == "call_module":
                 inserted.__dict__["reader"] = gm.get_submodule(reader.target)  # the user's, not a child
             carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
-            rounded.append((new, inserted))
             rounders[op.name] = inserted
+            if sites.per_use:
+                per_use.append((new, inserted))
     op_nodes = {op.node for op in graph.ops}
     for node in list(fx_graph.nodes):
         if (node.name in op_nodes or node in carried or not node.op.startswith("call_")
@@ -94,9 +97,8 @@ def instrument_fx(graph: TensorGraph, module: nn.Module, rounding: Rounding, sli
             carried[insert(node, node, f"precsearch_alias_{len(carried)}", alias)] = source_slots
         elif source_slots:
             carried[node] = source_slots
-    if per_use:
-        for node, inserted in rounded:
-            _round_per_use(fx_graph, gm, node, inserted, rounding)
+    for node, inserted in per_use:
+        _round_per_use(fx_graph, gm, node, inserted, rounding)
     for name, add in passes.items():  # after per_use, which may take the add's gradient rounding off
         if name in rounders and add in rounders and set(rounders[name].slots) == {0}:
             rounders[name].grad_source = rounders[add].slots.get(0, (None, None))[1]
@@ -123,11 +125,11 @@ def instrument_fx(graph: TensorGraph, module: nn.Module, rounding: Rounding, sli
 
 def _round_per_use(fx_graph: fx.Graph, gm: fx.GraphModule, node: fx.Node, inserted: Rounder,
                    rounding: Rounding) -> None:
-    """Give each consumer of ``node`` (a single-tensor rounding node) its own gradient rounding module, and
-    take the rounding of the summed gradient off ``inserted``."""
-    act, grad = inserted.slots.get(0, (None, None))
+    """Give each consumer of ``node`` (the rounding node of an op's one output) its own gradient rounding module,
+    and take the rounding of the summed gradient off ``inserted``."""
+    act, grad = inserted.slots[0]
     users = list(node.users)
-    if grad is None or len(users) < 2 or set(inserted.slots) != {0}:
+    if grad is None:  # the gradient's format is not low
         return
     inserted.slots[0] = (act, None)
     for user in users:

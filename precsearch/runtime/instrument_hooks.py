@@ -17,6 +17,7 @@ from precsearch.graph.tracing import untraced_modules
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime.accumulate import CHUNKED_LAYERS
 from precsearch.runtime.rounding import Rounder, Rounding, rounder_for
+from precsearch.runtime.sites import SitePlan
 
 __all__ = ["HookInstrument", "is_module_call"]
 
@@ -37,7 +38,7 @@ class HookInstrument:
     """Forward hooks on the modules the hook tracer recorded (each call of a module counted per forward, so a
     module called twice rounds each call as its own op), and on the modules it did not see."""
 
-    def __init__(self, module: nn.Module, graph: TensorGraph, rounding: Rounding) -> None:
+    def __init__(self, module: nn.Module, graph: TensorGraph, plan: SitePlan, rounding: Rounding) -> None:
         self.unenforced: list[str] = []
         self.untraced: list[str] = []
         self.handles: list[Any] = []
@@ -47,7 +48,8 @@ class HookInstrument:
         for name in untraced_modules(module, graph, CHUNKED_LAYERS):
             self.handles.append(module.get_submodule(name).register_forward_hook(self._untraced_hook(name)))
         for op in graph.ops:
-            rounder = rounder_for(op, rounding)
+            sites = plan.of_op(op.name)
+            rounder = rounder_for(sites, rounding) if sites is not None else None
             if rounder is None:
                 continue
             if op.role == "input":

@@ -66,7 +66,7 @@ from precsearch.runtime.instrument_hooks import HookInstrument, is_module_call
 from precsearch.runtime.packing import Packer, SavedBytes
 from precsearch.runtime.rounding import Rounding, low_weights
 from precsearch.runtime.scaling import LossScaler, epoch_growth, make_scaler
-from precsearch.runtime.sliced import Slicing
+from precsearch.runtime.sites import plan_sites
 from precsearch.runtime.state import Promotion, TensorState, make_state
 from precsearch.runtime.weights import Optimizers, round_pure_weights
 
@@ -93,24 +93,24 @@ class PrecisionModel(nn.Module):
         self._packer = Packer(model)
         self.scaler, self._handles = _policy_scaler(self, policy, graph, self.state, steps_per_epoch)
         self.scaler.watch(self.state)
-        weights = low_weights(model, graph, self.state)
+        self.sites = plan_sites(graph, per_use=policy.gradient_rounding == "per_use")
+        weights = low_weights(model, self.sites, self.state)
         self._optimizers = Optimizers(policy, weights, self._generator)
         if not policy.master_weights:
             self.state.on_promote.append(self._optimizers.promote)
         self.clipped_at_start = [] if policy.master_weights else round_pure_weights(weights, self.state)
-        self.compiled_step = compiled_step(policy, graph, self.state, compile) if compile is not None else None
-        self._handles += hook_weight_gradients(model, graph, self.state, hold_gradients)
+        self.compiled_step = compile and compiled_step(policy, graph, self.sites, self.state, compile)
+        self._handles += hook_weight_gradients(model, self.sites, self.state, hold_gradients)
         self._rounding = Rounding(self.state, self._packer, weights)
         self._hooks: HookInstrument | None = None
         self.untraced: list[str] = []  # modules that ran in a forward but are not in the graph (hook tracer only)
         self.unenforced: list[str] = []
         if graph.graph_module is not None:
             replaced = {name: model.get_submodule(name) for name in self.accumulation_layers}
-            target = instrument_fx(graph, model, self._rounding, Slicing(graph.rules), replaced,
-                                   per_use=policy.gradient_rounding == "per_use", in_place=round_in_place)
+            target = instrument_fx(graph, self.sites, model, self._rounding, replaced, in_place=round_in_place)
         else:
             target = model
-            self._hooks = HookInstrument(model, graph, self._rounding)
+            self._hooks = HookInstrument(model, graph, self.sites, self._rounding)
             self._handles += self._hooks.handles
             self.untraced, self.unenforced = self._hooks.untraced, list(self._hooks.unenforced)
             _warn_hooked(policy, self.unenforced)

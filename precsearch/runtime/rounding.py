@@ -15,14 +15,16 @@ none refers to the wrapper.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from precsearch.graph.types import TensorGraph, grad_id
 from precsearch.runtime.packing import Packer
 from precsearch.runtime.state import Slot, TensorState
+
+if TYPE_CHECKING:  # the plan's module reads the sliced backwards, which read this one
+    from precsearch.runtime.sites import OpSites, SitePlan
 
 __all__ = ["Alias", "GradUse", "RoundActivation", "RoundWeight", "RoundedWeight", "RoundedWeightsCall", "Rounder",
            "Rounding", "low_weights", "rounder_for"]
@@ -74,27 +76,22 @@ class Rounding:
         return {name: self.weight(name) for name in self.weights if name not in self.at_use}
 
 
-def low_weights(module: nn.Module, graph: TensorGraph, state: TensorState) -> dict[str, tuple[nn.Parameter, Slot]]:
+def low_weights(module: nn.Module, plan: SitePlan, state: TensorState) -> dict[str, tuple[nn.Parameter, Slot]]:
     """Qualified parameter name -> (parameter, slot) for the weights whose format is not fp32."""
     params = dict(module.named_parameters())
-    found = {}
-    for slot in state.slots.values():
-        info = graph.tensors[slot.id]
-        if slot.kind == "weight" and slot.is_low and info.param in params:
-            found[info.param] = (params[info.param], slot)
-    return found
+    return {site.param: (params[site.param], state.slots[site.value]) for site in plan.weights
+            if site.param in params and state.slots[site.value].is_low}
 
 
-def rounder_for(op: Any, rounding: Rounding) -> Rounder | None:
-    """The rounding module for ``op``'s outputs that need rounding, or None."""
+def rounder_for(sites: OpSites, rounding: Rounding) -> Rounder | None:
+    """The rounding module for an op's outputs (``sites``) whose value or gradient is low, or None."""
     found = {}
-    for tensor_id in op.outputs:
-        position = int(tensor_id.rsplit(":activation", 1)[1] or 0)
-        act = rounding.state.slots.get(tensor_id)
-        grad = rounding.state.slots.get(grad_id(tensor_id))
-        if act is not None and (act.is_low or (grad is not None and grad.is_low)):
-            found[position] = (act, grad if grad is not None and grad.is_low else None)
-    return Rounder(rounding, found, op.name) if found else None
+    for site in sites.outputs:
+        act = rounding.state.slots[site.value]
+        grad = rounding.state.slots[site.gradient] if site.gradient is not None else None
+        if act.is_low or (grad is not None and grad.is_low):
+            found[site.position] = (act, grad if grad is not None and grad.is_low else None)
+    return Rounder(rounding, found, sites.op) if found else None
 
 
 def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: Slot, with_codes: bool,
