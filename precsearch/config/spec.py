@@ -53,8 +53,11 @@ __all__ = [
 
 # Tensor kinds. An assignment gives a format to the four assignable kinds (the paper's P, Y, GP, GY); the
 # optimizer's master copy and state are training memory too, always fp32 unless the optimizer says otherwise.
-ASSIGNABLE_KINDS: tuple[str, ...] = ("weight", "activation", "weight_grad", "activation_grad")
-WEIGHT, ACTIVATION, WEIGHT_GRAD, ACTIVATION_GRAD = ASSIGNABLE_KINDS
+WEIGHT = "weight"
+ACTIVATION = "activation"
+WEIGHT_GRAD = "weight_grad"
+ACTIVATION_GRAD = "activation_grad"
+ASSIGNABLE_KINDS: tuple[str, ...] = (WEIGHT, ACTIVATION, WEIGHT_GRAD, ACTIVATION_GRAD)
 EXTRA_KINDS: tuple[str, ...] = ("master_weight", "optimizer_state")
 KINDS: tuple[str, ...] = ASSIGNABLE_KINDS + EXTRA_KINDS
 GRAD_KINDS: tuple[str, ...] = ("weight_grad", "activation_grad")
