@@ -55,7 +55,7 @@ from typing import Any, Protocol
 from precsearch.config.checks import check_keys, choice, flag
 from precsearch.config.loss_scaling import loss_scaling
 from precsearch.config.optimizer import optimizer
-from precsearch.config.reading import parse_json
+from precsearch.config.reading import load_json
 from precsearch.config.spec import (
     ASSIGNABLE_KINDS,
     COMPRESSIONS,
@@ -96,6 +96,8 @@ _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "ties": "even", "allow_unmatched_rules": False,
 }
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
+# What every file Policy.save writes holds, so what a file read back must hold.
+_SAVED_FIELDS = tuple(name for name in _FIELDS if name != "accumulation" and name not in _OPTIONAL_DEFAULTS)
 
 
 def is_glob(key: str) -> bool:
@@ -377,20 +379,16 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Policy:
-        """Read and validate a policy file; corrupt, truncated, newer or invalid files raise PrecsearchError."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise PrecsearchError(f"policy {path}: not a text file (corrupted?); write it again with "
-                                  "Policy.save") from None
-        try:
-            data = parse_json(text, f"policy {path}")
-        except json.JSONDecodeError as error:
-            state = "empty" if not text.strip() else "truncated or corrupted"
-            raise PrecsearchError(f"policy {path}: {state} JSON ({error.msg} at line {error.lineno} column "
-                                  f"{error.colno}); write it again with Policy.save") from None
-        return cls.from_dict(data, where=f"policy {path}")
+        """Read and validate a policy file (precsearch.config.reading's limits). A missing, unreadable, corrupt,
+        truncated, newer, incomplete or invalid file raises PrecsearchError."""
+        where = f"policy {path}"
+        data = load_json(path, "policy", "give a policy file that Policy.save wrote")
+        policy = cls.from_dict(data, where=where)
+        missing = [name for name in _SAVED_FIELDS if name not in data]
+        if missing:
+            raise PrecsearchError(f"{where}: missing required fields {', '.join(missing)} (a policy file states "
+                                  "every setting rather than leave it to a default); write it with Policy.save")
+        return policy
 
     def replace(self, **changes: Any) -> Policy:
         """A validated copy with ``changes`` applied."""

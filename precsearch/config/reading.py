@@ -1,25 +1,135 @@
-"""Parsing configuration files strictly: a key given twice at any depth is refused (YAML and JSON keep the last
-one silently), and a file the parser cannot read is one line with the file, the line and what is wrong."""
+"""Reading a user's configuration file (a search space, a policy): the one door such a file comes in by.
+
+Everything a file could make expensive is bounded before the work it would cost: its size before it is read
+(``MAX_BYTES``), the nesting of its lists and mappings before a recursive parser meets it (``MAX_DEPTH``),
+what YAML anchors and aliases expand to before anything is built from them (``MAX_VALUES``: a few lines of
+nested aliases, the "billion laughs", expand to gigabytes), and the digits of an integer before it is
+converted (``MAX_INT_DIGITS``). A file over a limit, a key given twice at any depth (YAML and JSON keep the
+last one silently), or a file the parser cannot read is one ``PrecsearchError`` line naming the file, where
+possible the line, and what is wrong. A UTF-8 byte order mark is accepted (editors on Windows write one).
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from precsearch.errors import PrecsearchError
 
-__all__ = ["parse_json", "parse_yaml"]
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_INT_DIGITS", "MAX_VALUES", "load_json", "load_yaml", "parse_json",
+           "parse_yaml", "read_text"]
+
+MAX_BYTES = 4 * 2**20  # a space or a policy is a few KB; even a per-tensor policy of a large model is < 1 MB
+MAX_DEPTH = 64  # lists and mappings inside each other; a space or a policy nests 4 deep
+MAX_VALUES = 10_000  # YAML scalars, lists and mappings, counting each alias as what it stands for
+MAX_INT_DIGITS = 100  # a seed or a step count has 20; Python refuses to convert more than 4300 at all
 
 _MERGE = "tag:yaml.org,2002:merge"
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # escapes included: a bracket inside one does not nest
+_NESTING = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1, ord("\n"): 0}
+_NOT_NESTING = bytes(sorted(set(range(256)) - set(_NESTING)))
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping key given twice (merge keys ``<<`` may still be overridden)."""
+def read_text(path: str | Path, what: str, fix: str) -> str:
+    """The text of the ``what`` file at ``path`` (UTF-8, a byte order mark dropped), its size checked before
+    it is read; anything wrong is one line ending in ``fix`` (what the user should do)."""
+    path = Path(path)
+    where = f"{what} {path}"
+    try:
+        with path.open("rb") as file:
+            size = os.fstat(file.fileno()).st_size  # 0 for a pipe: its read is bounded instead
+            data = file.read(MAX_BYTES + 1) if size <= MAX_BYTES else b""
+    except FileNotFoundError:
+        raise PrecsearchError(f"{where} does not exist; {fix}") from None
+    except IsADirectoryError:
+        raise PrecsearchError(f"{where} is a folder; {fix}") from None
+    except OSError as error:
+        raise PrecsearchError(f"cannot read {where}: {error.strerror or error}; {fix}") from None
+    size = max(size, len(data))
+    if size > MAX_BYTES:
+        raise PrecsearchError(f"{where} is {size:,} bytes, over the {MAX_BYTES // 2**20} MiB limit of a configuration "
+                              f"file; check it is the right file (a {what} is a few KB)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise PrecsearchError(f"{where}: not a text file (byte {error.start} is not UTF-8; corrupted?); "
+                              f"{fix}") from None
 
-    where = ""
+
+def load_yaml(path: str | Path, what: str, fix: str) -> Any:
+    """The YAML document in the ``what`` file at ``path`` (``read_text``, then ``parse_yaml``)."""
+    return parse_yaml(read_text(path, what, fix), f"{what} {path}")
+
+
+def load_json(path: str | Path, what: str, fix: str) -> Any:
+    """The JSON value in the ``what`` file at ``path`` (``read_text``, then ``parse_json``)."""
+    return parse_json(read_text(path, what, fix), f"{what} {path}", fix)
+
+
+class _LimitedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping key given twice (merge keys ``<<`` may still be overridden)
+    and a document over ``MAX_DEPTH``, ``MAX_VALUES`` or ``MAX_INT_DIGITS``, while it is composed: before
+    the recursive composer nests too deep, and before anything is built from the aliases."""
+
+    def __init__(self, text: str, where: str) -> None:
+        super().__init__(text)
+        self.where = where
+        self.nesting = 0  # collections being composed around the current node
+        self.values = 0  # values composed so far, each alias counted as the values it stands for
+        # id of a composed node -> (values, lists and mappings deep), aliases expanded
+        self.sizes: dict[int, tuple[int, int]] = {}
+
+    def _refuse(self, mark: yaml.Mark, problem: str, fix: str) -> PrecsearchError:
+        return PrecsearchError(f"{self.where}:{mark.line + 1}: {problem}; {fix}")
+
+    def _count(self, values: int, mark: yaml.Mark) -> None:
+        self.values += values
+        if self.values > MAX_VALUES:
+            raise self._refuse(mark, f"over {MAX_VALUES:,} values once its aliases are expanded",
+                               "give fewer values or aliases (a configuration holds a few hundred values)")
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            target = self.anchors.get(event.anchor)
+            if target is None:
+                return super().compose_node(parent, index)  # the parser's error for an undefined alias
+            if id(target) not in self.sizes:
+                raise self._refuse(event.start_mark, f"alias *{event.anchor} stands inside the &{event.anchor} "
+                                   "it names (a value holding itself)", "write the value out")
+            values, depth = self.sizes[id(target)]
+            if self.nesting + depth > MAX_DEPTH:
+                raise self._refuse(event.start_mark, f"alias *{event.anchor} nests lists and mappings over "
+                                   f"{MAX_DEPTH} deep", "write the values out instead of nesting aliases")
+            self._count(values, event.start_mark)
+            return super().compose_node(parent, index)
+        if isinstance(event, yaml.ScalarEvent):
+            self._count(1, event.start_mark)
+            node = super().compose_node(parent, index)
+            self.sizes[id(node)] = 1, 0
+            return node
+        self.nesting += 1
+        if self.nesting > MAX_DEPTH:
+            raise self._refuse(event.start_mark, f"lists and mappings nested over {MAX_DEPTH} deep",
+                               "flatten it (a configuration nests a few levels)")
+        before = self.values
+        self._count(1, event.start_mark)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self.nesting -= 1
+        children = [child for pair in node.value for child in pair] if isinstance(node, yaml.MappingNode) else (
+            node.value)
+        depth = 1 + max((self.sizes[id(child)][1] for child in children), default=0)
+        self.sizes[id(node)] = self.values - before, depth
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         lines: dict[Any, int] = {}
@@ -38,11 +148,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             lines[key] = line
         return super().construct_mapping(node, deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        digits = len(node.value.replace("_", "").lstrip("+-"))
+        if digits > MAX_INT_DIGITS:
+            raise self._refuse(node.start_mark, f"an integer of {digits} digits (over {MAX_INT_DIGITS})",
+                               "give a number a configuration can mean")
+        return super().construct_yaml_int(node)
+
+
+_LimitedLoader.add_constructor("tag:yaml.org,2002:int", _LimitedLoader.construct_yaml_int)
+
 
 def parse_yaml(text: str, where: str) -> Any:
-    """The YAML document in ``text``; ``where`` names the file in errors (``search space x.yaml``)."""
-    loader = _UniqueKeyLoader(text)
-    loader.where = where
+    """The YAML document in ``text``, within the limits; ``where`` names the file in errors
+    (``search space x.yaml``)."""
+    loader = _LimitedLoader(text, where)
     try:
         return loader.get_single_data()
     except yaml.MarkedYAMLError as error:
@@ -58,9 +178,10 @@ def parse_yaml(text: str, where: str) -> Any:
         loader.dispose()
 
 
-def parse_json(text: str, where: str) -> Any:
-    """The JSON value in ``text``, refusing a key given twice in any object (naming the lines it is on);
-    malformed JSON raises ``json.JSONDecodeError`` for the caller to word."""
+def parse_json(text: str, where: str, fix: str) -> Any:
+    """The JSON value in ``text``, within the limits and refusing a key given twice in any object (naming the
+    lines it is on); a malformed document is one line ending in ``fix``."""
+    _check_json_depth(text, where)
 
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         result: dict[str, Any] = {}
@@ -73,4 +194,33 @@ def parse_json(text: str, where: str) -> Any:
             result[key] = value
         return result
 
-    return json.loads(text, object_pairs_hook=unique)
+    def integer(digits: str) -> int:
+        count = len(digits.lstrip("-"))
+        if count > MAX_INT_DIGITS:
+            raise PrecsearchError(f"{where}: an integer of {count} digits ({digits[:12]}...; over "
+                                  f"{MAX_INT_DIGITS}); give a number a configuration can mean")
+        return int(digits)
+
+    try:
+        return json.loads(text, object_pairs_hook=unique, parse_int=integer)
+    except json.JSONDecodeError as error:
+        state = "empty" if not text.strip() else "truncated or corrupted"
+        # json's messages either end in " at" ("Unterminated string starting at") or do not
+        at = "" if error.msg.endswith(" at") else " at"
+        raise PrecsearchError(f"{where}: {state} JSON ({error.msg}{at} line {error.lineno} column "
+                              f"{error.colno}); {fix}") from None
+
+
+def _check_json_depth(text: str, where: str) -> None:
+    """Refuse arrays and objects nested over ``MAX_DEPTH``, counted on the text before json (whose decoder
+    recurses once per level) meets them."""
+    structure = _JSON_STRING.sub("", text).encode().translate(None, _NOT_NESTING)  # brackets and newlines
+
+    def depths() -> Iterator[int]:
+        return itertools.accumulate(map(_NESTING.__getitem__, structure))
+
+    if max(depths(), default=0) > MAX_DEPTH:  # a pass in C, keeping nothing
+        over = next(index for index, depth in enumerate(depths()) if depth > MAX_DEPTH)
+        line = structure.count(b"\n", 0, over) + 1
+        raise PrecsearchError(f"{where}:{line}: arrays and objects nested over {MAX_DEPTH} deep; flatten it (a "
+                              "configuration nests a few levels)")

@@ -24,7 +24,7 @@ from precsearch.config import spec
 from precsearch.config.checks import check_keys, choice, flag
 from precsearch.config.loss_scaling import PAPER_LOSS_SCALING, loss_scaling
 from precsearch.config.optimizer import UpdateConfig, optimizer
-from precsearch.config.reading import parse_yaml
+from precsearch.config.reading import load_yaml
 from precsearch.config.spec import (
     ASSIGNABLE_KINDS,
     GRADIENT_ROUNDINGS,
@@ -182,31 +182,59 @@ def _objectives(raw: Any, where: str) -> tuple[str, ...]:
     return tuple(raw)
 
 
-def _choices(raw: Any, high: str, where: str) -> dict[str, dict[str, str]]:
+def _choices(raw: Any, high: str, low: Mapping[str, str], where: str) -> dict[str, dict[str, str]]:
+    """The categorical levels besides high and low: none wider than high, none the same formats as another
+    level (a search would then spend trials telling two names of one assignment apart)."""
     if not isinstance(raw, Mapping) or not raw:
         raise PrecsearchError(f"{where}: a categorical space needs choices: a mapping of level name -> "
                               "format (all kinds) or {kind: format}")
-    levels = {}
+    levels = {"high": dict.fromkeys(ASSIGNABLE_KINDS, high), "low": dict(low)}
     for name, value in raw.items():
         if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_LEVELS:
             raise PrecsearchError(f"{where}: choice name {name!r} must be an identifier other than "
                                   f"{' and '.join(RESERVED_LEVELS)}")
-        levels[name] = _per_kind(value, f"{where}: choices.{name}", spec_name,
-                                 dict.fromkeys(ASSIGNABLE_KINDS, high))
-    return levels
+        level = _per_kind(value, f"{where}: choices.{name}", spec_name, dict.fromkeys(ASSIGNABLE_KINDS, high))
+        _check_not_wider(high, level, f"choices.{name}", where)
+        same = next((other for other, formats in levels.items() if _formats(formats) == _formats(level)), None)
+        if same is not None:
+            raise PrecsearchError(f"{where}: choices.{name} gives every kind the format level {same} gives; drop it "
+                                  "or change a format")
+        levels[name] = level
+    return {name: levels[name] for name in raw}
+
+
+def _formats(level: Mapping[str, str]) -> dict[str, tuple[int, int, int, str]]:
+    """A level's formats by their parameters, so that two names of one format (fp16, e5m10) compare equal."""
+    formats = {kind: get_format(spec) for kind, spec in level.items()}
+    return {kind: (fmt.exp, fmt.man, fmt.bias, fmt.special) for kind, fmt in formats.items()}
+
+
+def _check_not_wider(high: str, level: Mapping[str, str], name: str, where: str) -> None:
+    """No format of the level ``name`` wider than high: it would cost more memory than the all-high level."""
+    high_bits = get_format(high).bits
+    for kind, format_spec in level.items():
+        width = get_format(format_spec).bits
+        if width > high_bits:
+            raise PrecsearchError(f"{where}: {name}.{kind} {format_spec} ({width} bits) is wider than high {high} "
+                                  f"({high_bits} bits); give a format at most as wide as the high one")
 
 
 def _check_narrower(high: str, low: Mapping[str, str], where: str) -> None:
     """Every low format at most as wide as high, and one narrower: else "low" saves nothing (or costs more)."""
+    _check_not_wider(high, low, "low", where)
     high_bits = get_format(high).bits
-    bits = {kind: get_format(spec).bits for kind, spec in low.items()}
-    for kind, width in bits.items():
-        if width > high_bits:
-            raise PrecsearchError(f"{where}: low.{kind} {low[kind]} ({width} bits) is wider than high {high} "
-                                  f"({high_bits} bits); give a low format narrower than the high one")
-    if all(width == high_bits for width in bits.values()):
+    if all(get_format(spec).bits == high_bits for spec in low.values()):
         raise PrecsearchError(f"{where}: every low format is as wide as high {high} ({high_bits} bits), so no "
                               "assignment saves memory; give at least one low format narrower than the high one")
+
+
+def _description(raw: Any, where: str) -> str:
+    """Free text; ``description:`` with nothing after it is no description (YAML reads it as null)."""
+    if raw is None:
+        return ""
+    if not isinstance(raw, str):
+        raise PrecsearchError(f"{where}: description must be text, not {type(raw).__name__}; quote it")
+    return raw.strip()
 
 
 def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
@@ -222,7 +250,7 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     granularity = choice(raw.get("granularity", "group"), GRANULARITIES, f"{where}: granularity")
     if "choices" in raw and granularity != "categorical":
         raise PrecsearchError(f"{where}: choices apply only to granularity categorical; drop them or set it")
-    choices = _choices(raw.get("choices"), high, where) if granularity == "categorical" else {}
+    choices = _choices(raw.get("choices"), high, low, where) if granularity == "categorical" else {}
     defaults = SearchSpace(name="", high=high, low=low)
     master_weights = flag(raw.get("master_weights", defaults.master_weights), f"{where}: master_weights")
     name = raw.get("name", "space")
@@ -230,7 +258,7 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
         raise PrecsearchError(f"{where}: name must be a non-empty string")
     return SearchSpace(
         name=name,
-        description=str(raw.get("description", "")).strip(),
+        description=_description(raw.get("description"), where),
         high=high,
         low=low,
         granularity=granularity,
@@ -255,18 +283,10 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
 
 
 def load_space(path: str | Path) -> SearchSpace:
-    """Read and validate a space YAML file; a missing, unreadable or invalid file is a PrecsearchError."""
-    path = Path(path)
-    if path.is_dir():
-        raise PrecsearchError(f"search space {path} is a folder; give a YAML file such as search_spaces/hfp8.yaml")
-    if not path.is_file():
-        raise PrecsearchError(f"search space file {path} does not exist; give a YAML file such as "
-                              "search_spaces/hfp8.yaml")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise PrecsearchError(f"cannot read search space {path}: {error}; give a UTF-8 YAML file") from None
-    return parse_space(parse_yaml(text, f"search space {path}"), where=f"search space {path}")
+    """Read and validate a space YAML file (precsearch.config.reading's limits); anything wrong with it is a
+    PrecsearchError."""
+    raw = load_yaml(path, "search space", "give a UTF-8 YAML file such as search_spaces/hfp8.yaml")
+    return parse_space(raw, where=f"search space {path}")
 
 
 def paper_space(**changes: Any) -> SearchSpace:
