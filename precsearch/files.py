@@ -48,24 +48,23 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` through ``.<name>.<random>.tmp`` in the same folder, fsync and a rename; on
     any failure (a full disk, a read-only file system, Ctrl-C) the temporary is removed and ``path`` is as
-    it was. The folder is created if missing."""
+    it was. The folder is created if missing. An OSError names ``path``: the temporary is gone, and a failed
+    write names no file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    temp = None
     try:
+        handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
         with os.fdopen(handle, "wb") as out:
             out.write(data)
             out.flush()
             os.fsync(out.fileno())
         os.chmod(temp, user_file_mode())
         os.replace(temp, path)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        if error.filename is None:  # a failed write or fsync names no file: name the one being written
+    except BaseException as error:
+        if temp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+        if isinstance(error, OSError):
             raise OSError(error.errno, error.strerror, str(path)) from error
-        raise
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
         raise

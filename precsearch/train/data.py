@@ -6,8 +6,10 @@ channel with the training split's mean and std, and int64 labels. Names:
 - `digits` (default, no download): scikit-learn's bundled 1,797 handwritten 8x8 digits, resized bilinearly
   to `image_size`, replicated to 3 channels, split train/val by a seeded stratified draw (1,437 / 360).
 - `cifar10` / `cifar100`: the python-pickle layout under `root` (`cifar-10-batches-py/data_batch_1..5` and
-  `test_batch`; `cifar-100-python/train` and `test`, fine labels). The test set serves as validation.
-- `imagefolder`: `root/train/<class>/*.png|jpg|...` and `root/val/<class>/...`, read with Pillow.
+  `test_batch`; `cifar-100-python/train` and `test`, fine labels), any pickle protocol; only numpy arrays and
+  plain values are unpickled, and labels must be integers in [0, classes). The test set serves as validation.
+- `imagefolder`: `root/train/<class>/*.png|jpg|...` and `root/val/<class>/...`, read with Pillow; every class
+  needs val images, and an image over Pillow's pixel limit is refused from its header.
 - `synthetic`: seeded Gaussian images with a per-class pattern added (so it is learnable), for speed tests.
 
 Nothing is downloaded and nothing is cached on disk. `make_loader` wraps a dataset in a DataLoader whose
@@ -21,6 +23,8 @@ import logging
 import math
 import os
 import pickle
+import reprlib
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -128,6 +132,8 @@ class _ArrayUnpickler(pickle.Unpickler):
         ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
         ("numpy", "ndarray"), ("numpy", "dtype"),
         ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
+        # protocol 5 stores an array's bytes in-band (a bytearray) and rebuilds it with frombuffer and reshape
+        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
     }
 
     def find_class(self, module: str, name: str) -> Any:
@@ -136,8 +142,28 @@ class _ArrayUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _read_cifar_file(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR pickle -> (N, 3, 32, 32) uint8 images and int64 labels; one-line errors naming the file."""
+def _cifar_labels(value: Any, path: Path, count: int) -> np.ndarray:
+    """A CIFAR file's labels as int64, each checked to be an integer in [0, count): numpy's own conversion
+    would truncate 3.7 to 3, parse "7", and fail with a traceback on nan or 2**70."""
+    items = value.tolist() if isinstance(value, np.ndarray) else value
+    if not isinstance(items, list | tuple):
+        raise PrecsearchError(f"{path} holds labels of type {type(items).__name__}; expected a list of class "
+                              f"numbers 0..{count - 1}, one per image")
+    for row, label in enumerate(items):
+        if isinstance(label, bool) or not isinstance(label, int | np.integer):
+            problem = "is not an integer"
+        elif not 0 <= label < count:
+            problem = f"is outside 0..{count - 1}"
+        else:
+            continue
+        raise PrecsearchError(f"{path}: label {reprlib.repr(label)} of image {row} {problem}; expected class "
+                              f"numbers 0..{count - 1}, one per image")
+    return np.asarray(items, dtype=np.int64)
+
+
+def _read_cifar_file(path: Path, label_key: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR pickle -> (N, 3, 32, 32) uint8 images and int64 labels in [0, count); one-line errors naming
+    the file."""
     expected = f"a CIFAR python pickle dict with 'data' (N x 3072 uint8) and '{label_key}'"
     try:
         with path.open("rb") as handle:
@@ -150,7 +176,7 @@ def _read_cifar_file(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray
     if "data" not in entry or label_key not in entry:
         raise PrecsearchError(f"{path} has keys {sorted(map(str, entry))}; expected {expected}")
     data = np.asarray(entry["data"])
-    labels = np.asarray(entry[label_key], dtype=np.int64)
+    labels = _cifar_labels(entry[label_key], path, count)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
         raise PrecsearchError(f"{path} has data {data.dtype} {data.shape} and {len(labels)} labels; "
                               f"expected {expected}, one label per row")
@@ -205,13 +231,10 @@ def _load_cifar(name: str, root: str | os.PathLike[str] | None,
     missing = [f for f in (*train_files, test_file) if not (base / f).is_file()]
     if missing:
         raise PrecsearchError(f"{base} lacks {', '.join(missing)}; expected the {name} layout: {expected}")
-    train = [_read_cifar_file(base / f, label_key) for f in train_files]
-    test_images, test_labels = _read_cifar_file(base / test_file, label_key)
+    train = [_read_cifar_file(base / f, label_key, count) for f in train_files]
+    test_images, test_labels = _read_cifar_file(base / test_file, label_key, count)
     train_images = np.concatenate([images for images, _ in train])
     train_labels = np.concatenate([labels for _, labels in train])
-    for file_labels, where in ((train_labels, base), (test_labels, base / test_file)):
-        if file_labels.size and (file_labels.min() < 0 or file_labels.max() >= count):
-            raise PrecsearchError(f"{where} has labels outside 0..{count - 1}; expected {name} labels")
     classes = _read_label_names(base / meta_file, names_key, count)
     return _normalized_pair(_uint8_to_float(train_images, image_size), torch.from_numpy(train_labels),
                             _uint8_to_float(test_images, image_size), torch.from_numpy(test_labels), classes)
@@ -220,7 +243,11 @@ def _load_cifar(name: str, root: str | os.PathLike[str] | None,
 def _read_image_folder(
     split_dir: Path, classes: Sequence[str], image_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Every image under split_dir/<class>/ as (N, 3, size, size) uint8 and its class index."""
+    """Every image under split_dir/<class>/ as (N, 3, size, size) uint8 and its class index.
+
+    An image over Pillow's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``, 89M pixels) is refused from
+    its header, before it is decoded: Pillow raises past twice the limit and only warns below, so its warning
+    is made an error here."""
     from PIL import Image, UnidentifiedImageError
 
     images, labels = [], []
@@ -230,8 +257,13 @@ def _read_image_folder(
             if class_dir.is_dir() else []
         for file in files:
             try:
-                with Image.open(file) as image:
-                    rgb = image.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", Image.DecompressionBombWarning)
+                    with Image.open(file) as image:
+                        rgb = image.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
+            except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+                raise PrecsearchError(f"image {file} is too large to decode: {str(exc).rstrip('.')}; shrink it or "
+                                      "remove it") from exc
             except (UnidentifiedImageError, OSError) as exc:
                 raise PrecsearchError(f"cannot read image {file} ({exc}); remove it or replace it") from exc
             images.append(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
@@ -258,14 +290,18 @@ def _load_image_folder(root: str | os.PathLike[str] | None,
     if not classes:
         raise PrecsearchError(f"{path / 'train'} has no class folders holding images "
                               f"({', '.join(IMAGE_SUFFIXES)}); expected {expected}")
-    unknown = sorted(set(_image_classes(path / "val")) - set(classes))
+    val_classes = _image_classes(path / "val")
+    unknown = sorted(set(val_classes) - set(classes))
     if unknown:
         raise PrecsearchError(f"{path / 'val'} has classes {', '.join(unknown)} that train/ lacks; "
                               "give every val class a train folder")
+    # A class without val images is never scored: the accuracy would silently measure the other classes only.
+    unscored = [name for name in classes if name not in val_classes]
+    if unscored:
+        raise PrecsearchError(f"{path / 'val'} holds no images of class {', '.join(unscored)}; give every train "
+                              f"class val images ({expected})")
     train_images, train_labels = _read_image_folder(path / "train", classes, image_size)
     val_images, val_labels = _read_image_folder(path / "val", classes, image_size)
-    if len(val_labels) == 0:
-        raise PrecsearchError(f"{path / 'val'} holds no images; expected {expected}")
     return _normalized_pair(_uint8_to_float(train_images, image_size), torch.from_numpy(train_labels),
                             _uint8_to_float(val_images, image_size), torch.from_numpy(val_labels), classes)
 
