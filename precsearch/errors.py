@@ -5,12 +5,18 @@ Its message is a single line that names the problem and the fix; the CLI prints 
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sysconfig
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["PrecsearchError", "described", "find_cause", "first_line", "raised_at", "user_code_error"]
+__all__ = ["PrecsearchError", "described", "find_cause", "first_line", "raised_at", "run_user_code", "user_code_error"]
+
+T = TypeVar("T")
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -46,13 +52,16 @@ def find_cause(error: BaseException | None, matches: Callable[[BaseException], b
 def raised_at(error: BaseException) -> str:
     """`` at file:line in function`` of the deepest frame of ``error``'s traceback outside torch, the standard
     library and precsearch's own machinery: the line of the user's (or the zoo's) code it came from; "" when
-    there is none (an op torch.fx ran for the model)."""
+    there is none (an op torch.fx ran for the model). A SyntaxError names the line it could not read."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f" at {error.filename}:{error.lineno}"
     frames = traceback.extract_tb(error.__traceback__)
     skipped = (sysconfig.get_paths()["stdlib"], str(_PACKAGE))
+    zoo = _PACKAGE / "models"  # its models are code a forward runs; its __init__ (build, import) is machinery
 
     def model_code(filename: str) -> bool:
         return (not filename.startswith(("<", *skipped)) and "torch" not in Path(filename).parts) or (
-            Path(filename).is_relative_to(_PACKAGE / "models"))
+            Path(filename).parent == zoo and Path(filename).name != "__init__.py")
 
     own = [frame for frame in frames if model_code(frame.filename)]
     return f" at {own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
@@ -62,3 +71,43 @@ def user_code_error(what: str, error: BaseException) -> PrecsearchError:
     """One line for an exception ``what`` (a model factory, a forward) raised: its type, message and the line it
     came from. Raise it ``from error``: the CLI prints that traceback with -v."""
     return PrecsearchError(f"{what} raised {described(error)}{raised_at(error)}; fix it there (-v shows the traceback)")
+
+
+def run_user_code(what: str, call: Callable[[], T]) -> T:
+    """``call()``, which runs user code (``what``: a model factory, its module's import): anything it raises, even
+    SystemExit and KeyboardInterrupt, is ``user_code_error``'s one line, so a factory that exits or raises a
+    BaseException cannot end the command as if it had finished or been stopped. Our own one-line errors pass
+    through, and so does the interrupt of a SIGINT or SIGTERM that arrived meanwhile: the user stopped it."""
+    with _stops_seen() as stops:
+        try:
+            return call()
+        except PrecsearchError:
+            raise
+        except BaseException as error:
+            if isinstance(error, KeyboardInterrupt) and stops:
+                raise
+            raise user_code_error(what, error) from error
+
+
+@contextlib.contextmanager
+def _stops_seen() -> Iterator[list[int]]:
+    """The SIGINT and SIGTERM signals that arrive during the block, recorded before their handlers run (those
+    stay in charge). Signals reach the main thread only; elsewhere the list stays empty."""
+    seen: list[int] = []
+    previous: dict[int, Callable[..., object]] = {}
+
+    def record(signum: int, frame: object) -> object:
+        seen.append(signum)
+        return previous[signum](signum, frame)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(signum)
+            if callable(handler):  # SIG_DFL and SIG_IGN are left as they are: no Python code runs for them
+                previous[signum] = handler
+                signal.signal(signum, record)
+    try:
+        yield seen
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

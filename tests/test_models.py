@@ -11,7 +11,7 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.models import INPUT_SHAPE, NAMES, build, parse_model_spec
-from precsearch.models.common import scale_channels
+from precsearch.models.common import TooNarrow, scale_channels
 
 WIDTHS = (1.0, 0.5, 0.25, 0.1)
 
@@ -100,9 +100,11 @@ def test_width_scales_channels() -> None:
 def test_scale_channels_rounding() -> None:
     assert scale_channels(64, 0.1) == 6          # 6.4
     assert scale_channels(128, 0.1) == 13        # 12.8
-    assert scale_channels(24, 0.01) == 1         # never below one channel
+    assert scale_channels(24, 0.03) == 1         # 0.72
     assert scale_channels(116, 0.25, divisor=2) == 30   # 29 -> nearest even, halves up
-    assert scale_channels(3, 0.1, divisor=2) == 2
+    assert scale_channels(3, 0.4, divisor=2) == 2       # 0.6 of a pair
+    with pytest.raises(TooNarrow, match=r"width=0.01 leaves a layer of 24 channels .* with none"):
+        scale_channels(24, 0.01)                 # no layer is widened behind the user's back
 
 
 @pytest.mark.parametrize("name", ["mobilenet_v2", "shufflenet_v2"])

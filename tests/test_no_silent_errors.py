@@ -147,5 +147,5 @@ def test_small_cli_mistakes_are_named_in_one_line(tmp_path, capsys):
         main(["train", "tiny_cnn", "--nproc", "1", "--lr", "nan", "--steps", "2", "--device", "cpu"])
     assert "argument --lr: 'nan' is not a finite number; give a number > 0" in capsys.readouterr().err
     assert main(["search", "tiny_cnn", "--space", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
-    assert "is a folder; give a YAML file" in capsys.readouterr().err
+    assert "is a folder; give a UTF-8 YAML file" in capsys.readouterr().err
 

@@ -13,6 +13,7 @@ import importlib.util
 import multiprocessing
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from optuna.trial import TrialState
 
 from precsearch.cli import main
 from precsearch.config.spaces import paper_space
+from precsearch.errors import PrecsearchError
 from precsearch.search import storage as storage_module
 from precsearch.search import study as search
 from precsearch.search.context import Budget, DataSpec
@@ -405,3 +407,46 @@ def test_a_database_away_too_long_stops_the_worker_in_one_line_and_starting_it_a
     key = trials[training[0]].user_attrs["key"]  # finished before the database went, or failed and retried
     assert [t.state for t in trials if t.user_attrs.get("key") == key and "duplicate_of" not in t.user_attrs
             and t.state == TrialState.COMPLETE] == [TrialState.COMPLETE]
+
+
+HOLD_AND_STOP = """
+import os, signal, sys
+from pathlib import Path
+from precsearch.search.storage import StudyLocation
+location = StudyLocation.of(sys.argv[1], Path("."), "held", 1)
+held = location.lock(location.open())  # kept: a collected generator would release it
+held.__enter__()
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_worker_stopped_holding_the_study_lock_is_named_and_the_wait_for_it_ends_in_one_line(postgres, caplog,
+                                                                                                monkeypatch):
+    """A stopped process keeps its connection, and the advisory lock with it: the others say who holds it (the
+    worker's host:pid, from its session's application name) after a heartbeat, and stop waiting in one line
+    once it held the lock STORAGE_OUTAGE seconds; once the holder is gone the lock is free."""
+    monkeypatch.setattr(storage_module, "STORAGE_OUTAGE", 3.0)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_STOP, postgres], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        location = StudyLocation.of(postgres, Path("."), "held", 1)
+        storage = location.open()
+        started = time.monotonic()
+        with (caplog.at_level("WARNING", logger=storage_module.__name__), pytest.raises(PrecsearchError) as error,
+              location.lock(storage)):
+            pass
+        waited = time.monotonic() - started
+    finally:
+        holder.kill()
+        holder.wait()
+    who = f"precsearch {socket.gethostname()}:{holder.pid} (PostgreSQL backend "
+    warnings = [record.getMessage() for record in caplog.records if "waiting for the lock" in record.getMessage()]
+    assert len(warnings) == 1 and who in warnings[0] and "giving up once it is held for 3 s" in warnings[0], warnings
+    message = str(error.value)
+    assert "\n" not in message and who in message and "stopped or hung" in message, message
+    assert "SELECT pg_terminate_backend(" in message, message
+    assert int(re.search(r"has been held for (\d+) s", message).group(1)) >= 3, message
+    assert waited < 3 + 10 * storage_module.LOCK_POLL, waited  # a look between tries, not a wait for ever
+    with location.lock(storage):  # the server released the killed holder's lock
+        pass

@@ -35,6 +35,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
+from precsearch.models import check_trusted
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
 from precsearch.train.trainer import ProxyResult, resolve_device, train
@@ -61,13 +62,14 @@ def long_run(context: SearchContext, policy: Policy | None, steps: int, seed: in
                  config=context.space.proxy, stop_on_divergence=False, compile=context.compile)
 
 
-def _context(run_dir: Path, device: str, compile: CompileOptions | None) -> SearchContext:
+def _context(run_dir: Path, device: str, compile: CompileOptions | None, trust_model: str | None) -> SearchContext:
     run_file = run_dir / "run.json"
     if not run_file.is_file() or not (run_dir / "trials.csv").is_file():
         raise PrecsearchError(f"{run_dir} holds no run.json and trials.csv; give a run directory written by "
                               "precsearch search")
     config = json.loads(run_file.read_text(encoding="utf-8"))
-    context = SearchContext.create(config["model"], parse_space(config["space"]), DataSpec(**config["data"]),
+    model = check_trusted(config.get("model"), str(run_file), trust_model)
+    context = SearchContext.create(model, parse_space(config["space"]), DataSpec(**config["data"]),
                                    Budget(**config["budget"]), config["seed"], device, compile=compile)
     context.length = config.get("proxy_length", context.space.proxy.steps)
     return context
@@ -103,12 +105,13 @@ def _policy_file(run_dir: Path, row: pd.Series) -> Path:
 
 def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None = None, device: str = "cpu",
                  threads: int | None = None, progress: bool = True,
-                 compile: CompileOptions | None = None) -> FidelityResult:
+                 compile: CompileOptions | None = None, trust_model: str | None = None) -> FidelityResult:
     """Retrain the run's front, all-high, sweep and best assignments for ``steps`` steps (see the module
-    docstring); ``seed`` defaults to the search's seed; ``compile``: how the runs compile (None: eagerly)."""
+    docstring); ``seed`` defaults to the search's seed; ``compile``: how the runs compile (None: eagerly).
+    A run.json naming a model factory is refused unless ``trust_model`` is that spec (``check_trusted``)."""
     run_dir = Path(run_dir)
     resolve_device(device)  # refused before the run is read and retrained
-    context = _context(run_dir, device, compile)
+    context = _context(run_dir, device, compile, trust_model)
     steps = LONG_FACTOR * context.length if steps is None else steps
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")

@@ -55,14 +55,36 @@ class RunTables:
     sensitivity: pd.DataFrame  # empty unless the run has sensitivity.csv
 
 
+REBUILD = "precsearch report RUN_DIR --storage STUDY rebuilds a search's files from its study"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file of the run (run.json, best.json). precsearch writes them whole (atomically), so one that
+    is empty, cut or not an object was damaged by a copy or an edit: refused in one line, not a traceback."""
+    text = path.read_text()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        problem = "empty" if not text.strip() else f"cut or garbled ({error.msg} at line {error.lineno})"
+    else:
+        if isinstance(value, dict):
+            return value
+        problem = f"a JSON {type(value).__name__}, not an object"
+    raise PrecsearchError(f"{path} is {problem}; write it again ({REBUILD}) or restore it")
+
+
 def _read_csv(path: Path) -> pd.DataFrame:
     """A table with its text columns as strings ('' where empty) and its numbers as numbers.
 
-    Every row precsearch writes ends with a newline, so a last line without one was cut short (a copy or a
-    write that was interrupted): it is left out with a WARNING, not read as a row of missing values (whose
+    Every line precsearch writes ends with a newline, the header included (even in a table without rows): a file
+    without one is empty or cut inside its header and is refused. A last line without one was cut short (a copy or
+    a write that was interrupted): it is left out with a WARNING, not read as a row of missing values (whose
     empty ``diverged`` would count as a divergence)."""
     text = path.read_text()
-    if text and not text.endswith("\n"):
+    if "\n" not in text:
+        raise PrecsearchError(f"{path} is {'empty' if not text else 'cut inside its header line'}; write it again "
+                              f"({REBUILD}) or restore it")
+    if not text.endswith("\n"):
         log.warning("%s: its last row is cut short; reporting without it", path)
         text = text[: text.rfind("\n") + 1]
     try:
@@ -71,7 +93,7 @@ def _read_csv(path: Path) -> pd.DataFrame:
         return pd.DataFrame()
     except pd.errors.ParserError as error:
         raise PrecsearchError(f"{path}: not a table precsearch wrote ({str(error).strip()}); write it again "
-                              "(precsearch report RUN_DIR --storage STUDY rebuilds a search's tables)") from None
+                              f"({REBUILD})") from None
     _check_cells(frame, path)
     missing = [column for column in REQUIRED_COLUMNS.get(path.name, ()) if column not in frame]
     if missing and not frame.empty:
@@ -118,13 +140,16 @@ def load_run(run_dir: str | Path) -> RunTables:
     if not trials_file.is_file() and not baselines_file.is_file():
         raise PrecsearchError(f"{run_dir} holds no trials.csv or baselines.csv; give a run directory written by "
                               "precsearch search or precsearch baselines")
-    config = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    config = _read_json(run_dir / "run.json") if (run_dir / "run.json").is_file() else {}
     trials = _read_csv(trials_file) if trials_file.is_file() else pd.DataFrame()
     pareto = _read_csv(run_dir / "pareto.csv") if (run_dir / "pareto.csv").is_file() else pd.DataFrame()
     baselines = _read_csv(baselines_file) if baselines_file.is_file() else pd.DataFrame()
     best = None
     if (run_dir / "best.json").is_file():
-        best = json.loads((run_dir / "best.json").read_text()).get("provenance")
+        best = _read_json(run_dir / "best.json").get("provenance")
+        if not isinstance(best, dict):
+            raise PrecsearchError(f"{run_dir / 'best.json'} has no provenance object; write it again ({REBUILD}) "
+                                  "or restore it")
     calibration, budget, sensitivity = (_read_csv(run_dir / name) if (run_dir / name).is_file() else pd.DataFrame()
                                         for name in ("calibration.csv", "budget.csv", SENSITIVITY_CSV))
     return RunTables(run_dir, config, trials, pareto, baselines, best, calibration, budget, sensitivity)
@@ -334,6 +359,10 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
         diverged = int(tables.trials["diverged"].astype(bool).sum())
         lines.append(f"- trials: {len(tables.trials)} ({', '.join(f'{n} {s}' for s, n in states.items())}), "
                      f"{diverged} diverged")
+    elif (run_dir / "trials.csv").is_file():
+        log.warning("%s holds no trials: the search stopped before its first trial (precsearch search --resume "
+                    "continues it); the report shows no trials", run_dir / "trials.csv")
+        lines.append("- trials: none (the search stopped before its first trial)")
     if "proxy_length" in config:
         how = "fixed" if config.get("calibration", {}).get("fixed") else "calibrated on the all-high reference"
         lines.append(f"- proxy length: {config['proxy_length']} steps ({how})")

@@ -10,14 +10,17 @@ raised by user code also prints that code's traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import pkgutil
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 from precsearch import __version__
+from precsearch.cli._arguments import read_negative_numbers
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, full_disk
 
@@ -35,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(f"{__name__}.{module_info.name}")
         command = subparsers.add_parser(module_info.name, help=module.HELP, description=module.DESCRIPTION)
+        read_negative_numbers(command)
         module.add_arguments(command)
         command.set_defaults(func=module.run)
     return parser
@@ -79,10 +83,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def os_error_line(error: OSError) -> str:
     """One line for an OSError a user can cause: what failed, on which path, and what to do."""
+    blocker = _in_the_way(error)
+    if blocker is not None:
+        what = "a file, not a directory" if blocker.is_file() else "not a directory"
+        return f"{blocker} is {what}; choose another path"
     where = " -> ".join(str(name) for name in (error.filename, error.filename2) if name is not None)
     reason = error.strerror or str(error) or type(error).__name__
     return f"{reason}: {where}; check the path, its permissions and free space" if where else (
         f"{reason}; check the paths, their permissions and free space")
+
+
+def _in_the_way(error: OSError) -> Path | None:
+    """What is not a folder where ``error``'s path needs one: a file a folder was to be made at (mkdir's EEXIST;
+    precsearch creates no file exclusively, so EEXIST always means a folder), or that a path goes through
+    (ENOTDIR); None for other errors."""
+    if error.errno not in (errno.EEXIST, errno.ENOTDIR) or not isinstance(error.filename, str):
+        return None
+    path = Path(error.filename)
+    return next((part for part in (*reversed(path.parents), path) if part.exists() and not part.is_dir()), None)
 
 
 if __name__ == "__main__":

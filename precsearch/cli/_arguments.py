@@ -21,14 +21,24 @@ from precsearch.errors import PrecsearchError
 from precsearch.train.data import DATASETS
 
 __all__ = ["COMPILE_MIN_STEPS", "DEVICE_HELP", "SEED_MAX", "add_compile_argument", "add_data_arguments",
-           "add_space_arguments", "choose_compile", "count", "count_or_auto", "device", "input_shape", "proxy_seeds",
-           "proxy_steps", "real", "seed", "space_argument", "whole"]
+           "add_space_arguments", "add_trust_argument", "choose_compile", "count", "count_or_auto", "device",
+           "input_shape", "proxy_seeds", "proxy_steps", "read_negative_numbers", "real", "seed", "space_argument",
+           "whole"]
 
 log = logging.getLogger(__name__)
 
 SEED_MAX = 2**32 - 1  # numpy's generators take seeds in [0, 2^32)
 DEVICE_HELP = "auto (CUDA when available), cpu, cuda or cuda:N"
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# A value starting with "-" that float() reads: -2, -.5, -1e39, -inf, -nan
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
+def read_negative_numbers(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` take every negative number as a value: argparse's own pattern knows only -2 and -1.5, so
+    ``--round -1e39`` was refused as an unknown option. argparse has no public setting for it; its parsers hold
+    the pattern in ``_negative_number_matcher`` (no command has an option that looks like a number)."""
+    parser._negative_number_matcher = _NEGATIVE_NUMBER
 
 
 def whole(low: int = 1, high: float = math.inf) -> Callable[[str], int]:
@@ -136,6 +146,14 @@ def add_space_arguments(parser: argparse.ArgumentParser, calibrated: bool = Fals
         parser.add_argument("--proxy-steps", type=count, default=None, metavar="S",
                             help="SGD steps per proxy (default: a search run directory's, else the space's "
                                  "proxy.steps)")
+
+
+def add_trust_argument(parser: argparse.ArgumentParser, source: str) -> None:
+    """--trust-model: the one way to let a model factory named in a file run (precsearch.models.check_trusted)."""
+    parser.add_argument("--trust-model", default=None, metavar="SPEC",
+                        help=f"run the model factory (package.module:function[:options]) that {source} names, "
+                             "if it is SPEC; files are data, so without this a file naming code instead of a zoo "
+                             "model is refused (read that code first)")
 
 
 def space_argument(args: argparse.Namespace) -> Any:

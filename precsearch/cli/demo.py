@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -135,9 +136,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"best.json not written: {result.note}")
     print(describe_budget(result.budget))
     print(f"\npolicies: {out / 'policies'}/ and {out / 'best.json'}\nreport:   {md} and {png}")
+    train = ["precsearch", "train", MODEL, "--policy", str(out / "best.json"), "--data", DATA, "--batch-size",
+             str(PROXY["batch_size"]), "--image-size", str(PROXY["image_size"]), "--recipe", "proxy", "--steps", "1200",
+             "--metrics", str(out / "train.csv")]
     print(f"train under the best policy (the proxies' recipe; the paper's learns no gratings in 10 epochs, fp32 "
-          f"included): precsearch train {MODEL} --policy {out / 'best.json'} --data {DATA} --batch-size "
-          f"{PROXY['batch_size']} --image-size {PROXY['image_size']} --recipe proxy --steps 1200 "
-          f"--metrics {out / 'train.csv'}")
+          f"included): {shlex.join(train)}")
     print(f"demo wall time: {wall:.0f} s")
     return 0

@@ -6,6 +6,7 @@ Also holds the summary texts demo shares.
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 from typing import Any
@@ -191,5 +192,5 @@ def summarize(result: Any) -> str:
         lines.append(describe_budget(result.budget))
     best = ", best.json" if result.best is not None else ""
     lines.append(f"outputs: {result.out_dir}/trials.csv, pareto.csv, calibration.csv, budget.csv, policies/{best}; "
-                 f"plot with: precsearch report {result.out_dir}")
+                 f"plot with: {shlex.join(['precsearch', 'report', str(result.out_dir)])}")
     return "\n".join(lines)

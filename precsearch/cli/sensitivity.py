@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from precsearch.config.spaces import load_space
+    from precsearch.models import check_fits
     from precsearch.search.context import DataSpec, torch_threads
     from precsearch.search.sensitivity import measure_model
     from precsearch.search.sensitivity_table import save_table, unit_table
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     space = load_space(space) if isinstance(space, str) else space
     space = space.with_proxy(batch_size=args.batch_size, image_size=args.image_size)
     device = resolve_device(args.device)
+    check_fits(args.model, space.proxy.batch_size, space.proxy.image_size)  # before the data is loaded at that size
     with torch_threads(args.threads):
         data = DataSpec(args.data, args.data_root).load(space.proxy.image_size, seed=args.seed)
         table = measure_model(args.model, space, data, batches=args.batches, seed=args.seed, device=str(device))

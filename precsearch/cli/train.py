@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from precsearch.config.policy import Policy
+    from precsearch.models import check_fits, is_spec, same_model
     from precsearch.train.data import load_dataset
     from precsearch.train.trainer import PAPER_RECIPE, resolve_device, train_policy
 
@@ -71,8 +72,13 @@ def run(args: argparse.Namespace) -> int:
     policy = Policy.load(args.policy) if args.policy is not None else None
     if policy is not None and policy.input_shape is None:
         raise PrecsearchError(f"policy {args.policy} has no input_shape; make it with precsearch search")
+    # a class name (a policy made in Python) is left to apply_policy, which checks the traced structure
+    if policy is not None and is_spec(policy.model) and not same_model(policy.model, args.model):
+        raise PrecsearchError(f"policy {args.policy} was made for model {policy.model!r}, not {args.model!r}; give "
+                              f"the model it was made for, or make a policy for {args.model} with precsearch search")
     image_size = _given_or(args.image_size, policy.input_shape[-1] if policy is not None else ProxyConfig().image_size)
     batch_size = _given_or(args.batch_size, policy.batch_size if policy is not None else None, DEFAULT_BATCH)
+    check_fits(args.model, batch_size, image_size)  # before the data is loaded at that size
     data = load_dataset(args.data, root=args.data_root, image_size=image_size)
     per_epoch = max(1, len(data[0]) // batch_size)
     steps = _given_or(args.steps, max(1, round(_given_or(args.epochs, DEFAULT_EPOCHS) * per_epoch)))

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from precsearch.cli._arguments import DEVICE_HELP, add_compile_argument, choose_compile, count, device, seed
+from precsearch.cli._arguments import (
+    DEVICE_HELP,
+    add_compile_argument,
+    add_trust_argument,
+    choose_compile,
+    count,
+    device,
+    seed,
+)
 
 HELP = "retrain a search's front and references at full length; write fidelity.csv and a plot"
 DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of "
@@ -22,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device, default="cpu", help=DEVICE_HELP)
     parser.add_argument("--threads", type=count, default=None, metavar="N", help="torch threads")
     add_compile_argument(parser)
+    add_trust_argument(parser, "RUN/run.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -29,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.analysis.fidelity import validate_run
 
     result = validate_run(args.run, steps=args.steps, seed=args.seed, device=args.device, threads=args.threads,
-                          progress=not args.no_progress, compile=choose_compile(args, None))  # long runs
+                          progress=not args.no_progress, compile=choose_compile(args, None),  # long runs
+                          trust_model=args.trust_model)
     summary = result.summary
     print(result.table[["trial", "roles", "proxy_accuracy", "proxy_sd", "long_accuracy", "long_promotions",
                         "long_memory"]].to_string(index=False))

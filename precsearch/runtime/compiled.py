@@ -3,8 +3,9 @@ structure and code widths.
 
 The eager runtime (precsearch.runtime.instrument_fx and friends) rounds through per-format kernels and packs what
 autograd saves as codes, bookkeeping TorchDynamo cannot trace. Here every site of the plan
-(precsearch.runtime.sites) becomes a rounding of the graph whose format, rounding and overflow mode are read from a table of rows (precsearch.formats.as_data),
-one row per tensor id, so the graph does not depend on the formats themselves:
+(precsearch.runtime.sites) becomes a rounding of the graph whose format, rounding and overflow mode are read from
+a table of rows (precsearch.formats.as_data), one row per tensor id, so the graph does not depend on the formats
+themselves:
 
 * a weight is rounded before the forward, its gradient in the backward by the weight gradient's row;
 * an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
@@ -37,10 +38,11 @@ and, said where it is chosen (``unsupported``), chunked accumulation, adaptive p
 rounding to a format without a mantissa bit and models whose own forward FX cannot trace, which train eagerly (a
 submodule FX cannot trace is one op of the graph, ``TensorGraph.opaque_modules``: the step compiles around it,
 TorchDynamo's graph broken there). Its stochastic rounding draws from the same hash with other seeds (per site
-and step, not per call). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in the same order and trains bit for bit as it does with nearest
-rounding (its partitioner ignores the recomputation marks and saves float32); Inductor sums some float32
-reductions (batch norm) in another order, so its values differ in the last bits, and where that flips an 8-bit
-rounding, by an ulp of the format (tests/test_compiled_step.py states both).
+and step, not per call). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in the same
+order and trains bit for bit as it does with nearest rounding (its partitioner ignores the recomputation marks and
+saves float32); Inductor sums some float32 reductions (batch norm) in another order, so its values differ in the
+last bits, and where that flips an 8-bit rounding, by an ulp of the format (tests/test_compiled_step.py states
+both).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph
+from precsearch.models import check_fits
 from precsearch.search.noise import DEFAULT_CONFIDENCE
 from precsearch.search.strategies import assign, assignment_key, uniform, units
 from precsearch.train.data import ImageDataset, load_dataset
@@ -113,9 +114,11 @@ class SearchContext:
                device: str, data: tuple[ImageDataset, ImageDataset] | None = None,
                proxy_seeds: int | None = 1, trainer: Trainer | None = None,
                compile: CompileOptions | None = None) -> SearchContext:
-        """Load the data (unless given), build and trace the model at the proxy's batch and image size.
-        ``compile``: how runs compile their step (None: eagerly); the proxies' graph saves float32
-        (``proxy_compile``), so that one compiled graph serves every assignment."""
+        """Load the data (unless given), build and trace the model at the proxy's batch and image size, once
+        ``check_fits`` found that they fit this machine. ``compile``: how runs compile their step (None:
+        eagerly); the proxies' graph saves float32 (``proxy_compile``), so that one compiled graph serves every
+        assignment."""
+        check_fits(model, space.proxy.batch_size, space.proxy.image_size)
         if data is None:
             data = data_spec.load(space.proxy.image_size, seed=0)
         torch.manual_seed(seed)

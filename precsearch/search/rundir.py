@@ -262,7 +262,7 @@ def make_run_dir(out_dir: Path) -> bool:
         out_dir.mkdir()
     except FileExistsError:
         if not out_dir.is_dir():
-            raise PrecsearchError(f"--out {out_dir} is a file; give a folder") from None
+            raise PrecsearchError(f"--out {out_dir} is not a directory; give a folder") from None
         return False
     return True
 

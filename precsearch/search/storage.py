@@ -1,6 +1,10 @@
 """Where a study lives: a PostgreSQL or SQLite URL or a journal file, opened with the heartbeat and retries
 every worker uses, repaired after a torn write, and locked across all processes that share it.
 
+A journal's records are chained by checksums (``JournalFile``): one edited, removed, duplicated or added by hand
+is refused on opening, naming its line. A PostgreSQL study's lock that a stopped or hung worker keeps is named
+in a WARNING (its host:pid) after a heartbeat, and ends the wait in one line after ``STORAGE_OUTAGE`` seconds.
+
 A PostgreSQL storage outlives a database restart or a dropped connection (``RetryingRDBStorage``): every
 call retries with backoff for up to ``STORAGE_OUTAGE`` seconds, so a worker goes on where it was (a trial it
 finished meanwhile is written when the server is back); past that it stops with one line that says how to
@@ -19,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,6 +35,7 @@ import optuna
 import sqlalchemy
 from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+from optuna.storages.journal._storage import JournalOperation
 from sqlalchemy.engine import make_url
 
 from precsearch.errors import PrecsearchError, find_cause, first_line
@@ -43,7 +49,9 @@ STUDY_NAME = "precsearch"
 JOURNAL_NAME = "study.journal"
 POSTGRES_DRIVER = "postgresql+psycopg"
 MAX_RETRIES = 3  # times a trial whose worker died is queued again
-STORAGE_OUTAGE = 120.0  # seconds a worker keeps retrying a database it lost (a restart) before it stops
+# seconds a worker keeps retrying a database it lost (a restart), or waiting for a study lock another worker keeps
+# (stopped or hung), before it stops
+STORAGE_OUTAGE = 120.0
 MAX_BACKOFF = 8.0  # seconds between two tries, at most
 
 T = TypeVar("T")
@@ -92,8 +100,9 @@ class StudyLocation:
             path = Path(self.target)
             if not path.parent.is_dir():
                 raise FileNotFoundError(f"folder {path.parent} does not exist")
-            _repair_journal(path)
-            return JournalStorage(JournalFile(path))
+            journal = JournalFile(path)
+            journal.check()
+            return JournalStorage(journal)
         except PrecsearchError:
             raise
         except Exception as error:  # drivers raise anything from ArgumentError to OperationalError
@@ -116,7 +125,10 @@ class StudyLocation:
             if importlib.util.find_spec("psycopg") is None:
                 raise PrecsearchError(f"study storage {self.shown} needs psycopg 3; install it with "
                                       "pip install 'precsearch[postgres]'")
-            engine_kwargs["connect_args"] = {"connect_timeout": 10}
+            from precsearch.search.rundir import owner_id  # (rundir imports this module)
+
+            # the session names this worker (host:pid) in pg_stat_activity, so a held lock can be traced to it
+            engine_kwargs["connect_args"] = {"connect_timeout": 10, "application_name": f"precsearch {owner_id()}"}
         kind = RetryingRDBStorage if backend == "postgresql" else RDBStorage  # SQLite has no server to lose
 
         def create() -> RDBStorage:
@@ -147,18 +159,7 @@ class StudyLocation:
         transaction (the server releases it when a killed worker's connection drops), on SQLite and journal
         files an flock on the file (they are shared on one host only)."""
         if isinstance(storage, RetryingRDBStorage):
-            lock_id = int(hashlib.sha1(self.study_name.encode()).hexdigest()[:15], 16)
-
-            def acquire() -> sqlalchemy.Connection:
-                connection = storage.engine.connect()
-                try:
-                    connection.execute(sqlalchemy.text("SELECT pg_advisory_xact_lock(:id)"), {"id": lock_id})
-                except BaseException:
-                    connection.close()
-                    raise
-                return connection
-
-            connection = storage.retried(acquire)
+            connection = self._advisory_lock(storage)
             try:
                 yield
             finally:
@@ -172,6 +173,77 @@ class StudyLocation:
         with open(path, "rb") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
+
+    def _advisory_lock(self, storage: RetryingRDBStorage) -> sqlalchemy.Connection:
+        """The study's advisory lock, on a connection of its own, in a transaction the caller ends.
+
+        Workers hold it for a moment (a decision, a claim), so a worker waits for it in the server's queue
+        ``LOCK_POLL`` seconds at a time and in between looks who holds it (``_lock_holder``): a holder that kept it
+        a heartbeat is named in a WARNING, once per holder. A stopped process keeps its connection, and the lock
+        with it, for ever: a holder that kept it ``STORAGE_OUTAGE`` seconds (the patience for a study out of
+        reach) ends the wait in a PrecsearchError naming it."""
+        lock_id = int(hashlib.sha1(self.study_name.encode()).hexdigest()[:15], 16)
+        warned: str | None = None
+        while True:
+            connection = storage.retried(lambda: _try_lock(storage, lock_id))
+            if connection is not None:
+                return connection
+            holder = storage.retried(lambda: _lock_holder(storage, lock_id))
+            if holder is None:  # released between the two
+                continue
+            who, backend, held = holder
+            if held >= STORAGE_OUTAGE:
+                raise PrecsearchError(f"the lock of study {self.study_name} in {self.shown} has been held for "
+                                      f"{held:.0f} s by {who}, a worker that is stopped or hung; stop that process "
+                                      f"or end its session (SELECT pg_terminate_backend({backend})), then start this "
+                                      "worker again")
+            if held >= self.heartbeat and who != warned:
+                warned = who
+                log.warning("waiting for the lock of study %s, held for %.0f s by %s; giving up once it is held "
+                            "for %.0f s", self.study_name, held, who, STORAGE_OUTAGE)
+
+
+LOCK_POLL = 1.0  # seconds a worker waits in the server's queue for the study lock before it looks who holds it
+LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a lock wait that reached lock_timeout
+
+
+def _try_lock(storage: RetryingRDBStorage, lock_id: int) -> sqlalchemy.Connection | None:
+    """A connection holding the advisory lock ``lock_id`` in its transaction, or None after ``LOCK_POLL`` s."""
+    connection = storage.engine.connect()
+    try:
+        connection.execute(sqlalchemy.text("SELECT set_config('lock_timeout', :wait, true)"),
+                           {"wait": f"{LOCK_POLL * 1000:.0f}ms"})
+        connection.execute(sqlalchemy.text("SELECT pg_advisory_xact_lock(:id)"), {"id": lock_id})
+    except sqlalchemy.exc.OperationalError as error:
+        connection.close()
+        if getattr(error.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            return None
+        raise
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+def _lock_holder(storage: RetryingRDBStorage, lock_id: int) -> tuple[str, int, float] | None:
+    """Who holds the advisory lock ``lock_id`` (its session's application name, which names the precsearch
+    worker, its backend pid and client address), that backend's pid, and for how many seconds (since its
+    transaction began: a worker begins it at most ``LOCK_POLL`` s before it takes the lock); None when nobody
+    does."""
+    query = sqlalchemy.text(
+        "SELECT a.pid, a.application_name, host(a.client_addr), "
+        "EXTRACT(EPOCH FROM clock_timestamp() - a.xact_start) FROM pg_locks l "
+        "JOIN pg_stat_activity a ON a.pid = l.pid JOIN pg_database d ON d.oid = l.database "
+        "WHERE l.locktype = 'advisory' AND l.granted AND d.datname = current_database() "
+        "AND l.classid::bigint = :high AND l.objid::bigint = :low AND l.objsubid = 1")
+    with storage.engine.connect() as connection:
+        row = connection.execute(query, {"high": lock_id >> 32, "low": lock_id & 0xFFFFFFFF}).first()
+    if row is None:
+        return None
+    pid, application, address, held = row
+    session = f"PostgreSQL backend {pid}" + (f" from {address}" if address else "")
+    who = f"{application} ({session})" if application else session
+    return who, pid, float(held or 0.0)
 
 
 def _dropped(error: BaseException) -> bool:
@@ -274,9 +346,18 @@ for _name in _RETRIED:
 
 
 class JournalFile(JournalFileBackend):
-    """Optuna's journal file, whose appends never leave a torn record: an append that fails (a full disk, a
-    file-size limit) is cut back to where it began, under the journal's lock, so that whatever is appended
-    later (by any process, once there is space) starts on a line of its own. Its OSError names the journal."""
+    """Optuna's journal file, whose records are chained by a checksum and whose appends never leave a torn record.
+
+    Every record precsearch appends ends in a ``"precsearch_sum"`` field: a hash of the record and of the record
+    before it (``_checksum``), computed under the journal's lock, so a record edited, removed, duplicated, added or
+    moved by hand breaks the chain at that line, and ``check`` refuses the journal naming the line before Optuna
+    replays it (Optuna would accept any well-formed record, and a trial would then hold another trial's origin or
+    a changed accuracy). It guards against accidents and hand edits, not against someone recomputing the chain.
+    Records of an older precsearch, without the field, are accepted only before the first one with it.
+
+    An append that fails (a full disk, a file-size limit) is cut back to where it began, under the journal's
+    lock, so that whatever is appended later (by any process, once there is space) starts on a line of its own.
+    Its OSError names the journal."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -284,12 +365,12 @@ class JournalFile(JournalFileBackend):
         super().__init__(str(path), self.append_lock)
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
-        data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
         self.append_lock.acquire()
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
             try:
                 start = os.lseek(fd, 0, os.SEEK_END)
+                data = _chained(logs, _last_checksum(fd, start))
                 try:
                     written = 0
                     while written < len(data):
@@ -303,10 +384,55 @@ class JournalFile(JournalFileBackend):
         finally:
             self.append_lock.release()
 
+    def check(self) -> None:
+        """Drop a torn last line (a write cut by kill -9) so appends after it stay readable, and refuse a journal
+        with a line that is not a record, or not the record precsearch wrote there, naming the line (Optuna's
+        error names neither file nor line, or there is none). Under the journal's lock, so that a record another
+        worker is appending is not taken for a torn one."""
+        self.append_lock.acquire()
+        try:
+            _check_journal(self.path)
+        finally:
+            self.append_lock.release()
 
-def _repair_journal(path: Path) -> None:
-    """Drop a torn last line (a write cut by kill -9) so appends after it stay readable, and refuse a journal
-    with a line that is not a record, naming the line (Optuna's error names neither file nor line)."""
+
+CHECKSUM = "precsearch_sum"  # the last field of every record precsearch appends (JournalFile)
+_CHECKSUM_FIELD = re.compile(rb',"' + CHECKSUM.encode() + rb'":"([0-9a-f]{16})"\}\Z')
+_OPERATIONS = frozenset(operation.value for operation in JournalOperation)
+
+
+def _checksum(previous: str, body: bytes) -> str:
+    """The checksum of a record whose JSON without its closing brace is ``body``, after a record of checksum
+    ``previous`` ("" for the first record, or one after a record without a checksum)."""
+    return hashlib.sha256(previous.encode() + body).hexdigest()[:16]
+
+
+def _chained(logs: list[dict[str, Any]], previous: str) -> bytes:
+    """The lines of ``logs``, each ending in its checksum, chained on from a record of checksum ``previous``."""
+    lines = []
+    for record in logs:
+        body = json.dumps(record, separators=(",", ":")).encode()[:-1]
+        previous = _checksum(previous, body)
+        lines.append(body + f',"{CHECKSUM}":"{previous}"}}\n'.encode())
+    return b"".join(lines)
+
+
+def _stated_checksum(line: bytes) -> tuple[str, bytes] | None:
+    """The checksum a line (without its newline) ends in, and the record's body it covers; None without one."""
+    match = _CHECKSUM_FIELD.search(line)
+    return None if match is None else (match.group(1).decode(), line[:match.start()])
+
+
+def _last_checksum(fd: int, end: int) -> str:
+    """The checksum of the last record of the journal open as ``fd`` (which ends at byte ``end``), or "" when it
+    has none."""
+    tail = os.pread(fd, min(end, 64), max(0, end - 64))
+    stated = _stated_checksum(tail[:-1]) if tail.endswith(b"\n") else None
+    return "" if stated is None else stated[0]
+
+
+def _check_journal(path: Path) -> None:
+    """What ``JournalFile.check`` does, under the journal's lock."""
     if not path.is_file() or path.stat().st_size == 0:
         return
     data = path.read_bytes()
@@ -316,14 +442,30 @@ def _repair_journal(path: Path) -> None:
         log.warning("journal %s ended in a partial record (interrupted write); dropped %d bytes",
                     path, len(data) - keep)
     lines = data[:keep].split(b"\n")[:-1]
+    previous: str | None = None  # the checksum of the line before; None while no line had one
+    unchecked = 0
     for number, line in enumerate(lines, start=1):
         problem = _record_problem(line)
+        stated = _stated_checksum(line)
+        if problem:
+            problem = f"is garbled ({problem})"
+        elif stated is None and previous is not None:
+            problem = "has no checksum, unlike the lines before it (it was added by hand or by another program)"
+        elif stated is not None and stated[0] != _checksum(previous or "", stated[1]):
+            problem = (f"is not the record precsearch wrote {f'after line {number - 1}' if number > 1 else 'first'} "
+                       "(its checksum differs: a record was edited, removed, duplicated, added or moved)")
         if problem:
             keep_part = (f"or keep the {number - 1} whole record(s) before it (head -n {number - 1}) and run again "
                          "with --resume, which reruns what the rest recorded") if number > 1 else (
                 "or start again in another --out")
-            raise PrecsearchError(f"journal {path} is damaged: line {number} of {len(lines)} is garbled ({problem}); "
-                                  f"restore the file, {keep_part}")
+            raise PrecsearchError(f"journal {path} is damaged: line {number} of {len(lines)} {problem}; restore "
+                                  f"the file, {keep_part}")
+        if stated is None:
+            unchecked += 1
+        previous = None if stated is None else stated[0]
+    if unchecked:
+        log.warning("journal %s: its first %d record(s) have no checksum (an older precsearch wrote them), so "
+                    "edits to them cannot be detected", path, unchecked)
 
 
 def _record_problem(line: bytes) -> str:
@@ -334,4 +476,8 @@ def _record_problem(line: bytes) -> str:
         return f"{error.msg} at byte {error.pos + 1}"
     except UnicodeDecodeError:
         return "not UTF-8 text"
-    return "" if isinstance(record, dict) and "op_code" in record else "not an Optuna journal record"
+    if not isinstance(record, dict) or "op_code" not in record:
+        return "not an Optuna journal record"
+    operation = record["op_code"]
+    return "" if isinstance(operation, int) and operation in _OPERATIONS else (
+        f"op_code {operation!r} is no journal operation")

@@ -75,6 +75,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, atomic_write_text, full_disk
+from precsearch.models import check_trusted
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
 from precsearch.search.config import SearchConfig
 from precsearch.search.confirmation import (
@@ -376,10 +377,12 @@ def _confirm(study: optuna.Study, context: SearchContext, ledger: Ledger, config
     confirm(context, ledger, policies, confirmation_length(context.length, config.confirm_factor), seeds, check)
 
 
-def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME) -> SearchResult:
+def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME,
+                 trust_model: str | None = None) -> SearchResult:
     """Rebuild a run directory (run.json, trials.csv, pareto.csv, policies/, best.json) from a study in
     ``storage``, e.g. a shared study that workers on several hosts filled. The model is traced again from
-    the study's config; a graph that no longer matches its fingerprint is an error."""
+    the study's config (a model factory only when ``trust_model`` names it: ``check_trusted``); a graph that no
+    longer matches its fingerprint is an error."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     location = StudyLocation.of(storage, out_dir, study_name)
@@ -395,7 +398,8 @@ def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME
     config = study.user_attrs.get("config")
     if config is None:
         raise PrecsearchError(f"study {location.study_name} in {location.shown} is not a precsearch study")
-    context = SearchContext.create(config["model"], parse_space(config["space"]), DataSpec(**config["data"]),
+    model = check_trusted(config.get("model"), f"study {location.study_name} in {location.shown}", trust_model)
+    context = SearchContext.create(model, parse_space(config["space"]), DataSpec(**config["data"]),
                                    Budget(**config["budget"]), config["seed"], "cpu")
     context.settings = {name: config[name] for name in SearchConfig.SETTINGS}
     if context.graph.fingerprint() != config["graph_fingerprint"]:

@@ -422,9 +422,9 @@ def _worker(rank: int, world: int, port: int, job: _Job, report: Path) -> None:
 
 def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> DataParallelResult | None:
     config, (train_set, val_set) = job.config, job.data
-    start = time.perf_counter()
     torch.manual_seed(job.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(job.model_spec, train_set.num_classes, train_set.images[:2]).to(device)
+    start = time.perf_counter()  # training time: a user factory's own is not counted
     if job.policy is not None:
         model = apply_policy(model, job.policy, seed=job.seed, stats_every=config.stats_every,
                              steps_per_epoch=len(train_set) // config.batch_size)

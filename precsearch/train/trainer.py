@@ -36,7 +36,7 @@ from precsearch import models
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spec import ProxyConfig
-from precsearch.errors import PrecsearchError, user_code_error
+from precsearch.errors import PrecsearchError, run_user_code
 from precsearch.files import atomic_write_text
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
@@ -159,10 +159,8 @@ def _check_logits(model: nn.Module, model_spec: str, example: torch.Tensor, num_
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            output = model(example)
-    except Exception as error:  # the user's forward
-        raise user_code_error(f"model {model_spec!r} on a batch of the data of shape {tuple(example.shape)}",
-                                     error) from error
+            output = run_user_code(f"model {model_spec!r} on a batch of the data of shape {tuple(example.shape)}",
+                                   lambda: model(example))
     finally:
         model.train(was_training)
     wanted = (example.shape[0], num_classes)
@@ -311,6 +309,7 @@ def train(
     recipe: Recipe | None = None,
     deterministic: bool = True,
     compile: CompileOptions | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> ProxyResult:
     """Train ``model_spec`` under ``policy`` (None: plain fp32, no wrapper and no loss scaling) for ``steps``
     SGD steps and evaluate on the validation split.
@@ -325,7 +324,8 @@ def train(
     ``on_eval`` raises there propagates). ``stop_on_divergence=False``
     keeps training after a divergence was detected and records it all the same. ``deterministic``
     runs it under ``determinism`` (the search relies on a seed giving the same numbers). ``compile`` trains
-    with the compiled step (precsearch.runtime.compiled; None: eagerly).
+    with the compiled step (precsearch.runtime.compiled; None: eagerly). The result's ``wall_time`` counts from
+    when the model is built (a user factory's own time is not training time); ``on_start()`` is called then.
     """
     config = config or ProxyConfig()
     if steps < 1:
@@ -335,12 +335,14 @@ def train(
         raise PrecsearchError(f"the training set has {len(train_set)} images, fewer than the batch size "
                               f"{config.batch_size}; lower the batch size or give more data")
     torch_device = resolve_device(device)
-    start = time.perf_counter()
     checked = determinism(torch_device) if deterministic else contextlib.nullcontext()
     with checked, seeded(seed, torch_device):
         model = build_model(model_spec, train_set.num_classes, train_set.images[:2]).to(torch_device)
         if recipe is not None and recipe.kaiming_init and ":" not in models.parse_model_spec(model_spec)[0]:
             kaiming_fan_out_(model)  # zoo models only: a user's factory keeps its own init
+        start = time.perf_counter()
+        if on_start is not None:
+            on_start()
         per_epoch = len(train_set) // config.batch_size
         if policy is not None:  # traced on real images, as the search traced it: a branch zeros skip is kept
             model = apply_policy(model, policy, train_set.images[:2].to(torch_device), seed=seed,
@@ -441,7 +443,7 @@ def train_policy(
     check_policy_inputs(policy, train_set)
     rows: list[str] = ["step,epoch,train_loss,val_accuracy,val_loss,wall_time"]
     losses: list[float] = []
-    start = time.perf_counter()
+    start = math.nan  # set when the model is built and training starts
     per_epoch = max(1, len(train_set) // config.batch_size)
 
     def record(step: int, accuracy: float, loss: float) -> None:
@@ -455,7 +457,11 @@ def train_policy(
     def remember(step: int, loss: float) -> None:
         losses.append(loss)
 
+    def started() -> None:
+        nonlocal start
+        start = time.perf_counter()
+
     eval_every = eval_interval(eval_every, per_epoch)
     return train(model_spec, policy, data, steps, config=dataclasses.replace(config, report_every=1),
                  stop_on_divergence=False, report=remember, eval_every=eval_every, on_eval=record, recipe=recipe,
-                 **options)
+                 on_start=started, **options)
