@@ -200,13 +200,13 @@ REPORT_FILES = ("report.png", "report.md")
 
 
 @pytest.mark.parametrize(("name", "text", "problem"), [
-    ("best.json", "", "is empty"),
-    ("best.json", '{\n  "format": 1,\n  "provenance": {"tri', "is cut or garbled (Unterminated string"),
-    ("best.json", "[1, 2]\n", "is a JSON list, not an object"),
-    ("best.json", '{"provenance": 3}\n', "has no provenance object"),
-    ("run.json", "{", "is cut or garbled (Expecting property name"),
-    ("trials.csv", "", "is empty"),
-    ("trials.csv", "number,state,ori", "is cut inside its header line"),
+    ("best.json", "", ": empty JSON"),
+    ("best.json", '{\n  "format": 1,\n  "provenance": {"tri', ": truncated or corrupted JSON (Unterminated string"),
+    ("best.json", "[1, 2]\n", " is a JSON list, not an object"),
+    ("best.json", '{"provenance": 3}\n', " has no provenance object"),
+    ("run.json", "{", ": truncated or corrupted JSON (Expecting property name"),
+    ("trials.csv", "", " is empty"),
+    ("trials.csv", "number,state,ori", " is cut inside its header line"),
 ])
 def test_report_refuses_a_damaged_file_in_one_line_naming_it(name, text, problem, finished, tmp_path, capsys):
     out = tmp_path / "run"
@@ -215,7 +215,7 @@ def test_report_refuses_a_damaged_file_in_one_line_naming_it(name, text, problem
     code, err = _run(["report", str(out)], capsys)
     error = _one_error_line(err, "report")
     assert code == 2
-    assert f"{out / name} {problem}" in error and "--storage" in error, error
+    assert f"{out / name}{problem}" in error and "--storage" in error, error
     assert not [name for name in REPORT_FILES if (out / name).exists()]
 
 

@@ -32,12 +32,14 @@ from tqdm.auto import tqdm
 from precsearch.analysis.report import save_figure
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
+from precsearch.config.reading import load_json_object
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.models import check_trusted
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
+from precsearch.search.rundir import REWRITE
 from precsearch.train.trainer import ProxyResult, resolve_device, train
 
 __all__ = ["LONG_FACTOR", "FidelityResult", "long_run", "plot_fidelity", "validate_run"]
@@ -67,7 +69,7 @@ def _context(run_dir: Path, device: str, compile: CompileOptions | None, trust_m
     if not run_file.is_file() or not (run_dir / "trials.csv").is_file():
         raise PrecsearchError(f"{run_dir} holds no run.json and trials.csv; give a run directory written by "
                               "precsearch search")
-    config = json.loads(run_file.read_text(encoding="utf-8"))
+    config = load_json_object(run_file, "run file", REWRITE)
     model = check_trusted(config.get("model"), str(run_file), trust_model)
     context = SearchContext.create(model, parse_space(config["space"]), DataSpec(**config["data"]),
                                    Budget(**config["budget"]), config["seed"], device, compile=compile)
@@ -90,7 +92,7 @@ def _roles(run_dir: Path, trials: pd.DataFrame) -> dict[str, list[str]]:
                 roles.setdefault(row["key"], []).append(origin)
     best = run_dir / "best.json"
     if best.is_file():
-        number = json.loads(best.read_text(encoding="utf-8"))["provenance"].get("trial")
+        number = load_json_object(best, "run file", REWRITE).get("provenance", {}).get("trial")
         if number in by_number.index:
             roles.setdefault(by_number.loc[number, "key"], []).append("best")
     return roles

@@ -16,7 +16,6 @@ a headless CLI needs no display and a notebook keeps its own backend (pass ``ax`
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import re
@@ -27,8 +26,10 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
+from precsearch.config.reading import load_json_object
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_bytes, atomic_write_text
+from precsearch.search.rundir import REWRITE
 from precsearch.search.sensitivity_table import SENSITIVITY_CSV, unit_table
 
 log = logging.getLogger(__name__)
@@ -55,22 +56,10 @@ class RunTables:
     sensitivity: pd.DataFrame  # empty unless the run has sensitivity.csv
 
 
-REBUILD = "precsearch report RUN_DIR --storage STUDY rebuilds a search's files from its study"
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object file of the run (run.json, best.json). precsearch writes them whole (atomically), so one that
     is empty, cut or not an object was damaged by a copy or an edit: refused in one line, not a traceback."""
-    text = path.read_text()
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        problem = "empty" if not text.strip() else f"cut or garbled ({error.msg} at line {error.lineno})"
-    else:
-        if isinstance(value, dict):
-            return value
-        problem = f"a JSON {type(value).__name__}, not an object"
-    raise PrecsearchError(f"{path} is {problem}; write it again ({REBUILD}) or restore it")
+    return load_json_object(path, "run file", REWRITE)
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
@@ -82,8 +71,7 @@ def _read_csv(path: Path) -> pd.DataFrame:
     empty ``diverged`` would count as a divergence)."""
     text = path.read_text()
     if "\n" not in text:
-        raise PrecsearchError(f"{path} is {'empty' if not text else 'cut inside its header line'}; write it again "
-                              f"({REBUILD}) or restore it")
+        raise PrecsearchError(f"{path} is {'empty' if not text else 'cut inside its header line'}; {REWRITE}")
     if not text.endswith("\n"):
         log.warning("%s: its last row is cut short; reporting without it", path)
         text = text[: text.rfind("\n") + 1]
@@ -92,8 +80,7 @@ def _read_csv(path: Path) -> pd.DataFrame:
     except pd.errors.EmptyDataError:
         return pd.DataFrame()
     except pd.errors.ParserError as error:
-        raise PrecsearchError(f"{path}: not a table precsearch wrote ({str(error).strip()}); write it again "
-                              f"({REBUILD})") from None
+        raise PrecsearchError(f"{path}: not a table precsearch wrote ({str(error).strip()}); {REWRITE}") from None
     _check_cells(frame, path)
     missing = [column for column in REQUIRED_COLUMNS.get(path.name, ()) if column not in frame]
     if missing and not frame.empty:
@@ -148,8 +135,7 @@ def load_run(run_dir: str | Path) -> RunTables:
     if (run_dir / "best.json").is_file():
         best = _read_json(run_dir / "best.json").get("provenance")
         if not isinstance(best, dict):
-            raise PrecsearchError(f"{run_dir / 'best.json'} has no provenance object; write it again ({REBUILD}) "
-                                  "or restore it")
+            raise PrecsearchError(f"{run_dir / 'best.json'} has no provenance object; {REWRITE}")
     calibration, budget, sensitivity = (_read_csv(run_dir / name) if (run_dir / name).is_file() else pd.DataFrame()
                                         for name in ("calibration.csv", "budget.csv", SENSITIVITY_CSV))
     return RunTables(run_dir, config, trials, pareto, baselines, best, calibration, budget, sensitivity)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from precsearch.cli._arguments import DEVICE_HELP, add_compile_argument, choose_compile, count, device
+from precsearch.config.reading import load_json_object
 from precsearch.errors import PrecsearchError
 
 MODEL = "narrow_cnn"
@@ -49,7 +50,7 @@ def _clear_previous_demo(out: Path) -> None:
     if not out.exists() or not any(out.iterdir()):
         return
     run_file = out / "run.json"
-    previous = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    previous = load_json_object(run_file, "run file", "give another --out") if run_file.is_file() else {}
     if previous.get("model") != MODEL or previous.get("space", {}).get("name") != "hfp8":
         raise PrecsearchError(f"{out} exists and holds something other than a demo run; give another --out")
     shutil.rmtree(out)

@@ -23,8 +23,8 @@ import yaml
 
 from precsearch.errors import PrecsearchError
 
-__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_INT_DIGITS", "MAX_VALUES", "load_json", "load_yaml", "parse_json",
-           "parse_yaml", "read_text"]
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_INT_DIGITS", "MAX_VALUES", "load_json", "load_json_object", "load_yaml",
+           "parse_json", "parse_yaml", "read_text"]
 
 MAX_BYTES = 4 * 2**20  # a space or a policy is a few KB; even a per-tensor policy of a large model is < 1 MB
 MAX_DEPTH = 64  # lists and mappings inside each other; a space or a policy nests 4 deep
@@ -71,6 +71,14 @@ def load_yaml(path: str | Path, what: str, fix: str) -> Any:
 def load_json(path: str | Path, what: str, fix: str) -> Any:
     """The JSON value in the ``what`` file at ``path`` (``read_text``, then ``parse_json``)."""
     return parse_json(read_text(path, what, fix), f"{what} {path}", fix)
+
+
+def load_json_object(path: str | Path, what: str, fix: str) -> dict[str, Any]:
+    """``load_json`` of a file that holds one JSON object (a run's run.json and best.json)."""
+    value = load_json(path, what, fix)
+    if not isinstance(value, dict):
+        raise PrecsearchError(f"{what} {path} is a JSON {type(value).__name__}, not an object; {fix}")
+    return value
 
 
 class _LimitedLoader(yaml.SafeLoader):

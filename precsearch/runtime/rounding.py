@@ -15,16 +15,14 @@ none refers to the wrapper.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from precsearch.runtime.packing import Packer
+from precsearch.runtime.sites import OpSites, SitePlan
 from precsearch.runtime.state import Slot, TensorState
-
-if TYPE_CHECKING:  # the plan's module reads the sliced backwards, which read this one
-    from precsearch.runtime.sites import OpSites, SitePlan
 
 __all__ = ["Alias", "GradUse", "RoundActivation", "RoundWeight", "RoundedWeight", "RoundedWeightsCall", "Rounder",
            "Rounding", "low_weights", "rounder_for"]

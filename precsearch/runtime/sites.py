@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from precsearch.config.spec import WEIGHT, TensorId
-from precsearch.graph.types import TensorGraph
-from precsearch.runtime.sliced import Slicing
+from torch import nn
 
-__all__ = ["OpSites", "OutputSite", "SitePlan", "WeightSite", "plan_sites"]
+from precsearch.config.spec import WEIGHT, TensorId
+from precsearch.graph.op_rules import OpRules
+from precsearch.graph.types import TensorGraph
+
+__all__ = ["OpSites", "OutputSite", "SitePlan", "WeightSite", "plan_sites", "reads_rounded_output"]
 
 
 @dataclass(frozen=True)
@@ -87,13 +89,19 @@ def plan_sites(graph: TensorGraph, per_use: bool) -> SitePlan:
     return SitePlan(tuple(ops), weights)
 
 
+def reads_rounded_output(rules: OpRules, layer: nn.Module) -> bool:
+    """Whether ``layer``'s backward may read its rounded output: a plain ``nn.ReLU`` whose rule slices the
+    backward over its output (its mask where the rounded output is positive lies inside its own)."""
+    sliced = rules.module(layer).sliced
+    return type(layer) is nn.ReLU and sliced is not None and sliced.reads == "output"
+
+
 def _fx_nodes(graph: TensorGraph) -> tuple[dict[str, int], set[str]]:
-    """FX node name -> how many nodes read it, and the nodes that call a ReLU whose backward may read its rounded
-    output (``Slicing.output_function``); both empty for a hook trace."""
+    """FX node name -> how many nodes read it, and the nodes that call a ReLU whose backward reads its rounded
+    output; both empty for a hook trace."""
     if graph.graph_module is None:
         return {}, set()
-    slicing = Slicing(graph.rules)
     nodes = graph.graph_module.graph.nodes
     relus = {node.name for node in nodes if node.op == "call_module"
-             and slicing.output_function(graph.graph_module.get_submodule(node.target)) is not None}
+             and reads_rounded_output(graph.rules, graph.graph_module.get_submodule(node.target))}
     return {node.name: len(node.users) for node in nodes}, relus

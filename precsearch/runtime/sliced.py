@@ -23,6 +23,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph.op_rules import OpRules
 from precsearch.runtime.packing import Packer, Stored
 from precsearch.runtime.rounding import RoundedWeightsCall, Rounding
+from precsearch.runtime.sites import reads_rounded_output
 
 __all__ = ["PackedInputCall", "PackedOutputRelu", "Slicing"]
 
@@ -54,9 +55,7 @@ class Slicing:
     def output_function(self, layer: nn.Module) -> type[torch.autograd.Function] | None:
         """The Function that computes ``layer``'s backward from its packed output a slice at a time (a plain
         ``nn.ReLU`` whose rule slices the backward over its output), or None."""
-        sliced = self.rules.module(layer).sliced
-        sliced_output = sliced is not None and sliced.reads == "output"
-        return _ReluOfPackedOutput if sliced_output and type(layer) is nn.ReLU else None
+        return _ReluOfPackedOutput if reads_rounded_output(self.rules, layer) else None
 
     def rows(self, ctx: Any, grad_out: torch.Tensor, module_type: str, weight_numel: int = 0) -> int:
         """``SlicedBackward.rows`` of ``module_type``'s rule on CPU; the whole batch elsewhere (slicing not measured

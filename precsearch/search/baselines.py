@@ -3,7 +3,6 @@ search in the same run directory already trained."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -13,12 +12,13 @@ from tqdm.auto import tqdm
 
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
+from precsearch.config.reading import load_json_object
 from precsearch.config.spaces import SearchSpace, load_space, parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext, proxy_compile, torch_threads
-from precsearch.search.rundir import RUN_FILE
+from precsearch.search.rundir import REWRITE, RUN_FILE
 from precsearch.search.strategies import (
     BASELINES,
     baseline_policies,
@@ -36,7 +36,7 @@ def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[st
     run_file, trials_file = out_dir / RUN_FILE, out_dir / "trials.csv"
     if not run_file.is_file() or not trials_file.is_file():
         return {}
-    previous = json.loads(run_file.read_text(encoding="utf-8"))
+    previous = load_json_object(run_file, "run file", REWRITE)
     length = previous.get("proxy_length")
     config = study_config(context)
     ignored = ("budget", "proxy_seeds", "space", *SearchConfig.SETTINGS)
@@ -87,7 +87,7 @@ def run_baselines(
         space = load_space(space)
     run_file = Path(out_dir) / RUN_FILE
     if proxy_steps is None and run_file.is_file():
-        proxy_steps = json.loads(run_file.read_text(encoding="utf-8")).get("proxy_length")
+        proxy_steps = load_json_object(run_file, "run file", REWRITE).get("proxy_length")
     space = space.with_proxy(steps=proxy_steps, batch_size=batch_size, image_size=image_size)
     data_spec = DataSpec(data) if isinstance(data, str) else data
     unknown = [name for name in names if name not in BASELINES]

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +35,11 @@ from typing import Any
 
 import optuna
 
+from precsearch.config.reading import load_json_object
 from precsearch.errors import PrecsearchError
 from precsearch.files import TEMP_SUFFIX, atomic_write_text, user_file_mode
 from precsearch.search.calibration import recorded_calibration
-from precsearch.search.storage import StudyLocation
+from precsearch.search.storage import StudyLocation, owner_id
 
 __all__ = ["LOCK_FILES", "RUN_FILE", "RunLock", "SearchStop", "StopSignals", "check_journal_kept", "check_resume",
            "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files", "owned", "quiet_optuna_interrupts",
@@ -51,11 +51,9 @@ LOCK_NAME = ".precsearch.lock"
 WORKERS_LOCK_NAME = ".precsearch.workers.lock"
 LOCK_FILES = (LOCK_NAME, WORKERS_LOCK_NAME)
 RUN_FILE = "run.json"
-
-
-def owner_id() -> str:
-    """host:pid of this process (computed per call: a forked child is another owner)."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+# what to do about a damaged file of a run directory (run.json, best.json)
+REWRITE = ("write it again (precsearch report RUN_DIR --storage STUDY rebuilds a search's files from its study) or "
+           "restore it")
 
 
 def _open_lock(path: Path) -> int:
@@ -319,11 +317,8 @@ def check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: bo
     if (resume and not shared) or (shared and run_file.is_file()):
         if not run_file.is_file():
             raise PrecsearchError(f"nothing to resume in {out_dir} (no {RUN_FILE}); drop --resume to start a search")
-        try:
-            previous = json.loads(run_file.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise PrecsearchError(f"{run_file} is corrupted; rebuild it from the study with export_study, or "
-                                  "choose another --out") from None
+        previous = load_json_object(run_file, "run file", "rebuild it from the study with export_study, or "
+                                    "choose another --out")
         differ = [key for key in config if previous.get(key) != config[key]]
         if differ:
             raise PrecsearchError(f"{out_dir} holds a search with different {', '.join(differ)}; resume it with "

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import re
+import socket
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,7 +42,7 @@ from sqlalchemy.engine import make_url
 from precsearch.errors import PrecsearchError, find_cause, first_line
 from precsearch.search.config import DEFAULT_HEARTBEAT
 
-__all__ = ["JOURNAL_NAME", "STORAGE_OUTAGE", "STUDY_NAME", "RetryingRDBStorage", "StudyLocation"]
+__all__ = ["JOURNAL_NAME", "STORAGE_OUTAGE", "STUDY_NAME", "RetryingRDBStorage", "StudyLocation", "owner_id"]
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,6 @@ class StudyLocation:
             if importlib.util.find_spec("psycopg") is None:
                 raise PrecsearchError(f"study storage {self.shown} needs psycopg 3; install it with "
                                       "pip install 'precsearch[postgres]'")
-            from precsearch.search.rundir import owner_id  # (rundir imports this module)
 
             # the session names this worker (host:pid) in pg_stat_activity, so a held lock can be traced to it
             engine_kwargs["connect_args"] = {"connect_timeout": 10, "application_name": f"precsearch {owner_id()}"}
@@ -205,6 +205,12 @@ class StudyLocation:
 
 LOCK_POLL = 1.0  # seconds a worker waits in the server's queue for the study lock before it looks who holds it
 LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a lock wait that reached lock_timeout
+
+
+def owner_id() -> str:
+    """host:pid of this process (computed per call: a forked child is another owner), as run-directory locks
+    and PostgreSQL sessions name their holder."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _try_lock(storage: RetryingRDBStorage, lock_id: int) -> sqlalchemy.Connection | None:
