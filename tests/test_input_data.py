@@ -228,3 +228,27 @@ def test_a_temporary_that_cannot_be_created_is_not_named(tmp_path, monkeypatch):
         atomic_write_text(tmp_path / "x.json", "{}")
     assert info.value.filename == str(tmp_path / "x.json") and info.value.filename2 is None
     assert full_disk(info.value) is info.value  # still recognized as a full disk
+
+
+@pytest.mark.parametrize(("data", "size", "count"), [("digits", 1500, 1797), ("gratings", 2000, 3072),
+                                                    ("imagefolder", 2200, 20)])
+def test_a_dataset_outgrowing_memory_at_its_image_size_is_refused_before_any_image_is_made(
+        tmp_path, capsys, monkeypatch, data, size, count):
+    """Priced as the OS counts memory (``os.sysconf``, faked to 1 GiB so that the sizes stay small): the float32
+    images alone (count x 3 x size**2 x 4 bytes) outgrow it, though one batch of one image fits, and nothing is
+    resized or drawn (interpolate and Pillow's resize are made to fail)."""
+    import os
+
+    sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PHYS_PAGES": 2**18, "SC_PAGE_SIZE": 4096}.get(name)
+                        or sysconf(name))
+    monkeypatch.setattr(torch.nn.functional, "interpolate", None)
+    monkeypatch.setattr(Image.Image, "resize", None)
+    root = []
+    if data == "imagefolder":
+        _image_tree(tmp_path, {"train": {"cat": 8, "dog": 7}, "val": {"cat": 3, "dog": 2}})
+        root = ["--data-root", str(tmp_path)]
+    needed = count * 3 * size**2 * 4 / 2**30
+    line = _one_error_line(["train", "tiny_cnn", "--data", data, *root, "--image-size", str(size), "--batch-size", "1",
+                            "--device", "cpu", "--threads", "1"], capsys)
+    assert f"images of 3x{size}x{size} need at least {needed:.3g} GiB" in line and "--image-size" in line, line

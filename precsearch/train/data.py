@@ -80,8 +80,21 @@ def describe() -> dict[str, str]:
     return dict(_DESCRIPTIONS)
 
 
+def _check_fits(count: int, image_size: int) -> None:
+    """Refuse, before any image is made at ``image_size``, a dataset whose float32 images alone outgrow this
+    machine's memory (``--image-size 1500`` on digits would want 48 GB)."""
+    from precsearch.models import machine_memory
+
+    needed, memory = count * 3 * image_size**2 * 4, machine_memory()
+    if needed > memory:
+        raise PrecsearchError(f"{count} images of 3x{image_size}x{image_size} need at least {needed / 2**30:.3g} GiB "
+                              f"as float32, more than this machine's {memory / 2**30:.3g} GiB of memory; give a "
+                              "smaller --image-size")
+
+
 def _resize(images: torch.Tensor, image_size: int) -> torch.Tensor:
     """Bilinear resize of (N, C, H, W) float images to square `image_size` (antialiased when shrinking)."""
+    _check_fits(images.shape[0], image_size)
     if tuple(images.shape[-2:]) == (image_size, image_size):
         return images
     return F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False,
@@ -240,10 +253,14 @@ def _load_cifar(name: str, root: str | os.PathLike[str] | None,
                             _uint8_to_float(test_images, image_size), torch.from_numpy(test_labels), classes)
 
 
-def _read_image_folder(
-    split_dir: Path, classes: Sequence[str], image_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Every image under split_dir/<class>/ as (N, 3, size, size) uint8 and its class index.
+def _image_files(split_dir: Path, classes: Sequence[str]) -> list[list[Path]]:
+    """The image files of each class under split_dir/<class>/, sorted."""
+    return [sorted(p for p in (split_dir / name).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            if (split_dir / name).is_dir() else [] for name in classes]
+
+
+def _read_image_folder(files_of: list[list[Path]], image_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every image of ``files_of`` (a list of files per class) as (N, 3, size, size) uint8 and its class index.
 
     An image over Pillow's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``, 89M pixels) is refused from
     its header, before it is decoded: Pillow raises past twice the limit and only warns below, so its warning
@@ -251,10 +268,7 @@ def _read_image_folder(
     from PIL import Image, UnidentifiedImageError
 
     images, labels = [], []
-    for index, class_name in enumerate(classes):
-        class_dir = split_dir / class_name
-        files = sorted(p for p in class_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) \
-            if class_dir.is_dir() else []
+    for index, files in enumerate(files_of):
         for file in files:
             try:
                 with warnings.catch_warnings():
@@ -300,8 +314,10 @@ def _load_image_folder(root: str | os.PathLike[str] | None,
     if unscored:
         raise PrecsearchError(f"{path / 'val'} holds no images of class {', '.join(unscored)}; give every train "
                               f"class val images ({expected})")
-    train_images, train_labels = _read_image_folder(path / "train", classes, image_size)
-    val_images, val_labels = _read_image_folder(path / "val", classes, image_size)
+    train_files, val_files = _image_files(path / "train", classes), _image_files(path / "val", classes)
+    _check_fits(sum(map(len, train_files + val_files)), image_size)
+    train_images, train_labels = _read_image_folder(train_files, image_size)
+    val_images, val_labels = _read_image_folder(val_files, image_size)
     return _normalized_pair(_uint8_to_float(train_images, image_size), torch.from_numpy(train_labels),
                             _uint8_to_float(val_images, image_size), torch.from_numpy(val_labels), classes)
 
@@ -416,19 +432,17 @@ def load_dataset(
         train, val = _load_cifar(name, root, image_size)
     elif name == "imagefolder":
         train, val = _load_image_folder(root, image_size)
-    elif name == "gratings":
-        train, val = _load_gratings(
-            image_size, seed, GRATINGS_CONTRAST if contrast is None else float(contrast),
-            train_size=_positive_int(2048 if train_size is None else train_size, "train_size"),
-            val_size=_positive_int(1024 if val_size is None else val_size, "val_size"),
-        )
-    else:
-        train, val = _load_synthetic(
-            image_size, seed,
-            num_classes=_positive_int(10 if num_classes is None else num_classes, "num_classes"),
-            train_size=_positive_int(1024 if train_size is None else train_size, "train_size"),
-            val_size=_positive_int(256 if val_size is None else val_size, "val_size"),
-        )
+    else:  # drawn at the image size: their sizes are checked before the draw
+        default_sizes = (2048, 1024) if name == "gratings" else (1024, 256)
+        sizes = {"train_size": _positive_int(default_sizes[0] if train_size is None else train_size, "train_size"),
+                 "val_size": _positive_int(default_sizes[1] if val_size is None else val_size, "val_size")}
+        _check_fits(sum(sizes.values()), image_size)
+        if name == "gratings":
+            train, val = _load_gratings(image_size, seed, GRATINGS_CONTRAST if contrast is None else float(contrast),
+                                        **sizes)
+        else:
+            train, val = _load_synthetic(image_size, seed, _positive_int(10 if num_classes is None else num_classes,
+                                                                         "num_classes"), **sizes)
     log.info("dataset %s: %d train / %d val images of %s, %d classes", name, len(train), len(val),
              train.image_shape, train.num_classes)
     return train, val
