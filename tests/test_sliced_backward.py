@@ -309,3 +309,19 @@ def test_a_channel_sliced_conv_holds_no_weight_sized_block_but_its_weight_gradie
     assert OP_RULES.modules[nn.Conv2d].sliced.channels.slice_bytes == 2**20
     assert weight_sized_blocks(2**20) == 1
     assert weight_sized_blocks(2**40) >= 3
+
+
+def test_a_layer_reading_an_unrounded_value_whose_gradient_is_rounded_runs_as_itself(caplog):
+    """Activations in e8m23 (float32 itself: not low) with low gradients: a rounding node sits after each op, for
+    the gradient, but nothing is packed, so no layer takes the packed-input path, and none says it reads "a
+    tensor that is not a whole packed batch" (the wording a layer of a view of a packed batch gets)."""
+    model, _, x, y = _setup()
+    policy = Policy(input_shape=tuple(x.shape[1:]), batch_size=x.shape[0],
+                    defaults={"weight": "e4m3b4s", "activation": "e8m23", "activation_grad": "e5m2s",
+                              "weight_grad": "e6m9s"})
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
+        wrapped = apply_policy(model, policy)
+        F.cross_entropy(wrapped(x), y).backward()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not any(type(m).__name__ == "PackedInputCall" for m in vars(wrapped)["_target"].modules())
+    assert wrapped.state.slots["conv1:activation_grad"].is_low and not wrapped.state.slots["conv1:activation"].is_low

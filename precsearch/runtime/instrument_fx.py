@@ -105,7 +105,7 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
     for node in list(fx_graph.nodes):
         if node.op == "call_module" and node.target in traced:  # the user's modules, not those inserted
             names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]
-            low_input = bool(node.args) and node.args[0] in carried and not node.kwargs and len(node.args) == 1
+            low_input = len(node.args) == 1 and bool(carried.get(node.args[0])) and not node.kwargs  # a low value
             consumer = next(iter(node.users)) if len(node.users) == 1 else None
             low_output = 0 in carried.get(consumer, {})
             inserted = _layer_call(module, rounding, slicing, node.target, names, low_input, low_output)
