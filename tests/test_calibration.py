@@ -16,6 +16,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.search.calibration import CalibrationSettings
 from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext
+from precsearch.search.storage import StudyLocation
 from precsearch.search.study import SearchInterrupted, run_search
 
 SPACE = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
@@ -90,9 +91,7 @@ def test_a_resumed_calibration_does_not_redo_finished_runs(tmp_path):
     first.stop_at = 8  # 50, 100 on 3 seeds, then 200 on one seed, then stopped
     with pytest.raises(SearchInterrupted):
         run_search(_config(out), trainer=first)
-    study = optuna.load_study(study_name="precsearch",
-                              storage=optuna.storages.JournalStorage(
-                                  optuna.storages.journal.JournalFileBackend(str(out / "study.journal"))))
+    study = _journal_study(out)
     done = {name for name in study.user_attrs if name.startswith("step:calibration:")}
     assert done == {f"step:calibration:{length}:{seed}" for length in (50, 100) for seed in (0, 1, 2)} | {
         "step:calibration:200:0"}
@@ -130,8 +129,8 @@ class PausedPastItsLease(ScriptedTrainer):
 
 
 def _journal_study(out):
-    return optuna.load_study(study_name="precsearch", storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(out / "study.journal"))))
+    """The run's study, opened as precsearch opens it (its records checksummed: plain Optuna's are refused)."""
+    return optuna.load_study(study_name="precsearch", storage=StudyLocation.of(None, out).open())
 
 
 def test_a_trial_taken_over_while_its_worker_was_paused_is_dropped_and_its_retry_counts(tmp_path, caplog):

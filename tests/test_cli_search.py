@@ -16,14 +16,13 @@ import optuna
 import pandas as pd
 import pytest
 import yaml
-from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import PAPER_SPACE
 from precsearch.config.spec import ASSIGNABLE_KINDS
+from precsearch.search.storage import StudyLocation
 from precsearch.train.data import load_dataset
 
 TINY = ["--proxy-steps", "4", "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1"]
@@ -194,7 +193,7 @@ def test_other_commands_reject_bad_input(tmp_path, capsys):
 
 
 def _completed(journal) -> dict[int, tuple[float, ...]]:
-    storage = JournalStorage(JournalFileBackend(str(journal)))
+    storage = StudyLocation.of(str(journal), journal.parent).open()
     try:
         study = optuna.load_study(study_name="precsearch", storage=storage)
     except KeyError:  # not created yet

@@ -20,8 +20,6 @@ import optuna
 import pandas as pd
 import pytest
 import yaml
-from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from precsearch.cli import main
@@ -32,6 +30,7 @@ from precsearch.search import study as search
 from precsearch.search.config import SearchConfig
 from precsearch.search.context import torch_threads
 from precsearch.search.rundir import RunLock, StopSignals, hold_worker_lock
+from precsearch.search.storage import StudyLocation
 from precsearch.search.study import run_search
 
 PROXY = {"steps": 2, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
@@ -216,8 +215,7 @@ def _consistent(out, before):
     if not (out / "run.json").is_file():
         assert not out.exists() or not (out / "trials.csv").exists()
         return {}
-    study = optuna.load_study(study_name="precsearch",
-                              storage=JournalStorage(JournalFileBackend(str(out / "study.journal"))))
+    study = optuna.load_study(study_name="precsearch", storage=StudyLocation.of(None, out).open())
     assert not [t.number for t in study.trials if t.state == TrialState.RUNNING]
     if not (out / "trials.csv").is_file():
         return {}

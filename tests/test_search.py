@@ -8,8 +8,6 @@ import optuna
 import pandas as pd
 import pytest
 import torch
-from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from precsearch.config.policy import Policy
@@ -21,6 +19,7 @@ from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
 from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, torch_threads
+from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import R_GRID
 from precsearch.search.study import SearchInterrupted, run_search
 from precsearch.search.workers import worker_gpus
@@ -59,8 +58,8 @@ def _confirmed(trials):
 
 
 def _study(out) -> optuna.Study:
-    storage = JournalStorage(JournalFileBackend(str(out / "study.journal")))
-    return optuna.load_study(study_name="precsearch", storage=storage)
+    """The run's study, opened as precsearch opens it (its records checksummed: plain Optuna's are refused)."""
+    return optuna.load_study(study_name="precsearch", storage=StudyLocation.of(None, out).open())
 
 
 @pytest.fixture(scope="module")

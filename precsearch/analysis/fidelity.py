@@ -32,14 +32,13 @@ from tqdm.auto import tqdm
 from precsearch.analysis.report import save_figure
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
-from precsearch.config.reading import load_json_object
+from precsearch.config.reading import REWRITE, load_json_object
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.models import check_trusted
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
-from precsearch.search.rundir import REWRITE
 from precsearch.train.trainer import ProxyResult, resolve_device, train
 
 __all__ = ["LONG_FACTOR", "FidelityResult", "long_run", "plot_fidelity", "validate_run"]

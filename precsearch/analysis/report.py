@@ -26,10 +26,9 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from precsearch.config.reading import load_json_object
+from precsearch.config.reading import REWRITE, load_json_object
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_bytes, atomic_write_text
-from precsearch.search.rundir import REWRITE
 from precsearch.search.sensitivity_table import SENSITIVITY_CSV, unit_table
 
 log = logging.getLogger(__name__)

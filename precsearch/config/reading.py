@@ -23,12 +23,15 @@ import yaml
 
 from precsearch.errors import PrecsearchError
 
-__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_INT_DIGITS", "MAX_VALUES", "load_json", "load_json_object", "load_yaml",
-           "parse_json", "parse_yaml", "read_text"]
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_INT_DIGITS", "MAX_VALUES", "REWRITE", "load_json", "load_json_object",
+           "load_yaml", "parse_json", "parse_yaml", "read_text"]
 
 MAX_BYTES = 4 * 2**20  # a space or a policy is a few KB; even a per-tensor policy of a large model is < 1 MB
 MAX_DEPTH = 64  # lists and mappings inside each other; a space or a policy nests 4 deep
 MAX_VALUES = 10_000  # YAML scalars, lists and mappings, counting each alias as what it stands for
+# what to do about a damaged file of a run directory (run.json, best.json, its tables)
+REWRITE = ("write it again (precsearch report RUN_DIR --storage STUDY rebuilds a search's files from its study) or "
+           "restore it")
 MAX_INT_DIGITS = 100  # a seed or a step count has 20; Python refuses to convert more than 4300 at all
 
 _MERGE = "tag:yaml.org,2002:merge"

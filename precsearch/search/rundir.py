@@ -51,9 +51,6 @@ LOCK_NAME = ".precsearch.lock"
 WORKERS_LOCK_NAME = ".precsearch.workers.lock"
 LOCK_FILES = (LOCK_NAME, WORKERS_LOCK_NAME)
 RUN_FILE = "run.json"
-# what to do about a damaged file of a run directory (run.json, best.json)
-REWRITE = ("write it again (precsearch report RUN_DIR --storage STUDY rebuilds a search's files from its study) or "
-           "restore it")
 
 
 def _open_lock(path: Path) -> int:
