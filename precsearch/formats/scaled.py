@@ -1,0 +1,252 @@
+"""Scaled formats: an element format whose values are stored with a power-of-two scale per tensor, row or block.
+
+This is how current GPUs train in 8 bits: torchao's float8 "tensorwise" and "rowwise" recipes, Transformer
+Engine's delayed scaling, and OCP's MX formats (Microscaling v1.0: one e8m0 exponent per 32 elements). A value
+``v`` of a group with scale ``s`` is stored as ``q = round(v / s)`` in the element format and means ``q * s``.
+
+Grammar (``SCALED_GRAMMAR``): ``<element>@<granularity>[:<recipe>]``.
+
+* ``e4m3fn@tensor``: one scale per tensor, from this tensor's amax (current scaling).
+* ``e4m3fn@tensor:delayed16``: one scale per tensor, from the largest amax of the last 16 calls (Transformer
+  Engine's delayed scaling: the scale needs no pass over the tensor before it is cast); this call's amax is
+  recorded after use, in an ``AmaxHistory`` that the caller keeps (and checkpoints: ``state_dict``).
+* ``e4m3fn@row``: one scale per row of the 2-D view ``x.reshape(x.shape[0], -1)`` (per output channel of a Linear
+  or Conv weight); a tensor of fewer than 2 dimensions is one row.
+* ``e2m1fn@block32``: MX, one scale per block of 32 consecutive elements along each row of that same 2-D view
+  (a row whose length is no multiple of 32 ends in a shorter block).
+
+The element is any ``get_format`` name, except that the OCP MX names ``e2m3fn``, ``e3m2fn`` and ``e2m1fn`` mean
+OCP's fp6/fp4 (``fp6_e2m3fn``...: every code finite, fp4's max 6), not the grammar's fn family (a NaN code).
+This module's grammar part is plain Python (torch is imported only where a tensor is rounded), so configuration
+code checks scaled names without torch, as with precsearch.formats.format.
+
+Scale rule. Every scale is a power of two ``2**k``, ``-127 <= k <= 127`` (an e8m0 byte): MX mandates it,
+torchao offers it (``round_scales_to_power_of_2``), and then ``x / s`` and ``q * s`` are exact (for elements of
+up to 8 bits; wider ones may round where a value falls among float32's subnormals), so scaled rounding is exactly
+the element format's rounding of the shifted value (``precsearch.formats.kernels.quantize``), stored as its
+codes plus one byte per scale. (A rounded value past float32's max, for an amax within a step of it, is inf.)
+
+* tensor and row: ``k = ceil(log2(amax / max))``, the smallest scale with ``amax / s <= max``, so current
+  scaling never overflows; a stale delayed scale can.
+* block (OCP MX v1.0's conversion): ``k = floor(log2(amax)) - emax`` (emax: exponent of the element's largest normal),
+  which keeps the block's largest binade whole but may put ``amax / s`` past max (up to 2**(emax+1)).
+* ``k`` is clamped to [-127, 127]; an amax of 0 (all zeros) gives ``k = 0`` (scale 1) and zeros.
+
+Values that round past the element's max after scaling saturate to +-max (for every element, e5m2 too: OCP
+MX clamps, torchao clamps before its cast, Transformer Engine casts with satfinite) and are counted.
+
+Non-finite inputs stay non-finite, so that a loss scaler still sees them. tensor and row: the amax is taken
+over finite values; NaN stays NaN; inf stays inf where the element has inf (e5m2) and becomes NaN where it has
+none (even fp6/fp4, which have no NaN code either; torch's float8_e4m3fn cast would give +-448). block: as OCP
+MX and its reference code, a block holding inf or NaN gets the NaN scale (e8m0 0xFF) and all its values are
+NaN. Inputs that are inf are not counted as overflows (unlike ``round_and_count``): they are not saturated.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from precsearch.errors import PrecsearchError
+from precsearch.formats.format import FloatFormat, get_format
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["GRANULARITIES", "SCALED_GRAMMAR", "AmaxHistory", "ScaledFormat", "get_scaled_format", "is_scaled",
+           "quantize_scaled", "scale_bytes"]
+
+GRANULARITIES: tuple[str, ...] = ("tensor", "row", "block")
+SCALED_GRAMMAR = ("<element>@tensor[:delayed<N>], <element>@row or <element>@block<N>, N >= 1 "
+                  "(e.g. e4m3fn@tensor, e4m3fn@tensor:delayed16, e5m2@row, e2m1fn@block32)")
+
+# OCP MX's element names: its fp6/fp4 have no NaN code (the grammar's "fn" suffix would reserve one)
+_OCP_ELEMENTS = {"e2m3fn": "fp6_e2m3fn", "e3m2fn": "fp6_e3m2fn", "e2m1fn": "fp4_e2m1fn"}
+_SCALE_EXPONENTS = 127  # e8m0 holds 2**-127 .. 2**127 (0xFF is its NaN)
+_AMAX_BYTES = 4  # a delayed history's amaxes are float32
+
+
+@dataclass(frozen=True)
+class ScaledFormat:
+    """An ``element`` format with a power-of-two scale per tensor, row or ``block`` elements; ``history`` > 0:
+    a tensor's scale comes from the amaxes of its last ``history`` roundings (delayed scaling)."""
+
+    element: FloatFormat
+    granularity: str
+    history: int = 0
+    block: int = 0
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise PrecsearchError(f"scale granularity {self.granularity!r}: use one of {', '.join(GRANULARITIES)}")
+        if (self.block > 0) != (self.granularity == "block") or self.block < 0:
+            raise PrecsearchError(f"scaled format {self.name}: a block size >= 1 goes with block scaling only "
+                                  f"({SCALED_GRAMMAR})")
+        if self.history < 0 or (self.history and self.granularity != "tensor"):
+            raise PrecsearchError(f"scaled format {self.name}: delayed scaling keeps one amax history per tensor; "
+                                  f"use @tensor:delayed<N> with N >= 1")
+
+    @property
+    def name(self) -> str:
+        block = str(self.block) if self.block else ""
+        return f"{self.element.name}@{self.granularity}{block}" + (f":delayed{self.history}" if self.history else "")
+
+    def __str__(self) -> str:
+        return self.name
+
+    def rows_columns(self, shape: Sequence[int]) -> tuple[int, int]:
+        """(rows, columns) of the 2-D view a tensor of ``shape`` is scaled in: ``x.reshape(shape[0], -1)``, or one
+        row for tensor scaling and tensors of fewer than 2 dimensions."""
+        if self.granularity == "tensor" or len(shape) < 2:
+            return 1, math.prod(shape)
+        return shape[0], math.prod(shape[1:])
+
+    def scales_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the scales of a tensor of ``shape``: () per tensor, (rows,) per row, (rows, blocks) per block."""
+        if self.granularity == "tensor":
+            return ()
+        rows, cols = self.rows_columns(shape)
+        return (rows,) if self.granularity == "row" else (rows, -(-cols // self.block))
+
+
+_SCALED_RE = re.compile(r"([^@]+)@(tensor|row|block([1-9]\d*))(?::delayed([1-9]\d*))?")
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(spec: str) -> ScaledFormat:
+    match = _SCALED_RE.fullmatch(spec.strip().lower())
+    if not match:
+        raise PrecsearchError(f"unknown scaled format {spec!r}: use {SCALED_GRAMMAR}")
+    element, granularity, block, history = match[1], match[2], match[3], match[4]
+    try:
+        fmt = get_format(_OCP_ELEMENTS.get(element, element))
+    except PrecsearchError as error:
+        raise PrecsearchError(f"scaled format {spec!r}: {error}") from None
+    return ScaledFormat(fmt, "block" if block else granularity, int(history or 0), int(block or 0))
+
+
+def get_scaled_format(spec: str | ScaledFormat) -> ScaledFormat:
+    """A ``ScaledFormat`` from a spec string (``e4m3fn@tensor:delayed16``) or a ``ScaledFormat``."""
+    if isinstance(spec, ScaledFormat):
+        return spec
+    if not isinstance(spec, str):
+        raise PrecsearchError(f"scaled format must be a spec string or a ScaledFormat, not {spec!r}")
+    return _parse(spec)
+
+
+def is_scaled(spec: object) -> bool:
+    """Whether ``spec`` names a scaled format (a ``ScaledFormat``, or a string with ``@``), not a plain one."""
+    return isinstance(spec, ScaledFormat) or (isinstance(spec, str) and "@" in spec)
+
+
+def scale_bytes(spec: str | ScaledFormat, shape: Sequence[int]) -> int:
+    """Bytes of the scales of a tensor of ``shape``: one e8m0 byte per scale, plus a delayed history's amaxes."""
+    fmt = get_scaled_format(spec)
+    return math.prod(fmt.scales_shape(shape)) + _AMAX_BYTES * fmt.history
+
+
+# ------------------------------------------------------------------------------------------------ rounding
+
+
+class AmaxHistory:
+    """The amaxes of a tensor's last ``length`` roundings, newest first, for delayed scaling (zeros until
+    filled: amax 0 gives scale 1, Transformer Engine's initial scale). It moves to the device of the amaxes
+    it records."""
+
+    def __init__(self, length: int, device: torch.device | str | None = None):
+        import torch
+
+        if length < 1:
+            raise PrecsearchError(f"amax history length {length}: use at least 1")
+        self.amaxes = torch.zeros(length, dtype=torch.float32, device=device)
+
+    def scale_amax(self) -> torch.Tensor:
+        """The amax the next scale comes from: the largest recorded."""
+        return self.amaxes.max()
+
+    def update(self, amax: torch.Tensor) -> None:
+        """Record ``amax`` (a 0-d tensor) as the newest, dropping the oldest."""
+        self.amaxes = self.amaxes.to(amax.device).roll(1)
+        self.amaxes[0] = amax
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"amaxes": self.amaxes.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        amaxes = state["amaxes"]
+        if amaxes.shape != self.amaxes.shape:
+            raise PrecsearchError(f"amax history of length {self.amaxes.numel()} cannot load one of length "
+                                  f"{amaxes.numel()}: use the delayed<N> it was saved with")
+        self.amaxes = amaxes.to(self.amaxes, copy=True)
+
+
+def _scales(amax: torch.Tensor, fmt: ScaledFormat) -> torch.Tensor:
+    """The power-of-two scales (float32, exact) of groups with largest magnitude ``amax`` (module docstring).
+
+    ``frexp`` gives ``floor(log2(amax))`` exactly; the tensor rule adds 1 unless ``amax`` fits ``max`` at that
+    exponent, a comparison of significands. A non-finite ``amax`` (a block with inf/NaN) gives a NaN scale."""
+    import torch
+
+    element = fmt.element
+    significand, exponent = torch.frexp(amax)  # amax = significand * 2**exponent, 0.5 <= significand < 1
+    k = exponent - 1 - element.emax
+    if fmt.granularity != "block":
+        k = k + (2 * significand > element.max / 2.0**element.emax).to(k.dtype)
+    k = torch.where(amax > 0, k, 0).clamp(-_SCALE_EXPONENTS, _SCALE_EXPONENTS)
+    # float32 bits of 2**k: the exponent field, or for 2**-127 (a subnormal) the top mantissa bit
+    powers = torch.where(k > -127, (k + 127) << 23, 1 << 22).view(torch.float32)
+    return torch.where(amax.isfinite(), powers, math.nan)
+
+
+def quantize_scaled(
+    x: torch.Tensor,
+    spec: str | ScaledFormat,
+    rounding: str = "nearest",
+    history: AmaxHistory | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` rounded to ``spec`` (float32, shaped as ``x``), its scales (float32 powers of two, shaped by
+    ``ScaledFormat.scales_shape``) and how many finite values rounded past the element's max after scaling and
+    were saturated (an int64 0-d tensor on ``x``'s device: no host synchronisation).
+
+    ``history`` is required by a delayed spec (an ``AmaxHistory`` of its length, which this call updates) and
+    refused by the others; ``generator`` drives stochastic rounding.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from precsearch.formats.kernels import _check_tensor, overflow_threshold, quantize
+
+    fmt = get_scaled_format(spec)
+    if fmt.history and (history is None or history.amaxes.numel() != fmt.history):
+        raise PrecsearchError(f"scaled format {fmt.name}: delayed scaling needs history=AmaxHistory({fmt.history}), "
+                              "one kept per tensor across calls")
+    if not fmt.history and history is not None:
+        raise PrecsearchError(f"scaled format {fmt.name}: current scaling takes no history; drop it or use "
+                              f"{fmt.name}:delayed<N>")
+    x = _check_tensor(x)
+    threshold = overflow_threshold(fmt.element, rounding)  # checks the rounding before the history changes
+    if x.numel() == 0:  # no amax to take
+        return x, x.new_ones(fmt.scales_shape(x.shape)), x.new_zeros((), dtype=torch.int64)
+    rows, cols = fmt.rows_columns(x.shape)
+    length = fmt.block or cols  # the groups that share a scale: a row, or blocks of a row (the last one padded)
+    groups = F.pad(x.reshape(rows, cols), (0, -cols % length)).reshape(rows, -1, length)
+    finite = groups.isfinite()
+    magnitude = groups.abs() if fmt.block else torch.where(finite, groups.abs(), 0)
+    amax = magnitude.amax(-1, keepdim=True)  # a block's inf/NaN propagates (its NaN scale)
+    if history is not None:
+        scales = _scales(history.scale_amax().to(amax.device), fmt)
+        history.update(amax.reshape(()))
+    else:
+        scales = _scales(amax, fmt)
+    scaled = groups / scales  # exact: a power of two
+    if not fmt.element.has_inf:
+        scaled = scaled.masked_fill(groups.isinf(), math.nan)
+    overflowed = ((scaled.abs() >= threshold) & finite).sum()
+    rounded = quantize(scaled, fmt.element, rounding, "saturate", generator) * scales
+    rounded = rounded.reshape(rows, -1)[:, :cols].reshape(x.shape)
+    return rounded, scales.reshape(fmt.scales_shape(x.shape)), overflowed
