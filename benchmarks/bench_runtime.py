@@ -250,7 +250,8 @@ def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_
     if compiled_rows:
         print(f"   (k: kernels in the code Inductor wrote for the step's forward and backward, convolutions' library "
               f"calls aside; op: aten ops dispatched; a compiled policy's step makes {passes} rounding passes; "
-              f"compiled rows after the first policy reuse its graph: no compile of their own; pays after: steps "
+              f"a compiled row reuses the graph of an earlier one whose formats have the same code widths, else "
+              f"compiles its own; pays after: steps "
               f"whose saving over the eager row repays the first step)")
     for name, wrapped in wrapped_models.items():
         if wrapped.promotions:
