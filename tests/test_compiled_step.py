@@ -130,7 +130,8 @@ def _assert_same_training(eager, compiled_model, eager_losses, compiled_losses) 
     assert compiled_model.tensor_stats() == eager.tensor_stats()
 
 
-@pytest.mark.parametrize("case", ["master weights", "pure weights, statistics every 7th step", "promotions"])
+@pytest.mark.parametrize("case", ["master weights", "pure weights, statistics every 7th step",
+                                  pytest.param("promotions", marks=pytest.mark.slow)])  # 44 s: with the slow ones
 def test_the_compiled_step_trains_bit_for_bit_as_the_eager_runtime(case: str) -> None:
     """20 steps of tiny_cnn, compiled without Inductor (aot_eager) against eager: every parameter, buffer and
     loss, the promotions, the loss scale and the overflow statistics are equal. Steps that gather statistics
@@ -187,6 +188,7 @@ def test_a_policy_the_compiled_step_cannot_train_runs_eagerly_with_one_warning(c
     assert len(warnings) == 1 and "adaptive loss scaling" in warnings[0] and "eagerly" in warnings[0]
 
 
+@pytest.mark.slow
 def test_a_block_fx_cannot_trace_runs_as_one_op_and_the_rest_compiles() -> None:
     """One WARNING names the block; the graph stays FX's, with the block one op (``opaque_modules``), and the
     compiled step (aot_eager) takes the model, its graph broken at the block's branch. Oracle: the same
