@@ -66,7 +66,7 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
     per_use: list[tuple[fx.Node, Rounder]] = []  # the rounding nodes whose consumers round their own gradients
     for index, op in enumerate(graph.ops):
         sites = plan.of_op(op.name)
-        inserted = rounder_for(sites, rounding) if sites is not None else None
+        inserted = rounder_for(sites, rounding)
         if inserted is not None:
             # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
             inserted.in_place = in_place and makes_fresh_output(op, graph.rules)

@@ -48,8 +48,7 @@ class HookInstrument:
         for name in untraced_modules(module, graph, CHUNKED_LAYERS):
             self.handles.append(module.get_submodule(name).register_forward_hook(self._untraced_hook(name)))
         for op in graph.ops:
-            sites = plan.of_op(op.name)
-            rounder = rounder_for(sites, rounding) if sites is not None else None
+            rounder = rounder_for(plan.of_op(op.name), rounding)
             if rounder is None:
                 continue
             if op.role == "input":

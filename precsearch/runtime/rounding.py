@@ -81,14 +81,16 @@ def low_weights(module: nn.Module, plan: SitePlan, state: TensorState) -> dict[s
             if site.param in params and state.slots[site.value].is_low}
 
 
-def rounder_for(sites: OpSites, rounding: Rounding) -> Rounder | None:
-    """The rounding module for an op's outputs (``sites``) whose value or gradient is low, or None."""
+def rounder_for(sites: OpSites | None, rounding: Rounding) -> Rounder | None:
+    """The rounding module for an op's outputs (``sites``; None: it has none) whose value or gradient is low,
+    or None."""
     found = {}
-    for site in sites.outputs:
+    for site in sites.outputs if sites is not None else ():
         act = rounding.state.slots[site.value]
         grad = rounding.state.slots[site.gradient] if site.gradient is not None else None
-        if act.is_low or (grad is not None and grad.is_low):
-            found[site.position] = (act, grad if grad is not None and grad.is_low else None)
+        low_grad = grad if grad is not None and grad.is_low else None
+        if act.is_low or low_grad is not None:
+            found[site.position] = (act, low_grad)
     return Rounder(rounding, found, sites.op) if found else None
 
 

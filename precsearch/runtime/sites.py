@@ -20,7 +20,7 @@ from torch import nn
 
 from precsearch.config.spec import WEIGHT, TensorId
 from precsearch.graph.op_rules import OpRules
-from precsearch.graph.types import TensorGraph
+from precsearch.graph.types import TensorGraph, grad_id
 
 __all__ = ["OpSites", "OutputSite", "SitePlan", "WeightSite", "plan_sites", "reads_rounded_output"]
 
@@ -71,8 +71,7 @@ def plan_sites(graph: TensorGraph, per_use: bool) -> SitePlan:
     assignable = set(graph.assignable_ids())
 
     def gradient_of(tensor_id: str) -> str | None:
-        gradient = str(TensorId.parse(tensor_id).grad())
-        return gradient if gradient in assignable else None
+        return grad_id(tensor_id) if grad_id(tensor_id) in assignable else None
 
     readers, relus = _fx_nodes(graph)
     ops = []
@@ -85,7 +84,7 @@ def plan_sites(graph: TensorGraph, per_use: bool) -> SitePlan:
                                op.node in relus))
     weights = tuple(WeightSite(info.param, tensor_id, gradient_of(tensor_id))
                     for tensor_id, info in graph.tensors.items()
-                    if tensor_id in assignable and TensorId.parse(tensor_id).kind == WEIGHT)
+                    if tensor_id in assignable and info.kind == WEIGHT)
     return SitePlan(tuple(ops), weights)
 
 
