@@ -28,11 +28,11 @@ import numpy as np
 import pandas as pd
 
 from precsearch.config.spaces import paper_space
-from precsearch.search.config import SearchConfig
 from precsearch.search.confirmation import CONFIRM_SEED_OFFSET, DEFAULT_CONFIRM_FACTOR, confirmation_length
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import pooled_noise
 from precsearch.search.selection import pick_pairwise
+from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import sweep
 from precsearch.search.study import run_search
 

@@ -49,12 +49,13 @@ from precsearch.analysis.report import markdown_table
 from precsearch.config.spaces import paper_space
 from precsearch.files import atomic_write_text
 from precsearch.search.accounting import seed_steps
-from precsearch.search.config import SearchConfig
 from precsearch.search.confirmation import CONFIRM_SEED_OFFSET, DEFAULT_CONFIRM_FACTOR, confirmation_length
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import pooled_noise
-from precsearch.search.sensitivity import DEFAULT_BATCHES, measure_model, sensitivity_sweep
+from precsearch.search.seeding import PAPER_SEEDING
+from precsearch.search.sensitivity import DEFAULT_BATCHES, SENSITIVITY_SEEDING, measure_model, sensitivity_sweep
 from precsearch.search.sensitivity_table import unit_table
+from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import sweep, uniform
 from precsearch.search.study import run_search
 
@@ -189,13 +190,13 @@ def run_task(task: str, args: argparse.Namespace, out: Path) -> list[str]:
     units = list(context.units)
     start = time.perf_counter()
     results = {}
-    for seeding in ("paper", "sensitivity"):
-        results[seeding] = run_search(SearchConfig(
-            model=model, space=space, data=data, trials=args.trials, out_dir=out / task / seeding, jobs=1, seed=0,
-            device="cpu", threads=args.threads, proxy_seeds=None, progress=False, seeding=seeding,
+    for seeding in (PAPER_SEEDING, SENSITIVITY_SEEDING):
+        results[seeding.name] = run_search(SearchConfig(
+            model=model, space=space, data=data, trials=args.trials, out_dir=out / task / seeding.name, jobs=1,
+            seed=0, device="cpu", threads=args.threads, proxy_seeds=None, progress=False, seeding=seeding,
             budget=Budget(max_accuracy_drop=DROP), proxy_steps=QUICK_PROXY_STEPS if args.quick else proxy_steps),
             trainer=cache)
-        print(f"{task}: search seeded {seeding} done at {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"{task}: search seeded {seeding.name} done at {time.perf_counter() - start:.0f} s", flush=True)
     with torch_threads(args.threads):  # after the searches: the rounding kernels are compiled, as in a search
         measured = time.perf_counter()
         table = measure_model(model, space, context.data, seed=0)

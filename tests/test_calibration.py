@@ -14,8 +14,8 @@ from scripted import ScriptedTrainer
 from precsearch.config.spaces import paper_space
 from precsearch.errors import PrecsearchError
 from precsearch.search.calibration import CalibrationSettings
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext
+from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import StudyLocation
 from precsearch.search.study import SearchInterrupted, run_search
 

@@ -10,8 +10,8 @@ import pytest
 from scripted import ScriptedTrainer
 
 from precsearch.config.spaces import paper_space
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext
+from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import assign
 from precsearch.search.study import run_search
 

@@ -11,8 +11,8 @@ from precsearch.analysis.fidelity import long_run
 from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
+from precsearch.search.settings import SearchConfig
 from precsearch.search.study import run_search
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}

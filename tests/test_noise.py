@@ -12,10 +12,10 @@ import pytest
 
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import Noise, pooled_noise, rank_correlations, seeds_for
 from precsearch.search.selection import choose_best, mark_ties
+from precsearch.search.settings import SearchConfig
 from precsearch.search.study import run_search
 from precsearch.train.proxy import run_proxy
 

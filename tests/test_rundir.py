@@ -27,9 +27,9 @@ from precsearch.config.spaces import PAPER_SPACE, paper_space
 from precsearch.errors import PrecsearchError
 from precsearch.search import rundir
 from precsearch.search import study as search
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import torch_threads
 from precsearch.search.rundir import RunLock, StopSignals, hold_worker_lock
+from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import StudyLocation
 from precsearch.search.study import run_search
 

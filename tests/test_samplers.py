@@ -10,9 +10,9 @@ import pytest
 from precsearch.config.spaces import paper_space, parse_space
 from precsearch.config.spec import SAMPLERS
 from precsearch.errors import PrecsearchError
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.samplers import FACTORIES, make_sampler
+from precsearch.search.settings import SearchConfig
 from precsearch.search.study import run_search
 from precsearch.search.workers import sampler
 

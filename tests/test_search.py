@@ -17,8 +17,9 @@ from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, torch_threads
+from precsearch.search.reference import Reference
+from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import R_GRID
 from precsearch.search.study import SearchInterrupted, run_search
@@ -247,7 +248,7 @@ def test_max_memory_budget(tmp_path):
 
 def test_max_accuracy_drop_budget(tmp_path):
     result = _search(tmp_path / "run", 6, budget=Budget(max_accuracy_drop=0.05))
-    reference = _study(tmp_path / "run").user_attrs["reference_result"]["val_accuracy"]
+    reference = Reference.from_study(_study(tmp_path / "run")).result.val_accuracy
     trials = result.trials
     high = trials[trials["decisions"] == "HHHH"].iloc[0]
     assert high["duplicate_of"] == "reference" and high["val_accuracy"] == reference  # not trained twice

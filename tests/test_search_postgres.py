@@ -34,8 +34,9 @@ from precsearch.search import storage as storage_module
 from precsearch.search import study as search
 from precsearch.search.context import Budget, DataSpec
 from precsearch.search.ledger import CLAIM, PAUSE_AT
+from precsearch.search.reference import Reference
+from precsearch.search.seeding import PAPER_SEEDING, seed_candidates
 from precsearch.search.storage import StudyLocation
-from precsearch.search.strategies import seed_candidates
 
 TINY = ["--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1", "--no-progress"]
 
@@ -152,7 +153,7 @@ def test_a_killed_worker_loses_only_its_trial_which_a_survivor_retries(postgres,
         time.sleep(0.3)
         try:
             study = optuna.load_study(study_name="kill", storage=postgres)
-            reference = study.user_attrs.get("reference_key")  # all-high copies the reference: no proxy to kill
+            reference = getattr(Reference.from_study(study), "key", None)  # all-high copies it: no proxy to kill
             running = [t for t in study.get_trials() if t.state == TrialState.RUNNING
                        and t.user_attrs.get("trains") == t.number and _pid(t) in pids
                        and t.user_attrs.get("key") != reference]
@@ -196,7 +197,7 @@ def _race(url: str, name: str, barrier) -> None:
     storage = location.open()
     barrier.wait()
     study = search._join_study(context, storage, location)
-    search._seed_study(study, context, 10, search._ledger(study, location, storage))
+    search._seed_study(study, context, PAPER_SEEDING, 10, search._ledger(study, location, storage))
 
 
 def test_workers_starting_at_once_create_and_seed_the_study_once(postgres):
@@ -273,7 +274,7 @@ def _pause_point(kind: str) -> str:
         return "claimed:calibration:8:0"  # --proxy-steps 8, one reference seed: the search seed 0
     context = search.SearchContext.create("tiny_cnn", paper_space(proxy={"image_size": 8, "batch_size": 16}),
                                           DataSpec(), Budget(), 0, "cpu")
-    seeds = len(search._seed_queue(context, 10, []))
+    seeds = len(search._seed_queue(context, 10, PAPER_SEEDING))
     draw = random.Random(f"issue 31 {kind}")
     return f"queued:{draw.randint(1, seeds // 2) if kind == 'queued-early' else draw.randint(seeds // 2 + 1, seeds)}"
 
@@ -350,7 +351,7 @@ def _training(storage: optuna.storages.RDBStorage, name: str) -> list[int]:
         study_id = storage.get_study_id_from_name(name)
     except KeyError:  # not created yet
         return []
-    reference = storage.get_study_user_attrs(study_id).get("reference_key")  # all-high copies the reference
+    reference = getattr(Reference.from_study(optuna.load_study(study_name=name, storage=storage)), "key", None)
     return [t.number for t in storage.get_all_trials(study_id, states=(TrialState.RUNNING,))
             if t.user_attrs.get("trains") == t.number and t.user_attrs.get("key") != reference]
 

@@ -15,10 +15,11 @@ from precsearch.analysis.report import plot_sensitivity
 from precsearch.cli import main
 from precsearch.config.spaces import paper_space
 from precsearch.graph.tracing import trace
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext
-from precsearch.search.sensitivity import least_sensitive, measure_model, sensitivity_sweep
+from precsearch.search.seeding import PAPER_SEEDING
+from precsearch.search.sensitivity import SENSITIVITY_SEEDING, least_sensitive, measure_model, sensitivity_sweep
 from precsearch.search.sensitivity_table import SENSITIVITY_CSV, group_order, unit_table
+from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import paper_assignment
 from precsearch.search.study import run_search
 from precsearch.train.data import load_dataset
@@ -124,9 +125,9 @@ def test_the_report_plots_each_unit_at_its_bytes_and_score(narrow_table):
     assert sorted(map(tuple, points.tolist())) == sorted(zip(units["bytes_saved"], units["score"], strict=True))
 
 
-@pytest.mark.parametrize("seeding", ["paper", "sensitivity"])
+@pytest.mark.parametrize("seeding", [PAPER_SEEDING, SENSITIVITY_SEEDING], ids=lambda seeding: seeding.name)
 def test_the_sensitivity_seeding_queues_the_knapsacks_points_first_and_keeps_the_table(tmp_path, seeding):
-    """With ``seeding="sensitivity"`` the search measures before its first trial: the knapsack's points lead
+    """With ``seeding=SENSITIVITY_SEEDING`` the search measures before its first trial: the knapsack's points lead
     the queue and sensitivity.csv is in the run directory; the paper's seeding is unchanged (scripted proxies)."""
     space = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
     context = SearchContext.create("tiny_cnn", space, DataSpec("digits"), Budget(), 0, "cpu")
@@ -136,7 +137,7 @@ def test_the_sensitivity_seeding_queues_the_knapsacks_points_first_and_keeps_the
     result = run_search(config, trainer=trainer)
     first = result.trials.sort_values("number")["origin"].iloc[0]
     table = tmp_path / "run" / SENSITIVITY_CSV
-    if seeding == "paper":
+    if seeding is PAPER_SEEDING:
         assert "sensitivity" not in " ".join(result.trials["origin"]) and not table.exists()
     else:
         assert first.startswith("sensitivity r=0.0")

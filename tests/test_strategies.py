@@ -19,11 +19,12 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph.policy_check import check_policy
 from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.search import strategies
 from precsearch.search import study as search
+from precsearch.search.seeding import PAPER_SEEDING, Seeding, Seedings, seed_candidates
 from precsearch.search.strategies import (
     ACCEPTANCE_WINDOW,
     R_GRID,
+    Candidate,
     assign,
     assignment_key,
     baseline,
@@ -31,7 +32,6 @@ from precsearch.search.strategies import (
     group_sizes,
     low_share,
     paper_assignment,
-    seed_candidates,
     sweep,
     uniform,
     units,
@@ -185,24 +185,20 @@ def test_seed_candidates_are_distinct_and_cover_the_sweep(graph):
     assert by_origin["paper r=1.0"].key == by_origin["all-low"].key
 
 
-def test_a_registered_seeding_is_enqueued_by_the_search_without_editing_it(graph, monkeypatch):
-    monkeypatch.setattr(strategies, "SEEDINGS", dict(strategies.SEEDINGS))  # the registration is undone after
-
-    @strategies.register_seeding
-    class Alternate(strategies.Seeding):
+def test_a_seeding_in_the_config_is_enqueued_by_the_search_without_editing_it(graph):
+    class Alternate(Seeding):
         name = "alternate"
 
         def candidates(self, graph, space):
             decisions = {unit: ("low" if i % 2 else "high") for i, unit in enumerate(units(graph, space))}
-            return [(strategies.Candidate(self.name, decisions, assign(graph, space, decisions),
-                                          low_share(graph, space, decisions)), "alternate")]
+            return [(Candidate(self.name, decisions, assign(graph, space, decisions),
+                               low_share(graph, space, decisions)), "alternate")]
 
-    enqueued = search._seed_queue(SimpleNamespace(graph=graph, space=SPACE, assignments=2**20), trials=1, first=[])
+    seeding = Seedings("paper-then-alternate", [*PAPER_SEEDING.parts, Alternate()])
+    enqueued = search._seed_queue(SimpleNamespace(graph=graph, space=SPACE, assignments=2**20), 1, seeding)
     origins = [origins for _, origins in enqueued]
     assert origins[0] == ["all-high", "paper r=0.0"] and origins[-1] == ["alternate"]
     assert enqueued[-1][0] == {unit: ("low" if i % 2 else "high") for i, unit in enumerate(units(graph, SPACE))}
-    with pytest.raises(PrecsearchError, match="'alternate' is registered already"):
-        strategies.register_seeding(Alternate)
 
 
 def test_assignment_key_ignores_order_and_sees_changes():

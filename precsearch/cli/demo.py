@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.config.spaces import paper_space
     from precsearch.search.accounting import describe_budget
     from precsearch.search.baselines import run_baselines
-    from precsearch.search.config import SearchConfig
+    from precsearch.search.settings import SearchConfig
     from precsearch.search.study import run_search
     from precsearch.train.trainer import resolve_device
 

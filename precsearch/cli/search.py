@@ -31,7 +31,6 @@ DESCRIPTION = ("Search mixed-precision assignments of MODEL: memory from the cos
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compile_argument(parser)
     from precsearch.search.calibration import CalibrationSettings
-    from precsearch.search.config import SEEDINGS
     from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
 
     add_space_arguments(parser, calibrated=True)
@@ -64,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory measure to minimize: bytes of the tensors training keeps (the paper's, "
                              "default) or the predicted peak of a training step")
     add_noise_arguments(parser)
-    parser.add_argument("--seeding", choices=SEEDINGS, default="paper",
+    parser.add_argument("--seeding", choices=list(seedings()), default="paper",
                         help="first trials: the paper's sweep with all-high and all-low (paper, the default), or the "
                              "knapsack's points over measured sensitivity ahead of them (sensitivity)")
     parser.add_argument("--sampler", choices=SAMPLERS, default=None,
@@ -72,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "space's sampler, tpe)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_arguments(parser)
+
+
+def seedings() -> dict[str, Any]:
+    """--seeding's choices: each seeding by its name (the one a study's config records)."""
+    from precsearch.search.seeding import PAPER_SEEDING
+    from precsearch.search.sensitivity import SENSITIVITY_SEEDING
+
+    return {seeding.name: seeding for seeding in (PAPER_SEEDING, SENSITIVITY_SEEDING)}
 
 
 def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +92,8 @@ def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from precsearch.config.spec import ProxyConfig
-    from precsearch.search.config import SearchConfig
     from precsearch.search.context import Budget, DataSpec
+    from precsearch.search.settings import SearchConfig
     from precsearch.search.study import SearchInterrupted, run_search
 
     proxy_steps = args.proxy_steps if isinstance(args.proxy_steps, int) else ProxyConfig.steps  # calibrated: longer
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         storage=args.storage, jobs=args.jobs, resume=args.resume, budget=budget, seed=args.seed, device=args.device,
         batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
         study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds, sampler=args.sampler,
-        seeding=args.seeding, compile=compile)
+        seeding=seedings()[args.seeding], compile=compile)
     try:
         result = run_search(config)
     except SearchInterrupted as stop:

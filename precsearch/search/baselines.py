@@ -16,9 +16,9 @@ from precsearch.config.reading import REWRITE, load_json_object
 from precsearch.config.spaces import SearchSpace, load_space, parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.search.config import SearchConfig
 from precsearch.search.context import Budget, DataSpec, SearchContext, proxy_compile, torch_threads
 from precsearch.search.rundir import RUN_FILE
+from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import (
     BASELINES,
     baseline_policies,

@@ -32,6 +32,7 @@ __all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "Confi
 DEFAULT_CONFIRM_FACTOR = 3.0
 CONFIRM_SEED_OFFSET = 1000  # confirmation seeds are the search seed + 1000, 1001, ...: no proxy used them
 PLAIN_FP32 = "plain-fp32"  # the key of the plain fp32 runs
+CONFIRMATION = "confirmation"  # the study user attr that says which runs the confirmation is (``summary``)
 
 
 def confirmation_length(length: int, factor: float) -> int:
@@ -42,10 +43,15 @@ def confirmation_length(length: int, factor: float) -> int:
 
 @dataclass(frozen=True)
 class Confirmation:
-    """Confirmation runs (``run_record``s) by assignment key, ``PLAIN_FP32`` for plain training."""
+    """Confirmation runs (``run_record``s) by assignment key, ``PLAIN_FP32`` for plain training, one per seed."""
 
     length: int
     runs: dict[str, list[dict[str, Any]]]
+    seeds: tuple[int, ...]
+
+    def summary(self) -> dict[str, Any]:
+        """Which runs these are (recorded in the study, and in run.json)."""
+        return {"length": self.length, "keys": list(self.runs), "seeds": list(self.seeds)}
 
     def table(self) -> pd.DataFrame:
         """One row per key: confirmed mean accuracy, sd (NaN for one seed), seeds, diverged, steps."""
@@ -73,18 +79,18 @@ class Confirmation:
 
 
 def recorded_confirmation(attrs: Mapping[str, Any]) -> Confirmation | None:
-    """The confirmation among a study's user ``attrs`` (``confirm`` sets ``confirmation`` when done), or None."""
-    summary = attrs.get("confirmation")
+    """The confirmation among a study's user ``attrs`` (``confirm`` records its summary when done), or None."""
+    summary = attrs.get(CONFIRMATION)
     if summary is None:
         return None
     runs = {key: [recorded(attrs, f"confirm:{key}:{seed}") for seed in summary["seeds"]] for key in summary["keys"]}
-    return Confirmation(summary["length"], runs)
+    return Confirmation(summary["length"], runs, tuple(summary["seeds"]))
 
 
 def confirm(context: SearchContext, ledger: Ledger, policies: Mapping[str, Policy | None], length: int,
             seeds: Sequence[int], check: Callable[[int, float], None]) -> Confirmation:
     """Train every policy (key -> policy; None: plain fp32) for ``length`` steps on each of ``seeds``; the
-    study records which as its ``confirmation`` user attr when all are done."""
+    study records which (``Confirmation.summary``) when all are done."""
     names = {f"confirm:{key}:{seed}": (key, seed) for key in policies for seed in seeds}
 
     def work(name: str) -> dict[str, Any]:
@@ -95,5 +101,6 @@ def confirm(context: SearchContext, ledger: Ledger, policies: Mapping[str, Polic
     runs: dict[str, list[dict[str, Any]]] = {}
     for name, (key, _) in names.items():
         runs.setdefault(key, []).append(results[name])
-    ledger.study.set_user_attr("confirmation", {"length": length, "keys": list(policies), "seeds": list(seeds)})
-    return Confirmation(length, runs)
+    confirmation = Confirmation(length, runs, tuple(seeds))
+    ledger.study.set_user_attr(CONFIRMATION, confirmation.summary())
+    return confirmation

@@ -23,7 +23,7 @@ from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph
 from precsearch.models import check_fits
 from precsearch.search.noise import DEFAULT_CONFIDENCE
-from precsearch.search.strategies import assign, assignment_key, uniform, units
+from precsearch.search.strategies import Candidate, assign, assignment_key, uniform, units
 from precsearch.train.data import ImageDataset, load_dataset
 from precsearch.train.proxy import ProxyTrainer, Trainer
 from precsearch.train.trainer import ProxyResult, build_model
@@ -104,6 +104,7 @@ class SearchContext:
     high_bytes: float = 0.0
     high_peak: float = 0.0
     units: dict[str, list[str]] = field(default_factory=dict)
+    all_high: Candidate | None = None  # every unit high: the reference's assignment (its key is the reference's)
     proxy_seeds: int | None = 1  # seeds per proxy; None: chosen from the noise the reference measures
     length: int | None = None  # steps of one proxy: fixed, or set by calibration
     settings: dict[str, Any] = field(default_factory=dict)  # SearchConfig.settings(): part of the study's config
@@ -132,7 +133,8 @@ class SearchContext:
                       trainer=trainer or ProxyTrainer(model, data, device, space.proxy, proxy_compile(compile)),
                       compile=compile)
         context.units = units(graph, space)
-        high = uniform(graph, space, "high").assignment
+        context.all_high = uniform(graph, space, "high")
+        high = context.all_high.assignment
         context.high_bytes = float(context.cost.bytes(high))
         context.high_peak = float(context.cost.peak_bytes(high))
         return context

@@ -31,24 +31,14 @@ import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
 from precsearch.files import DiskFull, full_disk
-from precsearch.search.calibration import recorded_calibration
 from precsearch.search.context import SearchContext, combine_seeds, seed_record
-from precsearch.search.export import (
-    proxy_reference,
-    study_noise,
-    trials_frame,
-)
-from precsearch.search.rundir import (
-    StopSignals,
-)
-from precsearch.search.rungs import RungRule, RungStop, rung_steps
+from precsearch.search.reference import Reference, proxy_noise
+from precsearch.search.rundir import StopSignals
+from precsearch.search.rungs import RungStop
 from precsearch.search.selection import choose_best
 from precsearch.search.storage import StudyLocation
-from precsearch.search.strategies import (
-    assign,
-    assignment_key,
-    low_share,
-)
+from precsearch.search.strategies import assign, assignment_key, low_share
+from precsearch.search.trials import trials_frame
 from precsearch.train.trainer import ProxyResult
 
 __all__ = ["FINISHED", "WORKER", "Objective"]
@@ -83,13 +73,16 @@ def _set_constraints(trial: optuna.Trial, constraints: dict[str, float]) -> None
 class Objective:
     """Optuna objective: decide, price, reuse or train, record. One instance per worker process.
 
+    ``reference`` is the calibrated all-high reference every trial is held to (at the rungs and at its end);
     ``location`` and ``storage`` are where the study lives (the decision lock is taken there);
     ``out_dir`` is where this worker writes the policy of each proxy it trains.
     """
 
-    def __init__(self, context: SearchContext, location: StudyLocation, storage: optuna.storages.BaseStorage,
-                 out_dir: Path, signals: StopSignals | None = None) -> None:
+    def __init__(self, context: SearchContext, reference: Reference, location: StudyLocation,
+                 storage: optuna.storages.BaseStorage, out_dir: Path, signals: StopSignals | None = None) -> None:
         self.context = context
+        self.reference = reference
+        self.rungs = reference.rung_rule(context.settings["rungs"], context.budget, context.chance)
         self.location = location
         self.storage = storage
         self.out_dir = out_dir
@@ -123,28 +116,26 @@ class Objective:
         previous = self._claim(trial, key)
         if previous is not None:
             return self._reuse(trial, previous)
-        attrs = study.user_attrs
-        reference = proxy_reference(attrs)
+        reference = self.reference
         if context.budget.max_memory is not None and planned > context.budget.max_memory:
             return self._untrained(trial, planned, "over the memory budget")
-        if key != attrs.get("reference_key"):
-            beaten = _beaten_by(study, context, planned)
+        if key != reference.key:
+            beaten = _beaten_by(study, context, reference, planned)
             if beaten is not None:
                 return self._untrained(trial, planned, f"trial {int(beaten['number'])} has less memory "
                                        f"({beaten['memory']:.4f}) and is within the allowed drop: no training needed")
         policy = context.policy(assignment, {"trial": trial.number})
         stopped: RungStop | None = None
-        if key == attrs.get("reference_key"):
-            result = ProxyResult.from_dict({**attrs["reference_result"], "loss_curve": []})
-            accuracies = attrs.get("reference_accuracies", [result.val_accuracy])
+        if key == reference.key:
+            result = reference.result
+            accuracies = list(reference.accuracies)
             seed_steps: list[int] = []
             trial.set_user_attr("duplicate_of", "reference")
         else:
-            rule = _rung_rule(attrs, context)
-            seeds = context.proxy_seed_list(int(attrs.get("proxy_seeds", 1)))
+            seeds = context.proxy_seed_list(reference.proxy_seeds)
             try:
-                results = context.train_seeds(policy, context.length, seeds, evaluate_at=rule.steps,
-                                              on_eval=rule.check, report=self._check_signals)
+                results = context.train_seeds(policy, context.length, seeds, evaluate_at=self.rungs.steps,
+                                              on_eval=self.rungs.check, report=self._check_signals)
             except RungStop as stop:
                 stopped, results = stop, []
             if stopped is not None:
@@ -170,10 +161,10 @@ class Objective:
         for name, value in record.items():
             trial.set_user_attr(name, value)
         margin = 0.0
-        if reference is not None:
-            noise = study_noise(attrs, context, trials_frame(study, context))
-            margin = float(noise.margin(len(accuracies), len(attrs.get("reference_accuracies", [0]))))
-        constraints = context.constraints(result, memory, reference, margin)
+        if reference.accuracy is not None:
+            noise = proxy_noise(trials_frame(study, context), reference, context.budget.confidence)
+            margin = float(noise.margin(len(accuracies), len(reference.accuracies)))
+        constraints = context.constraints(result, memory, reference.accuracy, margin)
         constraints["stopped"] = 1.0 if stopped is not None else 0.0
         _set_constraints(trial, constraints)
         trial.set_user_attr("loss_curve", [round(v, 5) for v in result.loss_curve])
@@ -242,25 +233,17 @@ def _wait_while_running(study: optuna.Study, number: int) -> None:
             optuna.storages.fail_stale_trials(study)
 
 
-def _beaten_by(study: optuna.Study, context: SearchContext, planned: float) -> pd.Series | None:
+def _beaten_by(study: optuna.Study, context: SearchContext, reference: Reference,
+              planned: float) -> pd.Series | None:
     """A trained point that makes training a candidate of ``planned`` memory pointless: the accuracy-drop pick
     among the proxies so far (least memory within the drop of all-high), when its memory is at most
     ``planned``; None under a memory budget (whose pick wants accuracy, not memory) or when there is none."""
     if context.budget.max_memory is not None:
         return None
-    attrs = study.user_attrs
     frame = trials_frame(study, context)
-    reference = proxy_reference(attrs)
-    if frame.empty or reference is None:
+    if frame.empty or reference.accuracy is None:
         return None
-    best = choose_best(frame, context.budget, reference, study_noise(attrs, context, frame),
-                       len(attrs.get("reference_accuracies", [0])), attrs.get("reference_key"), context.chance)
+    noise = proxy_noise(frame, reference, context.budget.confidence)
+    best = choose_best(frame, context.budget, reference.accuracy, noise, len(reference.accuracies), reference.key,
+                       context.chance)
     return best if best is not None and best["memory"] <= planned else None
-
-
-def _rung_rule(attrs: dict[str, Any], context: SearchContext) -> RungRule:
-    """The study's rung rule: the calibrated reference's accuracy at each rung step and its noise."""
-    calibration = recorded_calibration(attrs)
-    steps = rung_steps(calibration.length, attrs["config"]["rungs"])
-    return RungRule({step: calibration.at(step) for step in steps}, calibration.noise(context.budget.confidence),
-                    context.budget.drop, context.chance)

@@ -39,6 +39,7 @@ from precsearch.config.reading import load_json_object
 from precsearch.errors import PrecsearchError
 from precsearch.files import TEMP_SUFFIX, atomic_write_text, user_file_mode
 from precsearch.search.calibration import recorded_calibration
+from precsearch.search.confirmation import recorded_confirmation
 from precsearch.search.storage import StudyLocation, owner_id
 
 __all__ = ["LOCK_FILES", "RUN_FILE", "RunLock", "SearchStop", "StopSignals", "check_journal_kept", "check_resume",
@@ -239,13 +240,13 @@ def write_run_file(out_dir: Path, run_config: dict[str, Any], location: StudyLoc
     """run.json: the config, where the study lives, and the calibration and confirmation once recorded."""
     attrs = study.user_attrs
     calibration = recorded_calibration(attrs)
-    confirmation = attrs.get("confirmation")
+    confirmation = recorded_confirmation(attrs)
     extra: dict[str, Any] = {}
     if calibration is not None:
         extra["proxy_length"] = calibration.length
         extra["calibration"] = calibration.to_dict()
     if confirmation is not None:
-        extra["confirmation"] = confirmation
+        extra["confirmation"] = confirmation.summary()
     atomic_write_text(out_dir / RUN_FILE, json.dumps(
         {**run_config, "storage": location.shown, "study": location.study_name, **extra}, indent=2))
 

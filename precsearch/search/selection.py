@@ -4,20 +4,23 @@ difference smaller than the seed noise allows.
 The search picks from CONFIRMED accuracies (precsearch.search.confirmation): ``confirmed_front`` puts a
 front point's confirmed mean, sd and seed count where ``choose_best`` reads accuracies, so the same
 noise-aware rule decides on runs at the confirmation length, and a point whose proxy looked good but whose
-confirmation failed is never the pick.
+confirmation failed is never the pick. ``confirmed_pick`` is that decision (best.json is written from it).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pandas as pd
 
+from precsearch.search.confirmation import Confirmation
 from precsearch.search.context import Budget
 from precsearch.search.noise import Noise
+from precsearch.search.reference import Reference
 
-__all__ = ["choose_best", "confirmed_front", "mark_ties", "pareto_front", "usable"]
+__all__ = ["Pick", "choose_best", "confirmed_front", "confirmed_pick", "mark_ties", "pareto_front", "usable"]
 
 
 def usable(frame: pd.DataFrame) -> pd.Series:
@@ -141,3 +144,49 @@ def mark_ties(front: pd.DataFrame, noise: Noise) -> pd.DataFrame:
         marks.append(int(tied["number"].iloc[0]) if not tied.empty else -1)
     front["within_noise_of"] = marks
     return front
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The budget's pick among confirmed points: ``best`` (None: no pick, ``note`` says why), the confirmation
+    ``noise`` it was decided with, and a ``note`` naming the proxy pick confirmation replaced, if any."""
+
+    best: pd.Series | None
+    note: str
+    noise: Noise | None = None
+
+
+def confirmed_pick(frame: pd.DataFrame, front: pd.DataFrame, confirmation: Confirmation | None,
+                   reference: Reference | None, budget: Budget, chance: float, proxy_noise: Noise) -> Pick:
+    """The budget's pick among the confirmed points of the trials table ``frame`` (the front's and all-high),
+    each held to the confirmed all-high reference; none until confirmation has run."""
+    if confirmation is None or reference is None:
+        return Pick(None, "confirmation has not run (the search was interrupted: --resume finishes it)")
+    confirmed = confirmation.table()
+    table = confirmed.set_index("key")
+    high = reference.key
+    if high not in table.index or bool(table.loc[high, "confirmed_diverged"]):
+        return Pick(None, "the all-high reference diverged in confirmation: no pick; lower the learning rate")
+    accuracy = float(table.loc[high, "confirmed_accuracy"])
+    if accuracy <= chance:
+        return Pick(None, f"the all-high reference reached only {accuracy:.3f} in confirmation, no better than "
+                          f"chance ({chance:.3f}): no pick")
+    ok = frame[usable(frame)].sort_values("number").drop_duplicates("key") if not frame.empty else frame
+    candidates = confirmed_front(ok, confirmed)
+    seeds = int(table.loc[high, "confirmed_seeds"])
+
+    def pair_noise(key: str) -> Noise:  # a point is held to all-high with the noise of those two alone
+        return confirmation.noise(budget.confidence, keys=sorted({key, high}))
+
+    if budget.max_memory is None:
+        best = pick_pairwise(candidates, budget, accuracy, seeds, high, chance, pair_noise)
+    else:
+        best = choose_best(candidates, budget, accuracy, confirmation.noise(budget.confidence), seeds, high, chance)
+    if best is None:
+        return Pick(None, f"no confirmed point within the budget beats chance accuracy ({chance:.3f}): no pick")
+    noise = pair_noise(best["key"]) if budget.max_memory is None else confirmation.noise(budget.confidence)
+    proxy_pick = choose_best(front, budget, reference.accuracy, proxy_noise, len(reference.accuracies), high, chance)
+    if proxy_pick is not None and proxy_pick["key"] != best["key"]:
+        return Pick(best, f"the proxies alone would pick trial {int(proxy_pick['number'])} (memory "
+                          f"{proxy_pick['memory']:.3f}); confirmation picks trial {int(best['number'])}", noise)
+    return Pick(best, "", noise)

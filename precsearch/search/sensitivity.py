@@ -24,7 +24,7 @@ per tensor, once per step; the runtime's promotion guard and stochastic rounding
 
 ``least_sensitive`` solves the knapsack exactly (scipy's MILP): demote the units of least summed score whose
 bytes saved reach a target; ``sensitivity_sweep`` does it for the paper's ladder of targets, and
-``SensitivitySeeding`` hands those points to the search as seeds.
+``SensitivitySeeding`` hands those points to the search as seeds (``SENSITIVITY_SEEDING``: ahead of the paper's).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import optuna
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -48,13 +49,15 @@ from precsearch.formats.format import get_format
 from precsearch.formats.kernels import quantize, stats
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph
-from precsearch.search.sensitivity_table import COLUMNS, unit_table
-from precsearch.search.strategies import R_GRID, Candidate, Seeding, assign, low_share, units
+from precsearch.search.context import SearchContext
+from precsearch.search.seeding import PAPER_SEEDING, Seeding, Seedings
+from precsearch.search.sensitivity_table import COLUMNS, keep_table, recorded_table, unit_table
+from precsearch.search.strategies import R_GRID, Candidate, assign, low_share, units
 from precsearch.train.data import ImageDataset, make_loader
 from precsearch.train.trainer import build_model, seeded
 
-__all__ = ["DEFAULT_BATCHES", "SensitivitySeeding", "least_sensitive", "measure", "measure_model",
-           "sensitivity_sweep"]
+__all__ = ["DEFAULT_BATCHES", "SENSITIVITY_SEEDING", "SensitivitySeeding", "least_sensitive", "measure",
+           "measure_model", "sensitivity_sweep"]
 
 DEFAULT_BATCHES = 4
 
@@ -312,15 +315,30 @@ def sensitivity_sweep(graph: TensorGraph, space: SearchSpace, table: pd.DataFram
 
 
 class SensitivitySeeding(Seeding):
-    """The knapsack's points (``sensitivity_sweep``) as seeds of a search; built from a measured table, so it
-    is passed to the search explicitly rather than registered."""
+    """The knapsack's points (``sensitivity_sweep``) as seeds of a search, from a measured ``table``: without
+    one, ``prepared`` measures the model once per study (``measure_model``) and keeps the table in the study."""
 
     name = "sensitivity"
 
-    def __init__(self, table: pd.DataFrame, rs: Sequence[float] = R_GRID) -> None:
+    def __init__(self, table: pd.DataFrame | None = None, rs: Sequence[float] = R_GRID) -> None:
         self.table = table
         self.rs = tuple(rs)
 
+    def prepared(self, context: SearchContext, study: optuna.Study) -> Seeding:
+        """The table a worker of the study measured before (one taking its step over reuses it), else measured
+        here on the CPU; read back from the study, so every worker seeds from the same numbers."""
+        if self.table is not None:
+            return self
+        if recorded_table(study.user_attrs) is None:
+            keep_table(study, measure_model(context.model, context.space, context.data, seed=context.seed,
+                                            device="cpu"))
+        return SensitivitySeeding(recorded_table(study.user_attrs), self.rs)
+
     def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        if self.table is None:
+            raise PrecsearchError("the sensitivity seeding has no table: measure one (measure_model) or prepare it")
         return [(candidate, f"sensitivity r={candidate.r:.1f}")
                 for candidate in sensitivity_sweep(graph, space, self.table, self.rs)]
+
+
+SENSITIVITY_SEEDING = Seedings("sensitivity", [SensitivitySeeding(), *PAPER_SEEDING.parts])  # knapsack first

@@ -4,16 +4,19 @@ the CLI and the sweep order read. Torch-free, so reading a run's sensitivity.csv
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from precsearch.files import atomic_write_text
 
-__all__ = ["COLUMNS", "SENSITIVITY_CSV", "group_order", "save_table", "unit_table"]
+__all__ = ["COLUMNS", "SENSITIVITY_CSV", "group_order", "keep_table", "recorded_table", "save_table", "unit_table"]
 
 SENSITIVITY_CSV = "sensitivity.csv"  # in a run directory; the report plots it
+SENSITIVITY = "sensitivity"  # the study user attr that keeps a search's measured table (its rows)
 COLUMNS: tuple[str, ...] = ("unit", "group", "kind", "tensors", "numel", "bytes_saved", "score", "error",
                             "overflow", "underflow")
 
@@ -42,3 +45,14 @@ def save_table(table: pd.DataFrame, directory: str | os.PathLike[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, table.to_csv(index=False))
     return path
+
+
+def keep_table(study: Any, table: pd.DataFrame) -> None:
+    """Keep a search's measured table in its Optuna ``study`` (a user attr), for every worker and the export."""
+    study.set_user_attr(SENSITIVITY, table.to_dict(orient="records"))
+
+
+def recorded_table(attrs: Mapping[str, Any]) -> pd.DataFrame | None:
+    """The table ``keep_table`` kept among a study's user ``attrs``, or None."""
+    rows = attrs.get(SENSITIVITY)
+    return None if rows is None else pd.DataFrame(rows)

@@ -40,7 +40,7 @@ from optuna.storages.journal._storage import JournalOperation
 from sqlalchemy.engine import make_url
 
 from precsearch.errors import PrecsearchError, find_cause, first_line
-from precsearch.search.config import DEFAULT_HEARTBEAT
+from precsearch.search.settings import DEFAULT_HEARTBEAT
 
 __all__ = ["JOURNAL_NAME", "STORAGE_OUTAGE", "STUDY_NAME", "RetryingRDBStorage", "StudyLocation", "owner_id"]
 

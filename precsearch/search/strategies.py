@@ -13,8 +13,7 @@ with ties broken by execution order, and demote whole groups to the low formats 
 guard (promote a tensor to high once its overflow fraction passes a threshold) is the policy's
 ``promotion_threshold`` and stays on. The ablations order the groups smallest first or randomly.
 
-The search starts from the points of every registered ``Seeding`` (all-high, the paper's sweep, all-low):
-a new kind of starting point is one subclass and ``register_seeding``, as a sampler is in precsearch.search.samplers.
+The search starts from these points (all-high, the paper's sweep, all-low): precsearch.search.seeding.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -39,9 +37,8 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph.types import OpInfo, TensorGraph
 
 __all__ = [
-    "ACCEPTANCE_WINDOW", "ORDERS", "R_GRID", "SEEDINGS", "WANG_LOW", "Candidate", "Seeding", "assign",
-    "assignment_key", "baseline", "baseline_policies", "group_sizes", "low_share", "paper_assignment",
-    "register_seeding", "seed_candidates", "sweep", "uniform", "units",
+    "ACCEPTANCE_WINDOW", "ORDERS", "R_GRID", "WANG_LOW", "Candidate", "assign", "assignment_key", "baseline",
+    "baseline_policies", "group_sizes", "low_share", "paper_assignment", "sweep", "uniform", "units",
 ]
 
 log = logging.getLogger(__name__)
@@ -196,75 +193,6 @@ def uniform(graph: Any, space: SearchSpace, level: str) -> Candidate:
     """Every unit at one level: ``uniform(graph, space, "high")`` is all-high, ``"low"`` all-low."""
     decisions = dict.fromkeys(units(graph, space), level)
     return _candidate(graph, space, f"all-{level}", decisions, r=None)
-
-
-class Seeding(ABC):
-    """One source of the search's starting points, as Optuna's samplers are one class each: a new one is a
-    subclass with a ``name`` and ``candidates``, registered with ``register_seeding``; the search enqueues
-    every registered seeding's candidates (``seed_candidates``) without knowing them by name."""
-
-    name: ClassVar[str]
-
-    @abstractmethod
-    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
-        """(candidate, origin) pairs; the origin labels the point in the report (``"paper r=0.3"``)."""
-
-
-SEEDINGS: dict[str, type[Seeding]] = {}
-
-
-def register_seeding(seeding: type[Seeding]) -> type[Seeding]:
-    """Add a seeding (a class decorator); seeds are enqueued in registration order."""
-    if seeding.name in SEEDINGS:
-        raise PrecsearchError(f"a seeding named {seeding.name!r} is registered already; choose another name")
-    SEEDINGS[seeding.name] = seeding
-    return seeding
-
-
-@register_seeding
-class AllHigh(Seeding):
-    """Every unit high: the reference every other point is measured against."""
-
-    name = "all-high"
-
-    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
-        return [(uniform(graph, space, "high"), self.name)]
-
-
-@register_seeding
-class PaperSweep(Seeding):
-    """The paper's technique at r = 0, 0.1, ..., 1."""
-
-    name = "paper"
-
-    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
-        return [(candidate, f"paper r={candidate.r:.1f}") for candidate in sweep(graph, space)]
-
-
-@register_seeding
-class AllLow(Seeding):
-    """Every unit low: the memory end of the front."""
-
-    name = "all-low"
-
-    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
-        return [(uniform(graph, space, "low"), self.name)]
-
-
-def seed_candidates(graph: Any, space: SearchSpace,
-                    first: Sequence[Seeding] = ()) -> list[tuple[Candidate, list[str]]]:
-    """The search's starting points from the seedings ``first`` (built from measurements, such as
-    precsearch.search.sensitivity.SensitivitySeeding), then every registered seeding (all-high, the paper's
-    sweep, all-low), each assignment once.
-
-    Returns (candidate, origins) pairs; origins name every seed that produced the same assignment
-    (e.g. ["all-high", "paper r=0.0"]) so the report can mark the sweep even where points coincide.
-    """
-    seen: dict[str, tuple[Candidate, list[str]]] = {}
-    for seeding in [*first, *(registered() for registered in SEEDINGS.values())]:
-        for candidate, origin in seeding.candidates(graph, space):
-            seen.setdefault(candidate.key, (candidate, []))[1].append(origin)
-    return list(seen.values())
 
 
 # ------------------------------------------------------------------------------------------- baselines

@@ -7,16 +7,18 @@ and worth are measured, not assumed.
 1. Calibration (precsearch.search.calibration): the all-high reference trains on a geometric schedule of
    lengths until every seed is clearly above chance and the last doubling gained no more than the seed
    noise; that length L is the proxy length (``--proxy-steps N`` fixes it instead). Its learning curve is
-   recorded (calibration.csv) and gives the reference's accuracy at every rung.
-2. Trials: the study is seeded with the paper's technique at r = 0, 0.1, ..., 1 plus all-high and all-low
-   (``enqueue_trial``), and every assignment of the space when it has no more than ``trials`` of them; a
-   sampler (TPE by default) proposes the rest. Each trial decides one level per unit of the space, prices
-   it with ``cost.CostModel`` (no training), and trains a proxy of L steps evaluated at the rungs, where it
-   is stopped only on clear failure against the reference at the same step (precsearch.search.rungs). A
-   candidate that a known point already beats (less memory and within the allowed drop) is not trained.
+   recorded (calibration.csv) and gives the reference's accuracy at every rung; with its key, accuracies and
+   the seeds per proxy it is the ``Reference`` every trial is held to (precsearch.search.reference).
+2. Trials: the study is seeded with the config's ``seeding`` (precsearch.search.seeding; by default the
+   paper's technique at r = 0, 0.1, ..., 1 plus all-high and all-low, ``enqueue_trial``), and every
+   assignment of the space when it has no more than ``trials`` of them; a sampler (TPE by default) proposes
+   the rest. Each trial decides one level per unit of the space, prices it with ``cost.CostModel`` (no
+   training), and trains a proxy of L steps evaluated at the rungs, where it is stopped only on clear
+   failure against the reference at the same step (precsearch.search.rungs). A candidate that a known point
+   already beats (less memory and within the allowed drop) is not trained.
 3. Confirmation (precsearch.search.confirmation): the Pareto front and the reference train again at a
    multiple of L on fresh seeds, with a plain fp32 run beside them; best.json comes only from confirmed
-   points.
+   points, picked by precsearch.search.selection.
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
    with every trial at full length and the paper's one run per sweep point (budget.csv).
 
@@ -77,7 +79,6 @@ from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, atomic_write_text, full_disk
 from precsearch.models import check_trusted
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
-from precsearch.search.config import SearchConfig
 from precsearch.search.confirmation import (
     CONFIRM_SEED_OFFSET,
     PLAIN_FP32,
@@ -85,16 +86,11 @@ from precsearch.search.confirmation import (
     confirmation_length,
 )
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
-from precsearch.search.export import (
-    Exported,
-    export,
-    params_of,
-    policy_of,
-    trials_frame,
-)
+from precsearch.search.export import Exported, export
 from precsearch.search.ledger import Ledger, pause_point
 from precsearch.search.noise import Noise, pooled_noise, seeds_for
 from precsearch.search.objective import FINISHED, WORKER, Objective
+from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
     RUN_FILE,
     SearchStop,
@@ -111,14 +107,11 @@ from precsearch.search.rundir import (
     remove_temporaries,
     write_run_file,
 )
+from precsearch.search.seeding import Seeding, seed_candidates
 from precsearch.search.selection import pareto_front
-from precsearch.search.sensitivity import SensitivitySeeding, measure_model
+from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
-from precsearch.search.strategies import (
-    Seeding,
-    seed_candidates,
-    uniform,
-)
+from precsearch.search.trials import params_of, policy_of, trials_frame
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
     WorkerSetup,
@@ -146,6 +139,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+CONFIG = "config"  # the study user attr that records ``study_config``
 AUTO_REFERENCE_SEEDS = 3  # with --proxy-seeds auto, the all-high reference trains this many seeds to measure noise
 AUTO_MIN_SEEDS = 2  # ... and every proxy at least this many, so each trial adds to the noise estimate
 
@@ -159,7 +153,7 @@ def _new_study(context: SearchContext, storage: optuna.storages.BaseStorage, loc
 
 
 def _check_same_config(study: optuna.Study, context: SearchContext, location: StudyLocation, fix: str) -> None:
-    theirs, ours = study.user_attrs.get("config") or {}, study_config(context)
+    theirs, ours = study.user_attrs.get(CONFIG) or {}, study_config(context)
     differ = [key for key in ours if theirs.get(key) != ours[key]]
     if differ:
         raise PrecsearchError(
@@ -176,8 +170,8 @@ def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, lo
     The database decides who creates it: study names are unique, so of any number of workers starting at
     once exactly one ``create_study`` succeeds, and it records the config under the study's lock, so a worker
     that gets the lock next sees either the config or a creator that died before writing it (then the
-    empty study is taken over). The rest of setup is leased steps any worker takes (``_seed_study``,
-    ``_prepare``): no worker's death loses the study.
+    empty study is taken over). The rest of setup is leased steps any worker takes (``calibrate``,
+    ``_seed_study``): no worker's death loses the study.
     """
     pause_point("join")
     with location.lock(storage):
@@ -186,7 +180,7 @@ def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, lo
         except optuna.exceptions.DuplicatedStudyError:
             study = load_study(context, storage, location, 0)
         pause_point("created")
-        if "config" not in study.user_attrs:
+        if CONFIG not in study.user_attrs:
             _adopt(study, context, location)
         pause_point("config")
     _check_same_config(study, context, location,
@@ -201,7 +195,7 @@ def _adopt(study: optuna.Study, context: SearchContext, location: StudyLocation)
     if study.user_attrs or study.get_trials(deepcopy=False) or [d.name.lower() for d in study.directions] != ours:
         raise PrecsearchError(f"study {location.study_name} in {location.shown} is not a precsearch study; delete "
                               "it (optuna delete-study) or choose another --study-name")
-    study.set_user_attr("config", study_config(context))
+    study.set_user_attr(CONFIG, study_config(context))
 
 
 def study_config(context: SearchContext) -> dict[str, Any]:
@@ -257,21 +251,16 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     return len(reopened) + queued
 
 
-def _seed_study(study: optuna.Study, context: SearchContext, trials: int, ledger: Ledger) -> None:
-    """Queue the seed candidates (``_seed_queue``) as the study's ``seeds`` step: a worker that takes the step
-    over from a dead one reuses its sensitivity table and queues only what is not queued yet, each under the
-    lease (``Ledger.holding``), so no assignment is queued twice."""
+def _seed_study(study: optuna.Study, context: SearchContext, seeding: Seeding, trials: int, ledger: Ledger) -> None:
+    """Queue ``seeding``'s candidates (``_seed_queue``) as the study's ``seeds`` step: a worker that takes the step
+    over from a dead one reuses what the seeding measured (``Seeding.prepared``) and queues only what is not
+    queued yet, each under the lease (``Ledger.holding``), so no assignment is queued twice."""
 
     def work(name: str) -> dict[str, Any]:
-        first = []
-        if context.settings.get("seeding") == "sensitivity":
-            if "sensitivity" not in study.user_attrs:
-                table = measure_model(context.model, context.space, context.data, seed=context.seed, device="cpu")
-                study.set_user_attr("sensitivity", table.to_dict(orient="records"))
-            first.append(SensitivitySeeding(pd.DataFrame(study.user_attrs["sensitivity"])))
+        prepared = seeding.prepared(context, study)
         queued = {context.key(params_of(trial)) for trial in study.get_trials(deepcopy=False)
                   if len(params_of(trial)) == len(context.units)}
-        for decisions, origins in _seed_queue(context, trials, first):
+        for decisions, origins in _seed_queue(context, trials, prepared):
             if context.key(decisions) in queued:
                 continue
             with ledger.holding(name):
@@ -283,11 +272,11 @@ def _seed_study(study: optuna.Study, context: SearchContext, trials: int, ledger
     ledger.run(["seeds"], work)
 
 
-def _seed_queue(context: SearchContext, trials: int, first: list[Seeding]) -> list[tuple[dict[str, str], list[str]]]:
-    """What a new study queues, in order, as (decisions, origins): the seed candidates (``first``' before the
-    paper's), then, when the space holds no more than ``trials`` assignments, every other one (a sampler
-    would only propose them again and again)."""
-    seeded = seed_candidates(context.graph, context.space, first)
+def _seed_queue(context: SearchContext, trials: int, seeding: Seeding) -> list[tuple[dict[str, str], list[str]]]:
+    """What a new study queues, in order, as (decisions, origins): ``seeding``'s candidates, then, when the
+    space holds no more than ``trials`` assignments, every other one (a sampler would only propose them again
+    and again)."""
+    seeded = seed_candidates(context.graph, context.space, seeding)
     queue = [(dict(candidate.decisions), list(origins)) for candidate, origins in seeded]
     if context.assignments > trials:
         return queue
@@ -316,27 +305,22 @@ def _reference_seeds(context: SearchContext) -> list[int]:
     return context.proxy_seed_list(context.proxy_seeds or AUTO_REFERENCE_SEEDS)
 
 
-def _prepare(study: optuna.Study, context: SearchContext, ledger: Ledger, config: SearchConfig,
-             check: Callable[[int, float], None]) -> Calibration:
-    """Calibrate (or train the reference at the fixed length), then record the reference every trial compares
-    with: its result at the proxy length, its seeds' accuracies and the seeds per proxy (with
-    ``proxy_seeds=None`` chosen from the noise the reference shows, ``noise.seeds_for``). Every worker runs
-    it; the ledger makes each run happen once. The study's seeds are queued first (``_seed_study``)."""
-    _seed_study(study, context, config.trials, ledger)
-    calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context), check, config.rungs)
+def _reference(study: optuna.Study, context: SearchContext, calibration: Calibration) -> Reference:
+    """The reference every trial compares with, recorded once per study (whichever worker gets here first):
+    the calibrated all-high runs and the seeds per proxy (with ``proxy_seeds=None`` chosen from the noise the
+    reference shows, ``noise.seeds_for``)."""
     context.length = calibration.length
-    if "reference_result" not in study.user_attrs:
-        accuracies = calibration.accuracies
-        seeds = context.proxy_seeds
-        if seeds is None:
-            noise = pooled_noise(pd.DataFrame(), context.budget.confidence, extra=[accuracies])
-            seeds = seeds_for(noise, context.budget.drop, len(accuracies), min_seeds=AUTO_MIN_SEEDS)
-            log.info("%s; %d seed(s) per proxy", noise.describe(), seeds)
-        study.set_user_attr("proxy_seeds", seeds)
-        study.set_user_attr("reference_key", uniform(context.graph, context.space, "high").key)
-        study.set_user_attr("reference_accuracies", accuracies)
-        study.set_user_attr("reference_result", {**calibration.result().to_dict(), "loss_curve": []})
-    return calibration
+    recorded = Reference.from_study(study)
+    if recorded is not None:
+        return recorded
+    seeds = context.proxy_seeds
+    if seeds is None:
+        noise = pooled_noise(pd.DataFrame(), context.budget.confidence, extra=[calibration.accuracies])
+        seeds = seeds_for(noise, context.budget.drop, len(calibration.accuracies), min_seeds=AUTO_MIN_SEEDS)
+        log.info("%s; %d seed(s) per proxy", noise.describe(), seeds)
+    reference = Reference.of(calibration, context.all_high.key, seeds)
+    reference.record(study)
+    return reference
 
 
 def _settle(study: optuna.Study, objective: Objective) -> None:
@@ -356,8 +340,8 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
             time.sleep(0.5)
 
 
-def _confirm(study: optuna.Study, context: SearchContext, ledger: Ledger, config: SearchConfig,
-             check: Callable[[int, float], None]) -> None:
+def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, ledger: Ledger,
+             config: SearchConfig, check: Callable[[int, float], None]) -> None:
     """Train the front's points (within the memory budget), all-high and plain fp32 at the confirmation
     length on fresh seeds (precsearch.search.confirmation). A front point whose proxy diverged or stayed at
     chance cannot be picked whatever its confirmation says, so it is not trained again."""
@@ -368,13 +352,13 @@ def _confirm(study: optuna.Study, context: SearchContext, ledger: Ledger, config
     if not front.empty:
         front = front[(front["val_accuracy"] > context.chance) & ~front["diverged"].astype(bool)]
     trials = study.get_trials(deepcopy=False)
-    high = uniform(context.graph, context.space, "high")
-    policies: dict[str, Policy | None] = {high.key: context.policy(high.assignment, {"strategy": "all-high"})}
+    policies: dict[str, Policy | None] = {
+        reference.key: context.policy(context.all_high.assignment, {"strategy": "all-high"})}
     for _, row in front.iterrows():
         policies[row["key"]] = policy_of(trials[int(row["number"])], context, {"trial": int(row["number"])})
     policies[PLAIN_FP32] = None
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(_reference_seeds(context)))]
-    confirm(context, ledger, policies, confirmation_length(context.length, config.confirm_factor), seeds, check)
+    confirm(context, ledger, policies, confirmation_length(reference.length, config.confirm_factor), seeds, check)
 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME,
@@ -395,7 +379,7 @@ def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME
     except KeyError:
         raise PrecsearchError(f"no study {location.study_name} in {location.shown}; list them with optuna "
                               "studies --storage URL") from None
-    config = study.user_attrs.get("config")
+    config = study.user_attrs.get(CONFIG)
     if config is None:
         raise PrecsearchError(f"study {location.study_name} in {location.shown} is not a precsearch study")
     model = check_trusted(config.get("model"), f"study {location.study_name} in {location.shown}", trust_model)
@@ -516,28 +500,12 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                     path.unlink(missing_ok=True)
                 raise
             trials = _trial_budget(context, config.trials)
-            bar = _Progress(trials, trials_done(study), config.progress)
+            run = _Run(out_dir, run_config, location, backend, signals,
+                       _Progress(trials, trials_done(study), config.progress), trials, gpus)
             stopped_by: int | None = None
             full: OSError | None = None
-            ledger = _ledger(study, location, backend)
-            check = _signal_check(signals)
             try:
-                calibration = _prepare(study, context, ledger, config, check)
-                log.info("proxy length %d steps (%s)", calibration.length,
-                         "fixed" if calibration.fixed else "calibrated")
-                write_run_file(out_dir, run_config, location, study)
-                if jobs == 1:
-                    _optimize_here(study, context, location, backend, trials, out_dir, bar, signals)
-                else:
-                    created = (context.model, context.space, context.data_spec, context.budget, context.seed)
-                    setup = WorkerSetup(created, context.settings, context.device, location, out_dir, trials,
-                                        config.threads or max(1, (os.cpu_count() or 1) // jobs), config.compile)
-                    _optimize_workers(study, context, setup, gpus, bar)
-                bar.close()
-                if location.shared:
-                    _settle(study, Objective(context, location, backend, out_dir, signals))
-                _confirm(study, context, ledger, config, check)
-                write_run_file(out_dir, run_config, location, study)
+                _search(study, context, config, run)
             except KeyboardInterrupt as stop:
                 stopped_by = getattr(stop, "signum", signal.SIGINT)
             except (Exception, DiskFull) as error:
@@ -546,7 +514,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                     raise
             finally:
                 with signals.held():  # a second Ctrl-C must not tear the files being written
-                    bar.close()
+                    run.bar.close()
                     if full is None:  # on a full disk, --resume writes them
                         exported = export(study, context, out_dir)  # a lost storage raises its one line here
     if full is not None:
@@ -558,6 +526,59 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
     if stopped_by is not None:
         raise SearchInterrupted(result, stopped_by)
     return result
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Where this process searches: its run directory and run.json's config, the study's location and
+    storage, the stop signals, the progress bar, the trial budget and the GPU of each worker process."""
+
+    out_dir: Path
+    config: dict[str, Any]
+    location: StudyLocation
+    backend: optuna.storages.BaseStorage
+    signals: StopSignals
+    bar: _Progress
+    trials: int
+    gpus: list[str | None]
+
+    def record(self, study: optuna.Study) -> None:
+        """run.json, with the calibration and confirmation the study has recorded so far."""
+        write_run_file(self.out_dir, self.config, self.location, study)
+
+
+def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> None:
+    """The search, top-down: calibrate the proxy length on the all-high reference and record the reference,
+    seed the study, run the trials (each proxy held to the reference at the rungs), confirm the front. Every
+    worker of a study runs it; the ledger runs each setup and wrap-up step once. The pick and the files
+    follow in ``run_search``, after a stop too: ``export`` writes what precsearch.search.selection picks."""
+    ledger = _ledger(study, run.location, run.backend)
+    check = _signal_check(run.signals)
+    calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context), check, config.rungs)
+    reference = _reference(study, context, calibration)
+    log.info("proxy length %d steps (%s)", reference.length, "fixed" if calibration.fixed else "calibrated")
+    run.record(study)
+    _seed_study(study, context, config.seeding, run.trials, ledger)
+    objective = Objective(context, reference, run.location, run.backend, run.out_dir, run.signals)
+    _trials(study, context, objective, config, run)
+    _confirm(study, context, reference, ledger, config, check)
+    run.record(study)
+
+
+def _trials(study: optuna.Study, context: SearchContext, objective: Objective, config: SearchConfig,
+            run: _Run) -> None:
+    """The trial budget's trials, here (``jobs=1``) or in worker processes; in a shared study, then those
+    other workers still run (``_settle``)."""
+    if config.jobs == 1:
+        _optimize_here(study, context, objective, run)
+    else:
+        created = (context.model, context.space, context.data_spec, context.budget, context.seed)
+        setup = WorkerSetup(created, context.settings, context.device, run.location, run.out_dir, run.trials,
+                            config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile)
+        _optimize_workers(study, context, setup, run.gpus, run.bar)
+    run.bar.close()
+    if run.location.shared:
+        _settle(study, objective)
 
 
 def _signal_check(signals: StopSignals) -> Callable[[int, float], None]:
@@ -596,11 +617,11 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
             study = _new_study(context, backend, location)
         except optuna.exceptions.DuplicatedStudyError:
             raise taken from None  # another process created it between the listing and here
-        study.set_user_attr("config", study_config(context))
+        study.set_user_attr(CONFIG, study_config(context))
         return study
     study = load_study(context, backend, location, 0)
-    if "config" not in study.user_attrs:  # the journal was cut right after the study was made; run.json matched
-        study.set_user_attr("config", study_config(context))
+    if CONFIG not in study.user_attrs:  # the journal was cut right after the study was made; run.json matched
+        study.set_user_attr(CONFIG, study_config(context))
     _check_same_config(study, context, location, "resume with the same settings or give another --storage")
     queued = _requeue_interrupted(study, backend, context)
     if queued:
@@ -609,17 +630,15 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
 
 
 
-def _optimize_here(study: optuna.Study, context: SearchContext, location: StudyLocation,
-                   backend: optuna.storages.BaseStorage, trials: int, out_dir: Path, bar: _Progress,
-                   signals: StopSignals) -> None:
+def _optimize_here(study: optuna.Study, context: SearchContext, objective: Objective, run: _Run) -> None:
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
-        bar.update(trials_done(study), export(study, context, out_dir).pareto)
+        run.bar.update(trials_done(study), export(study, context, run.out_dir).pareto)
 
-    remaining = trials - trials_done(study)
+    remaining = run.trials - trials_done(study)
     if remaining <= 0:
         return
-    optimize(study, Objective(context, location, backend, out_dir, signals), SAMPLER_REPEATS * remaining,
-             [after, budget_callback(trials, not location.shared), stop_on_signal(signals)])
+    optimize(study, objective, SAMPLER_REPEATS * remaining,
+             [after, budget_callback(run.trials, not run.location.shared), stop_on_signal(run.signals)])
 
 
 def _optimize_workers(study: optuna.Study, context: SearchContext, setup: WorkerSetup, gpus: list[str | None],

@@ -23,9 +23,9 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.spaces import SearchSpace
 from precsearch.errors import PrecsearchError
 from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
-from precsearch.search.calibration import recorded_calibration
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective
+from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
     StopSignals,
     hold_worker_lock,
@@ -168,9 +168,10 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
         context.settings = setup.settings
         storage = setup.location.open()
         study = load_study(context, storage, setup.location, index)
-        context.length = recorded_calibration(study.user_attrs).length  # the parent calibrated before
+        reference = Reference.from_study(study)  # the parent recorded it before starting the workers
+        context.length = reference.length
         try:
-            optimize(study, Objective(context, setup.location, storage, setup.out_dir, signals),
+            optimize(study, Objective(context, reference, setup.location, storage, setup.out_dir, signals),
                      SAMPLER_REPEATS * setup.trials, [budget_callback(setup.trials, not setup.location.shared),
                                                       _parent_watch(parent), stop_on_signal(signals)])
         except (Exception, DiskFull) as error:

@@ -13,11 +13,11 @@ from precsearch.search.calibration import CalibrationSettings
 from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
 from precsearch.search.context import Budget, DataSpec
 from precsearch.search.rungs import DEFAULT_RUNGS
+from precsearch.search.seeding import PAPER_SEEDING, Seeding
 
 __all__ = ["AUTO", "DEFAULT_HEARTBEAT", "SearchConfig"]
 
 AUTO = "auto"
-SEEDINGS = ("paper", "sensitivity")  # sensitivity: the knapsack's points first (precsearch.search.sensitivity)
 DEFAULT_HEARTBEAT = 20  # seconds between heartbeats; a trial silent for 3x this is failed and retried
 
 
@@ -32,7 +32,8 @@ class SearchConfig:
     length (precsearch.search.confirmation). ``proxy_seeds``: seeds per proxy and for the reference (None:
     chosen from the noise, see ``noise.seeds_for``). ``study_name`` joins the shared study of that name in
     ``storage`` (``trials`` is then the study's total); ``sampler`` replaces the space's Optuna sampler.
-    ``seeding``: ``"paper"`` queues all-high, the paper's sweep and all-low first; ``"sensitivity"`` measures
+    ``seeding``: the search's first trials (precsearch.search.strategies.Seeding): ``PAPER_SEEDING`` queues
+    all-high, the paper's sweep and all-low; precsearch.search.sensitivity's ``SENSITIVITY_SEEDING`` measures
     each unit's sensitivity before the first trial and queues the knapsack's points ahead of those.
     """
 
@@ -60,7 +61,7 @@ class SearchConfig:
     heartbeat: int = DEFAULT_HEARTBEAT
     proxy_seeds: int | None = 1
     sampler: str | None = None
-    seeding: str = "paper"
+    seeding: Seeding = PAPER_SEEDING
     compile: CompileOptions | None = None  # how its runs compile their step (None: eagerly)
 
     SETTINGS: ClassVar[tuple[str, ...]] = ("proxy_steps", "max_proxy_steps", "calibration_start", "rungs",
@@ -74,8 +75,6 @@ class SearchConfig:
             raise PrecsearchError(f"proxy steps {self.proxy_steps!r}: give auto or a number of steps >= 1")
         if not all(0 < fraction < 1 for fraction in self.rungs):
             raise PrecsearchError(f"rungs {self.rungs}: give fractions of the proxy length in (0, 1), e.g. 0.11,0.33")
-        if self.seeding not in SEEDINGS:
-            raise PrecsearchError(f"seeding {self.seeding!r}: use one of {', '.join(SEEDINGS)}")
         if self.confirm_factor < 1:
             raise PrecsearchError(f"confirmation factor {self.confirm_factor:g} must be at least 1")
         self.calibration  # noqa: B018 (checks the schedule)
@@ -99,6 +98,13 @@ class SearchConfig:
         return space
 
     def settings(self) -> dict[str, Any]:
-        """The settings that, with the model, space, data, seed and budget, decide what a study means."""
-        return {name: list(value) if isinstance(value := getattr(self, name), tuple) else value
-                for name in self.SETTINGS}
+        """The settings that, with the model, space, data, seed and budget, decide what a study means (as the
+        study's config records them: a seeding by its name)."""
+        return {name: _recorded(getattr(self, name)) for name in self.SETTINGS}
+
+
+def _recorded(value: Any) -> Any:
+    """A setting as JSON keeps it."""
+    if isinstance(value, Seeding):
+        return value.name
+    return list(value) if isinstance(value, tuple) else value

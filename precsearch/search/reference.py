@@ -1,0 +1,87 @@
+"""The all-high reference every trial is measured against, as one value the steps of a search hand each other.
+
+Calibration (precsearch.search.calibration) gives the proxy length and the reference's runs; the reference
+adds its key, its seeds' accuracies and combined result at that length, and the seeds each proxy trains
+(chosen from the noise the reference shows when ``proxy_seeds`` is auto). A study keeps it as user attrs,
+so a resumed run, a worker process or a worker on another host reads it back: those attrs are named,
+written and read here only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+import pandas as pd
+
+from precsearch.search.calibration import Calibration, recorded_calibration
+from precsearch.search.context import Budget
+from precsearch.search.noise import Noise, pooled_noise
+from precsearch.search.rungs import RungRule, rung_steps
+from precsearch.train.trainer import ProxyResult
+
+__all__ = ["Reference", "proxy_noise"]
+
+PROXY_SEEDS, KEY, ACCURACIES, RESULT = "proxy_seeds", "reference_key", "reference_accuracies", "reference_result"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The calibrated all-high reference: ``key`` (the all-high assignment's), the per-seed ``accuracies`` and
+    the seeds-combined ``result`` at the proxy length, and ``proxy_seeds``, the seeds of every proxy."""
+
+    calibration: Calibration
+    key: str
+    accuracies: tuple[float, ...]
+    result: ProxyResult
+    proxy_seeds: int
+
+    @classmethod
+    def of(cls, calibration: Calibration, key: str, proxy_seeds: int) -> Reference:
+        """The reference that ``calibration`` trained, its loss curve left out (a study keeps it small)."""
+        result = ProxyResult.from_dict({**calibration.result().to_dict(), "loss_curve": []})
+        return cls(calibration, key, tuple(calibration.accuracies), result, proxy_seeds)
+
+    @classmethod
+    def from_study(cls, study: optuna.Study) -> Reference | None:
+        """The reference ``record`` kept in ``study`` (None until it is recorded)."""
+        attrs = study.user_attrs
+        calibration = recorded_calibration(attrs)
+        if calibration is None or RESULT not in attrs:
+            return None
+        return cls(calibration, attrs[KEY], tuple(attrs[ACCURACIES]), ProxyResult.from_dict(attrs[RESULT]),
+                   int(attrs[PROXY_SEEDS]))
+
+    def record(self, study: optuna.Study) -> None:
+        """Keep it in ``study`` (calibration keeps itself), the result last: its presence marks it complete."""
+        for name, value in self.to_attrs().items():
+            study.set_user_attr(name, value)
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {PROXY_SEEDS: self.proxy_seeds, KEY: self.key, ACCURACIES: list(self.accuracies),
+                RESULT: self.result.to_dict()}
+
+    @property
+    def length(self) -> int:
+        """The proxy length."""
+        return self.calibration.length
+
+    @property
+    def accuracy(self) -> float | None:
+        """The mean accuracy of its proxy (None when it diverged: nothing to compare with)."""
+        return None if self.result.diverged else float(self.result.val_accuracy)
+
+    def rung_rule(self, rungs: Sequence[float], budget: Budget, chance: float) -> RungRule:
+        """The rule that stops a proxy at a rung: the reference's accuracy at each rung step, and its noise."""
+        calibration = self.calibration
+        return RungRule({step: calibration.at(step) for step in rung_steps(calibration.length, rungs)},
+                        calibration.noise(budget.confidence), budget.drop, chance)
+
+
+def proxy_noise(frame: pd.DataFrame, reference: Reference | None, confidence: float) -> Noise:
+    """The pooled seed noise of the trained trials in ``frame`` and the reference (counted once: all-high
+    is also a trial that copies it)."""
+    counted = reference is None or (not frame.empty and reference.key in set(frame["key"]))
+    return pooled_noise(frame, confidence, extra=[] if counted else [list(reference.accuracies)])

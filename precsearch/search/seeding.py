@@ -1,0 +1,93 @@
+"""The search's starting points: each ``Seeding`` is one source of them, as Optuna's samplers are one class
+each, and ``SearchConfig.seeding`` holds the one a search queues first. ``PAPER_SEEDING`` (the default) is
+all-high, the paper's sweep (precsearch.search.strategies) and all-low; a new kind of starting point is one
+subclass, passed in the config (precsearch.search.sensitivity's ``SENSITIVITY_SEEDING`` is one).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import optuna
+
+from precsearch.config.spaces import SearchSpace
+from precsearch.search.context import SearchContext
+from precsearch.search.strategies import Candidate, sweep, uniform
+
+__all__ = ["PAPER_SEEDING", "AllHigh", "AllLow", "PaperSweep", "Seeding", "Seedings", "seed_candidates"]
+
+
+class Seeding(ABC):
+    """One source of the search's starting points, as Optuna's samplers are one class each: a new one is a
+    subclass with a ``name`` and ``candidates``; the search enqueues the candidates of the seeding its
+    ``SearchConfig.seeding`` holds (``seed_candidates``) without knowing it by name."""
+
+    name: str
+
+    def prepared(self, context: SearchContext, study: optuna.Study) -> Seeding:
+        """This seeding ready to give candidates for ``context``'s model: one built from measurements takes them
+        here, once per study, and keeps them in it (precsearch.search.sensitivity)."""
+        return self
+
+    @abstractmethod
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        """(candidate, origin) pairs; the origin labels the point in the report (``"paper r=0.3"``)."""
+
+
+class AllHigh(Seeding):
+    """Every unit high: the reference every other point is measured against."""
+
+    name = "all-high"
+
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        return [(uniform(graph, space, "high"), self.name)]
+
+
+class PaperSweep(Seeding):
+    """The paper's technique at r = 0, 0.1, ..., 1."""
+
+    name = "paper"
+
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        return [(candidate, f"paper r={candidate.r:.1f}") for candidate in sweep(graph, space)]
+
+
+class AllLow(Seeding):
+    """Every unit low: the memory end of the front."""
+
+    name = "all-low"
+
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        return [(uniform(graph, space, "low"), self.name)]
+
+
+class Seedings(Seeding):
+    """Seedings one after another under one name: the name a study's config records for them."""
+
+    def __init__(self, name: str, parts: Sequence[Seeding]) -> None:
+        self.name = name
+        self.parts = tuple(parts)
+
+    def prepared(self, context: SearchContext, study: optuna.Study) -> Seeding:
+        return Seedings(self.name, [part.prepared(context, study) for part in self.parts])
+
+    def candidates(self, graph: Any, space: SearchSpace) -> list[tuple[Candidate, str]]:
+        return [pair for part in self.parts for pair in part.candidates(graph, space)]
+
+
+PAPER_SEEDING = Seedings("paper", [AllHigh(), PaperSweep(), AllLow()])  # the search's default
+
+
+def seed_candidates(graph: Any, space: SearchSpace, seeding: Seeding = PAPER_SEEDING
+                    ) -> list[tuple[Candidate, list[str]]]:
+    """The search's starting points: ``seeding``'s candidates, each assignment once.
+
+    Returns (candidate, origins) pairs; origins name every seed that produced the same assignment
+    (e.g. ["all-high", "paper r=0.0"]) so the report can mark the sweep even where points coincide.
+    """
+    seen: dict[str, tuple[Candidate, list[str]]] = {}
+    for candidate, origin in seeding.candidates(graph, space):
+        seen.setdefault(candidate.key, (candidate, []))[1].append(origin)
+    return list(seen.values())
