@@ -208,3 +208,42 @@ def test_bad_assignments(resnet):
         resnet.bytes({"conv1:weight": "e9m9x"})
     with pytest.raises(PrecsearchError, match="low formats must name exactly the kinds"):
         CostModel(resnet.graph, low={"weight": "e4m3b4s"})
+
+
+SCALED_LOW = {"weight": "e4m3fn@block32", "activation": "e4m3fn@tensor:delayed16", "activation_grad": "e5m2@row",
+              "weight_grad": "e5m2@tensor"}
+
+
+def _two_linears() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Sequential(nn.Linear(40, 8, bias=False), nn.ReLU(), nn.Linear(8, 3, bias=False)), torch.randn(2, 40)
+
+
+def test_scaled_formats_are_priced_as_codes_plus_a_byte_per_scale_by_hand():
+    """Batch 4 through Linear(40, 8), ReLU, Linear(8, 3): one byte per 8-bit code, one per e8m0 scale (per tensor,
+    per row of x.reshape(rows, -1), per 32 values of a row), and a delayed16 history's 16 float32 amaxes."""
+    model, x = _two_linears()
+    graph = trace(model, x, batch_size=4)
+    history = 16 * 4
+    by_hand = {
+        "input_1:activation": 4 * 40 + 1 + history,
+        "0:weight": 8 * 40 + 8 * 2,            # 8 rows of 40 values: two blocks of 32 (the second one short)
+        "0:weight_grad": 8 * 40 + 1,
+        "0:activation": 4 * 8 + 1 + history,
+        "0:activation_grad": 4 * 8 + 4,        # one scale per sample (row)
+        "1:activation": 4 * 8 + 1 + history,
+        "1:activation_grad": 4 * 8 + 4,
+        "2:weight": 3 * 8 + 3 * 1,
+        "2:weight_grad": 3 * 8 + 1,
+        "2:activation": 4 * 3 + 1 + history,
+        "2:activation_grad": 4 * 3 + 4,
+    }
+    assert set(by_hand) == set(graph.assignable_ids())
+    cost = CostModel(graph, high="bf16", low=SCALED_LOW)
+    all_low = {tid: SCALED_LOW[graph.tensors[tid].kind] for tid in by_hand}
+    assert cost.bytes(all_low) == sum(by_hand.values()) == 1293
+    assert cost.bytes_batch(np.ones((1, cost.n_groups)))[0] == 1293  # the group table prices them alike
+    assert cost.bytes_batch(np.zeros((1, cost.n_groups)))[0] == 2 * (160 + 320 * 2 + 32 * 4 + 24 * 2 + 12 * 2)
+    # autograd keeps the input (for the first GEMM) and the ReLU's output (ReLU and the second GEMM): their codes
+    # and their one scale each; the amax histories are state, not saved
+    assert cost.saved_activation_bytes(all_low) == (160 + 1) + (32 + 1)
+    assert cost.low_share(all_low) == 1.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from precsearch.analysis.checks import check_policy_on_model
+from precsearch.config import policy as policy_module
 from precsearch.config.policy import SCHEMA_VERSION, Accumulation, Policy
 from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.cost.model import CostModel
@@ -129,7 +131,7 @@ def test_save_load_round_trip_is_sorted_versioned_and_lists_formats(policy, tmp_
     path = policy.save(tmp_path / "p.json")
     text = path.read_text()
     data = json.loads(text)
-    assert list(data) == sorted(data) and data["schema_version"] == SCHEMA_VERSION
+    assert list(data) == sorted(data) and data["schema_version"] == 1  # no scaled format: readable by older ones
     assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
     assert '    "conv*:weight": "fp16",\n' in text  # one override per line: diffs stay readable
     fmt = get_format("e4m3b4s")
@@ -140,6 +142,47 @@ def test_save_load_round_trip_is_sorted_versioned_and_lists_formats(policy, tmp_
     assert loaded == policy
     assert loaded.input_shape == (3, 32, 32)
     assert loaded.loss_scaling == {"mode": "dynamic", "init_scale": 1024.0}
+
+
+SCALED = {"weight": "e4m3fn@tensor", "activation": "E4M3FN@tensor:delayed16", "activation_grad": "e5m2@row",
+          "weight_grad": "e2m1fn@block32"}
+
+
+def test_scaled_formats_round_trip_under_schema_version_2_and_an_older_precsearch_refuses_them(policy, tmp_path,
+                                                                                               monkeypatch):
+    scaled = policy.replace(defaults=SCALED, overrides={"conv1:weight": "e5m2@tensor"})
+    assert scaled.defaults["activation"] == "e4m3fn@tensor:delayed16"  # normalized like plain names
+    path = scaled.save(tmp_path / "scaled.json")
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 2
+    assert data["formats"]["e2m1fn@block32"] == {  # OCP's fp4 by hand: max 6, min subnormal 0.5, no NaN code
+        "bits": 4, "exp": 2, "man": 1, "bias": 1, "special": "none", "max": 6.0, "min_subnormal": 0.5,
+        "element": "fp4_e2m1fn", "granularity": "block", "block": 32, "history": 0}
+    assert data["formats"]["e4m3fn@tensor:delayed16"]["history"] == 16
+    assert Policy.load(path) == scaled
+    # the same file under version 1 is not one an older precsearch could have written: refused, naming the fix
+    with pytest.raises(PrecsearchError, match="scaled format .* needs schema_version 2 .*says 1"):
+        Policy.load(_edited(scaled, tmp_path, schema_version=1))
+    monkeypatch.setattr(policy_module, "SCHEMA_VERSION", 1)  # what a precsearch before scaled formats reads
+    with pytest.raises(PrecsearchError, match="schema_version 2 was written by a newer precsearch"):
+        Policy.load(path)
+    assert Policy.load(policy.save(tmp_path / "plain.json")) == policy  # an unscaled one still loads there
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"defaults": {"weight": "e4m3fn@tensr"}}, r"defaults.weight: unknown scaled format 'e4m3fn@tensr': use "
+                                               r"<element>@tensor\[:delayed<N>\], <element>@row"),
+    ({"overrides": {"conv1:weight": "e4m3fn@block0"}}, r"overrides\['conv1:weight'\]: unknown scaled format"),
+    ({"module_types": {"Conv2d": {"weight": "e9m3@row"}}}, r"module_types.Conv2d.weight: scaled format 'e9m3@row': "
+                                                           r"format 'e9m3': E must be in 1..8"),
+    ({"defaults": {"weight": "e4m3q"}}, r"unknown float format 'e4m3q'.*; or a scaled format <element>@tensor"),
+    ({"high_format": "e4m3fn@tensor"}, r"high_format: e4m3fn@tensor is a scaled format.*such as bf16"),
+])
+def test_bad_scaled_names_are_one_line_naming_the_name_and_the_grammar(policy, changes, needle):
+    with pytest.raises(PrecsearchError) as caught:
+        policy.replace(**changes)
+    assert "\n" not in str(caught.value)
+    assert re.search(needle, str(caught.value))
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from precsearch.config.spaces import load_space, paper_space, parse_space
 from precsearch.config.spec import ASSIGNABLE_KINDS, PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
+from precsearch.formats.scaled import any_format, get_scaled_format
 
 SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
 BASE = {"high": "e6m9s", "low": "e4m3b4s"}
@@ -31,7 +33,7 @@ def test_shipped_spaces_load_and_every_level_names_real_formats(path):
     for level in space.levels.values():
         assert set(level) == set(ASSIGNABLE_KINDS)
         for spec in level.values():
-            get_format(spec)
+            any_format(spec)
     assert parse_space(space.to_dict()) == space
 
 
@@ -58,6 +60,32 @@ def test_fp8_space_is_e4m3_forward_e5m2_backward():
     space = load_space(SPACES / "fp8_e4m3_e5m2.yaml")
     assert space.low["weight"] == space.low["activation"] == "fp8_e4m3fn"
     assert space.low["activation_grad"] == space.low["weight_grad"] == "fp8_e5m2"
+
+
+def test_scaled_spaces_are_torchaos_tensorwise_recipe_and_ocp_mxfp8():
+    fp8 = load_space(SPACES / "fp8_scaled.yaml")
+    assert fp8.high == "bf16" and fp8.master_weights
+    assert fp8.low == {"weight": "e4m3fn@tensor", "activation": "e4m3fn@tensor", "activation_grad": "e5m2@tensor",
+                       "weight_grad": "e5m2@tensor"}
+    mx = {kind: get_scaled_format(spec) for kind, spec in load_space(SPACES / "mx.yaml").low.items()}
+    assert {fmt.block for fmt in mx.values()} == {32}
+    assert {kind: fmt.element.name for kind, fmt in mx.items()} == {
+        "weight": "e4m3fn", "activation": "e4m3fn", "activation_grad": "e5m2", "weight_grad": "e5m2"}
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    ({"high": "bf16", "low": "e4m3fn@tensr", "master_weights": True},
+     r"low: unknown scaled format 'e4m3fn@tensr': use <element>@tensor\[:delayed<N>\]"),
+    ({"high": "bf16", "low": "e4m3q", "master_weights": True},
+     r"low: unknown float format 'e4m3q'.*; or a scaled format <element>@tensor"),
+    ({"high": "e4m3fn@tensor", "low": "e4m3fn@tensor"}, r"high: e4m3fn@tensor is a scaled format.*such as bf16"),
+    ({"high": "bf16", "low": "e4m3fn@tensor"}, r"low weight format e4m3fn@tensor is scaled.*master_weights: true"),
+    ({"high": "e4m3fn", "low": "e5m2@row", "master_weights": True}, r"every low format is as wide as high"),
+    ({"high": "bf16", "low": "e4m3fn@tensor", "master_weights": True, "rounding": "stochastic"},
+     r"weight may be e4m3fn@tensor, a scaled format, which rounds to nearest only; set rounding.weight: nearest"),
+])
+def test_scaled_low_formats_are_checked_in_one_line(raw, needle):
+    assert re.search(needle, _error(raw))
 
 
 def test_low_as_one_spec_and_partial_mapping():

@@ -1,11 +1,14 @@
 """The policy file: which float format every training tensor uses, and how training enforces it.
 
 A ``Policy`` is what a search (or a hand) produces and what ``precsearch.runtime.model.apply_policy`` loads into
-ordinary training. It is a versioned JSON document (``schema_version`` 1), written with sorted keys and one
-entry per line so that two policies diff cleanly. A ``Policy`` is plain, frozen, validated data: it loads and
-saves without torch. The code that ties one to a model lives with the model's boxes: the cost model's
-prediction (precsearch.cost.policies), the check against a graph (precsearch.graph.policy_check) or a module
-(precsearch.analysis.checks), the prior-work baselines (precsearch.search.strategies).
+ordinary training. It is a versioned JSON document, written with sorted keys and one entry per line so that two
+policies diff cleanly: ``schema_version`` 1, or 2 when a tensor's format is scaled (``e4m3fn@tensor``,
+precsearch.formats.scaled), so that a precsearch that predates scaled formats refuses such a file as newer
+rather than misread it, while every other policy is written as before and still loads there.
+A ``Policy`` is plain, frozen, validated data: it loads and saves without torch. The code that ties one to a
+model lives with the model's boxes: the cost model's prediction (precsearch.cost.policies), the check against a
+graph (precsearch.graph.policy_check) or a module (precsearch.analysis.checks), the prior-work baselines
+(precsearch.search.strategies).
 
 Resolving a tensor's format, in the spirit of torch.ao's QConfigMapping (most specific rule wins):
 
@@ -69,14 +72,16 @@ from precsearch.config.spec import (
 )
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
-from precsearch.formats.format import OVERFLOWS, FloatFormat, get_format, spec_name
+from precsearch.formats.format import OVERFLOWS, FloatFormat, spec_name
+from precsearch.formats.scaled import ScaledFormat, any_format, format_name, is_scaled
 
 __all__ = [
-    "ACCUMULATION_CHUNK", "ACCUMULATION_FORMAT", "ACCUMULATION_LAYER_TYPES", "Accumulation", "SCHEMA_VERSION",
-    "Policy", "is_glob",
+    "ACCUMULATION_CHUNK", "ACCUMULATION_FORMAT", "ACCUMULATION_LAYER_TYPES", "Accumulation", "SCALED_SCHEMA_VERSION",
+    "SCHEMA_VERSION", "Policy", "is_glob",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest this precsearch reads; it writes 1 unless a tensor's format is scaled
+SCALED_SCHEMA_VERSION = 2  # the first that holds scaled formats
 ACCUMULATION_KEYS: tuple[str, ...] = ("format", "chunk", "layers")
 # Wang et al. 2018: 16-bit (1,6,9) sums in chunks of 64.
 ACCUMULATION_FORMAT = "e6m9s"
@@ -253,16 +258,16 @@ class Policy:
                 raise PrecsearchError(f"{where}: input_shape must be a list of positive integers, not {shape!r}")
             normal["input_shape"] = tuple(shape)
         normal["batch_size"] = _optional_int(self.batch_size, f"{where}: batch_size")
-        normal["defaults"] = {k: spec_name(v, f"{where}: defaults.{k}")
+        normal["defaults"] = {k: format_name(v, f"{where}: defaults.{k}")
                               for k, v in _kinds(self.defaults, f"{where}: defaults").items()}
-        normal["overrides"] = {k: spec_name(v, f"{where}: overrides[{k!r}]")
+        normal["overrides"] = {k: format_name(v, f"{where}: overrides[{k!r}]")
                                for k, v in _mapping(self.overrides, f"{where}: overrides").items()}
         normal["module_types"] = {
-            name: {k: spec_name(v, f"{where}: module_types.{name}.{k}")
+            name: {k: format_name(v, f"{where}: module_types.{name}.{k}")
                    for k, v in _kinds(rules, f"{where}: module_types.{name}").items()}
             for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
         }
-        normal["high_format"] = spec_name(self.high_format, f"{where}: high_format")
+        normal["high_format"] = format_name(self.high_format, f"{where}: high_format", scaled=False)
         normal["rounding"] = {k: choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")
                               for k, v in _kinds(self.rounding, f"{where}: rounding").items()}
         normal["overflow"] = {k: choice(v, OVERFLOWS, f"{where}: overflow.{k}")
@@ -312,7 +317,7 @@ class Policy:
         """Tensor id -> format spec for every assignable tensor of ``graph`` (a ``TensorGraph``)."""
         return {tensor_id: self.format_for(graph.tensors[tensor_id]) for tensor_id in graph.assignable_ids()}
 
-    def formats(self) -> dict[str, FloatFormat]:
+    def formats(self) -> dict[str, FloatFormat | ScaledFormat]:
         """Every format the policy names, by spec (the file lists them with their parameters)."""
         specs = {*self.defaults.values(), *self.overrides.values(), self.high_format}
         specs |= {spec for rules in self.module_types.values() for spec in rules.values()}
@@ -320,7 +325,7 @@ class Policy:
             specs.add(self.optimizer["state_format"])
         if self.accumulation is not None:
             specs.add(self.accumulation.format)
-        return {spec: get_format(spec) for spec in sorted(specs)}
+        return {spec: any_format(spec) for spec in sorted(specs)}
 
     def _globs(self) -> list[str]:
         return sorted((key for key in self.overrides if is_glob(key)), key=lambda key: (-len(key), key))
@@ -339,8 +344,10 @@ class Policy:
         for name, default in _OPTIONAL_DEFAULTS.items():
             if data[name] == default:
                 del data[name]  # optional like accumulation: files without it read as before
-        data["schema_version"] = SCHEMA_VERSION
-        data["formats"] = {spec: _format_entry(fmt) for spec, fmt in self.formats().items()}
+        formats = self.formats()
+        scaled = any(isinstance(fmt, ScaledFormat) for fmt in formats.values())
+        data["schema_version"] = SCALED_SCHEMA_VERSION if scaled else 1
+        data["formats"] = {spec: _format_entry(fmt) for spec, fmt in formats.items()}
         return data
 
     def to_json(self) -> str:
@@ -375,6 +382,10 @@ class Policy:
         except PrecsearchError as error:
             raise PrecsearchError(f"{where}: {str(error).removeprefix('policy: ')}") from None
         _check_listed_formats(data.get("formats", {}), where)
+        scaled = next((spec for spec in policy.formats() if is_scaled(spec)), None)
+        if scaled is not None and version < SCALED_SCHEMA_VERSION:
+            raise PrecsearchError(f"{where}: scaled format {scaled} needs schema_version {SCALED_SCHEMA_VERSION} "
+                                  f"(the file says {version}); write it with Policy.save")
         return policy
 
     @classmethod
@@ -395,7 +406,11 @@ class Policy:
         return dataclasses.replace(self, **changes)
 
 
-def _format_entry(fmt: FloatFormat) -> dict[str, Any]:
+def _format_entry(fmt: FloatFormat | ScaledFormat) -> dict[str, Any]:
+    """A format's parameters as the file lists them; a scaled one's are its element's plus how it scales."""
+    if isinstance(fmt, ScaledFormat):
+        return {**_format_entry(fmt.element), "element": fmt.element.name, "granularity": fmt.granularity,
+                "block": fmt.block, "history": fmt.history}
     return {"bits": fmt.bits, "exp": fmt.exp, "man": fmt.man, "bias": fmt.bias, "special": fmt.special,
             "max": fmt.max, "min_subnormal": fmt.min_subnormal}
 
@@ -403,8 +418,7 @@ def _format_entry(fmt: FloatFormat) -> dict[str, Any]:
 def _check_listed_formats(listed: Any, where: str) -> None:
     """The file's ``formats`` table is informative, but it must agree with how this precsearch reads the specs."""
     for spec, entry in _mapping(listed, f"{where}: formats").items():
-        fmt = get_format(spec_name(spec, f"{where}: formats"))
-        expected = _format_entry(fmt)
+        expected = _format_entry(any_format(format_name(spec, f"{where}: formats")))
         if not isinstance(entry, Mapping):
             raise PrecsearchError(f"{where}: formats.{spec} must be a mapping of its parameters")
         for key, value in entry.items():

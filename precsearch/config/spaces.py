@@ -7,7 +7,8 @@ search the wrong thing for hours.
 
 A space defines named *levels*. Every decision unit (a group, or a single tensor) takes one level, and a
 level maps each tensor kind to a format. ``high`` and ``low`` always exist; a ``categorical`` space adds
-the named ``choices``.
+the named ``choices``. A low or choice format may be scaled (``e4m3fn@tensor``, precsearch.formats.scaled: its
+element's width is what the width checks compare); the high format, which promotion goes to, may not.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from precsearch.config.spec import (
     ProxyConfig,
 )
 from precsearch.errors import PrecsearchError
-from precsearch.formats.format import OVERFLOWS, get_format, spec_name
+from precsearch.formats.format import OVERFLOWS, FloatFormat
+from precsearch.formats.scaled import ScaledFormat, any_format, format_name
 
 __all__ = [
     "GRANULARITIES",
@@ -165,10 +167,17 @@ def _proxy_config(raw: Any, where: str) -> ProxyConfig:
 
 
 def _optimizer_for_weights(raw: Any, weight_format: str, master_weights: bool, where: str) -> dict[str, Any]:
-    """Weight-update settings, checked against the low weight format (``UpdateConfig``)."""
+    """Weight-update settings, checked against the low weight format (``UpdateConfig``; a scaled one by its
+    element, and only with fp32 master weights: an optimizer keeps no scales)."""
     settings = optimizer(raw, f"{where}: optimizer")
+    fmt = any_format(weight_format)
+    if isinstance(fmt, ScaledFormat):
+        if not master_weights:
+            raise PrecsearchError(f"{where}: low weight format {weight_format} is scaled, which needs fp32 master "
+                                  "weights (the forward scales the rounded copy); set master_weights: true")
+        fmt = fmt.element
     try:
-        UpdateConfig(weight_format=weight_format, master_weights=master_weights, **settings)
+        UpdateConfig(weight_format=fmt.name, master_weights=master_weights, **settings)
     except PrecsearchError as error:
         raise PrecsearchError(f"{where}: optimizer: {error}") from None
     return settings
@@ -193,7 +202,7 @@ def _choices(raw: Any, high: str, low: Mapping[str, str], where: str) -> dict[st
         if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_LEVELS:
             raise PrecsearchError(f"{where}: choice name {name!r} must be an identifier other than "
                                   f"{' and '.join(RESERVED_LEVELS)}")
-        level = _per_kind(value, f"{where}: choices.{name}", spec_name, dict.fromkeys(ASSIGNABLE_KINDS, high))
+        level = _per_kind(value, f"{where}: choices.{name}", format_name, dict.fromkeys(ASSIGNABLE_KINDS, high))
         _check_not_wider(high, level, f"choices.{name}", where)
         same = next((other for other, formats in levels.items() if _formats(formats) == _formats(level)), None)
         if same is not None:
@@ -203,17 +212,29 @@ def _choices(raw: Any, high: str, low: Mapping[str, str], where: str) -> dict[st
     return {name: levels[name] for name in raw}
 
 
-def _formats(level: Mapping[str, str]) -> dict[str, tuple[int, int, int, str]]:
-    """A level's formats by their parameters, so that two names of one format (fp16, e5m10) compare equal."""
-    formats = {kind: get_format(spec) for kind, spec in level.items()}
-    return {kind: (fmt.exp, fmt.man, fmt.bias, fmt.special) for kind, fmt in formats.items()}
+def _parameters(fmt: FloatFormat | ScaledFormat) -> tuple[Any, ...]:
+    """A format by its parameters, so that two names of one format (fp16, e5m10) compare equal."""
+    if isinstance(fmt, ScaledFormat):
+        return (*_parameters(fmt.element), fmt.granularity, fmt.block, fmt.history)
+    return fmt.exp, fmt.man, fmt.bias, fmt.special
+
+
+def _formats(level: Mapping[str, str]) -> dict[str, tuple[Any, ...]]:
+    """A level's formats by their parameters."""
+    return {kind: _parameters(any_format(spec)) for kind, spec in level.items()}
+
+
+def _bits(spec: str) -> int:
+    """Bits of one value: a scaled format's element's (its scales are a byte per tensor, row or block)."""
+    fmt = any_format(spec)
+    return (fmt.element if isinstance(fmt, ScaledFormat) else fmt).bits
 
 
 def _check_not_wider(high: str, level: Mapping[str, str], name: str, where: str) -> None:
     """No format of the level ``name`` wider than high: it would cost more memory than the all-high level."""
-    high_bits = get_format(high).bits
+    high_bits = _bits(high)
     for kind, format_spec in level.items():
-        width = get_format(format_spec).bits
+        width = _bits(format_spec)
         if width > high_bits:
             raise PrecsearchError(f"{where}: {name}.{kind} {format_spec} ({width} bits) is wider than high {high} "
                                   f"({high_bits} bits); give a format at most as wide as the high one")
@@ -222,10 +243,19 @@ def _check_not_wider(high: str, level: Mapping[str, str], name: str, where: str)
 def _check_narrower(high: str, low: Mapping[str, str], where: str) -> None:
     """Every low format at most as wide as high, and one narrower: else "low" saves nothing (or costs more)."""
     _check_not_wider(high, low, "low", where)
-    high_bits = get_format(high).bits
-    if all(get_format(spec).bits == high_bits for spec in low.values()):
+    high_bits = _bits(high)
+    if all(_bits(spec) == high_bits for spec in low.values()):
         raise PrecsearchError(f"{where}: every low format is as wide as high {high} ({high_bits} bits), so no "
                               "assignment saves memory; give at least one low format narrower than the high one")
+
+
+def _check_scaled_rounding(levels: list[Mapping[str, str]], rounding: Mapping[str, str], where: str) -> None:
+    """A kind that a level gives a scaled format rounds to nearest: the runtime has no stochastic scaled rounding."""
+    for level in levels:
+        for kind, format_spec in level.items():
+            if rounding[kind] == "stochastic" and isinstance(any_format(format_spec), ScaledFormat):
+                raise PrecsearchError(f"{where}: {kind} may be {format_spec}, a scaled format, which rounds to "
+                                      f"nearest only; set rounding.{kind}: nearest")
 
 
 def _description(raw: Any, where: str) -> str:
@@ -244,8 +274,8 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     check_keys(raw, TOP_KEYS, where)
     if "high" not in raw or "low" not in raw:
         raise PrecsearchError(f"{where} must name a high format and low formats (keys high and low)")
-    high = spec_name(raw["high"], f"{where}: high")
-    low = _per_kind(raw["low"], f"{where}: low", spec_name, {kind: high for kind in ASSIGNABLE_KINDS})
+    high = format_name(raw["high"], f"{where}: high", scaled=False)
+    low = _per_kind(raw["low"], f"{where}: low", format_name, {kind: high for kind in ASSIGNABLE_KINDS})
     _check_narrower(high, low, where)
     granularity = choice(raw.get("granularity", "group"), GRANULARITIES, f"{where}: granularity")
     if "choices" in raw and granularity != "categorical":
@@ -256,6 +286,8 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     name = raw.get("name", "space")
     if not isinstance(name, str) or not name:
         raise PrecsearchError(f"{where}: name must be a non-empty string")
+    rounding = _per_kind(raw.get("rounding"), f"{where}: rounding", _allowed(POLICY_ROUNDINGS), defaults.rounding)
+    _check_scaled_rounding([low, *choices.values()], rounding, where)
     return SearchSpace(
         name=name,
         description=_description(raw.get("description"), where),
@@ -263,7 +295,7 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
         low=low,
         granularity=granularity,
         choices=choices,
-        rounding=_per_kind(raw.get("rounding"), f"{where}: rounding", _allowed(POLICY_ROUNDINGS), defaults.rounding),
+        rounding=rounding,
         overflow=_per_kind(raw.get("overflow"), f"{where}: overflow", _allowed(OVERFLOWS), defaults.overflow),
         loss_scaling=loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), f"{where}: loss_scaling",
                                   SPACE_DEFAULTS.loss_scaling_mode, canonical=True),

@@ -21,6 +21,13 @@ Weight-update memory (fp32 masters, Kahan buffers, optimizer state) depends on t
 so the cost model and the optimizer cannot disagree. Without an optimizer, every trainable parameter keeps an
 fp32 master copy and an fp32 SGD momentum (the graph's `master_weight` and `optimizer_state` tensors).
 
+Scaled formats (`e4m3fn@tensor`, precsearch.formats.scaled) are priced as their element's codes plus their
+scales, one e8m0 byte per tensor, row or block (`ScaledFormat.scales_shape`), wherever a value of the tensor is
+held: the paper's counting also holds a delayed recipe's amax history (float32 per entry, state the runtime
+keeps for the whole run: `scale_bytes`), autograd's saved bytes and a step's blocks only the scales beside the
+codes (what the runtime packs). The runtime keeps a scaled weight's codes and scales from its layer's forward to
+its backward rather than round the master again (a rounding of a slice would take another amax).
+
 The peak of a training step (`peak_bytes`, `peak_timeline`) is a third measure: what one forward, backward
 and optimizer step holds at once above parameters and optimizer state, predicted by replaying the step on
 the graph (precsearch.cost.measured measures it).
@@ -42,6 +49,7 @@ from precsearch.config.optimizer import UpdateConfig
 from precsearch.config.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
+from precsearch.formats.scaled import ScaledFormat, any_format, scale_bytes
 from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
 from precsearch.graph.op_rules import ASSUMED_SAVES
 from precsearch.graph.runs import forward_error, training_mode
@@ -55,7 +63,7 @@ log = logging.getLogger(__name__)
 
 MIB = 2**20
 FP32 = get_format("fp32")
-Spec = str | FloatFormat
+Spec = str | FloatFormat | ScaledFormat
 
 @dataclass(frozen=True)
 class Held:
@@ -87,6 +95,21 @@ def _storage_bytes(fmt: FloatFormat) -> int:
     return fmt.storage_bytes
 
 
+def _held_scales(fmt: FloatFormat | ScaledFormat, shape: tuple[int, ...]) -> int:
+    """Bytes a scaled format holds beside a tensor's codes, amax history included (`scale_bytes`); 0 unscaled."""
+    return scale_bytes(fmt, shape) if isinstance(fmt, ScaledFormat) else 0
+
+
+def _element(fmt: FloatFormat | ScaledFormat) -> FloatFormat:
+    """The format of one value: a scaled format's element."""
+    return fmt.element if isinstance(fmt, ScaledFormat) else fmt
+
+
+def _stored_scales(fmt: FloatFormat | ScaledFormat | None, shape: tuple[int, ...]) -> int:
+    """Bytes of the scales stored beside a tensor's codes (one e8m0 byte each; 0 for an unscaled format)."""
+    return math.prod(fmt.scales_shape(shape)) if isinstance(fmt, ScaledFormat) else 0
+
+
 class CostModel:
     """Prices assignments of one TensorGraph. `high` and `low` (per assignable kind) are the two formats a
     group decision chooses between (`bytes_batch`, `group_assignment`); they default to the paper's. What each
@@ -101,7 +124,7 @@ class CostModel:
         if missing or extra:
             raise PrecsearchError(f"low formats must name exactly the kinds {', '.join(ASSIGNABLE_KINDS)}; "
                                   f"missing {missing or 'none'}, unknown {extra or 'none'}")
-        self.low = {kind: get_format(spec) for kind, spec in low.items()}
+        self.low = {kind: any_format(spec) for kind, spec in low.items()}
         self.ids = list(graph.tensors)
         infos = list(graph.tensors.values())
         self._numel = np.array([info.numel for info in infos], dtype=np.float64)
@@ -111,7 +134,9 @@ class CostModel:
         groups = np.array([info.group for info in infos])
         self.n_groups = len(graph.groups)
         high_bits = np.where(self._assignable, self.high.bits, 0) * self._numel
-        low_bits = np.array([self.low[info.kind].bits if info.kind in self.low else 0 for info in infos]) * self._numel
+        low = [self.low.get(info.kind) for info in infos]
+        low_bits = np.array([0 if fmt is None else _element(fmt).bits * info.numel + 8 * _held_scales(fmt, info.shape)
+                             for fmt, info in zip(low, infos, strict=True)])
         # (n_groups, 2) table: bits of each group's assignable tensors when held high / low.
         self.group_bits = np.zeros((self.n_groups, 2))
         np.add.at(self.group_bits[:, 0], groups, high_bits)
@@ -132,6 +157,14 @@ class CostModel:
     # ------------------------------------------------------------------------------------------ memory
 
     def _formats(self, assignment: Mapping[str, Spec] | None) -> dict[str, FloatFormat]:
+        """Tensor id -> the format of one of its values (a scaled format's element: `_scaled` has the rest)."""
+        return {tid: _element(fmt) for tid, fmt in self._resolve(assignment).items()}
+
+    def _scaled(self, assignment: Mapping[str, Spec] | None) -> dict[str, ScaledFormat]:
+        """Tensor id -> scaled format, for the tensors `assignment` gives one."""
+        return {tid: fmt for tid, fmt in self._resolve(assignment).items() if isinstance(fmt, ScaledFormat)}
+
+    def _resolve(self, assignment: Mapping[str, Spec] | None) -> dict[str, FloatFormat | ScaledFormat]:
         formats = {}
         for tid, spec in (assignment or {}).items():
             info = self.graph.tensors.get(tid)
@@ -141,15 +174,18 @@ class CostModel:
             if info.kind not in ASSIGNABLE_KINDS:
                 raise PrecsearchError(f"tensor {tid!r} is a {info.kind}, always fp32; assign only "
                                       f"{', '.join(ASSIGNABLE_KINDS)} tensors")
-            formats[tid] = get_format(spec)
+            formats[tid] = any_format(spec)
         return formats
 
     def _tensor_bits(self, assignment: Mapping[str, Spec] | None) -> np.ndarray:
-        """Bits per tensor in graph order: numel x format bits (fp32 where unassigned)."""
+        """Bits per tensor in graph order: numel x format bits (fp32 where unassigned), plus a scaled format's
+        scales (and amax history)."""
         per_element = np.full(len(self.ids), 32.0)
-        for tid, fmt in self._formats(assignment).items():
-            per_element[self._index[tid]] = fmt.bits
-        return per_element * self._numel
+        scales = np.zeros(len(self.ids))
+        for tid, fmt in self._resolve(assignment).items():
+            per_element[self._index[tid]] = _element(fmt).bits
+            scales[self._index[tid]] = 8 * _held_scales(fmt, self.graph.tensors[tid].shape)
+        return per_element * self._numel + scales
 
     def _mask(self, kinds: Iterable[str]) -> np.ndarray:
         kinds = list(kinds)
@@ -276,12 +312,13 @@ class CostModel:
         a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
         through module hooks) and again during its layer's backward, which rounds the fp32 master again rather
         than keep the weight's codes (nearest rounding; a weight rounded stochastically, as by the stochastic
-        weight update, keeps its codes between the two, which this model does not count), a rounded copy of
+        weight update, keeps its codes between the two, which this model does not count; a scaled one keeps its
+        codes and scales, which it counts), a rounded copy of
         each low weight gradient as it arrives, and, where its codes hold
         every rounded value, those codes from then to the end of the backward (``.grad`` decoded then). The
         optimizer holds one gradient-sized temporary (SGD's weight decay). The input batch is not counted (it
         exists before the step) unless packed."""
-        formats = self._formats(assignment)
+        formats, scaled = self._formats(assignment), self._scaled(assignment)
         graph, ops, rules = self.graph, self.graph.ops, self.graph.rules
         n = len(ops)
         index = {op.name: i for i, op in enumerate(ops)}
@@ -392,9 +429,13 @@ class CostModel:
             if not grad_format.is_fp32:
                 hold(4 * info.numel, after, after, f"rounded weight gradient {tid}")
             if held:
-                hold(info.numel * _storage_bytes(grad_format), after, 4.0 * n, f"held weight gradient {tid}")
+                codes = info.numel * _storage_bytes(grad_format) + _stored_scales(scaled.get(f"{tid}_grad"), info.shape)
+                hold(codes, after, 4.0 * n, f"held weight gradient {tid}")
                 hold(4 * info.numel, 4.0 * n, 4.0 * n + 3, f"decoded weight gradient {tid}")
             fmt = formats.get(tid, FP32)
+            if tid in scaled:  # its codes and scales, from its layer's forward to its backward
+                codes = info.numel * _storage_bytes(fmt) + _stored_scales(scaled[tid], info.shape)
+                hold(codes, fwd(users[0]), bwd(users[-1]), f"codes {tid}")
             if not fmt.is_fp32:
                 low_weights += 4 * info.numel
                 if tid not in channel_sliced:  # rounded again from the master in its layer's backward
@@ -446,8 +487,10 @@ class CostModel:
         return sum(self._saved_bytes(assignment))
 
     def _saved_bytes(self, assignment: Mapping[str, Spec] | None) -> list[int]:
-        formats = self._formats(assignment)
-        return [s.numel * (s.itemsize or _storage_bytes(formats.get(s.tensor, FP32))) for s in self.saved]
+        formats, scaled = self._formats(assignment), self._scaled(assignment)
+        return [s.numel * (s.itemsize or _storage_bytes(formats.get(s.tensor, FP32)))
+                + (_stored_scales(scaled.get(s.tensor), self.graph.tensors[s.tensor].shape) if s.tensor else 0)
+                for s in self.saved]
 
     def saved_dataframe(self, assignment: Mapping[str, Spec] | None = None) -> pd.DataFrame:
         """One row per predicted saved storage: key, tensor, numel, bytes, saved_by."""

@@ -16,7 +16,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spec import ASSIGNABLE_KINDS
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.formats.format import spec_name
+from precsearch.formats.scaled import format_name
 from precsearch.graph.types import TensorGraph
 
 __all__ = ["policy_for_graph", "policy_from_assignment", "prediction"]
@@ -60,7 +60,7 @@ def policy_from_assignment(graph: TensorGraph, assignment: Mapping[str, Any], **
     if unknown:
         raise PrecsearchError(f"assignment names {len(unknown)} id(s) the graph lacks, e.g. {unknown[0]!r}; "
                               "build it from this model's graph")
-    specs = {tensor_id: spec_name(assignment.get(tensor_id, "fp32"), f"assignment[{tensor_id!r}]")
+    specs = {tensor_id: format_name(assignment.get(tensor_id, "fp32"), f"assignment[{tensor_id!r}]")
              for tensor_id in graph.assignable_ids()}
     defaults: dict[str, str] = {}
     for kind in ASSIGNABLE_KINDS:

@@ -52,13 +52,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats.format import FloatFormat, get_format
+from precsearch.formats.format import FloatFormat, get_format, spec_name
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GRANULARITIES", "SCALED_GRAMMAR", "AmaxHistory", "ScaledFormat", "get_scaled_format", "is_scaled",
-           "quantize_scaled", "scale_bytes"]
+__all__ = ["GRANULARITIES", "SCALED_GRAMMAR", "AmaxHistory", "ScaledFormat", "any_format", "e8m0_decode",
+           "e8m0_encode", "expand_scales", "format_name", "get_scaled_format", "is_scaled", "quantize_scaled",
+           "scale_bytes"]
 
 GRANULARITIES: tuple[str, ...] = ("tensor", "row", "block")
 SCALED_GRAMMAR = ("<element>@tensor[:delayed<N>], <element>@row or <element>@block<N>, N >= 1 "
@@ -143,6 +144,32 @@ def is_scaled(spec: object) -> bool:
     return isinstance(spec, ScaledFormat) or (isinstance(spec, str) and "@" in spec)
 
 
+def any_format(spec: str | FloatFormat | ScaledFormat) -> FloatFormat | ScaledFormat:
+    """The ``ScaledFormat`` or ``FloatFormat`` a spec names (config code reads both kinds of names)."""
+    return get_scaled_format(spec) if is_scaled(spec) else get_format(spec)
+
+
+def format_name(value: object, where: str, scaled: bool = True) -> str:
+    """``spec_name`` for places that also take scaled formats (``scaled=False``: a place that does not, with an
+    error that says so); errors start with ``where`` and name both grammars."""
+    if not is_scaled(value):
+        try:
+            return spec_name(value, where)
+        except PrecsearchError as error:
+            raise PrecsearchError(f"{error}; or a scaled format {SCALED_GRAMMAR}" if scaled else str(error)) from None
+    if not scaled:
+        raise PrecsearchError(f"{where}: {value} is a scaled format, which this setting does not take; give an "
+                              "unscaled one such as bf16 or e6m9s")
+    if isinstance(value, ScaledFormat):
+        return value.name
+    spec = str(value)  # a string with "@" (is_scaled)
+    try:
+        get_scaled_format(spec)
+    except PrecsearchError as error:
+        raise PrecsearchError(f"{where}: {error}") from None
+    return spec.strip().lower()
+
+
 def scale_bytes(spec: str | ScaledFormat, shape: Sequence[int]) -> int:
     """Bytes of the scales of a tensor of ``shape``: one e8m0 byte per scale, plus a delayed history's amaxes."""
     fmt = get_scaled_format(spec)
@@ -202,6 +229,34 @@ def _scales(amax: torch.Tensor, fmt: ScaledFormat) -> torch.Tensor:
     return torch.where(amax.isfinite(), powers, math.nan)
 
 
+def e8m0_encode(scales: torch.Tensor) -> torch.Tensor:
+    """``quantize_scaled``'s scales as the e8m0 bytes that store them: ``k + 127`` for ``2**k``, 0xFF for NaN."""
+    import torch
+
+    exponent = torch.frexp(scales)[1] - 1  # exact for every power of two, 2**-127 (a subnormal) too
+    return torch.where(scales.isnan(), 255, exponent + _SCALE_EXPONENTS).to(torch.uint8)
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 scales of e8m0 bytes (``e8m0_encode``'s inverse)."""
+    import torch
+
+    powers = torch.ldexp(torch.ones_like(codes, dtype=torch.float32), codes.to(torch.int32) - _SCALE_EXPONENTS)
+    return torch.where(codes == 255, math.nan, powers)
+
+
+def expand_scales(scales: torch.Tensor, spec: str | ScaledFormat, shape: Sequence[int]) -> torch.Tensor:
+    """``scales`` (shaped by ``ScaledFormat.scales_shape(shape)``) as a tensor that broadcasts over a tensor of
+    ``shape``, each value's own scale: what turns stored codes back into values."""
+    fmt = get_scaled_format(spec)
+    if fmt.granularity == "tensor":
+        return scales
+    rows, cols = fmt.rows_columns(shape)
+    if fmt.granularity == "row":
+        return scales.reshape(rows, *[1] * (len(shape) - 1)) if len(shape) >= 2 else scales.reshape(())
+    return scales.repeat_interleave(fmt.block, dim=1)[:, :cols].reshape(shape)
+
+
 def quantize_scaled(
     x: torch.Tensor,
     spec: str | ScaledFormat,
@@ -248,5 +303,7 @@ def quantize_scaled(
         scaled = scaled.masked_fill(groups.isinf(), math.nan)
     overflowed = ((scaled.abs() >= threshold) & finite).sum()
     rounded = quantize(scaled, fmt.element, rounding, "saturate", generator) * scales
-    rounded = rounded.reshape(rows, -1)[:, :cols].reshape(x.shape)
+    # shaped as x without being a view of the padded groups: a caller may modify it in place (ReLU(inplace) on a
+    # view of an autograd Function's output is refused), and the runtime packs it by its own storage
+    rounded = torch.ops.aten._unsafe_view.default(rounded.reshape(rows, -1)[:, :cols].contiguous(), x.shape)
     return rounded, scales.reshape(fmt.scales_shape(x.shape)), overflowed

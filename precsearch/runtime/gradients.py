@@ -52,18 +52,18 @@ def _rounding_hook(state: TensorState, slot: Slot, may_hold: Callable[[], bool])
         hold = slot.fmt.codes_hold_rounded(slot.args()[2]) and may_hold()
         codes = state.round_(param.grad, slot, with_codes=hold, count=state.counting)
         if codes is not None:
-            _hold(param, codes, slot.fmt.name)
+            _hold(param, codes)
 
     return hook
 
 
-def _hold(param: torch.Tensor, codes: torch.Tensor, fmt: str) -> None:
+def _hold(param: torch.Tensor, codes: ops.Codes) -> None:
     """Drop ``param.grad`` (already rounded) for its codes, and set it back, decoded, at the end of the backward:
     the same values, since rounded values are exactly the format's. Inside the backward ``.grad`` is None; a
     backward that raises leaves it None. A later backward accumulates into the restored ``.grad`` as usual."""
     param.grad = None
 
     def restore() -> None:
-        param.grad = ops.decode(codes, fmt, codes.shape, codes.stride(), 0)
+        param.grad = codes.whole()
 
     torch.autograd.Variable._execution_engine.queue_callback(restore)

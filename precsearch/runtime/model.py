@@ -194,7 +194,7 @@ class PrecisionModel(nn.Module):
     def formats(self) -> dict[str, str]:
         """Tensor id -> the format in force now (after promotions)."""
         self.state.flush()
-        return {tensor_id: slot.fmt.name for tensor_id, slot in self.state.slots.items()}
+        return {tensor_id: slot.name for tensor_id, slot in self.state.slots.items()}
 
     def track_stats(self, every: int | None = 1) -> None:
         """Gather underflow / subnormal / NaN fractions every ``every`` steps (None: only overflow counts)."""

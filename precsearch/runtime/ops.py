@@ -17,6 +17,8 @@ autograd Functions (precsearch.runtime.rounding and .sliced), which call these o
   over ``x`` in the same pass (weight gradients, and activations whose float32 values nothing else reads).
 * ``precsearch::decode(codes, fmt, size, stride, offset) -> Tensor``: the float32 values of packed codes,
   viewed with the geometry of the tensor that was saved.
+
+``Codes`` is what the runtime holds of a rounded tensor: its codes and, for a scaled format, its scales.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import torch
 
 from precsearch.formats import kernels
 from precsearch.formats.format import get_format
+from precsearch.formats.scaled import ScaledFormat, e8m0_decode, expand_scales
 
-__all__ = ["round", "round_", "decode"]
+__all__ = ["Codes", "round", "round_", "decode"]
 
 _SEED_STEP = 0x3C6EF35F  # odd: consecutive stochastic roundings see fresh noise from one device counter
 
@@ -92,3 +95,46 @@ def _decode_fake(codes, fmt, size, stride, offset):
 round = torch.ops.precsearch.round  # noqa: A001 (the op's own name)
 round_ = torch.ops.precsearch.round_
 decode = torch.ops.precsearch.decode
+
+
+class Codes:
+    """A rounded tensor as the runtime holds it: the codes of its format (``fmt``, a scaled format's element) and,
+    for a scaled format (``scaled``), its scales as e8m0 bytes (precsearch.formats.scaled), which decoding
+    multiplies back in."""
+
+    __slots__ = ("codes", "fmt", "scaled", "scales")
+
+    def __init__(self, codes: torch.Tensor, fmt: str, scaled: ScaledFormat | None = None,
+                 scales: torch.Tensor | None = None) -> None:
+        self.codes, self.fmt, self.scaled, self.scales = codes, fmt, scaled, scales
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    def view(self, size: torch.Size, stride: tuple[int, ...], offset: int) -> torch.Tensor:
+        """The values, decoded into a new tensor, viewed with the geometry of the tensor that was saved."""
+        if self.scaled is None:
+            return decode(self.codes, self.fmt, size, stride, offset)
+        return self._scaled(self.codes, self.scales).as_strided(size, stride, offset)
+
+    def whole(self) -> torch.Tensor:
+        """All the values, decoded into a new contiguous tensor."""
+        return self.view(self.codes.shape, self.codes.stride(), 0)
+
+    def part(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """A slice along ``dim``, decoded (its codes copied first). A scaled tensor's scales follow a slice of
+        rows (``dim`` 0) or of a tensor with one scale; other slices of a row- or block-scaled tensor decode
+        the whole tensor first."""
+        scaled = self.scaled
+        if scaled is not None and dim != 0 and scaled.granularity != "tensor":
+            return self.whole().narrow(dim, start, length).contiguous()
+        codes = self.codes.narrow(dim, start, length).contiguous()
+        if scaled is None:
+            return decode(codes, self.fmt, codes.shape, codes.stride(), 0)
+        scales = self.scales if scaled.granularity == "tensor" else self.scales.narrow(0, start, length)
+        return self._scaled(codes, scales)
+
+    def _scaled(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        values = decode(codes, self.fmt, codes.shape, codes.stride(), 0)
+        return values * expand_scales(e8m0_decode(scales), self.scaled, codes.shape)

@@ -1,7 +1,8 @@
 """Saved-tensor packing: tensors autograd saves for backward are held as the codes of their format.
 
 ``Packer.forward()`` is the ``saved_tensors_hooks`` context of one forward. A rounding registers its result
-and codes (``register``; the round op makes the codes in the same pass); saves of that storage are then held
+and codes (``register``; the round op makes the codes in the same pass; a scaled format's come with its e8m0
+scales, ``ops.Codes``); saves of that storage are then held
 as its codes, once per storage, however many ops save it. An op that saved its own output before the rounding
 ran (ReLU saves its result) is switched to the rounded codes too, as low-precision hardware would store them.
 A weight rounded to nearest is saved as its fp32 master and rounded again in the backward
@@ -20,7 +21,6 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats.format import FloatFormat
 from precsearch.runtime import ops
 from precsearch.runtime.state import Slot, TensorState
 
@@ -32,7 +32,7 @@ class SavedBytes:
     """Bytes autograd held for backward after one forward, by what they are (each storage counted once)."""
 
     activation: int = 0  # activations as stored: packed codes, or float32 where unrounded
-    weight: int = 0  # codes of weights rounded stochastically (the others are rounded again in the backward)
+    weight: int = 0  # codes of weights rounded stochastically or scaled (the others are rounded again in the backward)
     parameter: int = 0  # parameters saved as they are (fp32 weights)
     other: int = 0  # byproducts: buffers (BN running stats), non-float32 tensors (max-pool indices)
 
@@ -48,10 +48,10 @@ class _Packed:
     keep its storage alive, and a dead storage's address may be reused by an unrelated tensor.
     """
 
-    __slots__ = ("fmt", "kind", "version", "storage", "shape", "codes", "saves", "unpacks", "decoded")
+    __slots__ = ("kind", "version", "storage", "shape", "codes", "saves", "unpacks", "decoded")
 
-    def __init__(self, fmt: FloatFormat, kind: str, rounded: torch.Tensor, codes: torch.Tensor | None) -> None:
-        self.fmt, self.kind, self.version, self.shape, self.codes = fmt, kind, rounded._version, rounded.shape, codes
+    def __init__(self, kind: str, rounded: torch.Tensor, codes: ops.Codes | None) -> None:
+        self.kind, self.version, self.shape, self.codes = kind, rounded._version, rounded.shape, codes
         self.storage = StorageWeakRef(rounded.untyped_storage())
         self.saves = self.unpacks = 0  # saved views of the storage, and how many were unpacked
         self.decoded: torch.Tensor | None = None
@@ -67,16 +67,15 @@ class _Packed:
 
     def _whole(self) -> torch.Tensor:
         """The storage, decoded into a new contiguous tensor."""
-        return ops.decode(self.codes, self.fmt.name, self.codes.shape, self.codes.stride(), 0)
+        return self.codes.whole()
 
     def _view(self, geometry: tuple[torch.Size, tuple[int, ...], int]) -> torch.Tensor:
         """A view of the storage, decoded into a new tensor."""
-        return ops.decode(self.codes, self.fmt.name, *geometry)
+        return self.codes.view(*geometry)
 
     def _part(self, dim: int, start: int, length: int) -> torch.Tensor:
         """A slice of the storage (a contiguous tensor) along ``dim``, decoded (its codes copied first)."""
-        codes = self.codes.narrow(dim, start, length).contiguous()
-        return ops.decode(codes, self.fmt.name, codes.shape, codes.stride(), 0)
+        return self.codes.part(dim, start, length)
 
     def view(self, geometry: tuple[torch.Size, tuple[int, ...], int]) -> torch.Tensor:
         """The saved view, decoded. A storage saved by several ops (ReLU and the next conv both save one
@@ -122,12 +121,13 @@ class _RoundedFromMaster(_Packed):
     master again, which gives the same values (nearest rounding is a function of the value, and the master is
     checked unchanged, as autograd checks what it saves), so the step holds no copy of any weight, neither
     codes nor float32, between a layer's forward and its backward (as torchao's float8 training can recompute
-    its fp8 weights in the backward). A stochastic rounding draws anew each call: such weights keep codes."""
+    its fp8 weights in the backward). A stochastic rounding draws anew each call, and a scaled one of a slice
+    takes another amax: such weights keep codes (``Slot.rounds_alike_again``)."""
 
     __slots__ = ("master", "master_version", "state", "args")
 
     def __init__(self, slot: Slot, rounded: torch.Tensor, master: torch.Tensor, state: TensorState) -> None:
-        super().__init__(slot.fmt, "weight", rounded, None)
+        super().__init__("weight", rounded, None)
         self.master, self.master_version, self.state, self.args = master, master._version, state, slot.args()
 
     @property
@@ -220,13 +220,12 @@ class Packer:
             self.last = self._measure()
             self._live, self._pending, self._all_pending, self._plain = {}, {}, [], {}
 
-    def register(self, raw: torch.Tensor, rounded: torch.Tensor, codes: torch.Tensor | None, fmt: FloatFormat,
-                 kind: str) -> None:
-        """``rounded`` holds values of ``fmt`` and ``codes`` their bit patterns: saves of it are packed, and
-        earlier saves of ``raw`` switch to it."""
+    def register(self, raw: torch.Tensor, rounded: torch.Tensor, codes: ops.Codes | None, kind: str) -> None:
+        """``codes`` hold the values of ``rounded``: saves of it are packed, and earlier saves of ``raw`` switch
+        to it."""
         if not self.active or codes is None:
             return
-        packed = self._hold(rounded, _Packed(fmt, kind, rounded, codes))
+        packed = self._hold(rounded, _Packed(kind, rounded, codes))
         pending = self._pending.get(_storage(raw))
         if pending is not None and pending.version == raw._version and _whole_storage(raw):
             del self._pending[_storage(raw)]
@@ -234,7 +233,7 @@ class Packer:
                 stored.attach(packed, self._codes)
 
     def register_weight(self, master: torch.Tensor, rounded: torch.Tensor, slot: Slot, state: TensorState) -> None:
-        """``rounded`` is ``master`` rounded by ``slot`` (not stochastically): saves of it hold the master, and
+        """``rounded`` is ``master`` rounded by ``slot`` (``rounds_alike_again``): saves of it hold the master, and
         the backward rounds it again (``_RoundedFromMaster``)."""
         if self.active:
             self._hold(rounded, _RoundedFromMaster(slot, rounded, master, state))
@@ -269,13 +268,15 @@ class Packer:
 
     def alias(self, t: torch.Tensor, slot: Slot, state: TensorState) -> None:
         """``t`` is a fresh copy of rounded values (a layout op's output): pack its saves in the slot's format
-        too (its overflow was counted where it was rounded)."""
-        if not self.active or not slot.is_low or t.dtype != torch.float32 or not _whole_storage(t):
+        too (its overflow was counted where it was rounded). Not for a scaled format: its scales, taken again
+        over the copy's rows or blocks, need not give back the same values; the copy is saved as float32."""
+        if (not self.active or not slot.is_low or slot.scaled is not None or t.dtype != torch.float32
+                or not _whole_storage(t)):
             return
         known = self._live.get(_storage(t))
         if known is None or known.storage.expired():  # a view of a known storage is no copy
             _, codes = state.round(t, slot, with_codes=True, count=False)
-            self.register(t, t, codes, slot.fmt, slot.kind)
+            self.register(t, t, codes, slot.kind)
 
     def pack(self, t: torch.Tensor) -> Stored:
         stored = Stored(t)

@@ -44,7 +44,7 @@ class Rounding:
             in_place = in_place and self.packer.fresh(t)
             rounded, codes = RoundActivation.apply(t, self.state, act, grad, self.packer.active, in_place,
                                                    grad_in_place)
-            self.packer.register(t, rounded, codes, act.fmt, act.kind)
+            self.packer.register(t, rounded, codes, act.kind)
             return rounded
         if grad is not None:
             self.gradient_of(t, grad)
@@ -60,9 +60,9 @@ class Rounding:
         param, slot = self.weights[qualified]
         if not slot.is_low:
             return param
-        if slot.rounding == "stochastic":  # a second rounding would draw other values: its saves hold codes
+        if not slot.rounds_alike_again:  # stochastic, or scaled: its saves hold codes
             rounded, codes = RoundWeight.apply(param, self.state, slot, self.packer.active)
-            self.packer.register(param, rounded, codes, slot.fmt, "weight")
+            self.packer.register(param, rounded, codes, "weight")
         else:
             rounded, _ = RoundWeight.apply(param, self.state, slot, False)
             self.packer.register_weight(param, rounded, slot, self.state)
@@ -96,17 +96,14 @@ def rounder_for(sites: OpSites | None, rounding: Rounding) -> Rounder | None:
 
 def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: Slot, with_codes: bool,
                    in_place: bool = False) -> Any:
-    """The forward of the round Functions: rounded values (``x`` itself, ``in_place``), and their codes as a
-    non-differentiable output."""
-    ctx.set_materialize_grads(False)  # no zero gradients for the codes
+    """The forward of the round Functions: rounded values (``x`` itself, ``in_place``), and their codes (an
+    ``ops.Codes``, which autograd passes through: no gradient) or None."""
+    ctx.set_materialize_grads(False)
     if in_place:
         rounded, codes = x, state.round_(x, slot, with_codes, count=state.counting)
         ctx.mark_dirty(x)
     else:
         rounded, codes = state.round(x, slot, with_codes, count=state.counting)
-    if codes is None:
-        return rounded, None
-    ctx.mark_non_differentiable(codes)
     return rounded, codes
 
 
@@ -177,7 +174,9 @@ class Rounder(nn.Module):
         if pair is None or t.dtype != torch.float32:
             return t
         source, grad = self.grad_source, pair[1]
-        rounded_alike = source is not None and grad is not None and source.is_low and source.args() == grad.args()
+        # (not a delayed scale: each slot's comes from its own history, so a second rounding may change values)
+        rounded_alike = (source is not None and grad is not None and source.is_low and source.args() == grad.args()
+                         and grad.history is None)
         grad_in_place = (self.grad_in_place or rounded_alike) and not keeps_input_gradients(self.reader)
         return self.rounding.activation(t, *pair, in_place=self.in_place, grad_in_place=grad_in_place)
 

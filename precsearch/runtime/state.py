@@ -14,6 +14,13 @@ listed in ``promotions``, and that step is skipped (its values overflowed). An o
 reported to the loss scaler as an overflow (a saturating format hides it from the scaler's inf test). A saved
 tensor that holds inf/NaN in a format without such codes cannot be packed faithfully: that step is skipped
 too, with a WARNING.
+
+A scaled format (``e4m3fn@tensor``, precsearch.formats.scaled) is rounded here too, the one place that decides
+how a slot rounds (``TensorState.round``/``round_``), by ``quantize_scaled``: its overflow count is the values
+a stale delayed scale saturated (current scaling never overflows; an MX block's floor rule may), and its codes
+are the element's codes plus e8m0 scales. A delayed recipe's ``AmaxHistory`` lives in its slot, is updated by
+training forwards only, and is part of ``state_dict``. Scaled formats round to nearest only (stochastic
+rounding would need the runtime's seed in ``quantize_scaled``), and a scaled weight needs fp32 master weights.
 """
 
 from __future__ import annotations
@@ -30,6 +37,14 @@ from precsearch.config.spec import GRAD_KINDS
 from precsearch.errors import PrecsearchError
 from precsearch.formats import kernels
 from precsearch.formats.format import FloatFormat, get_format
+from precsearch.formats.scaled import (
+    AmaxHistory,
+    ScaledFormat,
+    any_format,
+    e8m0_encode,
+    expand_scales,
+    quantize_scaled,
+)
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime import ops
 
@@ -51,14 +66,20 @@ class Promotion(NamedTuple):
 
 
 class Slot:
-    """One assigned tensor id: its format now, how it rounds, its row of the counts, and what was seen."""
+    """One assigned tensor id: its format now, how it rounds, its row of the counts, and what was seen.
 
-    def __init__(self, tensor_id: str, kind: str, row: int, fmt: FloatFormat, rounding: str,
+    ``fmt`` is the format of one value; for a scaled format, its element, and ``scaled`` the scaled format
+    (None otherwise), with its amax ``history`` for a delayed recipe."""
+
+    def __init__(self, tensor_id: str, kind: str, row: int, fmt: FloatFormat | ScaledFormat, rounding: str,
                  overflow: str | None) -> None:
-        self.id, self.kind, self.row, self.assigned = tensor_id, kind, row, fmt
+        self.id, self.kind, self.row, self.assigned = tensor_id, kind, row, fmt.name
+        self.assigned_low = isinstance(fmt, ScaledFormat) or not fmt.is_fp32
         self.rounding, self.overflow_mode = rounding, overflow
         self.promoted = False
-        self.fmt = fmt
+        self.scaled = fmt if isinstance(fmt, ScaledFormat) else None
+        self.fmt = fmt.element if isinstance(fmt, ScaledFormat) else fmt
+        self.history = AmaxHistory(fmt.history) if isinstance(fmt, ScaledFormat) and fmt.history else None
         self.reset()
 
     def reset(self) -> None:
@@ -69,12 +90,24 @@ class Slot:
         self.stat_elements = 0
 
     @property
+    def name(self) -> str:
+        """The format in force, as a policy names it."""
+        return self.fmt.name if self.scaled is None else self.scaled.name
+
+    @property
     def is_low(self) -> bool:
-        return not self.fmt.is_fp32
+        return self.scaled is not None or not self.fmt.is_fp32
+
+    @property
+    def rounds_alike_again(self) -> bool:
+        """Whether rounding a value again gives the rounding it had (nearest, unscaled: a scaled slice would
+        take another amax, a delayed scale moves), so that a weight's backward may round its master again."""
+        return self.rounding != "stochastic" and self.scaled is None
 
     def args(self) -> tuple[str, str, str]:
-        """The format arguments of the round ops."""
-        return self.fmt.name, self.rounding, self.overflow_mode or self.fmt.default_overflow
+        """The format arguments of the round ops (a scaled format saturates)."""
+        overflow = "saturate" if self.scaled is not None else self.overflow_mode or self.fmt.default_overflow
+        return self.name, self.rounding, overflow
 
 
 class TensorState:
@@ -129,20 +162,50 @@ class TensorState:
         return self._counts[slot.row], self._seeds
 
     def round(self, x: torch.Tensor, slot: Slot, with_codes: bool = False,
-              count: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+              count: bool = True) -> tuple[torch.Tensor, ops.Codes | None]:
         """``x`` in the slot's format (a new tensor), its codes (``with_codes``, when the format fits 16 bits),
         and the overflow counted on the device (``count``)."""
         counts, seeds = self._op_state(x, slot, count)
+        if slot.scaled is not None:
+            return self._round_scaled(x, slot, counts, with_codes, count, in_place=False)
         rounded, codes = ops.round(x, counts, *slot.args(), seeds, with_codes)
-        return rounded, codes if codes.numel() else None
+        return rounded, ops.Codes(codes, slot.fmt.name) if codes.numel() else None
 
     def round_(self, x: torch.Tensor, slot: Slot, with_codes: bool = False, count: bool = True
-               ) -> torch.Tensor | None:
+               ) -> ops.Codes | None:
         """Round ``x`` in place, counting its overflow (``count``); its codes (``with_codes``, when the format
         fits 16 bits)."""
         counts, seeds = self._op_state(x, slot, count)
+        if slot.scaled is not None:
+            return self._round_scaled(x, slot, counts, with_codes, count, in_place=True)[1]
         codes = ops.round_(x, counts, *slot.args(), seeds, with_codes)
-        return codes if codes.numel() else None
+        return ops.Codes(codes, slot.fmt.name) if codes.numel() else None
+
+    def _round_scaled(self, x: torch.Tensor, slot: Slot, counts: torch.Tensor, with_codes: bool, count: bool,
+                      in_place: bool) -> tuple[torch.Tensor, ops.Codes | None]:
+        """``round``/``round_`` of a scaled slot: ``quantize_scaled``, its overflow added to ``counts``, its
+        codes from the scaled-down values (exact: the scales are powers of two), which count what the element
+        cannot encode. A forward that counts nothing (evaluation) reads a delayed scale but records no amax."""
+        history = slot.history
+        if history is not None and not count:
+            history = AmaxHistory(history.amaxes.numel(), history.amaxes.device)
+            history.load_state_dict(slot.history.state_dict())
+        rounded, scales, overflowed = quantize_scaled(x, slot.scaled, slot.rounding, history)
+        counts[0].add_(overflowed)
+        codes, stats, packs = None, count and self.stats_due, with_codes and slot.fmt.packs
+        if stats or packs:
+            per_value = expand_scales(scales, slot.scaled, x.shape)
+            if stats:
+                self._gather_stats(x / per_value, slot)
+            if packs:
+                _, element_codes, seen = kernels.round_and_count_fn(slot.fmt.name, "nearest", "saturate", True)(
+                    rounded / per_value, None)
+                counts[1].add_(seen[1])
+                codes = ops.Codes(element_codes, slot.fmt.name, slot.scaled, e8m0_encode(scales))
+        if in_place:
+            x.copy_(rounded)
+            return x, codes
+        return rounded, codes
 
     def round_again(self, x: torch.Tensor, args: tuple[str, str, str], in_place: bool = False) -> torch.Tensor:
         """``x`` rounded again as an earlier rounding was (``args``: its ``Slot.args()``), counting nothing:
@@ -166,10 +229,13 @@ class TensorState:
         slot.calls += 1
         slot.pending += x.numel()
         self._dirty = True
-        if self.stats_due:
-            n = x.numel()
-            slot.stat_sums.update({key: value * n for key, value in kernels.stats(x.detach(), slot.fmt).items()})
-            slot.stat_elements += n
+        if self.stats_due and slot.scaled is None:  # a scaled slot's are of its scaled-down values
+            self._gather_stats(x, slot)
+
+    def _gather_stats(self, x: torch.Tensor, slot: Slot) -> None:
+        n = x.numel()
+        slot.stat_sums.update({key: value * n for key, value in kernels.stats(x.detach(), slot.fmt).items()})
+        slot.stat_elements += n
 
     # -- the once-a-step read ---------------------------------------------------------------------------
 
@@ -244,16 +310,17 @@ class TensorState:
             self.settle(values.tolist())
 
     def _promote(self, slot: Slot, fraction: float) -> bool:
-        if slot.promoted or slot.fmt == self.high or not slot.is_low or slot.kind not in self.promotion_kinds:
+        if (slot.promoted or (slot.scaled is None and slot.fmt == self.high) or not slot.is_low
+                or slot.kind not in self.promotion_kinds):
             return False
-        old = slot.fmt
-        slot.fmt = self.high
+        old = slot.name
+        slot.fmt, slot.scaled = self.high, None
         slot.promoted = True
         for callback in self.on_promote:
             callback(slot)
-        self.promotions.append(Promotion(slot.id, self.step, fraction, old.name, self.high.name))
+        self.promotions.append(Promotion(slot.id, self.step, fraction, old, self.high.name))
         log.info("promoted %s from %s to %s at step %d: %.2f%% of its values overflowed",
-                 slot.id, old.name, self.high.name, self.step, 100 * fraction)
+                 slot.id, old, self.high.name, self.step, 100 * fraction)
         return True
 
     # -- reports ----------------------------------------------------------------------------------------
@@ -262,9 +329,9 @@ class TensorState:
         self.flush()
         table: dict[str, dict[str, Any]] = {}
         for tensor_id, slot in self.slots.items():
-            if slot.assigned.is_fp32 or not slot.calls:
+            if not slot.assigned_low or not slot.calls:  # a compiled step counts fp32 rows too
                 continue
-            row: dict[str, Any] = {"kind": slot.kind, "format": slot.fmt.name, "assigned": slot.assigned.name,
+            row: dict[str, Any] = {"kind": slot.kind, "format": slot.name, "assigned": slot.assigned,
                                    "promoted": slot.promoted, "calls": slot.calls}
             if slot.counted:
                 row["overflow"] = slot.overflowed / slot.counted
@@ -283,10 +350,13 @@ class TensorState:
     # -- checkpoints --------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What training must carry over: the step, the promotions and the stochastic-rounding counter."""
+        """What training must carry over: the step, the promotions, the stochastic-rounding counter and the
+        delayed scales' amax histories."""
         self.flush()
         return {"step": self.step, "promotions": [list(p) for p in self.promotions],
-                "rounding_seed": self._seed if self._seeds is None else int(self._seeds)}
+                "rounding_seed": self._seed if self._seeds is None else int(self._seeds),
+                "amax_histories": {tensor_id: slot.history.state_dict() for tensor_id, slot in self.slots.items()
+                                   if slot.history is not None}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> list[Slot]:
         """Restore ``state_dict()``; returns the slots promoted by it (the caller tells the optimizers)."""
@@ -294,6 +364,14 @@ class TensorState:
         if unknown:
             raise PrecsearchError(f"checkpoint promotes {unknown[0]!r}, which this policy does not assign; load it "
                                   "into a model wrapped with the policy it was trained under")
+        histories = state.get("amax_histories", {})  # (none before scaled formats)
+        strangers = [tensor_id for tensor_id in histories
+                     if tensor_id not in self.slots or self.slots[tensor_id].history is None]
+        if strangers:
+            raise PrecsearchError(f"checkpoint holds an amax history for {strangers[0]!r}, which this policy does not "
+                                  "scale with a delayed recipe; load it under the policy it was trained with")
+        for tensor_id, history in histories.items():
+            self.slots[tensor_id].history.load_state_dict(history)
         self.step = int(state["step"])
         self.promotions = [Promotion(*p) for p in state["promotions"]]
         self._seed = int(state["rounding_seed"])
@@ -303,7 +381,7 @@ class TensorState:
         for promotion in self.promotions:
             slot = self.slots[promotion.id]
             if not slot.promoted:
-                slot.fmt, slot.promoted = get_format(promotion.to_format), True
+                slot.fmt, slot.scaled, slot.promoted = get_format(promotion.to_format), None, True
                 promoted.append(slot)
         return promoted
 
@@ -315,12 +393,24 @@ def make_state(graph: TensorGraph, policy: Policy, seed: int) -> TensorState:
     stochastic_update = policy.optimizer.get("update") == "stochastic"
     for row, tensor_id in enumerate(graph.assignable_ids()):
         info = graph.tensors[tensor_id]
-        fmt = get_format(policy.format_for(info))
+        fmt = any_format(policy.format_for(info))
         rounding = policy.rounding.get(info.kind, "nearest")
         if rounding == "nearest" and policy.ties == "away":
             rounding = "nearest_away"
         if info.kind == "weight" and policy.master_weights and stochastic_update:
             rounding = "stochastic"  # the master's rounding to the working copy is the weight update
+        if isinstance(fmt, ScaledFormat):
+            _check_scaled(tensor_id, info.kind, fmt, rounding, policy.master_weights)
         slots[tensor_id] = Slot(tensor_id, info.kind, row, fmt, rounding, policy.overflow.get(info.kind))
     return TensorState(slots, get_format(policy.high_format), policy.promotion_threshold, seed,
                        promotion_kinds=policy.promotion_kinds)
+
+
+def _check_scaled(tensor_id: str, kind: str, fmt: ScaledFormat, rounding: str, master_weights: bool) -> None:
+    """What the runtime does not do with scaled formats, refused at wrapping with the fix."""
+    if rounding == "stochastic":
+        raise PrecsearchError(f"{tensor_id}: scaled format {fmt} rounds to nearest only; set rounding.{kind}: nearest "
+                              "(and no stochastic weight update) or give it an unscaled format")
+    if kind == "weight" and not master_weights:
+        raise PrecsearchError(f"{tensor_id}: scaled weight format {fmt} needs fp32 master weights (an optimizer keeps "
+                              "no scales); set master_weights: true")
