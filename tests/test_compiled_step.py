@@ -221,7 +221,9 @@ def test_a_block_fx_cannot_trace_runs_as_one_op_and_the_rest_compiles() -> None:
 
     q = StraightThrough.apply
     w = {name: q(param) for name, param in model.named_parameters()}
-    out = q(F.conv2d(q(x), w["conv.weight"], w["conv.bias"], padding=1))
+    # the bias added after the convolution: its gradient a sum over (batch, height, width), as the runtime's
+    # sliced backward sums it, not oneDNN's bias reduction (another float32 summation order)
+    out = q(F.conv2d(q(x), w["conv.weight"], None, padding=1) + w["conv.bias"].view(1, -1, 1, 1))
     out = q(torch.relu(q(F.batch_norm(out, None, None, w["bn.weight"], w["bn.bias"], training=True))))
     inside = F.conv2d(out, w["gate.conv.weight"], w["gate.conv.bias"], padding=1)  # float32 inside the block
     out = q(F.adaptive_avg_pool2d(q(torch.relu(inside) if inside.mean() > -1 else inside), 1))
@@ -290,7 +292,7 @@ def test_a_search_of_40_trials_compiles_its_training_step_once(tmp_path, monkeyp
     compiled step on, as the CLI turns it on for a long search: every trained policy runs the one compiled
     graph, compiled once."""
     from precsearch.config.spaces import paper_space
-    from precsearch.search.config import SearchConfig
+    from precsearch.search.settings import SearchConfig
     from precsearch.search.study import run_search
 
     monkeypatch.setattr(compiled, "_GRAPHS", {})

@@ -15,7 +15,12 @@ themselves:
 * with ``CompileOptions.saves_codes`` (the default), a rounded weight or activation passes through its format's
   codes (``encode_codes`` then ``decode_codes``, 1 byte up to 8 bits, 2 up to 16; exact, so the values are
   the rounded ones), the decode marked for recomputation (``_RecomputeDecodes``): AOTAutograd's partitioner then
-  saves the codes for the backward, where the decode runs again, as the eager runtime saves packed codes;
+  saves the codes for the backward, where the decode runs again, as the eager runtime saves packed codes; a
+  convolution or training batch norm whose backward the op rules slice (``Slicing.input_function``) and whose
+  input has codes is called through ``_ConvOfCodes`` or ``_batch_norm_of_codes``: its backward is a custom op
+  (``conv_backward_of_codes``, ``batch_norm_backward_of_codes``) that runs the eager runtime's sliced backward
+  (precsearch.runtime.sliced) over the codes, a slice at a time, opaque to Inductor (which would decode the
+  whole input and fuse the decodes of neighbouring layers into kernels that hold them all at once);
 * overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable": inf or
   NaN in a format without them; the step is then skipped, as eagerly, but the compiled forward goes on with the
   code's value, the format's largest magnitude, so batch-norm running statistics stay finite), leave the graph
@@ -31,18 +36,18 @@ promotion is a row update, and a new graph where it widens a code (compiled on i
 proxies save float32 (``saves_codes=False``), so that one graph serves every assignment and a search compiles
 its step once per worker.
 
-What the compiled step does not do: slice backwards (Inductor's kernels of one backward op hold several float32
-buffers of an activation's size at once, so its peak stays above the eager runtime's: benchmarks/results/
-bench_memory.md); gather underflow statistics (a step that gathers them, every ``stats_every``-th, runs eagerly);
-and, said where it is chosen (``unsupported``), chunked accumulation, adaptive per-layer loss scaling, nearest
-rounding to a format without a mantissa bit and models whose own forward FX cannot trace, which train eagerly (a
-submodule FX cannot trace is one op of the graph, ``TensorGraph.opaque_modules``: the step compiles around it,
-TorchDynamo's graph broken there). Its stochastic rounding draws from the same hash with other seeds (per site
-and step, not per call). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in the same
-order and trains bit for bit as it does with nearest rounding (its partitioner ignores the recomputation marks and
-saves float32); Inductor sums some float32 reductions (batch norm) in another order, so its values differ in the
-last bits, and where that flips an 8-bit rounding, by an ulp of the format (tests/test_compiled_step.py states
-both).
+What the compiled step does not do: hold the eager forward's memory (Inductor's fused forward kernels write
+several float32 buffers of an activation's size at once, so its peak stays above the eager runtime's:
+benchmarks/results/bench_memory.md); gather underflow statistics (a step that gathers them, every
+``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``), chunked accumulation, adaptive
+per-layer loss scaling, nearest rounding to a format without a mantissa bit and models whose own forward FX cannot
+trace, which train eagerly (a submodule FX cannot trace is one op of the graph, ``TensorGraph.opaque_modules``:
+the step compiles around it, TorchDynamo's graph broken there). Its stochastic rounding draws from the same hash
+with other seeds (per site and step, not per call). With ``backend="aot_eager"`` the graph runs the eager
+runtime's float32 ops in the same order and trains bit for bit as it does with nearest rounding (its partitioner
+ignores the recomputation marks and saves float32); Inductor sums some float32 reductions (batch norm) in another
+order, so its values differ in the last bits, and where that flips an 8-bit rounding, by an ulp of the format
+(tests/test_compiled_step.py states both).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import functools
 import logging
 import operator
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -75,8 +80,11 @@ from precsearch.formats.as_data import (
     round_nearest,
     round_with,
 )
+from precsearch.formats.compiled import RUNNER, labelled
 from precsearch.graph.types import TensorGraph
+from precsearch.runtime.packing import Stored
 from precsearch.runtime.sites import SitePlan
+from precsearch.runtime.sliced import ConvGeometry, Slicing, batch_norm_backward_in_slices, conv_backward_in_slices
 from precsearch.runtime.state import TensorState
 
 __all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "unsupported"]
@@ -117,6 +125,7 @@ def unsupported(policy: Policy, graph: TensorGraph, state: TensorState) -> str |
         "policy.accumulation (chunked accumulation layers)": policy.accumulation is not None,
         "adaptive loss scaling (per-layer hooks)": policy.loss_scaling["mode"] == "adaptive",
         f"nearest rounding to {', '.join(no_mantissa)} (no mantissa bit)": bool(no_mantissa),
+        "scaled formats (a scale per tensor, row or block)": any(slot.scaled for slot in state.slots.values()),
     }
     found = [reason for reason, applies in reasons.items() if applies]
     return f"the policy needs {', '.join(found)}" if found else None
@@ -152,18 +161,20 @@ class _Round(torch.autograd.Function):
         row = rows[site.act]
         rounded, overflowed = _rounded(x, row, seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
         unencodable = torch.zeros_like(overflowed)
+        codes = ()
         if site.code is not None:  # the partitioner saves these codes for the backward, which decodes them
-            codes, unencodable = encode_codes(rounded, row, site.code)
+            code, unencodable = encode_codes(rounded, row, site.code)
             with torch.fx.traceback.annotate(DECODE):
-                rounded = decode_codes(codes, row, site.code)
+                rounded = decode_codes(code, row, site.code)
+            codes = (code,)
         ctx.save_for_backward(rows, seed, *([rounded] if site.relu_output else []))
         # [overflowed, unencodable], float64 of 2 elements (Dynamo specializes no value of a 0-d tensor)
         counts = torch.stack([overflowed, unencodable.to(overflowed.dtype)]).to(torch.float64)
-        ctx.mark_non_differentiable(counts)
-        return rounded, counts
+        ctx.mark_non_differentiable(counts, *codes)
+        return rounded, counts, *codes
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor, _overflowed: Any) -> Any:
+    def backward(ctx: Any, g: torch.Tensor, *_not_differentiable: Any) -> Any:
         rows, seed, *output = ctx.saved_tensors
         site, overflowed = ctx.site, None
         if site.grad is not None:
@@ -226,21 +237,217 @@ def _round_gradient(value: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
 
 
 def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
-           sites: tuple[tuple[int, Site, int | None], ...]) -> tuple[Any, list[torch.Tensor]]:
+           sites: tuple[tuple[int, Site, int | None], ...]) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
     """``value`` (a tensor, or a tuple of them) with each (position, site, counter index) of ``sites``
-    rounded, and the forward's overflow counts."""
-    counts = []
+    rounded, the forward's overflow counts, and the codes of the sites that have them, in order."""
+    counts, codes = [], []
     items = list(value) if isinstance(value, tuple | list) else [value]
     for position, site, counter in sites:
-        items[position], counted = _Round.apply(items[position], rows, seed,
-                                                None if counter is None else counters[counter], site)
+        items[position], counted, *code = _Round.apply(items[position], rows, seed,
+                                                       None if counter is None else counters[counter], site)
         counts.append(counted)
+        codes += code
     rounded = type(value)(items) if isinstance(value, tuple | list) else items[0]
-    return rounded, counts
+    return rounded, counts, codes
 
 
 def _stack(*counts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([count for group in counts for count in group])
+
+
+def _decode_bytes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return decode_codes(flat, row, 1)
+
+
+def _decode_byte_planes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return decode_codes(flat.view(2, -1), row, 2)
+
+
+# one fused pass each, for any format (its row) and length, as the eager runtime's own decoders
+_DECODERS = {1: labelled("decode codes", _decode_bytes), 2: labelled("decode byte planes", _decode_byte_planes)}
+
+
+class _CodesInSlices:
+    """A site's codes in a compiled step's backward, decoded a slice at a time by the sliced backwards
+    (precsearch.runtime.sliced.Slices), as the eager runtime decodes its packed codes: each slice in one
+    compiled pass (``_DECODERS``), not the dozen whole-slice temporaries of ``decode_codes`` run eagerly."""
+
+    def __init__(self, codes: torch.Tensor, row: torch.Tensor, nbytes: int) -> None:
+        self.codes, self.row, self.nbytes = codes, row, nbytes
+        self.shape = codes.shape if nbytes == 1 else codes.shape[1:]  # 2 bytes: the byte planes stacked first
+
+    def slicer(self, dim: int = 0) -> Callable[[int, int], torch.Tensor]:
+        axis = dim + (self.nbytes != 1)
+
+        def decode(start: int, length: int) -> torch.Tensor:
+            part = self.codes.narrow(axis, start, length)
+            return RUNNER.run(_DECODERS[self.nbytes], part.reshape(-1), self.row).view(part.shape[axis - dim:])
+
+        return decode
+
+    def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
+        decode, batch = self.slicer(), self.shape[0]
+
+        def one_pass() -> Iterator[tuple[int, torch.Tensor]]:
+            for start in range(0, batch, rows):
+                yield start, decode(start, min(rows, batch - start))
+
+        return one_pass
+
+
+def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A custom op returns tensors: an empty one for a gradient not asked for."""
+    return like.new_empty(0) if grad is None else grad.contiguous()
+
+
+@torch.library.custom_op("precsearch::conv_backward_of_codes", mutates_args=())
+def conv_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, row: torch.Tensor, weight: torch.Tensor,
+                           stride: list[int], padding: list[int], dilation: list[int], groups: int, nbytes: int,
+                           rows: int, channels: int, need_input: bool,
+                           need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A convolution's input and weight gradients from its input's codes, a slice at a time
+    (precsearch.runtime.sliced.conv_backward_in_slices): opaque to Inductor, which would otherwise decode the
+    whole input, and fuse its decoding with its neighbours' into kernels that hold them all at once."""
+    slices = _CodesInSlices(codes, row, nbytes)
+    grads = conv_backward_in_slices(grad_out, slices, Stored(weight), ConvGeometry(stride, padding, dilation, groups),
+                                    slices.shape, weight.shape, rows, channels, need_input, need_weight)
+    return _or_empty(grads[0], grad_out), _or_empty(grads[1], grad_out)
+
+
+@conv_backward_of_codes.register_fake
+def _(grad_out: torch.Tensor, codes: torch.Tensor, row: torch.Tensor, weight: torch.Tensor, stride: list[int],
+      padding: list[int], dilation: list[int], groups: int, nbytes: int, rows: int, channels: int, need_input: bool,
+      need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = codes.shape if nbytes == 1 else codes.shape[1:]
+    return grad_out.new_empty(shape if need_input else (0,)), grad_out.new_empty(weight.shape if need_weight else (0,))
+
+
+@torch.library.custom_op("precsearch::batch_norm_backward_of_codes", mutates_args=())
+def batch_norm_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, row: torch.Tensor,
+                                 weight: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, eps: float,
+                                 nbytes: int, rows: int,
+                                 need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A training batch norm's gradients from its input's codes, a slice at a time
+    (precsearch.runtime.sliced.batch_norm_backward_in_slices), opaque to Inductor as ``conv_backward_of_codes``."""
+    grads = batch_norm_backward_in_slices(grad_out, _CodesInSlices(codes, row, nbytes), weight, mean, invstd, eps,
+                                          rows, need)
+    return tuple(_or_empty(grad, grad_out) for grad in grads)  # type: ignore[return-value]
+
+
+@batch_norm_backward_of_codes.register_fake
+def _(grad_out: torch.Tensor, codes: torch.Tensor, row: torch.Tensor, weight: torch.Tensor | None,
+      mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
+      need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shapes = (grad_out.shape, mean.shape, mean.shape)
+    return tuple(grad_out.new_empty(shape if wanted else (0,)) for shape, wanted in zip(shapes, need, strict=True))
+
+
+class _ConvOfCodes(torch.autograd.Function):
+    """A convolution of a site's rounded values that saves their codes (and its weight) for a backward that
+    decodes them a slice at a time: ``conv_backward_of_codes``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, codes: torch.Tensor,
+                row: torch.Tensor, geometry: ConvGeometry, nbytes: int, rows: int, channels: int) -> torch.Tensor:
+        ctx.geometry, ctx.nbytes, ctx.rows, ctx.channels = geometry, nbytes, rows, channels
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(codes, row, weight)
+        return torch.ops.aten.convolution(x, weight, bias, geometry.stride, geometry.padding, geometry.dilation,
+                                          False, [0, 0], geometry.groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        codes, row, weight = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        geometry = ctx.geometry
+        grad_input, grad_weight = torch.ops.precsearch.conv_backward_of_codes(
+            grad_out, codes, row, weight, list(geometry.stride), list(geometry.padding), list(geometry.dilation),
+            geometry.groups, ctx.nbytes, ctx.rows, ctx.channels, need_input, need_weight)
+        grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
+        return (grad_input if need_input else None, grad_weight if need_weight else None, grad_bias,
+                None, None, None, None, None, None)
+
+
+class _BatchNormGradOfCodes(torch.autograd.Function):
+    """The gradients of a training batch norm computed outside autograd (``_batch_norm_of_codes``: its running
+    statistics update there, in the traced graph), from its input's codes: forward, the output as it is;
+    backward, ``batch_norm_backward_of_codes``."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, codes: torch.Tensor, row: torch.Tensor, mean: torch.Tensor,
+                invstd: torch.Tensor, eps: float, nbytes: int, rows: int) -> torch.Tensor:
+        ctx.eps, ctx.nbytes, ctx.rows, ctx.affine = eps, nbytes, rows, weight is not None
+        ctx.save_for_backward(codes, row, mean, invstd, *([weight] if weight is not None else []))
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        codes, row, mean, invstd, *weight = ctx.saved_tensors
+        need = list(ctx.needs_input_grad[1:4])
+        grads = torch.ops.precsearch.batch_norm_backward_of_codes(
+            grad_out, codes, row, weight[0] if weight else None, mean, invstd, ctx.eps, ctx.nbytes, ctx.rows, need)
+        return None, *(grad if wanted else None for grad, wanted in zip(grads, need, strict=True)), *[None] * 7
+
+
+def _conv_of_codes(layer: nn.Conv2d, x: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, site: Site,
+                   of_graph: _SlicingOfGraph) -> torch.Tensor:
+    """``layer`` on a site's rounded values ``x``, its backward reading their ``codes``."""
+    slicing = of_graph.slicing
+    weight = layer.weight
+    geometry = ConvGeometry(layer.stride, layer.padding, layer.dilation, layer.groups)
+    return _ConvOfCodes.apply(x, weight, layer.bias, codes, rows[site.act], geometry, site.code,
+                              slicing.rows(x.shape, x.device, "Conv2d", weight.numel()),
+                              slicing.channels(x.shape, weight.shape, x.device))
+
+
+def _batch_norm_of_codes(layer: nn.BatchNorm2d, x: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor,
+                         site: Site, of_graph: _SlicingOfGraph) -> torch.Tensor:
+    """``layer`` on a site's rounded values ``x``: in training, its forward as the eager runtime's
+    (``nn.BatchNorm2d``'s with a set momentum), its backward reading their ``codes``."""
+    slicing = of_graph.slicing
+    if not layer.training:
+        return layer(x)
+    layer.num_batches_tracked.add_(1)
+    weight, bias = layer.weight, layer.bias
+    out, mean, invstd = torch.native_batch_norm(
+        x.detach(), None if weight is None else weight.detach(), None if bias is None else bias.detach(),
+        layer.running_mean, layer.running_var, True, layer.momentum, layer.eps)
+    return _BatchNormGradOfCodes.apply(out, x, weight, bias, codes, rows[site.act], mean, invstd, layer.eps,
+                                       site.code, slicing.rows(x.shape, x.device, "BatchNorm2d"))
+
+
+class _SlicingOfGraph(nn.Module):
+    """The graph's ``Slicing``, held as a submodule so that its calls read it (``get_attr``)."""
+
+    def __init__(self, slicing: Slicing) -> None:
+        super().__init__()
+        self.slicing = slicing
+
+
+_OF_CODES = {nn.Conv2d: _conv_of_codes, nn.BatchNorm2d: _batch_norm_of_codes}
+
+
+def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.Node, Site]], rows: fx.Node,
+                            slicing: Slicing) -> None:
+    """Each layer of ``gm`` whose backward slices over its input (``Slicing.input_function``) and reads a value
+    with codes (``coded``) called through ``_OF_CODES``, so that its backward decodes the codes a slice at a time,
+    as the eager runtime's does."""
+    gm.add_submodule("precsearch_slicing", _SlicingOfGraph(slicing))  # the graph's code cannot spell it as a constant
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or node.args[0] not in coded:
+            continue
+        layer = gm.get_submodule(node.target)
+        if slicing.input_function(layer) is None or type(layer) not in _OF_CODES:
+            continue
+        pair, site = coded[node.args[0]]
+        with gm.graph.inserting_before(node):
+            codes = gm.graph.call_function(operator.getitem, (gm.graph.call_function(operator.getitem, (pair, 2)), 0))
+            module, slicing_node = gm.graph.get_attr(node.target), gm.graph.get_attr("precsearch_slicing")
+            replacement = gm.graph.call_function(_OF_CODES[type(layer)], (module, node.args[0], codes, rows, site,
+                                                                          slicing_node))
+        node.replace_all_uses_with(replacement)
+        gm.graph.erase_node(node)
 
 
 class RoundingGraph:
@@ -286,6 +493,7 @@ class RoundingGraph:
             return site, counter
 
         forward_counts = []
+        coded: dict[fx.Node, tuple[fx.Node, Site]] = {}  # a value with codes -> its rounding and site
         for op_sites in plan.ops:
             node = nodes[op_sites.node]
             users = list(node.users)
@@ -301,12 +509,18 @@ class RoundingGraph:
             with fx_graph.inserting_after(rounded):
                 forward_counts.append(fx_graph.call_function(operator.getitem, (pair, 1)))
             node.replace_all_uses_with(rounded, delete_user_cb=lambda user, pair=pair: user is not pair)
+            whole = sites[0][1] if len(sites) == 1 and sites[0][0] == 0 and sites[0][1].code is not None else None
+            if whole is not None:
+                coded[rounded] = pair, whole
             for user in users if op_sites.per_use else ():  # each consumer's gradient rounded before it
                 site, counter = add_site(op_sites.outputs[0].value, op_sites.outputs[0].gradient, False, act=False)
                 with fx_graph.inserting_before(user):
                     use = fx_graph.call_function(_round_gradient, (rounded, rows_node, seed_node, counters_node, site,
                                                                    counter))
                 user.replace_input_with(rounded, use)
+                if whole is not None:
+                    coded[use] = pair, whole
+        _read_codes_in_backward(gm, coded, rows_node, Slicing(graph.rules))
         output = next(node for node in fx_graph.nodes if node.op == "output")
         output.args = ((output.args[0], tuple(forward_counts)),)
         fx_graph.lint()
@@ -388,8 +602,8 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
     tensors: dict[str, torch.Tensor] = {**buffers, **params}
     weight_counts = []
     for name, (site, counter) in weight_sites.items():  # in the order of the sites' rows
-        tensors[name], counted = _Round.apply(params[name], rows, seed,
-                                              None if counter is None else counters[counter], site)
+        tensors[name], counted, *_codes = _Round.apply(params[name], rows, seed,
+                                                       None if counter is None else counters[counter], site)
         weight_counts.append(counted)
     output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters))
     return output, _stack(*counts, weight_counts)

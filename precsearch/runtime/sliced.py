@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -25,9 +25,19 @@ from precsearch.runtime.packing import Packer, Stored
 from precsearch.runtime.rounding import RoundedWeightsCall, Rounding
 from precsearch.runtime.sites import reads_rounded_output
 
-__all__ = ["PackedInputCall", "PackedOutputRelu", "Slicing"]
+__all__ = ["ConvGeometry", "PackedInputCall", "PackedOutputRelu", "Slices", "Slicing", "batch_norm_backward_in_slices",
+           "conv_backward_in_slices"]
 
 log = logging.getLogger(__name__)
+
+
+class Slices(Protocol):
+    """A saved tensor's codes, decoded a slice at a time: packed by the eager runtime (precsearch.runtime.packing),
+    or a compiled step's codes (precsearch.runtime.compiled)."""
+
+    def slicer(self, dim: int = 0) -> Callable[[int, int], torch.Tensor]: ...
+
+    def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]: ...
 
 
 class Slicing:
@@ -57,21 +67,21 @@ class Slicing:
         ``nn.ReLU`` whose rule slices the backward over its output), or None."""
         return _ReluOfPackedOutput if reads_rounded_output(self.rules, layer) else None
 
-    def rows(self, ctx: Any, grad_out: torch.Tensor, module_type: str, weight_numel: int = 0) -> int:
-        """``SlicedBackward.rows`` of ``module_type``'s rule on CPU; the whole batch elsewhere (slicing not measured
-        off CPU) or where the rules slice no backward of that type."""
+    def rows(self, shape: Sequence[int], device: torch.device, module_type: str, weight_numel: int = 0) -> int:
+        """``SlicedBackward.rows`` of ``module_type``'s rule over a saved tensor of ``shape`` on CPU; the whole
+        batch elsewhere (slicing not measured off CPU) or where the rules slice no backward of that type."""
         sliced = self.rules.op_type(module_type).sliced
-        if grad_out.device.type != "cpu" or sliced is None:
-            return ctx.input_shape[0]
-        return sliced.rows(ctx.input_shape, weight_numel)
+        if device.type != "cpu" or sliced is None:
+            return shape[0]
+        return sliced.rows(shape, weight_numel)
 
-    def channels(self, ctx: Any, grad_out: torch.Tensor) -> int:
+    def channels(self, shape: Sequence[int], weight_shape: Sequence[int], device: torch.device) -> int:
         """``SlicedBackward.channels_per_group`` of Conv2d's rule on CPU; all channels elsewhere (not measured off
         CPU) or where the rules slice no Conv2d backward."""
         sliced = self.rules.op_type("Conv2d").sliced
-        if grad_out.device.type != "cpu" or sliced is None:
-            return ctx.input_shape[1]
-        return sliced.channels_per_group(ctx.input_shape, ctx.weight_shape)
+        if device.type != "cpu" or sliced is None:
+            return shape[1]
+        return sliced.channels_per_group(shape, weight_shape)
 
     def warn(self, name: str, why: str) -> None:
         """Once per reason: the layer ``name`` of a packed tensor runs its backward over the whole tensor."""
@@ -134,50 +144,71 @@ class _ConvOfPackedInput(torch.autograd.Function):
         saved_weight = ctx.weight_stored or Stored(ctx.saved_tensors[0])
         ctx.weight_stored = None  # its codes die with this backward
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        batch, rows = ctx.input_shape[0], ctx.slicing.rows(ctx, grad_out, "Conv2d", math.prod(ctx.weight_shape))
-        channels = ctx.slicing.channels(ctx, grad_out)
-
-        def conv_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                          mask: list[bool]) -> tuple[torch.Tensor, ...]:
-            return torch.ops.aten.convolution_backward(g, x, weight, None, layer.stride, layer.padding,
-                                                       layer.dilation, False, [0, 0], layer.groups, mask)
-
-        grad_input = grad_weight = None
-        if rows >= batch and channels < ctx.input_shape[1]:
-            grad_input = grad_out.new_empty(ctx.input_shape) if need_input else None
-            grad_weight = grad_out.new_empty(ctx.weight_shape) if need_weight else None
-            input_slice, weight_slice = packed.slicer(1), _channel_slicer(saved_weight)
-
-            def backward_group(start: int, length: int) -> None:
-                """One group of input channels; its float32 slices die on return, before the next group's."""
-                parts = conv_backward(grad_out, input_slice(start, length), weight_slice(start, length),
-                                      [need_input, need_weight, False])
-                for whole, part in zip((grad_input, grad_weight), parts[:2], strict=True):
-                    if whole is not None:
-                        whole.narrow(1, start, length).copy_(part)
-
-            for start in range(0, ctx.input_shape[1], channels):
-                backward_group(start, min(channels, ctx.input_shape[1] - start))
-        elif rows >= batch:
-            (_, x), = packed.batch_slices(rows)()
-            grad_input, grad_weight, _ = conv_backward(grad_out, x, saved_weight.unpack(),
-                                                       [need_input, need_weight, False])
-        else:
-            weight = saved_weight.unpack()
-            passes = packed.batch_slices(rows)
-            for start, x in passes() if need_weight else ():
-                grad = conv_backward(grad_out[start:start + rows], x, weight, [False, True, False])[1]
-                grad_weight = grad if grad_weight is None else grad_weight.add_(grad)
-                del x, grad  # the next slice and its gradient are made beside neither, and the last outlives no loop
-            if need_input:
-                grad_input = grad_out.new_empty(ctx.input_shape)
-                for start in range(0, batch, rows):
-                    g = grad_out[start:start + rows]
-                    shape = (g.shape[0], *ctx.input_shape[1:])
-                    grad_input[start:start + rows].copy_(conv_backward(g, g.new_empty(1).expand(shape), weight,
-                                                                       [True, False, False])[0])
+        shape, device = ctx.input_shape, grad_out.device
+        geometry = ConvGeometry(layer.stride, layer.padding, layer.dilation, layer.groups)
+        grad_input, grad_weight = conv_backward_in_slices(
+            grad_out, packed, saved_weight, geometry, shape, ctx.weight_shape,
+            ctx.slicing.rows(shape, device, "Conv2d", math.prod(ctx.weight_shape)),
+            ctx.slicing.channels(shape, ctx.weight_shape, device), need_input, need_weight)
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+class ConvGeometry(NamedTuple):
+    """What a convolution's backward needs of the layer besides its tensors."""
+
+    stride: Sequence[int]
+    padding: Sequence[int]
+    dilation: Sequence[int]
+    groups: int
+
+
+def conv_backward_in_slices(grad_out: torch.Tensor, packed: Slices, saved_weight: Stored, geometry: ConvGeometry,
+                            input_shape: Sequence[int], weight_shape: Sequence[int], rows: int, channels: int,
+                            need_input: bool, need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A convolution's input and weight gradients from its input's codes (``packed``), ``rows`` samples or
+    ``channels`` input channels at a time (``_ConvOfPackedInput``); the compiled step's backward too."""
+
+    def conv_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      mask: list[bool]) -> tuple[torch.Tensor, ...]:
+        return torch.ops.aten.convolution_backward(g, x, weight, None, geometry.stride, geometry.padding,
+                                                   geometry.dilation, False, [0, 0], geometry.groups, mask)
+
+    batch = input_shape[0]
+    grad_input = grad_weight = None
+    if rows >= batch and channels < input_shape[1]:
+        grad_input = grad_out.new_empty(input_shape) if need_input else None
+        grad_weight = grad_out.new_empty(weight_shape) if need_weight else None
+        input_slice, weight_slice = packed.slicer(1), _channel_slicer(saved_weight)
+
+        def backward_group(start: int, length: int) -> None:
+            """One group of input channels; its float32 slices die on return, before the next group's."""
+            parts = conv_backward(grad_out, input_slice(start, length), weight_slice(start, length),
+                                  [need_input, need_weight, False])
+            for whole, part in zip((grad_input, grad_weight), parts[:2], strict=True):
+                if whole is not None:
+                    whole.narrow(1, start, length).copy_(part)
+
+        for start in range(0, input_shape[1], channels):
+            backward_group(start, min(channels, input_shape[1] - start))
+    elif rows >= batch:
+        (_, x), = packed.batch_slices(rows)()
+        grad_input, grad_weight, _ = conv_backward(grad_out, x, saved_weight.unpack(), [need_input, need_weight, False])
+    else:
+        weight = saved_weight.unpack()
+        passes = packed.batch_slices(rows)
+        for start, x in passes() if need_weight else ():
+            grad = conv_backward(grad_out[start:start + rows], x, weight, [False, True, False])[1]
+            grad_weight = grad if grad_weight is None else grad_weight.add_(grad)
+            del x, grad  # the next slice and its gradient are made beside neither, and the last outlives no loop
+        if need_input:
+            grad_input = grad_out.new_empty(input_shape)
+            for start in range(0, batch, rows):
+                g = grad_out[start:start + rows]
+                shape = (g.shape[0], *input_shape[1:])
+                grad_input[start:start + rows].copy_(conv_backward(g, g.new_empty(1).expand(shape), weight,
+                                                                   [True, False, False])[0])
+    return grad_input, grad_weight
 
 
 class _BatchNormOfPackedInput(torch.autograd.Function):
@@ -207,35 +238,44 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         packed, (weight, mean, invstd, _, _) = _take_stored(ctx).packed, ctx.saved_tensors
-        need = list(ctx.needs_input_grad[:3])
-        batch, rows = ctx.input_shape[0], ctx.slicing.rows(ctx, grad_out, "BatchNorm2d")
-        passes = packed.batch_slices(rows)
-        if rows >= batch:
-            (_, x), = passes()
-            grads = torch.ops.aten.native_batch_norm_backward(grad_out, x, weight, None, None, mean, invstd, True,
-                                                              ctx.eps, need)
-            return *grads, None, None, None
-        channel, dims = (1, -1, 1, 1), (0, 2, 3)
-        sum_dy = dot = 0  # per channel: sums of grad_out and of grad_out * (x - mean), slice sums added in float64
+        rows = ctx.slicing.rows(ctx.input_shape, grad_out.device, "BatchNorm2d")
+        grads = batch_norm_backward_in_slices(grad_out, packed, weight, mean, invstd, ctx.eps, rows,
+                                              ctx.needs_input_grad[:3])
+        return *grads, None, None, None
+
+
+def batch_norm_backward_in_slices(grad_out: torch.Tensor, packed: Slices, weight: torch.Tensor | None,
+                                  mean: torch.Tensor, invstd: torch.Tensor, eps: float, rows: int,
+                                  need: Sequence[bool]) -> tuple[torch.Tensor | None, ...]:
+    """A training batch norm's input, weight and bias gradients from its input's codes (``packed``), ``rows``
+    samples at a time (``_BatchNormOfPackedInput``); the compiled step's backward too."""
+    batch = grad_out.shape[0]
+    passes = packed.batch_slices(rows)
+    if rows >= batch:
+        (_, x), = passes()
+        return tuple(torch.ops.aten.native_batch_norm_backward(grad_out, x, weight, None, None, mean, invstd, True,
+                                                               eps, list(need)))
+    channel, dims = (1, -1, 1, 1), (0, 2, 3)
+    sum_dy = dot = 0  # per channel: sums of grad_out and of grad_out * (x - mean), slice sums added in float64
+    for start, x in passes():
+        g = grad_out[start:start + rows]
+        sum_dy = sum_dy + g.sum(dims).double()
+        dot = dot + (x - mean.view(channel)).mul_(g).sum(dims).double()
+        del x  # the next slice is decoded beside none other, and the last not kept into the second pass
+    grad_input = None
+    if need[0]:
+        count = grad_out.numel() // grad_out.shape[1]
+        k = (dot * invstd.double().square() / count).float().view(channel)
+        mean_dy = (sum_dy / count).float().view(channel)
+        scale = (invstd if weight is None else invstd * weight).view(channel)
+        grad_input = torch.empty_like(grad_out)
         for start, x in passes():
-            g = grad_out[start:start + rows]
-            sum_dy = sum_dy + g.sum(dims).double()
-            dot = dot + (x - mean.view(channel)).mul_(g).sum(dims).double()
-            del x  # the next slice is decoded beside none other, and the last not kept into the second pass
-        grad_input = None
-        if need[0]:
-            count = grad_out.numel() // grad_out.shape[1]
-            k = (dot * invstd.double().square() / count).float().view(channel)
-            mean_dy = (sum_dy / count).float().view(channel)
-            scale = (invstd if weight is None else invstd * weight).view(channel)
-            grad_input = torch.empty_like(grad_out)
-            for start, x in passes():
-                out = grad_input[start:start + rows]
-                torch.sub(grad_out[start:start + rows], (x - mean.view(channel)).mul_(k), out=out)
-                out.sub_(mean_dy).mul_(scale)
-        grad_weight = (dot * invstd.double()).float() if need[1] else None
-        grad_bias = sum_dy.float() if need[2] else None
-        return grad_input, grad_weight, grad_bias, None, None, None
+            out = grad_input[start:start + rows]
+            torch.sub(grad_out[start:start + rows], (x - mean.view(channel)).mul_(k), out=out)
+            out.sub_(mean_dy).mul_(scale)
+    grad_weight = (dot * invstd.double()).float() if need[1] else None
+    grad_bias = sum_dy.float() if need[2] else None
+    return grad_input, grad_weight, grad_bias
 
 
 class _ReluOfPackedOutput(torch.autograd.Function):
@@ -257,7 +297,7 @@ class _ReluOfPackedOutput(torch.autograd.Function):
         stored = _take_stored(ctx)
         if stored.packed is None:  # not rounded after all (a promoted slot): the output itself
             return torch.ops.aten.threshold_backward(grad_out, stored.tensor, 0), None, None, None
-        rows = ctx.slicing.rows(ctx, grad_out, "ReLU")
+        rows = ctx.slicing.rows(ctx.input_shape, grad_out.device, "ReLU")
         grad_input = torch.empty_like(grad_out)
         for start, out in stored.packed.batch_slices(rows)():
             torch.ops.aten.threshold_backward.grad_input(grad_out[start:start + rows], out, 0,
