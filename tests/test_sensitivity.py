@@ -4,7 +4,9 @@ the sensitivity order demotes the least sensitive bytes first, and the CLI write
 from __future__ import annotations
 
 import itertools
+import math
 import random
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -13,11 +15,17 @@ from scripted import ScriptedTrainer
 
 from precsearch.analysis.report import plot_sensitivity
 from precsearch.cli import main
-from precsearch.config.spaces import paper_space
+from precsearch.config.spaces import load_space, paper_space
 from precsearch.graph.tracing import trace
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.seeding import PAPER_SEEDING
-from precsearch.search.sensitivity import SENSITIVITY_SEEDING, least_sensitive, measure_model, sensitivity_sweep
+from precsearch.search.sensitivity import (
+    SENSITIVITY_SEEDING,
+    _rounded,
+    least_sensitive,
+    measure_model,
+    sensitivity_sweep,
+)
 from precsearch.search.sensitivity_table import SENSITIVITY_CSV, group_order, unit_table
 from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import paper_assignment
@@ -142,3 +150,17 @@ def test_the_sensitivity_seeding_queues_the_knapsacks_points_first_and_keeps_the
     else:
         assert first.startswith("sensitivity r=0.0")
         assert set(pd.read_csv(table)["kind"]) >= {"activation", "weight"}
+
+
+def test_the_sensitivity_table_measures_a_scaled_space(gratings):
+    """On the tensorwise-scaled FP8 space every unit gets a finite score, and a delayed recipe is scored with
+    the value's own scale (one value has no earlier amaxes), as torch's float8 cast with that scale gives it:
+    ``(x / s).to(float8_e4m3fn) * s``, ``s = 2**ceil(log2(amax / 448))``."""
+    space = load_space(Path(__file__).parent.parent / "search_spaces" / "fp8_scaled.yaml").with_proxy(
+        batch_size=16, image_size=16)
+    table = measure_model("tiny_cnn", space, gratings, batches=1)
+    assert len(table) > 0 and table["score"].map(math.isfinite).all() and (table["score"] > 0).any()
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3)) * 1000
+    s = 2.0 ** math.ceil(math.log2(x.abs().max().item() / 448))
+    expected = (x / s).to(torch.float8_e4m3fn).float() * s
+    assert torch.equal(_rounded(x, "e4m3fn@tensor:delayed16", "saturate"), expected)

@@ -29,6 +29,7 @@ bytes saved reach a target; ``sensitivity_sweep`` does it for the paper's ladder
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -45,8 +46,9 @@ from precsearch.config.spaces import SearchSpace
 from precsearch.config.spec import ASSIGNABLE_KINDS, TensorId
 from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
-from precsearch.formats.format import get_format
+from precsearch.formats.format import FloatFormat, get_format
 from precsearch.formats.kernels import quantize, stats
+from precsearch.formats.scaled import expand_scales, get_scaled_format, is_scaled, quantize_scaled
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph
 from precsearch.search.context import SearchContext
@@ -118,7 +120,7 @@ def _gradient_scale(grads: Iterable[torch.Tensor], space: SearchSpace) -> float:
     if mode != "dynamic":
         return scale
     largest = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
-    limit = min(get_format(space.low[kind]).max for kind in ("activation_grad", "weight_grad"))
+    limit = min(_element(space.low[kind]).max for kind in ("activation_grad", "weight_grad"))
     while scale > 1.0 and largest * scale > limit:
         scale /= 2.0
     return scale
@@ -127,7 +129,30 @@ def _gradient_scale(grads: Iterable[torch.Tensor], space: SearchSpace) -> float:
 def _rounding_error(value: torch.Tensor, low: str, high: str, overflow: str, scale: float = 1.0) -> torch.Tensor:
     """What holding ``value`` (at ``scale``) in ``low`` instead of ``high`` changes, in ``value``'s units."""
     scaled = value * scale
-    return (quantize(scaled, low, overflow=overflow) - quantize(scaled, high, overflow=overflow)) / scale
+    return (_rounded(scaled, low, overflow) - _rounded(scaled, high, overflow)) / scale
+
+
+def _element(fmt: str) -> FloatFormat:
+    """The format one value is held in (a scaled format's element)."""
+    return get_scaled_format(fmt).element if is_scaled(fmt) else get_format(fmt)
+
+
+def _in_element(value: torch.Tensor, fmt: str) -> tuple[torch.Tensor, FloatFormat]:
+    """``value`` in the units its format's element holds (a scaled format's values divided by their own scales,
+    as ``_rounded`` scales them), and that element: what its overflow and underflow shares are of."""
+    if not is_scaled(fmt):
+        return value, get_format(fmt)
+    current = dataclasses.replace(get_scaled_format(fmt), history=0)
+    scales = quantize_scaled(value, current)[1]
+    return value / expand_scales(scales, current, value.shape), current.element
+
+
+def _rounded(value: torch.Tensor, fmt: str, overflow: str) -> torch.Tensor:
+    """``value`` held in ``fmt``; a scaled format with the scale of ``value`` itself (a delayed recipe's history
+    would hold the amaxes of the steps before: one value has none, so its current scale stands in)."""
+    if not is_scaled(fmt):
+        return quantize(value, fmt, overflow=overflow)
+    return quantize_scaled(value, dataclasses.replace(get_scaled_format(fmt), history=0))[0]
 
 
 def _relative(error: torch.Tensor, value: torch.Tensor) -> float:
@@ -216,7 +241,7 @@ def measure(graph: TensorGraph, model: nn.Module, space: SearchSpace, batches: I
             else:
                 weight = grads.get(info.id)
                 score = float((weight.square() * error.square()).sum()) / share if weight is not None else math.nan
-            shares = stats(value * scale if gradient else value, low)
+            shares = stats(*_in_element(value * scale if gradient else value, low))
             rows.setdefault(info.id, []).append({"score": score, "error": relative,
                                                  "overflow": shares["overflow"], "underflow": shares["underflow"]})
         sgd.step()
