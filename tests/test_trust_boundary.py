@@ -189,7 +189,7 @@ def user_factories(tmp_path, monkeypatch):
             sys.exit(0)
 
         def signalled():
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # to this thread: a process-wide kill may land on another one
             time.sleep(5)
         """))
     (folder / "precsearch_test_import_fails.py").write_text("LIMIT = 1 / 0\n\ndef net():\n    pass\n")
