@@ -151,7 +151,8 @@ def test_the_compiled_step_trains_bit_for_bit_as_the_eager_runtime(case: str) ->
     _assert_same_training(eager, done, eager_losses, done_losses)
 
 
-@pytest.mark.parametrize("saves_codes", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # compiles three graphs
+@pytest.mark.parametrize("saves_codes", [False, True])
 def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_codes: bool) -> None:
     """Four policies of one model (all-low, fp16, fp32, hfp8-like), each trained bit for bit as eagerly: saving
     float32 (a search's proxies), one compiled graph serves them all; saving codes, a graph serves the
@@ -326,6 +327,7 @@ def test_the_compiled_step_on_cuda(backend: str) -> None:
         assert done.scaler.get_scale() == eager.scaler.get_scale()
 
 
+@pytest.mark.slow  # compiles a graph with stochastic rounding
 def test_stochastic_rounding_in_the_compiled_step_draws_from_its_seed() -> None:
     """Stochastic rounding of activation gradients and weights inside the compiled graph (the hash computed in
     the graph; its values are ``round_with``'s, tested against the kernels in tests/test_format_data.py): the

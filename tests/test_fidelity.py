@@ -30,6 +30,7 @@ def validated(tmp_path_factory):
     return out, code
 
 
+@pytest.mark.slow  # the module's validate run: 64 s
 def test_validate_writes_fidelity_files_for_front_references_and_best(validated):
     out, code = validated
     assert code == 0
@@ -46,6 +47,7 @@ def test_validate_writes_fidelity_files_for_front_references_and_best(validated)
     assert summary["divergence_predicted"] == agree
 
 
+@pytest.mark.slow  # the module's validate run: 64 s
 def test_long_runs_are_the_policy_trained_for_the_given_steps(validated):
     """The recorded long-run accuracy is what training the trial's policy for LONG steps gives."""
     out, _ = validated
@@ -63,6 +65,7 @@ def test_long_runs_are_the_policy_trained_for_the_given_steps(validated):
     assert summary["plain_fp32_accuracy"] == pytest.approx(plain.val_accuracy)  # the yardstick, no policy
 
 
+@pytest.mark.slow  # the module's validate run: 64 s
 def test_best_verdict_follows_the_long_runs(validated):
     out, _ = validated
     table = pd.read_csv(out / "fidelity.csv", keep_default_na=False)
