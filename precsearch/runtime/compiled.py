@@ -82,7 +82,7 @@ from precsearch.formats.as_data import (
 )
 from precsearch.formats.compiled import RUNNER, labelled
 from precsearch.graph.types import TensorGraph
-from precsearch.runtime.packing import Stored
+from precsearch.runtime.packing import Stored, batch_passes
 from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.sliced import ConvGeometry, Slicing, batch_norm_backward_in_slices, conv_backward_in_slices
 from precsearch.runtime.state import TensorState
@@ -286,13 +286,7 @@ class _CodesInSlices:
         return decode
 
     def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
-        decode, batch = self.slicer(), self.shape[0]
-
-        def one_pass() -> Iterator[tuple[int, torch.Tensor]]:
-            for start in range(0, batch, rows):
-                yield start, decode(start, min(rows, batch - start))
-
-        return one_pass
+        return batch_passes(self.slicer(), self.shape[0], rows)
 
 
 def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.runtime import ops
 from precsearch.runtime.state import Slot, TensorState
 
-__all__ = ["Packer", "SavedBytes", "Stored"]
+__all__ = ["Packer", "SavedBytes", "Stored", "batch_passes"]
 
 
 @dataclass
@@ -107,13 +107,19 @@ class _Packed:
     def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
         """One unpack of the whole storage (a contiguous batch) as passes over it, ``rows`` samples at a time,
         each slice decoded when reached and yielded with its first sample (``slicer``)."""
-        decode, batch = self.slicer(), self.shape[0]
+        return batch_passes(self.slicer(), self.shape[0], rows)
 
-        def one_pass() -> Iterator[tuple[int, torch.Tensor]]:
-            for start in range(0, batch, rows):
-                yield start, decode(start, min(rows, batch - start))
 
-        return one_pass
+def batch_passes(decode: Callable[[int, int], torch.Tensor], batch: int,
+                 rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
+    """Passes over a batch of ``batch`` samples, ``rows`` at a time, each slice decoded (``decode(start, length)``)
+    when reached and yielded with its first sample: what a sliced backward reads (precsearch.runtime.sliced)."""
+
+    def one_pass() -> Iterator[tuple[int, torch.Tensor]]:
+        for start in range(0, batch, rows):
+            yield start, decode(start, min(rows, batch - start))
+
+    return one_pass
 
 
 class _RoundedFromMaster(_Packed):
