@@ -12,6 +12,8 @@ takes minutes on a CPU; the step measured is the third, after the compile.
 
 Usage: python benchmarks/bench_memory.py [--width 1.0] [--batch 128] [--device cpu|cuda]
        [--policies fp32,fp16,bf16,hfp8,all-low] [--compiled fp16,hfp8,all-low]
+       (also fp8-all-low and fp8-scaled-all-low: the all-low of search_spaces/fp8_e4m3_e5m2.yaml and of
+       fp8_scaled.yaml, the same elements without and with a scale per tensor)
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from pathlib import Path
 
 import torch
 
 from precsearch.config.policy import Policy
+from precsearch.config.spaces import load_space
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import measure_peak, sgd_step, trace_step
 from precsearch.cost.model import MIB, CostModel
@@ -30,9 +34,20 @@ from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.model import apply_policy
-from precsearch.search.strategies import baseline
+from precsearch.search.strategies import baseline, uniform
 
 ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+# The all-low assignments of two spaces that differ only in a scale per tensor (issue 40: within 2%).
+SPACES = Path(__file__).resolve().parent.parent / "search_spaces"
+SPACE_ALL_LOW = {"fp8-all-low": SPACES / "fp8_e4m3_e5m2.yaml", "fp8-scaled-all-low": SPACES / "fp8_scaled.yaml"}
+
+
+def space_all_low(graph, path: Path) -> Policy:
+    """Every tensor at the space's low format, with its high format, overflow, loss scaling and guard."""
+    space = load_space(path)
+    return policy_from_assignment(graph, uniform(graph, space, "low").assignment, high_format=space.high,
+                                  overflow=dict(space.overflow), loss_scaling=dict(space.loss_scaling),
+                                  promotion_threshold=space.promotion_threshold)
 
 
 def main() -> int:
@@ -58,6 +73,7 @@ def main() -> int:
         graph, {tid: ALL_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
         overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
         promotion_threshold=0.01)
+    every.update({name: space_all_low(graph, path) for name, path in SPACE_ALL_LOW.items()})
     chosen = [name for name in args.policies.split(",") if name]
     compiled = [name for name in args.compiled.split(",") if name]
     unknown = sorted(set(chosen + compiled) - set(every))

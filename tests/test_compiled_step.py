@@ -151,6 +151,25 @@ def test_the_compiled_step_trains_bit_for_bit_as_the_eager_runtime(case: str) ->
     _assert_same_training(eager, done, eager_losses, done_losses)
 
 
+@pytest.mark.parametrize("granularity", ["tensor", pytest.param("row", marks=pytest.mark.slow)])
+def test_scaled_formats_train_compiled_bit_for_bit_as_eagerly(granularity: str) -> None:
+    """torchao's tensorwise recipe (and its rowwise variant): weights and activations e4m3fn, gradients e5m2, each
+    tensor (row) with its own power-of-two scale, bf16 high, fp32 master weights. 12 steps of tiny_cnn compiled
+    without Inductor (aot_eager; codes and scales saved, the convolutions' and batch norms' backwards reading
+    them a slice at a time) train as the eager runtime: every parameter, buffer and loss, and the counts."""
+    model = _model("tiny_cnn")
+    batches = _batches(12, 16, 16)
+    formats = {kind: f"{element}@{granularity}" for kind, element in
+               (("weight", "e4m3fn"), ("activation", "e4m3fn"), ("activation_grad", "e5m2"), ("weight_grad", "e5m2"))}
+    policy = _policy(model, batches[0][0], formats, high_format="bf16", master_weights=True,
+                     loss_scaling={"mode": "none"})
+    eager, eager_losses = _train(model, policy, batches)
+    done, done_losses = _train(model, policy, batches, compile=AOT_EAGER)
+    assert done.compiled_step is not None
+    assert any(site.scaled[0] and site.code for site in done.compiled_step.graph.sites)
+    _assert_same_training(eager, done, eager_losses, done_losses)
+
+
 @pytest.mark.slow  # compiles three graphs
 @pytest.mark.parametrize("saves_codes", [False, True])
 def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_codes: bool) -> None:
@@ -365,7 +384,8 @@ def test_the_compiled_step_saves_each_rounded_activation_as_codes_of_its_width(f
     """Inductor's compiled step saves, for the backward, the codes of each rounded activation (1 byte for an
     8-bit format, 2 for fp16: two byte planes), not its float32 values: every saved tensor that grows with the
     batch is uint8 codes of that width (but the max pool's int8 offsets, Inductor's own), and together they hold
-    no more bytes than the eager runtime's packed saves (its ``saved_bytes``, each storage's codes once).
+    the eager runtime's packed saves (its ``saved_bytes``, each storage's codes once) within 5%, never more: the
+    step ``precsearch train --policy`` compiles from 2,000 steps (the test below) holds what the eager one holds.
     Counted by autograd's own saved-tensor hooks."""
     model = _model("tiny_cnn")
     x = torch.randn(12, 3, 16, 16)  # a batch no channel count equals
@@ -379,7 +399,8 @@ def test_the_compiled_step_saves_each_rounded_activation_as_codes_of_its_width(f
                   if t.dim() > 1 and t.shape[0] % batch == 0 and t.dtype != torch.int8]
     assert per_sample and {t.dtype for t in per_sample} == {torch.uint8}
     assert {t.shape[0] for t in per_sample} == {code * batch}  # 2 bytes: the byte planes, stacked on the batch
-    assert sum(t.numel() * t.element_size() for t in per_sample) <= eager_bytes
+    compiled_bytes = sum(t.numel() * t.element_size() for t in per_sample)
+    assert 0.95 * eager_bytes <= compiled_bytes <= eager_bytes, (compiled_bytes, eager_bytes)
 
 
 @pytest.mark.slow

@@ -186,10 +186,12 @@ def test_what_the_runtime_does_not_do_with_scaled_formats_is_refused_at_wrapping
         apply_policy(build("tiny_cnn"), DELAYED.replace(**changes))
 
 
-def test_the_compiled_step_names_scaled_formats_and_trains_eagerly(caplog):
+@pytest.mark.parametrize(("policy", "reason"), [
+    (DELAYED, "delayed scaling"), (DELAYED.replace(defaults={"activation": "e4m3fn@block32"}), "MX block scales")])
+def test_the_compiled_step_names_the_scaled_formats_it_does_not_serve_and_trains_eagerly(caplog, policy, reason):
     with caplog.at_level(logging.WARNING):
-        wrapped = apply_policy(build("tiny_cnn"), DELAYED, compile=True)
-    assert wrapped.compiled_step is None and "scaled formats" in caplog.text
+        wrapped = apply_policy(build("tiny_cnn"), policy, compile=True)
+    assert wrapped.compiled_step is None and reason in caplog.text
 
 
 @pytest.mark.parametrize(("spec", "scales"), [("e4m3fn@tensor", 1), ("e5m2@row", 6), ("e4m3fn@block32", 6 * 2),

@@ -307,3 +307,19 @@ def test_wang_fp8_is_e5m2_data_with_16_bit_first_and_last_layers(tiny_graph):
         expected = "e6m9s" if tid in high or kind == "weight_grad" else "e5m2s"
         assert spec == expected, tid
     assert policy.optimizer == {"update": "stochastic"}
+
+
+def test_torchao_fp8_makes_every_gemm_input_scaled_fp8_and_the_rest_bf16(tiny_graph):
+    # tiny_cnn's GEMMs by hand: conv1 (x, conv1:weight), conv2 (pool1's output, conv2:weight), linear
+    # (pool2's output, linear:weight). Forward operands e4m3fn@tensor; the output gradient each backward
+    # multiplies e5m2@tensor; linear's bias (added, not multiplied) and all weight gradients stay bf16.
+    gemm_inputs = {
+        "x:activation": "e4m3fn@tensor", "conv1:weight": "e4m3fn@tensor", "conv1:activation_grad": "e5m2@tensor",
+        "pool1:activation": "e4m3fn@tensor", "conv2:weight": "e4m3fn@tensor", "conv2:activation_grad": "e5m2@tensor",
+        "pool2:activation": "e4m3fn@tensor", "linear:weight": "e4m3fn@tensor", "linear:activation_grad": "e5m2@tensor",
+    }
+    policy = baseline("torchao_fp8", tiny_graph)
+    assert policy.assignment(tiny_graph) == {t: gemm_inputs.get(t, "bf16") for t in tiny_graph.assignable_ids()}
+    assert policy.high_format == "bf16" and policy.loss_scaling == {"mode": "none"} and policy.master_weights
+    assert policy.promotion_threshold is None
+    assert json.loads(policy.to_json())["schema_version"] == 2  # a scaled policy's file

@@ -6,7 +6,7 @@ low), the generated ``gratings`` task at 16x16 (faint gratings on a bright level
 class signal away, so the group holding the input, 2% of the bytes, must stay high while the rest can go
 low), batch 32, proxies whose length is calibrated on the all-high reference with seeds chosen from the
 measured noise (``--proxy-seeds auto``), 24 trials on two worker processes, confirmation of the front, then
-the seven prior-work baselines under the same proxies and the report. It prints the calibrated length, the
+the eight prior-work baselines under the same proxies and the report. It prints the calibrated length, the
 noise level, the confirmed pick and its confidence, the training steps per phase, its own wall time and the
 policy it would hand to training.
 """

@@ -58,8 +58,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["GRANULARITIES", "SCALED_GRAMMAR", "AmaxHistory", "ScaledFormat", "any_format", "e8m0_decode",
-           "e8m0_encode", "expand_scales", "format_name", "get_scaled_format", "is_scaled", "quantize_scaled",
-           "scale_bytes"]
+           "e8m0_encode", "expand_scales", "format_name", "get_scaled_format", "is_scaled", "power_of_two_scales",
+           "quantize_scaled", "scale_bytes", "scaled_values"]
 
 GRANULARITIES: tuple[str, ...] = ("tensor", "row", "block")
 SCALED_GRAMMAR = ("<element>@tensor[:delayed<N>], <element>@row or <element>@block<N>, N >= 1 "
@@ -211,7 +211,7 @@ class AmaxHistory:
         self.amaxes = amaxes.to(self.amaxes, copy=True)
 
 
-def _scales(amax: torch.Tensor, fmt: ScaledFormat) -> torch.Tensor:
+def power_of_two_scales(amax: torch.Tensor, fmt: ScaledFormat) -> torch.Tensor:
     """The power-of-two scales (float32, exact) of groups with largest magnitude ``amax`` (module docstring).
 
     ``frexp`` gives ``floor(log2(amax))`` exactly; the tensor rule adds 1 unless ``amax`` fits ``max`` at that
@@ -257,6 +257,43 @@ def expand_scales(scales: torch.Tensor, spec: str | ScaledFormat, shape: Sequenc
     return scales.repeat_interleave(fmt.block, dim=1)[:, :cols].reshape(shape)
 
 
+def scaled_values(x: torch.Tensor, fmt: ScaledFormat, history: AmaxHistory | None = None,
+                  in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` divided by its scales, shaped as ``x`` (exact: powers of two; inf turned NaN where the element has
+    no inf): a new float32 tensor, or with ``in_place`` ``x`` itself where it is contiguous and needs no
+    padding; and the scales (``ScaledFormat.scales_shape``). A group's amax is over its finite values (a
+    block's: over all, so that a block holding inf or NaN gets the NaN scale); with a delayed ``history``, the
+    scale comes from its largest amax and this amax is recorded. One float32 temporary (the magnitudes), freed
+    before the result is made, so the eager runtime's peak is the rounding's own; pure torch ops otherwise, so
+    the compiled step traces the same function."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, cols = fmt.rows_columns(x.shape)
+    length = fmt.block or cols
+    padded = cols % length != 0  # a row's last block, padded with zeros
+    groups = x.reshape(rows, cols)
+    if padded:
+        groups = F.pad(groups, (0, length - cols % length))
+    groups = groups.reshape(rows, -1, length)
+    magnitude = groups.abs()
+    if not fmt.block:
+        magnitude = magnitude.nan_to_num_(nan=0.0, posinf=0.0)
+    amax = magnitude.amax(-1, keepdim=True)
+    del magnitude
+    if history is not None:
+        scales = power_of_two_scales(history.scale_amax().to(amax.device), fmt)
+        history.update(amax.reshape(()))
+    else:
+        scales = power_of_two_scales(amax, fmt)
+    infinite = None if fmt.element.has_inf else groups.isinf()  # (read before x may be divided in place)
+    scaled = groups.div_(scales) if in_place and x.is_contiguous() and not padded else groups / scales
+    if infinite is not None:
+        scaled.masked_fill_(infinite, math.nan)
+    scaled = torch.ops.aten._unsafe_view.default(scaled.reshape(rows, -1)[:, :cols].contiguous(), x.shape)
+    return scaled, scales.reshape(fmt.scales_shape(x.shape))
+
+
 def quantize_scaled(
     x: torch.Tensor,
     spec: str | ScaledFormat,
@@ -272,7 +309,6 @@ def quantize_scaled(
     refused by the others; ``generator`` drives stochastic rounding.
     """
     import torch
-    import torch.nn.functional as F
 
     from precsearch.formats.kernels import _check_tensor, overflow_threshold, quantize
 
@@ -287,23 +323,7 @@ def quantize_scaled(
     threshold = overflow_threshold(fmt.element, rounding)  # checks the rounding before the history changes
     if x.numel() == 0:  # no amax to take
         return x, x.new_ones(fmt.scales_shape(x.shape)), x.new_zeros((), dtype=torch.int64)
-    rows, cols = fmt.rows_columns(x.shape)
-    length = fmt.block or cols  # the groups that share a scale: a row, or blocks of a row (the last one padded)
-    groups = F.pad(x.reshape(rows, cols), (0, -cols % length)).reshape(rows, -1, length)
-    finite = groups.isfinite()
-    magnitude = groups.abs() if fmt.block else torch.where(finite, groups.abs(), 0)
-    amax = magnitude.amax(-1, keepdim=True)  # a block's inf/NaN propagates (its NaN scale)
-    if history is not None:
-        scales = _scales(history.scale_amax().to(amax.device), fmt)
-        history.update(amax.reshape(()))
-    else:
-        scales = _scales(amax, fmt)
-    scaled = groups / scales  # exact: a power of two
-    if not fmt.element.has_inf:
-        scaled = scaled.masked_fill(groups.isinf(), math.nan)
-    overflowed = ((scaled.abs() >= threshold) & finite).sum()
-    rounded = quantize(scaled, fmt.element, rounding, "saturate", generator) * scales
-    # shaped as x without being a view of the padded groups: a caller may modify it in place (ReLU(inplace) on a
-    # view of an autograd Function's output is refused), and the runtime packs it by its own storage
-    rounded = torch.ops.aten._unsafe_view.default(rounded.reshape(rows, -1)[:, :cols].contiguous(), x.shape)
-    return rounded, scales.reshape(fmt.scales_shape(x.shape)), overflowed
+    scaled, scales = scaled_values(x, fmt, history)
+    overflowed = ((scaled.abs() >= threshold) & x.isfinite()).sum()
+    rounded = quantize(scaled, fmt.element, rounding, "saturate", generator) * expand_scales(scales, fmt, x.shape)
+    return rounded, scales, overflowed

@@ -21,6 +21,12 @@ themselves:
   (``conv_backward_of_codes``, ``batch_norm_backward_of_codes``) that runs the eager runtime's sliced backward
   (precsearch.runtime.sliced) over the codes, a slice at a time, opaque to Inductor (which would decode the
   whole input and fuse the decodes of neighbouring layers into kernels that hold them all at once);
+* a scaled format (precsearch.formats.scaled: a power-of-two scale per tensor or per row, from this step's
+  amax) is rounded as ``quantize_scaled`` rounds it, the amax reduction traced with the rounding; its codes
+  are the element's codes of the scaled-down values, saved with the scales (float32, a few per tensor) and
+  decoded times them; the sites' scaled formats are part of the graph (``precsearch_scaled``, by name), so an
+  assignment that scales other rows compiles its own graph. MX block scales and delayed scaling (an amax
+  history carried across steps) train eagerly;
 * overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable": inf or
   NaN in a format without them; the step is then skipped, as eagerly, but the compiled forward goes on with the
   code's value, the format's largest magnitude, so batch-norm running statistics stay finite), leave the graph
@@ -81,6 +87,7 @@ from precsearch.formats.as_data import (
     round_with,
 )
 from precsearch.formats.compiled import RUNNER, labelled
+from precsearch.formats.scaled import ScaledFormat, expand_scales, scaled_values
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime.packing import Stored, batch_passes
 from precsearch.runtime.sites import SitePlan
@@ -125,7 +132,9 @@ def unsupported(policy: Policy, graph: TensorGraph, state: TensorState) -> str |
         "policy.accumulation (chunked accumulation layers)": policy.accumulation is not None,
         "adaptive loss scaling (per-layer hooks)": policy.loss_scaling["mode"] == "adaptive",
         f"nearest rounding to {', '.join(no_mantissa)} (no mantissa bit)": bool(no_mantissa),
-        "scaled formats (a scale per tensor, row or block)": any(slot.scaled for slot in state.slots.values()),
+        "MX block scales": any(slot.scaled is not None and slot.scaled.block for slot in state.slots.values()),
+        "delayed scaling (an amax history across steps)": any(
+            slot.scaled is not None and slot.scaled.history for slot in state.slots.values()),
     }
     found = [reason for reason, applies in reasons.items() if applies]
     return f"the policy needs {', '.join(found)}" if found else None
@@ -143,6 +152,7 @@ class Site(NamedTuple):
     numel: int
     per_sample: bool  # an activation (its values grow with the batch), not a weight
     code: int | None  # bytes of the codes its rounded values pass through (None: float32, no codes)
+    scaled: tuple[str | None, str | None]  # the value's and the gradient's scaled formats (None: unscaled)
 
 
 class _Round(torch.autograd.Function):
@@ -156,17 +166,24 @@ class _Round(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
-                site: Site) -> Any:
-        ctx.site = site
-        row = rows[site.act]
-        rounded, overflowed = _rounded(x, row, seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
+                site: Site, formats: dict[str, ScaledFormat]) -> Any:
+        ctx.site, ctx.formats = site, formats
+        row, scaled = rows[site.act], formats.get(site.scaled[0])
+        if scaled is None:
+            values, overflowed = _rounded(x, row, seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
+            rounded, scales = values, None
+        else:
+            values, scales, overflowed = _scaled_rounding(x, row, scaled)
+            rounded = values * scales
         unencodable = torch.zeros_like(overflowed)
         codes = ()
-        if site.code is not None:  # the partitioner saves these codes for the backward, which decodes them
-            code, unencodable = encode_codes(rounded, row, site.code)
+        if site.code is not None:  # the partitioner saves these codes (and scales) for the backward, which decodes
+            code, unencodable = encode_codes(values, row, site.code)
             with torch.fx.traceback.annotate(DECODE):
                 rounded = decode_codes(code, row, site.code)
-            codes = (code,)
+                if scales is not None:
+                    rounded = rounded * scales
+            codes = (code,) if scales is None else (code, scales)
         ctx.save_for_backward(rows, seed, *([rounded] if site.relu_output else []))
         # [overflowed, unencodable], float64 of 2 elements (Dynamo specializes no value of a 0-d tensor)
         counts = torch.stack([overflowed, unencodable.to(overflowed.dtype)]).to(torch.float64)
@@ -179,11 +196,11 @@ class _Round(torch.autograd.Function):
         site, overflowed = ctx.site, None
         if site.grad is not None:
             g, overflowed = _rounded(g, rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE,
-                                     site.rounding[1])
+                                     site.rounding[1], ctx.formats.get(site.scaled[1]))
             overflowed = overflowed.to(torch.float64).reshape(1)
         if output:
             g = torch.ops.aten.threshold_backward(g, output[0], 0)
-        return g, None, None, overflowed, None
+        return g, None, None, overflowed, None, None
 
 
 class _ReluMaskedByItsSite(torch.autograd.Function):
@@ -205,11 +222,27 @@ def _relu_masked_by_its_site(x: torch.Tensor) -> torch.Tensor:
     return _ReluMaskedByItsSite.apply(x)
 
 
-def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
-             rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` rounded by ``row`` and its overflow count; nearest rounding in float32 arithmetic (``unsupported``
-    keeps formats it does not serve out)."""
+def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
+             scaled: ScaledFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``) and its overflow count; nearest rounding
+    in float32 arithmetic (``unsupported`` keeps formats it does not serve out)."""
+    if scaled is not None:
+        values, scales, overflowed = _scaled_rounding(x, row, scaled)
+        return values * scales, overflowed
     return round_nearest(x, row) if rounding == "nearest" else round_with(x, row, seed, rounding)
+
+
+def _scaled_rounding(x: torch.Tensor, row: torch.Tensor,
+                     scaled: ScaledFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` rounded to a scaled format (current scaling, nearest) as ``quantize_scaled`` rounds it: the rounded
+    values divided by their scales (shaped as ``x``), the scales (broadcasting over ``x``) and the overflow
+    count (an inf input stays inf: no overflow, as ``quantize_scaled`` counts); the amax reduction traced with
+    the rounding, so that Inductor fuses them."""
+    scaled_x, scales = scaled_values(x, scaled)
+    values, overflowed = round_nearest(scaled_x, row)
+    if scaled.element.has_inf:
+        overflowed = overflowed - scaled_x.isinf().sum(dtype=overflowed.dtype)
+    return values, expand_scales(scales, scaled, x.shape), overflowed
 
 
 class _RoundGradient(torch.autograd.Function):
@@ -218,8 +251,8 @@ class _RoundGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor,
-                site: Site) -> torch.Tensor:
-        ctx.site = site
+                site: Site, formats: dict[str, ScaledFormat]) -> torch.Tensor:
+        ctx.site, ctx.formats = site, formats
         ctx.save_for_backward(rows, seed)
         return x.view_as(x)
 
@@ -227,24 +260,27 @@ class _RoundGradient(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         rows, seed = ctx.saved_tensors
         site = ctx.site
-        g, overflowed = _rounded(g, rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE, site.rounding[1])
-        return g, None, None, overflowed.to(torch.float64).reshape(1), None
+        g, overflowed = _rounded(g, rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE, site.rounding[1],
+                                 ctx.formats.get(site.scaled[1]))
+        return g, None, None, overflowed.to(torch.float64).reshape(1), None, None
 
 
 def _round_gradient(value: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
-                    site: Site, counter: int) -> torch.Tensor:
-    return _RoundGradient.apply(value, rows, seed, counters[counter], site)
+                    site: Site, counter: int, formats: dict[str, ScaledFormat]) -> torch.Tensor:
+    return _RoundGradient.apply(value, rows, seed, counters[counter], site, formats)
 
 
 def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
-           sites: tuple[tuple[int, Site, int | None], ...]) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+           sites: tuple[tuple[int, Site, int | None], ...],
+           formats: dict[str, ScaledFormat]) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
     """``value`` (a tensor, or a tuple of them) with each (position, site, counter index) of ``sites``
-    rounded, the forward's overflow counts, and the codes of the sites that have them, in order."""
+    rounded, the forward's overflow counts, and the codes (and scales) of the sites that have them, in order;
+    ``formats``: the scaled formats the sites name."""
     counts, codes = [], []
     items = list(value) if isinstance(value, tuple | list) else [value]
     for position, site, counter in sites:
         items[position], counted, *code = _Round.apply(items[position], rows, seed,
-                                                       None if counter is None else counters[counter], site)
+                                                       None if counter is None else counters[counter], site, formats)
         counts.append(counted)
         codes += code
     rounded = type(value)(items) if isinstance(value, tuple | list) else items[0]
@@ -270,18 +306,23 @@ _DECODERS = {1: labelled("decode codes", _decode_bytes), 2: labelled("decode byt
 class _CodesInSlices:
     """A site's codes in a compiled step's backward, decoded a slice at a time by the sliced backwards
     (precsearch.runtime.sliced.Slices), as the eager runtime decodes its packed codes: each slice in one
-    compiled pass (``_DECODERS``), not the dozen whole-slice temporaries of ``decode_codes`` run eagerly."""
+    compiled pass (``_DECODERS``), not the dozen whole-slice temporaries of ``decode_codes`` run eagerly; a
+    scaled site's values times their ``scales`` (one per tensor, or per row: per sample)."""
 
-    def __init__(self, codes: torch.Tensor, row: torch.Tensor, nbytes: int) -> None:
-        self.codes, self.row, self.nbytes = codes, row, nbytes
+    def __init__(self, codes: torch.Tensor, row: torch.Tensor, nbytes: int, scales: torch.Tensor | None) -> None:
+        self.codes, self.row, self.nbytes, self.scales = codes, row, nbytes, scales
         self.shape = codes.shape if nbytes == 1 else codes.shape[1:]  # 2 bytes: the byte planes stacked first
 
     def slicer(self, dim: int = 0) -> Callable[[int, int], torch.Tensor]:
         axis = dim + (self.nbytes != 1)
+        scales = self.scales
 
         def decode(start: int, length: int) -> torch.Tensor:
             part = self.codes.narrow(axis, start, length)
-            return RUNNER.run(_DECODERS[self.nbytes], part.reshape(-1), self.row).view(part.shape[axis - dim:])
+            values = RUNNER.run(_DECODERS[self.nbytes], part.reshape(-1), self.row).view(part.shape[axis - dim:])
+            if scales is None:
+                return values
+            return values * (scales.narrow(0, start, length) if dim == 0 and scales.dim() else scales)
 
         return decode
 
@@ -295,42 +336,42 @@ def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("precsearch::conv_backward_of_codes", mutates_args=())
-def conv_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, row: torch.Tensor, weight: torch.Tensor,
-                           stride: list[int], padding: list[int], dilation: list[int], groups: int, nbytes: int,
-                           rows: int, channels: int, need_input: bool,
+def conv_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
+                           weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
+                           groups: int, nbytes: int, rows: int, channels: int, need_input: bool,
                            need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A convolution's input and weight gradients from its input's codes, a slice at a time
     (precsearch.runtime.sliced.conv_backward_in_slices): opaque to Inductor, which would otherwise decode the
     whole input, and fuse its decoding with its neighbours' into kernels that hold them all at once."""
-    slices = _CodesInSlices(codes, row, nbytes)
+    slices = _CodesInSlices(codes, row, nbytes, scales)
     grads = conv_backward_in_slices(grad_out, slices, Stored(weight), ConvGeometry(stride, padding, dilation, groups),
                                     slices.shape, weight.shape, rows, channels, need_input, need_weight)
     return _or_empty(grads[0], grad_out), _or_empty(grads[1], grad_out)
 
 
 @conv_backward_of_codes.register_fake
-def _(grad_out: torch.Tensor, codes: torch.Tensor, row: torch.Tensor, weight: torch.Tensor, stride: list[int],
-      padding: list[int], dilation: list[int], groups: int, nbytes: int, rows: int, channels: int, need_input: bool,
-      need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor, weight: torch.Tensor,
+      stride: list[int], padding: list[int], dilation: list[int], groups: int, nbytes: int, rows: int, channels: int,
+      need_input: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     shape = codes.shape if nbytes == 1 else codes.shape[1:]
     return grad_out.new_empty(shape if need_input else (0,)), grad_out.new_empty(weight.shape if need_weight else (0,))
 
 
 @torch.library.custom_op("precsearch::batch_norm_backward_of_codes", mutates_args=())
-def batch_norm_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, row: torch.Tensor,
-                                 weight: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, eps: float,
-                                 nbytes: int, rows: int,
+def batch_norm_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
+                                 row: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+                                 invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
                                  need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A training batch norm's gradients from its input's codes, a slice at a time
     (precsearch.runtime.sliced.batch_norm_backward_in_slices), opaque to Inductor as ``conv_backward_of_codes``."""
-    grads = batch_norm_backward_in_slices(grad_out, _CodesInSlices(codes, row, nbytes), weight, mean, invstd, eps,
-                                          rows, need)
+    grads = batch_norm_backward_in_slices(grad_out, _CodesInSlices(codes, row, nbytes, scales), weight, mean, invstd,
+                                          eps, rows, need)
     return tuple(_or_empty(grad, grad_out) for grad in grads)  # type: ignore[return-value]
 
 
 @batch_norm_backward_of_codes.register_fake
-def _(grad_out: torch.Tensor, codes: torch.Tensor, row: torch.Tensor, weight: torch.Tensor | None,
-      mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
+def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
+      weight: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
       need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     shapes = (grad_out.shape, mean.shape, mean.shape)
     return tuple(grad_out.new_empty(shape if wanted else (0,)) for shape, wanted in zip(shapes, need, strict=True))
@@ -342,24 +383,26 @@ class _ConvOfCodes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, codes: torch.Tensor,
-                row: torch.Tensor, geometry: ConvGeometry, nbytes: int, rows: int, channels: int) -> torch.Tensor:
+                scales: torch.Tensor | None, row: torch.Tensor, geometry: ConvGeometry, nbytes: int, rows: int,
+                channels: int) -> torch.Tensor:
         ctx.geometry, ctx.nbytes, ctx.rows, ctx.channels = geometry, nbytes, rows, channels
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(codes, row, weight)
+        ctx.save_for_backward(codes, row, weight, *([] if scales is None else [scales]))
         return torch.ops.aten.convolution(x, weight, bias, geometry.stride, geometry.padding, geometry.dilation,
                                           False, [0, 0], geometry.groups)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        codes, row, weight = ctx.saved_tensors
+        codes, row, weight, *scales = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         geometry = ctx.geometry
         grad_input, grad_weight = torch.ops.precsearch.conv_backward_of_codes(
-            grad_out, codes, row, weight, list(geometry.stride), list(geometry.padding), list(geometry.dilation),
-            geometry.groups, ctx.nbytes, ctx.rows, ctx.channels, need_input, need_weight)
+            grad_out, codes, scales[0] if scales else None, row, weight, list(geometry.stride),
+            list(geometry.padding), list(geometry.dilation), geometry.groups, ctx.nbytes, ctx.rows, ctx.channels,
+            need_input, need_weight)
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
         return (grad_input if need_input else None, grad_weight if need_weight else None, grad_bias,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 class _BatchNormGradOfCodes(torch.autograd.Function):
@@ -369,33 +412,36 @@ class _BatchNormGradOfCodes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                bias: torch.Tensor | None, codes: torch.Tensor, row: torch.Tensor, mean: torch.Tensor,
-                invstd: torch.Tensor, eps: float, nbytes: int, rows: int) -> torch.Tensor:
-        ctx.eps, ctx.nbytes, ctx.rows, ctx.affine = eps, nbytes, rows, weight is not None
-        ctx.save_for_backward(codes, row, mean, invstd, *([weight] if weight is not None else []))
+                bias: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
+                mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int) -> torch.Tensor:
+        ctx.eps, ctx.nbytes, ctx.rows = eps, nbytes, rows
+        ctx.affine, ctx.scaled = weight is not None, scales is not None
+        ctx.save_for_backward(codes, row, mean, invstd, *[t for t in (weight, scales) if t is not None])
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        codes, row, mean, invstd, *weight = ctx.saved_tensors
+        codes, row, mean, invstd, *optional = ctx.saved_tensors
+        weight = optional.pop(0) if ctx.affine else None
+        scales = optional.pop(0) if ctx.scaled else None
         need = list(ctx.needs_input_grad[1:4])
         grads = torch.ops.precsearch.batch_norm_backward_of_codes(
-            grad_out, codes, row, weight[0] if weight else None, mean, invstd, ctx.eps, ctx.nbytes, ctx.rows, need)
-        return None, *(grad if wanted else None for grad, wanted in zip(grads, need, strict=True)), *[None] * 7
+            grad_out, codes, scales, row, weight, mean, invstd, ctx.eps, ctx.nbytes, ctx.rows, need)
+        return None, *(grad if wanted else None for grad, wanted in zip(grads, need, strict=True)), *[None] * 8
 
 
-def _conv_of_codes(layer: nn.Conv2d, x: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor, site: Site,
+def _conv_of_codes(layer: nn.Conv2d, x: torch.Tensor, codes: tuple[torch.Tensor, ...], rows: torch.Tensor, site: Site,
                    of_graph: _SlicingOfGraph) -> torch.Tensor:
-    """``layer`` on a site's rounded values ``x``, its backward reading their ``codes``."""
+    """``layer`` on a site's rounded values ``x``, its backward reading their ``codes`` (and scales)."""
     slicing = of_graph.slicing
     weight = layer.weight
     geometry = ConvGeometry(layer.stride, layer.padding, layer.dilation, layer.groups)
-    return _ConvOfCodes.apply(x, weight, layer.bias, codes, rows[site.act], geometry, site.code,
+    return _ConvOfCodes.apply(x, weight, layer.bias, codes[0], _scales_of(codes), rows[site.act], geometry, site.code,
                               slicing.rows(x.shape, x.device, "Conv2d", weight.numel()),
                               slicing.channels(x.shape, weight.shape, x.device))
 
 
-def _batch_norm_of_codes(layer: nn.BatchNorm2d, x: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor,
+def _batch_norm_of_codes(layer: nn.BatchNorm2d, x: torch.Tensor, codes: tuple[torch.Tensor, ...], rows: torch.Tensor,
                          site: Site, of_graph: _SlicingOfGraph) -> torch.Tensor:
     """``layer`` on a site's rounded values ``x``: in training, its forward as the eager runtime's
     (``nn.BatchNorm2d``'s with a set momentum), its backward reading their ``codes``."""
@@ -407,8 +453,17 @@ def _batch_norm_of_codes(layer: nn.BatchNorm2d, x: torch.Tensor, codes: torch.Te
     out, mean, invstd = torch.native_batch_norm(
         x.detach(), None if weight is None else weight.detach(), None if bias is None else bias.detach(),
         layer.running_mean, layer.running_var, True, layer.momentum, layer.eps)
-    return _BatchNormGradOfCodes.apply(out, x, weight, bias, codes, rows[site.act], mean, invstd, layer.eps,
-                                       site.code, slicing.rows(x.shape, x.device, "BatchNorm2d"))
+    return _BatchNormGradOfCodes.apply(out, x, weight, bias, codes[0], _scales_of(codes), rows[site.act], mean,
+                                       invstd, layer.eps, site.code, slicing.rows(x.shape, x.device, "BatchNorm2d"))
+
+
+def _scales_of(codes: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """A scaled site's codes come with their scales (``_Round``)."""
+    return codes[1] if len(codes) > 1 else None
+
+
+def _name(fmt: ScaledFormat | None) -> str | None:
+    return None if fmt is None else fmt.name
 
 
 class _SlicingOfGraph(nn.Module):
@@ -436,7 +491,7 @@ def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.No
             continue
         pair, site = coded[node.args[0]]
         with gm.graph.inserting_before(node):
-            codes = gm.graph.call_function(operator.getitem, (gm.graph.call_function(operator.getitem, (pair, 2)), 0))
+            codes = gm.graph.call_function(operator.getitem, (pair, 2))
             module, slicing_node = gm.graph.get_attr(node.target), gm.graph.get_attr("precsearch_slicing")
             replacement = gm.graph.call_function(_OF_CODES[type(layer)], (module, node.args[0], codes, rows, site,
                                                                           slicing_node))
@@ -454,7 +509,7 @@ class RoundingGraph:
     """
 
     def __init__(self, graph: TensorGraph, plan: SitePlan, roundings: dict[str, str], codes: tuple[int | None, ...],
-                 backend: str = "inductor") -> None:
+                 scaled: tuple[ScaledFormat | None, ...], backend: str = "inductor") -> None:
         rows = {tensor_id: row for row, tensor_id in enumerate(graph.assignable_ids())}
         self.n_rows = len(rows)
         self.backend = backend
@@ -470,6 +525,10 @@ class RoundingGraph:
             seed_node = fx_graph.placeholder("precsearch_seed")
         with fx_graph.inserting_after(seed_node):
             counters_node = fx_graph.placeholder("precsearch_counters")
+        # the scaled formats, by name: the graph's code names its sites' formats (it cannot spell a ScaledFormat)
+        gm.precsearch_scaled = {fmt.name: fmt for fmt in scaled if fmt is not None}
+        with fx_graph.inserting_after(counters_node):
+            formats_node = fx_graph.get_attr("precsearch_scaled")
         nodes = {node.name: node for node in fx_graph.nodes}
         self.sites: list[Site] = []
         self._counters = 0
@@ -479,7 +538,9 @@ class RoundingGraph:
             info = graph.tensors[value]
             site = Site(len(self.sites), rows[value] if act else None, rows.get(gradient),
                         (roundings[info.kind], roundings[graph.tensors[gradient].kind] if gradient else "nearest"),
-                        relu_output, info.numel, info.kind != WEIGHT, codes[rows[value]] if act else None)
+                        relu_output, info.numel, info.kind != WEIGHT, codes[rows[value]] if act else None,
+                        (_name(scaled[rows[value]]) if act else None,
+                         _name(scaled[rows[gradient]]) if gradient else None))
             self.sites.append(site)
             counter = None
             if site.grad is not None:
@@ -496,8 +557,8 @@ class RoundingGraph:
             sites = tuple((out.position, *add_site(out.value, None if op_sites.per_use else out.gradient,
                                                    op_sites.relu_output))
                           for out in op_sites.outputs)
-            with fx_graph.inserting_after(counters_node if node.op == "placeholder" else node):
-                pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites))
+            with fx_graph.inserting_after(formats_node if node.op == "placeholder" else node):
+                pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites, formats_node))
             with fx_graph.inserting_after(pair):
                 rounded = fx_graph.call_function(operator.getitem, (pair, 0))
             with fx_graph.inserting_after(rounded):
@@ -510,7 +571,7 @@ class RoundingGraph:
                 site, counter = add_site(op_sites.outputs[0].value, op_sites.outputs[0].gradient, False, act=False)
                 with fx_graph.inserting_before(user):
                     use = fx_graph.call_function(_round_gradient, (rounded, rows_node, seed_node, counters_node, site,
-                                                                   counter))
+                                                                   counter, formats_node))
                 user.replace_input_with(rounded, use)
                 if whole is not None:
                     coded[use] = pair, whole
@@ -597,7 +658,8 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
     weight_counts = []
     for name, (site, counter) in weight_sites.items():  # in the order of the sites' rows
         tensors[name], counted, *_codes = _Round.apply(params[name], rows, seed,
-                                                       None if counter is None else counters[counter], site)
+                                                       None if counter is None else counters[counter], site,
+                                                       gm.precsearch_scaled)
         weight_counts.append(counted)
     output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters))
     return output, _stack(*counts, weight_counts)
@@ -660,17 +722,21 @@ def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState,
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
+    slots = sorted(state.slots.values(), key=lambda slot: slot.row)
     codes = tuple(code_bytes(slot.fmt) if options.saves_codes and slot.kind not in GRAD_KINDS else None
-                  for slot in sorted(state.slots.values(), key=lambda slot: slot.row))  # gradients: never saved
+                  for slot in slots)  # gradients: never saved
+    scaled = tuple(slot.scaled for slot in slots)
     per_use = tuple(sites.per_use for sites in plan.ops)
-    key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, options.backend, per_use)
+    key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, scaled, options.backend,
+           per_use)
     if key not in _GRAPHS:
-        _GRAPHS[key] = RoundingGraph(graph, plan, roundings, codes, options.backend)
+        _GRAPHS[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend)
     return _GRAPHS[key]
 
 
 def rows_table(state: TensorState, device: torch.device) -> torch.Tensor:
-    """The rows of ``state``'s slots now (int32, one per row), for ``RoundingGraph.run``."""
+    """The rows of ``state``'s slots now (int32, one per row; a scaled format's element), for
+    ``RoundingGraph.run``."""
     ordered = sorted(state.slots.values(), key=lambda slot: slot.row)
-    return torch.stack([format_row(*slot.args()) for slot in ordered]).to(device)
+    return torch.stack([format_row(slot.fmt, slot.rounding, slot.args()[2]) for slot in ordered]).to(device)
 

@@ -16,11 +16,11 @@ tensor that holds inf/NaN in a format without such codes cannot be packed faithf
 too, with a WARNING.
 
 A scaled format (``e4m3fn@tensor``, precsearch.formats.scaled) is rounded here too, the one place that decides
-how a slot rounds (``TensorState.round``/``round_``), by ``quantize_scaled``: its overflow count is the values
+how a slot rounds (``TensorState.round``/``round_``), as ``quantize_scaled`` rounds: its overflow count is the values
 a stale delayed scale saturated (current scaling never overflows; an MX block's floor rule may), and its codes
 are the element's codes plus e8m0 scales. A delayed recipe's ``AmaxHistory`` lives in its slot, is updated by
 training forwards only, and is part of ``state_dict``. Scaled formats round to nearest only (stochastic
-rounding would need the runtime's seed in ``quantize_scaled``), and a scaled weight needs fp32 master weights.
+rounding is not wired for them), and a scaled weight needs fp32 master weights.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from precsearch.formats.scaled import (
     any_format,
     e8m0_encode,
     expand_scales,
-    quantize_scaled,
+    scaled_values,
 )
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime import ops
@@ -183,26 +183,27 @@ class TensorState:
 
     def _round_scaled(self, x: torch.Tensor, slot: Slot, counts: torch.Tensor, with_codes: bool, count: bool,
                       in_place: bool) -> tuple[torch.Tensor, ops.Codes | None]:
-        """``round``/``round_`` of a scaled slot: ``quantize_scaled``, its overflow added to ``counts``, its
-        codes from the scaled-down values (exact: the scales are powers of two), which count what the element
-        cannot encode. A forward that counts nothing (evaluation) reads a delayed scale but records no amax."""
+        """``round``/``round_`` of a scaled slot, as ``quantize_scaled`` rounds: ``x`` divided by its scales
+        (``scaled_values``, over ``x`` itself with ``in_place``) goes through the element's one-pass kernel in
+        place (its overflow and unencodable counts added to ``counts``, its codes), then times its scales, so
+        that the step holds what an unscaled rounding holds. The kernel counts an inf input as an overflow, which
+        ``quantize_scaled`` does not (a scale cannot saturate it): those are taken back. A forward that counts
+        nothing (evaluation) reads a delayed scale but records no amax."""
         history = slot.history
         if history is not None and not count:
             history = AmaxHistory(history.amaxes.numel(), history.amaxes.device)
             history.load_state_dict(slot.history.state_dict())
-        rounded, scales, overflowed = quantize_scaled(x, slot.scaled, slot.rounding, history)
-        counts[0].add_(overflowed)
-        codes, stats, packs = None, count and self.stats_due, with_codes and slot.fmt.packs
-        if stats or packs:
-            per_value = expand_scales(scales, slot.scaled, x.shape)
-            if stats:
-                self._gather_stats(x / per_value, slot)
-            if packs:
-                _, element_codes, seen = kernels.round_and_count_fn(slot.fmt.name, "nearest", "saturate", True)(
-                    rounded / per_value, None)
-                counts[1].add_(seen[1])
-                codes = ops.Codes(element_codes, slot.fmt.name, slot.scaled, e8m0_encode(scales))
-        if in_place:
+        scaled, scales = scaled_values(x, slot.scaled, history, in_place)
+        if count and self.stats_due:  # of its scaled-down values
+            self._gather_stats(scaled, slot)
+        if slot.fmt.has_inf:
+            counts[0].sub_(scaled.isinf().sum())
+        packs = with_codes and slot.fmt.packs
+        _, element_codes, _ = kernels.round_and_count_fn(slot.fmt.name, slot.rounding, "saturate", packs, True)(
+            scaled, self._seeds, counts)
+        rounded = scaled.mul_(expand_scales(scales, slot.scaled, x.shape))
+        codes = ops.Codes(element_codes, slot.fmt.name, slot.scaled, e8m0_encode(scales)) if packs else None
+        if in_place and rounded is not x:  # (a non-contiguous x, or blocks that needed padding)
             x.copy_(rounded)
             return x, codes
         return rounded, codes

@@ -37,8 +37,8 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph.types import OpInfo, TensorGraph
 
 __all__ = [
-    "ACCEPTANCE_WINDOW", "ORDERS", "R_GRID", "WANG_LOW", "Candidate", "assign", "assignment_key", "baseline",
-    "baseline_policies", "group_sizes", "low_share", "paper_assignment", "sweep", "uniform", "units",
+    "ACCEPTANCE_WINDOW", "ORDERS", "R_GRID", "TORCHAO_LOW", "WANG_LOW", "Candidate", "assign", "assignment_key",
+    "baseline", "baseline_policies", "group_sizes", "low_share", "paper_assignment", "sweep", "uniform", "units",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,11 @@ ORDERS: tuple[str, ...] = ("largest", "smallest", "random", "sensitivity")
 R_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
 ACCEPTANCE_WINDOW = 0.1  # the reference runs r only if the low share it reaches is at most r + 0.1
 WANG_LOW = "e5m2s"  # Wang et al. 2018: (1,5,2) weights, activations and activation gradients
+# torchao's float8 "tensorwise" recipe: a GEMM's forward operands e4m3fn, the gradient its backward multiplies
+# e5m2, each with a scale from its own amax (the formats of search_spaces/fp8_scaled.yaml).
+TORCHAO_LOW: dict[str, str] = {
+    "weight": "e4m3fn@tensor", "activation": "e4m3fn@tensor", "activation_grad": "e5m2@tensor",
+}
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,10 @@ def _gemm_operands(graph: TensorGraph, op: OpInfo) -> set[str]:
     return ids & set(graph.tensors)
 
 
+def _every_gemm_operand(graph: TensorGraph) -> set[str]:
+    return set().union(*(_gemm_operands(graph, op) for op in graph.ops if op.role == "gemm"))
+
+
 def _first_last_gemm_operands(graph: TensorGraph) -> set[str]:
     gemms = [op for op in graph.ops if op.role == "gemm"]
     if not gemms:
@@ -231,6 +240,10 @@ def baseline(name: str, graph: TensorGraph) -> Policy:
     * ``wang_fp8`` (Wang et al. 2018): weights, activations and activation gradients ``e5m2s``, weight
       gradients ``e6m9s``, the first and last GEMM's operands 16-bit ``e6m9s``, stochastic rounding in the
       weight update; dynamic scaling.
+    * ``torchao_fp8`` (torchao's float8 training, tensorwise recipe, applied to every Conv2d and Linear): every
+      GEMM's operands, the first and last GEMM's too, scaled fp8 (``TORCHAO_LOW``); biases (added after the
+      GEMM), weight gradients (a GEMM's output) and every other tensor ``bf16``; fp32 master weights, no loss
+      scaling (a current scale never overflows).
 
     No baseline enables the promotion guard: they reproduce prior work, which had none.
     """
@@ -242,13 +255,16 @@ def baseline(name: str, graph: TensorGraph) -> Policy:
         spec = {"fp8": "fp8_e5m2", "mpt": "fp16"}.get(name, name)
         return policy_for_graph(graph, defaults=dict.fromkeys(ASSIGNABLE_KINDS, spec), high_format="fp32",
                                 loss_scaling=dynamic if name == "mpt" else {"mode": "none"}, **common)
+    if name == "torchao_fp8":
+        low_ids = {tensor_id for tensor_id in _every_gemm_operand(graph)
+                   if TensorId.parse(tensor_id).param != "bias"}
+        overrides = {tensor_id: TORCHAO_LOW[graph.tensors[tensor_id].kind] for tensor_id in sorted(low_ids)}
+        return policy_for_graph(graph, defaults=dict.fromkeys(ASSIGNABLE_KINDS, "bf16"), overrides=overrides,
+                                high_format="bf16", loss_scaling={"mode": "none"}, **common)
     first_last = _first_last_gemm_operands(graph)
     if name == "hfp8":
-        operands: set[str] = set()
-        for op in graph.ops:
-            if op.role == "gemm":
-                operands |= _gemm_operands(graph, op)
-        low_ids = operands - first_last  # weights, input activations and output gradients: never weight grads
+        # weights, input activations and output gradients: never weight grads
+        low_ids = _every_gemm_operand(graph) - first_last
         overrides = {tensor_id: PAPER_LOW[graph.tensors[tensor_id].kind] for tensor_id in sorted(low_ids)}
         defaults = dict.fromkeys(ASSIGNABLE_KINDS, PAPER_HIGH)
         optimizer: dict[str, Any] = {}
