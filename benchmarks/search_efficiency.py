@@ -5,8 +5,8 @@ gratings, the old demo), three procedures, each ending in a pick confirmed the s
 confirmation length, 3x the calibrated proxy length, on the same fresh seeds as the search's reference):
 
 (a) this search: calibrated proxy length, rungs, confirmation of the front (``run_search`` defaults);
-(b) the fixed 150-step search of before: ``--proxy-steps 150``, no rungs (its proxy pick is what it used to
-    write; its confirmation is shown next to it);
+(b) the fixed 150-step search of before: ``--proxy-steps 150`` (rungs at its halvings; its proxy pick is what it
+    used to write; its confirmation is shown next to it);
 (c) the paper's procedure: every distinct point of the size-ordered sweep r = 0, 0.1, ..., 1 trained at the
     confirmation length on those seeds, the pick by the same rule (least memory within 1 point of all-high at
     90% one-sided confidence).
@@ -143,7 +143,7 @@ def main() -> None:
     new = run_search(SearchConfig(out_dir=out / "new", **common))
     rows.append(searched("(a) calibrated, rungs, confirmed", new, total_steps(new)))
     print(f"(a) done in {time.perf_counter() - start:.0f} s", flush=True)
-    fixed = run_search(SearchConfig(out_dir=out / "fixed", proxy_steps=FIXED_STEPS, rungs=(), **common))
+    fixed = run_search(SearchConfig(out_dir=out / "fixed", proxy_steps=FIXED_STEPS, **common))
     rows.append(searched(f"(b) fixed {FIXED_STEPS}-step proxies", fixed, total_steps(fixed)))
     print(f"(b) done in {time.perf_counter() - start:.0f} s", flush=True)
     length = confirmation_length(new.calibration.length, DEFAULT_CONFIRM_FACTOR)

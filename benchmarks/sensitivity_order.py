@@ -78,15 +78,17 @@ class RunCache:
         self.results: dict[tuple, Any] = {}
         self.shared_steps = 0
 
-    def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None):
+    def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None, checkpoint=None):
         if on_eval is not None:
-            return self.trainer(policy, steps, seed, evaluate_at=evaluate_at, on_eval=on_eval, report=report)
+            return self.trainer(policy, steps, seed, evaluate_at=evaluate_at, on_eval=on_eval, report=report,
+                                checkpoint=checkpoint)
         described = None if policy is None else json.dumps({**policy.to_dict(), "provenance": {}}, sort_keys=True)
         key = (described, steps, seed, tuple(sorted(evaluate_at)))
         if key in self.results:
-            self.shared_steps += self.results[key].steps_run
+            self.shared_steps += self.results[key].steps_spent
         else:
-            self.results[key] = self.trainer(policy, steps, seed, evaluate_at=evaluate_at, report=report)
+            self.results[key] = self.trainer(policy, steps, seed, evaluate_at=evaluate_at, report=report,
+                                             checkpoint=checkpoint)
         return self.results[key]
 
 

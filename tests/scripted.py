@@ -1,12 +1,15 @@
 """A fake ``Trainer`` whose learning curves are scripted, for search tests that must not depend on real training.
 
 Each policy is named by its decisions per unit of the space ("HHLL"; "plain" for no policy), as the trials
-table's ``decisions`` column names it. ``curve(name, step, length, seed)`` gives the validation accuracy
-``step`` steps into a run of ``length`` steps; every run is logged in ``calls``.
+table's ``decisions`` column names it. ``curve(name, step, length, seed)`` gives the validation accuracy at
+``step`` of a run read at ``length`` (a continuing run: its point at ``length`` is a run of that length's);
+every call is logged in ``calls`` with the step it continued from (``start``: its checkpoint's, 0 without
+one) and how far it got (``steps``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +21,7 @@ from precsearch.train.trainer import ProxyResult
 class ScriptedTrainer:
     curve: Callable[[str, int, int, int], float]
     context: SearchContext  # of the same model, space and data as the search's: its graph, units, high format
-    calls: list[dict] = field(default_factory=list)  # name, length, seed, steps (how far it got)
+    calls: list[dict] = field(default_factory=list)  # name, length, seed, start, steps (how far it got)
 
     def name(self, policy) -> str:
         if policy is None:
@@ -28,18 +31,29 @@ class ScriptedTrainer:
         return "".join("H" if all(assignment[tensor] == high for tensor in tensors) else "L"
                        for tensors in self.context.units.values())
 
-    def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None) -> ProxyResult:
+    def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None,
+                 checkpoint=None) -> ProxyResult:
         name = self.name(policy)
-        call = {"name": name, "length": steps, "seed": seed, "steps": steps}
+        start = json.loads(checkpoint.read_text())["step"] if checkpoint is not None and checkpoint.is_file() else 0
+        start = start if start <= steps else 0
+        call = {"name": name, "length": steps, "seed": seed, "start": start, "steps": steps}
         self.calls.append(call)
         val_curve = []
         for step in sorted(set(evaluate_at)):
             accuracy = self.curve(name, step, steps, seed)
             val_curve.append([step, accuracy])
-            if on_eval is not None and step < steps:
+            if on_eval is not None and start < step < steps:
                 call["steps"] = step  # how far it got if the rung stops it here
+                self._save(checkpoint, step)
                 on_eval(step, accuracy, 1.0 - accuracy)
                 call["steps"] = steps
+        self._save(checkpoint, steps)
         final = self.curve(name, steps, steps, seed)
         return ProxyResult(val_accuracy=final, val_loss=1.0 - final, diverged=False, reason="", steps_run=steps,
-                           loss_curve=[], val_curve=val_curve)
+                           loss_curve=[], val_curve=val_curve, steps_spent=steps - start)
+
+    @staticmethod
+    def _save(checkpoint, step: int) -> None:
+        if checkpoint is not None:
+            checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint.write_text(json.dumps({"step": step}))

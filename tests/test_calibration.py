@@ -42,25 +42,62 @@ def _config(out, **changes):
     return SearchConfig("tiny_cnn", SPACE, "digits", **settings)
 
 
-def test_calibration_stops_at_the_plateau_and_records_the_curves(tmp_path):
+def test_calibration_is_one_continuing_run_per_seed_that_stops_at_the_plateau(tmp_path):
     trainer = ScriptedTrainer(_plateau, _context())
     result = run_search(_config(tmp_path / "run"), trainer=trainer)
     calibration = [call for call in trainer.calls if call["seed"] < 1000 and call["name"] == "HHHH"]
-    # 200 -> 400 gains 5 points (more than the 1-point seed spread allows), 400 -> 800 half a point: 800
-    assert sorted({call["length"] for call in calibration}) == [50, 100, 200, 400, 800]
-    assert len(calibration) == 5 * 3  # every length on the 3 reference seeds, once
+    # 200 -> 400 gains 5 points (more than the 1-point seed spread allows), 400 -> 800 half a point: 800; the
+    # seeds 1 point apart cannot resolve a 1-point drop, and drew no closer since 200: a warning says what to change
     assert result.calibration.length == 800
+    for seed in (0, 1, 2):  # one run per seed, each point continued from the one before
+        runs = [(call["start"], call["length"]) for call in calibration if call["seed"] == seed]
+        assert runs == [(0, 50), (50, 100), (100, 200), (200, 400), (400, 800)]
+    assert result.calibration.steps == 3 * 800  # L per seed (a scripted run has no decay branches)
+    assert "seeds still disagree" in result.calibration.warning and "--max-accuracy-drop" in result.calibration.warning
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["proxy_length"] == 800
     assert run["calibration"]["accuracies"]["400"] == pytest.approx([0.94, 0.95, 0.96])
     curves = pd.read_csv(tmp_path / "run" / "calibration.csv")
-    chosen = curves[curves["chosen"]]
-    assert set(chosen["length"]) == {800} and {89, 267, 800} <= set(chosen["step"])  # the rungs L/9, L/3 and L
-    row = chosen[(chosen["seed"] == 0) & (chosen["step"] == 267)].iloc[0]
-    assert row["val_accuracy"] == pytest.approx(_plateau("HHHH", 267, 800, 0))
-    # every candidate trained at the calibrated length (its schedule spans it, whether or not a rung stopped it)
+    assert set(curves[curves["chosen"]]["length"]) == {800}
+    row = curves[(curves["seed"] == 0) & (curves["step"] == 400)].iloc[0]
+    assert row["val_accuracy"] == pytest.approx(_plateau("HHHH", 400, 400, 0))
+    # every candidate trained at the calibrated length; no checkpoint is left behind
     candidates = [call for call in trainer.calls if call["name"] not in ("HHHH", "plain") and call["seed"] < 1000]
     assert candidates and all(call["length"] == 800 for call in candidates)
+    assert not list((tmp_path / "run" / "checkpoints").glob("*"))
+
+
+def _clicking(name, step, length, seed):
+    """All-high learns by 200 steps on every seed but its seeds scatter until 800 (99.8%, 74.5%, 64.2% at 200
+    and 400, the mean flat), and agree from 800 on; the rest at chance."""
+    if name != "HHHH":
+        return CHANCE
+    if step < 200:
+        return CHANCE
+    if step < 800:
+        return (0.998, 0.745, 0.642)[seed % 3]
+    return 0.99 + 0.0005 * (seed % 3)
+
+
+def test_calibration_extends_past_a_flat_mean_while_the_seeds_disagree(tmp_path):
+    trainer = ScriptedTrainer(_clicking, _context())
+    result = run_search(_config(tmp_path / "run", max_proxy_steps=3200), trainer=trainer)
+    # at 400 the mean is flat but a 19-point spread cannot resolve a 1-point drop: on; at 800 they agree but the
+    # mean jumped 20 points; at 1600 it is flat and the seeds agree
+    assert result.calibration.length == 1600 and result.calibration.warning == ""
+    assert result.calibration.steps == 3 * 1600
+
+
+def test_seeds_that_stay_apart_stop_calibration_with_one_warning_line(tmp_path, caplog):
+    def apart(name, step, length, seed):
+        return CHANCE if name != "HHHH" else 0.90 + 0.03 * (seed % 3)  # learned, flat, 3 points apart forever
+
+    with caplog.at_level("WARNING", logger="precsearch.search.calibration"):
+        result = run_search(_config(tmp_path / "run"), trainer=ScriptedTrainer(apart, _context()))
+    assert result.calibration.length == 200  # learned and flat from 100 on; the spread has not shrunk since 50
+    warnings = [record.message for record in caplog.records if "seeds still disagree" in record.message]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "--max-accuracy-drop" in warnings[0] and "--proxy-seeds" in warnings[0]
 
 
 def test_a_reference_that_never_learns_is_refused_and_nothing_is_picked(tmp_path):
@@ -85,7 +122,7 @@ class Interrupting(ScriptedTrainer):
         return super().__call__(*args, **kwargs)
 
 
-def test_a_resumed_calibration_does_not_redo_finished_runs(tmp_path):
+def test_a_resumed_calibration_continues_its_runs_from_their_checkpoints(tmp_path):
     out = tmp_path / "run"
     first = Interrupting(_plateau, _context())
     first.stop_at = 8  # 50, 100 on 3 seeds, then 200 on one seed, then stopped
@@ -97,18 +134,19 @@ def test_a_resumed_calibration_does_not_redo_finished_runs(tmp_path):
         "step:calibration:200:0"}
     second = ScriptedTrainer(_plateau, _context())
     result = run_search(_config(out, resume=True), trainer=second)
-    again = {(call["length"], call["seed"]) for call in second.calls if call["name"] == "HHHH"}
-    assert not again & {(50, 0), (50, 1), (50, 2), (100, 0), (100, 1), (100, 2), (200, 0)}
+    again = [(call["start"], call["length"], call["seed"]) for call in second.calls if call["name"] == "HHHH"
+             and call["seed"] < 1000 and call["length"] <= 200]
+    assert sorted(again) == [(100, 200, 1), (100, 200, 2)]  # from the checkpoints at 100; 200 on seed 0 was done
     assert result.calibration.length == 800
 
 
-def test_a_fixed_proxy_length_needs_no_calibration_schedule():
-    """--proxy-steps N trains N steps whatever --max-proxy-steps says; only calibration needs two lengths."""
-    fixed = CalibrationSettings(start=1, max_steps=1, fixed=1)
-    assert fixed.schedule() == [1]
+def test_a_fixed_proxy_length_reads_its_reference_at_its_halvings():
+    """--proxy-steps N trains N steps whatever --max-proxy-steps says, read at N/8, N/4, N/2 (the rungs)."""
+    assert CalibrationSettings(start=1, max_steps=1, fixed=1).points() == [1]
+    assert CalibrationSettings(fixed=90).points() == [11, 22, 45, 90]
     with pytest.raises(PrecsearchError, match="at least two lengths"):
         CalibrationSettings(start=1, max_steps=1)
-    assert CalibrationSettings(start=50, max_steps=400).schedule() == [50, 100, 200, 400]
+    assert CalibrationSettings(start=50, max_steps=400).points() == [50, 100, 200, 400]
 
 
 class PausedPastItsLease(ScriptedTrainer):

@@ -1,5 +1,6 @@
-"""Rungs, confirmation and the step accounting of a search, with scripted learning curves (a fixed proxy
-length of 90 steps: rungs at 10 and 30, confirmation at 270)."""
+"""Rungs, racing seeds, confirmation and the step accounting of a search, with scripted learning curves (a
+fixed proxy length of 90 steps: the reference read at 11, 22 and 45, rungs where every reference seed has
+learned, confirmation at 270)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from precsearch.search.study import run_search
 SPACE = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
 LENGTH, CONFIRM = 90, 270
 CHANCE = 0.1
-# the reference's seeds click at different steps: spread early, together at the end
-REFERENCE = {10: (0.1, 0.4, 0.7), 30: (0.5, 0.9, 0.95), 90: (0.95, 0.95, 0.96), 270: (0.96, 0.96, 0.97)}
+# the reference's seeds click at different steps: spread early, together at the end (seed 0 at chance at 11:
+# the rungs stand at 22 and 45)
+REFERENCE = {11: (0.1, 0.4, 0.7), 22: (0.5, 0.9, 0.95), 45: (0.9, 0.93, 0.95), 90: (0.95, 0.95, 0.96),
+             270: (0.96, 0.96, 0.97)}
 
 
 def _at(table, step):
@@ -52,7 +55,7 @@ def _memories(context):
 def test_a_slow_starter_that_reaches_the_reference_is_not_stopped_but_a_failure_is(tmp_path, context):
     memories = _memories(context)
     slow = min((name for name in memories if name.count("L") == 1), key=memories.get)
-    slow_curve = {10: 0.1, 30: 0.45, 90: 0.95, 270: 0.96}  # at chance at the first rung, far behind at the second
+    slow_curve = {11: 0.1, 22: 0.45, 45: 0.7, 90: 0.95, 270: 0.96}  # far behind the reference at both rungs
 
     def curve(name, step, length, seed):
         index = seed % 1000 if name in ("HHHH", "plain") else 0
@@ -66,9 +69,11 @@ def test_a_slow_starter_that_reaches_the_reference_is_not_stopped_but_a_failure_
     trials = result.trials.set_index("decisions")
     assert pd.isna(trials.loc[slow, "stopped_at"]) and trials.loc[slow, "val_accuracy"] == pytest.approx(0.95)
     never = trials[trials["trained"] & trials["duplicate_of"].eq("") & ~trials.index.isin(["HHHH", slow])]
-    assert len(never) > 0 and (never["stopped_at"] == 30).all()  # at chance while every reference seed learned
-    assert "stopped at rung step 30" in never["reason"].iloc[0]
-    assert (never["seed_steps"] == "30").all()  # stopped on its first seed, the others never ran
+    assert len(never) > 0 and (never["stopped_at"] == 22).all()  # at chance while every reference seed learned
+    assert "stopped at rung step 22" in never["reason"].iloc[0]
+    assert (never["seed_steps"] == "22").all()  # stopped on its first seed, the others never ran
+    slow_runs = [call for call in trainer.calls if call["name"] == slow and call["seed"] < 1000]
+    assert slow_runs[0]["start"] == 0 and slow_runs[0]["steps"] == LENGTH  # through both rungs in one run
 
 
 def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(tmp_path, context):
@@ -98,10 +103,10 @@ def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(t
     assert best["confirmation"]["confirmed_accuracy"] == pytest.approx(0.96)
     assert best["confirmation"]["all_high_accuracy"] == pytest.approx(sum(REFERENCE[CONFIRM]) / 3)
     assert best["confirmation"]["plain_fp32_accuracy"] == pytest.approx(sum(REFERENCE[CONFIRM]) / 3)
-    pareto = pd.read_csv(tmp_path / "run" / "pareto.csv", keep_default_na=False).set_index("decisions")
-    for name in (cheap, dear):  # proxy and confirmed accuracy side by side
-        assert pareto.loc[name, "val_accuracy"] == pytest.approx(proxy[name])
-        assert pareto.loc[name, "confirmed_accuracy"] == pytest.approx(confirmed[name])
+    pareto = pd.read_csv(tmp_path / "run" / "pareto.csv").set_index("decisions")
+    assert pareto.loc[cheap, "val_accuracy"] == pytest.approx(proxy[cheap])  # proxy and confirmed side by side
+    assert pareto.loc[cheap, "confirmed_accuracy"] == pytest.approx(confirmed[cheap])
+    assert pd.isna(pareto.loc[dear, "confirmed_accuracy"])  # dearer than the first point confirmed: not trained
     confirmations = [call for call in trainer.calls if call["seed"] >= 1000]
     assert {call["length"] for call in confirmations} == {CONFIRM}
     assert {call["seed"] for call in confirmations} == {1000, 1001, 1002}  # fresh seeds: no proxy used them
@@ -118,19 +123,19 @@ def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):
     trials = result.trials
     assert trials["key"].nunique() == 16 and len(trials) == 16  # enumerated, each once
     proxies = [call for call in trainer.calls if call["seed"] < 1000]
-    runs = pd.Series([(call["name"], call["seed"]) for call in proxies])
-    assert runs.is_unique  # no assignment trained twice on a seed, the reference included
+    runs = pd.Series([(call["name"], call["seed"]) for call in proxies if call["start"] == 0])
+    assert runs.is_unique  # no assignment trained twice on a seed, the reference included (one continuing run)
     skipped = trials[~trials["trained"]]
     assert len(skipped) > 0 and (skipped["reason"].str.contains("no training needed")).all()
     best_memory = result.best["memory"]
     assert (skipped["memory"] >= best_memory).all()  # only candidates a known point already beats
     budget = pd.read_csv(tmp_path / "run" / "budget.csv").set_index("phase")
-    calibration = sum(call["length"] for call in proxies if call["name"] == "HHHH")
+    calibration = sum(call["length"] - call["start"] for call in proxies if call["name"] == "HHHH")
     candidates = sum(call["steps"] for call in proxies if call["name"] != "HHHH")
     confirmation = sum(call["length"] for call in trainer.calls if call["seed"] >= 1000)
     assert budget.loc["calibration", "steps"] == calibration == 3 * LENGTH
     rungs = budget[budget.index.str.startswith("rung ")]
-    assert list(rungs.index) == ["rung 1 (steps 1-10)", "rung 2 (steps 11-30)", "rung 3 (steps 31-90)"]
+    assert list(rungs.index) == ["rung 1 (steps 1-22)", "rung 2 (steps 23-45)", "rung 3 (steps 46-90)"]
     assert rungs["steps"].sum() == candidates
     assert budget.loc["confirmation", "steps"] == confirmation
     assert budget.loc["total (this search)", "steps"] == calibration + candidates + confirmation
@@ -157,19 +162,21 @@ def test_a_front_point_at_chance_is_not_confirmed(tmp_path, context):
     assert {"HHHH", "plain"} <= confirmed and (front - {"LLLL"}) <= confirmed
 
 
-def test_a_point_that_scatters_in_confirmation_does_not_widen_the_bound_of_another(tmp_path, context):
-    """The cheapest learner confirms exactly like all-high on every seed; a dearer one scatters (one seed
-    fails). Each is held to all-high with the noise of those two alone, so the scatter of one cannot sink
-    the other: the cheap point is picked."""
+def test_a_point_that_scatters_in_confirmation_does_not_sink_the_next(tmp_path, context):
+    """The cheapest learner scatters in confirmation (its first seed fails); the next confirms exactly like
+    all-high. Each is held to all-high with the noise of those two alone, so the first's scatter cannot widen
+    the second's bound: the second is picked."""
     memories = _memories(context)
     ordered = sorted((name for name in memories if name not in ("HHHH", "LLLL")), key=memories.get)
-    cheap, dear = ordered[0], ordered[-1]
+    scatters, steady = ordered[0], ordered[1]
 
     def curve(name, step, length, seed):
         index = seed % 1000
-        if name in ("HHHH", "plain", cheap, dear):
-            if name == dear and step == length:  # the proxy ranks it first (on the front); confirmation scatters
-                return 0.5 if length == CONFIRM and index == 0 else 0.99
+        if name in ("HHHH", "plain", scatters, steady):
+            if name == scatters and length == CONFIRM and step == length:
+                return 0.5 if index == 0 else 0.99
+            if name == steady and step == length == LENGTH:  # more accurate on the proxy: on the front too
+                return 0.99
             return _at(REFERENCE, step)[index]
         return CHANCE
 
@@ -177,6 +184,61 @@ def test_a_point_that_scatters_in_confirmation_does_not_widen_the_bound_of_anoth
     result = _search(tmp_path / "run", trainer)
     by_name = result.trials.drop_duplicates("decisions").set_index("decisions")
     best = json.loads((tmp_path / "run" / "best.json").read_text())["provenance"]
-    pareto = pd.read_csv(tmp_path / "run" / "pareto.csv", keep_default_na=False).set_index("decisions")
-    assert pareto.loc[dear, "confirmed_sd"] > 0.2  # the scatter is there, and pooled it would sink cheap
-    assert best["trial"] == int(by_name.loc[cheap, "number"])
+    assert best["trial"] == int(by_name.loc[steady, "number"])
+    # the first seed sank the scattering point (no seed more could lift it within the drop): it ran once
+    assert [call["seed"] for call in trainer.calls if call["name"] == scatters and call["seed"] >= 1000] == [1000]
+
+
+def _racing_curves(context):
+    """Three candidates, cheapest first, that keep up with the reference's slowest seed through the rungs and
+    end clearly outside the drop (``bad``), on the edge on every seed (``edge``), clearly within (``good``);
+    the rest at chance."""
+    memories = _memories(context)
+    bad, edge, good = sorted((name for name in memories if name.count("L") == 1), key=memories.get)[:3]
+    final = {good: 0.97, bad: 0.5, edge: 0.945}
+
+    def curve(name, step, length, seed):
+        if name in ("HHHH", "plain"):
+            return _at(REFERENCE, step)[seed % 1000]
+        if name in final:
+            return final[name] if step == length else _at(REFERENCE, step)[0]
+        return CHANCE
+
+    return good, bad, edge, curve
+
+
+def test_a_candidate_gains_seeds_only_while_its_decision_depends_on_them(tmp_path, context):
+    good, bad, edge, curve = _racing_curves(context)
+    trainer = ScriptedTrainer(curve, context)
+    _search(tmp_path / "run", trainer)
+
+    def seeds(name):
+        return sorted(call["seed"] for call in trainer.calls if call["name"] == name and call["seed"] < 1000)
+
+    assert seeds(good) == [0]  # 0.97 against 0.953: within the 1-point drop on one seed
+    assert seeds(bad) == [0]  # 0.5: outside on one seed, whatever more seeds would say
+    assert seeds(edge) == [0, 1, 2]  # 0.945 against 0.953: undecided on one seed and on two
+
+
+def test_sequential_confirmation_stops_at_the_first_point_confirmed(tmp_path, context):
+    """Confirmation trains the front in memory order: the cheapest point is confirmed, and every dearer point
+    is left untrained (the scattering point above shows a point that fails on its first seed: the next one
+    is tried)."""
+    memories = _memories(context)
+    learners = sorted((name for name in memories if name.count("L") <= 2 and name != "HHHH"), key=memories.get)
+
+    def curve(name, step, length, seed):
+        if name not in learners and name not in ("HHHH", "plain"):
+            return CHANCE
+        if name in learners and step == length == LENGTH:  # dearer learners look a little better on the proxy
+            return 0.955 + 0.001 * learners.index(name)
+        return _at(REFERENCE, step)[seed % 1000]
+
+    trainer = ScriptedTrainer(curve, context)
+    result = _search(tmp_path / "run", trainer)
+    front = list(result.pareto.sort_values("memory")["decisions"])
+    assert len(front) >= 2
+    confirmed = {call["name"] for call in trainer.calls if call["seed"] >= 1000}
+    assert confirmed == {"HHHH", "plain", front[0]}  # no dearer point trained
+    best = json.loads((tmp_path / "run" / "best.json").read_text())["provenance"]
+    assert best["trial"] == int(result.pareto.sort_values("memory")["number"].iloc[0])

@@ -80,7 +80,7 @@ def test_a_diverging_proxy_stops_early_and_says_why(context):
 
 def test_divergence_rules_one_by_one():
     config = ProxyConfig(blowup_factor=10.0, min_loss_scale=1.0, max_skipped_fraction=0.25)
-    monitor = train_module.Divergence(config, steps=200)
+    monitor = train_module.Divergence(config)
     assert monitor.check(1, 2.0, NoLossScaler()) == ""
     assert "non-finite" in monitor.check(2, math.nan, NoLossScaler())
     assert "blew up" in monitor.check(3, 20.5, NoLossScaler())
@@ -90,10 +90,15 @@ def test_divergence_rules_one_by_one():
     scaler.load_state_dict({**state, "scale": 0.5})
     assert "collapsed" in monitor.check(4, 2.0, scaler)
     scaler.load_state_dict({**state, "skipped_steps": 50})
-    assert monitor.check(5, 2.0, scaler) == ""  # 50 = 0.25 x 200 is allowed
+    assert monitor.check(200, 2.0, scaler) == ""  # 50 = 0.25 x 200 is allowed by step 200
     scaler.load_state_dict({**state, "skipped_steps": 51})
-    assert "51 skipped steps" in monitor.check(6, 2.0, scaler)
-    assert train_module.Divergence(config, steps=10).max_skipped == 20  # short proxies get at least 20
+    assert "51 skipped steps by step 200" in monitor.check(200, 2.0, scaler)
+    scaler.load_state_dict({**state, "skipped_steps": 20})
+    assert monitor.check(5, 2.0, scaler) == ""  # early in a run at least 20 are allowed
+    scaler.load_state_dict({**state, "skipped_steps": 21})
+    assert "21 skipped steps by step 5" in monitor.check(5, 2.0, scaler)
+    # the allowance counts the steps so far, not the run's length: a continued run judges as an unbroken one
+    assert train_module.Divergence(config, first_loss=2.0).check(6, 20.5, NoLossScaler()).startswith("loss blew")
 
 
 def test_evaluate_matches_a_direct_forward():

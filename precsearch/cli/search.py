@@ -175,6 +175,8 @@ def summarize(result: Any) -> str:
     if result.calibration is not None:
         how = "fixed" if result.calibration.fixed else "calibrated on the all-high reference"
         lines.append(f"proxy length: {result.calibration.length} steps ({how})")
+        if result.calibration.warning:
+            lines.append(f"WARNING: {result.calibration.warning}")
     stopped = int(trials["stopped_at"].notna().sum()) if "stopped_at" in trials else 0
     lines.append(f"{len(trials)} trials ({int((trials['state'] == 'COMPLETE').sum())} complete, "
                  f"{int(trials['diverged'].sum())} diverged, {stopped} stopped at a rung, {int(failed.sum())} failed, "

@@ -1,8 +1,9 @@
 """Where a search's training steps went, next to what it would have cost without rungs, and what the
 paper's procedure costs.
 
-Phases: calibration (the reference's geometric schedule), each rung (the steps candidates trained between
-the previous rung and this one: a candidate stopped at a rung spends nothing after it), and confirmation.
+Phases: calibration (the reference's continuing runs, decay branches included), each rung (the steps
+candidates trained between the previous rung and this one, on every seed they raced: a candidate stopped at
+a rung spends nothing after it; their decay branches are not counted), and confirmation (branches included).
 The two yardsticks: the same search with every trained candidate run to the full proxy length on all its
 seeds (calibration and confirmation included), and the paper's procedure, which uses no proxies: one full
 run per sweep point, here at the confirmation length.

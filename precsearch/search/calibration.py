@@ -1,19 +1,29 @@
-"""Calibrated proxy length: train the all-high reference until its learning curve says how long a proxy
-must be to decide anything.
+"""Calibrated proxy length: one continuing run of the all-high reference per seed, read along the way until
+its learning curve says how long a proxy must be to decide anything.
 
 A fixed proxy length is either blind (an easy task: every assignment within seed noise) or pessimistic (a
 hard one: at 150 steps even all-high is at chance on some seeds, while the same assignments reach 100% at
-450-600 steps). So the length comes from the reference's own learning curve: the all-high policy trains on
-a geometric schedule of lengths (``start``, 2 x start, ... up to ``max_steps``), each a full proxy run whose
-schedule spans that length, evaluated at every ninth of it and at the rungs (so the reference's accuracy
-at a rung step of the chosen length is known), on the reference seeds. The proxy length L is the first
-length at which every seed is clearly above chance (``SearchContext.chance``) and the mean gain over the
-previous length is within the seed noise (the one-sided margin at the budget's confidence, and at least
-the accuracy drop the pick tolerates). Not reached within ``max_steps``: a one-line PrecsearchError that
-says so and what to change, never a pick of noise.
+450-600 steps). So the length comes from the reference's own learning curve. Each reference seed trains ONE
+continuing run (precsearch.train.continuing: every point of it is the result of a proxy of that length),
+read at the points ``start``, 2 x start, ... up to ``max_steps``; all seeds reach a point before the curve
+is judged there, and the runs go on from their checkpoints. The proxy length L is the first point where
 
-Every run is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it. With a fixed
-length (``--proxy-steps N``) the reference trains once, at N, with the same evaluations and no test.
+* every seed is clearly above chance (``SearchContext.chance``) and none diverged (learned),
+* the mean gained no more than the seed noise allows (the one-sided margin at the budget's confidence, and
+  at least the allowed drop) since the previous point (flat), and
+* the seeds agree closely enough that proxies can resolve the allowed drop (``noise.resolves``): a mean
+  that stopped rising over seeds that still disagree (99.8%, 74.5%, 64.2%) would hold every proxy to noise.
+
+Seeds that have learned and stopped rising but still disagree, and drew no closer over two doublings (seeds
+that click late draw together as they do), are not going to agree: calibration stops there, and so it does
+at the cap, with one WARNING line (kept in the calibration, shown in the summary) saying what to change. A
+reference that has not learned or is still rising at the cap is refused: a one-line PrecsearchError, never
+a pick of noise. Steps per reference seed: L plus the decay branches of its points, 1.2 x L with doubling
+points.
+
+Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it. With
+a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way (the
+rungs), with no test.
 """
 
 from __future__ import annotations
@@ -30,18 +40,19 @@ from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
 from precsearch.search.context import SearchContext, combine_seeds
 from precsearch.search.ledger import Ledger, recorded
-from precsearch.search.noise import Noise, pooled_noise
-from precsearch.search.rungs import DEFAULT_RUNGS, curve_steps
+from precsearch.search.noise import MAX_SEEDS, Noise, pooled_noise, resolves
 from precsearch.train.trainer import ProxyResult
 
 __all__ = ["Calibration", "CalibrationSettings", "calibrate", "recorded_calibration", "run_record"]
 
 log = logging.getLogger(__name__)
 
+CALIBRATION = "calibration"  # the study user attr that says which runs the calibration is
+
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    """The schedule of lengths (``start`` doubled up to ``max_steps``), or one ``fixed`` length."""
+    """The points the reference is read at (``start`` doubled up to ``max_steps``), or one ``fixed`` length."""
 
     start: int = 50
     max_steps: int = 3200
@@ -54,13 +65,15 @@ class CalibrationSettings:
             raise PrecsearchError(f"calibration needs at least two lengths: start {self.start} must be at least 1 "
                                   f"and at most half of --max-proxy-steps {self.max_steps}")
 
-    def schedule(self) -> list[int]:
+    def points(self) -> list[int]:
+        """Where the reference's run is read: the doubling schedule, or a fixed length and its halvings down to
+        an eighth (where rungs may stand)."""
         if self.fixed is not None:
-            return [self.fixed]
-        lengths = [self.start]
-        while 2 * lengths[-1] <= self.max_steps:
-            lengths.append(2 * lengths[-1])
-        return lengths
+            return sorted({self.fixed // 8, self.fixed // 4, self.fixed // 2, self.fixed} - {0})
+        points = [self.start]
+        while 2 * points[-1] <= self.max_steps:
+            points.append(2 * points[-1])
+        return points
 
 
 def run_record(result: ProxyResult, seed: int) -> dict[str, Any]:
@@ -70,11 +83,13 @@ def run_record(result: ProxyResult, seed: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The reference's runs by length (each a list of per-seed ``run_record``s) and the chosen ``length``."""
+    """The reference's runs read at each point (per-seed ``run_record``s, the result of a proxy of that length),
+    the chosen ``length``, and ``warning``: what to change when its seeds could not be made to agree."""
 
     length: int
     fixed: bool
     runs: dict[int, list[dict[str, Any]]]
+    warning: str = ""
 
     @property
     def reference(self) -> list[dict[str, Any]]:
@@ -89,100 +104,147 @@ class Calibration:
         return combine_seeds([ProxyResult.from_dict(run) for run in self.reference])
 
     def at(self, step: int) -> list[float]:
-        """The reference seeds' accuracies ``step`` steps into their run of the proxy length."""
-        return [value for run in self.reference for at, value in run["val_curve"] if at == step]
+        """The reference seeds' accuracies at point ``step`` of their runs."""
+        return [run["val_accuracy"] for run in self.runs.get(step, [])]
+
+    def learned_from(self, chance: float) -> int | None:
+        """The first point where every reference seed is above chance (None: none is)."""
+        return next((point for point, runs in self.runs.items() if _learned(runs, chance)), None)
 
     def noise(self, confidence: float) -> Noise:
-        """The seed noise the reference shows at its final step, pooled over every length."""
+        """The seed noise the reference shows, pooled over every point up to the proxy length: seeds that click
+        at different steps are the noise a rung must allow, and a reference saturated at L (every seed at
+        100%) claims none on its own."""
         return pooled_noise(pd.DataFrame(), confidence, extra=[[run["val_accuracy"] for run in runs]
-                                                                 for runs in self.runs.values()])
+                                                                 for point, runs in self.runs.items()
+                                                                 if point <= self.length])
 
     @property
     def steps(self) -> int:
-        """Training steps spent calibrating."""
-        return sum(run["steps_run"] for runs in self.runs.values() for run in runs)
+        """Training steps spent calibrating (decay branches included)."""
+        return sum(run["steps_spent"] for runs in self.runs.values() for run in runs)
+
+    @property
+    def seeds(self) -> int:
+        return len(self.reference)
 
     def frame(self) -> pd.DataFrame:
-        """calibration.csv: one row per (length, seed, evaluated step)."""
-        rows = [{"length": length, "seed": run["seed"], "step": step, "val_accuracy": value,
-                 "chosen": length == self.length, "diverged": run["diverged"]}
-                for length, runs in self.runs.items() for run in runs for step, value in run["val_curve"]]
+        """calibration.csv: one row per (point, seed): the result of a proxy of that length."""
+        rows = [{"length": point, "seed": run["seed"], "step": point, "val_accuracy": run["val_accuracy"],
+                 "chosen": point == self.length, "diverged": run["diverged"]}
+                for point, runs in self.runs.items() for run in runs]
         return pd.DataFrame(rows)
 
+    def summary(self) -> dict[str, Any]:
+        """Which runs these are (the study records it when calibration is done)."""
+        return {"length": self.length, "fixed": self.fixed, "lengths": list(self.runs),
+                "seeds": [run["seed"] for run in self.reference], "warning": self.warning}
+
     def to_dict(self) -> dict[str, Any]:
-        """For run.json: the length, how it was chosen, and the per-seed final accuracy at each length."""
-        return {"length": self.length, "fixed": self.fixed, "steps": self.steps,
-                "accuracies": {str(length): [run["val_accuracy"] for run in runs]
-                               for length, runs in self.runs.items()}}
+        """For run.json: the length, how it was chosen, and the per-seed accuracy at each point."""
+        return {"length": self.length, "fixed": self.fixed, "steps": self.steps, "warning": self.warning,
+                "accuracies": {str(point): [run["val_accuracy"] for run in runs] for point, runs in self.runs.items()}}
 
 
 def recorded_calibration(attrs: Mapping[str, Any]) -> Calibration | None:
-    """The calibration among a study's user ``attrs`` (``calibrate`` sets ``calibration`` when done), or None."""
-    summary = attrs.get("calibration")
+    """The calibration among a study's user ``attrs`` (``calibrate`` records its summary when done), or None."""
+    summary = attrs.get(CALIBRATION)
     if summary is None:
         return None
-    runs = {length: [recorded(attrs, f"calibration:{length}:{seed}") for seed in summary["seeds"]]
-            for length in summary["lengths"]}
-    return Calibration(summary["length"], summary["fixed"], runs)
+    runs = {point: [recorded(attrs, _step(point, seed)) for seed in summary["seeds"]] for point in summary["lengths"]}
+    return Calibration(summary["length"], summary["fixed"], runs, summary.get("warning", ""))
 
 
 def calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSettings, seeds: Sequence[int],
-              check: Callable[[int, float], None], rungs: Sequence[float] = DEFAULT_RUNGS) -> Calibration:
-    """Train the all-high reference on ``settings``' schedule until the plateau (see the module docstring);
-    the study records the outcome as its ``calibration`` user attr."""
-    calibration = _calibrate(context, ledger, settings, seeds, check, rungs)
-    ledger.study.set_user_attr("calibration", {"length": calibration.length, "fixed": calibration.fixed,
-                                               "lengths": list(calibration.runs), "seeds": list(seeds)})
+              check: Callable[[int, float], None]) -> Calibration:
+    """Train the all-high reference's runs until the curve decides the length (see the module docstring); the
+    study records the outcome."""
+    recorded_before = recorded_calibration(ledger.study.user_attrs)
+    if recorded_before is not None:
+        return recorded_before
+    calibration = _calibrate(context, ledger, settings, seeds, check)
+    if calibration.warning:
+        log.warning("%s", calibration.warning)
+    ledger.study.set_user_attr(CALIBRATION, calibration.summary())
+    for seed in seeds:
+        context.drop_checkpoint(context.all_high.key, seed)
     return calibration
 
 
+def _step(point: int, seed: int) -> str:
+    return f"calibration:{point}:{seed}"
+
+
 def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSettings, seeds: Sequence[int],
-               check: Callable[[int, float], None], rungs: Sequence[float]) -> Calibration:
-    high = {tensor_id: context.space.high for tensor_id in context.graph.assignable_ids()}
-    policy = context.policy(high, {"strategy": "all-high reference"})
+               check: Callable[[int, float], None]) -> Calibration:
+    policy = context.policy(context.all_high.assignment, {"strategy": "all-high reference"})
     runs: dict[int, list[dict[str, Any]]] = {}
-    lengths = settings.schedule()
-    for index, length in enumerate(lengths):
-        runs[length] = _train_length(context, ledger, policy, length, seeds, check, rungs)
+    points = settings.points()
+    for index, point in enumerate(points):
+        runs[point] = _advance(context, ledger, policy, point, seeds, check)
         if settings.fixed is not None:
-            return Calibration(length, True, runs)
-        accuracies = [run["val_accuracy"] for run in runs[length]]
-        log.info("calibration: %d steps, all-high accuracy per seed %s", length,
-                 ", ".join(f"{value:.3f}" for value in accuracies))
-        if index and _learned(runs[length], context.chance) and _flat(runs[lengths[index - 1]], runs[length],
-                                                                      context.budget.confidence,
-                                                                      context.budget.drop):
-            return Calibration(length, False, runs)
-    last = [run["val_accuracy"] for run in runs[lengths[-1]]]
-    problem = ("is not above chance on every seed" if not _learned(runs[lengths[-1]], context.chance)
+            if point == settings.fixed:
+                return Calibration(point, True, runs)
+            continue
+        log.info("calibration: %d steps, all-high accuracy per seed %s", point,
+                 ", ".join(f"{run['val_accuracy']:.3f}" for run in runs[point]))
+        if index == 0 or not _learned(runs[point], context.chance):
+            continue
+        before, now = _accuracies(runs[points[index - 1]]), _accuracies(runs[point])
+        if not _flat(before, now, context.budget.confidence, context.budget.drop):
+            continue
+        noise = pooled_noise(pd.DataFrame(), context.budget.confidence, extra=[now])
+        if resolves(noise, context.budget.drop, len(now)):
+            return Calibration(point, False, runs)
+        earlier = runs[points[index - 2]] if index >= 2 else []
+        stalled = _learned(earlier, context.chance) and np.std(now) >= np.std(_accuracies(earlier))
+        if stalled or point == points[-1]:
+            cause = "reached the cap" if point == points[-1] else "drew no closer over the last two doublings"
+            return Calibration(point, False, runs, _disagreement(point, now, noise, context, cause))
+    last = _accuracies(runs[points[-1]])
+    problem = ("is not above chance on every seed" if not _learned(runs[points[-1]], context.chance)
                else "is still improving")
     raise PrecsearchError(
-        f"calibration: the all-high reference {problem} at {lengths[-1]} steps (accuracy per seed "
+        f"calibration: the all-high reference {problem} at {points[-1]} steps (accuracy per seed "
         f"{', '.join(f'{value:.3f}' for value in last)}; chance {context.chance:.3f}), the cap; raise "
         "--max-proxy-steps, change the learning rate (the space's proxy.lr), or use a task the model can learn")
 
 
-def _train_length(context: SearchContext, ledger: Ledger, policy: Policy, length: int, seeds: Sequence[int],
-                  check: Callable[[int, float], None], rungs: Sequence[float]) -> list[dict[str, Any]]:
-    names = {f"calibration:{length}:{seed}": seed for seed in seeds}
+def _advance(context: SearchContext, ledger: Ledger, policy: Policy, point: int, seeds: Sequence[int],
+             check: Callable[[int, float], None]) -> list[dict[str, Any]]:
+    """Every seed's run continued to ``point`` (each a ledger step)."""
+    names = {_step(point, seed): seed for seed in seeds}
 
     def work(name: str) -> dict[str, Any]:
         seed = names[name]
-        result = context.trainer(policy, length, seed, evaluate_at=curve_steps(length, rungs), report=check)
+        result = context.trainer(policy, point, seed, report=check,
+                                 checkpoint=context.checkpoint(context.all_high.key, seed))
         return run_record(result, seed)
 
     results = ledger.run(list(names), work)
     return [results[name] for name in names]
 
 
+def _disagreement(point: int, accuracies: list[float], noise: Noise, context: SearchContext, cause: str) -> str:
+    budget = context.budget
+    margin = 100 * float(noise.margin(MAX_SEEDS, len(accuracies)))
+    return (f"calibration: at {point} steps the all-high reference's seeds still disagree (accuracy per seed "
+            f"{', '.join(f'{value:.3f}' for value in accuracies)}; margin {margin:.2f} points with {MAX_SEEDS} "
+            f"seeds per proxy) and {cause}: proxies cannot resolve a {100 * budget.drop:g}-point drop at "
+            f"{100 * budget.confidence:g}% confidence, so picks stay close to all-high; allow a larger drop "
+            "(--max-accuracy-drop), give more reference seeds (--proxy-seeds N) or raise --max-proxy-steps")
+
+
+def _accuracies(runs: list[dict[str, Any]]) -> list[float]:
+    return [run["val_accuracy"] for run in runs]
+
+
 def _learned(runs: list[dict[str, Any]], chance: float) -> bool:
-    return all(not run["diverged"] and run["val_accuracy"] > chance for run in runs)
+    return bool(runs) and all(not run["diverged"] and run["val_accuracy"] > chance for run in runs)
 
 
-def _flat(before: list[dict[str, Any]], after: list[dict[str, Any]], confidence: float, drop: float) -> bool:
+def _flat(before: list[float], after: list[float], confidence: float, drop: float) -> bool:
     """The mean gain from ``before`` to ``after`` is within the seed noise (and at most ``drop`` if less)."""
-    early = [run["val_accuracy"] for run in before]
-    late = [run["val_accuracy"] for run in after]
-    noise = pooled_noise(pd.DataFrame(), confidence, extra=[early, late])
-    gain = float(np.mean(late) - np.mean(early))
-    return gain <= max(float(noise.margin(len(late), len(early))), drop) + 1e-12
+    noise = pooled_noise(pd.DataFrame(), confidence, extra=[before, after])
+    gain = float(np.mean(after) - np.mean(before))
+    return gain <= max(float(noise.margin(len(after), len(before))), drop) + 1e-12

@@ -1,13 +1,18 @@
 """Confirmation: the Pareto front and the all-high reference trained again, longer and on fresh seeds,
 before any pick is written.
 
-Proxies earn their speed only by agreeing with longer runs, and their rank agreement is modest, so every
-front point (within the memory budget, if any) and the all-high reference are trained for ``factor`` times
-the proxy length (default 3) on seeds no proxy used, as many as the reference's. ``best.json`` is then
-chosen from confirmed accuracies only (``selection.confirmed_front`` + ``choose_best``): a point whose
-proxy looked good but whose confirmation falls short is not picked, the next confirmed point is. A plain
-fp32 run (no policy) of the same length on the same seeds is the yardstick the report holds the pick
-against. Each run is a step of the study's ``Ledger``, so any worker may take it and none is run twice.
+Proxies earn their speed only by agreeing with longer runs, and their rank agreement is modest, so front
+points (within the memory budget, if any) and the all-high reference are trained for ``factor`` times the
+proxy length (default 3) on seeds no proxy used, as many as the reference's at most. ``best.json`` is then
+chosen from confirmed accuracies only (``selection.confirmed_front`` + ``choose_best``): a point whose proxy
+looked good but whose confirmation falls short is not picked, the next confirmed point is. A plain fp32 run
+(no policy) of the same length on the same seeds is the yardstick the report holds the pick against.
+
+Under an accuracy-drop rule the pick is the least memory confirmed within the drop, so confirmation is
+sequential: the points in memory order, each seed by seed while the rule is undecided on it (``decide``,
+precsearch.search.selection), stopping at the first point confirmed. Under a memory budget every point is
+confirmed on every seed. Each run is a step of the study's ``Ledger``, so any worker may take it and none is
+run twice; the sequence follows from what is recorded, so a resumed or joining worker goes on where it stood.
 """
 
 from __future__ import annotations
@@ -41,9 +46,13 @@ def confirmation_length(length: int, factor: float) -> int:
     return max(1, round(factor * length))
 
 
+Decide = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool | None]  # (a point's runs, all-high's)
+
+
 @dataclass(frozen=True)
 class Confirmation:
-    """Confirmation runs (``run_record``s) by assignment key, ``PLAIN_FP32`` for plain training, one per seed."""
+    """Confirmation runs (``run_record``s) by assignment key, ``PLAIN_FP32`` for plain training, one per seed
+    trained (the first of ``seeds``)."""
 
     length: int
     runs: dict[str, list[dict[str, Any]]]
@@ -51,7 +60,8 @@ class Confirmation:
 
     def summary(self) -> dict[str, Any]:
         """Which runs these are (recorded in the study, and in run.json)."""
-        return {"length": self.length, "keys": list(self.runs), "seeds": list(self.seeds)}
+        return {"length": self.length, "seeds": list(self.seeds),
+                "runs": {key: len(runs) for key, runs in self.runs.items()}}
 
     def table(self) -> pd.DataFrame:
         """One row per key: confirmed mean accuracy, sd (NaN for one seed), seeds, diverged, steps."""
@@ -75,7 +85,7 @@ class Confirmation:
 
     @property
     def steps(self) -> int:
-        return sum(run["steps_run"] for runs in self.runs.values() for run in runs)
+        return sum(run["steps_spent"] for runs in self.runs.values() for run in runs)
 
 
 def recorded_confirmation(attrs: Mapping[str, Any]) -> Confirmation | None:
@@ -83,24 +93,52 @@ def recorded_confirmation(attrs: Mapping[str, Any]) -> Confirmation | None:
     summary = attrs.get(CONFIRMATION)
     if summary is None:
         return None
-    runs = {key: [recorded(attrs, f"confirm:{key}:{seed}") for seed in summary["seeds"]] for key in summary["keys"]}
-    return Confirmation(summary["length"], runs, tuple(summary["seeds"]))
+    seeds = summary["seeds"]
+    runs = {key: [recorded(attrs, _step(key, seed)) for seed in seeds[:count]]
+            for key, count in summary["runs"].items()}
+    return Confirmation(summary["length"], runs, tuple(seeds))
 
 
-def confirm(context: SearchContext, ledger: Ledger, policies: Mapping[str, Policy | None], length: int,
-            seeds: Sequence[int], check: Callable[[int, float], None]) -> Confirmation:
-    """Train every policy (key -> policy; None: plain fp32) for ``length`` steps on each of ``seeds``; the
-    study records which (``Confirmation.summary``) when all are done."""
-    names = {f"confirm:{key}:{seed}": (key, seed) for key in policies for seed in seeds}
+def _step(key: str, seed: int) -> str:
+    return f"confirm:{key}:{seed}"
 
-    def work(name: str) -> dict[str, Any]:
-        key, seed = names[name]
-        return run_record(context.trainer(policies[key], length, seed, report=check), seed)
 
-    results = ledger.run(list(names), work)
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for name, (key, _) in names.items():
-        runs.setdefault(key, []).append(results[name])
+def confirm(context: SearchContext, ledger: Ledger, references: Mapping[str, Policy | None],
+            front: Mapping[str, Policy], length: int, seeds: Sequence[int], check: Callable[[int, float], None],
+            decide: Decide | None, high: str) -> Confirmation:
+    """Train the ``references`` (key -> policy; None: plain fp32) for ``length`` steps on each of ``seeds``,
+    then the ``front`` points (in memory order): with ``decide`` sequentially (see the module docstring), else
+    each on every seed; the study records which runs when all are done."""
+    recorded_before = recorded_confirmation(ledger.study.user_attrs)
+    if recorded_before is not None:
+        return recorded_before
+
+    def trained(key: str, policy: Policy | None, chosen: Sequence[int]) -> list[dict[str, Any]]:
+        names = {_step(key, seed): seed for seed in chosen}
+
+        def work(name: str) -> dict[str, Any]:
+            seed = names[name]
+            result = context.trainer(policy, length, seed, report=check, checkpoint=context.checkpoint(key, seed))
+            context.drop_checkpoint(key, seed)
+            return run_record(result, seed)
+
+        results = ledger.run(list(names), work)
+        return [results[name] for name in names]
+
+    runs = {key: trained(key, policy, seeds) for key, policy in references.items()}
+    for key, policy in front.items():
+        if decide is None:
+            runs[key] = trained(key, policy, seeds)
+            continue
+        runs[key] = []
+        verdict = None
+        for seed in seeds:
+            runs[key] += trained(key, policy, [seed])
+            verdict = decide(runs[key], runs[high])
+            if verdict is not None:
+                break
+        if verdict:
+            break
     confirmation = Confirmation(length, runs, tuple(seeds))
     ledger.study.set_user_attr(CONFIRMATION, confirmation.summary())
     return confirmation

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,6 +111,7 @@ class SearchContext:
     length: int | None = None  # steps of one proxy: fixed, or set by calibration
     settings: dict[str, Any] = field(default_factory=dict)  # SearchConfig.settings(): part of the study's config
     compile: CompileOptions | None = None  # how fixed-policy runs compile (None: eagerly); proxies save float32
+    checkpoints: Path | None = None  # where this process's runs keep their checkpoints (None: nowhere)
 
     @classmethod
     def create(cls, model: str, space: SearchSpace, data_spec: DataSpec, budget: Budget, seed: int,
@@ -210,21 +213,29 @@ class SearchContext:
             constraints["accuracy_drop"] = (reference or 0.0) - self.budget.max_accuracy_drop - accuracy + margin
         return constraints
 
+    def checkpoint(self, key: str, seed: int) -> Path | None:
+        """Where the run of assignment ``key`` (or ``PLAIN_FP32``) on ``seed`` keeps its state: a run stopped
+        anywhere, or continued to a later point, goes on from there (the same key and seed: the same run)."""
+        if self.checkpoints is None:
+            return None
+        return self.checkpoints / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{seed}.pt"
+
+    def drop_checkpoint(self, key: str, seed: int) -> None:
+        """A finished run's checkpoint is removed: nothing continues it."""
+        path = self.checkpoint(key, seed)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
     def proxy_seed_list(self, count: int) -> list[int]:
         """The seeds of a ``count``-seed proxy: the search seed and the ones after it (same for every trial
         and for the all-high reference, so differences are not differences of seeds)."""
         return [self.seed + index for index in range(count)]
 
-    def train_seeds(self, policy: Policy | None, steps: int, seeds: Sequence[int], *,
-                    evaluate_at: Collection[int] = (), on_eval: Callable[[int, float, float], None] | None = None,
-                    report: Callable[[int, float], None] | None = None) -> list[ProxyResult]:
-        """One run per seed (stopping at the first divergence); the first is evaluated at ``evaluate_at``
-        and checked there by ``on_eval`` (the rungs), every one calls ``report`` (stop signals)."""
+    def train_seeds(self, policy: Policy | None, steps: int, seeds: Sequence[int]) -> list[ProxyResult]:
+        """One run per seed, stopping at the first divergence."""
         results = []
-        for index, seed in enumerate(seeds):
-            first = index == 0
-            results.append(self.trainer(policy, steps, seed, evaluate_at=evaluate_at if first else (),
-                                        on_eval=on_eval if first else None, report=report))
+        for seed in seeds:
+            results.append(self.trainer(policy, steps, seed))
             if results[-1].diverged:
                 break
         return results

@@ -24,7 +24,6 @@ from precsearch.search.confirmation import PLAIN_FP32, Confirmation, recorded_co
 from precsearch.search.context import SearchContext
 from precsearch.search.noise import Noise
 from precsearch.search.reference import Reference, proxy_noise
-from precsearch.search.rungs import rung_steps
 from precsearch.search.selection import Pick, confirmed_pick, mark_ties, pareto_front
 from precsearch.search.sensitivity_table import recorded_table, save_table
 from precsearch.search.strategies import R_GRID
@@ -154,11 +153,11 @@ def _pick_statement(best: pd.Series, noise: Noise) -> str:
 def _budget(frame: pd.DataFrame, calibration: Calibration, confirmation: Confirmation | None,
             reference: Reference | None, context: SearchContext) -> pd.DataFrame:
     fresh = frame[frame["duplicate_of"] == ""] if not frame.empty else frame
-    factor, rungs = context.settings["confirm_factor"], context.settings["rungs"]
+    factor = context.settings["confirm_factor"]
     confirm_length = confirmation.length if confirmation is not None else round(factor * calibration.length)
     return budget_table(
         fresh, calibration_runs=sum(len(runs) for runs in calibration.runs.values()),
-        calibration_steps=calibration.steps, rungs=rung_steps(calibration.length, rungs),
+        calibration_steps=calibration.steps, rungs=reference.rung_steps(context.chance) if reference else [],
         length=calibration.length, proxy_seeds=reference.proxy_seeds if reference is not None else 1,
         confirmation_runs=sum(len(runs) for runs in confirmation.runs.values()) if confirmation else 0,
         confirmation_steps=confirmation.steps if confirmation else 0, confirmation_length=confirm_length,

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-__all__ = ["DEFAULT_CONFIDENCE", "MAX_SEEDS", "Noise", "pooled_noise", "rank_correlations", "seeds_for"]
+__all__ = ["DEFAULT_CONFIDENCE", "MAX_SEEDS", "Noise", "pooled_noise", "rank_correlations", "resolves", "seeds_for"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,12 @@ def pooled_noise(frame: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
     return Noise(math.sqrt(squares / df) if df else math.nan, df, confidence)
 
 
+def resolves(noise: Noise, drop: float, reference_seeds: int, seeds: int = MAX_SEEDS) -> bool:
+    """Whether ``seeds``-seed proxies can tell a ``drop`` against a ``reference_seeds``-seed reference: an
+    assignment as accurate as the reference passes the "within ``drop``" bound with half the drop to spare."""
+    return bool(noise.margin(seeds, reference_seeds) <= drop / 2 + 1e-12)
+
+
 def seeds_for(noise: Noise, drop: float, reference_seeds: int, max_seeds: int = MAX_SEEDS,
               min_seeds: int = 1) -> int:
     """Fewest seeds (``min_seeds``..``max_seeds``) whose bound margin against a ``reference_seeds``-seed
@@ -111,7 +117,7 @@ def seeds_for(noise: Noise, drop: float, reference_seeds: int, max_seeds: int = 
     if not noise.measured:
         return min_seeds
     for seeds in range(min_seeds, max_seeds + 1):
-        if noise.margin(seeds, reference_seeds) <= drop / 2:
+        if resolves(noise, drop, reference_seeds, seeds):
             return seeds
     log.warning("seed noise %.4f is too large for a %.4f accuracy drop even at %d seeds per proxy (margin %.4f); "
                 "picks stay uncertain: raise --proxy-seeds or the allowed drop", noise.sd, drop, max_seeds,

@@ -30,12 +30,13 @@ import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
+from precsearch.config.policy import Policy
 from precsearch.files import DiskFull, full_disk
 from precsearch.search.context import SearchContext, combine_seeds, seed_record
 from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.rundir import StopSignals
 from precsearch.search.rungs import RungStop
-from precsearch.search.selection import choose_best
+from precsearch.search.selection import choose_best, drop_verdict
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import assign, assignment_key, low_share
 from precsearch.search.trials import trials_frame
@@ -82,7 +83,7 @@ class Objective:
                  storage: optuna.storages.BaseStorage, out_dir: Path, signals: StopSignals | None = None) -> None:
         self.context = context
         self.reference = reference
-        self.rungs = reference.rung_rule(context.settings["rungs"], context.budget, context.chance)
+        self.rungs = reference.rung_rule(context.budget, context.chance)
         self.location = location
         self.storage = storage
         self.out_dir = out_dir
@@ -132,12 +133,7 @@ class Objective:
             seed_steps: list[int] = []
             trial.set_user_attr("duplicate_of", "reference")
         else:
-            seeds = context.proxy_seed_list(reference.proxy_seeds)
-            try:
-                results = context.train_seeds(policy, context.length, seeds, evaluate_at=self.rungs.steps,
-                                              on_eval=self.rungs.check, report=self._check_signals)
-            except RungStop as stop:
-                stopped, results = stop, []
+            stopped, results = self._race(study, policy, key)
             if stopped is not None:
                 result = ProxyResult(stopped.accuracy, math.nan, False, stopped.reason, stopped.step, [])
                 accuracies, seed_steps = [stopped.accuracy], [stopped.step]
@@ -168,7 +164,40 @@ class Objective:
         constraints["stopped"] = 1.0 if stopped is not None else 0.0
         _set_constraints(trial, constraints)
         trial.set_user_attr("loss_curve", [round(v, 5) for v in result.loss_curve])
+        for seed in context.proxy_seed_list(reference.proxy_seeds):
+            context.drop_checkpoint(key, seed)
         return context.values(memory, result)
+
+    def _race(self, study: optuna.Study, policy: Policy, key: str) -> tuple[RungStop | None, list[ProxyResult]]:
+        """Train a candidate seed by seed, the first through the rungs, adding a seed only while the budget's
+        decision on it depends on one (``_decided``), up to the reference's ``proxy_seeds``; each run
+        continues from its checkpoint if a stopped process left one (``_run`` removes them once the trial is
+        recorded). A rung's stop ends it."""
+        context = self.context
+        results: list[ProxyResult] = []
+        for seed in context.proxy_seed_list(self.reference.proxy_seeds):
+            first = not results
+            try:
+                results.append(context.trainer(policy, context.length, seed, report=self._check_signals,
+                                               evaluate_at=self.rungs.steps if first else (),
+                                               on_eval=self.rungs.check if first else None,
+                                               checkpoint=context.checkpoint(key, seed)))
+            except RungStop as stop:
+                return stop, []
+            if results[-1].diverged or self._decided(study, results):
+                break
+        return None, results
+
+    def _decided(self, study: optuna.Study, results: list[ProxyResult]) -> bool:
+        """Whether the accuracy-drop rule is settled on these seeds (``selection.drop_verdict``); under a memory
+        budget, whose pick compares candidates with each other, every seed is trained."""
+        reference, budget = self.reference, self.context.budget
+        if budget.max_memory is not None or reference.accuracy is None:
+            return False
+        noise = proxy_noise(trials_frame(study, self.context), reference, budget.confidence)
+        verdict = drop_verdict([run.val_accuracy for run in results], reference.accuracy,
+                               len(reference.accuracies), budget.drop, noise)
+        return verdict is not None
 
     def _check_signals(self, step: int, loss: float) -> None:
         """Called every few proxy steps: a stop signal recorded but not raised is raised here."""

@@ -9,7 +9,6 @@ written and read here only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,7 @@ import pandas as pd
 from precsearch.search.calibration import Calibration, recorded_calibration
 from precsearch.search.context import Budget
 from precsearch.search.noise import Noise, pooled_noise
-from precsearch.search.rungs import RungRule, rung_steps
+from precsearch.search.rungs import RungRule
 from precsearch.train.trainer import ProxyResult
 
 __all__ = ["Reference", "proxy_noise"]
@@ -73,10 +72,17 @@ class Reference:
         """The mean accuracy of its proxy (None when it diverged: nothing to compare with)."""
         return None if self.result.diverged else float(self.result.val_accuracy)
 
-    def rung_rule(self, rungs: Sequence[float], budget: Budget, chance: float) -> RungRule:
+    def rung_steps(self, chance: float) -> list[int]:
+        """Where the rungs stand: the points of the reference's curve before the proxy length, from the first
+        where every reference seed is above chance (precsearch.search.rungs)."""
+        calibration = self.calibration
+        first = calibration.learned_from(chance)
+        return [] if first is None else [point for point in calibration.runs if first <= point < self.length]
+
+    def rung_rule(self, budget: Budget, chance: float) -> RungRule:
         """The rule that stops a proxy at a rung: the reference's accuracy at each rung step, and its noise."""
         calibration = self.calibration
-        return RungRule({step: calibration.at(step) for step in rung_steps(calibration.length, rungs)},
+        return RungRule({step: calibration.at(step) for step in self.rung_steps(chance)},
                         calibration.noise(budget.confidence), budget.drop, chance)
 
 

@@ -42,9 +42,10 @@ from precsearch.search.calibration import recorded_calibration
 from precsearch.search.confirmation import recorded_confirmation
 from precsearch.search.storage import StudyLocation, owner_id
 
-__all__ = ["LOCK_FILES", "RUN_FILE", "RunLock", "SearchStop", "StopSignals", "check_journal_kept", "check_resume",
-           "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files", "owned", "quiet_optuna_interrupts",
-           "remove_new_run_dir", "remove_stale_journal_lock", "remove_temporaries", "write_run_file"]
+__all__ = ["CHECKPOINTS", "LOCK_FILES", "RUN_FILE", "RunLock", "SearchStop", "StopSignals", "check_journal_kept",
+           "check_resume", "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files", "owned",
+           "quiet_optuna_interrupts", "remove_new_run_dir", "remove_stale_journal_lock", "remove_temporaries",
+           "write_run_file"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ LOCK_NAME = ".precsearch.lock"
 WORKERS_LOCK_NAME = ".precsearch.workers.lock"
 LOCK_FILES = (LOCK_NAME, WORKERS_LOCK_NAME)
 RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"  # the runs' checkpoints (precsearch.train.continuing), removed as each run is recorded
 
 
 def _open_lock(path: Path) -> int:
@@ -125,7 +127,7 @@ def remove_temporaries(out_dir: Path) -> list[Path]:
 
     Called only under the run lock, when no other process of this run can be writing."""
     removed = []
-    for folder in (out_dir, out_dir / "policies", out_dir / "trials"):
+    for folder in (out_dir, out_dir / "policies", out_dir / "trials", out_dir / CHECKPOINTS):
         for temp in folder.glob(f".*{TEMP_SUFFIX}") if folder.is_dir() else ():
             temp.unlink(missing_ok=True)
             removed.append(temp)

@@ -1,15 +1,17 @@
 """Rungs: where a candidate's proxy is looked at before its end, and the rule that stops it there.
 
-A candidate trains at the proxy length L (its schedule spans L) and is evaluated at the rungs, by default
-L/9 and L/3, then at L. At a rung it is compared with the all-high reference's accuracy AT THE SAME STEP,
-known from calibration, and stopped only on clear failure: it diverged (the proxy stops itself), or it is
-behind the reference by more than the allowed drop plus what the seed noise allows at the budget's
-confidence. The noise at a rung is the larger of the reference seeds' spread at that step and the pooled
-noise at L: early in training, seeds "click" at different steps, and a candidate that is slow there but
-reaches the reference by L stays within that spread. While the reference itself is at chance a rung says
-nothing (no candidate is stopped), and with a single reference seed the noise is unknown, so only
-divergence stops a candidate. Optuna's pruners are not used: they serve single-objective studies only, and
-their automatic minimum resource would stop every candidate that has not yet left chance.
+A candidate's run passes its rungs without starting again (precsearch.train.continuing): it is read at each
+point of the all-high reference's curve (precsearch.search.calibration) from the first where every
+reference seed is above chance up to the proxy length L (with doubling points: L/8, L/4, L/2 when the
+reference learns early), and at L. At a rung it is compared with the reference's accuracy AT THE SAME STEP
+and stopped only on clear failure: it diverged (the proxy stops itself), or it is behind the reference by
+more than the allowed drop plus what the seed noise allows at the budget's confidence. The noise at a rung
+is the larger of the reference seeds' spread at that step and their pooled noise: early in training, seeds
+"click" at different steps, and a candidate that is slow there but reaches the reference by L stays within
+that spread. Before every reference seed has learned a rung would say nothing, so none stands there; with a
+single reference seed the noise is unknown, so only divergence stops a candidate. Optuna's pruners are not
+used: they serve single-objective studies only, and their automatic minimum resource would stop every
+candidate that has not yet left chance.
 """
 
 from __future__ import annotations
@@ -23,21 +25,7 @@ from scipy import stats
 
 from precsearch.search.noise import Noise
 
-__all__ = ["DEFAULT_RUNGS", "RungRule", "RungStop", "curve_steps", "rung_steps"]
-
-DEFAULT_RUNGS = (1 / 9, 1 / 3)  # fractions of the proxy length (the last rung is the length itself)
-CURVE_POINTS = 9  # a calibration run is evaluated at every ninth of its length (and at the rungs)
-
-
-def rung_steps(length: int, fractions: Sequence[float] = DEFAULT_RUNGS) -> list[int]:
-    """The steps (>= 1, < length) of the rungs of a ``length``-step proxy."""
-    return sorted({round(length * fraction) for fraction in fractions} - {0} - {length})
-
-
-def curve_steps(length: int, fractions: Sequence[float] = DEFAULT_RUNGS) -> list[int]:
-    """Where a calibration run of ``length`` steps is evaluated: every ninth of it and the rungs."""
-    points = {round(length * index / CURVE_POINTS) for index in range(1, CURVE_POINTS + 1)}
-    return sorted((points | set(rung_steps(length, fractions))) - {0})
+__all__ = ["RungRule", "RungStop"]
 
 
 class RungStop(Exception):

@@ -10,17 +10,20 @@ confirmation failed is never the pick. ``confirmed_pick`` is that decision (best
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from precsearch.search.confirmation import Confirmation
 from precsearch.search.context import Budget
-from precsearch.search.noise import Noise
+from precsearch.search.noise import Noise, pooled_noise
 from precsearch.search.reference import Reference
 
-__all__ = ["Pick", "choose_best", "confirmed_front", "confirmed_pick", "mark_ties", "pareto_front", "usable"]
+__all__ = ["Pick", "choose_best", "confirmation_verdict", "confirmed_front", "confirmed_pick", "drop_verdict",
+           "mark_ties", "pareto_front", "usable", "within_drop"]
 
 
 def usable(frame: pd.DataFrame) -> pd.Series:
@@ -115,13 +118,44 @@ def _least_memory_among_ties(ok: pd.DataFrame, noise: Noise) -> pd.Series | None
     return best
 
 
+def within_drop(mean: Any, seeds: Any, reference: float, reference_seeds: int, drop: float, noise: Noise) -> Any:
+    """The accuracy-drop rule: the one-sided bound on (mean - reference) is at least ``-drop`` (per row when
+    ``mean`` and ``seeds`` are Series)."""
+    return mean - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12
+
+
+def drop_verdict(accuracies: Sequence[float], reference: float, reference_seeds: int, drop: float,
+                 noise: Noise) -> bool | None:
+    """Where the accuracy-drop rule stands on per-seed ``accuracies``: True (within the drop), False (its mean is
+    below the drop by more than the margin too: no seed more would let it pass), None (undecided: another
+    seed may tell). Racing adds seeds to a candidate, and confirmation to a point, only while it is None."""
+    mean = float(np.mean(accuracies))
+    if within_drop(mean, len(accuracies), reference, reference_seeds, drop, noise):
+        return True
+    if mean + noise.margin(len(accuracies), reference_seeds) < reference - drop:
+        return False
+    return None
+
+
+def confirmation_verdict(runs: Sequence[Mapping[str, Any]], high: Sequence[Mapping[str, Any]], budget: Budget,
+                         chance: float) -> bool | None:
+    """``drop_verdict`` on a point's confirmation runs (``run_record``s) against all-high's, with the seed noise
+    of those two alone, as ``confirmed_pick`` holds them; a point that diverged or sits at chance fails."""
+    accuracies = [run["val_accuracy"] for run in runs]
+    if any(run["diverged"] for run in runs) or np.mean(accuracies) <= chance:
+        return False
+    reference = [run["val_accuracy"] for run in high]
+    noise = pooled_noise(pd.DataFrame(), budget.confidence, extra=[accuracies, reference])
+    return drop_verdict(accuracies, float(np.mean(reference)), len(reference), budget.drop, noise)
+
+
 def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds: int, drop: float,
                              noise: Noise, reference_key: str | None) -> pd.Series | None:
     """Least memory (then best accuracy) among trials whose one-sided bound on (mean - reference) is at
-    least ``-drop``, and the reference assignment itself."""
+    least ``-drop`` (``within_drop``), and the reference assignment itself."""
     seeds = _seeds_of(ok)
     itself = ok["key"] == reference_key
-    ok = ok[itself | (ok["val_accuracy"] - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12)]
+    ok = ok[itself | within_drop(ok["val_accuracy"], seeds, reference, reference_seeds, drop, noise)]
     if ok.empty:
         return None
     best = ok.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True]).iloc[0].copy()

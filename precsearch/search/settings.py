@@ -12,7 +12,6 @@ from precsearch.errors import PrecsearchError
 from precsearch.search.calibration import CalibrationSettings
 from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
 from precsearch.search.context import Budget, DataSpec
-from precsearch.search.rungs import DEFAULT_RUNGS
 from precsearch.search.seeding import PAPER_SEEDING, Seeding
 
 __all__ = ["AUTO", "DEFAULT_HEARTBEAT", "SearchConfig"]
@@ -27,8 +26,8 @@ class SearchConfig:
 
     ``proxy_steps``: ``"auto"`` (the default) calibrates the proxy length from the all-high reference's learning
     curve (precsearch.search.calibration, doubling from ``calibration_start`` up to ``max_proxy_steps``); an
-    integer keeps that fixed length. ``rungs``: fractions of the proxy length where candidates may be stopped
-    (precsearch.search.rungs). ``confirm_factor``: the confirmation runs' length as a multiple of the proxy
+    integer keeps that fixed length; rungs stand on the reference's curve (precsearch.search.rungs).
+    ``confirm_factor``: the confirmation runs' length as a multiple of the proxy
     length (precsearch.search.confirmation). ``proxy_seeds``: seeds per proxy and for the reference (None:
     chosen from the noise, see ``noise.seeds_for``). ``study_name`` joins the shared study of that name in
     ``storage`` (``trials`` is then the study's total); ``sampler`` replaces the space's Optuna sampler.
@@ -45,7 +44,6 @@ class SearchConfig:
     proxy_steps: int | str = AUTO
     max_proxy_steps: int = CalibrationSettings.max_steps
     calibration_start: int = CalibrationSettings.start
-    rungs: tuple[float, ...] = DEFAULT_RUNGS
     confirm_factor: float = DEFAULT_CONFIRM_FACTOR
     storage: str | None = None
     jobs: int = 1
@@ -64,8 +62,8 @@ class SearchConfig:
     seeding: Seeding = PAPER_SEEDING
     compile: CompileOptions | None = None  # how its runs compile their step (None: eagerly)
 
-    SETTINGS: ClassVar[tuple[str, ...]] = ("proxy_steps", "max_proxy_steps", "calibration_start", "rungs",
-                                           "confirm_factor", "seeding")
+    SETTINGS: ClassVar[tuple[str, ...]] = ("proxy_steps", "max_proxy_steps", "calibration_start", "confirm_factor",
+                                           "seeding")
 
     def __post_init__(self) -> None:
         if self.trials < 1 or self.jobs < 1 or (self.threads is not None and self.threads < 1):
@@ -73,8 +71,6 @@ class SearchConfig:
                                   "least 1")
         if self.proxy_steps != AUTO and not (isinstance(self.proxy_steps, int) and self.proxy_steps >= 1):
             raise PrecsearchError(f"proxy steps {self.proxy_steps!r}: give auto or a number of steps >= 1")
-        if not all(0 < fraction < 1 for fraction in self.rungs):
-            raise PrecsearchError(f"rungs {self.rungs}: give fractions of the proxy length in (0, 1), e.g. 0.11,0.33")
         if self.confirm_factor < 1:
             raise PrecsearchError(f"confirmation factor {self.confirm_factor:g} must be at least 1")
         self.calibration  # noqa: B018 (checks the schedule)

@@ -4,21 +4,26 @@ and worth are measured, not assumed.
 ``run_search(SearchConfig(...))`` traces the model once and runs four phases, each a step of the shared study
 (any worker may take it; none is done twice, precsearch.search.ledger):
 
-1. Calibration (precsearch.search.calibration): the all-high reference trains on a geometric schedule of
-   lengths until every seed is clearly above chance and the last doubling gained no more than the seed
-   noise; that length L is the proxy length (``--proxy-steps N`` fixes it instead). Its learning curve is
-   recorded (calibration.csv) and gives the reference's accuracy at every rung; with its key, accuracies and
-   the seeds per proxy it is the ``Reference`` every trial is held to (precsearch.search.reference).
+1. Calibration (precsearch.search.calibration): the all-high reference trains ONE continuing run per seed
+   (precsearch.train.continuing: a constant rate read off short decay branches, so every point of it is a
+   proxy of that length), read at doubling points until every seed is clearly above chance, the mean
+   stopped rising and the seeds agree closely enough to resolve the allowed drop; that point L is the proxy
+   length (``--proxy-steps N`` fixes it instead). Its learning curve is recorded (calibration.csv) and
+   places the rungs; with its key, accuracies and the seeds per proxy it is the ``Reference`` every trial is
+   held to (precsearch.search.reference).
 2. Trials: the study is seeded with the config's ``seeding`` (precsearch.search.seeding; by default the
    paper's technique at r = 0, 0.1, ..., 1 plus all-high and all-low, ``enqueue_trial``), and every
    assignment of the space when it has no more than ``trials`` of them; a sampler (TPE by default) proposes
    the rest. Each trial decides one level per unit of the space, prices it with ``cost.CostModel`` (no
-   training), and trains a proxy of L steps evaluated at the rungs, where it is stopped only on clear
-   failure against the reference at the same step (precsearch.search.rungs). A candidate that a known point
-   already beats (less memory and within the allowed drop) is not trained.
-3. Confirmation (precsearch.search.confirmation): the Pareto front and the reference train again at a
-   multiple of L on fresh seeds, with a plain fp32 run beside them; best.json comes only from confirmed
-   points, picked by precsearch.search.selection.
+   training), and trains a continuing proxy of L steps through the rungs (the reference curve's points from
+   where every reference seed learned), where it is stopped only on clear failure against the reference at
+   the same step (precsearch.search.rungs). It starts on one seed and gains seeds only while the budget's
+   decision on it is open (racing). A candidate that a known point already beats (less memory and within
+   the allowed drop) is not trained.
+3. Confirmation (precsearch.search.confirmation): all-high and plain fp32, then the Pareto front in memory
+   order, train at a multiple of L on fresh seeds, sequentially under an accuracy-drop rule (seeds while
+   undecided, stopping at the first point confirmed); best.json comes only from confirmed points, picked by
+   precsearch.search.selection.
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
    with every trial at full length and the paper's one run per sweep point (budget.csv).
 
@@ -44,7 +49,10 @@ Bookkeeping rules:
   heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again (Optuna's
   ``RetryHeartbeatStaleTrialCallback``), and its setup step or calibration or confirmation run is taken
   over by another worker from what it recorded, so only that run's work is lost, whichever worker died. A
-  PostgreSQL restart is ridden out (precsearch.search.storage.RetryingRDBStorage).
+  run keeps a checkpoint in ``checkpoints/`` of its run directory while it trains (removed once recorded):
+  --resume, or a worker of the same run directory, continues it from there; a worker on another host
+  trains it again, to the same numbers. A PostgreSQL restart is ridden out
+  (precsearch.search.storage.RetryingRDBStorage).
 * After every trial the outputs are rewritten atomically from the storage (precsearch.search.export);
   the policy each proxy trained under is in ``trials/`` of the worker that ran it. ``export_study`` rebuilds
   all of it from the storage alone.
@@ -92,6 +100,7 @@ from precsearch.search.noise import Noise, pooled_noise, seeds_for
 from precsearch.search.objective import FINISHED, WORKER, Objective
 from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
+    CHECKPOINTS,
     RUN_FILE,
     SearchStop,
     StopSignals,
@@ -108,7 +117,7 @@ from precsearch.search.rundir import (
     write_run_file,
 )
 from precsearch.search.seeding import Seeding, seed_candidates
-from precsearch.search.selection import pareto_front
+from precsearch.search.selection import confirmation_verdict, pareto_front
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
 from precsearch.search.trials import params_of, policy_of, trials_frame
@@ -342,23 +351,30 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
 
 def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, ledger: Ledger,
              config: SearchConfig, check: Callable[[int, float], None]) -> None:
-    """Train the front's points (within the memory budget), all-high and plain fp32 at the confirmation
-    length on fresh seeds (precsearch.search.confirmation). A front point whose proxy diverged or stayed at
-    chance cannot be picked whatever its confirmation says, so it is not trained again."""
+    """Train all-high and plain fp32, then the front's points (within the memory budget) in memory order, at
+    the confirmation length on fresh seeds (precsearch.search.confirmation): under an accuracy-drop rule
+    sequentially, as ``selection.confirmation_verdict`` decides. A front point whose proxy diverged or stayed
+    at chance cannot be picked whatever its confirmation says, so it is not trained again."""
     frame = trials_frame(study, context)
     front = pareto_front(frame, context.space.accuracy_objective)
-    if context.budget.max_memory is not None and not front.empty:
-        front = front[front["memory"] <= context.budget.max_memory + 1e-12]
+    budget = context.budget
+    if budget.max_memory is not None and not front.empty:
+        front = front[front["memory"] <= budget.max_memory + 1e-12]
     if not front.empty:
         front = front[(front["val_accuracy"] > context.chance) & ~front["diverged"].astype(bool)]
     trials = study.get_trials(deepcopy=False)
-    policies: dict[str, Policy | None] = {
-        reference.key: context.policy(context.all_high.assignment, {"strategy": "all-high"})}
-    for _, row in front.iterrows():
-        policies[row["key"]] = policy_of(trials[int(row["number"])], context, {"trial": int(row["number"])})
-    policies[PLAIN_FP32] = None
+    high = context.all_high.key
+    references: dict[str, Policy | None] = {
+        high: context.policy(context.all_high.assignment, {"strategy": "all-high"}), PLAIN_FP32: None}
+    points = {row["key"]: policy_of(trials[int(row["number"])], context, {"trial": int(row["number"])})
+              for _, row in front.sort_values("memory").iterrows() if row["key"] != high}
+
+    def decide(runs: list[dict[str, Any]], high_runs: list[dict[str, Any]]) -> bool | None:
+        return confirmation_verdict(runs, high_runs, budget, context.chance)
+
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(_reference_seeds(context)))]
-    confirm(context, ledger, policies, confirmation_length(reference.length, config.confirm_factor), seeds, check)
+    confirm(context, ledger, references, points, confirmation_length(reference.length, config.confirm_factor),
+            seeds, check, decide if budget.max_memory is None else None, high)
 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME,
@@ -475,6 +491,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
         context = SearchContext.create(config.model, space, data_spec, budget, config.seed, config.device,
                                        proxy_seeds=config.proxy_seeds, trainer=trainer, compile=config.compile)
         context.settings = config.settings()
+        context.checkpoints = out_dir / CHECKPOINTS
         if config.proxy_seeds == 1:
             log.warning("one seed per proxy: the pick compares single-seed accuracies and cannot state its "
                         "confidence; use --proxy-seeds auto (or K >= 2)")
@@ -554,7 +571,7 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     follow in ``run_search``, after a stop too: ``export`` writes what precsearch.search.selection picks."""
     ledger = _ledger(study, run.location, run.backend)
     check = _signal_check(run.signals)
-    calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context), check, config.rungs)
+    calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context), check)
     reference = _reference(study, context, calibration)
     log.info("proxy length %d steps (%s)", reference.length, "fixed" if calibration.fixed else "calibrated")
     run.record(study)

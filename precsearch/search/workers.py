@@ -27,6 +27,7 @@ from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective
 from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
+    CHECKPOINTS,
     StopSignals,
     hold_worker_lock,
     quiet_optuna_interrupts,
@@ -166,6 +167,7 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
     with StopSignals() as signals, quiet_optuna_interrupts(), contextlib.suppress(KeyboardInterrupt):
         context = SearchContext.create(*setup.context, device, compile=setup.compile)
         context.settings = setup.settings
+        context.checkpoints = setup.out_dir / CHECKPOINTS
         storage = setup.location.open()
         study = load_study(context, storage, setup.location, index)
         reference = Reference.from_study(study)  # the parent recorded it before starting the workers

@@ -1,15 +1,16 @@
 """Short, seeded proxy training under a policy: the search's measure of whether an assignment trains.
 
-A proxy is the full training recipe scaled down (SGD with momentum and weight decay, cosine learning rate,
-a few hundred steps on small images) run through ``runtime.apply_policy``, so the low-precision numerics,
-loss scaling and promotion guard are the ones the final training will use. It is deterministic: the model
-init, the batch order and every rounding draw come from ``seed``, so one assignment and seed always give the
-same numbers (the search relies on that to never train an assignment twice).
+A proxy is the full training recipe scaled down (SGD with momentum and weight decay, a few hundred steps on
+small images) with a schedule whose every point is a result: a constant rate, read off a short cosine decay
+branch wherever it is evaluated (precsearch.train.continuing). It runs through ``runtime.apply_policy``, so the
+low-precision numerics, loss scaling and promotion guard are the ones the final training will use. It is
+deterministic: the model init, the batch order and every rounding draw come from ``seed``, so one assignment
+and seed always give the same numbers (the search relies on that to never train an assignment twice).
 
 A proxy stops at the first sign of divergence (precsearch.train.trainer.Divergence) and says why. The trainer itself
 (model, optimizer, schedule, loop, evaluation) is precsearch.train.trainer; its names are re-exported here.
 
-The default recipe (``ProxyConfig``) is the paper's (SGD, momentum 0.9, weight decay 5e-4, cosine to zero)
+The default recipe (``ProxyConfig``) is the paper's (SGD, momentum 0.9, weight decay 5e-4, decaying to zero)
 shrunk to 150 steps of batch 64 on 16x16 images, with lr 0.2: a sweep of lr {0.05, 0.1, 0.2} x steps
 {100, 150, 200} for ``tiny_cnn`` on digits gave 78-94% validation accuracy at lr 0.05 / 100 steps and
 about 98% at lr 0.2 / 150 steps (99% at 200), so the short proxy gets close to converged accuracy, where
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from precsearch.config.compiling import CompileOptions
@@ -57,20 +59,22 @@ __all__ = [
 
 def run_proxy(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,
               **options: Any) -> ProxyResult:
-    """One proxy: ``train`` (with its ``seed``, ``device``, ``config``, ``report``) that stops at the first sign
-    of divergence; what the search calls per trial."""
-    return train(model_spec, policy, data, steps, stop_on_divergence=True, **options)
+    """One proxy: a continuing ``train`` (with its ``seed``, ``device``, ``config``, ``report``, ``checkpoint``)
+    that stops at the first sign of divergence; what the search calls per trial."""
+    return train(model_spec, policy, data, steps, stop_on_divergence=True, continuing=True, **options)
 
 
 class Trainer(Protocol):
-    """What the search trains with: one seeded run of ``policy`` (None: plain fp32) for ``steps`` steps, the
-    schedule spanning them, evaluated at each step of ``evaluate_at`` (``on_eval(step, accuracy, loss)``,
-    whose exception stops the run) and at the end; ``report(step, loss)`` every few steps. Tests inject
-    scripted learning curves through it."""
+    """What the search trains with: one seeded continuing run of ``policy`` (None: plain fp32) up to ``steps``
+    steps (its result there is a run of that length's), evaluated at each step of ``evaluate_at``
+    (``on_eval(step, accuracy, loss)``, whose exception stops the run) and at the end; ``report(step, loss)``
+    every few steps; ``checkpoint``: where the run keeps its state and continues from (a later call for more
+    steps goes on from there). Tests inject scripted learning curves through it."""
 
     def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
                  on_eval: Callable[[int, float, float], None] | None = None,
-                 report: Callable[[int, float], None] | None = None) -> ProxyResult: ...
+                 report: Callable[[int, float], None] | None = None,
+                 checkpoint: Path | None = None) -> ProxyResult: ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,8 @@ class ProxyTrainer:
 
     def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
                  on_eval: Callable[[int, float, float], None] | None = None,
-                 report: Callable[[int, float], None] | None = None) -> ProxyResult:
+                 report: Callable[[int, float], None] | None = None,
+                 checkpoint: Path | None = None) -> ProxyResult:
         return run_proxy(self.model_spec, policy, self.data, steps, seed=seed, device=self.device,
                          config=self.config, evaluate_at=evaluate_at, on_eval=on_eval, report=report,
-                         compile=self.compile)
+                         compile=self.compile, checkpoint=checkpoint)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -40,6 +41,16 @@ from precsearch.errors import PrecsearchError, run_user_code
 from precsearch.files import atomic_write_text
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
+from precsearch.train.continuing import (
+    CHECKPOINT_EVERY,
+    Progress,
+    State,
+    decay_lr,
+    decay_steps,
+    read_checkpoint,
+    run_tag,
+    write_checkpoint,
+)
 from precsearch.train.data import ImageDataset, make_loader, random_crop_flip
 
 __all__ = [
@@ -105,6 +116,7 @@ class ProxyResult:
     wall_time: float = 0.0
     device: str = "cpu"
     val_curve: list[list[float]] = field(default_factory=list)  # [step, validation accuracy] at ``evaluate_at``
+    steps_spent: int = 0  # steps this call trained, decay branches included (a continued run counts its own only)
 
     @property
     def val_error(self) -> float:
@@ -227,12 +239,16 @@ def kaiming_fan_out_(model: nn.Module) -> None:
                 nn.init.zeros_(module.bias)
 
 
-def _batches(dataset: Dataset, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless seeded epochs; epoch k reshuffles with seed + k so the order never depends on global RNG."""
-    epoch = 0
+def _batches(dataset: Dataset, batch_size: int, seed: int, start: int = 0
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless seeded epochs from the batch after step ``start``; epoch k reshuffles with seed + k so the order
+    never depends on global RNG (nor on where a run continues)."""
+    per_epoch = len(dataset) // batch_size
+    epoch, skip = divmod(start, per_epoch)
     while True:
-        yield from make_loader(dataset, batch_size, shuffle=True, seed=seed + epoch, drop_last=True)
-        epoch += 1
+        loader = make_loader(dataset, batch_size, shuffle=True, seed=seed + epoch, drop_last=True)
+        yield from itertools.islice(loader, skip, None)
+        epoch, skip = epoch + 1, 0
 
 
 def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 512) -> tuple[float, float]:
@@ -266,10 +282,9 @@ def _stat_summary(stats: Any) -> tuple[float, float, float]:
 class Divergence:
     """Tests each step's loss and scaler against the divergence rules of a ``ProxyConfig``."""
 
-    def __init__(self, config: ProxyConfig, steps: int) -> None:
+    def __init__(self, config: ProxyConfig, first_loss: float | None = None) -> None:
         self.config = config
-        self.first_loss: float | None = None
-        self.max_skipped = max(20, math.ceil(config.max_skipped_fraction * steps))
+        self.first_loss = first_loss
 
     def check(self, step: int, loss: float, scaler: LossScaler) -> str:
         if not math.isfinite(loss):
@@ -283,8 +298,9 @@ class Divergence:
         if not isinstance(scaler, NoLossScaler) and scale < self.config.min_loss_scale:
             return f"loss scale collapsed to {scale:.3g} (< {self.config.min_loss_scale:g}) at step {step}"
         skipped = scaler.skipped_steps
-        if skipped > self.max_skipped:
-            return f"{skipped} skipped steps by step {step} (more than {self.max_skipped})"
+        allowed = max(20, math.ceil(self.config.max_skipped_fraction * step))  # by this step: no run length needed
+        if skipped > allowed:
+            return f"{skipped} skipped steps by step {step} (more than {allowed})"
         return ""
 
 
@@ -310,6 +326,8 @@ def train(
     deterministic: bool = True,
     compile: CompileOptions | None = None,
     on_start: Callable[[], None] | None = None,
+    continuing: bool = False,
+    checkpoint: Path | None = None,
 ) -> ProxyResult:
     """Train ``model_spec`` under ``policy`` (None: plain fp32, no wrapper and no loss scaling) for ``steps``
     SGD steps and evaluate on the validation split.
@@ -326,8 +344,14 @@ def train(
     runs it under ``determinism`` (the search relies on a seed giving the same numbers). ``compile`` trains
     with the compiled step (precsearch.runtime.compiled; None: eagerly). The result's ``wall_time`` counts from
     when the model is built (a user factory's own time is not training time); ``on_start()`` is called then.
+
+    ``continuing`` trains at a constant rate and reads every evaluation off a short decay branch, so that the
+    run's result at any step is that of a run of that length (precsearch.train.continuing); ``checkpoint``
+    (continuing only) is where its state is kept at each evaluation and continued from.
     """
     config = config or ProxyConfig()
+    if checkpoint is not None and not continuing:
+        raise ValueError("a checkpoint continues only a continuing run (a cosine schedule spans its own length)")
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")
     train_set, val_set = data
@@ -353,17 +377,23 @@ def train(
                               weight_decay=config.weight_decay)
         optimizer = model.wrap_optimizer(sgd) if policy is not None else sgd
         epoch_schedule = recipe is not None and recipe.epoch_schedule
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+        schedule = None if continuing else torch.optim.lr_scheduler.CosineAnnealingLR(
             sgd, T_max=math.ceil(steps / per_epoch) if epoch_schedule else steps)
         augment = torch.Generator().manual_seed(seed + 1) if recipe is not None and recipe.augment else None
         scaler = model.scaler if policy is not None else NoLossScaler()
+        tag = run_tag(policy, seed)
+        saved = read_checkpoint(checkpoint, tag, steps) if checkpoint is not None else None
+        progress = Progress()
+        if saved is not None:
+            saved[0].restore(model, optimizer, torch_device)
+            progress = saved[1]
         rungs = {step for step in evaluate_at if 1 <= step <= steps}
-        val_curve: list[list[float]] = []
-        monitor = Divergence(config, steps)
-        curve: list[float] = []
-        reason = ""
+        monitor = Divergence(config, progress.first_loss)
+        curve, val_curve = progress.losses, progress.val_curve
         window: list[float] = []
-        for step, (images, labels) in enumerate(_batches(train_set, config.batch_size, seed), start=1):
+        spent = 0
+
+        def sgd_step(images: torch.Tensor, labels: torch.Tensor) -> float:
             if augment is not None:
                 images = random_crop_flip(images, train_set.mean, train_set.std, augment)
             images, labels = images.to(torch_device), labels.to(torch_device)
@@ -372,15 +402,52 @@ def train(
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            if not epoch_schedule or step % per_epoch == 0:
+            return float(loss.detach())
+
+        def read(step: int, final: bool) -> tuple[float, float]:
+            """Validation accuracy and loss at ``step``: of the model as it is, or, continuing, off a decay
+            branch (precsearch.train.continuing), the state at ``step`` checkpointed and, unless ``final``,
+            restored after it."""
+            nonlocal spent
+            state = State.capture(model, optimizer, torch_device) if continuing and not progress.reason else None
+            if state is not None:
+                length = decay_steps(step)
+                branch = itertools.islice(_batches(train_set, config.batch_size, seed, start=step), length)
+                for index, (images, labels) in enumerate(branch):
+                    for group in sgd.param_groups:
+                        group["lr"] = decay_lr(config.lr, index, length)
+                    sgd_step(images, labels)
+                spent += length
+            accuracy, loss = evaluate(model, val_set, torch_device, config.eval_batch_size)
+            if step in rungs and not (val_curve and val_curve[-1][0] == step):
+                val_curve.append([step, accuracy])
+            if state is not None:
+                progress.elapsed = elapsed()
+                if checkpoint is not None:
+                    write_checkpoint(checkpoint, tag, state, progress)
+                if not final:
+                    state.restore(model, optimizer, torch_device)
+                    for group in sgd.param_groups:
+                        group["lr"] = config.lr
+            return accuracy, loss
+
+        def elapsed() -> float:
+            return progress.elapsed + time.perf_counter() - start
+
+        batches = _batches(train_set, config.batch_size, seed, start=progress.step)
+        while progress.step < steps and not (progress.reason and stop_on_divergence):
+            step = progress.step = progress.step + 1
+            value = sgd_step(*next(batches))
+            spent += 1
+            if schedule is not None and (not epoch_schedule or step % per_epoch == 0):
                 with warnings.catch_warnings():  # a step the loss scaler skipped is no misordered scheduler
                     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
                     schedule.step()
-            value = float(loss.detach())
             curve.append(value)
             window.append(value)
-            reason = reason or monitor.check(step, value, scaler)
-            if reason and stop_on_divergence:
+            progress.reason = progress.reason or monitor.check(step, value, scaler)
+            progress.first_loss = monitor.first_loss
+            if progress.reason and stop_on_divergence:
                 break
             if report is not None and step % config.report_every == 0:
                 report(step, sum(window) / len(window))
@@ -388,16 +455,16 @@ def train(
             if step == steps:
                 break
             if step in rungs or (eval_every and step % eval_every == 0):
-                step_accuracy, step_loss = evaluate(model, val_set, torch_device, config.eval_batch_size)
-                if step in rungs:
-                    val_curve.append([step, step_accuracy])
+                step_accuracy, step_loss = read(step, final=False)
                 if on_eval is not None:
                     on_eval(step, step_accuracy, step_loss)
-        accuracy, val_loss = evaluate(model, val_set, torch_device, config.eval_batch_size)
-        if len(curve) in rungs:
-            val_curve.append([len(curve), accuracy])
+            elif checkpoint is not None and step % CHECKPOINT_EVERY == 0:
+                progress.elapsed = elapsed()
+                write_checkpoint(checkpoint, tag, State.capture(model, optimizer, torch_device), progress)
+        accuracy, val_loss = read(len(curve), final=True)
         if on_eval is not None:
             on_eval(len(curve), accuracy, val_loss)
+    reason = progress.reason
     if not reason and not math.isfinite(val_loss):
         reason = "non-finite validation loss"
     stats = model.tensor_stats() if policy is not None else {}
@@ -415,9 +482,10 @@ def train(
         overflow_max=overflow_max,
         underflow_max=underflow_max,
         underflow_mean=underflow_mean,
-        wall_time=time.perf_counter() - start,
+        wall_time=elapsed(),
         device=str(torch_device),
         val_curve=val_curve,
+        steps_spent=spent,
     )
     log.info("proxy: acc %.4f loss %.4f%s in %.1fs", accuracy, result.val_loss,
              f" (diverged: {reason})" if reason else "", result.wall_time)

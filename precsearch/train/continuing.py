@@ -1,0 +1,108 @@
+"""A proxy run that continues: one run gives a valid result at every length, and a run stopped anywhere goes on
+from its checkpoint.
+
+The schedule is warmup-stable-decay without the warmup (the cosine proxy starts at its peak rate too): the
+rate stays at the recipe's ``lr``, and the run is read at a step s off a short decay branch, ``decay_steps(s)``
+(a tenth of s) more steps on the batches that follow s with the rate falling to zero along a cosine, after
+which the run goes back to its state at s. What a branch at s reads is therefore exactly a fresh run of
+s + decay_steps(s) steps whose decay starts at s, and nothing before s depends on how long the run will be: a
+calibration curve's point at s is the result of a proxy of that length, and a candidate passes its rungs
+without starting again.
+
+The state at every evaluation (model and optimizer state dicts, which carry precsearch's training state:
+promotions, loss scale, rounding counters; the global generators; the loop's own ``Progress``) is kept for
+the branch's return and, given a checkpoint path, written there atomically (and so is the state every
+``CHECKPOINT_EVERY`` steps); a run asked for a length at or
+past the checkpoint's step continues from it, bit for bit the run that was not stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precsearch.config.policy import Policy
+from precsearch.files import atomic_write_bytes
+
+__all__ = ["CHECKPOINT_EVERY", "DECAY_FRACTION", "Progress", "State", "decay_lr", "decay_steps", "read_checkpoint",
+           "run_tag", "write_checkpoint"]
+
+DECAY_FRACTION = 0.1  # a branch at step s decays over a tenth of s: doubling points cost 0.2x the run in branches
+CHECKPOINT_EVERY = 100  # steps between checkpoints (no branch) of a long stretch without evaluations
+
+
+def decay_steps(step: int) -> int:
+    return max(1, math.ceil(DECAY_FRACTION * step))
+
+
+def decay_lr(lr: float, index: int, length: int) -> float:
+    """The rate of the ``index``-th (0-based) of ``length`` branch steps: a cosine from ``lr`` towards zero, as
+    ``CosineAnnealingLR`` over ``length`` steps gives it."""
+    return 0.5 * lr * (1.0 + math.cos(math.pi * index / length))
+
+
+def run_tag(policy: Policy | None, seed: int) -> str:
+    """What a checkpoint must have been written by: this policy (None: plain fp32) and seed."""
+    text = "plain" if policy is None else policy.to_json()
+    return f"{seed}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+@dataclass
+class Progress:
+    """The loop's own record at a step: losses per step, the evaluated points, the divergence monitor's first
+    loss and reason, and the seconds trained so far."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    val_curve: list[list[float]] = field(default_factory=list)
+    first_loss: float | None = None
+    reason: str = ""
+    elapsed: float = 0.0
+
+
+@dataclass(frozen=True)
+class State:
+    """The model's, the optimizer's and the global generators' state at one step, serialized."""
+
+    data: bytes
+
+    @classmethod
+    def capture(cls, model: torch.nn.Module, optimizer: Any, device: torch.device) -> State:
+        buffer = io.BytesIO()
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "rng": torch.get_rng_state(), "cuda_rng": cuda}, buffer)
+        return cls(buffer.getvalue())
+
+    def restore(self, model: torch.nn.Module, optimizer: Any, device: torch.device) -> None:
+        saved = torch.load(io.BytesIO(self.data), weights_only=False, map_location=device)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng"])
+        if saved["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(saved["cuda_rng"], device)
+
+
+def write_checkpoint(path: Path, tag: str, state: State, progress: Progress) -> None:
+    buffer = io.BytesIO()
+    torch.save({"tag": tag, "state": state.data, "progress": asdict(progress)}, buffer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def read_checkpoint(path: Path, tag: str, steps: int) -> tuple[State, Progress] | None:
+    """The state a run of ``tag`` left at ``path`` at most ``steps`` steps in (None: start from the beginning; a
+    checkpoint of another run, or one past ``steps``, is not one this run can continue)."""
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=False)
+    progress = Progress(**saved["progress"])
+    if saved["tag"] != tag or progress.step > steps:
+        return None
+    return State(saved["state"]), progress

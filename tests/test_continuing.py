@@ -1,0 +1,71 @@
+"""A continuing proxy run (precsearch.train.continuing): stopped and continued from its checkpoint, it gives the
+uninterrupted run's result bit for bit, and its reading at a step is a fresh run of that length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from precsearch.config.spaces import paper_space
+from precsearch.search.context import Budget, DataSpec, SearchContext
+from precsearch.search.strategies import uniform
+from precsearch.train.continuing import decay_lr, decay_steps
+from precsearch.train.proxy import run_proxy
+
+SPACE = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
+
+
+@pytest.fixture(scope="module")
+def context():
+    return SearchContext.create("tiny_cnn", SPACE, DataSpec("digits"), Budget(), 0, "cpu")
+
+
+def _run(context, policy, steps, **options):
+    with torch.random.fork_rng():
+        torch.set_num_threads(1)
+        return run_proxy("tiny_cnn", policy, context.data, steps, seed=3, device="cpu", config=SPACE.proxy, **options)
+
+
+def _same(a, b):
+    assert a.loss_curve == b.loss_curve and a.val_curve == b.val_curve
+    assert (a.val_accuracy, a.val_loss, a.steps_run, a.promotions) == (b.val_accuracy, b.val_loss, b.steps_run,
+                                                                         b.promotions)
+
+
+def _continued_matches_uninterrupted(context, policy, tmp_path):
+    whole = _run(context, policy, 12, evaluate_at=[4, 8])
+    checkpoint = tmp_path / "run.pt"
+    first = _run(context, policy, 4, evaluate_at=[4, 8], checkpoint=checkpoint)
+    rest = _run(context, policy, 12, evaluate_at=[4, 8], checkpoint=checkpoint)
+    _same(whole, rest)
+    assert first.val_accuracy == whole.val_curve[0][1]  # the reading at 4 is the same in both
+    assert rest.steps_spent == 8 + decay_steps(8) + decay_steps(12)  # the continued call trained only its part
+    assert whole.steps_spent == 12 + decay_steps(4) + decay_steps(8) + decay_steps(12)
+
+
+def test_a_continued_plain_run_is_the_uninterrupted_run_bit_for_bit(context, tmp_path):
+    _continued_matches_uninterrupted(context, None, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_continued_low_precision_run_is_the_uninterrupted_run_bit_for_bit(context, tmp_path):
+    """All-low under the paper's numerics: the wrapper's state (loss scale, promotions, rounding counters) goes
+    back after every decay branch and comes back from the checkpoint."""
+    low = uniform(context.graph, SPACE, "low").assignment
+    _continued_matches_uninterrupted(context, context.policy(low, {}), tmp_path)
+
+
+def test_a_checkpoint_of_another_run_is_not_continued(context, tmp_path):
+    checkpoint = tmp_path / "run.pt"
+    _run(context, None, 4, checkpoint=checkpoint)
+    other = run_proxy("tiny_cnn", None, context.data, 4, seed=4, device="cpu", config=SPACE.proxy,
+                      checkpoint=checkpoint)
+    fresh = run_proxy("tiny_cnn", None, context.data, 4, seed=4, device="cpu", config=SPACE.proxy)
+    _same(other, fresh)  # seed 4 does not continue seed 3's run
+
+
+def test_a_decay_branch_falls_along_a_cosine_to_zero():
+    assert decay_steps(8) == 1 and decay_steps(100) == 10 and decay_steps(101) == 11
+    rates = [decay_lr(0.2, index, 10) for index in range(10)]
+    assert rates[0] == 0.2 and rates == sorted(rates, reverse=True) and 0 < rates[-1] < 0.01
+    assert decay_lr(0.2, 5, 10) == pytest.approx(0.1)
