@@ -115,16 +115,17 @@ def test_multi_seed_search_records_means_over_the_same_seeds(tmp_path):
                                          proxy_steps=4, device="cpu", progress=False, proxy_seeds=2,
                                          budget=Budget(max_accuracy_drop=0.5)))
         trials = result.trials.set_index("number")
-        assert set(trials["seeds"]) == {2}
+        assert set(trials["seeds"]) <= {1, 2}  # racing: a candidate gains its second seed only while undecided
         context = SearchContext.create("tiny_cnn", space, DataSpec(), Budget(), 0, "cpu")
-        row = trials.loc[1]  # the first trial after all-high, trained here with seeds 0 and 1
+        row = trials.loc[1]  # the first trial after all-high, trained here with seeds 0 (and 1)
         policy = Policy.load(row["policy"])
         alone = [run_proxy("tiny_cnn", policy, context.data, 4, seed=seed, device="cpu", config=space.proxy)
-                 for seed in (0, 1)]
+                 for seed in range(int(row["seeds"]))]
     accuracies = [r.val_accuracy for r in alone]
     assert row["val_accuracy"] == pytest.approx(np.mean(accuracies))
-    assert row["val_accuracy_sd"] == pytest.approx(np.std(accuracies, ddof=1), nan_ok=True)
+    if len(accuracies) > 1:
+        assert row["val_accuracy_sd"] == pytest.approx(np.std(accuracies, ddof=1))
     high = trials.loc[0]
     assert high["duplicate_of"] == "reference" and high["seeds"] == 2  # the reference ran the same two seeds
     noise = json.loads((tmp_path / "run" / "best.json").read_text())["provenance"]["noise"]
-    assert noise["confidence"] == 0.9 and noise["seeds"] == 2 and result.noise.df >= 1
+    assert noise["confidence"] == 0.9 and noise["seeds"] in (1, 2) and result.noise.df >= 1  # the pick's seeds
