@@ -266,13 +266,13 @@ class _RoundGradient(torch.autograd.Function):
 
 
 def _round_gradient(value: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
-                    site: Site, counter: int, formats: dict[str, ScaledFormat]) -> torch.Tensor:
-    return _RoundGradient.apply(value, rows, seed, counters[counter], site, formats)
+                    site: Site, counter: int, formats: _HeldByGraph) -> torch.Tensor:
+    return _RoundGradient.apply(value, rows, seed, counters[counter], site, formats.value)
 
 
 def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
            sites: tuple[tuple[int, Site, int | None], ...],
-           formats: dict[str, ScaledFormat]) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+           formats: _HeldByGraph) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
     """``value`` (a tensor, or a tuple of them) with each (position, site, counter index) of ``sites``
     rounded, the forward's overflow counts, and the codes (and scales) of the sites that have them, in order;
     ``formats``: the scaled formats the sites name."""
@@ -280,7 +280,8 @@ def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[to
     items = list(value) if isinstance(value, tuple | list) else [value]
     for position, site, counter in sites:
         items[position], counted, *code = _Round.apply(items[position], rows, seed,
-                                                       None if counter is None else counters[counter], site, formats)
+                                                       None if counter is None else counters[counter], site,
+                                                       formats.value)
         counts.append(counted)
         codes += code
     rounded = type(value)(items) if isinstance(value, tuple | list) else items[0]
@@ -431,9 +432,9 @@ class _BatchNormGradOfCodes(torch.autograd.Function):
 
 
 def _conv_of_codes(layer: nn.Conv2d, x: torch.Tensor, codes: tuple[torch.Tensor, ...], rows: torch.Tensor, site: Site,
-                   of_graph: _SlicingOfGraph) -> torch.Tensor:
+                   of_graph: _HeldByGraph) -> torch.Tensor:
     """``layer`` on a site's rounded values ``x``, its backward reading their ``codes`` (and scales)."""
-    slicing = of_graph.slicing
+    slicing = of_graph.value
     weight = layer.weight
     geometry = ConvGeometry(layer.stride, layer.padding, layer.dilation, layer.groups)
     return _ConvOfCodes.apply(x, weight, layer.bias, codes[0], _scales_of(codes), rows[site.act], geometry, site.code,
@@ -442,10 +443,10 @@ def _conv_of_codes(layer: nn.Conv2d, x: torch.Tensor, codes: tuple[torch.Tensor,
 
 
 def _batch_norm_of_codes(layer: nn.BatchNorm2d, x: torch.Tensor, codes: tuple[torch.Tensor, ...], rows: torch.Tensor,
-                         site: Site, of_graph: _SlicingOfGraph) -> torch.Tensor:
+                         site: Site, of_graph: _HeldByGraph) -> torch.Tensor:
     """``layer`` on a site's rounded values ``x``: in training, its forward as the eager runtime's
     (``nn.BatchNorm2d``'s with a set momentum), its backward reading their ``codes``."""
-    slicing = of_graph.slicing
+    slicing = of_graph.value
     if not layer.training:
         return layer(x)
     layer.num_batches_tracked.add_(1)
@@ -466,12 +467,13 @@ def _name(fmt: ScaledFormat | None) -> str | None:
     return None if fmt is None else fmt.name
 
 
-class _SlicingOfGraph(nn.Module):
-    """The graph's ``Slicing``, held as a submodule so that its calls read it (``get_attr``)."""
+class _HeldByGraph(nn.Module):
+    """A value the graph's calls read (``get_attr``), held as a submodule: the graph's code cannot spell it as a
+    constant (the ``Slicing``, the sites' scaled formats by name)."""
 
-    def __init__(self, slicing: Slicing) -> None:
+    def __init__(self, value: Any) -> None:
         super().__init__()
-        self.slicing = slicing
+        self.value = value
 
 
 _OF_CODES = {nn.Conv2d: _conv_of_codes, nn.BatchNorm2d: _batch_norm_of_codes}
@@ -482,7 +484,7 @@ def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.No
     """Each layer of ``gm`` whose backward slices over its input (``Slicing.input_function``) and reads a value
     with codes (``coded``) called through ``_OF_CODES``, so that its backward decodes the codes a slice at a time,
     as the eager runtime's does."""
-    gm.add_submodule("precsearch_slicing", _SlicingOfGraph(slicing))  # the graph's code cannot spell it as a constant
+    gm.add_submodule("precsearch_slicing", _HeldByGraph(slicing))
     for node in list(gm.graph.nodes):
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs or node.args[0] not in coded:
             continue
@@ -526,7 +528,7 @@ class RoundingGraph:
         with fx_graph.inserting_after(seed_node):
             counters_node = fx_graph.placeholder("precsearch_counters")
         # the scaled formats, by name: the graph's code names its sites' formats (it cannot spell a ScaledFormat)
-        gm.precsearch_scaled = {fmt.name: fmt for fmt in scaled if fmt is not None}
+        gm.add_submodule("precsearch_scaled", _HeldByGraph({fmt.name: fmt for fmt in scaled if fmt is not None}))
         with fx_graph.inserting_after(counters_node):
             formats_node = fx_graph.get_attr("precsearch_scaled")
         nodes = {node.name: node for node in fx_graph.nodes}
@@ -659,7 +661,7 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
     for name, (site, counter) in weight_sites.items():  # in the order of the sites' rows
         tensors[name], counted, *_codes = _Round.apply(params[name], rows, seed,
                                                        None if counter is None else counters[counter], site,
-                                                       gm.precsearch_scaled)
+                                                       gm.precsearch_scaled.value)
         weight_counts.append(counted)
     output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters))
     return output, _stack(*counts, weight_counts)
