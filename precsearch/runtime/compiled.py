@@ -168,13 +168,10 @@ class _Round(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
                 site: Site, formats: dict[str, ScaledFormat]) -> Any:
         ctx.site, ctx.formats = site, formats
-        row, scaled = rows[site.act], formats.get(site.scaled[0])
-        if scaled is None:
-            values, overflowed = _rounded(x, row, seed + (2 * site.index) * SEED_STRIDE, site.rounding[0])
-            rounded, scales = values, None
-        else:
-            values, scales, overflowed = _scaled_rounding(x, row, scaled)
-            rounded = values * scales
+        row = rows[site.act]
+        values, scales, overflowed = _values_and_scales(x, row, seed + (2 * site.index) * SEED_STRIDE,
+                                                        site.rounding[0], formats.get(site.scaled[0]))
+        rounded = values if scales is None else values * scales
         unencodable = torch.zeros_like(overflowed)
         codes = ()
         if site.code is not None:  # the partitioner saves these codes (and scales) for the backward, which decodes
@@ -223,13 +220,20 @@ def _relu_masked_by_its_site(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
-             scaled: ScaledFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``) and its overflow count; nearest rounding
-    in float32 arithmetic (``unsupported`` keeps formats it does not serve out)."""
+             scaled: ScaledFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``) and its overflow count."""
+    values, scales, overflowed = _values_and_scales(x, row, seed, rounding, scaled)
+    return (values if scales is None else values * scales), overflowed
+
+
+def _values_and_scales(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
+                       scaled: ScaledFormat | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``x`` rounded by ``row``, divided by its scales where ``scaled`` (else None), and its overflow count;
+    nearest rounding in float32 arithmetic (``unsupported`` keeps formats it does not serve out)."""
     if scaled is not None:
-        values, scales, overflowed = _scaled_rounding(x, row, scaled)
-        return values * scales, overflowed
-    return round_nearest(x, row) if rounding == "nearest" else round_with(x, row, seed, rounding)
+        return _scaled_rounding(x, row, scaled)
+    values, overflowed = round_nearest(x, row) if rounding == "nearest" else round_with(x, row, seed, rounding)
+    return values, None, overflowed
 
 
 def _scaled_rounding(x: torch.Tensor, row: torch.Tensor,
