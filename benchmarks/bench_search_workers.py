@@ -42,10 +42,10 @@ UNITS = 40  # decisions per empty trial, about tiny_cnn's tensor count
 
 
 def _search_run(url: str, study: str, workers: int, trials: int, steps: int, space: Path, folder: Path) -> dict:
-    command = [sys.executable, "-m", "precsearch", "search", "tiny_cnn", "--space", str(space), "--storage", url,
-               "--study-name", study, "--trials", str(trials), "--proxy-steps", str(steps), "--image-size", "8",
-               "--batch-size", "16", "--device", "cpu", "--threads", "1", "--no-progress"]
-    env = {**os.environ, "PRECSEARCH_COMPILE": "0"}
+    command = [sys.executable, "-m", "precsearch", "--eager-kernels", "search", "tiny_cnn", "--space", str(space),
+               "--storage", url, "--study-name", study, "--trials", str(trials), "--proxy-steps", str(steps),
+               "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1", "--no-progress"]
+    env = dict(os.environ)
     processes = [subprocess.Popen([*command, "--out", str(folder / f"{study}_{index}")], env=env,
                                   stdout=subprocess.DEVNULL) for index in range(workers)]
     for process in processes:

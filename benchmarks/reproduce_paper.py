@@ -1,11 +1,11 @@
 """Reproduce the memory-accuracy tradeoff of Lee, Sharma, Aiken (TMLR 2023) at a scale this machine affords.
 
-    PRECSEARCH_COMPILE=0 python benchmarks/reproduce_paper.py --threads 1   # CPU scale (about 10 minutes)
+    python benchmarks/reproduce_paper.py --threads 1 --eager-kernels   # CPU scale (about 10 minutes)
     python benchmarks/reproduce_paper.py --cifar10 DIR    # full scale: CIFAR-10, ResNet-18, batch 128, 200 epochs,
                                                           # r step 0.1 (needs a GPU; untested at this scale)
 
 CPU scale: the bundled digits at 12x12, ResNet-18 width 0.125, batch 64, 2 epochs (44 steps), r step 0.2.
-``PRECSEARCH_COMPILE=0`` there: at these sizes compiling the formats kernels costs more than it saves (the
+``--eager-kernels`` there: at these sizes compiling the formats kernels costs more than it saves (the
 stochastic kernels of wang_fp8 took 330 s to compile against 6 s of eager training).
 
 Every method trains with the same recipe, the paper's (precsearch.train.trainer.PAPER_RECIPE: SGD lr 0.1, momentum
@@ -38,6 +38,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
 from precsearch.config.spec import ProxyConfig
 from precsearch.cost.measured import measure_peak, sgd_step
+from precsearch.formats.compiled import RUNNER
 from precsearch.runtime.model import apply_policy
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.strategies import ACCEPTANCE_WINDOW, baseline_policies, sweep
@@ -187,7 +188,9 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 while others share the CPU)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--eager-kernels", action="store_true", help="the format kernels uncompiled (small tensors)")
     args = parser.parse_args()
+    RUNNER.enabled = not args.eager_kernels
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

@@ -38,3 +38,17 @@ def test_bad_format_exits_2_with_one_line_and_no_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "E must be in 1..8" in proc.stderr
+
+
+@pytest.mark.parametrize("flag", [[], ["--eager-kernels"]])
+def test_eager_kernels_hold_for_the_command_alone(monkeypatch, flag):
+    """``--eager-kernels`` is read by the kernels' runner while the command runs (a search hands it to its
+    workers with the rest of their setup), and the caller's own setting is back afterwards."""
+    import precsearch.cli.formats as formats_command
+    from precsearch.formats.compiled import RUNNER
+
+    seen = []
+    monkeypatch.setattr(formats_command, "run", lambda args: seen.append(RUNNER.enabled) or 0)
+    monkeypatch.setattr(RUNNER, "enabled", "the caller's")
+    assert main([*flag, "formats"]) == 0
+    assert seen == [not flag] and RUNNER.enabled == "the caller's"

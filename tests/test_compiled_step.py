@@ -28,7 +28,6 @@ from precsearch.cost.policies import policy_from_assignment
 from precsearch.formats.kernels import quantize
 from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.runtime import compiled
 from precsearch.runtime.model import apply_policy
 
 AOT_EAGER = CompileOptions(backend="aot_eager")
@@ -182,12 +181,12 @@ def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_co
     kinds = ("weight", "activation", "activation_grad", "weight_grad")
     assignments = [ALL_LOW, dict.fromkeys(kinds, "fp16"), dict.fromkeys(kinds, "fp32"),
                    {"weight": "e4m3", "activation": "e4m3", "activation_grad": "e5m2", "weight_grad": "fp16"}]
+    options = CompileOptions(backend="aot_eager", saves_codes=saves_codes)  # one set of runs: their graphs shared
     graphs = []
     for formats in assignments:
         policy = _policy(model, batches[0][0], formats)
         eager, eager_losses = _train(model, policy, batches)
-        done, done_losses = _train(model, policy, batches,
-                                   compile=CompileOptions(backend="aot_eager", saves_codes=saves_codes))
+        done, done_losses = _train(model, policy, batches, compile=options)
         _assert_same_training(eager, done, eager_losses, done_losses)
         graphs.append(done.compiled_step.graph)
     if saves_codes:
@@ -197,13 +196,29 @@ def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_co
     assert all(graph.compiles == 1 for graph in graphs)
 
 
+def test_options_carry_their_compiled_graphs_but_a_copy_for_a_worker_starts_empty() -> None:
+    """Runs given one ``CompileOptions`` (and options replaced from it) share its graphs; equal options made apart
+    are equal values with graphs of their own; a pickled copy (a spawned worker's) starts with none."""
+    import dataclasses
+    import pickle
+
+    options = CompileOptions(backend="aot_eager")
+    options.built.graphs["key"] = "a graph"
+    options.built.warned.add(("tiny_cnn", "a reason"))
+    assert dataclasses.replace(options, saves_codes=False).built is options.built
+    assert CompileOptions(backend="aot_eager") == options and not CompileOptions(backend="aot_eager").built.graphs
+    copied = pickle.loads(pickle.dumps(options))
+    assert copied == options and not copied.built.graphs and not copied.built.warned
+
+
 def test_a_policy_the_compiled_step_cannot_train_runs_eagerly_with_one_warning(caplog) -> None:
     model = _model("tiny_cnn")
     x = torch.randn(8, 3, 16, 16)
     policy = _policy(model, x, ALL_LOW, loss_scaling={"mode": "adaptive"})
+    options = CompileOptions()  # the runs given these options: one WARNING for all
     with caplog.at_level(logging.WARNING, logger="precsearch.runtime.model"):
-        wrapped = apply_policy(copy.deepcopy(model), policy, x[:2], compile=True)
-    assert wrapped.compiled_step is None
+        wrapped = [apply_policy(copy.deepcopy(model), policy, x[:2], compile=options) for _ in range(2)]
+    assert [one.compiled_step for one in wrapped] == [None, None]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "adaptive loss scaling" in warnings[0] and "eagerly" in warnings[0]
 
@@ -307,7 +322,7 @@ def test_inductor_compiled_training_makes_the_eager_decisions_within_float32_reo
 
 
 @pytest.mark.slow
-def test_a_search_of_40_trials_compiles_its_training_step_once(tmp_path, monkeypatch) -> None:
+def test_a_search_of_40_trials_compiles_its_training_step_once(tmp_path) -> None:
     """A search of 40 trials (narrow_cnn on digits: 7 units, 128 assignments; 2-step proxies, one worker) with the
     compiled step on, as the CLI turns it on for a long search: every trained policy runs the one compiled
     graph, compiled once."""
@@ -315,13 +330,13 @@ def test_a_search_of_40_trials_compiles_its_training_step_once(tmp_path, monkeyp
     from precsearch.search.settings import SearchConfig
     from precsearch.search.study import run_search
 
-    monkeypatch.setattr(compiled, "_GRAPHS", {})
+    options = CompileOptions()
     space = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
     result = run_search(SearchConfig("narrow_cnn", space, "digits", trials=40, out_dir=tmp_path / "run", device="cpu",
-                                     progress=False, proxy_steps=2, threads=1, compile=CompileOptions()))
+                                     progress=False, proxy_steps=2, threads=1, compile=options))
     trained = result.trials[result.trials["state"] == "COMPLETE"]
     assert len(trained) >= 40
-    graphs = list(compiled._GRAPHS.values())
+    graphs = list(options.built.graphs.values())  # the proxies' options are replaced from these
     assert len(graphs) == 1 and graphs[0].compiles == 1
 
 

@@ -34,12 +34,12 @@ from precsearch.formats.compiled import RUNNER
 
 # 3 trials out of the 4 distinct seeds the paper's sweep queues: the budget ends with a seed still waiting, so a
 # retry queued behind it would never run
-SEARCH = ["search", "tiny_cnn", "--trials", "3", "--proxy-steps", "4", "--proxy-seeds", "1", "--confirm-factor", "1",
-          "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1", "--no-progress"]
+SEARCH = ["--eager-kernels", "search", "tiny_cnn", "--trials", "3", "--proxy-steps", "4", "--proxy-seeds", "1",
+          "--confirm-factor", "1", "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1",
+          "--no-progress"]
 ONE_SEED_WARNING = "one seed per proxy"  # the only other line a search with --proxy-seeds 1 prints on stderr
 SUMMARY = re.compile(r"(\d+) trials \((\d+) complete, \d+ diverged, \d+ stopped at a rung, (\d+) failed, "
                      r"(\d+) interrupted and retried\)")
-ENV = {**os.environ, "PRECSEARCH_COMPILE": "0"}
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Finished:
 
 @pytest.fixture(scope="module", autouse=True)
 def eager_kernels():
-    """Rounding kernels run eagerly here (PRECSEARCH_COMPILE=0 in the subprocesses): these tests are about files,
+    """Rounding kernels run eagerly here (``--eager-kernels`` in the subprocesses): these tests are about files,
     and compiling costs more than the tiny proxies."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RUNNER, "enabled", False)
@@ -236,7 +236,7 @@ def _limited(limit: int):
 
 
 def _run_limited(args: list[str], limit: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "precsearch", *args], capture_output=True, text=True, env=ENV,
+    return subprocess.run([sys.executable, "-m", "precsearch", *args], capture_output=True, text=True,
                           preexec_fn=_limited(limit), timeout=300)
 
 
@@ -337,11 +337,11 @@ print(json.dumps(outcomes))
 
 def test_a_train_and_a_report_past_the_file_size_limit_say_so_in_one_line(finished, tmp_path):
     metrics, run = tmp_path / "metrics.csv", shutil.copytree(finished.out, tmp_path / "run")
-    commands = [["train", "tiny_cnn", "--steps", "2", "--eval-every", "1", "--metrics", str(metrics), "--image-size",
-                 "8", "--batch-size", "16", "--device", "cpu", "--threads", "1"],
+    commands = [["--eager-kernels", "train", "tiny_cnn", "--steps", "2", "--eval-every", "1", "--metrics", str(metrics),
+                 "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1"],
                 ["report", str(run)]]
     done = subprocess.run([sys.executable, "-c", UNDER_A_LIMIT, json.dumps(commands)], capture_output=True, text=True,
-                          env=ENV, preexec_fn=_limited(64), timeout=300)
+                          preexec_fn=_limited(64), timeout=300)
     assert done.returncode == 0, done.stderr
     (train_code, train_error), (report_code, report_error) = json.loads(done.stdout.splitlines()[-1])
     for code, error, path in ((train_code, train_error, metrics), (report_code, report_error, run / "report.png")):

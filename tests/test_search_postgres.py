@@ -78,10 +78,10 @@ def _worker(url: str, study: str, out: Path, trials: int, steps: int, heartbeat:
     (no torch.compile warm-up); one seed per proxy, so that every assignment, all-high included, is trained by
     a trial (with seeds the all-high trial copies the reference the study's creator trained). ``pause_at``:
     the setup point where the worker stops itself (precsearch.search.ledger.pause_point)."""
-    command = [sys.executable, "-m", "precsearch", "-v", "search", "tiny_cnn", "--storage", url, "--study-name",
-               study, "--out", str(out), "--trials", str(trials), "--proxy-steps", str(steps), "--heartbeat",
-               str(heartbeat), "--proxy-seeds", "1", *TINY]
-    env = {**os.environ, "PRECSEARCH_COMPILE": "0"}
+    command = [sys.executable, "-m", "precsearch", "-v", "--eager-kernels", "search", "tiny_cnn", "--storage", url,
+               "--study-name", study, "--out", str(out), "--trials", str(trials), "--proxy-steps", str(steps),
+               "--heartbeat", str(heartbeat), "--proxy-seeds", "1", *TINY]
+    env = dict(os.environ)
     if pause_at is not None:
         env[PAUSE_AT] = pause_at
     with _log(out).open("w") as log:  # a file, not a pipe that fills up while the test polls the database

@@ -23,6 +23,7 @@ from precsearch import __version__
 from precsearch.cli._arguments import read_negative_numbers
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, full_disk
+from precsearch.formats.compiled import RUNNER
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"precsearch {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--eager-kernels", action="store_true",
+                        help="run the format kernels eagerly, not compiled one by one: slower on large tensors, "
+                             "but no compile time (for tiny runs, or to chase a difference)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if module_info.name.startswith("_"):
@@ -56,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         # with EFBIG instead, which is reported in one line below. CPython ignores it at startup already; this
         # keeps it so when the CLI is entered from a host that restored the default.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    compiled_kernels, RUNNER.enabled = RUNNER.enabled, not args.eager_kernels  # a search hands it to its workers
     try:
         return int(args.func(args) or 0)
     except PrecsearchError as error:
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"precsearch {args.command}: error: {os_error_line(full)}", file=sys.stderr)
         return 2
+    finally:  # a caller in the same process keeps its own setting
+        RUNNER.enabled = compiled_kernels
 
 
 def os_error_line(error: OSError) -> str:

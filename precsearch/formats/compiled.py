@@ -2,11 +2,11 @@
 
 A ``KernelRunner`` runs a kernel compiled for tensors of at least ``min_numel`` elements on CPU and for every
 tensor on an accelerator. A kernel whose compilation fails runs eagerly from then on, that kernel alone,
-with one WARNING naming it and the reason; ``PRECSEARCH_COMPILE=0`` turns compiling off for the process's
-runner, ``RUNNER``. The kernels hold no integer constant outside int32 (Triton types scalar literals as
-int32). After the call that compiles a kernel, later calls run Inductor's code directly, without
-TorchDynamo's per-call frame evaluation (``Compiled``): a training step makes hundreds of calls, most on
-small tensors.
+with one WARNING naming it and the reason. ``RUNNER`` is the process's runner, a cache of compiled kernels like
+torch.compile's own; ``RUNNER.enabled = False`` (the CLI's ``--eager-kernels``) runs every kernel eagerly. The
+kernels hold no integer constant outside int32 (Triton types scalar literals as int32). After the call that
+compiles a kernel, later calls run Inductor's code directly, without TorchDynamo's per-call frame evaluation
+(``Compiled``): a training step makes hundreds of calls, most on small tensors.
 
 A kernel is a function of a flat float32 tensor and further tensors, with a ``label`` (``labelled``) that names
 it in warnings; precsearch.formats.kernels builds them.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import types
 from collections.abc import Callable
 
@@ -218,4 +217,4 @@ class KernelRunner:
             return kernel(flat, *args)
 
 
-RUNNER = KernelRunner(enabled=os.environ.get("PRECSEARCH_COMPILE", "1") != "0")
+RUNNER = KernelRunner()

@@ -671,10 +671,6 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
     return output, _stack(*counts, weight_counts)
 
 
-_GRAPHS: dict[tuple[Any, ...], RoundingGraph] = {}
-_WARNED_EAGER: set[tuple[str, str]] = set()  # (model, reason) of the eager steps taken instead of compiled ones
-
-
 class CompiledStep:
     """One wrapped model's use of the shared ``RoundingGraph``s: its table of rows and its graph (both found
     again after a promotion, which may change a site's code width and so the graph), a seed per step, and the
@@ -708,12 +704,12 @@ class CompiledStep:
 
 def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: TensorState,
                   options: CompileOptions) -> CompiledStep | None:
-    """The compiled step of ``graph`` under ``policy``, or None (with one WARNING a process saying why) where it
-    cannot train it."""
+    """The compiled step of ``graph`` under ``policy``, or None (with one WARNING per ``options`` saying why)
+    where it cannot train it."""
     reason = unsupported(policy, graph, state)
     if reason is not None:
-        if (graph.model_name, reason) not in _WARNED_EAGER:  # once a process: a search wraps many policies
-            _WARNED_EAGER.add((graph.model_name, reason))
+        if (graph.model_name, reason) not in options.built.warned:  # once: a search wraps many policies
+            options.built.warned.add((graph.model_name, reason))
             log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
                         graph.model_name, reason)
         return None
@@ -722,9 +718,9 @@ def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: Ten
 
 def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState,
                    options: CompileOptions) -> RoundingGraph:
-    """The process's ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per tensor kind
-    and (with ``options.saves_codes``) the code width of each row's format now, built (and its step compiled,
-    on first use) once."""
+    """The ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per tensor kind and (with
+    ``options.saves_codes``) the code width of each row's format now, built (and its step compiled, on first
+    use) once for the runs that share ``options``."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
@@ -735,9 +731,10 @@ def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState,
     per_use = tuple(sites.per_use for sites in plan.ops)
     key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, scaled, options.backend,
            per_use)
-    if key not in _GRAPHS:
-        _GRAPHS[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend)
-    return _GRAPHS[key]
+    built = options.built.graphs
+    if key not in built:
+        built[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend)
+    return built[key]
 
 
 def rows_table(state: TensorState, device: torch.device) -> torch.Tensor:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precsearch.config.compiling import CompileOptions
+from precsearch.config.compiling import DEFAULT_COMPILE, CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
 from precsearch.graph.op_rules import OP_RULES, OpRules
@@ -301,9 +301,9 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
 
     ``compile=True`` (or a ``CompileOptions``: the backend, whether saved tensors are held as codes) trains
     with the compiled step (precsearch.runtime.compiled: the rounding fused into the model's own kernels by
-    ``torch.compile``, compiled once per model structure and code widths in the process), where the policy
-    allows it (else one WARNING says why, and the step runs eagerly). Forwards without gradients (evaluation)
-    run eagerly.
+    ``torch.compile``, compiled once per model structure and code widths for the runs given the same options;
+    ``True`` is ``DEFAULT_COMPILE``, the process's), where the policy allows it (else one WARNING says why, and
+    the step runs eagerly). Forwards without gradients (evaluation) run eagerly.
     """
     if not isinstance(policy, Policy):
         raise PrecsearchError(f"apply_policy needs a precsearch Policy, got {type(policy).__name__}")
@@ -318,4 +318,4 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     verify_policy(policy, graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
                           hold_gradients=hold_gradients, round_in_place=round_in_place,
-                          compile=CompileOptions() if compile is True else compile or None)
+                          compile=DEFAULT_COMPILE if compile is True else compile or None)

@@ -85,6 +85,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, atomic_write_text, full_disk
+from precsearch.formats.compiled import RUNNER
 from precsearch.models import check_trusted
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
 from precsearch.search.confirmation import (
@@ -591,7 +592,8 @@ def _trials(study: optuna.Study, context: SearchContext, objective: Objective, c
     else:
         created = (context.model, context.space, context.data_spec, context.budget, context.seed)
         setup = WorkerSetup(created, context.settings, context.device, run.location, run.out_dir, run.trials,
-                            config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile)
+                            config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile,
+                            RUNNER.enabled)
         _optimize_workers(study, context, setup, run.gpus, run.bar)
     run.bar.close()
     if run.location.shared:

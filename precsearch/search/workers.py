@@ -23,6 +23,7 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.spaces import SearchSpace
 from precsearch.errors import PrecsearchError
 from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
+from precsearch.formats.compiled import RUNNER
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective
 from precsearch.search.reference import Reference
@@ -150,6 +151,7 @@ class WorkerSetup:
     trials: int
     threads: int
     compile: CompileOptions | None
+    compiled_kernels: bool  # the parent's ``RUNNER.enabled``
 
 
 def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> None:
@@ -160,6 +162,7 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
         device = "cuda"
     torch.set_num_threads(setup.threads)
+    RUNNER.enabled = setup.compiled_kernels
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     hold_worker_lock(setup.out_dir)
     _stop_when_orphaned(parent)
