@@ -1,5 +1,5 @@
-"""The compiled training step: rounding written into the model's FX graph as plain torch ops, compiled once per model
-structure and code widths.
+"""The compiled training step: rounding written into the model's FX graph, compiled once per model structure and
+code widths.
 
 The eager runtime (precsearch.runtime.instrument_fx and friends) rounds through per-format kernels and packs what
 autograd saves as codes, bookkeeping TorchDynamo cannot trace. Here every site of the plan
@@ -12,21 +12,25 @@ themselves:
   a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output, and the ReLU itself
   passes the gradient on: ``_ReluMaskedByItsSite``; with ``gradient_rounding: per_use``, each consumer's
   gradient of a value with several, before they are summed);
-* with ``CompileOptions.saves_codes`` (the default), a rounded weight or activation passes through its format's
-  codes (``encode_codes`` then ``decode_codes``, 1 byte up to 8 bits, 2 up to 16; exact, so the values are
-  the rounded ones), the decode marked for recomputation (``_RecomputeDecodes``): AOTAutograd's partitioner then
-  saves the codes for the backward, where the decode runs again, as the eager runtime saves packed codes; a
-  convolution or training batch norm whose backward the op rules slice (``Slicing.input_function``) and whose
-  input has codes is called through ``_ConvOfCodes`` or ``_batch_norm_of_codes``: its backward is a custom op
+* each rounding is one opaque op, ``round_site`` (precsearch.runtime.compiled_ops): one compiled pass over the
+  tensor, as the eager runtime's kernels, that writes the rounded values (or their codes) and counts what
+  overflowed. Inductor fuses the model's own ops around it; fused into them, the rounding and its counts made
+  Inductor hold the values before and after each op as float32 buffers of their own (ResNet-18 width 0.25:
+  0.61x plain fp32's peak against the eager step's 0.38x);
+* with ``CompileOptions.saves_codes`` (the default), a rounded weight or activation leaves its site as its
+  format's codes (1 byte up to 8 bits, 2 up to 16), decoded (``decode_codes``, exact) for the forward's use,
+  the decode marked for recomputation (``_RecomputeDecodes``): AOTAutograd's partitioner then saves the codes
+  for the backward, where the decode runs again, as the eager runtime saves packed codes; a convolution or
+  training batch norm whose backward the op rules slice (``Slicing.input_function``) and whose input has codes
+  is called through ``_ConvOfCodes`` or ``_batch_norm_of_codes``: its backward is an opaque op
   (``conv_backward_of_codes``, ``batch_norm_backward_of_codes``) that runs the eager runtime's sliced backward
-  (precsearch.runtime.sliced) over the codes, a slice at a time, opaque to Inductor (which would decode the
-  whole input and fuse the decodes of neighbouring layers into kernels that hold them all at once);
+  (precsearch.runtime.sliced) over the codes, a slice at a time;
 * a scaled format (precsearch.formats.scaled: a power-of-two scale per tensor or per row, from this step's
-  amax) is rounded as ``quantize_scaled`` rounds it, the amax reduction traced with the rounding; its codes
-  are the element's codes of the scaled-down values, saved with the scales (float32, a few per tensor) and
-  decoded times them; the sites' scaled formats are part of the graph (``precsearch_scaled``, by name), so an
-  assignment that scales other rows compiles its own graph. MX block scales and delayed scaling (an amax
-  history carried across steps) train eagerly;
+  amax) is rounded as ``quantize_scaled`` rounds it, traced, so that Inductor fuses the amax reduction with the
+  rounding; its codes are the element's codes of the scaled-down values, saved with the scales (float32, a few
+  per tensor) and decoded times them; the sites' scaled formats are part of the graph (``precsearch_scaled``, by
+  name), so an assignment that scales other rows compiles its own graph. MX block scales and delayed scaling
+  (an amax history carried across steps) train eagerly;
 * overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable": inf or
   NaN in a format without them; the step is then skipped, as eagerly, but the compiled forward goes on with the
   code's value, the format's largest magnitude, so batch-norm running statistics stay finite), leave the graph
@@ -37,23 +41,21 @@ themselves:
 ``RoundingGraph`` is built, and compiled (``torch.compile(fullgraph=True)``), once per traced structure, the
 roundings of its tensor kinds (constants of the graph: nearest rounding computes no hash) and the code width of
 each weight and activation row (a dtype is a constant of a graph), and shared by every model of that structure
-in the process: trials change only the table and the parameters (passed through ``functional_call``). A
-promotion is a row update, and a new graph where it widens a code (compiled on its first step). A search's
-proxies save float32 (``saves_codes=False``), so that one graph serves every assignment and a search compiles
-its step once per worker.
+trained with the same ``CompileOptions`` (``options.built``): trials change only the table and the parameters
+(passed through ``functional_call``). A promotion is a row update, and a new graph where it widens a code
+(compiled on its first step). A search's proxies save float32 (``saves_codes=False``), so that one graph serves
+every assignment and a search compiles its step once per worker.
 
-What the compiled step does not do: hold the eager forward's memory (Inductor's fused forward kernels write
-several float32 buffers of an activation's size at once, so its peak stays above the eager runtime's:
-benchmarks/results/bench_memory.md); gather underflow statistics (a step that gathers them, every
+What the compiled step does not do: gather underflow statistics (a step that gathers them, every
 ``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``), chunked accumulation, adaptive
 per-layer loss scaling, nearest rounding to a format without a mantissa bit and models whose own forward FX cannot
 trace, which train eagerly (a submodule FX cannot trace is one op of the graph, ``TensorGraph.opaque_modules``:
 the step compiles around it, TorchDynamo's graph broken there). Its stochastic rounding draws from the same hash
-with other seeds (per site and step, not per call). With ``backend="aot_eager"`` the graph runs the eager
-runtime's float32 ops in the same order and trains bit for bit as it does with nearest rounding (its partitioner
-ignores the recomputation marks and saves float32); Inductor sums some float32 reductions (batch norm) in another
-order, so its values differ in the last bits, and where that flips an 8-bit rounding, by an ulp of the format
-(tests/test_compiled_step.py states both).
+with other seeds (per site and step, not per call; the elements in memory order). With ``backend="aot_eager"``
+the graph runs the eager runtime's float32 ops in the same order and trains bit for bit as it does with nearest
+rounding (its partitioner ignores the recomputation marks and saves float32); Inductor sums some float32
+reductions (batch norm) in another order, so its values differ in the last bits, and where that flips an 8-bit
+rounding, by an ulp of the format (tests/test_compiled_step.py states both).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ import functools
 import logging
 import operator
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -84,14 +86,12 @@ from precsearch.formats.as_data import (
     format_row,
     nearest_in_floats,
     round_nearest,
-    round_with,
 )
-from precsearch.formats.compiled import RUNNER, labelled
 from precsearch.formats.scaled import ScaledFormat, expand_scales, scaled_values
 from precsearch.graph.types import TensorGraph
-from precsearch.runtime.packing import Stored, batch_passes
+from precsearch.runtime.compiled_ops import batch_norm_backward_of_codes, conv_backward_of_codes, round_site
 from precsearch.runtime.sites import SitePlan
-from precsearch.runtime.sliced import ConvGeometry, Slicing, batch_norm_backward_in_slices, conv_backward_in_slices
+from precsearch.runtime.sliced import ConvGeometry, Slicing
 from precsearch.runtime.state import TensorState
 
 __all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "unsupported"]
@@ -168,22 +168,28 @@ class _Round(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
                 site: Site, formats: dict[str, ScaledFormat]) -> Any:
         ctx.site, ctx.formats = site, formats
-        row = rows[site.act]
-        values, scales, overflowed = _values_and_scales(x, row, seed + (2 * site.index) * SEED_STRIDE,
-                                                        site.rounding[0], formats.get(site.scaled[0]))
-        rounded = values if scales is None else values * scales
-        unencodable = torch.zeros_like(overflowed)
-        codes = ()
+        row, scaled = rows[site.act], formats.get(site.scaled[0])
+        if scaled is None:  # one opaque pass: the rounded values, or their codes (``round_site``)
+            values, counted = round_site(x, row, seed + (2 * site.index) * SEED_STRIDE, site.rounding[0], site.code)
+            scales = None
+        else:  # traced, so that Inductor fuses the amax reduction with the rounding
+            values, scales, overflowed = _scaled_rounding(x, row, scaled)
+            unencodable = torch.zeros_like(overflowed)
+            if site.code is not None:
+                values, unencodable = encode_codes(values, row, site.code)
+            counted = torch.stack([overflowed.to(torch.int32), unencodable.to(torch.int32)])
+        rounded, codes = values, ()
         if site.code is not None:  # the partitioner saves these codes (and scales) for the backward, which decodes
-            code, unencodable = encode_codes(values, row, site.code)
             with torch.fx.traceback.annotate(DECODE):
-                rounded = decode_codes(code, row, site.code)
+                rounded = decode_codes(values, row, site.code)
                 if scales is not None:
                     rounded = rounded * scales
-            codes = (code,) if scales is None else (code, scales)
+            codes = (values,) if scales is None else (values, scales)
+        elif scales is not None:
+            rounded = values * scales
         ctx.save_for_backward(rows, seed, *([rounded] if site.relu_output else []))
         # [overflowed, unencodable], float64 of 2 elements (Dynamo specializes no value of a 0-d tensor)
-        counts = torch.stack([overflowed, unencodable.to(overflowed.dtype)]).to(torch.float64)
+        counts = counted.to(torch.float64)
         ctx.mark_non_differentiable(counts, *codes)
         return rounded, counts, *codes
 
@@ -221,19 +227,13 @@ def _relu_masked_by_its_site(x: torch.Tensor) -> torch.Tensor:
 
 def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
              scaled: ScaledFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``) and its overflow count."""
-    values, scales, overflowed = _values_and_scales(x, row, seed, rounding, scaled)
-    return (values if scales is None else values * scales), overflowed
-
-
-def _values_and_scales(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
-                       scaled: ScaledFormat | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``x`` rounded by ``row``, divided by its scales where ``scaled`` (else None), and its overflow count;
-    nearest rounding in float32 arithmetic (``unsupported`` keeps formats it does not serve out)."""
-    if scaled is not None:
-        return _scaled_rounding(x, row, scaled)
-    values, overflowed = round_nearest(x, row) if rounding == "nearest" else round_with(x, row, seed, rounding)
-    return values, None, overflowed
+    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``) and its overflow count: in one opaque pass
+    (``round_site``), or traced where scaled."""
+    if scaled is None:
+        values, counted = round_site(x, row, seed, rounding, None)
+        return values, counted[0]
+    values, scales, overflowed = _scaled_rounding(x, row, scaled)
+    return values * scales, overflowed
 
 
 def _scaled_rounding(x: torch.Tensor, row: torch.Tensor,
@@ -296,92 +296,6 @@ def _stack(*counts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([count for group in counts for count in group])
 
 
-def _decode_bytes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    return decode_codes(flat, row, 1)
-
-
-def _decode_byte_planes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    return decode_codes(flat.view(2, -1), row, 2)
-
-
-# one fused pass each, for any format (its row) and length, as the eager runtime's own decoders
-_DECODERS = {1: labelled("decode codes", _decode_bytes), 2: labelled("decode byte planes", _decode_byte_planes)}
-
-
-class _CodesInSlices:
-    """A site's codes in a compiled step's backward, decoded a slice at a time by the sliced backwards
-    (precsearch.runtime.sliced.Slices), as the eager runtime decodes its packed codes: each slice in one
-    compiled pass (``_DECODERS``), not the dozen whole-slice temporaries of ``decode_codes`` run eagerly; a
-    scaled site's values times their ``scales`` (one per tensor, or per row: per sample)."""
-
-    def __init__(self, codes: torch.Tensor, row: torch.Tensor, nbytes: int, scales: torch.Tensor | None) -> None:
-        self.codes, self.row, self.nbytes, self.scales = codes, row, nbytes, scales
-        self.shape = codes.shape if nbytes == 1 else codes.shape[1:]  # 2 bytes: the byte planes stacked first
-
-    def slicer(self, dim: int = 0) -> Callable[[int, int], torch.Tensor]:
-        axis = dim + (self.nbytes != 1)
-        scales = self.scales
-
-        def decode(start: int, length: int) -> torch.Tensor:
-            part = self.codes.narrow(axis, start, length)
-            values = RUNNER.run(_DECODERS[self.nbytes], part.reshape(-1), self.row).view(part.shape[axis - dim:])
-            if scales is None:
-                return values
-            return values * (scales.narrow(0, start, length) if dim == 0 and scales.dim() else scales)
-
-        return decode
-
-    def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
-        return batch_passes(self.slicer(), self.shape[0], rows)
-
-
-def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """A custom op returns tensors: an empty one for a gradient not asked for."""
-    return like.new_empty(0) if grad is None else grad.contiguous()
-
-
-@torch.library.custom_op("precsearch::conv_backward_of_codes", mutates_args=())
-def conv_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
-                           weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
-                           groups: int, nbytes: int, rows: int, channels: int, need_input: bool,
-                           need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A convolution's input and weight gradients from its input's codes, a slice at a time
-    (precsearch.runtime.sliced.conv_backward_in_slices): opaque to Inductor, which would otherwise decode the
-    whole input, and fuse its decoding with its neighbours' into kernels that hold them all at once."""
-    slices = _CodesInSlices(codes, row, nbytes, scales)
-    grads = conv_backward_in_slices(grad_out, slices, Stored(weight), ConvGeometry(stride, padding, dilation, groups),
-                                    slices.shape, weight.shape, rows, channels, need_input, need_weight)
-    return _or_empty(grads[0], grad_out), _or_empty(grads[1], grad_out)
-
-
-@conv_backward_of_codes.register_fake
-def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor, weight: torch.Tensor,
-      stride: list[int], padding: list[int], dilation: list[int], groups: int, nbytes: int, rows: int, channels: int,
-      need_input: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = codes.shape if nbytes == 1 else codes.shape[1:]
-    return grad_out.new_empty(shape if need_input else (0,)), grad_out.new_empty(weight.shape if need_weight else (0,))
-
-
-@torch.library.custom_op("precsearch::batch_norm_backward_of_codes", mutates_args=())
-def batch_norm_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
-                                 row: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
-                                 invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
-                                 need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A training batch norm's gradients from its input's codes, a slice at a time
-    (precsearch.runtime.sliced.batch_norm_backward_in_slices), opaque to Inductor as ``conv_backward_of_codes``."""
-    grads = batch_norm_backward_in_slices(grad_out, _CodesInSlices(codes, row, nbytes, scales), weight, mean, invstd,
-                                          eps, rows, need)
-    return tuple(_or_empty(grad, grad_out) for grad in grads)  # type: ignore[return-value]
-
-
-@batch_norm_backward_of_codes.register_fake
-def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
-      weight: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
-      need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    shapes = (grad_out.shape, mean.shape, mean.shape)
-    return tuple(grad_out.new_empty(shape if wanted else (0,)) for shape, wanted in zip(shapes, need, strict=True))
-
-
 class _ConvOfCodes(torch.autograd.Function):
     """A convolution of a site's rounded values that saves their codes (and its weight) for a backward that
     decodes them a slice at a time: ``conv_backward_of_codes``."""
@@ -401,7 +315,7 @@ class _ConvOfCodes(torch.autograd.Function):
         codes, row, weight, *scales = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         geometry = ctx.geometry
-        grad_input, grad_weight = torch.ops.precsearch.conv_backward_of_codes(
+        grad_input, grad_weight = conv_backward_of_codes(
             grad_out, codes, scales[0] if scales else None, row, weight, list(geometry.stride),
             list(geometry.padding), list(geometry.dilation), geometry.groups, ctx.nbytes, ctx.rows, ctx.channels,
             need_input, need_weight)
@@ -430,7 +344,7 @@ class _BatchNormGradOfCodes(torch.autograd.Function):
         weight = optional.pop(0) if ctx.affine else None
         scales = optional.pop(0) if ctx.scaled else None
         need = list(ctx.needs_input_grad[1:4])
-        grads = torch.ops.precsearch.batch_norm_backward_of_codes(
+        grads = batch_norm_backward_of_codes(
             grad_out, codes, scales, row, weight, mean, invstd, ctx.eps, ctx.nbytes, ctx.rows, need)
         return None, *(grad if wanted else None for grad, wanted in zip(grads, need, strict=True)), *[None] * 8
 

@@ -1,0 +1,167 @@
+"""The compiled step's opaque ops (precsearch.runtime.compiled): each runs outside Inductor's fusion, where fusing
+would hold more memory than the eager runtime holds.
+
+* ``round_site``: a site's rounding (and its codes) in one compiled pass, the format a row of data
+  (precsearch.formats.as_data);
+* ``conv_backward_of_codes`` and ``batch_norm_backward_of_codes``: a convolution's and a training batch norm's
+  backward over its input's codes, decoded a slice at a time (precsearch.runtime.sliced), as the eager runtime
+  decodes its packed codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from precsearch.formats.as_data import decode_codes, encode_codes, round_nearest, round_with
+from precsearch.formats.compiled import RUNNER, labelled
+from precsearch.formats.format import ROUNDINGS
+from precsearch.runtime.packing import Stored, batch_passes
+from precsearch.runtime.sliced import ConvGeometry, batch_norm_backward_in_slices, conv_backward_in_slices
+
+__all__ = ["batch_norm_backward_of_codes", "conv_backward_of_codes", "round_site"]
+
+
+def _decode_bytes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return decode_codes(flat, row, 1)
+
+
+def _decode_byte_planes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return decode_codes(flat.view(2, -1), row, 2)
+
+
+# one fused pass each, for any format (its row) and length, as the eager runtime's own decoders
+_DECODERS = {1: labelled("decode codes", _decode_bytes), 2: labelled("decode byte planes", _decode_byte_planes)}
+
+
+class _CodesInSlices:
+    """A site's codes in a compiled step's backward, decoded a slice at a time by the sliced backwards
+    (precsearch.runtime.sliced.Slices), as the eager runtime decodes its packed codes: each slice in one
+    compiled pass (``_DECODERS``), not the dozen whole-slice temporaries of ``decode_codes`` run eagerly; a
+    scaled site's values times their ``scales`` (one per tensor, or per row: per sample)."""
+
+    def __init__(self, codes: torch.Tensor, row: torch.Tensor, nbytes: int, scales: torch.Tensor | None) -> None:
+        self.codes, self.row, self.nbytes, self.scales = codes, row, nbytes, scales
+        self.shape = codes.shape if nbytes == 1 else codes.shape[1:]  # 2 bytes: the byte planes stacked first
+
+    def slicer(self, dim: int = 0) -> Callable[[int, int], torch.Tensor]:
+        axis = dim + (self.nbytes != 1)
+        scales = self.scales
+
+        def decode(start: int, length: int) -> torch.Tensor:
+            part = self.codes.narrow(axis, start, length)
+            values = RUNNER.run(_DECODERS[self.nbytes], part.reshape(-1), self.row).view(part.shape[axis - dim:])
+            if scales is None:
+                return values
+            return values * (scales.narrow(0, start, length) if dim == 0 and scales.dim() else scales)
+
+        return decode
+
+    def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
+        return batch_passes(self.slicer(), self.shape[0], rows)
+
+
+def _site_kernel(rounding: str, nbytes: int | None):
+    """One pass over a flat tensor: its values rounded by ``row`` (``rounding`` a constant), or (``nbytes``)
+    their codes; and [values that overflowed, values the format has no code for] (int32)."""
+
+    def round_site(flat: torch.Tensor, row: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if rounding == "nearest":
+            values, overflowed = round_nearest(flat, row)
+        else:
+            values, overflowed = round_with(flat, row, seed, rounding)
+        unencodable = torch.zeros_like(overflowed)
+        if nbytes is not None:
+            values, unencodable = encode_codes(values, row, nbytes)
+        return values, torch.stack([overflowed.to(torch.int32), unencodable.to(torch.int32)])
+
+    what = "rounded" if nbytes is None else f"rounded to {nbytes}-byte codes"
+    return labelled(f"site {what} ({rounding})", round_site)
+
+
+_SITE_KERNELS = {(rounding, nbytes): _site_kernel(rounding, nbytes)
+                 for rounding in ROUNDINGS for nbytes in (None, 1, 2)}
+
+
+def _memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x`` as a flat tensor in its memory's order (Inductor lays activations out channels last) and the strides
+    that lay a result of that order out as ``x`` is: no copy of a dense tensor."""
+    if not torch._prims_common.is_non_overlapping_and_dense_or_false(x):
+        x = x.contiguous()
+    return x.as_strided((x.numel(),), (1,)), x.stride()
+
+
+def _laid_out(x: torch.Tensor, nbytes: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape and strides of ``round_site``'s first result for ``x``: ``x``'s, byte planes stacked first."""
+    stride = x.stride() if torch._prims_common.is_non_overlapping_and_dense_or_false(x) else \
+        torch._prims_common.make_contiguous_strides_for(x.shape)
+    return (tuple(x.shape), tuple(stride)) if nbytes != 2 else ((2, *x.shape), (x.numel(), *stride))
+
+
+@torch.library.custom_op("precsearch::round_site", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def round_site(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
+               nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A site's rounding in one pass, as the eager runtime's kernels round: ``x`` rounded by ``row`` (float32)
+    or, with ``nbytes``, the codes of the rounded values (uint8; 2 bytes: byte planes stacked first); and its
+    [overflowed, unencodable] counts. Opaque to Inductor: fused with the model's own kernels, the counts made it
+    write the rounded values, and the values before and after each op, as float32 buffers of their own."""
+    flat, stride = _memory_order(x)
+    values, counts = RUNNER.run(_SITE_KERNELS[rounding, nbytes], flat, row, seed)
+    shape, stride = _laid_out(x, nbytes)
+    return values.as_strided(shape, stride), counts
+
+
+@round_site.register_fake
+def _(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
+      nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    shape, stride = _laid_out(x, nbytes)
+    return (x.new_empty_strided(shape, stride, dtype=torch.float32 if nbytes is None else torch.uint8),
+            x.new_empty(2, dtype=torch.int32))
+
+
+def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A custom op returns tensors: an empty one for a gradient not asked for."""
+    return like.new_empty(0) if grad is None else grad.contiguous()
+
+
+@torch.library.custom_op("precsearch::conv_backward_of_codes", mutates_args=())
+def conv_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
+                           weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
+                           groups: int, nbytes: int, rows: int, channels: int, need_input: bool,
+                           need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A convolution's input and weight gradients from its input's codes, a slice at a time
+    (precsearch.runtime.sliced.conv_backward_in_slices): opaque to Inductor, which would otherwise decode the
+    whole input, and fuse its decoding with its neighbours' into kernels that hold them all at once."""
+    slices = _CodesInSlices(codes, row, nbytes, scales)
+    grads = conv_backward_in_slices(grad_out, slices, Stored(weight), ConvGeometry(stride, padding, dilation, groups),
+                                    slices.shape, weight.shape, rows, channels, need_input, need_weight)
+    return _or_empty(grads[0], grad_out), _or_empty(grads[1], grad_out)
+
+
+@conv_backward_of_codes.register_fake
+def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor, weight: torch.Tensor,
+      stride: list[int], padding: list[int], dilation: list[int], groups: int, nbytes: int, rows: int, channels: int,
+      need_input: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = codes.shape if nbytes == 1 else codes.shape[1:]
+    return grad_out.new_empty(shape if need_input else (0,)), grad_out.new_empty(weight.shape if need_weight else (0,))
+
+
+@torch.library.custom_op("precsearch::batch_norm_backward_of_codes", mutates_args=())
+def batch_norm_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
+                                 row: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+                                 invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
+                                 need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A training batch norm's gradients from its input's codes, a slice at a time
+    (precsearch.runtime.sliced.batch_norm_backward_in_slices), opaque to Inductor as ``conv_backward_of_codes``."""
+    grads = batch_norm_backward_in_slices(grad_out, _CodesInSlices(codes, row, nbytes, scales), weight, mean, invstd,
+                                          eps, rows, need)
+    return tuple(_or_empty(grad, grad_out) for grad in grads)  # type: ignore[return-value]
+
+
+@batch_norm_backward_of_codes.register_fake
+def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
+      weight: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
+      need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shapes = (grad_out.shape, mean.shape, mean.shape)
+    return tuple(grad_out.new_empty(shape if wanted else (0,)) for shape, wanted in zip(shapes, need, strict=True))
