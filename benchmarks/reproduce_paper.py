@@ -38,7 +38,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
 from precsearch.config.spec import ProxyConfig
 from precsearch.cost.measured import measure_peak, sgd_step
-from precsearch.formats.compiled import RUNNER
+from precsearch.formats.runner import RUNNER
 from precsearch.runtime.model import apply_policy
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.strategies import ACCEPTANCE_WINDOW, baseline_policies, sweep

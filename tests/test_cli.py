@@ -45,7 +45,7 @@ def test_eager_kernels_hold_for_the_command_alone(monkeypatch, flag):
     """``--eager-kernels`` is read by the kernels' runner while the command runs (a search hands it to its
     workers with the rest of their setup), and the caller's own setting is back afterwards."""
     import precsearch.cli.formats as formats_command
-    from precsearch.formats.compiled import RUNNER
+    from precsearch.formats.runner import RUNNER
 
     seen = []
     monkeypatch.setattr(formats_command, "run", lambda args: seen.append(RUNNER.enabled) or 0)

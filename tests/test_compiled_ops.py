@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from precsearch.formats.as_data import format_row
-from precsearch.formats.compiled import COMPILE_MIN_NUMEL
+from precsearch.formats.runner import COMPILE_MIN_NUMEL
 from precsearch.runtime.compiled_ops import round_site
 
 CASTS = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "bf16": torch.bfloat16}
@@ -60,7 +60,7 @@ def test_round_site_rounds_encodes_and_counts_as_torch_casts(name: str, layout: 
 
 def test_round_site_is_one_compiled_pass_at_the_size_a_step_compiles() -> None:
     """At the size the runner compiles (``COMPILE_MIN_NUMEL``), the compiled kernel gives the eager one's bits."""
-    from precsearch.formats.compiled import RUNNER
+    from precsearch.formats.runner import RUNNER
 
     x = torch.randn(COMPILE_MIN_NUMEL * 2) * 1e3
     row, seed = format_row("fp8_e5m2", "stochastic"), torch.tensor(7)

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from precsearch.cost.policies import policy_from_assignment
-from precsearch.formats.compiled import RUNNER
 from precsearch.formats.format import get_format
 from precsearch.formats.kernels import decode, encode, quantize, round_and_count
+from precsearch.formats.runner import RUNNER
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.model import apply_policy

@@ -30,7 +30,7 @@ from optuna.storages.journal._storage import JournalOperation
 from precsearch.cli import main
 from precsearch.cli.search import summarize
 from precsearch.files import TEMP_SUFFIX
-from precsearch.formats.compiled import RUNNER
+from precsearch.formats.runner import RUNNER
 
 # 3 trials out of the 4 distinct seeds the paper's sweep queues: the budget ends with a seed still waiting, so a
 # retry queued behind it would never run

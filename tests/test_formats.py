@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from precsearch.errors import PrecsearchError
 from precsearch.formats import kernels
-from precsearch.formats.compiled import COMPILE_MIN_NUMEL, RUNNER, Compiled, KernelRunner, labelled
 from precsearch.formats.format import NAMED_FORMATS, get_format, spec_name
 from precsearch.formats.kernels import decode, encode, quantize, stats, storage_dtype
+from precsearch.formats.runner import COMPILE_MIN_NUMEL, RUNNER, Compiled, KernelRunner, labelled
 
 # ------------------------------------------------------------------------------------------ test values
 
@@ -344,7 +344,7 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
                                            kernels._float_bits(kernels.overflow_threshold(get_format("e5m2"),
                                                                                           "stochastic")), True)
     seed = torch.tensor(11)
-    with caplog.at_level("WARNING", logger="precsearch.formats.compiled"):
+    with caplog.at_level("WARNING", logger="precsearch.formats.runner"):
         fn(torch.randn(5000), seed)
     compiled = RUNNER.compiled(kernel)
     (_, (inductors_own, _aot_entry)), = compiled._captured
@@ -405,7 +405,7 @@ def _wrong(call):
 def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_warning(caplog):
     """A compiled kernel whose Inductor code, called directly, does not reproduce Dynamo's result keeps going
     through Dynamo (simulated: the captured code returns wrong values), with one WARNING naming it."""
-    with caplog.at_level("WARNING", logger="precsearch.formats.compiled"):
+    with caplog.at_level("WARNING", logger="precsearch.formats.runner"):
         compiled, results = _doubling_kernel_with_direct_calls(lambda own, entry: [_wrong(own), _wrong(entry)])
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "test kernel" in warnings[0] and "another result" in warnings[0]
@@ -416,7 +416,7 @@ def test_a_kernel_whose_direct_call_disagrees_stays_on_dynamos_path_with_one_war
 def test_a_kernel_whose_generated_code_disagrees_is_called_through_aotautograd_with_one_warning(caplog):
     """Inductor's own code that does not reproduce Dynamo's result (simulated) leaves AOTAutograd's entry as the
     direct call, with one WARNING naming the kernel: no silent step down."""
-    with caplog.at_level("WARNING", logger="precsearch.formats.compiled"):
+    with caplog.at_level("WARNING", logger="precsearch.formats.runner"):
         compiled, results = _doubling_kernel_with_direct_calls(lambda own, entry: [_wrong(own), entry])
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "test kernel" in warnings[0] and "AOTAutograd" in warnings[0]
@@ -443,7 +443,7 @@ def test_a_kernel_that_fails_to_compile_runs_eagerly_alone_with_one_warning(capl
                       for spec in ("e5m2s", "e4m3b4s"))
     x = torch.randn(COMPILE_MIN_NUMEL) * 1000
     seed = torch.tensor(0)
-    with caplog.at_level("WARNING", logger="precsearch.formats.compiled"):
+    with caplog.at_level("WARNING", logger="precsearch.formats.runner"):
         for _ in range(3):
             broken = runner.run(e5m2s, x, seed)
             runner.run(e4m3b4s, x, seed)

@@ -26,7 +26,7 @@ import pytest
 from optuna.storages.journal._storage import JournalOperation
 
 from precsearch.cli import main
-from precsearch.formats.compiled import RUNNER
+from precsearch.formats.runner import RUNNER
 from precsearch.search.rundir import LOCK_FILES
 from precsearch.search.storage import CHECKSUM, JournalFile
 

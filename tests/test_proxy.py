@@ -28,7 +28,7 @@ from precsearch.train.proxy import (
     train_policy,
 )
 
-# Small batches keep every rounded tensor below the size at which precsearch.formats.compiled compiles its kernel.
+# Small batches keep every rounded tensor below the size at which precsearch.formats.runner compiles its kernel.
 CONFIG = ProxyConfig(steps=6, batch_size=16, image_size=8, lr=0.1, eval_batch_size=64)
 SPACE = paper_space(proxy={"steps": 6, "batch_size": 16, "image_size": 8, "lr": 0.1, "eval_batch_size": 64})
 

@@ -22,7 +22,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import sgd_step
 from precsearch.cost.policies import policy_from_assignment
-from precsearch.formats.compiled import RUNNER
+from precsearch.formats.runner import RUNNER
 from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import grad_id

@@ -23,7 +23,7 @@ from precsearch import __version__
 from precsearch.cli._arguments import read_negative_numbers
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, full_disk
-from precsearch.formats.compiled import RUNNER
+from precsearch.formats.runner import RUNNER
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ the two neighbours, rounding up with probability proportional to the distance fr
 a counter-based hash of the element index and a seed drawn from a ``torch.Generator``, so results are
 reproducible and need no large random tensor.
 
-Each kernel is one pass over the tensor, compiled by precsearch.formats.compiled's ``RUNNER``.
+Each kernel is one pass over the tensor, compiled by precsearch.formats.runner's ``RUNNER``.
 
 ``round_and_count`` is the runtime's one pass over a tensor: the rounded values, the count of values that
 overflow the format, and optionally the format's codes of the result (for packed storage), all on the device,
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats.compiled import INT32_LENGTHS, RUNNER, labelled
 from precsearch.formats.format import OVERFLOWS, ROUNDINGS, FloatFormat, get_format
+from precsearch.formats.runner import INT32_LENGTHS, RUNNER, labelled
 
 __all__ = [
     "decode",

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from precsearch.formats.as_data import decode_codes, encode_codes, round_nearest, round_with
-from precsearch.formats.compiled import RUNNER, labelled
 from precsearch.formats.format import ROUNDINGS
+from precsearch.formats.runner import RUNNER, labelled
 from precsearch.runtime.packing import Stored, batch_passes
 from precsearch.runtime.sliced import ConvGeometry, batch_norm_backward_in_slices, conv_backward_in_slices
 

@@ -85,7 +85,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, atomic_write_text, full_disk
-from precsearch.formats.compiled import RUNNER
+from precsearch.formats.runner import RUNNER
 from precsearch.models import check_trusted
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
 from precsearch.search.confirmation import (

@@ -23,7 +23,7 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.spaces import SearchSpace
 from precsearch.errors import PrecsearchError
 from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
-from precsearch.formats.compiled import RUNNER
+from precsearch.formats.runner import RUNNER
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective
 from precsearch.search.reference import Reference
