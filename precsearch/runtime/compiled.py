@@ -82,14 +82,17 @@ from precsearch.config.spec import GRAD_KINDS, WEIGHT
 from precsearch.formats.as_data import (
     code_bytes,
     decode_codes,
-    encode_codes,
     format_row,
     nearest_in_floats,
-    round_nearest,
 )
-from precsearch.formats.scaled import ScaledFormat, expand_scales, scaled_values
+from precsearch.formats.scaled import ScaledFormat, expand_scales
 from precsearch.graph.types import TensorGraph
-from precsearch.runtime.compiled_ops import batch_norm_backward_of_codes, conv_backward_of_codes, round_site
+from precsearch.runtime.compiled_ops import (
+    batch_norm_backward_of_codes,
+    conv_backward_of_codes,
+    round_scaled_site,
+    round_site,
+)
 from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.sliced import ConvGeometry, Slicing
 from precsearch.runtime.state import TensorState
@@ -168,16 +171,13 @@ class _Round(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
                 site: Site, formats: dict[str, ScaledFormat]) -> Any:
         ctx.site, ctx.formats = site, formats
-        row, scaled = rows[site.act], formats.get(site.scaled[0])
-        if scaled is None:  # one opaque pass: the rounded values, or their codes (``round_site``)
+        row, scaled = rows[site.act], site.scaled[0]
+        if scaled is None:  # one opaque pass: the rounded values, or their codes
             values, counted = round_site(x, row, seed + (2 * site.index) * SEED_STRIDE, site.rounding[0], site.code)
             scales = None
-        else:  # traced, so that Inductor fuses the amax reduction with the rounding
-            values, scales, overflowed = _scaled_rounding(x, row, scaled)
-            unencodable = torch.zeros_like(overflowed)
-            if site.code is not None:
-                values, unencodable = encode_codes(values, row, site.code)
-            counted = torch.stack([overflowed.to(torch.int32), unencodable.to(torch.int32)])
+        else:
+            values, scales, counted = round_scaled_site(x, row, scaled, site.code)
+            scales = expand_scales(scales, formats[scaled], x.shape)
         rounded, codes = values, ()
         if site.code is not None:  # the partitioner saves these codes (and scales) for the backward, which decodes
             with torch.fx.traceback.annotate(DECODE):
@@ -227,26 +227,13 @@ def _relu_masked_by_its_site(x: torch.Tensor) -> torch.Tensor:
 
 def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
              scaled: ScaledFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``) and its overflow count: in one opaque pass
-    (``round_site``), or traced where scaled."""
+    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``) and its overflow count, in one opaque
+    op."""
     if scaled is None:
         values, counted = round_site(x, row, seed, rounding, None)
         return values, counted[0]
-    values, scales, overflowed = _scaled_rounding(x, row, scaled)
-    return values * scales, overflowed
-
-
-def _scaled_rounding(x: torch.Tensor, row: torch.Tensor,
-                     scaled: ScaledFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` rounded to a scaled format (current scaling, nearest) as ``quantize_scaled`` rounds it: the rounded
-    values divided by their scales (shaped as ``x``), the scales (broadcasting over ``x``) and the overflow
-    count (an inf input stays inf: no overflow, as ``quantize_scaled`` counts); the amax reduction traced with
-    the rounding, so that Inductor fuses them."""
-    scaled_x, scales = scaled_values(x, scaled)
-    values, overflowed = round_nearest(scaled_x, row)
-    if scaled.element.has_inf:
-        overflowed = overflowed - scaled_x.isinf().sum(dtype=overflowed.dtype)
-    return values, expand_scales(scales, scaled, x.shape), overflowed
+    values, scales, counted = round_scaled_site(x, row, scaled.name, None)
+    return values * expand_scales(scales, scaled, x.shape), counted[0]
 
 
 class _RoundGradient(torch.autograd.Function):

@@ -2,7 +2,7 @@
 would hold more memory than the eager runtime holds.
 
 * ``round_site``: a site's rounding (and its codes) in one compiled pass, the format a row of data
-  (precsearch.formats.as_data);
+  (precsearch.formats.as_data); ``round_scaled_site`` the same for a scaled format (precsearch.formats.scaled);
 * ``conv_backward_of_codes`` and ``batch_norm_backward_of_codes``: a convolution's and a training batch norm's
   backward over its input's codes, decoded a slice at a time (precsearch.runtime.sliced), as the eager runtime
   decodes its packed codes.
@@ -10,6 +10,7 @@ would hold more memory than the eager runtime holds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -17,10 +18,11 @@ import torch
 from precsearch.formats.as_data import decode_codes, encode_codes, round_nearest, round_with
 from precsearch.formats.format import ROUNDINGS
 from precsearch.formats.runner import RUNNER, labelled
+from precsearch.formats.scaled import ScaledFormat, get_scaled_format, scaled_values
 from precsearch.runtime.packing import Stored, batch_passes
 from precsearch.runtime.sliced import ConvGeometry, batch_norm_backward_in_slices, conv_backward_in_slices
 
-__all__ = ["batch_norm_backward_of_codes", "conv_backward_of_codes", "round_site"]
+__all__ = ["batch_norm_backward_of_codes", "conv_backward_of_codes", "round_scaled_site", "round_site"]
 
 
 def _decode_bytes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -118,6 +120,64 @@ def _(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
     shape, stride = _laid_out(x, nbytes)
     return (x.new_empty_strided(shape, stride, dtype=torch.float32 if nbytes is None else torch.uint8),
             x.new_empty(2, dtype=torch.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_site_kernel(name: str, nbytes: int | None, rows: int):
+    """``round_site`` for a scaled format (current scaling, nearest) over a flat tensor of ``rows`` groups in
+    memory order: the amax per group, the scales, the values divided by them and rounded (or their codes),
+    the scales, and the counts (an inf input stays inf in an element with inf: no overflow, as
+    ``quantize_scaled`` counts), as ``scaled_values`` and ``quantize_scaled`` compute them."""
+    fmt = get_scaled_format(name)
+
+    def round_scaled_site(flat: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        scaled, scales = scaled_values(flat.view(rows, -1), fmt)
+        values, overflowed = round_nearest(scaled, row)
+        if fmt.element.has_inf:
+            overflowed = overflowed - scaled.isinf().sum(dtype=overflowed.dtype)
+        unencodable = torch.zeros_like(overflowed)
+        if nbytes is not None:
+            values, unencodable = encode_codes(values, row, nbytes)
+        counts = torch.stack([overflowed.to(torch.int32), unencodable.to(torch.int32)])
+        return values.reshape(-1) if nbytes != 2 else values.reshape(2, -1), scales.reshape(-1), counts
+
+    what = "rounded" if nbytes is None else f"rounded to {nbytes}-byte codes"
+    return labelled(f"scaled site ({name}) {what}", round_scaled_site)
+
+
+def _groups_in_memory_order(x: torch.Tensor, fmt: ScaledFormat) -> torch.Tensor:
+    """``x`` in an order whose flat memory holds each group of ``fmt``'s scales whole (a row: a sample, which
+    both contiguous and channels-last activations keep together), no copy where it already does."""
+    rows, _ = fmt.rows_columns(x.shape)
+    dense = torch._prims_common.is_non_overlapping_and_dense_or_false(x)
+    if not dense or (rows > 1 and x.stride(0) != x.numel() // rows):
+        return x.contiguous()
+    return x
+
+
+@torch.library.custom_op("precsearch::round_scaled_site", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def round_scaled_site(x: torch.Tensor, row: torch.Tensor, scaled: str,
+                      nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``round_site`` for a scaled format (``scaled``, by name; current scaling per tensor or per row): the
+    values divided by their scales and rounded, or their codes, laid out as ``x``; the scales
+    (``ScaledFormat.scales_shape``); and the counts. One compiled pass for the amaxes and one for the rest."""
+    fmt = get_scaled_format(scaled)
+    x = _groups_in_memory_order(x, fmt)
+    rows, _ = fmt.rows_columns(x.shape)
+    values, scales, counts = RUNNER.run(_scaled_site_kernel(scaled, nbytes, rows), x.as_strided((x.numel(),), (1,)),
+                                        row)
+    shape, stride = _laid_out(x, nbytes)
+    return values.as_strided(shape, stride), scales.reshape(fmt.scales_shape(x.shape)), counts
+
+
+@round_scaled_site.register_fake
+def _(x: torch.Tensor, row: torch.Tensor, scaled: str,
+      nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmt = get_scaled_format(scaled)
+    x = _groups_in_memory_order(x, fmt)
+    shape, stride = _laid_out(x, nbytes)
+    return (x.new_empty_strided(shape, stride, dtype=torch.float32 if nbytes is None else torch.uint8),
+            x.new_empty(fmt.scales_shape(x.shape)), x.new_empty(2, dtype=torch.int32))
 
 
 def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
