@@ -8,10 +8,9 @@
    serves the policies of the model with the same code widths; each other plan compiles its own). Per row: its
    first step (the compile, where it compiles), the ops it runs a step (eager: aten ops dispatched, counted by
    a ``TorchDispatchMode``; compiled: the kernels in the code Inductor wrote for the forward and backward, each
-   run once a step, besides the convolutions' library calls), and for a compiled policy the share of its
-   rounding passes fused into a neighbouring kernel (1 - extra kernels over the compiled plain step / rounding
-   passes). The machine's CPU model and vector flags
-   head the output. Goal: compiled all-low and hfp8 <= 1.5x compiled plain fp32. Rows: plain fp32; plain under
+   run once a step, besides the convolutions' library calls; each site's rounding is one opaque pass of its
+   own, precsearch.runtime.compiled_ops). The machine's CPU model and vector flags head the output. Goal:
+   compiled all-low and hfp8 <= 1.5x compiled plain fp32. Rows: plain fp32; plain under
    ``torch.autocast(bfloat16)`` (CUDA); the fp32 policy through ``apply_policy``; the fp16, bf16 and hfp8
    baselines; the paper's all-low policy (weights and activations e4m3b4s, activation gradients e5m2s,
    weight gradients e6m9s, high e6m9s, promotion guard on, dynamic loss scaling); and, when QPyTorch is
@@ -227,23 +226,19 @@ def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_
     base_compiled = statistics.median(times["plain fp32, compiled"]) if compiled_rows else None
     print(f"1. training step, median of {args.steps} after {args.warmup} warm-up steps, interleaved")
     header = f"   {'step':30s} {'ms':>8s} {'x eager':>8s} {'x comp.':>8s} {'1st step s':>10s} {'ops/kernels':>12s}"
-    header += f" {'fused':>6s} {'pays after':>10s}"
+    header += f" {'pays after':>10s}"
     print(header + (f" {'peak MB':>9s} {'x fp32':>7s}" if peaks else ""))
-    plain_kernels = kernels.get("plain fp32, compiled")
     for name, samples in times.items():
         median = statistics.median(samples)
         versus = f"{median / base_compiled:8.2f}" if base_compiled else f"{'-':>8s}"
         count = f"{kernels[name]:,d}" + (" k" if name in compiled_rows else " op")
-        fused = "-"
-        if name in compiled_rows and name != "plain fp32, compiled" and passes and plain_kernels and kernels[name]:
-            fused = f"{1 - (kernels[name] - plain_kernels) / passes:.0%}"
         pays = "-"
         eager_name = name.removesuffix(", compiled")
         if name in compiled_rows and eager_name in times:  # steps until the compile (its first step) is repaid
             saved = statistics.median(times[eager_name]) - median
             pays = f"{first[name] / saved:,.0f}" if saved > 0 else "never"
         line = (f"   {name:30s} {median * 1e3:8.1f} {median / base:8.2f} {versus} {first[name]:10.1f} {count:>12s}"
-                f" {fused:>6s} {pays:>10s}")
+                f" {pays:>10s}")
         if peaks:
             line += f" {peaks[name] / 1e6:9.0f} {peaks[name] / peaks['plain fp32']:7.2f}"
         print(line)

@@ -172,8 +172,9 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", action="store_true",
                         help=f"train eagerly; by default a command whose processes each train {COMPILE_MIN_STEPS} "
                              "steps or more (all their runs together) compiles the training step, once per model, "
-                             "code widths and process (precsearch.runtime.compiled): faster, but its peak memory "
-                             "is above the eager step's (README, 'Peak memory')")
+                             "code widths and process (precsearch.runtime.compiled): its peak memory 3-8%% above "
+                             "the eager step's, its speed against it depending on the machine (README, 'Peak "
+                             "memory' and 'Step time')")
 
 
 def choose_compile(args: argparse.Namespace, steps: int | None) -> CompileOptions | None:
@@ -182,6 +183,6 @@ def choose_compile(args: argparse.Namespace, steps: int | None) -> CompileOption
     The command hands it to its runs and the workers it starts, with the rest of their configuration."""
     on = not args.no_compile and (steps is None or steps >= COMPILE_MIN_STEPS)
     reason = "" if on or args.no_compile else f" ({steps} steps, fewer than {COMPILE_MIN_STEPS})"
-    log.info("training step: %s", "compiled (faster; its peak memory is above the eager step's: --no-compile for "
-             "the smallest)" if on else f"eager{reason}")
+    log.info("training step: %s", "compiled (its peak memory 3-8% above the eager step's; --no-compile for the "
+             "smallest)" if on else f"eager{reason}")
     return CompileOptions() if on else None
