@@ -18,7 +18,7 @@ import torch
 from precsearch.formats.as_data import decode_codes, encode_codes, round_nearest, round_with
 from precsearch.formats.format import ROUNDINGS
 from precsearch.formats.runner import RUNNER, labelled
-from precsearch.formats.scaled import ScaledFormat, get_scaled_format, scaled_values
+from precsearch.formats.scaled import get_scaled_format, scaled_values
 from precsearch.runtime.packing import Stored, batch_passes
 from precsearch.runtime.sliced import ConvGeometry, batch_norm_backward_in_slices, conv_backward_in_slices
 
@@ -86,19 +86,24 @@ _SITE_KERNELS = {(rounding, nbytes): _site_kernel(rounding, nbytes)
                  for rounding in ROUNDINGS for nbytes in (None, 1, 2)}
 
 
-def _memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """``x`` as a flat tensor in its memory's order (Inductor lays activations out channels last) and the strides
-    that lay a result of that order out as ``x`` is: no copy of a dense tensor."""
-    if not torch._prims_common.is_non_overlapping_and_dense_or_false(x):
-        x = x.contiguous()
-    return x.as_strided((x.numel(),), (1,)), x.stride()
+def _in_memory_order(x: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """``x`` as it is where its memory is dense (Inductor lays activations out channels last) and holds each of
+    ``rows`` groups whole (a sample: contiguous and channels-last activations both keep one together), else a
+    contiguous copy: the tensor whose flat memory a site's pass reads."""
+    dense = torch._prims_common.is_non_overlapping_and_dense_or_false(x)
+    if not dense or (rows > 1 and x.stride(0) != x.numel() // rows):
+        return x.contiguous()
+    return x
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.as_strided((x.numel(),), (1,))
 
 
 def _laid_out(x: torch.Tensor, nbytes: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shape and strides of ``round_site``'s first result for ``x``: ``x``'s, byte planes stacked first."""
-    stride = x.stride() if torch._prims_common.is_non_overlapping_and_dense_or_false(x) else \
-        torch._prims_common.make_contiguous_strides_for(x.shape)
-    return (tuple(x.shape), tuple(stride)) if nbytes != 2 else ((2, *x.shape), (x.numel(), *stride))
+    """The shape and strides of a site pass's first result over ``x`` (in memory order): ``x``'s, byte planes
+    stacked first."""
+    return (tuple(x.shape), x.stride()) if nbytes != 2 else ((2, *x.shape), (x.numel(), *x.stride()))
 
 
 @torch.library.custom_op("precsearch::round_site", mutates_args=(), tags=(torch.Tag.flexible_layout,))
@@ -108,8 +113,8 @@ def round_site(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding:
     or, with ``nbytes``, the codes of the rounded values (uint8; 2 bytes: byte planes stacked first); and its
     [overflowed, unencodable] counts. Opaque to Inductor: fused with the model's own kernels, the counts made it
     write the rounded values, and the values before and after each op, as float32 buffers of their own."""
-    flat, stride = _memory_order(x)
-    values, counts = RUNNER.run(_SITE_KERNELS[rounding, nbytes], flat, row, seed)
+    x = _in_memory_order(x)
+    values, counts = RUNNER.run(_SITE_KERNELS[rounding, nbytes], _flat(x), row, seed)
     shape, stride = _laid_out(x, nbytes)
     return values.as_strided(shape, stride), counts
 
@@ -117,7 +122,7 @@ def round_site(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding:
 @round_site.register_fake
 def _(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
       nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    shape, stride = _laid_out(x, nbytes)
+    shape, stride = _laid_out(_in_memory_order(x), nbytes)
     return (x.new_empty_strided(shape, stride, dtype=torch.float32 if nbytes is None else torch.uint8),
             x.new_empty(2, dtype=torch.int32))
 
@@ -145,16 +150,6 @@ def _scaled_site_kernel(name: str, nbytes: int | None, rows: int):
     return labelled(f"scaled site ({name}) {what}", round_scaled_site)
 
 
-def _groups_in_memory_order(x: torch.Tensor, fmt: ScaledFormat) -> torch.Tensor:
-    """``x`` in an order whose flat memory holds each group of ``fmt``'s scales whole (a row: a sample, which
-    both contiguous and channels-last activations keep together), no copy where it already does."""
-    rows, _ = fmt.rows_columns(x.shape)
-    dense = torch._prims_common.is_non_overlapping_and_dense_or_false(x)
-    if not dense or (rows > 1 and x.stride(0) != x.numel() // rows):
-        return x.contiguous()
-    return x
-
-
 @torch.library.custom_op("precsearch::round_scaled_site", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def round_scaled_site(x: torch.Tensor, row: torch.Tensor, scaled: str,
                       nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,10 +157,9 @@ def round_scaled_site(x: torch.Tensor, row: torch.Tensor, scaled: str,
     values divided by their scales and rounded, or their codes, laid out as ``x``; the scales
     (``ScaledFormat.scales_shape``); and the counts. One compiled pass for the amaxes and one for the rest."""
     fmt = get_scaled_format(scaled)
-    x = _groups_in_memory_order(x, fmt)
     rows, _ = fmt.rows_columns(x.shape)
-    values, scales, counts = RUNNER.run(_scaled_site_kernel(scaled, nbytes, rows), x.as_strided((x.numel(),), (1,)),
-                                        row)
+    x = _in_memory_order(x, rows)
+    values, scales, counts = RUNNER.run(_scaled_site_kernel(scaled, nbytes, rows), _flat(x), row)
     shape, stride = _laid_out(x, nbytes)
     return values.as_strided(shape, stride), scales.reshape(fmt.scales_shape(x.shape)), counts
 
@@ -174,7 +168,7 @@ def round_scaled_site(x: torch.Tensor, row: torch.Tensor, scaled: str,
 def _(x: torch.Tensor, row: torch.Tensor, scaled: str,
       nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fmt = get_scaled_format(scaled)
-    x = _groups_in_memory_order(x, fmt)
+    x = _in_memory_order(x, fmt.rows_columns(x.shape)[0])
     shape, stride = _laid_out(x, nbytes)
     return (x.new_empty_strided(shape, stride, dtype=torch.float32 if nbytes is None else torch.uint8),
             x.new_empty(fmt.scales_shape(x.shape)), x.new_empty(2, dtype=torch.int32))
