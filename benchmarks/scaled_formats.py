@@ -13,7 +13,7 @@ Each configuration's rows replace its earlier ones in ``benchmarks/results/scale
 a time (and one that never finished shows as such).
 
 Usage: nice python benchmarks/scaled_formats.py [--configs gratings:narrow_cnn,digits:resnet18:width=0.125]
-       [--trials 12] [--jobs 2] [--out runs/scaled_formats] [--render]
+       [--trials 12] [--jobs 2] [--lr 0.2] [--out runs/scaled_formats] [--render]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import pandas as pd
 
 from precsearch.cli.demo import PROXY
 from precsearch.config.spaces import load_space
+from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
 from precsearch.search.confirmation import CONFIRM_SEED_OFFSET, PLAIN_FP32
 from precsearch.search.context import Budget, DataSpec, SearchContext
@@ -41,7 +42,7 @@ CONFIGS = ("gratings:narrow_cnn", "digits:narrow_cnn", "gratings:resnet18:width=
 SPACES = {"unscaled": ROOT / "search_spaces" / "fp8_e4m3_e5m2.yaml",
           "scaled": ROOT / "search_spaces" / "fp8_scaled.yaml"}
 TRIALS = 12
-COLUMNS = ["data", "model", "space", "assignment", "memory", "low_share", "accuracy", "accuracy_sd", "seeds",
+COLUMNS = ["data", "model", "space", "lr", "assignment", "memory", "low_share", "accuracy", "accuracy_sd", "seeds",
            "steps", "diverged", "promotions", "overflow", "proxy_length", "wall_s", "note"]
 
 
@@ -60,10 +61,20 @@ def _runs_row(context: SearchContext, policy, steps: int, seeds: list[int]) -> d
             "overflow": max(run.overflow_max for run in runs)}
 
 
-def run_space(data: str, model: str, space_name: str, trials: int, jobs: int, out: Path) -> list[dict]:
-    """One search and its fixed-assignment rows in one space."""
+def run_space(data: str, model: str, space_name: str, trials: int, jobs: int, out: Path, lr: float) -> list[dict]:
+    """One search and its fixed-assignment rows in one space; a search that stops with an error (a reference
+    that never learns, say) is one row that says why."""
     start = time.perf_counter()
-    space = load_space(SPACES[space_name]).with_proxy(**PROXY)
+    space = load_space(SPACES[space_name]).with_proxy(**{**PROXY, "lr": lr})
+    try:
+        return _measured(data, model, space_name, space, trials, jobs, out, lr, start)
+    except PrecsearchError as error:
+        return [{"data": data, "model": model, "space": space_name, "lr": lr, "assignment": "search",
+                 "note": str(error).splitlines()[0], "wall_s": round(time.perf_counter() - start)}]
+
+
+def _measured(data: str, model: str, space_name: str, space, trials: int, jobs: int, out: Path, lr: float,
+              start: float) -> list[dict]:
     result = run_search(SearchConfig(model, space, data, trials=trials, out_dir=out, jobs=jobs, seed=0,
                                      device="cpu", threads=1 if jobs == 1 else None, proxy_seeds=None,
                                      progress=False))
@@ -71,7 +82,7 @@ def run_space(data: str, model: str, space_name: str, trials: int, jobs: int, ou
     confirmed = result.confirmation.set_index("key")
     steps, count = int(confirmed["confirmed_steps"].max()), int(confirmed["confirmed_seeds"].max())
     seeds = [CONFIRM_SEED_OFFSET + index for index in range(count)]
-    common = {"data": data, "model": model, "space": space_name, "proxy_length": result.calibration.length}
+    common = {"data": data, "model": model, "space": space_name, "lr": lr, "proxy_length": result.calibration.length}
     rows = []
     for name, key in (("plain fp32", PLAIN_FP32), ("all-high", context.all_high.key)):
         if key in confirmed.index:
@@ -134,7 +145,8 @@ def render(frame: pd.DataFrame, trials: int, jobs: int) -> str:
         "dynamic loss scale from 2^16) and `search_spaces/fp8_scaled.yaml` (scaled: e4m3fn@tensor / e5m2@tensor, "
         "a power-of-two scale per tensor from its own amax, no loss scaling); bf16 high and fp32 master weights in "
         f"both; the demo's proxy recipe (batch {PROXY['batch_size']}, {PROXY['image_size']}x{PROXY['image_size']} "
-        f"images, lr {PROXY['lr']}), proxy length calibrated on all-high, seeds per proxy from the measured noise, "
+        f"images, lr {PROXY['lr']} unless a section says otherwise), proxy length calibrated on all-high, seeds "
+        "per proxy from the measured noise, "
         f"{trials} trials on {jobs} workers, the front confirmed at 3x the proxy length on fresh seeds (1000, "
         "1001, ...); all-low and torchao_fp8 (every GEMM's weight, input and output gradient scaled fp8, the rest "
         "bf16, no promotion guard) trained at that length on those seeds. CPU, 2 cores shared with other jobs.",
@@ -152,10 +164,11 @@ def render(frame: pd.DataFrame, trials: int, jobs: int) -> str:
         if rows.empty:
             lines += ["Not measured: no run of this configuration has finished.", ""]
             continue
-        per_space = rows.groupby("space", sort=False)[["proxy_length", "wall_s"]].first()
-        length = ", ".join(f"{space} {int(n)}" for space, n in per_space["proxy_length"].items())
+        per_space = rows.groupby("space", sort=False)[["proxy_length", "wall_s", "lr"]].first()
+        length = ", ".join(f"{space} {_cell(n, '.0f')}" for space, n in per_space["proxy_length"].items())
         wall = ", ".join(f"{space} {int(n)} s" for space, n in per_space["wall_s"].items())
-        lines += [f"Calibrated proxy length: {length} steps; wall time: {wall}.", "",
+        rates = ", ".join(sorted({_cell(lr, 'g') for lr in per_space["lr"]}))
+        lines += [f"Learning rate {rates}; calibrated proxy length: {length} steps; wall time: {wall}.", "",
                   "| space | assignment | memory | 8-bit | accuracy | promotions | overflow | diverged |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for _, row in rows.iterrows():
@@ -173,6 +186,8 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=TRIALS)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/scaled_formats"))
+    parser.add_argument("--lr", type=float, default=PROXY["lr"], help="the proxies' learning rate (default: the "
+                        "demo's, %(default)s)")
     parser.add_argument("--render", action="store_true", help="only render the markdown from the csv")
     args = parser.parse_args()
     table = RESULTS / "scaled_formats.csv"
@@ -186,7 +201,7 @@ def main() -> int:
         rows = []
         for space_name in SPACES:
             out = args.out / f"{data}_{model.replace(':', '_').replace('=', '')}_{space_name}"
-            rows += run_space(data, model, space_name, args.trials, args.jobs, out)
+            rows += run_space(data, model, space_name, args.trials, args.jobs, out, args.lr)
             print(pd.DataFrame(rows).to_string(), flush=True)
         frame = frame[~((frame["data"] == data) & (frame["model"] == model))]
         frame = pd.concat([frame, pd.DataFrame(rows, columns=COLUMNS)], ignore_index=True)

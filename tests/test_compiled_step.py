@@ -1,6 +1,6 @@
 """The compiled training step (precsearch.runtime.compiled) against the eager runtime it replaces.
 
-Oracle: the eager runtime (per-format kernels, packed saves), tested against torch's casts and ml_dtypes
+Oracle: the eager runtime (the format kernels, packed saves), tested against torch's casts and ml_dtypes
 elsewhere. ``backend="aot_eager"`` runs the compiled step's graph through TorchDynamo and AOTAutograd without
 Inductor, so the same float32 ops run in the same order as eager: training must then be bit for bit the eager
 runtime's (parameters, buffers, losses, promotions, loss scale, overflow statistics). Inductor reorders float32

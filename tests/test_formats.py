@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precsearch.errors import PrecsearchError
-from precsearch.formats import kernels
+from precsearch.formats import as_data, kernels
+from precsearch.formats.as_data import format_row
 from precsearch.formats.format import NAMED_FORMATS, get_format, spec_name
 from precsearch.formats.kernels import decode, encode, quantize, stats, storage_dtype
 from precsearch.formats.runner import COMPILE_MIN_NUMEL, RUNNER, Compiled, KernelRunner, labelled
@@ -305,8 +306,8 @@ def test_compiled_round_and_count_counts_nan_without_a_code(in_place):
     x = torch.tensor([1.0, math.nan, math.inf, -math.inf, 1e6, -3.0]).repeat(COMPILE_MIN_NUMEL // 4)
     fn = kernels.round_and_count_fn("e4m3b4s", "nearest", "saturate", with_codes=True, in_place=in_place)
     counts = fn(x, None)[2]
-    what = "round, count and encode" + (" in place" if in_place else "")
-    assert f"e4m3b4s {what} (nearest, overflow saturate)" in RUNNER.ready, "the compiled path went untested"
+    what = "round and count, uint8 codes" + (" in place" if in_place else "")
+    assert f"{what} (nearest, in floats)" in RUNNER.ready, "the compiled path went untested"
     assert counts.tolist() == [3 * x.numel() // 6, x.numel() // 6]
 
 
@@ -340,9 +341,7 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
     monkeypatch.setattr(RUNNER, "enabled", True)
     monkeypatch.setattr(RUNNER, "min_numel", 0)
     fn = kernels.round_and_count_fn("e5m2", "stochastic", "inf", True)
-    kernel = kernels._make_round_and_count(get_format("e5m2"), "stochastic", "inf",
-                                           kernels._float_bits(kernels.overflow_threshold(get_format("e5m2"),
-                                                                                          "stochastic")), True)
+    kernel = kernels._round_kernel("stochastic", False, torch.uint8, False)  # fn's
     seed = torch.tensor(11)
     with caplog.at_level("WARNING", logger="precsearch.formats.runner"):
         fn(torch.randn(5000), seed)
@@ -427,8 +426,8 @@ def test_a_kernel_whose_generated_code_disagrees_is_called_through_aotautograd_w
 def test_a_kernel_that_fails_to_compile_runs_eagerly_alone_with_one_warning(caplog):
     compiled_labels = []
 
-    def fake_compile(kernel):  # stands in for torch.compile: fails for e5m2s kernels only
-        if kernel.label.startswith("e5m2s "):
+    def fake_compile(kernel):  # stands in for torch.compile: fails for the kernel of ties away from zero only
+        if "nearest_away" in kernel.label:
             def broken(*args):
                 raise RuntimeError("Scalar 2654435761 is out of range for type int32")
             return broken
@@ -439,22 +438,24 @@ def test_a_kernel_that_fails_to_compile_runs_eagerly_alone_with_one_warning(capl
         return compiled
 
     runner = KernelRunner(compile=fake_compile)
-    e5m2s, e4m3b4s = (kernels._rounding_kernel(get_format(spec), "nearest", "saturate")
-                      for spec in ("e5m2s", "e4m3b4s"))
+    away, to_even = (kernels._round_kernel(rounding, in_floats, None, False)
+                     for rounding, in_floats in (("nearest_away", False), ("nearest", True)))
     x = torch.randn(COMPILE_MIN_NUMEL) * 1000
     seed = torch.tensor(0)
+    rows = {rounding: format_row("e5m2s", rounding, "saturate") for rounding in ("nearest_away", "nearest")}
     with caplog.at_level("WARNING", logger="precsearch.formats.runner"):
         for _ in range(3):
-            broken = runner.run(e5m2s, x, seed)
-            runner.run(e4m3b4s, x, seed)
+            broken, _ = runner.run(away, x, rows["nearest_away"], seed, torch.zeros(2, dtype=torch.int64))
+            runner.run(to_even, x, rows["nearest"], seed, torch.zeros(2, dtype=torch.int64))
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1
-    assert "e5m2s quantize" in warnings[0].getMessage() and "out of range for type int32" in warnings[0].getMessage()
-    assert runner.failed == {"e5m2s quantize (nearest, overflow saturate)"}
-    assert compiled_labels == ["e4m3b4s quantize (nearest, overflow saturate)"] * 3  # still compiled, each time
+    message = warnings[0].getMessage()
+    assert away.label in message and "out of range for type int32" in message
+    assert runner.failed == {"round and count (nearest_away)"}
+    assert compiled_labels == ["round and count (nearest, in floats)"] * 3  # still compiled, each time
     fmt = get_format("e5m2s")  # the eager fallback rounds as the Python reference does (saturating)
     table = reference_values(fmt)
-    expected = [math.copysign(min(reference_round(abs(v), table, fmt.man), fmt.max), v) for v in x.tolist()]
+    expected = [math.copysign(min(reference_round(abs(v), table, fmt.man, "away"), fmt.max), v) for v in x.tolist()]
     assert mismatches(broken, torch.tensor(expected)) == 0
 
 
@@ -471,16 +472,16 @@ def test_stochastic_noise_is_murmur3s_finalizer_of_index_and_seed():
     index = torch.tensor([0, 1, 2, 12345, 2**31 - 1, 2**32 - 1, 987654321], dtype=torch.int64)
     for seed in (0, 5, 2**31 - 2):
         expected = [murmur3_fmix32(int(i), seed) for i in index]
-        assert kernels._hash_bits(index, torch.tensor(seed)).tolist() == expected
+        assert as_data._hash_bits(index, torch.tensor(seed)).tolist() == expected
 
 
 def test_formats_kernels_hold_no_integer_constant_outside_int32():
     # Triton types an integer literal as int32 and refuses one out of range (2654435761 broke the CUDA build of
     # the stochastic kernel): every literal of the kernel builders must fit.
-    source = inspect.getsource(kernels)
+    source = inspect.getsource(as_data)
     tree = ast.parse(source)
-    builders = {"_hash_bits", "_make_kernel", "_code_builder", "_make_encoder", "_make_decoder",
-                "_make_round_and_count"}
+    builders = {"_low32", "_mul32", "_hash_bits", "round_with", "round_nearest", "_finish", "encode_patterns",
+                "decode_patterns"}
     literals = [node.value for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and fn.name in builders
                 for node in ast.walk(fn) if isinstance(node, ast.Constant) and type(node.value) is int]
     assert len(literals) > 20  # the walk did find the kernels' constants

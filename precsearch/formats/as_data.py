@@ -1,47 +1,37 @@
-"""Rounding with the format as data: one traceable function serves every format, rounding and overflow mode.
+"""Rounding to any format with the format as data: one traceable function serves every format, rounding and
+overflow mode, for every path that rounds (precsearch.formats.kernels' public functions, the eager runtime's
+ops, the compiled step's sites).
 
-precsearch.formats.kernels bakes each format's constants into a kernel of its own, so ``torch.compile`` of a
-model that calls them specializes on every assignment (a search of 40 trials would compile 40 times). Here a
-format, its rounding and its overflow mode are one small int32 tensor (``format_row``) and ``round_with``
-computes, from it, bit for bit what ``kernels.round_and_count`` computes (values and overflow count), in plain
-torch ops that Inductor fuses into the neighbouring kernels: a compiled graph taking the rows as inputs serves
-every assignment. fp32 is a row too (``round_with`` then returns the values unchanged and counts nothing), so an
-assignment may move a tensor between fp32 and a low format without a new graph.
+A format, its rounding and its overflow mode are one small int32 tensor (``format_row``), so a compiled kernel or
+graph taking rows as inputs serves every assignment (a search of 40 trials compiles once, not 40 times), and fp32
+is a row too (its values kept, nothing counted). ``round_values`` rounds by a row: in float32 arithmetic for round
+to nearest (``round_nearest``, which Inductor compiles to vector code), on float32 bit patterns otherwise
+(``round_with``). Stochastic rounding is unbiased: one of the two neighbours, rounding up with probability
+proportional to the distance from the lower one, driven by a counter-based hash of the element index and a seed
+tensor, so results are reproducible and need no large random tensor.
 
-``RoundWithGradient`` rounds a tensor and, in the backward, its gradient, each by its own row: the autograd
-step of a compiled runtime. Overflow counts leave a compiled graph as tensors, not by writes to a counter: the
-value's as an output, the gradient's as the gradient of a float64 leaf (``counter``), which autograd sums
-across the step like any gradient.
-
-Its cost against a kernel of one format: every call computes the stochastic rounding's hash, whatever its row
-says (a selection, not a branch, picks the row's rounding).
-
-``encode_codes`` and ``decode_codes`` turn rounded values into the format's bit patterns and back, the format
-again a row (the encode with bit views, for a compiled pass over a flat tensor; the decode in float arithmetic,
-which Inductor fuses into a graph's kernels), the code's width (``code_bytes``: one uint8 plane up to 8 bits,
-two up to 16) a constant of the graph (16-bit patterns as two byte planes, not int16: Inductor's CPU code
-converts int16 element by element): a compiled step that passes each rounded value through its codes gives
-AOTAutograd's partitioner a tensor of the format's width to save for the backward, where it decodes it again.
+``encode_patterns`` and ``decode_patterns`` turn rounded values into the format's bit patterns (int32) and back;
+``encode_codes`` and ``decode_codes`` store them in bytes (``code_bytes``: one uint8 plane up to 8 bits; two,
+stacked first, up to 16: Inductor's CPU code converts int16 element by element), the layout a compiled step
+saves for the backward.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
-from precsearch.formats.format import FloatFormat, get_format
-from precsearch.formats.kernels import _check_modes, _float_bits, _hash_bits, overflow_threshold
+from precsearch.formats.format import FloatFormat, check_modes, get_format, overflow_threshold
+from precsearch.formats.format import float32_bits as _float_bits
 
-__all__ = ["RoundWithGradient", "code_bytes", "decode_codes", "encode_codes", "format_row", "nearest_in_floats",
-           "round_nearest", "round_with"]
+__all__ = ["code_bytes", "decode_codes", "decode_patterns", "encode_codes", "encode_patterns", "format_row",
+           "nearest_in_floats", "patterns_of", "round_nearest", "round_values", "round_with"]
 
-_NEAREST, _AWAY, _STOCHASTIC = 0, 1, 2
-_MODES = {"nearest": _NEAREST, "nearest_away": _AWAY, "stochastic": _STOCHASTIC}
 # the row's fields, in order
 (_DROP, _MASK, _MIN_NORMAL_BITS, _SHIFT_BASE, _SCALE_LOW, _SCALE_HIGH, _MAX_BITS, _ON_OVERFLOW, _KEEP_FROM,
- _MODE, _OVER_BITS, _TIE, _SUB_MAGIC, _SPLITTER, _BIG, _BITS, _MAN, _EMIN, _SPECIAL) = range(19)
+ _OVER_BITS, _TIE, _SUB_MAGIC, _SPLITTER, _BIG, _BITS, _MAN, _EMIN, _SPECIAL, _QUANTA_LOW, _QUANTA_HIGH) = range(20)
 _SPECIAL_CODES = {"none": 0, "fn": 1, "ieee": 2}
 _SCALE_DOWN, _SCALE_UP = 2.0**-64, 2.0**64  # Veltkamp's split of the largest values, done 2**64 smaller
 _INF_BITS = 0x7F800000
@@ -50,27 +40,29 @@ _INF_BITS = 0x7F800000
 @functools.lru_cache(maxsize=256)
 def _row_values(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[int, ...]:
     if fmt.is_fp32:  # every value is kept (``_KEEP_FROM`` 0) and none counts as an overflow
-        return (0, 0, 0, 1, _float_bits(1.0), _float_bits(1.0), _INF_BITS, _INF_BITS, 0, _NEAREST, _INF_BITS + 1,
-                0, _float_bits(1.0), _float_bits(1.0), _INF_BITS, 32, 23, -126, _SPECIAL_CODES["ieee"])
+        return (0, 0, 0, 1, _float_bits(1.0), _float_bits(1.0), _INF_BITS, _INF_BITS, 0, _INF_BITS + 1,
+                0, _float_bits(1.0), _float_bits(1.0), _INF_BITS, 32, 23, -126, _SPECIAL_CODES["ieee"],
+                _float_bits(1.0), _float_bits(1.0))
     drop = 23 - fmt.man
     exponent = fmt.emin - fmt.man  # of the min subnormal: quanta times 2 ** exponent, in two exact products
     low = exponent // 2
     return (drop, (1 << drop) - 1, (fmt.emin + 127) << 23, drop + fmt.emin + 127, _float_bits(2.0**low),
             _float_bits(2.0 ** (exponent - low)), _float_bits(fmt.max),
             {"saturate": _float_bits(fmt.max), "inf": _INF_BITS, "nan": 0x7FC00000}[overflow],
-            _INF_BITS if fmt.has_inf else _INF_BITS + 1, _MODES[rounding],
+            _INF_BITS if fmt.has_inf else _INF_BITS + 1,
             _float_bits(overflow_threshold(fmt, rounding)), int(drop > 0), _float_bits(2.0 ** (exponent + 23)),
             _float_bits(2.0**drop + 1), _float_bits(2.0 ** (127 - drop)), fmt.bits, fmt.man, fmt.emin,
-            _SPECIAL_CODES[fmt.special])
+            _SPECIAL_CODES[fmt.special], _float_bits(2.0**-low), _float_bits(2.0 ** (low - exponent)))
 
 
 def format_row(fmt: str | FloatFormat, rounding: str = "nearest", overflow: str | None = None,
                device: torch.device | str = "cpu") -> torch.Tensor:
-    """The int32 tensor that tells ``round_with`` how to round: ``fmt``, ``rounding`` and ``overflow`` (the
-    format's default when None) as data."""
+    """The int32 tensor that tells the roundings how to round: ``fmt`` and ``overflow`` (the format's default
+    when None) as data, with the overflow threshold of ``rounding`` (which the caller passes again, as a
+    constant)."""
     fmt = get_format(fmt)
     overflow = overflow or fmt.default_overflow
-    _check_modes(rounding, overflow)
+    check_modes(rounding, overflow)
     return torch.tensor(_row_values(fmt, rounding, overflow), dtype=torch.int32, device=device)
 
 
@@ -80,27 +72,49 @@ def nearest_in_floats(fmt: str | FloatFormat) -> bool:
     return fmt.is_fp32 or fmt.man > 0
 
 
+def _low32(v: torch.Tensor) -> torch.Tensor:
+    """``v mod 2**32`` of an int64 tensor, written without the literal 0xFFFFFFFF (outside int32)."""
+    return v - ((v >> 32) << 32)
+
+
+def _mul32(h: torch.Tensor, half: int) -> torch.Tensor:
+    """``h * (2 * half + 1) mod 2**32`` for 0 <= h < 2**32, in int64 arithmetic with constants inside int32."""
+    return _low32((_low32(h * half) << 1) + h)
+
+
+def _hash_bits(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """31 pseudo-random bits per element: murmur3's 32-bit finalizer on (index, seed), in int64 arithmetic
+    (Triton types an integer literal as int32: its multipliers 0x9E3779B1, 0x85EBCA6B and 0xC2B2AE35 are applied
+    as ``2 * half + 1``, ``_mul32``)."""
+    h = _low32(_mul32(index, 0x4F1BBCD8) + seed)
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x42F5E535)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0x6159571A)
+    return (h ^ (h >> 16)) >> 1
+
+
 def round_with(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
-               rounding: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (float32) rounded as ``row`` says, and how many of its values overflow (int64, NaN excluded): the
-    values and count of ``kernels.round_and_count`` with the same format, rounding, overflow and ``seed`` (an
-    int64 tensor; the hash of stochastic rounding reads it, the caller advances it). ``rounding`` given (it
-    must be the row's) makes the rounding a constant of the graph: only its own arithmetic is computed, no
-    hash for nearest rounding."""
+               rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32) rounded as ``row`` says, on its bit patterns, and how many of its values overflow (at or
+    past ``overflow_threshold``; NaN excluded; int64). ``seed`` (an int64 tensor) drives stochastic rounding:
+    the hash reads it, the caller advances it. ``rounding`` (the row's) is a constant of the graph: only its own
+    arithmetic is computed.
+
+    Normal range: add an increment (the noise, half a step, or half a step less one plus the kept part's last
+    bit: ties to even), drop the low bits (a carry into the exponent is the correct rounding up). Below the min
+    normal: a count of min-subnormal quanta, rounded the same three ways."""
     bits = x.view(torch.int32)
     sign = bits & ~0x7FFFFFFF
     mag = bits & 0x7FFFFFFF
-    drop, mask, mode = row[_DROP], row[_MASK], row[_MODE]
+    drop, mask = row[_DROP], row[_MASK]
     noise = None
-    if rounding in (None, "stochastic"):
+    if rounding == "stochastic":
         index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
         noise = _hash_bits(index, seed).to(torch.int32)
 
-    def pick(stochastic: Any, away: Any, to_even: Any) -> Any:
-        """The increment of the row's rounding: a selection on the row, or the constant ``rounding``'s own."""
-        if rounding is not None:
-            return {"stochastic": stochastic, "nearest_away": away, "nearest": to_even}[rounding]()
-        return torch.where(mode == _STOCHASTIC, stochastic(), torch.where(mode == _AWAY, away(), to_even()))
+    def pick(stochastic: Callable, away: Callable, to_even: Callable) -> torch.Tensor:
+        return {"stochastic": stochastic, "nearest_away": away, "nearest": to_even}[rounding]()
 
     # normal range: add an increment, drop the low bits (a carry into the exponent is the correct rounding up)
     increment = pick(lambda: noise & mask, lambda: (mask + 1) >> 1,  # ties to even; with M = 23 nothing to drop
@@ -156,25 +170,13 @@ def _finish(row: torch.Tensor, mag: torch.Tensor, sign: torch.Tensor, subnormal:
     return (rounded | sign).view(torch.float32), overflowed
 
 
-class RoundWithGradient(torch.autograd.Function):
-    """Forward: ``x`` rounded by ``row`` (``round_with``), and its overflow count (not differentiable).
-    Backward: the gradient rounded by ``grad_row``; its overflow count is the gradient of ``counter`` (a float64
-    leaf, exact to 2**53), so that a compiled graph counts without writing to a tensor."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, grad_row: torch.Tensor,
-                grad_seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(grad_row, grad_seed)
-        ctx.counter_dtype = counter.dtype
-        rounded, overflowed = round_with(x, row, seed)
-        ctx.mark_non_differentiable(overflowed)
-        return rounded, overflowed
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, _overflowed: torch.Tensor | None):
-        grad_row, grad_seed = ctx.saved_tensors
-        rounded, overflowed = round_with(grad.contiguous(), grad_row, grad_seed)
-        return rounded, None, None, None, None, overflowed.to(ctx.counter_dtype)
+def round_values(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
+                 in_floats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` rounded by ``row`` with ``rounding`` (the row's, a constant of the graph), and its overflow count:
+    in float32 arithmetic (``round_nearest``) where ``in_floats`` (the row's format ``nearest_in_floats``)."""
+    if rounding == "nearest" and in_floats:
+        return round_nearest(x, row)
+    return round_with(x, row, seed, rounding)
 
 
 def code_bytes(fmt: str | FloatFormat) -> int | None:
@@ -191,22 +193,20 @@ def _exp2_int(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.exp2(low), torch.exp2(k - low)
 
 
-def encode_codes(v: torch.Tensor, row: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bit patterns of ``v``, values already rounded to the row's format, as uint8 (``nbytes`` 1: shaped as
-    ``v``; 2: the low and the high byte, stacked first), and how many the format has no code for. Read off
-    float32's own pattern: a normal value's code is it shifted right by the mantissa bits the format lacks, less
-    the difference of the exponent biases; a subnormal's is its count of min-subnormal quanta (exact quotients
-    by powers of two). inf and NaN take the format's codes; where it has none (inf in an ``fn`` format, both in
-    a ``none`` one) they are saved as its largest magnitude with their sign, and counted: the runtime skips that
-    step, as the eager runtime does (``TensorState.settle``). Bit views: for a compiled pass over a flat tensor
-    (precsearch.runtime.compiled_ops.round_site), which Inductor vectorizes; four times the speed of the same
-    codes from ``log2``."""
+def encode_patterns(v: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit patterns (int32) of ``v``, values already rounded to the row's format, and how many the format has
+    no code for. Read off float32's own pattern: a normal value's code is it shifted right by the mantissa bits
+    the format lacks, less the difference of the exponent biases; a subnormal's is its count of min-subnormal
+    quanta (exact products with powers of two). inf and NaN take the format's codes; where it has none (inf in an
+    ``fn`` format, both in a ``none`` one) they are coded as its largest magnitude with their sign, and counted:
+    the runtime skips that step (``TensorState.settle``) and ``kernels.encode`` refuses them. Bit views, which
+    Inductor vectorizes in a pass over a flat tensor; four times the speed of the same codes from ``log2``."""
     bits = v.view(torch.int32)
     mag = bits & 0x7FFFFFFF
     one = torch.ones_like(row[_BITS])
     man, top = row[_MAN], row[_BITS] - 1  # top: the sign's bit
-    scales = row[_SCALE_LOW:_SCALE_HIGH + 1].view(torch.float32)
-    quanta = ((mag.view(torch.float32) / scales[0]) / scales[1]).to(torch.int32)
+    per_quantum = row[_QUANTA_LOW:_QUANTA_HIGH + 1].view(torch.float32)  # 1 / min subnormal, in two factors
+    quanta = ((mag.view(torch.float32) * per_quantum[0]) * per_quantum[1]).to(torch.int32)
     code = torch.where(mag >= row[_MIN_NORMAL_BITS], (mag >> row[_DROP]) - ((row[_EMIN] + 126) << man), quanta)
     ones = (one << top) - 1  # every magnitude bit: the largest code
     ieee, fn = row[_SPECIAL] == _SPECIAL_CODES["ieee"], row[_SPECIAL] == _SPECIAL_CODES["fn"]
@@ -215,19 +215,51 @@ def encode_codes(v: torch.Tensor, row: torch.Tensor, nbytes: int) -> tuple[torch
     nan_code = torch.where(ieee, top_exponent | (one << torch.clamp(man - 1, min=0)), ones)
     infinite, nan = mag == _INF_BITS, mag > _INF_BITS
     code = torch.where(nan, nan_code, torch.where(infinite, inf_code, code))
-    pattern = code + (((bits >> 31) & 1) << top)
     unencodable = ((infinite & ~ieee) | (nan & ~(ieee | fn))).sum(dtype=torch.int32)
+    return code + (((bits >> 31) & 1) << top), unencodable
+
+
+def decode_patterns(pattern: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """float32 values of ``encode_patterns``' bit patterns (any integer dtype; bits above the format's are
+    ignored, so int16 holds 16-bit ones), assembled as float32 bit patterns: a normal code shifted into float32's
+    mantissa plus the difference of the exponent biases, a subnormal one as a multiple of the min subnormal (two
+    exact products), the sign moved to bit 31. For a pass over a flat tensor (``kernels.decode``, the compiled
+    step's sliced backwards), three times the speed of ``decode_codes`` there."""
+    pattern = pattern.to(torch.int32)
+    one = torch.ones_like(row[_BITS])
+    top, man = row[_BITS] - 1, row[_MAN]
+    ones = (one << top) - 1  # every magnitude bit: the largest code
+    mag = pattern & ones
+    scales = row[_SCALE_LOW:_SCALE_HIGH + 1].view(torch.float32)
+    subnormal = ((mag.to(torch.float32) * scales[0]) * scales[1]).view(torch.int32)
+    bits = torch.where(mag >= (one << man), (mag << row[_DROP]) + ((row[_EMIN] + 126) << 23), subnormal)
+    top_exponent = ones - ((one << man) - 1)
+    ieee_special = (row[_SPECIAL] == _SPECIAL_CODES["ieee"]) & (mag >= top_exponent)
+    bits = torch.where(ieee_special, _INF_BITS | ((mag != top_exponent).to(torch.int32) << 22), bits)  # or NaN
+    bits = torch.where((row[_SPECIAL] == _SPECIAL_CODES["fn"]) & (mag == ones), 0x7FC00000, bits)
+    return (bits | (((pattern >> top) & 1) << 31)).view(torch.float32)
+
+
+def encode_codes(v: torch.Tensor, row: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``encode_patterns`` stored as uint8: ``nbytes`` 1, shaped as ``v``; 2, the low and the high byte planes,
+    stacked first."""
+    pattern, unencodable = encode_patterns(v, row)
     if nbytes == 1:
         return pattern.to(torch.uint8), unencodable
     return torch.stack([(pattern & 0xFF).to(torch.uint8), (pattern >> 8).to(torch.uint8)]), unencodable
 
 
+def patterns_of(codes: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The bit patterns (int32) of ``encode_codes``' bytes."""
+    return codes.to(torch.int32) if nbytes == 1 else codes[0].to(torch.int32) | (codes[1].to(torch.int32) << 8)
+
+
 def decode_codes(codes: torch.Tensor, row: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """float32 values of ``encode_codes``' bit patterns in the row's format: ``(significand * 2**low) * 2**high``,
-    two exact products (a subnormal format's smallest quantum may be no normal float32)."""
+    """float32 values of ``encode_codes``' bytes, in float arithmetic (``(significand * 2**low) * 2**high``, two
+    exact products): what a compiled graph decodes, which Inductor fuses into the kernels around it."""
     bits, man = row[_BITS], row[_MAN]
     one = torch.ones_like(bits)
-    pattern = codes.to(torch.int32) if nbytes == 1 else codes[0].to(torch.int32) | (codes[1].to(torch.int32) << 8)
+    pattern = patterns_of(codes, nbytes)
     top = bits - 1
     mag = pattern & ((one << top) - 1)
     exponent_field = mag >> man

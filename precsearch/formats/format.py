@@ -31,7 +31,9 @@ reproduce it bit for bit), or unbiased ``"stochastic"`` rounding.
 from __future__ import annotations
 
 import functools
+import math
 import re
+import struct
 from dataclasses import dataclass
 
 from precsearch.errors import PrecsearchError
@@ -43,7 +45,10 @@ __all__ = [
     "OVERFLOWS",
     "ROUNDINGS",
     "SPECIALS",
+    "check_modes",
+    "float32_bits",
     "get_format",
+    "overflow_threshold",
     "spec_name",
 ]
 
@@ -153,6 +158,41 @@ class FloatFormat:
         if self.bits <= 8:
             return 1
         return 2 if self.bits <= 16 else 4
+
+
+def float32_bits(value: float) -> int:
+    """The bit pattern of ``value`` as a float32, read as an int32."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _float32_of_bits(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+def check_modes(rounding: str, overflow: str) -> None:
+    if rounding not in ROUNDINGS:
+        raise PrecsearchError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDINGS)}")
+    if overflow not in OVERFLOWS:
+        raise PrecsearchError(f"unknown overflow mode {overflow!r}: use one of {', '.join(OVERFLOWS)}")
+
+
+@functools.lru_cache(maxsize=256)
+def overflow_threshold(fmt: FloatFormat, rounding: str = "nearest") -> float:
+    """The smallest float32 magnitude that rounds past ``fmt.max``: what the runtime counts as an overflow.
+
+    Under stochastic rounding, any value above max (it may round up). Under nearest rounding, the midpoint
+    between max and the next step up when that tie rounds up (ties away from zero, or ties to even where max's
+    last kept bit is odd: its even neighbour is the step up), else the float32 after the midpoint; with
+    float32's whole mantissa (M = 23) nothing rounds, so the float32 after max."""
+    check_modes(rounding, fmt.default_overflow)
+    if fmt.is_fp32:
+        return math.inf
+    top = float32_bits(fmt.max)
+    if rounding == "stochastic" or fmt.man == 23:
+        return _float32_of_bits(top + 1)
+    midpoint = top + (1 << (22 - fmt.man))  # max plus half its step, exact in float32 (M <= 22)
+    tie_rounds_up = rounding == "nearest_away" or (top >> (23 - fmt.man)) & 1
+    return _float32_of_bits(midpoint if tie_rounds_up else midpoint + 1)
 
 
 def _standard(exp: int, man: int, special: str = "ieee", name: str = "", shift: int = 0) -> FloatFormat:

@@ -1,7 +1,7 @@
 """The compiled training step: rounding written into the model's FX graph, compiled once per model structure and
 code widths.
 
-The eager runtime (precsearch.runtime.instrument_fx and friends) rounds through per-format kernels and packs what
+The eager runtime (precsearch.runtime.instrument_fx and friends) rounds through the format kernels and packs what
 autograd saves as codes, bookkeeping TorchDynamo cannot trace. Here every site of the plan
 (precsearch.runtime.sites) becomes a rounding of the graph whose format, rounding and overflow mode are read from
 a table of rows (precsearch.formats.as_data), one row per tensor id, so the graph does not depend on the formats

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from precsearch.formats.as_data import decode_codes, encode_codes, round_nearest, round_with
+from precsearch.formats.as_data import decode_patterns, encode_codes, patterns_of, round_nearest, round_values
 from precsearch.formats.format import ROUNDINGS
 from precsearch.formats.runner import RUNNER, labelled
 from precsearch.formats.scaled import get_scaled_format, scaled_values
@@ -26,11 +26,11 @@ __all__ = ["batch_norm_backward_of_codes", "conv_backward_of_codes", "round_scal
 
 
 def _decode_bytes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    return decode_codes(flat, row, 1)
+    return decode_patterns(flat, row)
 
 
 def _decode_byte_planes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    return decode_codes(flat.view(2, -1), row, 2)
+    return decode_patterns(patterns_of(flat.view(2, -1), 2), row)
 
 
 # one fused pass each, for any format (its row) and length, as the eager runtime's own decoders
@@ -69,10 +69,7 @@ def _site_kernel(rounding: str, nbytes: int | None):
     their codes; and [values that overflowed, values the format has no code for] (int32)."""
 
     def round_site(flat: torch.Tensor, row: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if rounding == "nearest":
-            values, overflowed = round_nearest(flat, row)
-        else:
-            values, overflowed = round_with(flat, row, seed, rounding)
+        values, overflowed = round_values(flat, row, seed, rounding, in_floats=True)  # compiled.unsupported: M > 0
         unencodable = torch.zeros_like(overflowed)
         if nbytes is not None:
             values, unencodable = encode_codes(values, row, nbytes)
