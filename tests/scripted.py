@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from precsearch.search.context import SearchContext
+from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
 
@@ -21,7 +22,7 @@ from precsearch.train.trainer import ProxyResult
 class ScriptedTrainer:
     curve: Callable[[str, int, int, int], float]
     context: SearchContext  # of the same model, space and data as the search's: its graph, units, high format
-    calls: list[dict] = field(default_factory=list)  # name, length, seed, start, steps (how far it got)
+    calls: list[dict] = field(default_factory=list)  # name, length, seed, start, steps (how far it got), readings
 
     def name(self, policy) -> str:
         if policy is None:
@@ -36,7 +37,7 @@ class ScriptedTrainer:
         name = self.name(policy)
         start = json.loads(checkpoint.read_text())["step"] if checkpoint is not None and checkpoint.is_file() else 0
         start = start if start <= steps else 0
-        call = {"name": name, "length": steps, "seed": seed, "start": start, "steps": steps}
+        call = {"name": name, "length": steps, "seed": seed, "start": start, "steps": steps, "readings": []}
         self.calls.append(call)
         val_curve = []
         for step in sorted(set(evaluate_at)):
@@ -44,13 +45,16 @@ class ScriptedTrainer:
             val_curve.append([step, accuracy])
             if on_eval is not None and start < step < steps:
                 call["steps"] = step  # how far it got if the rung stops it here
+                call["readings"].append(step)  # a real continuing run trains a decay branch at each
                 self._save(checkpoint, step)
                 on_eval(step, accuracy, 1.0 - accuracy)
                 call["steps"] = steps
         self._save(checkpoint, steps)
         final = self.curve(name, steps, steps, seed)
+        call["readings"].append(steps)
         return ProxyResult(val_accuracy=final, val_loss=1.0 - final, diverged=False, reason="", steps_run=steps,
-                           loss_curve=[], val_curve=val_curve, steps_spent=steps - start)
+                           loss_curve=[], val_curve=val_curve, steps_spent=steps - start,
+                           branch_steps=branch_steps(call["readings"]))
 
     @staticmethod
     def _save(checkpoint, step: int) -> None:

@@ -15,6 +15,7 @@ from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import assign
 from precsearch.search.study import run_search
+from precsearch.train.continuing import branch_steps, decay_steps
 
 SPACE = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
 LENGTH, CONFIRM = 90, 270
@@ -132,16 +133,19 @@ def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):
     budget = pd.read_csv(tmp_path / "run" / "budget.csv").set_index("phase")
     calibration = sum(call["length"] - call["start"] for call in proxies if call["name"] == "HHHH")
     candidates = sum(call["steps"] for call in proxies if call["name"] != "HHHH")
+    branches = sum(branch_steps(call["readings"]) for call in proxies if call["name"] != "HHHH")
+    assert branches > 0
     confirmation = sum(call["length"] for call in trainer.calls if call["seed"] >= 1000)
     assert budget.loc["calibration", "steps"] == calibration == 3 * LENGTH
     rungs = budget[budget.index.str.startswith("rung ")]
     assert list(rungs.index) == ["rung 1 (steps 1-22)", "rung 2 (steps 23-45)", "rung 3 (steps 46-90)"]
     assert rungs["steps"].sum() == candidates
+    assert budget.loc["candidates' decay branches", "steps"] == branches  # a stopped run's too
     assert budget.loc["confirmation", "steps"] == confirmation
-    assert budget.loc["total (this search)", "steps"] == calibration + candidates + confirmation
+    assert budget.loc["total (this search)", "steps"] == calibration + candidates + branches + confirmation
     trained = trials[trials["seed_steps"] != ""]
     assert budget.loc[f"every trial at full length {LENGTH}", "steps"] == (
-        calibration + len(trained) * 3 * LENGTH + confirmation)
+        calibration + len(trained) * 3 * (LENGTH + decay_steps(LENGTH)) + confirmation)
     assert budget.loc[f"paper: one run per sweep point at {CONFIRM} steps", "steps"] == 11 * CONFIRM
 
 

@@ -41,6 +41,8 @@ def _continued_matches_uninterrupted(context, policy, tmp_path):
     assert first.val_accuracy == whole.val_curve[0][1]  # the reading at 4 is the same in both
     assert rest.steps_spent == 8 + decay_steps(8) + decay_steps(12)  # the continued call trained only its part
     assert whole.steps_spent == 12 + decay_steps(4) + decay_steps(8) + decay_steps(12)
+    # the run's own branches, the first call's among them: what the search's budget counts per run
+    assert rest.branch_steps == whole.branch_steps == decay_steps(4) + decay_steps(8) + decay_steps(12)
 
 
 def test_a_continued_plain_run_is_the_uninterrupted_run_bit_for_bit(context, tmp_path):

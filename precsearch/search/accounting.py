@@ -3,10 +3,11 @@ paper's procedure costs.
 
 Phases: calibration (the reference's continuing runs, decay branches included), each rung (the steps
 candidates trained between the previous rung and this one, on every seed they raced: a candidate stopped at
-a rung spends nothing after it; their decay branches are not counted), and confirmation (branches included).
-The two yardsticks: the same search with every trained candidate run to the full proxy length on all its
-seeds (calibration and confirmation included), and the paper's procedure, which uses no proxies: one full
-run per sweep point, here at the confirmation length.
+a rung spends nothing after it), the candidates' decay branches (one per reading: at each rung a first seed
+reached, and at the end of each run that did not diverge), and confirmation (branches included). The two
+yardsticks: the same search with every trained candidate run to the full proxy length on all its seeds, read
+once there (its branch included; calibration and confirmation as they were), and the paper's procedure, which
+uses no proxies: one full run per sweep point, here at the confirmation length.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pandas as pd
+
+from precsearch.train.continuing import decay_steps
 
 __all__ = ["budget_table", "describe_budget", "seed_steps"]
 
@@ -37,13 +40,15 @@ def budget_table(trials: pd.DataFrame, calibration_runs: int, calibration_steps:
         low, high = bounds[index - 1], bounds[index]
         rows.append({"phase": f"rung {index} (steps {low + 1}-{high})", "runs": sum(steps > low for steps in runs),
                      "steps": sum(min(steps, high) - min(steps, low) for steps in runs)})
+    rows.append({"phase": "candidates' decay branches", "runs": len(runs),
+                 "steps": int(pd.to_numeric(trials.get("branch_steps", pd.Series(dtype=float))).fillna(0).sum())})
     rows.append({"phase": "confirmation", "runs": confirmation_runs, "steps": confirmation_steps})
     total = sum(row["steps"] for row in rows)
     rows.append({"phase": "total (this search)", "runs": sum(row["runs"] for row in rows if row["phase"] in (
         "calibration", "confirmation")) + len(runs), "steps": total})
     rows.append({"phase": f"every trial at full length {length}", "runs": calibration_runs + candidates * proxy_seeds
-                 + confirmation_runs, "steps": calibration_steps + candidates * proxy_seeds * length
-                 + confirmation_steps})
+                 + confirmation_runs, "steps": calibration_steps + candidates * proxy_seeds
+                 * (length + decay_steps(length)) + confirmation_steps})
     rows.append({"phase": f"paper: one run per sweep point at {confirmation_length} steps", "runs": sweep_points,
                  "steps": sweep_points * confirmation_length})
     table = pd.DataFrame(rows)

@@ -263,7 +263,7 @@ def proxy_compile(options: CompileOptions | None) -> CompileOptions | None:
 def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
     """One result for proxies of the same policy under several seeds: mean accuracy and loss, the union of
     promotions (memory counts every tensor any seed promoted), diverged if any seed diverged, worst overflow
-    and underflow, summed wall time; the loss and accuracy curves are the first seed's."""
+    and underflow, summed wall time and steps; the loss and accuracy curves are the first seed's."""
     first = results[0]
     if len(results) == 1:
         return first
@@ -281,6 +281,8 @@ def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
         underflow_max=max(result.underflow_max for result in results),
         underflow_mean=sum(result.underflow_mean for result in results) / len(results),
         wall_time=sum(result.wall_time for result in results),
+        steps_spent=sum(result.steps_spent for result in results),
+        branch_steps=sum(result.branch_steps for result in results),
     )
 
 

@@ -40,6 +40,7 @@ from precsearch.search.selection import choose_best, drop_verdict
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import assign, assignment_key, low_share
 from precsearch.search.trials import trials_frame
+from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
 __all__ = ["FINISHED", "WORKER", "Objective"]
@@ -54,7 +55,7 @@ METRICS = (
     "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
     "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
     "memory_bytes", "memory_peak", "memory_planned", "low_share", "trained", "device",
-    "val_accuracy_sd", "val_accuracies", "seeds", "stopped_at", "seed_steps",
+    "val_accuracy_sd", "val_accuracies", "seeds", "stopped_at", "seed_steps", "branch_steps",
 )
 
 
@@ -131,16 +132,19 @@ class Objective:
             result = reference.result
             accuracies = list(reference.accuracies)
             seed_steps: list[int] = []
+            branches = 0
             trial.set_user_attr("duplicate_of", "reference")
         else:
             stopped, results = self._race(study, policy, key)
             if stopped is not None:
                 result = ProxyResult(stopped.accuracy, math.nan, False, stopped.reason, stopped.step, [])
                 accuracies, seed_steps = [stopped.accuracy], [stopped.step]
+                branches = branch_steps(step for step in self.rungs.steps if step <= stopped.step)
             else:
                 result = combine_seeds(results)
                 accuracies = [run.val_accuracy for run in results]
                 seed_steps = [run.steps_run for run in results]
+                branches = sum(run.branch_steps for run in results)
         ratios, size = context.memories(assignment, result.promotions)
         memory = ratios[f"memory_{context.budget.memory}"]
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
@@ -151,7 +155,7 @@ class Objective:
         for name in ("loss_curve", "val_curve"):
             record.pop(name)
         record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **ratios,
-                      **seed_record(accuracies), seed_steps=seed_steps)
+                      **seed_record(accuracies), seed_steps=seed_steps, branch_steps=branches)
         if stopped is not None:
             record["stopped_at"] = stopped.step
         for name, value in record.items():

@@ -50,6 +50,7 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "diverged": bool(attrs.get("diverged", False)),
         "stopped_at": attrs.get("stopped_at", math.nan),
         "seed_steps": ";".join(str(steps) for steps in attrs.get("seed_steps", [])),
+        "branch_steps": attrs.get("branch_steps", 0),
         "feasible": feasible(trial),
         "reason": attrs.get("reason", ""),
         "promotions": len(attrs.get("promotions", [])),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,8 @@ import torch
 from precsearch.config.policy import Policy
 from precsearch.files import atomic_write_bytes
 
-__all__ = ["CHECKPOINT_EVERY", "DECAY_FRACTION", "Progress", "State", "decay_lr", "decay_steps", "read_checkpoint",
-           "run_tag", "write_checkpoint"]
+__all__ = ["CHECKPOINT_EVERY", "DECAY_FRACTION", "Progress", "State", "branch_steps", "decay_lr", "decay_steps",
+           "read_checkpoint", "run_tag", "write_checkpoint"]
 
 DECAY_FRACTION = 0.1  # a branch at step s decays over a tenth of s: doubling points cost 0.2x the run in branches
 CHECKPOINT_EVERY = 100  # steps between checkpoints (no branch) of a long stretch without evaluations
@@ -39,6 +40,11 @@ CHECKPOINT_EVERY = 100  # steps between checkpoints (no branch) of a long stretc
 
 def decay_steps(step: int) -> int:
     return max(1, math.ceil(DECAY_FRACTION * step))
+
+
+def branch_steps(readings: Iterable[int]) -> int:
+    """Steps a continuing run trains in the decay branches of its readings (each reading has one)."""
+    return sum(decay_steps(step) for step in readings)
 
 
 def decay_lr(lr: float, index: int, length: int) -> float:
@@ -64,6 +70,7 @@ class Progress:
     first_loss: float | None = None
     reason: str = ""
     elapsed: float = 0.0
+    branch_steps: int = 0  # steps trained in decay branches, so far
 
 
 @dataclass(frozen=True)

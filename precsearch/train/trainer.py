@@ -117,6 +117,7 @@ class ProxyResult:
     device: str = "cpu"
     val_curve: list[list[float]] = field(default_factory=list)  # [step, validation accuracy] at ``evaluate_at``
     steps_spent: int = 0  # steps this call trained, decay branches included (a continued run counts its own only)
+    branch_steps: int = 0  # steps the whole run trained in decay branches (a continued run's earlier ones too)
 
     @property
     def val_error(self) -> float:
@@ -418,6 +419,7 @@ def train(
                         group["lr"] = decay_lr(config.lr, index, length)
                     sgd_step(images, labels)
                 spent += length
+                progress.branch_steps += length
             accuracy, loss = evaluate(model, val_set, torch_device, config.eval_batch_size)
             if step in rungs and not (val_curve and val_curve[-1][0] == step):
                 val_curve.append([step, accuracy])
@@ -486,6 +488,7 @@ def train(
         device=str(torch_device),
         val_curve=val_curve,
         steps_spent=spent,
+        branch_steps=progress.branch_steps,
     )
     log.info("proxy: acc %.4f loss %.4f%s in %.1fs", accuracy, result.val_loss,
              f" (diverged: {reason})" if reason else "", result.wall_time)
