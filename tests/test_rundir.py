@@ -141,6 +141,25 @@ def test_resume_refuses_when_the_study_is_lost_and_leaves_results_untouched(fini
     assert _snapshot(out) == before
 
 
+def test_a_search_recorded_by_an_earlier_precsearch_is_refused_in_one_line(finished, tmp_path):
+    """A run directory, or a shared study, from before ``SEARCH_FORMAT`` (no format recorded) is not resumed
+    under this version's calibration and rungs: one line says so and what to do; nothing is written."""
+    out = _copy(finished, tmp_path / "run")
+    recorded = json.loads((out / "run.json").read_text())
+    assert recorded.pop("search_format") == rundir.SEARCH_FORMAT
+    (out / "run.json").write_text(json.dumps(recorded))
+    before = _snapshot(out)
+    with pytest.raises(PrecsearchError, match=r"recorded by an earlier precsearch \(search format 1, this one "
+                                              r"reads 2.*cannot be resumed; start a new search in another --out"):
+        _search(out, 5, resume=True)
+    assert _snapshot(out) == before
+    study = optuna.load_study(study_name="precsearch", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(out / "study.journal"))))
+    earlier = {key: value for key, value in study.user_attrs["config"].items() if key != "search_format"}
+    assert rundir.earlier_search(study.user_attrs["config"], "it", "") is None  # this version's own
+    assert "recorded by an earlier precsearch" in str(rundir.earlier_search(earlier, "study x", "join another"))
+
+
 def test_a_lock_left_by_a_dead_process_is_stale_and_taken_over(tmp_path):
     child = os.fork()
     if child == 0:  # take the lock and die without releasing it

@@ -42,8 +42,9 @@ from precsearch.search.calibration import recorded_calibration
 from precsearch.search.confirmation import recorded_confirmation
 from precsearch.search.storage import StudyLocation, owner_id
 
-__all__ = ["CHECKPOINTS", "LOCK_FILES", "RUN_FILE", "RunLock", "SearchStop", "StopSignals", "check_journal_kept",
-           "check_resume", "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files", "owned",
+__all__ = ["CHECKPOINTS", "LOCK_FILES", "RUN_FILE", "SEARCH_FORMAT", "RunLock", "SearchStop", "StopSignals",
+           "check_journal_kept", "check_resume", "earlier_search", "hold_worker_lock", "lost_study", "make_run_dir",
+           "missing_lock_files", "owned",
            "quiet_optuna_interrupts", "remove_new_run_dir", "remove_stale_journal_lock", "remove_temporaries",
            "write_run_file"]
 
@@ -53,6 +54,9 @@ LOCK_NAME = ".precsearch.lock"
 WORKERS_LOCK_NAME = ".precsearch.workers.lock"
 LOCK_FILES = (LOCK_NAME, WORKERS_LOCK_NAME)
 RUN_FILE = "run.json"
+# What a recorded search means (calibration, rungs, seeds, budget): raised when that changes, so that a search
+# recorded by an earlier precsearch is refused with a line that says so, not resumed under other rules.
+SEARCH_FORMAT = 2
 CHECKPOINTS = "checkpoints"  # the runs' checkpoints (precsearch.train.continuing), removed as each run is recorded
 
 
@@ -310,6 +314,16 @@ def check_journal_kept(out_dir: Path, location: StudyLocation, resume: bool) -> 
         raise lost_study(out_dir, location)
 
 
+def earlier_search(theirs: dict[str, Any], where: str, fix: str) -> PrecsearchError | None:
+    """The refusal of a search recorded (``theirs``: its config) under another ``SEARCH_FORMAT``, else None."""
+    recorded = theirs.get("search_format", 1)
+    if recorded == SEARCH_FORMAT:
+        return None
+    return PrecsearchError(f"{where} was recorded by {'an earlier' if recorded < SEARCH_FORMAT else 'a later'} "
+                           f"precsearch (search format {recorded}, this one reads {SEARCH_FORMAT}: calibration, "
+                           f"rungs and seeds follow other rules), so it cannot be resumed; {fix}")
+
+
 def check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: bool) -> None:
     """Rules for --out: a new search needs it empty; --resume needs the same search in it; a worker of a
     shared study may come back to its own --out (same study, same settings) without --resume."""
@@ -319,6 +333,10 @@ def check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: bo
             raise PrecsearchError(f"nothing to resume in {out_dir} (no {RUN_FILE}); drop --resume to start a search")
         previous = load_json_object(run_file, "run file", "rebuild it from the study with export_study, or "
                                     "choose another --out")
+        earlier = earlier_search(previous, str(out_dir), "start a new search in another --out (its trials.csv, "
+                                 "pareto.csv and policies stay readable)")
+        if earlier is not None:
+            raise earlier
         differ = [key for key in config if previous.get(key) != config[key]]
         if differ:
             raise PrecsearchError(f"{out_dir} holds a search with different {', '.join(differ)}; resume it with "

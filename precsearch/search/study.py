@@ -103,10 +103,12 @@ from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
     CHECKPOINTS,
     RUN_FILE,
+    SEARCH_FORMAT,
     SearchStop,
     StopSignals,
     check_journal_kept,
     check_resume,
+    earlier_search,
     lost_study,
     make_run_dir,
     missing_lock_files,
@@ -164,6 +166,9 @@ def _new_study(context: SearchContext, storage: optuna.storages.BaseStorage, loc
 
 def _check_same_config(study: optuna.Study, context: SearchContext, location: StudyLocation, fix: str) -> None:
     theirs, ours = study.user_attrs.get(CONFIG) or {}, study_config(context)
+    earlier = earlier_search(theirs, f"study {location.study_name} in {location.shown}", fix)
+    if earlier is not None:
+        raise earlier
     differ = [key for key in ours if theirs.get(key) != ours[key]]
     if differ:
         raise PrecsearchError(
@@ -211,6 +216,7 @@ def _adopt(study: optuna.Study, context: SearchContext, location: StudyLocation)
 def study_config(context: SearchContext) -> dict[str, Any]:
     """What must match for a resumed study to mean the same thing."""
     return {
+        "search_format": SEARCH_FORMAT,
         "model": context.model,
         "space": context.space.to_dict(),
         "data": dataclasses.asdict(context.data_spec),
