@@ -224,6 +224,27 @@ def test_a_candidate_gains_seeds_only_while_its_decision_depends_on_them(tmp_pat
     assert seeds(edge) == [0, 1, 2]  # 0.945 against 0.953: undecided on one seed and on two
 
 
+def test_a_reference_without_seed_noise_decides_nothing_until_candidates_measured_theirs(tmp_path, context):
+    """All-high at 100% on every seed claims no noise; the first candidates then train a second seed until
+    candidates have measured two degrees of freedom of their own (``CANDIDATE_DF``), and only then does one
+    seed decide."""
+    saturated = {step: (1.0, 1.0, 1.0) for step in REFERENCE}
+
+    def curve(name, step, length, seed):  # every candidate keeps up through the rungs; two or more L fail at the end
+        if name in ("HHHH", "plain") or name.count("L") == 1 or step < length:
+            return _at(saturated, step)[0]
+        return 0.5
+
+    trainer = ScriptedTrainer(curve, context)
+    _search(tmp_path / "run", trainer)
+    runs = {}
+    for call in trainer.calls:
+        if call["seed"] < 1000 and call["name"] not in ("HHHH", "plain") and call["steps"] == LENGTH:
+            runs.setdefault(call["name"], []).append(call["seed"])
+    in_order = [seeds for name, seeds in runs.items()]
+    assert in_order[:2] == [[0, 1], [0, 1]] and all(seeds == [0] for seeds in in_order[2:]) and len(in_order) > 2
+
+
 def test_sequential_confirmation_stops_at_the_first_point_confirmed(tmp_path, context):
     """Confirmation trains the front in memory order: the cheapest point is confirmed, and every dearer point
     is left untrained (the scattering point above shows a point that fails on its first seed: the next one

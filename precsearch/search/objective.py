@@ -33,6 +33,7 @@ from optuna.trial import FrozenTrial, TrialState
 from precsearch.config.policy import Policy
 from precsearch.files import DiskFull, full_disk
 from precsearch.search.context import SearchContext, combine_seeds, seed_record
+from precsearch.search.noise import pooled_noise
 from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.rundir import StopSignals
 from precsearch.search.rungs import RungStop
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+CANDIDATE_DF = 2  # degrees of freedom candidates measure before a noise of zero is believed (``_decided``)
 OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
 METRICS = (
     "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
@@ -194,11 +196,18 @@ class Objective:
 
     def _decided(self, study: optuna.Study, results: list[ProxyResult]) -> bool:
         """Whether the accuracy-drop rule is settled on these seeds (``selection.drop_verdict``); under a memory
-        budget, whose pick compares candidates with each other, every seed is trained."""
+        budget, whose pick compares candidates with each other, every seed is trained. A noise of zero (a
+        reference at the same accuracy on every seed, 100% say) settles nothing until candidates have measured
+        ``CANDIDATE_DF`` degrees of freedom of their own: low precision may scatter where all-high does not."""
         reference, budget = self.reference, self.context.budget
         if budget.max_memory is not None or reference.accuracy is None:
             return False
-        noise = proxy_noise(trials_frame(study, self.context), reference, budget.confidence)
+        frame = trials_frame(study, self.context)
+        noise = proxy_noise(frame, reference, budget.confidence)
+        if noise.sd == 0 and len(results) < 2:
+            candidates = frame[frame["key"] != reference.key] if not frame.empty else frame
+            if pooled_noise(candidates, budget.confidence).df < CANDIDATE_DF:
+                return False
         verdict = drop_verdict([run.val_accuracy for run in results], reference.accuracy,
                                len(reference.accuracies), budget.drop, noise)
         return verdict is not None
