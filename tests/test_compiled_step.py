@@ -268,14 +268,18 @@ def test_a_block_fx_cannot_trace_runs_as_one_op_and_the_rest_compiles() -> None:
         assert torch.equal(trained[name].grad, param.grad), name
 
 
-@pytest.mark.parametrize(("no_compile", "steps", "expected"), [
-    (False, COMPILE_MIN_STEPS, True), (False, COMPILE_MIN_STEPS - 1, False), (False, None, True),
-    (True, COMPILE_MIN_STEPS * 10, False), (True, None, False)])
-def test_the_command_line_compiles_long_work_unless_told_not_to(no_compile, steps, expected) -> None:
-    """``--no-compile`` always wins; otherwise a command compiles from ``COMPILE_MIN_STEPS`` steps (None: long
-    runs): options it hands to its runs and workers, saving codes; no environment variable is set."""
+@pytest.mark.parametrize(("compile", "device", "steps", "expected"), [
+    (None, "cuda", COMPILE_MIN_STEPS, True), (None, "cuda", COMPILE_MIN_STEPS - 1, False), (None, "auto", None, True),
+    (None, "cpu", COMPILE_MIN_STEPS * 10, False), (None, "cpu", None, False), (False, "cuda", None, False),
+    (True, "cpu", 1, True)])
+def test_the_command_line_compiles_long_work_on_cuda_unless_told(monkeypatch, compile, device, steps,
+                                                                  expected) -> None:
+    """``--compile`` and ``--no-compile`` always win; otherwise a command compiles on CUDA from
+    ``COMPILE_MIN_STEPS`` steps (None: long runs) and trains eagerly on a CPU, where the compiled step measured
+    no faster: options it hands to its runs and workers, saving codes; no environment variable is set."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # "auto" and "cuda" resolve to CUDA here
     before = {key: value for key, value in os.environ.items() if key.startswith("PRECSEARCH")}
-    options = choose_compile(argparse.Namespace(no_compile=no_compile), steps)
+    options = choose_compile(argparse.Namespace(compile=compile, device=device), steps)
     assert options == (CompileOptions() if expected else None)
     assert {key: value for key, value in os.environ.items() if key.startswith("PRECSEARCH")} == before
 
@@ -443,12 +447,12 @@ class _Reached(BaseException):
 
 
 @pytest.mark.parametrize(("steps", "flags", "expected"), [
-    (3000, [], CompileOptions()), (1999, [], None), (3000, ["--no-compile"], None)])
+    (3000, ["--compile"], CompileOptions()), (3000, [], None), (3000, ["--compile", "--no-compile"], None)])
 def test_train_with_a_policy_hands_its_compile_choice_to_the_wrapper(tmp_path, monkeypatch, steps, flags,
                                                                      expected) -> None:
-    """``precsearch train MODEL --policy P --steps 3000`` wraps the model compiled and saving codes (so its saves
-    are the eager step's: the test above), through its configuration: not below 2,000 steps, not with
-    ``--no-compile``, and never through the environment."""
+    """``precsearch train MODEL --policy P --steps 3000 --compile`` wraps the model compiled and saving codes (so
+    its saves are the eager step's: the test above), through its configuration; on a CPU by default, and with
+    ``--no-compile`` last, it trains eagerly; never through the environment."""
     from precsearch.cli import main
     from precsearch.train import trainer
 

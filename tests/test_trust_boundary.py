@@ -27,6 +27,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import PAPER_SPACE
 from precsearch.errors import PrecsearchError
 from precsearch.models.common import TooNarrow, scale_channels
+from precsearch.search.rundir import SEARCH_FORMAT
 from precsearch.search.storage import STUDY_NAME, StudyLocation
 
 FAST = ["--image-size", "8", "--device", "cpu", "--threads", "1"]
@@ -73,12 +74,12 @@ def _evil_specs(sentinel) -> list[str]:
 
 
 def _run_config(model: str) -> dict:
-    """The run.json fields validate reads, of a tiny search on the digits, naming ``model``."""
+    """The run.json fields validate reads, of a tiny search on the digits by this precsearch, naming ``model``."""
     space = {**PAPER_SPACE, "proxy": {**PAPER_SPACE.get("proxy", {}), "steps": 2, "batch_size": 16,
                                       "image_size": 8}}
     return {"model": model, "space": space, "data": {"name": "digits", "root": None},
             "budget": {"max_memory": None, "max_accuracy_drop": None, "memory": "bytes", "confidence": 0.9},
-            "seed": 0}
+            "seed": 0, "search_format": SEARCH_FORMAT}
 
 
 def _foreign_run(folder, model: str) -> None:

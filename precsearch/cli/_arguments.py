@@ -163,26 +163,35 @@ def space_argument(args: argparse.Namespace) -> Any:
     return args.space if args.space is not None else paper_space()
 
 
-# Training steps (a process's) from which a command compiles its step by default: the demo's narrow_cnn repays its
-# compile after 2,141 all-low steps, ResNet-18 width 0.25 after about 190 (benchmarks/results/bench_runtime.md).
+# Training steps (a process's) from which a command compiles its step by default on CUDA, where a compile of minutes
+# must be repaid; on a CPU the compiled step is not the faster one (benchmarks/results/bench_runtime.md: the
+# all-low and hfp8 steps within the noise of the eager ones) and holds 3-8% more, so it compiles only when asked.
 COMPILE_MIN_STEPS = 2000
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-compile", action="store_true",
-                        help=f"train eagerly; by default a command whose processes each train {COMPILE_MIN_STEPS} "
-                             "steps or more (all their runs together) compiles the training step, once per model, "
-                             "code widths and process (precsearch.runtime.compiled): its peak memory 3-8%% above "
-                             "the eager step's, its speed against it depending on the machine (README, 'Peak "
-                             "memory' and 'Step time')")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the training step (precsearch.runtime.compiled: once per model, code widths "
+                             "and process; its peak memory 3-8%% above the eager step's) or not (--no-compile); by "
+                             f"default a command compiles on CUDA when its processes each train {COMPILE_MIN_STEPS} "
+                             "steps or more, and trains eagerly on a CPU, where the compiled step measured no "
+                             "faster (README, 'Peak memory' and 'Step time')")
 
 
 def choose_compile(args: argparse.Namespace, steps: int | None) -> CompileOptions | None:
-    """How this command's runs compile their step (None: eagerly): not with ``--no-compile``, else when each of
-    its processes trains ``steps`` (all its runs together; None: long runs) of at least ``COMPILE_MIN_STEPS``.
-    The command hands it to its runs and the workers it starts, with the rest of their configuration."""
-    on = not args.no_compile and (steps is None or steps >= COMPILE_MIN_STEPS)
-    reason = "" if on or args.no_compile else f" ({steps} steps, fewer than {COMPILE_MIN_STEPS})"
-    log.info("training step: %s", "compiled (its peak memory 3-8% above the eager step's; --no-compile for the "
-             "smallest)" if on else f"eager{reason}")
+    """How this command's runs compile their step (None: eagerly): as ``--compile`` or ``--no-compile`` says,
+    else on CUDA when each of its processes trains ``steps`` (all its runs together; None: long runs) of at
+    least ``COMPILE_MIN_STEPS``, and never on a CPU (``args.device``, resolved). The command hands it to its
+    runs and the workers it starts, with the rest of their configuration."""
+    from precsearch.train.trainer import resolve_device
+
+    if args.compile is not None:
+        on, reason = args.compile, " (asked)"
+    elif resolve_device(args.device).type != "cuda":
+        on, reason = False, " (on a CPU the compiled step is no faster; --compile to compile it)"
+    else:
+        on = steps is None or steps >= COMPILE_MIN_STEPS
+        reason = "" if on else f" ({steps} steps, fewer than {COMPILE_MIN_STEPS})"
+    log.info("training step: %s%s", "compiled (its peak memory 3-8% above the eager step's)" if on else "eager",
+             reason)
     return CompileOptions() if on else None
