@@ -8,7 +8,8 @@ noise, confirmation of the front), then, at the confirmation's length and on its
 and, in the scaled space, the torchao-style baseline (``baseline("torchao_fp8", graph)``). Memory is the cost
 model's bytes as a share of all-high's (bf16 everywhere, the same in both spaces), promoted tensors counted high.
 
-Each configuration's rows replace its earlier ones in ``benchmarks/results/scaled_formats.csv``; the markdown
+Each configuration's rows replace its earlier ones in ``benchmarks/results/scaled_formats.csv``, a space's as
+soon as it is measured, and a search interrupted in ``--out`` is resumed by the next run; the markdown
 ``benchmarks/results/scaled_formats.md`` is rendered from every row there, so configurations can be run one at
 a time (and one that never finished shows as such).
 
@@ -77,7 +78,7 @@ def _measured(data: str, model: str, space_name: str, space, trials: int, jobs: 
               start: float) -> list[dict]:
     result = run_search(SearchConfig(model, space, data, trials=trials, out_dir=out, jobs=jobs, seed=0,
                                      device="cpu", threads=1 if jobs == 1 else None, proxy_seeds=None,
-                                     progress=False))
+                                     progress=False, resume=(out / "run.json").is_file()))  # an interrupted run goes on
     context = SearchContext.create(model, space, DataSpec(data), Budget(), 0, "cpu")
     confirmed = result.confirmation.set_index("key")
     steps, count = int(confirmed["confirmed_steps"].max()), int(confirmed["confirmed_seeds"].max())
@@ -198,14 +199,13 @@ def main() -> int:
         parser.error(f"unknown config {unknown[0]!r}; use any of {', '.join(CONFIGS)}")
     for config in configs:
         data, model = config.split(":", 1)
-        rows = []
-        for space_name in SPACES:
-            out = args.out / f"{data}_{model.replace(':', '_').replace('=', '')}_{space_name}"
-            rows += run_space(data, model, space_name, args.trials, args.jobs, out, args.lr)
-            print(pd.DataFrame(rows).to_string(), flush=True)
         frame = frame[~((frame["data"] == data) & (frame["model"] == model))]
-        frame = pd.concat([frame, pd.DataFrame(rows, columns=COLUMNS)], ignore_index=True)
-        atomic_write_text(table, frame.to_csv(index=False))
+        for space_name in SPACES:  # each space's rows kept as soon as they are measured
+            out = args.out / f"{data}_{model.replace(':', '_').replace('=', '')}_{space_name}"
+            rows = run_space(data, model, space_name, args.trials, args.jobs, out, args.lr)
+            print(pd.DataFrame(rows).to_string(), flush=True)
+            frame = pd.concat([frame, pd.DataFrame(rows, columns=COLUMNS)], ignore_index=True)
+            atomic_write_text(table, frame.to_csv(index=False))
     atomic_write_text(RESULTS / "scaled_formats.md", render(frame, args.trials, args.jobs))
     return 0
 
