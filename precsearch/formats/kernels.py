@@ -128,14 +128,19 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
     check_modes(rounding, overflow)
     dtype = storage_dtype(spec) if with_codes and spec.packs else None
     in_floats = rounding == "nearest" and nearest_in_floats(spec)  # else round_values works on bit patterns
+    prepared: dict[tuple[torch.device, bool], tuple] = {}  # (kernel, row) by device and in-place: a per-call hot path
 
     def fn(x: torch.Tensor, seed: torch.Tensor | None, counts: torch.Tensor | None = None):
         device = x.device
         seed = _zero_seed(device) if seed is None else seed
         counts = torch.zeros(2, dtype=torch.int64, device=device) if counts is None else counts
         written = in_place and x.is_contiguous()
-        kernel = _round_kernel(rounding, in_floats, _kernel_dtype(dtype, device), written)
-        row = _row(spec, rounding, overflow, device)
+        kernel_row = prepared.get((device, written))
+        if kernel_row is None:
+            kernel_row = prepared[device, written] = (
+                _round_kernel(rounding, in_floats, _kernel_dtype(dtype, device), written),
+                _row(spec, rounding, overflow, device))
+        kernel, row = kernel_row
         rounded, codes = RUNNER.run(kernel, x.view(-1) if written else x.reshape(-1), row, seed, counts)
         if codes is not None:
             # shaped as x without being views of the flat outputs: a caller may modify them in place
