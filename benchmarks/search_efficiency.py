@@ -1,18 +1,19 @@
-"""What each way of finding an assignment costs and what it finds, side by side on one task.
+"""What the search costs against the paper's sweep when the real training is much longer than the proxy.
 
 For a model and task (``--task demo``: the demo's narrow_cnn on gratings; ``--task tiny``: tiny_cnn on
-gratings, the old demo), three procedures, each ending in a pick confirmed the same way (trained at the
-confirmation length, 3x the calibrated proxy length, on the same fresh seeds as the search's reference):
+gratings, the old demo):
 
-(a) this search: calibrated proxy length, rungs, confirmation of the front (``run_search`` defaults);
-(b) the fixed 150-step search of before: ``--proxy-steps 150`` (rungs at its halvings; its proxy pick is what it
-    used to write; its confirmation is shown next to it);
+(a) this search with ``run_search``'s defaults (calibrated proxy length L, rungs, seeds that race,
+    sequential confirmation at 3L); its cost is every step it trains;
 (c) the paper's procedure: every distinct point of the size-ordered sweep r = 0, 0.1, ..., 1 trained at the
-    confirmation length on those seeds, the pick by the same rule (least memory within 1 point of all-high at
-    90% one-sided confidence).
+    full length (``--full-factor`` x L, default 10) on 3 seeds, the pick by the search's rule (least memory
+    within 1 point of all-high at 90% one-sided confidence).
 
-It prints one table: procedure, proxy length, the pick's memory (share of the all-high assignment's bytes),
-its confirmed accuracy, all-high's confirmed accuracy, training steps, and steps as a share of (c)'s.
+Both picks are then held to all-high at the full length on those 3 seeds, which no search run used: (c)'s
+runs are that check for (c), and (a)'s pick is trained there too (unless it is a sweep point). The table:
+steps, steps as a share of (c)'s, (a)'s budget per phase, each pick's memory (share of all-high's bytes), its
+full-length accuracy against all-high's and whether the rule holds it within 1 point; ``--out``/TASK/
+efficiency.csv keeps it.
 
     python benchmarks/search_efficiency.py --task demo --out runs/efficiency
 """
@@ -27,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
-from precsearch.search.confirmation import CONFIRM_SEED_OFFSET, DEFAULT_CONFIRM_FACTOR, confirmation_length
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import pooled_noise
 from precsearch.search.selection import pick_pairwise
@@ -40,85 +41,42 @@ TASKS = {
     "demo": ("narrow_cnn", {"batch_size": 32, "image_size": 16, "lr": 0.2}),
     "tiny": ("tiny_cnn", {"batch_size": 64, "image_size": 16, "lr": 0.2}),
 }
-FIXED_STEPS = 150
-DROP = 0.01
+BUDGET = Budget(max_accuracy_drop=0.01)
+FULL_SEED_OFFSET = 2000  # no proxy (seed + 0, 1, ...) or confirmation (+ 1000, ...) run used these seeds
+FULL_SEEDS = 3
 
 
-def searched(name: str, result, steps_total: int) -> dict:
-    """A table row for a search's confirmed pick."""
-    best = result.best
-    confirmed = result.confirmation.set_index("key") if result.confirmation is not None else pd.DataFrame()
-    high = result.trials[result.trials["decisions"].str.fullmatch("H+")]
-    high_key = high["key"].iloc[0] if not high.empty else None
-    row = {"procedure": name, "proxy_length": result.calibration.length if result.calibration else None,
-           "steps": steps_total}
-    if high_key is not None and high_key in confirmed.index:
-        row["all_high_confirmed"] = float(confirmed.loc[high_key, "confirmed_accuracy"])
-    if best is None:
-        return {**row, "pick_memory": float("nan"), "pick_confirmed": float("nan"), "note": result.note}
-    return {**row, "pick_memory": float(best["memory"]), "pick_proxy": float(best.get("proxy_accuracy", np.nan)),
-            "pick_confirmed": float(best["val_accuracy"]), "pick_sd": float(best.get("val_accuracy_sd", np.nan)),
-            "note": result.note}
+def full_length_row(context: SearchContext, key: str, assignment, policy: Policy, length: int, seeds: list[int],
+                    label: str) -> dict:
+    """One assignment at ``length`` steps on ``seeds``: its seed accuracies, its memory (counting what the
+    overflow guard promoted, as the search's does) and the steps spent."""
+    results = context.train_seeds(policy, length, seeds)
+    accuracies = [result.val_accuracy for result in results]
+    promoted = sorted({tensor for result in results for tensor in result.promotions})
+    row = {"key": key, "label": label, "state": "COMPLETE", "trained": True,
+           "memory": context.memory(assignment, promoted)[0], "accuracies": accuracies,
+           "val_accuracy": float(np.mean(accuracies)), "seeds": len(results),
+           "val_accuracy_sd": float(np.std(accuracies, ddof=1)) if len(results) > 1 else np.nan,
+           "diverged": any(result.diverged for result in results),
+           "steps": sum(result.steps_spent for result in results)}
+    print(f"  {label}: memory {row['memory']:.3f} accuracy {row['val_accuracy']:.4f} (sd {row['val_accuracy_sd']:.4f},"
+          f" {row['seeds']} seeds, {length} steps)", flush=True)
+    return row
 
 
-def total_steps(result) -> int:
-    table = result.budget.set_index("phase")
-    return int(table.loc["total (this search)", "steps"])
-
-
-def train_points(context: SearchContext, candidates, length: int, seeds: list[int],
-                 threads: int) -> tuple[pd.DataFrame, dict[str, list[float]], int]:
-    """Every distinct candidate at ``length`` steps on ``seeds``: one row per assignment (its first r, its
-    memory counting what the overflow guard promoted, as the search's does), each key's seed accuracies, and
-    the training steps spent."""
-    rows, accuracies, steps = [], {}, 0
-    with torch_threads(threads):
-        for candidate in candidates:
-            if candidate.key in accuracies:
-                continue
-            policy = context.policy(candidate.assignment, {"strategy": candidate.strategy, "r": candidate.r})
-            results = context.train_seeds(policy, length, seeds)
-            steps += sum(result.steps_run for result in results)
-            accuracies[candidate.key] = [result.val_accuracy for result in results]
-            promoted = sorted({tensor for result in results for tensor in result.promotions})
-            rows.append({"key": candidate.key, "r": candidate.r, "number": len(rows), "state": "COMPLETE",
-                         "memory_planned": context.memory(candidate.assignment)[0],
-                         "memory": context.memory(candidate.assignment, promoted)[0],
-                         "val_accuracy": float(np.mean(accuracies[candidate.key])), "seeds": len(results),
-                         "val_accuracy_sd": float(np.std(accuracies[candidate.key], ddof=1)) if len(results) > 1
-                         else np.nan, "diverged": any(result.diverged for result in results), "trained": True})
-            print(f"  {candidate.strategy} r={candidate.r:.1f}: memory {rows[-1]['memory']:.3f} accuracy "
-                  f"{rows[-1]['val_accuracy']:.4f} (sd {rows[-1]['val_accuracy_sd']:.4f}, {len(results)} seeds)",
-                  flush=True)
-    return pd.DataFrame(rows), accuracies, steps
-
-
-def pick_confirmed(frame: pd.DataFrame, accuracies: dict[str, list[float]], reference_key: str,
-                   chance: float) -> pd.Series | None:
-    """The search's confirmed rule over trained points (least memory within ``DROP`` of all-high, the
-    ``reference_key`` row, at 90% one-sided confidence, each point held to all-high with the noise of the two)."""
-    reference = frame.set_index("key").loc[reference_key]
-    confidence = Budget().confidence
+def pick(frame: pd.DataFrame, reference_key: str, chance: float) -> pd.Series | None:
+    """The search's confirmed rule over full-length points (``pick_pairwise``): least memory within the drop
+    of all-high (``reference_key``), each point held to it with the seed noise of those two alone."""
+    frame = frame.assign(number=range(len(frame)))
+    by_key = frame.set_index("key")
+    reference = by_key.loc[reference_key]
 
     def pair_noise(key: str):
-        return pooled_noise(pd.DataFrame(), confidence, extra=[accuracies[key], accuracies[reference_key]])
+        return pooled_noise(pd.DataFrame(), BUDGET.confidence,
+                            extra=[by_key.loc[key, "accuracies"], reference["accuracies"]])
 
-    return pick_pairwise(frame, Budget(max_accuracy_drop=DROP), float(reference["val_accuracy"]),
-                         int(reference["seeds"]), reference_key, chance, pair_noise)
-
-
-def paper_sweep(model: str, space, data: str, length: int, seeds: list[int], threads: int) -> dict:
-    """(c): every distinct sweep point at ``length`` steps on ``seeds``, picked by the search's confirmed rule."""
-    context = SearchContext.create(model, space, DataSpec(data), Budget(max_accuracy_drop=DROP), 0, "cpu")
-    frame, accuracies, steps = train_points(context, sweep(context.graph, space), length, seeds, threads)
-    reference = frame.iloc[0]  # r = 0: all-high
-    best = pick_confirmed(frame, accuracies, reference["key"], context.chance)
-    row = {"procedure": "(c) paper: sweep at full length", "proxy_length": None, "steps": steps,
-           "all_high_confirmed": float(reference["val_accuracy"])}
-    if best is None:
-        return {**row, "pick_memory": float("nan"), "pick_confirmed": float("nan"), "note": "no pick"}
-    return {**row, "pick_memory": float(best["memory"]), "pick_confirmed": float(best["val_accuracy"]),
-            "pick_sd": float(best["val_accuracy_sd"]), "note": f"r={best['r']:.1f}"}
+    return pick_pairwise(frame, BUDGET, float(reference["val_accuracy"]), int(reference["seeds"]), reference_key,
+                         chance, pair_noise)
 
 
 def main() -> None:
@@ -126,36 +84,76 @@ def main() -> None:
     parser.add_argument("--task", choices=sorted(TASKS), default="demo")
     parser.add_argument("--trials", type=int, default=24)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--out", default="runs/efficiency", help="folder for the two searches' run directories")
-    parser.add_argument("--resume", action="store_true",
-                        help="finish the two searches from their run directories (a finished one is only re-read)")
+    parser.add_argument("--full-factor", type=float, default=10.0,
+                        help="the full length as a multiple of the calibrated proxy length (default 10)")
+    parser.add_argument("--out", default="runs/efficiency", help="folder for the search's run directory")
+    parser.add_argument("--resume", action="store_true", help="finish the search from its run directory")
     args = parser.parse_args()
     model, proxy = TASKS[args.task]
     space = paper_space(proxy=proxy)
     out = Path(args.out) / args.task
     if not args.resume:
         shutil.rmtree(out, ignore_errors=True)
-    rows = []
     start = time.perf_counter()
-    common = dict(model=model, space=space, data="gratings", trials=args.trials, jobs=args.jobs, seed=0,
-                  device="cpu", threads=1, proxy_seeds=None, progress=False,
-                  budget=Budget(max_accuracy_drop=DROP), resume=args.resume)
-    new = run_search(SearchConfig(out_dir=out / "new", **common))
-    rows.append(searched("(a) calibrated, rungs, confirmed", new, total_steps(new)))
-    print(f"(a) done in {time.perf_counter() - start:.0f} s", flush=True)
-    fixed = run_search(SearchConfig(out_dir=out / "fixed", proxy_steps=FIXED_STEPS, **common))
-    rows.append(searched(f"(b) fixed {FIXED_STEPS}-step proxies", fixed, total_steps(fixed)))
-    print(f"(b) done in {time.perf_counter() - start:.0f} s", flush=True)
-    length = confirmation_length(new.calibration.length, DEFAULT_CONFIRM_FACTOR)
-    reference_seeds = int(new.confirmation["confirmed_seeds"].max())
-    seeds = [CONFIRM_SEED_OFFSET + index for index in range(reference_seeds)]
-    rows.append(paper_sweep(model, space, "gratings", length, seeds, threads=1))
-    table = pd.DataFrame(rows)
-    table["steps_vs_paper"] = table["steps"] / table["steps"].iloc[-1]
-    print(f"\n{args.task}: {model} on gratings, confirmation {length} steps on {reference_seeds} fresh seeds; "
+    result = run_search(SearchConfig(
+        model=model, space=space, data="gratings", trials=args.trials, jobs=args.jobs, seed=0, device="cpu",
+        threads=1, proxy_seeds=None, progress=False, budget=BUDGET, resume=args.resume, out_dir=out / "search"))
+    search_wall = time.perf_counter() - start
+    budget = result.budget.set_index("phase")["steps"]
+    proxy_length = result.calibration.length
+    length = round(args.full_factor * proxy_length)
+    seeds = [FULL_SEED_OFFSET + index for index in range(FULL_SEEDS)]
+    print(f"(a) {search_wall:.0f} s: L = {proxy_length}, {int(budget['total (this search)'])} steps; full length "
+          f"{length} on seeds {seeds}", flush=True)
+
+    context = SearchContext.create(model, space, DataSpec("gratings"), BUDGET, 0, "cpu")
+    rows: dict[str, dict] = {}
+    with torch_threads(1):
+        for candidate in sweep(context.graph, space):
+            if candidate.key not in rows:
+                policy = context.policy(candidate.assignment, {"strategy": candidate.strategy, "r": candidate.r})
+                rows[candidate.key] = full_length_row(context, candidate.key, candidate.assignment, policy, length,
+                                                      seeds, f"r={candidate.r:.1f}")
+        sweep_frame = pd.DataFrame(list(rows.values()))
+        high_key = sweep_frame["key"].iloc[0]  # r = 0: all-high
+        sweep_pick = pick(sweep_frame, high_key, context.chance)
+        search_pick = None
+        if result.best is not None:
+            key = result.best["key"]
+            if key not in rows:
+                policy = Policy.load(out / "search" / "best.json")
+                rows[key] = full_length_row(context, key, policy.assignment(context.graph), policy, length, seeds,
+                                            "pick (a)")
+            search_pick = rows[key]
+    high = rows[high_key]
+    sweep_steps = int(sweep_frame["steps"].sum())
+
+    def held(row: dict | pd.Series | None) -> dict:
+        if row is None:
+            return {"pick_memory": np.nan, "pick_full_accuracy": np.nan, "within_drop_of_all_high": False}
+        pair = pd.DataFrame([rows[row["key"]], high]).drop_duplicates("key")
+        verdict = pick(pair, high_key, context.chance)
+        return {"pick_memory": float(row["memory"]), "pick_full_accuracy": float(row["val_accuracy"]),
+                "pick_full_sd": float(row["val_accuracy_sd"]),
+                "within_drop_of_all_high": verdict is not None and verdict["key"] == row["key"]}
+
+    phases = {f"steps: {phase}": int(steps) for phase, steps in budget.items()
+              if phase != "total (this search)" and not phase.startswith(("every trial", "paper"))}
+    table = pd.DataFrame([
+        {"procedure": "(a) this search", "proxy_length": proxy_length, "steps": int(budget["total (this search)"]),
+         **held(search_pick), **phases},
+        {"procedure": f"(c) paper's sweep at {length} steps", "proxy_length": None, "steps": sweep_steps,
+         **held(sweep_pick), "note": "" if sweep_pick is None else sweep_pick["label"]},
+    ])
+    table["steps_vs_sweep"] = table["steps"] / sweep_steps
+    table["all_high_full_accuracy"] = high["val_accuracy"]
+    table["full_length"] = length
+    table.to_csv(out / "efficiency.csv", index=False)
+    print(f"\n{args.task}: {model} on gratings, L = {proxy_length}, full length {length} ({args.full_factor:g}x L) "
+          f"on {FULL_SEEDS} fresh seeds; all-high there {high['val_accuracy']:.4f}; "
           f"wall {time.perf_counter() - start:.0f} s")
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table.to_string(index=False, float_format=lambda value: f"{value:.4f}"))
+    with pd.option_context("display.width", 250, "display.max_columns", 30):
+        print(table.T.to_string(float_format=lambda value: f"{value:.4f}"))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(t
     assert best["confirmation"]["proxy_accuracy"] == pytest.approx(0.5)
     assert best["confirmation"]["confirmed_accuracy"] == pytest.approx(0.96)
     assert best["confirmation"]["all_high_accuracy"] == pytest.approx(sum(REFERENCE[CONFIRM]) / 3)
-    assert best["confirmation"]["plain_fp32_accuracy"] == pytest.approx(sum(REFERENCE[CONFIRM]) / 3)
+    assert best["confirmation"]["plain_fp32_accuracy"] == pytest.approx(REFERENCE[CONFIRM][0])  # a yardstick:
+    assert best["confirmation"]["plain_fp32_seeds"] == 1  # it decides nothing, so it trains the first seed alone
     pareto = pd.read_csv(tmp_path / "run" / "pareto.csv").set_index("decisions")
     assert pareto.loc[cheap, "val_accuracy"] == pytest.approx(proxy[cheap])  # proxy and confirmed side by side
     assert pareto.loc[cheap, "confirmed_accuracy"] == pytest.approx(confirmed[cheap])
@@ -111,6 +112,7 @@ def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(t
     confirmations = [call for call in trainer.calls if call["seed"] >= 1000]
     assert {call["length"] for call in confirmations} == {CONFIRM}
     assert {call["seed"] for call in confirmations} == {1000, 1001, 1002}  # fresh seeds: no proxy used them
+    assert [call["seed"] for call in confirmations if call["name"] == "plain"] == [1000]
 
 
 def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):

@@ -298,9 +298,13 @@ def _confirmation_lines(record: dict[str, Any] | None) -> list[str]:
     def text(value: Any) -> str:
         return "n/a" if value is None else f"{value:.4f}"
 
-    lines = [f"- confirmed over {record['steps']} steps on {record['seeds']} fresh seed(s): the pick "
-             f"{text(record['confirmed_accuracy'])} (proxy {text(record['proxy_accuracy'])}), all-high "
-             f"{text(record['all_high_accuracy'])}, plain fp32 {text(record['plain_fp32_accuracy'])}"]
+    def seeds(name: str) -> str:
+        return "" if record.get(name) is None else f" ({record[name]} seed{'s' if record[name] > 1 else ''})"
+
+    lines = [f"- confirmed over {record['steps']} steps on fresh seeds: the pick "
+             f"{text(record['confirmed_accuracy'])}{seeds('seeds')} (proxy {text(record['proxy_accuracy'])}), "
+             f"all-high {text(record['all_high_accuracy'])}{seeds('all_high_seeds')}, plain fp32 "
+             f"{text(record['plain_fp32_accuracy'])}{seeds('plain_fp32_seeds')}"]
     if record.get("note"):
         lines.append(f"- {record['note']}")
     return lines

@@ -6,7 +6,8 @@ points (within the memory budget, if any) and the all-high reference are trained
 proxy length (default 3) on seeds no proxy used, as many as the reference's at most. ``best.json`` is then
 chosen from confirmed accuracies only (``selection.confirmed_front`` + ``choose_best``): a point whose proxy
 looked good but whose confirmation falls short is not picked, the next confirmed point is. A plain fp32 run
-(no policy) of the same length on the same seeds is the yardstick the report holds the pick against.
+(no policy) of the same length on the first seed is the yardstick the report holds the pick against; it
+decides nothing, so it trains one seed, not the reference's.
 
 Under an accuracy-drop rule the pick is the least memory confirmed within the drop, so confirmation is
 sequential: the points in memory order, each seed by seed while the rule is undecided on it (``decide``,
@@ -103,10 +104,10 @@ def _step(key: str, seed: int) -> str:
     return f"confirm:{key}:{seed}"
 
 
-def confirm(context: SearchContext, ledger: Ledger, references: Mapping[str, Policy | None],
-            front: Mapping[str, Policy], length: int, seeds: Sequence[int], check: Callable[[int, float], None],
-            decide: Decide | None, high: str) -> Confirmation:
-    """Train the ``references`` (key -> policy; None: plain fp32) for ``length`` steps on each of ``seeds``,
+def confirm(context: SearchContext, ledger: Ledger, high: str, high_policy: Policy, front: Mapping[str, Policy],
+            length: int, seeds: Sequence[int], check: Callable[[int, float], None],
+            decide: Decide | None) -> Confirmation:
+    """Train all-high (key ``high``) for ``length`` steps on each of ``seeds`` and plain fp32 on the first,
     then the ``front`` points (in memory order): with ``decide`` sequentially (see the module docstring), else
     each on every seed; the study records which runs when all are done."""
     recorded_before = recorded_confirmation(ledger.study.user_attrs)
@@ -125,7 +126,7 @@ def confirm(context: SearchContext, ledger: Ledger, references: Mapping[str, Pol
         results = ledger.run(list(names), work)
         return [results[name] for name in names]
 
-    runs = {key: trained(key, policy, seeds) for key, policy in references.items()}
+    runs = {high: trained(high, high_policy, seeds), PLAIN_FP32: trained(PLAIN_FP32, None, seeds[:1])}
     for key, policy in front.items():
         if decide is None:
             runs[key] = trained(key, policy, seeds)

@@ -126,12 +126,16 @@ def _pick_provenance(pick: Pick, confirmation: Confirmation, high: str) -> dict[
     def accuracy(key: str) -> float | None:
         return float(table.loc[key, "confirmed_accuracy"]) if key in table.index else None
 
+    def seeds(key: str) -> int | None:
+        return int(table.loc[key, "confirmed_seeds"]) if key in table.index else None
+
     statement = {**noise.to_dict(), "seeds": int(best["seeds"]), "pick_confidence": float(best["pick_confidence"]),
                  "statement": _pick_statement(best, noise)}
     record = {"steps": confirmation.length, "seeds": int(best["seeds"]),
               "proxy_accuracy": float(best["proxy_accuracy"]), "confirmed_accuracy": float(best["val_accuracy"]),
               "confirmed_sd": float(best["val_accuracy_sd"]),
-              "all_high_accuracy": accuracy(high), "plain_fp32_accuracy": accuracy(PLAIN_FP32), "note": pick.note}
+              "all_high_accuracy": accuracy(high), "all_high_seeds": seeds(high),
+              "plain_fp32_accuracy": accuracy(PLAIN_FP32), "plain_fp32_seeds": seeds(PLAIN_FP32), "note": pick.note}
     return {"noise": _no_nan(statement), "confirmation": _no_nan(record)}
 
 

@@ -20,10 +20,10 @@ and worth are measured, not assumed.
    the same step (precsearch.search.rungs). It starts on one seed and gains seeds only while the budget's
    decision on it is open (racing). A candidate that a known point already beats (less memory and within
    the allowed drop) is not trained.
-3. Confirmation (precsearch.search.confirmation): all-high and plain fp32, then the Pareto front in memory
-   order, train at a multiple of L on fresh seeds, sequentially under an accuracy-drop rule (seeds while
-   undecided, stopping at the first point confirmed); best.json comes only from confirmed points, picked by
-   precsearch.search.selection.
+3. Confirmation (precsearch.search.confirmation): all-high (and plain fp32, a yardstick, on one seed),
+   then the Pareto front in memory order, train at a multiple of L on fresh seeds, sequentially under an
+   accuracy-drop rule (seeds while undecided, stopping at the first point confirmed); best.json comes only
+   from confirmed points, picked by precsearch.search.selection.
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
    with every trial at full length and the paper's one run per sweep point (budget.csv).
 
@@ -81,7 +81,6 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 from tqdm.auto import tqdm
 
-from precsearch.config.policy import Policy
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, atomic_write_text, full_disk
@@ -90,7 +89,6 @@ from precsearch.models import check_trusted
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
 from precsearch.search.confirmation import (
     CONFIRM_SEED_OFFSET,
-    PLAIN_FP32,
     confirm,
     confirmation_length,
 )
@@ -358,10 +356,10 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
 
 def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, ledger: Ledger,
              config: SearchConfig, check: Callable[[int, float], None]) -> None:
-    """Train all-high and plain fp32, then the front's points (within the memory budget) in memory order, at
-    the confirmation length on fresh seeds (precsearch.search.confirmation): under an accuracy-drop rule
-    sequentially, as ``selection.confirmation_verdict`` decides. A front point whose proxy diverged or stayed
-    at chance cannot be picked whatever its confirmation says, so it is not trained again."""
+    """Train all-high (and plain fp32 on one seed), then the front's points (within the memory budget) in
+    memory order, at the confirmation length on fresh seeds (precsearch.search.confirmation): under an
+    accuracy-drop rule sequentially, as ``selection.confirmation_verdict`` decides. A front point whose proxy
+    diverged or stayed at chance cannot be picked whatever its confirmation says, so it is not trained again."""
     frame = trials_frame(study, context)
     front = pareto_front(frame, context.space.accuracy_objective)
     budget = context.budget
@@ -371,8 +369,6 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
         front = front[(front["val_accuracy"] > context.chance) & ~front["diverged"].astype(bool)]
     trials = study.get_trials(deepcopy=False)
     high = context.all_high.key
-    references: dict[str, Policy | None] = {
-        high: context.policy(context.all_high.assignment, {"strategy": "all-high"}), PLAIN_FP32: None}
     points = {row["key"]: policy_of(trials[int(row["number"])], context, {"trial": int(row["number"])})
               for _, row in front.sort_values("memory").iterrows() if row["key"] != high}
 
@@ -380,8 +376,9 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
         return confirmation_verdict(runs, high_runs, budget, context.chance)
 
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(_reference_seeds(context)))]
-    confirm(context, ledger, references, points, confirmation_length(reference.length, config.confirm_factor),
-            seeds, check, decide if budget.max_memory is None else None, high)
+    confirm(context, ledger, high, context.policy(context.all_high.assignment, {"strategy": "all-high"}), points,
+            confirmation_length(reference.length, config.confirm_factor), seeds, check,
+            decide if budget.max_memory is None else None)
 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME,
