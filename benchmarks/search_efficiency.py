@@ -49,7 +49,9 @@ FULL_SEEDS = 3
 def full_length_row(context: SearchContext, key: str, assignment, policy: Policy, length: int, seeds: list[int],
                     label: str) -> dict:
     """One assignment at ``length`` steps on ``seeds``: its seed accuracies, its memory (counting what the
-    overflow guard promoted, as the search's does) and the steps spent."""
+    overflow guard promoted, as the search's does) and the steps of its runs (the paper's procedure trains
+    each run once to its end; the decay branch our trainer evaluates it with is not counted, so (c) is not
+    inflated by it)."""
     results = context.train_seeds(policy, length, seeds)
     accuracies = [result.val_accuracy for result in results]
     promoted = sorted({tensor for result in results for tensor in result.promotions})
@@ -58,7 +60,7 @@ def full_length_row(context: SearchContext, key: str, assignment, policy: Policy
            "val_accuracy": float(np.mean(accuracies)), "seeds": len(results),
            "val_accuracy_sd": float(np.std(accuracies, ddof=1)) if len(results) > 1 else np.nan,
            "diverged": any(result.diverged for result in results),
-           "steps": sum(result.steps_spent for result in results)}
+           "steps": sum(result.steps_run for result in results)}
     print(f"  {label}: memory {row['memory']:.3f} accuracy {row['val_accuracy']:.4f} (sd {row['val_accuracy_sd']:.4f},"
           f" {row['seeds']} seeds, {length} steps)", flush=True)
     return row
