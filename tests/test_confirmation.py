@@ -103,6 +103,7 @@ def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(t
     assert best["confirmation"]["proxy_accuracy"] == pytest.approx(0.5)
     assert best["confirmation"]["confirmed_accuracy"] == pytest.approx(0.96)
     assert best["confirmation"]["all_high_accuracy"] == pytest.approx(sum(REFERENCE[CONFIRM]) / 3)
+    assert best["confirmation"]["all_high_seeds"] == 3
     assert best["confirmation"]["plain_fp32_accuracy"] == pytest.approx(REFERENCE[CONFIRM][0])  # a yardstick:
     assert best["confirmation"]["plain_fp32_seeds"] == 1  # it decides nothing, so it trains the first seed alone
     pareto = pd.read_csv(tmp_path / "run" / "pareto.csv").set_index("decisions")
