@@ -1,6 +1,6 @@
 """Rungs, racing seeds, confirmation and the step accounting of a search, with scripted learning curves (a
-fixed proxy length of 90 steps: the reference read at 11, 22 and 45, rungs where every reference seed has
-learned, confirmation at 270)."""
+fixed proxy length of 90 steps: the reference read at 11, 22 and 45, a rung where every reference seed had
+learned at half its steps, confirmation at 270)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from precsearch.train.continuing import branch_steps, decay_steps
 SPACE = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
 LENGTH, CONFIRM = 90, 270
 CHANCE = 0.1
-# the reference's seeds click at different steps: spread early, together at the end (seed 0 at chance at 11:
-# the rungs stand at 22 and 45)
+# the reference's seeds click at different steps: spread early, together at the end (seed 0 at chance at 11,
+# every seed above it at 22: the one rung stands at 45, held to the reference at 22)
 REFERENCE = {11: (0.1, 0.4, 0.7), 22: (0.5, 0.9, 0.95), 45: (0.9, 0.93, 0.95), 90: (0.95, 0.95, 0.96),
              270: (0.96, 0.96, 0.97)}
 
@@ -53,28 +53,34 @@ def _memories(context):
     return memories
 
 
-def test_a_slow_starter_that_reaches_the_reference_is_not_stopped_but_a_failure_is(tmp_path, context):
+@pytest.mark.parametrize("slow_curve", [
+    {11: 0.1, 22: 0.45, 45: 0.7, 90: 0.95, 270: 0.96},  # behind the reference all along
+    {11: 0.1, 22: 0.1, 45: 0.6, 90: 0.95, 270: 0.96},  # still at chance where every reference seed has left it
+], ids=["behind", "late"])
+def test_a_slow_starter_that_reaches_the_reference_is_not_stopped_but_a_failure_is(tmp_path, context, slow_curve):
+    """A candidate that learns more slowly than all-high and reaches it by L is not stopped, even one still
+    at chance where every reference seed has left it (as tiny_cnn's did on gratings: 10.5% at step 200 against
+    the reference's 27-41%, 100% at 400); candidates that never learn are, at the rung, on their first seed."""
     memories = _memories(context)
     slow = min((name for name in memories if name.count("L") == 1), key=memories.get)
-    slow_curve = {11: 0.1, 22: 0.45, 45: 0.7, 90: 0.95, 270: 0.96}  # far behind the reference at both rungs
 
     def curve(name, step, length, seed):
-        index = seed % 1000 if name in ("HHHH", "plain") else 0
-        if name in ("HHHH", "plain") or name == slow:
-            table = REFERENCE if name != slow else {key: (value,) * 3 for key, value in slow_curve.items()}
-            return _at(table, step)[index]
+        if name in ("HHHH", "plain"):
+            return _at(REFERENCE, step)[seed % 1000]
+        if name == slow:
+            return _at({key: (value,) * 3 for key, value in slow_curve.items()}, step)[0]
         return CHANCE  # never learns
 
     trainer = ScriptedTrainer(curve, context)
     result = _search(tmp_path / "run", trainer)
     trials = result.trials.set_index("decisions")
     assert pd.isna(trials.loc[slow, "stopped_at"]) and trials.loc[slow, "val_accuracy"] == pytest.approx(0.95)
-    never = trials[trials["trained"] & trials["duplicate_of"].eq("") & ~trials.index.isin(["HHHH", slow])]
-    assert len(never) > 0 and (never["stopped_at"] == 22).all()  # at chance while every reference seed learned
-    assert "stopped at rung step 22" in never["reason"].iloc[0]
-    assert (never["seed_steps"] == "22").all()  # stopped on its first seed, the others never ran
     slow_runs = [call for call in trainer.calls if call["name"] == slow and call["seed"] < 1000]
-    assert slow_runs[0]["start"] == 0 and slow_runs[0]["steps"] == LENGTH  # through both rungs in one run
+    assert slow_runs[0]["start"] == 0 and slow_runs[0]["steps"] == LENGTH  # through the rung in one run
+    never = trials[trials["trained"] & trials["duplicate_of"].eq("") & ~trials.index.isin(["HHHH", slow])]
+    assert len(never) > 0 and (never["stopped_at"] == 45).all()  # at chance where the reference had learned at 22
+    assert "stopped at rung step 45" in never["reason"].iloc[0]
+    assert (never["seed_steps"] == "45").all()  # stopped on its first seed, the others never ran
 
 
 def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(tmp_path, context):
@@ -141,7 +147,7 @@ def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):
     confirmation = sum(call["length"] for call in trainer.calls if call["seed"] >= 1000)
     assert budget.loc["calibration", "steps"] == calibration == 3 * LENGTH
     rungs = budget[budget.index.str.startswith("rung ")]
-    assert list(rungs.index) == ["rung 1 (steps 1-22)", "rung 2 (steps 23-45)", "rung 3 (steps 46-90)"]
+    assert list(rungs.index) == ["rung 1 (steps 1-45)", "rung 2 (steps 46-90)"]
     assert rungs["steps"].sum() == candidates
     assert budget.loc["candidates' decay branches", "steps"] == branches  # a stopped run's too
     assert budget.loc["confirmation", "steps"] == confirmation

@@ -107,9 +107,9 @@ class Calibration:
         """The reference seeds' accuracies at point ``step`` of their runs."""
         return [run["val_accuracy"] for run in self.runs.get(step, [])]
 
-    def learned_from(self, chance: float) -> int | None:
-        """The first point where every reference seed is above chance (None: none is)."""
-        return next((point for point, runs in self.runs.items() if _learned(runs, chance)), None)
+    def learned_at(self, point: int, chance: float) -> bool:
+        """Whether every reference seed is above chance (and none diverged) at ``point``."""
+        return _learned(self.runs.get(point, []), chance)
 
     def noise(self, confidence: float) -> Noise:
         """The seed noise the reference shows, pooled over every point up to the proxy length: seeds that click

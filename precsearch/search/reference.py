@@ -73,17 +73,22 @@ class Reference:
         return None if self.result.diverged else float(self.result.val_accuracy)
 
     def rung_steps(self, chance: float) -> list[int]:
-        """Where the rungs stand: the points of the reference's curve before the proxy length, from the first
-        where every reference seed is above chance (precsearch.search.rungs)."""
-        calibration = self.calibration
-        first = calibration.learned_from(chance)
-        return [] if first is None else [point for point in calibration.runs if first <= point < self.length]
+        """Where the rungs stand: the points of the reference's curve before the proxy length whose previous
+        point (half the steps) has every reference seed above chance (precsearch.search.rungs)."""
+        return list(self._rung_points(chance))
 
     def rung_rule(self, budget: Budget, chance: float) -> RungRule:
-        """The rule that stops a proxy at a rung: the reference's accuracy at each rung step, and its noise."""
+        """The rule that stops a proxy at a rung: at each rung step, the reference's accuracies at the curve's
+        previous point (where a candidate learning twice as slowly would stand), and its noise."""
         calibration = self.calibration
-        return RungRule({step: calibration.at(step) for step in self.rung_steps(chance)},
+        return RungRule({step: calibration.at(previous) for step, previous in self._rung_points(chance).items()},
                         calibration.noise(budget.confidence), budget.drop, chance)
+
+    def _rung_points(self, chance: float) -> dict[int, int]:
+        """Rung step -> the curve's point before it, for the points before L whose previous point learned."""
+        points = list(self.calibration.runs)
+        return {point: previous for previous, point in zip(points, points[1:], strict=False)
+                if point < self.length and self.calibration.learned_at(previous, chance)}
 
 
 def proxy_noise(frame: pd.DataFrame, reference: Reference | None, confidence: float) -> Noise:
