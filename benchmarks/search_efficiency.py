@@ -13,7 +13,10 @@ Both picks are then held to all-high at the full length on those 3 seeds, which 
 runs are that check for (c), and (a)'s pick is trained there too (unless it is a sweep point). The table:
 steps, steps as a share of (c)'s, (a)'s budget per phase, each pick's memory (share of all-high's bytes), its
 full-length accuracy against all-high's and whether the rule holds it within 1 point; ``--out``/TASK/
-efficiency.csv keeps it.
+efficiency.csv keeps it. Each full-length point is kept in ``--out``/TASK/full_length.csv as soon as it is
+trained; ``--resume`` finishes the search from its run directory and trains only the points not kept there
+(the points do not depend on the search, so a new search may be run against kept points: remove
+``--out``/TASK/search and give ``--resume``).
 
     python benchmarks/search_efficiency.py --task demo --out runs/efficiency
 """
@@ -21,6 +24,7 @@ efficiency.csv keeps it.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from pathlib import Path
@@ -44,6 +48,26 @@ TASKS = {
 BUDGET = Budget(max_accuracy_drop=0.01)
 FULL_SEED_OFFSET = 2000  # no proxy (seed + 0, 1, ...) or confirmation (+ 1000, ...) run used these seeds
 FULL_SEEDS = 3
+
+
+class FullLengthRuns:
+    """Full-length points by assignment key, read from and appended to ``path`` as each is trained."""
+
+    def __init__(self, path: Path, length: int, seeds: list[int]) -> None:
+        self.path, self.length, self.seeds = path, length, seeds
+        kept = pd.read_csv(path) if path.is_file() else pd.DataFrame(columns=["key", "length", "seeds_used"])
+        kept = kept[(kept["length"] == length) & (kept["seeds_used"] == json.dumps(seeds))]
+        self.rows = {row["key"]: {**row, "accuracies": json.loads(row["accuracies"])}
+                     for row in kept.to_dict("records")}
+
+    def get(self, context: SearchContext, key: str, assignment, policy: Policy, label: str) -> dict:
+        if key not in self.rows:
+            self.rows[key] = full_length_row(context, key, assignment, policy, self.length, self.seeds, label)
+            frame = pd.DataFrame([{**row, "accuracies": json.dumps(row["accuracies"]), "length": self.length,
+                                   "seeds_used": json.dumps(self.seeds)} for row in self.rows.values()])
+            frame.to_csv(self.path.with_suffix(".tmp"), index=False)
+            self.path.with_suffix(".tmp").replace(self.path)
+        return self.rows[key]
 
 
 def full_length_row(context: SearchContext, key: str, assignment, policy: Policy, length: int, seeds: list[int],
@@ -96,6 +120,7 @@ def main() -> None:
     out = Path(args.out) / args.task
     if not args.resume:
         shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result = run_search(SearchConfig(
         model=model, space=space, data="gratings", trials=args.trials, jobs=args.jobs, seed=0, device="cpu",
@@ -109,24 +134,22 @@ def main() -> None:
           f"{length} on seeds {seeds}", flush=True)
 
     context = SearchContext.create(model, space, DataSpec("gratings"), BUDGET, 0, "cpu")
-    rows: dict[str, dict] = {}
+    runs = FullLengthRuns(out / "full_length.csv", length, seeds)
+    points: dict[str, dict] = {}
     with torch_threads(1):
         for candidate in sweep(context.graph, space):
-            if candidate.key not in rows:
+            if candidate.key not in points:
                 policy = context.policy(candidate.assignment, {"strategy": candidate.strategy, "r": candidate.r})
-                rows[candidate.key] = full_length_row(context, candidate.key, candidate.assignment, policy, length,
-                                                      seeds, f"r={candidate.r:.1f}")
-        sweep_frame = pd.DataFrame(list(rows.values()))
+                points[candidate.key] = runs.get(context, candidate.key, candidate.assignment, policy,
+                                                 f"r={candidate.r:.1f}")
+        sweep_frame = pd.DataFrame(list(points.values()))
         high_key = sweep_frame["key"].iloc[0]  # r = 0: all-high
         sweep_pick = pick(sweep_frame, high_key, context.chance)
         search_pick = None
         if result.best is not None:
-            key = result.best["key"]
-            if key not in rows:
-                policy = Policy.load(out / "search" / "best.json")
-                rows[key] = full_length_row(context, key, policy.assignment(context.graph), policy, length, seeds,
-                                            "pick (a)")
-            search_pick = rows[key]
+            policy = Policy.load(out / "search" / "best.json")
+            search_pick = runs.get(context, result.best["key"], policy.assignment(context.graph), policy, "pick (a)")
+    rows = runs.rows
     high = rows[high_key]
     sweep_steps = int(sweep_frame["steps"].sum())
 
