@@ -150,7 +150,8 @@ def test_a_search_recorded_by_an_earlier_precsearch_is_refused_in_one_line(finis
     (out / "run.json").write_text(json.dumps(recorded))
     before = _snapshot(out)
     with pytest.raises(PrecsearchError, match=r"recorded by an earlier precsearch \(search format 1, this one "
-                                              r"reads 2.*cannot be resumed; start a new search in another --out"):
+                                              rf"reads {rundir.SEARCH_FORMAT}.*cannot be resumed; start a new "
+                                              r"search in another --out"):
         _search(out, 5, resume=True)
     assert _snapshot(out) == before
     study = optuna.load_study(study_name="precsearch", storage=optuna.storages.JournalStorage(

@@ -56,7 +56,7 @@ LOCK_FILES = (LOCK_NAME, WORKERS_LOCK_NAME)
 RUN_FILE = "run.json"
 # What a recorded search means (calibration, rungs, seeds, budget): raised when that changes, so that a search
 # recorded by an earlier precsearch is refused with a line that says so, not resumed under other rules.
-SEARCH_FORMAT = 2
+SEARCH_FORMAT = 3  # 3: rungs held to the reference at half their step
 CHECKPOINTS = "checkpoints"  # the runs' checkpoints (precsearch.train.continuing), removed as each run is recorded
 
 
