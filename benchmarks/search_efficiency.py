@@ -137,6 +137,10 @@ def main() -> None:
     runs = FullLengthRuns(out / "full_length.csv", length, seeds)
     points: dict[str, dict] = {}
     with torch_threads(1):
+        search_pick = None
+        if result.best is not None:  # first: the search's own check
+            policy = Policy.load(out / "search" / "best.json")
+            search_pick = runs.get(context, result.best["key"], policy.assignment(context.graph), policy, "pick (a)")
         for candidate in sweep(context.graph, space):
             if candidate.key not in points:
                 policy = context.policy(candidate.assignment, {"strategy": candidate.strategy, "r": candidate.r})
@@ -145,10 +149,6 @@ def main() -> None:
         sweep_frame = pd.DataFrame(list(points.values()))
         high_key = sweep_frame["key"].iloc[0]  # r = 0: all-high
         sweep_pick = pick(sweep_frame, high_key, context.chance)
-        search_pick = None
-        if result.best is not None:
-            policy = Policy.load(out / "search" / "best.json")
-            search_pick = runs.get(context, result.best["key"], policy.assignment(context.graph), policy, "pick (a)")
     rows = runs.rows
     high = rows[high_key]
     sweep_steps = int(sweep_frame["steps"].sum())
