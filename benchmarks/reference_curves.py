@@ -17,15 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from search_efficiency import TASKS  # the same tasks (this script's folder is on sys.path)
 
 from precsearch.config.spaces import paper_space
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import pooled_noise
 
-TASKS = {
-    "demo": ("narrow_cnn", {"batch_size": 32, "image_size": 16, "lr": 0.2}),
-    "tiny": ("tiny_cnn", {"batch_size": 64, "image_size": 16, "lr": 0.2}),
-}
 SEEDS = (0, 1, 2)  # the search's reference seeds (seed 0)
 
 
