@@ -276,3 +276,15 @@ def test_sequential_confirmation_stops_at_the_first_point_confirmed(tmp_path, co
     assert confirmed == {"HHHH", "plain", front[0]}  # no dearer point trained
     best = json.loads((tmp_path / "run" / "best.json").read_text())["provenance"]
     assert best["trial"] == int(result.pareto.sort_values("memory")["number"].iloc[0])
+
+
+def test_the_progress_bar_shows_calibration_and_confirmation_runs(tmp_path, context, capsys):
+    """Calibration and confirmation train for long and count no trial: the bar names them and their step, so
+    a search is not a bar standing at 0 for the half hour a slow model calibrates."""
+    trainer = ScriptedTrainer(lambda name, step, length, seed: _at(REFERENCE, step)[seed % 1000], context)
+    config = SearchConfig("tiny_cnn", SPACE, "digits", trials=4, out_dir=tmp_path / "run", proxy_seeds=3,
+                          device="cpu", progress=True, max_proxy_steps=200)
+    run_search(config, trainer=trainer)
+    shown = capsys.readouterr().err
+    assert "calibrating the all-high reference: step 50, loss" in shown
+    assert f"confirming: step {3 * 200}, loss" in shown

@@ -453,6 +453,9 @@ class SearchResult:
                    exported.note, exported.calibration, exported.confirmation, exported.budget)
 
 
+PHASE_REFRESH_S = 1.0  # a run reports every few steps; the bar shows it at most once a second
+
+
 class _Progress:
     """A tqdm bar of counted trials with the size of the proxy front in its postfix (no pick before
     confirmation)."""
@@ -461,12 +464,22 @@ class _Progress:
         self.bar = tqdm(total=total, initial=min(done, total), desc="search", unit="trial", disable=not enabled,
                         dynamic_ncols=True)
         self.done = done
+        self.shown = -PHASE_REFRESH_S  # when phase() last drew the bar
 
     def update(self, done: int, front: pd.DataFrame) -> None:
         if done > self.done:
             self.bar.update(min(done, self.bar.total) - min(self.done, self.bar.total))
             self.done = done
         self.bar.set_postfix({"front": len(front)}, refresh=True)
+
+    def phase(self, text: str) -> None:
+        """What trains now outside the trials (calibration, confirmation): their runs are long and count no
+        trial, so the bar would otherwise stand still for them."""
+        self.bar.set_postfix_str(text, refresh=False)
+        now = time.monotonic()
+        if now - self.shown >= PHASE_REFRESH_S:
+            self.bar.refresh()
+            self.shown = now
 
     def close(self) -> None:
         self.bar.close()
@@ -574,15 +587,15 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     worker of a study runs it; the ledger runs each setup and wrap-up step once. The pick and the files
     follow in ``run_search``, after a stop too: ``export`` writes what precsearch.search.selection picks."""
     ledger = _ledger(study, run.location, run.backend)
-    check = _signal_check(run.signals)
-    calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context), check)
+    calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context),
+                            _signal_check(run.signals, run.bar, "calibrating the all-high reference"))
     reference = _reference(study, context, calibration)
     log.info("proxy length %d steps (%s)", reference.length, "fixed" if calibration.fixed else "calibrated")
     run.record(study)
     _seed_study(study, context, config.seeding, run.trials, ledger)
     objective = Objective(context, reference, run.location, run.backend, run.out_dir, run.signals)
     _trials(study, context, objective, config, run)
-    _confirm(study, context, reference, ledger, config, check)
+    _confirm(study, context, reference, ledger, config, _signal_check(run.signals, run.bar, "confirming"))
     run.record(study)
 
 
@@ -598,15 +611,16 @@ def _trials(study: optuna.Study, context: SearchContext, objective: Objective, c
                             config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile,
                             RUNNER.enabled)
         _optimize_workers(study, context, setup, run.gpus, run.bar)
-    run.bar.close()
     if run.location.shared:
         _settle(study, objective)
 
 
-def _signal_check(signals: StopSignals) -> Callable[[int, float], None]:
-    """A ``report`` hook for calibration and confirmation runs: a recorded stop signal is raised there."""
+def _signal_check(signals: StopSignals, bar: _Progress, phase: str) -> Callable[[int, float], None]:
+    """A ``report`` hook for calibration and confirmation runs: a recorded stop signal is raised there, and the
+    bar shows the ``phase`` and the run's step."""
     def check(step: int, loss: float) -> None:
         signals.check()
+        bar.phase(f"{phase}: step {step}, loss {loss:.3f}")
 
     return check
 
