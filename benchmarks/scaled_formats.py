@@ -80,7 +80,7 @@ def _measured(data: str, model: str, space_name: str, space, trials: int, jobs: 
                                      device="cpu", threads=1 if jobs == 1 else None, proxy_seeds=None,
                                      progress=False, resume=(out / "run.json").is_file()))  # an interrupted run goes on
     context = SearchContext.create(model, space, DataSpec(data), Budget(), 0, "cpu")
-    confirmed = result.confirmation.set_index("key")
+    confirmed = result.confirmation.table().set_index("key")
     steps, count = int(confirmed["confirmed_steps"].max()), int(confirmed["confirmed_seeds"].max())
     seeds = [CONFIRM_SEED_OFFSET + index for index in range(count)]
     common = {"data": data, "model": model, "space": space_name, "lr": lr, "proxy_length": result.calibration.length}

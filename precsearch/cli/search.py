@@ -152,8 +152,10 @@ def yardsticks_text(result: Any) -> str:
     """The confirmed all-high and plain fp32 accuracies, the pick's yardsticks."""
     from precsearch.search.confirmation import PLAIN_FP32
 
-    table = result.confirmation
-    if table is None or table.empty:
+    if result.confirmation is None:
+        return ""
+    table = result.confirmation.table()
+    if table.empty:
         return ""
     high = result.trials[result.trials["decisions"].str.fullmatch("H+")]
     names = {PLAIN_FP32: "plain fp32"}

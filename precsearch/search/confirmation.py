@@ -33,7 +33,7 @@ from precsearch.search.ledger import Ledger, recorded
 from precsearch.search.noise import Noise, pooled_noise
 
 __all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "Confirmation", "confirm",
-           "confirmation_length", "recorded_confirmation"]
+           "confirmation_length", "recorded_confirmation", "seed_by_seed"]
 
 DEFAULT_CONFIRM_FACTOR = 3.0
 CONFIRM_SEED_OFFSET = 1000  # confirmation seeds are the search seed + 1000, 1001, ...: no proxy used them
@@ -48,6 +48,20 @@ def confirmation_length(length: int, factor: float) -> int:
 
 
 Decide = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool | None]  # (a point's runs, all-high's)
+
+
+def seed_by_seed(train: Callable[[int], dict[str, Any]], seeds: Sequence[int], decide: Decide,
+                 high_runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool | None]:
+    """A point's runs (``train(seed)`` a ``run_record``), one seed at a time while ``decide`` holds it
+    undecided against all-high's ``high_runs``; and the verdict."""
+    runs: list[dict[str, Any]] = []
+    verdict = None
+    for seed in seeds:
+        runs.append(train(seed))
+        verdict = decide(runs, high_runs)
+        if verdict is not None:
+            break
+    return runs, verdict
 
 
 @dataclass(frozen=True)
@@ -131,13 +145,8 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, high_policy: Poli
         if decide is None:
             runs[key] = trained(key, policy, seeds)
             continue
-        runs[key] = []
-        verdict = None
-        for seed in seeds:
-            runs[key] += trained(key, policy, [seed])
-            verdict = decide(runs[key], runs[high])
-            if verdict is not None:
-                break
+        runs[key], verdict = seed_by_seed(lambda seed, key=key, policy=policy: trained(key, policy, [seed])[0],
+                                          seeds, decide, runs[high])
         if verdict:
             break
     confirmation = Confirmation(length, runs, tuple(seeds))

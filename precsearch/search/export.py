@@ -42,7 +42,7 @@ class Exported:
     noise: Noise
     note: str = ""
     calibration: Calibration | None = None
-    confirmation: pd.DataFrame | None = None
+    confirmation: Confirmation | None = None
     budget: pd.DataFrame | None = None
 
 
@@ -90,7 +90,7 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> Export
         atomic_write_text(out_dir / "budget.csv", budget.to_csv(index=False))
     _write_pick(pick, study, context, out_dir, confirmation, reference)
     return Exported(frame, front, pick.best, noise, "" if pick.best is not None else pick.note, calibration,
-                    confirmed, budget)
+                    confirmation, budget)
 
 
 def _write_pick(pick: Pick, study: optuna.Study, context: SearchContext, out_dir: Path,

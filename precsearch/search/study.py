@@ -89,6 +89,7 @@ from precsearch.models import check_trusted
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
 from precsearch.search.confirmation import (
     CONFIRM_SEED_OFFSET,
+    Confirmation,
     confirm,
     confirmation_length,
 )
@@ -444,7 +445,7 @@ class SearchResult:
     noise: Noise | None = None  # the pooled seed noise of the proxies
     note: str = ""  # why best is None, or which proxy pick confirmation replaced
     calibration: Calibration | None = None
-    confirmation: pd.DataFrame | None = None  # confirmed accuracy per key (precsearch.search.confirmation)
+    confirmation: Confirmation | None = None  # the confirmation runs (``.table()``: accuracy per key)
     budget: pd.DataFrame | None = None  # training steps per phase (precsearch.search.accounting)
 
     @classmethod

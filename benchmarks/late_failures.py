@@ -1,0 +1,72 @@
+"""How a run that learned can end at chance: the loss spikes of one full-length run, read from its running loss.
+
+search_efficiency.py found tiny_cnn's pick (``HLLL``) at 100% on six seeds at 2,400 steps and at chance on seed
+2002 at 8,000. This script trains such runs once to their end with no readings along the way (a reading trains
+a decay branch, which moves the run's random streams, so the run with readings is another run) and lists the
+spikes of each: the steps where the running loss (the trainer's ``report``, a mean over ``report_every`` steps)
+rose above ``--spike-loss`` after the run had first fallen below a tenth of it, and whether the run came back
+below that before its end.
+
+    python benchmarks/late_failures.py --task tiny --decisions HLLL,HHHH --seeds 2002 --steps 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from search_efficiency import TASKS  # the same tasks (this script's folder is on sys.path)
+
+from precsearch.config.spaces import paper_space
+from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
+from precsearch.search.strategies import assign
+
+
+def spikes(losses: list[tuple[int, float]], spike_loss: float) -> list[tuple[int, int | None]]:
+    """(first step above ``spike_loss``, first step back below a tenth of it or None) after the run learned."""
+    found: list[tuple[int, int | None]] = []
+    learned, start = False, None
+    for step, loss in losses:
+        if start is None and learned and loss > spike_loss:
+            start = step
+        elif loss < spike_loss / 10:
+            if start is not None:
+                found.append((start, step))
+                start = None
+            learned = True
+    if start is not None:
+        found.append((start, None))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
+    parser.add_argument("--decisions", default="HLLL,HHHH", help="assignments, one letter per unit (H or L)")
+    parser.add_argument("--seeds", default="2002")
+    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--spike-loss", type=float, default=1.0, help="running loss that counts as a spike")
+    args = parser.parse_args()
+    model, proxy = TASKS[args.task]
+    space = paper_space(proxy=proxy)
+    context = SearchContext.create(model, space, DataSpec("gratings"), Budget(max_accuracy_drop=0.01), 0, "cpu")
+    print(f"{args.task}: {model} on gratings, {args.steps} steps, one thread; spike: running loss above "
+          f"{args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
+    for decisions in args.decisions.split(","):
+        levels = {unit: "high" if level == "H" else "low" for unit, level in zip(context.units, decisions, strict=True)}
+        assignment = assign(context.graph, space, levels)
+        policy = context.policy(assignment, {"strategy": decisions})
+        for seed in (int(text) for text in args.seeds.split(",")):
+            losses: list[tuple[int, float]] = []
+            with torch_threads(1):
+                result = context.trainer(policy, args.steps, seed,
+                                         report=lambda step, loss, losses=losses: losses.append((step, loss)))
+            shown = ", ".join(f"{start}-{end}" if end is not None else f"{start}-never" for start, end
+                              in spikes(losses, args.spike_loss)) or "none"
+            print(f"  {decisions} (memory {context.memory(assignment, result.promotions)[0]:.3f}) seed {seed}: "
+                  f"accuracy {result.val_accuracy:.4f}; spikes (step up - step back) {shown}; skipped steps "
+                  f"{result.skipped_steps}, final loss scale {result.final_loss_scale:g}, promoted "
+                  f"{', '.join(result.promotions) or 'nothing'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
