@@ -7,8 +7,9 @@ class signal away, so the group holding the input, 2% of the bytes, must stay hi
 low), batch 32, proxies whose length is calibrated on the all-high reference with seeds chosen from the
 measured noise (``--proxy-seeds auto``), 24 trials on two worker processes, confirmation of the front, then
 the eight prior-work baselines under the same proxies and the report. It prints the calibrated length, the
-noise level, the confirmed pick and its confidence, the training steps per phase, its own wall time and the
-policy it would hand to training.
+noise level, the confirmed pick and its confidence, the baselines within 10% of the pick's memory held to
+all-high as the pick was (``held_baselines``), the training steps per phase, its own wall time and the policy
+it would hand to training.
 """
 
 from __future__ import annotations
