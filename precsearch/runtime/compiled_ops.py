@@ -176,7 +176,7 @@ def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0) if grad is None else grad.contiguous()
 
 
-@torch.library.custom_op("precsearch::conv_backward_of_codes", mutates_args=())
+@torch.library.custom_op("precsearch::conv_backward_of_codes", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def conv_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
                            weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
                            groups: int, nbytes: int, rows: int, channels: int, need_input: bool,
@@ -198,7 +198,8 @@ def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, 
     return grad_out.new_empty(shape if need_input else (0,)), grad_out.new_empty(weight.shape if need_weight else (0,))
 
 
-@torch.library.custom_op("precsearch::batch_norm_backward_of_codes", mutates_args=())
+@torch.library.custom_op("precsearch::batch_norm_backward_of_codes", mutates_args=(),
+                         tags=(torch.Tag.flexible_layout,))
 def batch_norm_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
                                  row: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
                                  invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
