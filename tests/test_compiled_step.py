@@ -169,6 +169,54 @@ def test_scaled_formats_train_compiled_bit_for_bit_as_eagerly(granularity: str) 
     _assert_same_training(eager, done, eager_losses, done_losses)
 
 
+class _Residual(nn.Module):
+    """conv, batch norm and ReLU, then a block whose batch norm's output an add alone reads: that output's
+    gradient is the add's output gradient itself (``OpSites.gradient_from``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.stem_bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.stem_bn(self.stem(x)))
+        out = torch.relu(self.bn(self.conv(out)) + out)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
+
+
+@pytest.mark.parametrize("add_gradient", [ALL_LOW["activation_grad"], "e4m3b4s"])
+def test_a_gradient_an_add_passes_on_rounded_alike_is_counted_not_rounded_again(add_gradient: str) -> None:
+    """Where the add's output gradient is rounded in the batch norm's output gradient's format, the compiled
+    backward counts that gradient's overflows (``count_overflows``) instead of rounding it again into a second
+    float32 tensor, as the eager runtime rounds it over itself; in another format it rounds it. Counted in the
+    dispatcher's view of one backward: one rounding pass fewer, one count more; and 6 steps train bit for bit
+    as eager (aot_eager) either way."""
+    from dispatch import DispatchCounter
+
+    from precsearch.graph.types import grad_id
+
+    torch.manual_seed(0)
+    model, batches = _Residual(), _batches(6, 8, 8)
+    graph = trace(model, batches[0][0][:2], batch_size=8)
+    add = next(op for op in graph.ops if op.name == "add")
+    assignment = {t: ALL_LOW[graph.tensors[t].kind] for t in graph.assignable_ids()}
+    assignment[grad_id(add.outputs[0])] = add_gradient
+    policy = policy_from_assignment(graph, assignment, high_format="e6m9s", overflow=dict(PAPER_OVERFLOW),
+                                    promotion_threshold=None, loss_scaling={"mode": "dynamic", "init_scale": 2.0**8})
+    eager, eager_losses = _train(model, policy, batches)
+    done, done_losses = _train(model, policy, batches, compile=AOT_EAGER)
+    _assert_same_training(eager, done, eager_losses, done_losses)
+    x, y = batches[0]
+    loss = F.cross_entropy(done(x), y)
+    with DispatchCounter() as counter:
+        loss.backward()
+    alike = add_gradient == ALL_LOW["activation_grad"]
+    gradient_sites = sum(site.grad is not None for site in done.compiled_step.graph.sites)
+    assert counter.ops["precsearch.count_overflows"] == alike
+    assert counter.ops["precsearch.round_site"] == gradient_sites - alike
+
+
 @pytest.mark.slow  # compiles three graphs
 @pytest.mark.parametrize("saves_codes", [False, True])
 def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_codes: bool) -> None:

@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch import DispatchCounter
 
 from precsearch.config.policy import Policy
 from precsearch.config.spec import PAPER_OVERFLOW
@@ -33,25 +33,6 @@ from precsearch.search.strategies import baseline
 PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
 BATCH = 4
 SIZE = 16  # small enough that every formats kernel runs eagerly here: no compile time in these tests
-
-
-class DispatchCounter(TorchDispatchMode):
-    """Every op the dispatcher runs, by name, and the host reads among them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.ops[str(func.overloadpacket)] += 1
-        name = str(func.overloadpacket)
-        if name in ("aten._to_copy", "aten.copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu":
-            sources = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "cpu"]
-            if sources:
-                self.ops["host copy"] += 1
-        return out
 
 
 def _paper_policy(graph) -> Policy:

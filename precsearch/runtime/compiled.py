@@ -11,7 +11,8 @@ themselves:
 * an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
   a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output, and the ReLU itself
   passes the gradient on: ``_ReluMaskedByItsSite``; with ``gradient_rounding: per_use``, each consumer's
-  gradient of a value with several, before they are summed);
+  gradient of a value with several, before they are summed; where the gradient is an add's, rounded alike there
+  (``OpSites.gradient_from``), only counted: ``count_overflows``, as the eager runtime rounds it over itself);
 * each rounding is one opaque op, ``round_site`` (precsearch.runtime.compiled_ops): one compiled pass over the
   tensor, as the eager runtime's kernels, that writes the rounded values (or their codes) and counts what
   overflowed. Inductor fuses the model's own ops around it; fused into them, the rounding and its counts made
@@ -91,6 +92,7 @@ from precsearch.graph.types import TensorGraph
 from precsearch.runtime.compiled_ops import (
     batch_norm_backward_of_codes,
     conv_backward_of_codes,
+    count_overflows,
     round_scaled_site,
     round_site,
 )
@@ -157,6 +159,7 @@ class Site(NamedTuple):
     per_sample: bool  # an activation (its values grow with the batch), not a weight
     code: int | None  # bytes of the codes its rounded values pass through (None: float32, no codes)
     scaled: tuple[str | None, str | None]  # the value's and the gradient's scaled formats (None: unscaled)
+    grad_arrives_rounded: bool = False  # its gradient arrives rounded alike (``OpSites.gradient_from``): counted
 
 
 class _Round(torch.autograd.Function):
@@ -199,8 +202,12 @@ class _Round(torch.autograd.Function):
         rows, seed, *output = ctx.saved_tensors
         site, overflowed = ctx.site, None
         if site.grad is not None:
-            g, overflowed = _rounded(g, rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE,
-                                     site.rounding[1], ctx.formats.get(site.scaled[1]))
+            grad_seed = seed + (2 * site.index + 1) * SEED_STRIDE
+            if site.grad_arrives_rounded:  # rounding again changes no value (and would hold a second copy)
+                overflowed = count_overflows(g, rows[site.grad], grad_seed, site.rounding[1], site.scaled[1])
+            else:
+                g, overflowed = _rounded(g, rows[site.grad], grad_seed, site.rounding[1],
+                                         ctx.formats.get(site.scaled[1]))
             overflowed = overflowed.to(torch.float64).reshape(1)
         if output:
             g = torch.ops.aten.threshold_backward(g, output[0], 0)
@@ -417,7 +424,8 @@ class RoundingGraph:
     """
 
     def __init__(self, graph: TensorGraph, plan: SitePlan, roundings: dict[str, str], codes: tuple[int | None, ...],
-                 scaled: tuple[ScaledFormat | None, ...], backend: str = "inductor") -> None:
+                 scaled: tuple[ScaledFormat | None, ...], backend: str = "inductor",
+                 arrive_rounded: frozenset[str] = frozenset()) -> None:
         rows = {tensor_id: row for row, tensor_id in enumerate(graph.assignable_ids())}
         self.n_rows = len(rows)
         self.backend = backend
@@ -441,14 +449,14 @@ class RoundingGraph:
         self.sites: list[Site] = []
         self._counters = 0
 
-        def add_site(value: str, gradient: str | None, relu_output: bool,
-                     act: bool = True) -> tuple[Site, int | None]:
+        def add_site(value: str, gradient: str | None, relu_output: bool, act: bool = True,
+                     grad_arrives_rounded: bool = False) -> tuple[Site, int | None]:
             info = graph.tensors[value]
             site = Site(len(self.sites), rows[value] if act else None, rows.get(gradient),
                         (roundings[info.kind], roundings[graph.tensors[gradient].kind] if gradient else "nearest"),
                         relu_output, info.numel, info.kind != WEIGHT, codes[rows[value]] if act else None,
                         (_name(scaled[rows[value]]) if act else None,
-                         _name(scaled[rows[gradient]]) if gradient else None))
+                         _name(scaled[rows[gradient]]) if gradient else None), grad_arrives_rounded)
             self.sites.append(site)
             counter = None
             if site.grad is not None:
@@ -463,7 +471,8 @@ class RoundingGraph:
             if op_sites.relu_output:  # the site masks the gradient by the rounded output, inside the ReLU's mask
                 node.op, node.target, node.kwargs = "call_function", _relu_masked_by_its_site, {}
             sites = tuple((out.position, *add_site(out.value, None if op_sites.per_use else out.gradient,
-                                                   op_sites.relu_output))
+                                                   op_sites.relu_output,
+                                                   grad_arrives_rounded=op_sites.op in arrive_rounded))
                           for out in op_sites.outputs)
             with fx_graph.inserting_after(formats_node if node.op == "placeholder" else node):
                 pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites, formats_node))
@@ -626,8 +635,8 @@ def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: Ten
 def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState,
                    options: CompileOptions) -> RoundingGraph:
     """The ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per tensor kind and (with
-    ``options.saves_codes``) the code width of each row's format now, built (and its step compiled, on first
-    use) once for the runs that share ``options``."""
+    ``options.saves_codes``) the code width of each row's format now, and the outputs whose gradients arrive
+    rounded alike now, built (and its step compiled, on first use) once for the runs that share ``options``."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
@@ -636,11 +645,15 @@ def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState,
                   for slot in slots)  # gradients: never saved
     scaled = tuple(slot.scaled for slot in slots)
     per_use = tuple(sites.per_use for sites in plan.ops)
+    arrive_rounded = frozenset(  # a promotion may part an output's gradient format from its add's
+        sites.op for sites in plan.ops if sites.gradient_from is not None
+        and state.slots[sites.outputs[0].gradient].rounds_again_as(
+            state.slots[plan.of_op(sites.gradient_from).outputs[0].gradient]))
     key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, scaled, options.backend,
-           per_use)
+           per_use, arrive_rounded)
     built = options.built.graphs
     if key not in built:
-        built[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend)
+        built[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend, arrive_rounded)
     return built[key]
 
 

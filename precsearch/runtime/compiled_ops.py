@@ -3,6 +3,7 @@ would hold more memory than the eager runtime holds.
 
 * ``round_site``: a site's rounding (and its codes) in one compiled pass, the format a row of data
   (precsearch.formats.as_data); ``round_scaled_site`` the same for a scaled format (precsearch.formats.scaled);
+  ``count_overflows`` its overflow count alone, for a value that arrives rounded alike;
 * ``conv_backward_of_codes`` and ``batch_norm_backward_of_codes``: a convolution's and a training batch norm's
   backward over its input's codes, decoded a slice at a time (precsearch.runtime.sliced), as the eager runtime
   decodes its packed codes.
@@ -18,11 +19,12 @@ import torch
 from precsearch.formats.as_data import decode_patterns, encode_codes, patterns_of, round_nearest, round_values
 from precsearch.formats.format import ROUNDINGS
 from precsearch.formats.runner import RUNNER, labelled
-from precsearch.formats.scaled import get_scaled_format, scaled_values
+from precsearch.formats.scaled import ScaledFormat, get_scaled_format, scaled_values
 from precsearch.runtime.packing import Stored, batch_passes
 from precsearch.runtime.sliced import ConvGeometry, batch_norm_backward_in_slices, conv_backward_in_slices
 
-__all__ = ["batch_norm_backward_of_codes", "conv_backward_of_codes", "round_scaled_site", "round_site"]
+__all__ = ["batch_norm_backward_of_codes", "conv_backward_of_codes", "count_overflows", "round_scaled_site",
+           "round_site"]
 
 
 def _decode_bytes(flat: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -124,19 +126,27 @@ def _(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
             x.new_empty(2, dtype=torch.int32))
 
 
+def _scaled_rounded(flat: torch.Tensor, row: torch.Tensor, fmt: ScaledFormat,
+                    rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A flat tensor of ``rows`` groups in memory order divided by the scales of its groups' amaxes and rounded
+    (current scaling, nearest), the scales, and how many values overflowed (an inf input stays inf in an element
+    with inf: no overflow, as ``quantize_scaled`` counts), as ``scaled_values`` and ``quantize_scaled`` compute
+    them."""
+    scaled, scales = scaled_values(flat.view(rows, -1), fmt)
+    values, overflowed = round_nearest(scaled, row)
+    if fmt.element.has_inf:
+        overflowed = overflowed - scaled.isinf().sum(dtype=overflowed.dtype)
+    return values, scales, overflowed
+
+
 @functools.lru_cache(maxsize=64)
 def _scaled_site_kernel(name: str, nbytes: int | None, rows: int):
-    """``round_site`` for a scaled format (current scaling, nearest) over a flat tensor of ``rows`` groups in
-    memory order: the amax per group, the scales, the values divided by them and rounded (or their codes),
-    the scales, and the counts (an inf input stays inf in an element with inf: no overflow, as
-    ``quantize_scaled`` counts), as ``scaled_values`` and ``quantize_scaled`` compute them."""
+    """``round_site`` for a scaled format (``_scaled_rounded``): the values (or their codes), the scales and the
+    counts."""
     fmt = get_scaled_format(name)
 
     def round_scaled_site(flat: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        scaled, scales = scaled_values(flat.view(rows, -1), fmt)
-        values, overflowed = round_nearest(scaled, row)
-        if fmt.element.has_inf:
-            overflowed = overflowed - scaled.isinf().sum(dtype=overflowed.dtype)
+        values, scales, overflowed = _scaled_rounded(flat, row, fmt, rows)
         unencodable = torch.zeros_like(overflowed)
         if nbytes is not None:
             values, unencodable = encode_codes(values, row, nbytes)
@@ -169,6 +179,39 @@ def _(x: torch.Tensor, row: torch.Tensor, scaled: str,
     shape, stride = _laid_out(x, nbytes)
     return (x.new_empty_strided(shape, stride, dtype=torch.float32 if nbytes is None else torch.uint8),
             x.new_empty(fmt.scales_shape(x.shape)), x.new_empty(2, dtype=torch.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def _overflow_kernel(rounding: str, scaled: str | None, rows: int):
+    """How many values of a flat tensor overflow when rounded by ``row`` (a scaled format's element,
+    ``scaled``), as ``round_site`` and ``round_scaled_site`` count them; the values are never written."""
+    fmt = get_scaled_format(scaled) if scaled is not None else None
+
+    def count_overflows(flat: torch.Tensor, row: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        if fmt is None:
+            overflowed = round_values(flat, row, seed, rounding, in_floats=True)[1]
+        else:
+            overflowed = _scaled_rounded(flat, row, fmt, rows)[2]
+        return overflowed.to(torch.int32).reshape(1)
+
+    return labelled(f"site counted ({scaled or rounding})", count_overflows)
+
+
+@torch.library.custom_op("precsearch::count_overflows", mutates_args=())
+def count_overflows(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
+                    scaled: str | None) -> torch.Tensor:
+    """How many of ``x``'s values overflow when rounded by ``row`` (``rounding``; ``scaled``: a scaled format by
+    name), counted as ``round_site`` (or ``round_scaled_site``) counts them, in one pass that writes no value:
+    for a gradient that arrives rounded alike (``OpSites.gradient_from``), which rounding again leaves as it
+    is but counts again, as the eager runtime does (int32, 1 element)."""
+    rows = get_scaled_format(scaled).rows_columns(x.shape)[0] if scaled is not None else 1
+    x = _in_memory_order(x, rows)
+    return RUNNER.run(_overflow_kernel(rounding, scaled, rows), _flat(x), row, seed)
+
+
+@count_overflows.register_fake
+def _(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str, scaled: str | None) -> torch.Tensor:
+    return x.new_empty(1, dtype=torch.int32)
 
 
 def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import operator
 
 from torch import fx, nn
 
-from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
+from precsearch.graph.in_place import gradient_arrives_fresh, makes_fresh_output
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime.rounding import (
     Alias,
@@ -61,7 +61,6 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
         return new
 
     fresh_gradients = gradient_arrives_fresh(graph) if in_place else frozenset()
-    passes = gradient_passes_from(graph) if in_place else {}
     rounders: dict[str, Rounder] = {}
     per_use: list[tuple[fx.Node, Rounder]] = []  # the rounding nodes whose consumers round their own gradients
     for index, op in enumerate(graph.ops):
@@ -74,7 +73,8 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
             node = nodes[op.node]
             after = last_placeholder if node.op == "placeholder" else node
             new = insert(after, node, f"precsearch_round_{index}", inserted)
-            reader = next(iter(new.users)) if inserted.grad_in_place or op.name in passes else None  # the one
+            passes = in_place and sites.gradient_from is not None
+            reader = next(iter(new.users)) if inserted.grad_in_place or passes else None  # the one
             if reader is not None and reader.op == "call_module":
                 inserted.__dict__["reader"] = gm.get_submodule(reader.target)  # the user's, not a child
             carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
@@ -99,9 +99,10 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
             carried[node] = source_slots
     for node, inserted in per_use:
         _round_per_use(fx_graph, gm, node, inserted, rounding)
-    for name, add in passes.items():  # after per_use, which may take the add's gradient rounding off
-        if name in rounders and add in rounders and set(rounders[name].slots) == {0}:
-            rounders[name].grad_source = rounders[add].slots.get(0, (None, None))[1]
+    for name, inserted in rounders.items():
+        add = plan.of_op(name).gradient_from
+        if in_place and add in rounders and set(inserted.slots) == {0}:
+            inserted.grad_source = rounders[add].slots.get(0, (None, None))[1]
     for node in list(fx_graph.nodes):
         if node.op == "call_module" and node.target in traced:  # the user's modules, not those inserted
             names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]

@@ -150,8 +150,8 @@ class Rounder(nn.Module):
     the rounded values over the op's output (``Packer.fresh`` says when). It rounds the output's gradient over
     itself, unless a backward hook of the reading module may keep it, with ``grad_in_place`` (the gradient
     arrives as a new tensor, ``graph.in_place.gradient_arrives_fresh``) and where the gradient is an add's output
-    gradient that ``grad_source`` rounded exactly as this one rounds (``graph.in_place.gradient_passes_from``): the
-    values do not change then, so the add's other input, which holds the same tensor, sees no difference."""
+    gradient that ``grad_source`` rounded exactly as this one rounds (``OpSites.gradient_from``): the values do
+    not change then, so the add's other input, which holds the same tensor, sees no difference."""
 
     def __init__(self, rounding: Rounding, slots: dict[int, tuple[Slot, Slot | None]], op: str) -> None:
         super().__init__()
@@ -159,7 +159,7 @@ class Rounder(nn.Module):
         self.rounding = rounding
         self.slots = slots
         self.in_place = self.grad_in_place = False
-        self.grad_source: Slot | None = None  # the add's output gradient this one's is (``gradient_passes_from``)
+        self.grad_source: Slot | None = None  # the add's output gradient this one's is (``OpSites.gradient_from``)
         self.__dict__["reader"] = None  # the module reading the output, when its gradient may be rounded over
 
     def forward(self, value: Any) -> Any:
@@ -173,10 +173,8 @@ class Rounder(nn.Module):
         pair = self.slots.get(position)
         if pair is None or t.dtype != torch.float32:
             return t
-        source, grad = self.grad_source, pair[1]
-        # (not a delayed scale: each slot's comes from its own history, so a second rounding may change values)
-        rounded_alike = (source is not None and grad is not None and source.is_low and source.args() == grad.args()
-                         and grad.history is None)
+        grad = pair[1]
+        rounded_alike = grad is not None and grad.rounds_again_as(self.grad_source)
         grad_in_place = (self.grad_in_place or rounded_alike) and not keeps_input_gradients(self.reader)
         return self.rounding.activation(t, *pair, in_place=self.in_place, grad_in_place=grad_in_place)
 

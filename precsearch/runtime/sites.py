@@ -6,7 +6,10 @@ op rules it was traced with, and read by every lowering (``instrument_fx``, ``in
   value with several consumers under ``gradient_rounding: per_use`` (``OpSites.per_use``), before each consumer
   (the paper's reference: each consumer's gradient rounded, their sum not);
 * after a ReLU whose rule slices its backward over its output (``OpSites.relu_output``), the ReLU's backward
-  reads the rounded output (its mask lies inside the ReLU's own).
+  reads the rounded output (its mask lies inside the ReLU's own);
+* an output an add alone reads (``OpSites.gradient_from``) receives the add's output gradient itself: where the
+  add's rounding rounded it as this output's gradient rounds (``Slot.rounds_again_as``), rounding it again
+  changes no value, so a lowering may round it over itself (eager) or only count it (compiled).
 
 The plan is structural: which formats are low is the state's (``TensorState``), read by each lowering as it
 rounds. A new op rule, tensor kind or rounding position is a change here or in the op rules, not in a lowering.
@@ -14,11 +17,12 @@ rounds. A new op rule, tensor kind or rounding position is a change here or in t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from precsearch.config.spec import WEIGHT, TensorId
+from precsearch.graph.in_place import gradient_passes_from
 from precsearch.graph.op_rules import OpRules
 from precsearch.graph.types import TensorGraph, grad_id
 
@@ -43,6 +47,7 @@ class OpSites:
     outputs: tuple[OutputSite, ...]
     per_use: bool  # the gradient is rounded before each consumer, not at the value (one output, several readers)
     relu_output: bool  # a ReLU whose backward reads its rounded output
+    gradient_from: str | None = None  # the add whose rounded output gradient this one output's gradient is
 
 
 @dataclass(frozen=True)
@@ -74,18 +79,27 @@ def plan_sites(graph: TensorGraph, per_use: bool) -> SitePlan:
         return grad_id(tensor_id) if grad_id(tensor_id) in assignable else None
 
     readers, relus = _fx_nodes(graph)
-    ops = []
+    ops = {}
     for op in graph.ops:
         outputs = tuple(OutputSite(TensorId.parse(tensor_id).index, tensor_id, gradient_of(tensor_id))
                         for tensor_id in op.outputs if tensor_id in assignable)
         if outputs:
             single = len(outputs) == 1 and outputs[0].position == 0 and outputs[0].gradient is not None
-            ops.append(OpSites(op.name, op.node, outputs, per_use and single and readers.get(op.node, 0) > 1,
-                               op.node in relus))
+            ops[op.name] = OpSites(op.name, op.node, outputs, per_use and single and readers.get(op.node, 0) > 1,
+                                   op.node in relus)
+    for name, add in gradient_passes_from(graph).items():
+        if name in ops and add in ops and _one_rounded_gradient(ops[name]) and _one_rounded_gradient(ops[add]):
+            ops[name] = replace(ops[name], gradient_from=add)
     weights = tuple(WeightSite(info.param, tensor_id, gradient_of(tensor_id))
                     for tensor_id, info in graph.tensors.items()
                     if tensor_id in assignable and info.kind == WEIGHT)
-    return SitePlan(tuple(ops), weights)
+    return SitePlan(tuple(ops.values()), weights)
+
+
+def _one_rounded_gradient(sites: OpSites) -> bool:
+    """Whether ``sites`` round one output, at position 0, and its gradient at the value (not per use)."""
+    return ([out.position for out in sites.outputs] == [0] and sites.outputs[0].gradient is not None
+            and not sites.per_use)
 
 
 def reads_rounded_output(rules: OpRules, layer: nn.Module) -> bool:

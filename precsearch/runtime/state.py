@@ -104,6 +104,12 @@ class Slot:
         take another amax, a delayed scale moves), so that a weight's backward may round its master again."""
         return self.rounding != "stochastic" and self.scaled is None
 
+    def rounds_again_as(self, source: Slot | None) -> bool:
+        """Whether this slot's rounding of a value ``source`` rounded changes none of its values (the site plan's
+        ``OpSites.gradient_from``): both low, the same format arguments, and no amax history (a delayed scale
+        moves from step to step)."""
+        return source is not None and source.is_low and source.args() == self.args() and self.history is None
+
     def args(self) -> tuple[str, str, str]:
         """The format arguments of the round ops (a scaled format saturates)."""
         overflow = "saturate" if self.scaled is not None else self.overflow_mode or self.fmt.default_overflow
