@@ -35,7 +35,7 @@ from precsearch.search.confirmation import CONFIRM_SEED_OFFSET, PLAIN_FP32
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import baseline, uniform
-from precsearch.search.study import run_search
+from precsearch.search.study import SearchInterrupted, run_search
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -202,7 +202,12 @@ def main() -> int:
         frame = frame[~((frame["data"] == data) & (frame["model"] == model))]
         for space_name in SPACES:  # each space's rows kept as soon as they are measured
             out = args.out / f"{data}_{model.replace(':', '_').replace('=', '')}_{space_name}"
-            rows = run_space(data, model, space_name, args.trials, args.jobs, out, args.lr)
+            try:
+                rows = run_space(data, model, space_name, args.trials, args.jobs, out, args.lr)
+            except SearchInterrupted as stopped:
+                print(f"interrupted: the search in {out} goes on from where it stopped when this command runs "
+                      "again with the same --out", file=sys.stderr)
+                return 128 + stopped.signum
             print(pd.DataFrame(rows).to_string(), flush=True)
             frame = pd.concat([frame, pd.DataFrame(rows, columns=COLUMNS)], ignore_index=True)
             atomic_write_text(table, frame.to_csv(index=False))
