@@ -185,6 +185,18 @@ class _Residual(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
 
 
+def _residual_policy(model: nn.Module, x: torch.Tensor, add_gradient: str):
+    """All-low, but the add's output gradient in ``add_gradient``."""
+    from precsearch.graph.types import grad_id
+
+    graph = trace(model, x[:2], batch_size=x.shape[0])
+    add = next(op for op in graph.ops if op.name == "add")
+    assignment = {t: ALL_LOW[graph.tensors[t].kind] for t in graph.assignable_ids()}
+    assignment[grad_id(add.outputs[0])] = add_gradient
+    return policy_from_assignment(graph, assignment, high_format="e6m9s", overflow=dict(PAPER_OVERFLOW),
+                                  promotion_threshold=None, loss_scaling={"mode": "dynamic", "init_scale": 2.0**8})
+
+
 @pytest.mark.parametrize("add_gradient", [ALL_LOW["activation_grad"], "e4m3b4s"])
 def test_a_gradient_an_add_passes_on_rounded_alike_is_counted_not_rounded_again(add_gradient: str) -> None:
     """Where the add's output gradient is rounded in the batch norm's output gradient's format, the compiled
@@ -194,16 +206,9 @@ def test_a_gradient_an_add_passes_on_rounded_alike_is_counted_not_rounded_again(
     as eager (aot_eager) either way."""
     from dispatch import DispatchCounter
 
-    from precsearch.graph.types import grad_id
-
     torch.manual_seed(0)
     model, batches = _Residual(), _batches(6, 8, 8)
-    graph = trace(model, batches[0][0][:2], batch_size=8)
-    add = next(op for op in graph.ops if op.name == "add")
-    assignment = {t: ALL_LOW[graph.tensors[t].kind] for t in graph.assignable_ids()}
-    assignment[grad_id(add.outputs[0])] = add_gradient
-    policy = policy_from_assignment(graph, assignment, high_format="e6m9s", overflow=dict(PAPER_OVERFLOW),
-                                    promotion_threshold=None, loss_scaling={"mode": "dynamic", "init_scale": 2.0**8})
+    policy = _residual_policy(model, batches[0][0], add_gradient)
     eager, eager_losses = _train(model, policy, batches)
     done, done_losses = _train(model, policy, batches, compile=AOT_EAGER)
     _assert_same_training(eager, done, eager_losses, done_losses)
@@ -215,6 +220,24 @@ def test_a_gradient_an_add_passes_on_rounded_alike_is_counted_not_rounded_again(
     gradient_sites = sum(site.grad is not None for site in done.compiled_step.graph.sites)
     assert counter.ops["precsearch.count_overflows"] == alike
     assert counter.ops["precsearch.round_site"] == gradient_sites - alike
+
+
+def test_a_graph_saving_float32_serves_assignments_that_part_an_add_gradient_from_its_value_gradient() -> None:
+    """Saving float32 (a search's proxies, one graph for every assignment), the compiled step rounds a gradient an
+    add passes on again whether it arrives rounded alike or not (the same values and counts as only counting
+    it), so assignments that differ there share one graph, compiled once; each trains bit for bit as eagerly."""
+    torch.manual_seed(0)
+    model, batches = _Residual(), _batches(3, 8, 8)
+    options = CompileOptions(backend="aot_eager", saves_codes=False)
+    graphs = []
+    for add_gradient in (ALL_LOW["activation_grad"], "e4m3b4s"):
+        policy = _residual_policy(model, batches[0][0], add_gradient)
+        eager, eager_losses = _train(model, policy, batches)
+        done, done_losses = _train(model, policy, batches, compile=options)
+        _assert_same_training(eager, done, eager_losses, done_losses)
+        graphs.append(done.compiled_step.graph)
+    assert graphs[0] is graphs[1] and graphs[0].compiles == 1
+    assert not any(site.grad_arrives_rounded for site in graphs[0].sites)
 
 
 @pytest.mark.slow  # compiles three graphs

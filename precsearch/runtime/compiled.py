@@ -645,8 +645,10 @@ def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState,
                   for slot in slots)  # gradients: never saved
     scaled = tuple(slot.scaled for slot in slots)
     per_use = tuple(sites.per_use for sites in plan.ops)
-    arrive_rounded = frozenset(  # a promotion may part an output's gradient format from its add's
-        sites.op for sites in plan.ops if sites.gradient_from is not None
+    # rounding such a gradient again or only counting it gives the same values and counts, so a graph that saves
+    # float32 (a search's proxies, one graph for every assignment) rounds it; a promotion may part the formats
+    arrive_rounded = frozenset(
+        sites.op for sites in plan.ops if options.saves_codes and sites.gradient_from is not None
         and state.slots[sites.outputs[0].gradient].rounds_again_as(
             state.slots[plan.of_op(sites.gradient_from).outputs[0].gradient]))
     key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, scaled, options.backend,
