@@ -150,25 +150,6 @@ def test_the_compiled_step_trains_bit_for_bit_as_the_eager_runtime(case: str) ->
     _assert_same_training(eager, done, eager_losses, done_losses)
 
 
-@pytest.mark.parametrize("granularity", ["tensor", pytest.param("row", marks=pytest.mark.slow)])
-def test_scaled_formats_train_compiled_bit_for_bit_as_eagerly(granularity: str) -> None:
-    """torchao's tensorwise recipe (and its rowwise variant): weights and activations e4m3fn, gradients e5m2, each
-    tensor (row) with its own power-of-two scale, bf16 high, fp32 master weights. 12 steps of tiny_cnn compiled
-    without Inductor (aot_eager; codes and scales saved, the convolutions' and batch norms' backwards reading
-    them a slice at a time) train as the eager runtime: every parameter, buffer and loss, and the counts."""
-    model = _model("tiny_cnn")
-    batches = _batches(12, 16, 16)
-    formats = {kind: f"{element}@{granularity}" for kind, element in
-               (("weight", "e4m3fn"), ("activation", "e4m3fn"), ("activation_grad", "e5m2"), ("weight_grad", "e5m2"))}
-    policy = _policy(model, batches[0][0], formats, high_format="bf16", master_weights=True,
-                     loss_scaling={"mode": "none"})
-    eager, eager_losses = _train(model, policy, batches)
-    done, done_losses = _train(model, policy, batches, compile=AOT_EAGER)
-    assert done.compiled_step is not None
-    assert any(site.scaled[0] and site.code for site in done.compiled_step.graph.sites)
-    _assert_same_training(eager, done, eager_losses, done_losses)
-
-
 class _Residual(nn.Module):
     """conv, batch norm and ReLU, then a block whose batch norm's output an add alone reads: that output's
     gradient is the add's output gradient itself (``OpSites.gradient_from``)."""
@@ -183,6 +164,29 @@ class _Residual(nn.Module):
         out = torch.relu(self.stem_bn(self.stem(x)))
         out = torch.relu(self.bn(self.conv(out)) + out)
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
+
+
+@pytest.mark.parametrize(("granularity", "name"), [("tensor", "tiny_cnn"), ("tensor", "residual"),
+                                                   pytest.param("row", "tiny_cnn", marks=pytest.mark.slow)])
+def test_scaled_formats_train_compiled_bit_for_bit_as_eagerly(granularity: str, name: str) -> None:
+    """torchao's tensorwise recipe (and its rowwise variant): weights and activations e4m3fn, gradients e5m2, each
+    tensor (row) with its own power-of-two scale, bf16 high, fp32 master weights. 12 steps of tiny_cnn compiled
+    without Inductor (aot_eager; codes and scales saved, the convolutions' and batch norms' backwards reading
+    them a slice at a time) train as the eager runtime: every parameter, buffer and loss, and the counts; and
+    so does a residual block, whose add passes its scaled gradient on (counted, not rounded again)."""
+    torch.manual_seed(0)
+    model = _model("tiny_cnn") if name == "tiny_cnn" else _Residual()
+    batches = _batches(12, 16, 16)
+    formats = {kind: f"{element}@{granularity}" for kind, element in
+               (("weight", "e4m3fn"), ("activation", "e4m3fn"), ("activation_grad", "e5m2"), ("weight_grad", "e5m2"))}
+    policy = _policy(model, batches[0][0], formats, high_format="bf16", master_weights=True,
+                     loss_scaling={"mode": "none"})
+    eager, eager_losses = _train(model, policy, batches)
+    done, done_losses = _train(model, policy, batches, compile=AOT_EAGER)
+    assert done.compiled_step is not None
+    assert any(site.scaled[0] and site.code for site in done.compiled_step.graph.sites)
+    assert any(site.grad_arrives_rounded for site in done.compiled_step.graph.sites) == (name == "residual")
+    _assert_same_training(eager, done, eager_losses, done_losses)
 
 
 def _residual_policy(model: nn.Module, x: torch.Tensor, add_gradient: str):
