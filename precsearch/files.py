@@ -1,7 +1,7 @@
 """Writing files so that nothing half-written is ever seen: a temporary file in the same folder, fsync, rename.
 
-``tempfile.mkstemp`` creates its file with mode 0600; outputs get the mode any other new file of the user
-would get (0666 minus the umask), so a shared results folder stays readable by the group.
+The temporary is created with mode 0600 (as ``tempfile.mkstemp`` would); outputs get the mode any other new
+file of the user would get (0666 minus the umask), so a shared results folder stays readable by the group.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from precsearch.errors import find_cause
@@ -52,19 +52,18 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     write names no file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = None
+    # named before it exists: a Ctrl-C between creating the file and learning its name would leave it behind
+    temp = path.parent / f".{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
     try:
-        handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
-        with os.fdopen(handle, "wb") as out:
+        with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
             out.write(data)
             out.flush()
             os.fsync(out.fileno())
         os.chmod(temp, user_file_mode())
         os.replace(temp, path)
     except BaseException as error:
-        if temp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
         if isinstance(error, OSError):
             raise OSError(error.errno, error.strerror, str(path)) from error
         raise

@@ -8,10 +8,10 @@ user's file, and nothing is written."""
 from __future__ import annotations
 
 import errno
+import os
 import pickle
 import shlex
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -220,14 +220,31 @@ def test_a_failed_atomic_write_names_the_users_file(tmp_path, capsys):
 
 
 def test_a_temporary_that_cannot_be_created_is_not_named(tmp_path, monkeypatch):
-    def full(**kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device", str(kwargs["dir"] / ".x.json.abc.tmp"))
+    def full(name, *args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(name))
 
-    monkeypatch.setattr(tempfile, "mkstemp", full)
-    with pytest.raises(OSError) as info:
+    with monkeypatch.context() as patched, pytest.raises(OSError) as info:
+        patched.setattr(os, "open", full)
         atomic_write_text(tmp_path / "x.json", "{}")
     assert info.value.filename == str(tmp_path / "x.json") and info.value.filename2 is None
     assert full_disk(info.value) is info.value  # still recognized as a full disk
+
+
+def test_a_ctrl_c_as_the_temporary_is_created_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A KeyboardInterrupt the moment the temporary exists, before the write knows its descriptor (a SIGINT
+    between two bytecodes): the temporary is removed and the file keeps its old contents."""
+    target = tmp_path / "run.json"
+    target.write_text("old")
+    real_open = os.open
+
+    def interrupted(name, *args):
+        real_open(name, *args)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        patched.setattr(os, "open", interrupted)
+        atomic_write_text(target, "new")
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"] and target.read_text() == "old"
 
 
 @pytest.mark.parametrize(("data", "size", "count"), [("digits", 1500, 1797), ("gratings", 2000, 3072),
