@@ -9,7 +9,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -272,10 +271,10 @@ def test_failed_save_leaves_no_file_behind(policy, tmp_path, monkeypatch):
     assert target.read_bytes() == before  # the old file is intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # and no temp file is left
 
-    def read_only(*args, **kwargs):  # what mkstemp raises in a read-only directory (root is exempt from it)
+    def read_only(*args, **kwargs):  # what creating a file raises in a read-only directory (root is exempt)
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(os, "open", read_only)
     with pytest.raises(PrecsearchError, match="cannot write policy .*: Permission denied; choose a writable path"):
         policy.save(tmp_path / "other.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]

@@ -208,7 +208,7 @@ def test_outputs_get_the_users_umask(tmp_path):
     finally:
         os.umask(previous)
     for name in ("trials.csv", "pareto.csv", "run.json"):
-        assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name  # mkstemp alone gives 0600
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name  # the temporary alone is 0600
     for path in (out / "policies").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o644
 

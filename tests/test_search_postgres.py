@@ -120,6 +120,7 @@ def _trained_once(trials: list[optuna.trial.FrozenTrial]) -> pd.Series:
     return pd.Series(trained, dtype=object).value_counts()
 
 
+@pytest.mark.slow  # three worker processes, about a minute: with the slow tests, which CI runs too
 def test_three_workers_finish_the_study_once_each_assignment(postgres, tmp_path):
     workers = [_worker(postgres, "three", tmp_path / f"w{i}", 10, 8) for i in range(3)]
     assert _finish(workers) == [0, 0, 0]
@@ -200,6 +201,7 @@ def _race(url: str, name: str, barrier) -> None:
     search._seed_study(study, context, PAPER_SEEDING, 10, search._ledger(study, location, storage))
 
 
+@pytest.mark.slow  # processes started at once, half a minute: with the slow tests, which CI runs too
 def test_workers_starting_at_once_create_and_seed_the_study_once(postgres):
     spawn = multiprocessing.get_context("spawn")
     barrier = spawn.Barrier(2)
