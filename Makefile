@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,postgres]'
 	touch $(STAMP)
 
-.PHONY: install test test-slow demo lint bench postgres device-wheels
+.PHONY: install test test-slow test-oldest-torch demo lint bench postgres device-wheels
 install: $(STAMP)
 
 postgres:
@@ -29,6 +29,25 @@ test: $(STAMP) postgres
 
 test-slow: $(STAMP) postgres
 	$(PY) -m pytest -q -m slow
+
+# The quick suite under the oldest torch that pyproject.toml admits ("torch>=X.Y": the newest X.Y.* from PyPI,
+# a CUDA build that runs here on the CPU), in its own venv: torch's compiler traces the compiled step differently
+# from release to release (torch 2.11's Dynamo could not unpack a saved-tensor tuple that 2.13's can).
+OLDEST_TORCH := $(shell sed -n 's/^ *"torch>=\([0-9.]*\)",.*/\1/p' pyproject.toml)
+OLDEST_VENV := .venv-torch$(OLDEST_TORCH)
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+
+$(OLDEST_STAMP): pyproject.toml constraints.txt
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	grep -v '^torch==' constraints.txt > $(OLDEST_VENV)/constraints.txt
+	$(OLDEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install -q -c $(OLDEST_VENV)/constraints.txt 'torch==$(OLDEST_TORCH).*' \
+		-e '.[dev,postgres]'
+	touch $(OLDEST_STAMP)
+
+test-oldest-torch: $(OLDEST_STAMP) postgres
+	$(OLDEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(VENV)/bin/precsearch demo

@@ -4,7 +4,9 @@
 # Results (one text file per check) go to $OUT (default: device-results/). Each check has its own time limit,
 # so a hang costs one check, not the run; the whole script took about 6 minutes on one H200 before the runtime
 # and memory benchmarks gained their compiled rows (eager and compiled side by side, the compiled step saving
-# codes; their compiles not yet timed on a GPU: each compiled memory row compiles a graph of its own).
+# codes; their compiles not yet timed on a GPU: each compiled memory row compiles a graph of its own). The checks
+# run in the order of what they decide (the compiled step on CUDA first) and their limits add up to 810 s, within
+# a lent GPU's 15 minutes only if the machine starts quickly: what is cut is the last.
 #
 #   make device-wheels                   # here: optuna and what it needs, as wheels in .whl/ (for a GPU machine
 #                                        # without them; Python 3.12, x86-64)
@@ -38,8 +40,8 @@ check() {  # check NAME SECONDS COMMAND...: run, keep its output, note its exit 
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
     | tee "$OUT/summary.txt"
 check cuda_tests 150 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider tests
-check runtime 360 "$PYTHON" benchmarks/bench_runtime.py --device cuda --width 1.0 --batch 128 --steps 10 --warmup 3
-check memory 420 "$PYTHON" benchmarks/bench_memory.py --device cuda --width 1.0 --batch 128 \
+check memory 300 "$PYTHON" benchmarks/bench_memory.py --device cuda --width 1.0 --batch 128 \
     --compiled fp16,hfp8,all-low
+check runtime 240 "$PYTHON" benchmarks/bench_runtime.py --device cuda --width 1.0 --batch 128 --steps 10 --warmup 3
 check search 120 "$PYTHON" -m precsearch search resnet18:width=0.25 --trials 8 --proxy-steps 100 --device cuda \
     --out /tmp/precsearch-device-search --no-progress

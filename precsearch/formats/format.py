@@ -17,7 +17,7 @@ Special codes come in three families:
 
 Overflow semantics (``OVERFLOWS``) apply to finite values that round above the format's max:
 ``"inf"`` gives +-inf, ``"saturate"`` gives +-max, ``"nan"`` gives NaN. The default is ``"inf"`` for formats
-with inf and ``"saturate"`` otherwise (torch's float8_e4m3fn cast saturates; ml_dtypes gives NaN: pass
+with inf and ``"saturate"`` otherwise (torch 2.13's float8_e4m3fn cast saturates; 2.11's and ml_dtypes give NaN: pass
 ``overflow="nan"`` for that). Infinite inputs stay infinite in formats that have inf; in the others they
 follow the overflow mode. NaN stays NaN. Since the result is float32, ``"inf"`` and ``"nan"`` may be used
 with any format (the Lee et al. reference lets gradients overflow to inf so the loss scaler reacts), but

@@ -37,7 +37,7 @@ MX clamps, torchao clamps before its cast, Transformer Engine casts with satfini
 
 Non-finite inputs stay non-finite, so that a loss scaler still sees them. tensor and row: the amax is taken
 over finite values; NaN stays NaN; inf stays inf where the element has inf (e5m2) and becomes NaN where it has
-none (even fp6/fp4, which have no NaN code either; torch's float8_e4m3fn cast would give +-448). block: as OCP
+none (even fp6/fp4, which have no NaN code either; torch 2.13's float8_e4m3fn cast would give +-448). block: as OCP
 MX and its reference code, a block holding inf or NaN gets the NaN scale (e8m0 0xFF) and all its values are
 NaN. Inputs that are inf are not counted as overflows (unlike ``round_and_count``): they are not saturated.
 """

@@ -301,17 +301,17 @@ class _ConvOfCodes(torch.autograd.Function):
                 channels: int) -> torch.Tensor:
         ctx.geometry, ctx.nbytes, ctx.rows, ctx.channels = geometry, nbytes, rows, channels
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(codes, row, weight, *([] if scales is None else [scales]))
+        ctx.save_for_backward(codes, row, weight, scales)
         return torch.ops.aten.convolution(x, weight, bias, geometry.stride, geometry.padding, geometry.dilation,
                                           False, [0, 0], geometry.groups)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        codes, row, weight, *scales = ctx.saved_tensors
+        codes, row, weight, scales = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         geometry = ctx.geometry
         grad_input, grad_weight = conv_backward_of_codes(
-            grad_out, codes, scales[0] if scales else None, row, weight, list(geometry.stride),
+            grad_out, codes, scales, row, weight, list(geometry.stride),
             list(geometry.padding), list(geometry.dilation), geometry.groups, ctx.nbytes, ctx.rows, ctx.channels,
             need_input, need_weight)
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
@@ -329,15 +329,12 @@ class _BatchNormGradOfCodes(torch.autograd.Function):
                 bias: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
                 mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int) -> torch.Tensor:
         ctx.eps, ctx.nbytes, ctx.rows = eps, nbytes, rows
-        ctx.affine, ctx.scaled = weight is not None, scales is not None
-        ctx.save_for_backward(codes, row, mean, invstd, *[t for t in (weight, scales) if t is not None])
+        ctx.save_for_backward(codes, row, mean, invstd, weight, scales)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        codes, row, mean, invstd, *optional = ctx.saved_tensors
-        weight = optional.pop(0) if ctx.affine else None
-        scales = optional.pop(0) if ctx.scaled else None
+        codes, row, mean, invstd, weight, scales = ctx.saved_tensors
         need = list(ctx.needs_input_grad[1:4])
         grads = batch_norm_backward_of_codes(
             grad_out, codes, scales, row, weight, mean, invstd, ctx.eps, ctx.nbytes, ctx.rows, need)
