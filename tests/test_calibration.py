@@ -90,7 +90,9 @@ def test_calibration_extends_past_a_flat_mean_while_the_seeds_disagree(tmp_path)
 
 def test_seeds_that_stay_apart_stop_calibration_with_one_warning_line(tmp_path, caplog):
     def apart(name, step, length, seed):
-        return CHANCE if name != "HHHH" else 0.90 + 0.03 * (seed % 3)  # learned, flat, 3 points apart forever
+        # learned, flat, 3 points apart forever; the best seed at 99.5%, where 360 validation images alone would
+        # resolve a 1-point drop (see the next test), so only the stall stops it
+        return CHANCE if name != "HHHH" else 0.995 - 0.03 * (seed % 3)
 
     with caplog.at_level("WARNING", logger="precsearch.search.calibration"):
         result = run_search(_config(tmp_path / "run"), trainer=ScriptedTrainer(apart, _context()))
@@ -98,6 +100,33 @@ def test_seeds_that_stay_apart_stop_calibration_with_one_warning_line(tmp_path, 
     warnings = [record.message for record in caplog.records if "seeds still disagree" in record.message]
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert "--max-accuracy-drop" in warnings[0] and "--proxy-seeds" in warnings[0]
+
+
+def _at_the_sampling_floor(name, step, length, seed):
+    """All-high at 98% from 200 steps on, its seeds 2.4 points apart at 200 and drawing closer at every
+    doubling (never stalled), never closely enough at 360 validation images; the rest at chance."""
+    if name != "HHHH":
+        return CHANCE
+    if step < 200:
+        return CHANCE
+    return 0.98 + 0.012 * (seed % 3 - 1) * 200 / length
+
+
+def test_calibration_stops_where_the_validation_sets_sampling_noise_alone_hides_the_drop(tmp_path, caplog):
+    trainer = ScriptedTrainer(_at_the_sampling_floor, _context())
+    with caplog.at_level("WARNING", logger="precsearch.search.calibration"):
+        result = run_search(_config(tmp_path / "run", max_proxy_steps=3200), trainer=trainer)
+    # oracle: the binomial sd of a 98.6% accuracy over digits' 360 validation images is sqrt(.986 * .014 / 360)
+    # = 0.62 points; with 4 seeds per proxy against 3 reference seeds the 90% one-sided margin is
+    # 1.2816 * 0.62 * sqrt(1/4 + 1/3) = 0.60 points, over half the 1-point drop: at 400 (learned, flat, the seeds
+    # 0.6 points apart) no longer run could resolve it, so calibration stops there, not at the cap
+    assert result.calibration.length == 400
+    assert trainer.context.validation_size == 360
+    assert {call["length"] for call in trainer.calls if call["name"] == "HHHH" and call["seed"] < 1000} == {
+        50, 100, 200, 400}
+    warnings = [record.message for record in caplog.records if "seeds still disagree" in record.message]
+    assert len(warnings) == 1 and "sampling noise alone (0.62 points over 360 images" in warnings[0]
+    assert "validate on more images" in warnings[0] and "--max-proxy-steps" not in warnings[0]
 
 
 def test_a_reference_that_never_learns_is_refused_and_nothing_is_picked(tmp_path):

@@ -15,8 +15,10 @@ is judged there, and the runs go on from their checkpoints. The proxy length L i
   that stopped rising over seeds that still disagree (99.8%, 74.5%, 64.2%) would hold every proxy to noise.
 
 Seeds that have learned and stopped rising but still disagree, and drew no closer over two doublings (seeds
-that click late draw together as they do), are not going to agree: calibration stops there, and so it does
-at the cap, with one WARNING line (kept in the calibration, shown in the summary) saying what to change. A
+that click late draw together as they do), are not going to agree: calibration stops there. So it does
+where even seeds apart by the validation set's own sampling noise alone (binomial, at the best seed's
+accuracy) could not resolve the drop, which no length changes (an easy task validated on a few hundred
+images, at 98%), and at the cap; each time with one WARNING line (kept in the calibration, shown in the summary) saying what to change. A
 reference that has not learned or is still rising at the cap is refused: a one-line PrecsearchError, never
 a pick of noise. Steps per reference seed: L plus the decay branches of its points, 1.2 x L with doubling
 points.
@@ -198,9 +200,10 @@ def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSett
             return Calibration(point, False, runs)
         earlier = runs[points[index - 2]] if index >= 2 else []
         stalled = _learned(earlier, context.chance) and np.std(now) >= np.std(_accuracies(earlier))
-        if stalled or point == points[-1]:
-            cause = "reached the cap" if point == points[-1] else "drew no closer over the last two doublings"
-            return Calibration(point, False, runs, _disagreement(point, now, noise, context, cause))
+        floor = _sampling_floor(now, context)
+        if floor or stalled or point == points[-1]:
+            cause = floor or ("reached the cap" if point == points[-1] else "drew no closer over the last two doublings")
+            return Calibration(point, False, runs, _disagreement(point, now, noise, context, cause, longer=not floor))
     last = _accuracies(runs[points[-1]])
     problem = ("is not above chance on every seed" if not _learned(runs[points[-1]], context.chance)
                else "is still improving")
@@ -225,14 +228,30 @@ def _advance(context: SearchContext, ledger: Ledger, policy: Policy, point: int,
     return [results[name] for name in names]
 
 
-def _disagreement(point: int, accuracies: list[float], noise: Noise, context: SearchContext, cause: str) -> str:
+def _sampling_floor(accuracies: list[float], context: SearchContext) -> str:
+    """Why no length resolves the allowed drop, or "": even seeds that all reached the best one's accuracy (the
+    mean is flat) and differed by the validation set's own sampling noise alone (``SearchContext.sampling_sd``,
+    known exactly) would leave a margin over half the drop. Training longer cannot make seeds agree more
+    closely than that."""
+    sd = context.sampling_sd(max(accuracies))
+    floor = Noise(sd, context.validation_size - 1, context.budget.confidence)
+    if resolves(floor, context.budget.drop, len(accuracies)):
+        return ""
+    return (f"the validation set's sampling noise alone ({100 * sd:.2f} points over {context.validation_size} "
+            "images at this accuracy) is too large for that, which more steps do not shrink")
+
+
+def _disagreement(point: int, accuracies: list[float], noise: Noise, context: SearchContext, cause: str,
+                  longer: bool) -> str:
+    """The calibration's one WARNING line; ``longer``: whether more steps could still help."""
     budget = context.budget
     margin = 100 * float(noise.margin(MAX_SEEDS, len(accuracies)))
+    remedy = "raise --max-proxy-steps" if longer else "validate on more images"
     return (f"calibration: at {point} steps the all-high reference's seeds still disagree (accuracy per seed "
             f"{', '.join(f'{value:.3f}' for value in accuracies)}; margin {margin:.2f} points with {MAX_SEEDS} "
             f"seeds per proxy) and {cause}: proxies cannot resolve a {100 * budget.drop:g}-point drop at "
             f"{100 * budget.confidence:g}% confidence, so picks stay close to all-high; allow a larger drop "
-            "(--max-accuracy-drop), give more reference seeds (--proxy-seeds N) or raise --max-proxy-steps")
+            f"(--max-accuracy-drop), give more reference seeds (--proxy-seeds N) or {remedy}")
 
 
 def _accuracies(runs: list[dict[str, Any]]) -> list[float]:

@@ -157,7 +157,16 @@ class SearchContext:
         plus 3 binomial standard deviations over the validation set. An accuracy at or below it is no signal."""
         labels = self.data[1].labels
         share = float(torch.bincount(labels).max()) / len(labels)
-        return share + 3.0 * math.sqrt(share * (1.0 - share) / len(labels))
+        return share + 3.0 * self.sampling_sd(share)
+
+    @property
+    def validation_size(self) -> int:
+        return len(self.data[1].labels)
+
+    def sampling_sd(self, accuracy: float) -> float:
+        """The binomial standard deviation of an accuracy measured on the validation set: the spread two
+        networks equally good at ``accuracy`` show from the validation sample alone, which no training shrinks."""
+        return math.sqrt(accuracy * (1.0 - accuracy) / self.validation_size)
 
     def decisions(self, params: Mapping[str, Any]) -> dict[str, str]:
         return {unit: str(params.get(unit, "high")) for unit in self.units}
