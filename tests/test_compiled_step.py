@@ -223,7 +223,10 @@ def test_a_gradient_an_add_passes_on_rounded_alike_is_counted_not_rounded_again(
     alike = add_gradient == ALL_LOW["activation_grad"]
     gradient_sites = sum(site.grad is not None for site in done.compiled_step.graph.sites)
     assert counter.ops["precsearch.count_overflows"] == alike
-    assert counter.ops["precsearch.round_site"] == gradient_sites - alike
+    # and each convolution backward over codes rounds its weight again from the master
+    weights_again = counter.ops["precsearch.conv_backward_of_codes"]
+    assert weights_again == 2
+    assert counter.ops["precsearch.round_site"] == gradient_sites - alike + weights_again
 
 
 def test_a_graph_saving_float32_serves_assignments_that_part_an_add_gradient_from_its_value_gradient() -> None:
@@ -470,6 +473,25 @@ def _saved_tensors(wrapped, x: torch.Tensor) -> list[torch.Tensor]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         wrapped(x)
     return list(saved.values())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_the_compiled_step_holds_no_copy_of_a_convolutions_weight_for_its_backward(backend: str) -> None:
+    """A convolution's backward rounds its weight again from the fp32 master, as the eager runtime does, so what
+    the compiled forward leaves autograd of each convolution's weight size (float32 values, or the 2-byte codes
+    of fp16 weights: two byte planes) is the parameter itself, never a copy (the bit-for-bit tests above train
+    through it). Counted by autograd's own saved-tensor hooks, against the parameters' storage."""
+    model = _model("tiny_cnn")
+    x = torch.randn(12, 3, 16, 16)
+    policy = _policy(model, x, dict(ALL_LOW, weight="fp16"))
+    done = apply_policy(copy.deepcopy(model), policy, x[:2], compile=CompileOptions(backend=backend))
+    weights = {name: p for name, p in done.named_parameters() if p.dim() == 4}
+    assert len(weights) == 2
+    storages = {p.untyped_storage().data_ptr() for p in weights.values()}
+    shapes = {tuple(p.shape) for p in weights.values()}
+    of_weight_size = [t for t in _saved_tensors(done, x) if tuple(t.shape) in shapes or tuple(t.shape[1:]) in shapes]
+    assert len(of_weight_size) == 2
+    assert all(t.untyped_storage().data_ptr() in storages for t in of_weight_size)
 
 
 @pytest.mark.slow

@@ -292,31 +292,37 @@ def _stack(*counts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _ConvOfCodes(torch.autograd.Function):
-    """A convolution of a site's rounded values that saves their codes (and its weight) for a backward that
-    decodes them a slice at a time: ``conv_backward_of_codes``."""
+    """A convolution of a site's rounded values that saves their codes for a backward that decodes them a slice
+    at a time (``conv_backward_of_codes``), and its weight's fp32 master, a parameter held anyway, which the
+    backward rounds again by the weight's site (the same values: the same row, seed and element order), as the
+    eager runtime does (``packing._RoundedFromMaster``): no copy of the weight, codes or float32, is held from
+    the layer's forward to its backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, codes: torch.Tensor,
-                scales: torch.Tensor | None, row: torch.Tensor, geometry: ConvGeometry, nbytes: int, rows: int,
-                channels: int) -> torch.Tensor:
-        ctx.geometry, ctx.nbytes, ctx.rows, ctx.channels = geometry, nbytes, rows, channels
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(codes, row, weight, scales)
+                scales: torch.Tensor | None, rows: torch.Tensor, site: Site, geometry: ConvGeometry, slice_rows: int,
+                channels: int, master: torch.Tensor, seed: torch.Tensor, weight_site: Site,
+                weight_scaled: ScaledFormat | None) -> torch.Tensor:
+        ctx.site, ctx.geometry, ctx.slice_rows, ctx.channels = site, geometry, slice_rows, channels
+        ctx.weight_site, ctx.weight_scaled, ctx.has_bias = weight_site, weight_scaled, bias is not None
+        ctx.save_for_backward(codes, rows, master, seed, scales)
         return torch.ops.aten.convolution(x, weight, bias, geometry.stride, geometry.padding, geometry.dilation,
                                           False, [0, 0], geometry.groups)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        codes, row, weight, scales = ctx.saved_tensors
+        codes, rows, master, seed, scales = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        geometry = ctx.geometry
+        geometry, weight_site = ctx.geometry, ctx.weight_site
+        weight = _rounded(master, rows[weight_site.act], seed + (2 * weight_site.index) * SEED_STRIDE,
+                          weight_site.rounding[0], ctx.weight_scaled)[0]
         grad_input, grad_weight = conv_backward_of_codes(
-            grad_out, codes, scales, row, weight, list(geometry.stride),
-            list(geometry.padding), list(geometry.dilation), geometry.groups, ctx.nbytes, ctx.rows, ctx.channels,
-            need_input, need_weight)
+            grad_out, codes, scales, rows[ctx.site.act], weight, list(geometry.stride),
+            list(geometry.padding), list(geometry.dilation), geometry.groups, ctx.site.code, ctx.slice_rows,
+            ctx.channels, need_input, need_weight)
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
         return (grad_input if need_input else None, grad_weight if need_weight else None, grad_bias,
-                None, None, None, None, None, None, None)
+                *[None] * 11)
 
 
 class _BatchNormGradOfCodes(torch.autograd.Function):
@@ -342,14 +348,20 @@ class _BatchNormGradOfCodes(torch.autograd.Function):
 
 
 def _conv_of_codes(layer: nn.Conv2d, x: torch.Tensor, codes: tuple[torch.Tensor, ...], rows: torch.Tensor, site: Site,
-                   of_graph: _HeldByGraph) -> torch.Tensor:
-    """``layer`` on a site's rounded values ``x``, its backward reading their ``codes`` (and scales)."""
+                   of_graph: _HeldByGraph, master: torch.Tensor, seed: torch.Tensor, weight_name: str,
+                   held: _HeldByGraph) -> torch.Tensor:
+    """``layer`` on a site's rounded values ``x``, its backward reading their ``codes`` (and scales) and rounding
+    its weight again from ``master``, by the site of the parameter ``weight_name`` (``held``: the graph's weight
+    sites and scaled formats)."""
     slicing = of_graph.value
     weight = layer.weight
+    weight_sites, formats = held.value
+    weight_site = weight_sites[weight_name][0]
     geometry = ConvGeometry(layer.stride, layer.padding, layer.dilation, layer.groups)
-    return _ConvOfCodes.apply(x, weight, layer.bias, codes[0], _scales_of(codes), rows[site.act], geometry, site.code,
+    return _ConvOfCodes.apply(x, weight, layer.bias, codes[0], _scales_of(codes), rows, site, geometry,
                               slicing.rows(x.shape, x.device, "Conv2d", weight.numel()),
-                              slicing.channels(x.shape, weight.shape, x.device))
+                              slicing.channels(x.shape, weight.shape, x.device), master, seed, weight_site,
+                              formats.get(weight_site.scaled[0]))
 
 
 def _batch_norm_of_codes(layer: nn.BatchNorm2d, x: torch.Tensor, codes: tuple[torch.Tensor, ...], rows: torch.Tensor,
@@ -390,11 +402,13 @@ _OF_CODES = {nn.Conv2d: _conv_of_codes, nn.BatchNorm2d: _batch_norm_of_codes}
 
 
 def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.Node, Site]], rows: fx.Node,
-                            slicing: Slicing) -> None:
+                            seed: fx.Node, masters: fx.Node, slicing: Slicing, weights: _HeldByGraph) -> None:
     """Each layer of ``gm`` whose backward slices over its input (``Slicing.input_function``) and reads a value
     with codes (``coded``) called through ``_OF_CODES``, so that its backward decodes the codes a slice at a time,
-    as the eager runtime's does."""
+    as the eager runtime's does; a convolution's also rounds its weight again from its master (``masters``, by
+    the weight's site: ``weights``)."""
     gm.add_submodule("precsearch_slicing", _HeldByGraph(slicing))
+    gm.add_submodule("precsearch_weights", weights)
     for node in list(gm.graph.nodes):
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs or node.args[0] not in coded:
             continue
@@ -405,8 +419,12 @@ def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.No
         with gm.graph.inserting_before(node):
             codes = gm.graph.call_function(operator.getitem, (pair, 2))
             module, slicing_node = gm.graph.get_attr(node.target), gm.graph.get_attr("precsearch_slicing")
-            replacement = gm.graph.call_function(_OF_CODES[type(layer)], (module, node.args[0], codes, rows, site,
-                                                                          slicing_node))
+            args = (module, node.args[0], codes, rows, site, slicing_node)
+            if isinstance(layer, nn.Conv2d):
+                name = f"{node.target}.weight"
+                master = gm.graph.call_function(operator.getitem, (masters, name))
+                args += (master, seed, name, gm.graph.get_attr("precsearch_weights"))
+            replacement = gm.graph.call_function(_OF_CODES[type(layer)], args)
         node.replace_all_uses_with(replacement)
         gm.graph.erase_node(node)
 
@@ -439,8 +457,11 @@ class RoundingGraph:
         with fx_graph.inserting_after(seed_node):
             counters_node = fx_graph.placeholder("precsearch_counters")
         # the scaled formats, by name: the graph's code names its sites' formats (it cannot spell a ScaledFormat)
-        gm.add_submodule("precsearch_scaled", _HeldByGraph({fmt.name: fmt for fmt in scaled if fmt is not None}))
+        formats = {fmt.name: fmt for fmt in scaled if fmt is not None}
+        gm.add_submodule("precsearch_scaled", _HeldByGraph(formats))
         with fx_graph.inserting_after(counters_node):
+            masters_node = fx_graph.placeholder("precsearch_masters")  # the fp32 parameters, by name
+        with fx_graph.inserting_after(masters_node):
             formats_node = fx_graph.get_attr("precsearch_scaled")
         nodes = {node.name: node for node in fx_graph.nodes}
         self.sites: list[Site] = []
@@ -489,13 +510,16 @@ class RoundingGraph:
                 user.replace_input_with(rounded, use)
                 if whole is not None:
                     coded[use] = pair, whole
-        _read_codes_in_backward(gm, coded, rows_node, Slicing(graph.rules))
+        weight_sites: dict[str, tuple[Site, int | None]] = {}  # made last, as before: the seeds follow site order
+        _read_codes_in_backward(gm, coded, rows_node, seed_node, masters_node, Slicing(graph.rules),
+                                _HeldByGraph((weight_sites, formats)))
         output = next(node for node in fx_graph.nodes if node.op == "output")
         output.args = ((output.args[0], tuple(forward_counts)),)
         fx_graph.lint()
         gm.recompile()
         self.graph_module = gm
-        self.weight_sites = {site.param: add_site(site.value, site.gradient, False) for site in plan.weights}
+        weight_sites.update({site.param: add_site(site.value, site.gradient, False) for site in plan.weights})
+        self.weight_sites = weight_sites
         self.passes = sum((site.act is not None) + (site.grad is not None) for site in self.sites)  # roundings a step
         self._forward_rows = [site.act for site in self.sites if site.act is not None]
         self._backward_rows = [site.grad for site in self.sites if site.grad is not None]
@@ -518,7 +542,10 @@ class RoundingGraph:
                 # buffer reuse off: Inductor holds a dead buffer until a later one of its size takes it, which kept
                 # 6 float32 activation gradients alive in ResNet-18's backward (1.11x the eager step's peak); the
                 # backward is lowered later, outside this block, so the patch travels with the compile
-                return compile_fx(graph_module, example_inputs, config_patches={"allow_buffer_reuse": False})
+                # layout optimization off: it lays every 4-d tensor upstream of a convolution out channels-last, and
+                # so saved each weight's master (``_ConvOfCodes``) as a channels-last float32 copy
+                return compile_fx(graph_module, example_inputs,
+                                  config_patches={"allow_buffer_reuse": False, "layout_optimization": False})
             return backend(graph_module, example_inputs)
 
     def counters(self, device: torch.device) -> list[torch.Tensor]:
@@ -580,7 +607,7 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
                                                        None if counter is None else counters[counter], site,
                                                        gm.precsearch_scaled.value)
         weight_counts.append(counted)
-    output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters))
+    output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters, params))
     return output, _stack(*counts, weight_counts)
 
 
