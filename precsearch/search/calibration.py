@@ -18,10 +18,10 @@ Seeds that have learned and stopped rising but still disagree, and drew no close
 that click late draw together as they do), are not going to agree: calibration stops there. So it does
 where even seeds apart by the validation set's own sampling noise alone (binomial, at the best seed's
 accuracy) could not resolve the drop, which no length changes (an easy task validated on a few hundred
-images, at 98%), and at the cap; each time with one WARNING line (kept in the calibration, shown in the summary) saying what to change. A
-reference that has not learned or is still rising at the cap is refused: a one-line PrecsearchError, never
-a pick of noise. Steps per reference seed: L plus the decay branches of its points, 1.2 x L with doubling
-points.
+images, at 98%), and at the cap; each time with one WARNING line (kept in the calibration, shown in the
+summary) saying what to change. A reference that has not learned or is still rising at the cap is refused: a
+one-line PrecsearchError, never a pick of noise. Steps per reference seed: L plus the decay branches of its
+points, 1.2 x L with doubling points.
 
 Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it. With
 a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way (the
@@ -202,7 +202,8 @@ def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSett
         stalled = _learned(earlier, context.chance) and np.std(now) >= np.std(_accuracies(earlier))
         floor = _sampling_floor(now, context)
         if floor or stalled or point == points[-1]:
-            cause = floor or ("reached the cap" if point == points[-1] else "drew no closer over the last two doublings")
+            cause = floor or ("reached the cap" if point == points[-1]
+                              else "drew no closer over the last two doublings")
             return Calibration(point, False, runs, _disagreement(point, now, noise, context, cause, longer=not floor))
     last = _accuracies(runs[points[-1]])
     problem = ("is not above chance on every seed" if not _learned(runs[points[-1]], context.chance)
