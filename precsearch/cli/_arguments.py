@@ -165,14 +165,14 @@ def space_argument(args: argparse.Namespace) -> Any:
 
 # Training steps (a process's) from which a command compiles its step by default on CUDA, where a compile of minutes
 # must be repaid; on a CPU the compiled step is not the faster one (benchmarks/results/bench_runtime.md: the
-# all-low and hfp8 steps within the noise of the eager ones) and holds 0-7% more, so it compiles only when asked.
+# all-low and hfp8 steps within the noise of the eager ones) and holds 0-4% more, so it compiles only when asked.
 COMPILE_MIN_STEPS = 2000
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="compile the training step (precsearch.runtime.compiled: once per model, code widths "
-                             "and process; its peak memory 0-7%% above the eager step's) or not (--no-compile); by "
+                             "and process; its peak memory 0-4%% above the eager step's) or not (--no-compile); by "
                              f"default a command compiles on CUDA when its processes each train {COMPILE_MIN_STEPS} "
                              "steps or more, and trains eagerly on a CPU, where the compiled step measured no "
                              "faster (README, 'Peak memory' and 'Step time')")
@@ -192,6 +192,6 @@ def choose_compile(args: argparse.Namespace, steps: int | None) -> CompileOption
     else:
         on = steps is None or steps >= COMPILE_MIN_STEPS
         reason = "" if on else f" ({steps} steps, fewer than {COMPILE_MIN_STEPS})"
-    log.info("training step: %s%s", "compiled (its peak memory 0-7% above the eager step's)" if on else "eager",
+    log.info("training step: %s%s", "compiled (its peak memory 0-4% above the eager step's)" if on else "eager",
              reason)
     return CompileOptions() if on else None
