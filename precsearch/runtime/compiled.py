@@ -128,6 +128,11 @@ class _RecomputeDecodes(CustomGraphPass):
 SEED_STRIDE = 0x3C6EF35F  # odd: each site and direction of a step draws with its own seed, steps apart
 
 
+def _site_seed(seed: torch.Tensor, site: Site, gradient: bool) -> torch.Tensor:
+    """The seed a site's value (or, ``gradient``, its gradient) draws from in this step."""
+    return seed + (2 * site.index + gradient) * SEED_STRIDE
+
+
 def unsupported(policy: Policy, graph: TensorGraph, state: TensorState) -> str | None:
     """Why a compiled step cannot train ``policy`` on ``graph`` (None: it can)."""
     if graph.graph_module is None:
@@ -177,7 +182,7 @@ class _Round(torch.autograd.Function):
         ctx.site, ctx.formats = site, formats
         row, scaled = rows[site.act], site.scaled[0]
         if scaled is None:  # one opaque pass: the rounded values, or their codes
-            values, counted = round_site(x, row, seed + (2 * site.index) * SEED_STRIDE, site.rounding[0], site.code)
+            values, counted = round_site(x, row, _site_seed(seed, site, False), site.rounding[0], site.code)
             scales = None
         else:
             values, scales, counted = round_scaled_site(x, row, scaled, site.code)
@@ -202,7 +207,7 @@ class _Round(torch.autograd.Function):
         rows, seed, *output = ctx.saved_tensors
         site, overflowed = ctx.site, None
         if site.grad is not None:
-            grad_seed = seed + (2 * site.index + 1) * SEED_STRIDE
+            grad_seed = _site_seed(seed, site, True)
             if site.grad_arrives_rounded:  # rounding again changes no value (and would hold a second copy)
                 overflowed = count_overflows(g, rows[site.grad], grad_seed, site.rounding[1], site.scaled[1])
             else:
@@ -259,7 +264,7 @@ class _RoundGradient(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         rows, seed = ctx.saved_tensors
         site = ctx.site
-        g, overflowed = _rounded(g, rows[site.grad], seed + (2 * site.index + 1) * SEED_STRIDE, site.rounding[1],
+        g, overflowed = _rounded(g, rows[site.grad], _site_seed(seed, site, True), site.rounding[1],
                                  ctx.formats.get(site.scaled[1]))
         return g, None, None, overflowed.to(torch.float64).reshape(1), None, None
 
@@ -314,7 +319,7 @@ class _ConvOfCodes(torch.autograd.Function):
         codes, rows, master, seed, scales = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         geometry, weight_site = ctx.geometry, ctx.weight_site
-        weight = _rounded(master, rows[weight_site.act], seed + (2 * weight_site.index) * SEED_STRIDE,
+        weight = _rounded(master, rows[weight_site.act], _site_seed(seed, weight_site, False),
                           weight_site.rounding[0], ctx.weight_scaled)[0]
         grad_input, grad_weight = conv_backward_of_codes(
             grad_out, codes, scales, rows[ctx.site.act], weight, list(geometry.stride),
