@@ -45,13 +45,13 @@ def _config(out, **changes):
 def test_calibration_is_one_continuing_run_per_seed_that_stops_at_the_plateau(tmp_path):
     trainer = ScriptedTrainer(_plateau, _context())
     result = run_search(_config(tmp_path / "run"), trainer=trainer)
-    calibration = [call for call in trainer.calls if call["seed"] < 1000 and call["name"] == "HHHH"]
+    reference = [call for call in trainer.calls if call["seed"] < 1000 and call["name"] == "HHHH"]
     # 200 -> 400 gains 5 points (more than the 1-point seed spread allows), 400 -> 800 half a point: 800; the
     # seeds 1 point apart cannot resolve a 1-point drop, and drew no closer since 200: a warning says what to change
     assert result.calibration.length == 800
-    for seed in (0, 1, 2):  # one run per seed, each point continued from the one before
-        runs = [(call["start"], call["length"]) for call in calibration if call["seed"] == seed]
-        assert runs == [(0, 50), (50, 100), (100, 200), (200, 400), (400, 800)]
+    for seed in (0, 1, 2):  # one run per seed, each point continued from the one before, then by confirmation
+        runs = [(call["start"], call["length"]) for call in reference if call["seed"] == seed]
+        assert runs == [(0, 50), (50, 100), (100, 200), (200, 400), (400, 800), (800, 3 * 800)]
     assert result.calibration.steps == 3 * 800  # L per seed (a scripted run has no decay branches)
     assert "seeds still disagree" in result.calibration.warning and "--max-accuracy-drop" in result.calibration.warning
     run = json.loads((tmp_path / "run" / "run.json").read_text())
@@ -123,7 +123,7 @@ def test_calibration_stops_where_the_validation_sets_sampling_noise_alone_hides_
     assert result.calibration.length == 400
     assert trainer.context.validation_size == 360
     assert {call["length"] for call in trainer.calls if call["name"] == "HHHH" and call["seed"] < 1000} == {
-        50, 100, 200, 400}
+        50, 100, 200, 400, 3 * 400}  # and the confirmation's, continuing the runs
     warnings = [record.message for record in caplog.records if "seeds still disagree" in record.message]
     assert len(warnings) == 1 and "sampling noise alone (0.62 points over 360 images" in warnings[0]
     assert "validate on more images" in warnings[0] and "--max-proxy-steps" not in warnings[0]

@@ -116,10 +116,15 @@ def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(t
     assert pareto.loc[cheap, "val_accuracy"] == pytest.approx(proxy[cheap])  # proxy and confirmed side by side
     assert pareto.loc[cheap, "confirmed_accuracy"] == pytest.approx(confirmed[cheap])
     assert pd.isna(pareto.loc[dear, "confirmed_accuracy"])  # dearer than the first point confirmed: not trained
-    confirmations = [call for call in trainer.calls if call["seed"] >= 1000]
-    assert {call["length"] for call in confirmations} == {CONFIRM}
-    assert {call["seed"] for call in confirmations} == {1000, 1001, 1002}  # fresh seeds: no proxy used them
+    confirmations = [call for call in trainer.calls if call["length"] == CONFIRM]
+    points = [call for call in confirmations if call["name"] != "HHHH"]
+    assert {call["seed"] for call in points} == {1000, 1001, 1002}  # fresh seeds: no proxy used them
     assert [call["seed"] for call in confirmations if call["name"] == "plain"] == [1000]
+    # the reference is calibration's runs continued from the proxy length, not trained again
+    assert sorted((call["seed"], call["start"]) for call in confirmations if call["name"] == "HHHH") == [
+        (0, LENGTH), (1, LENGTH), (2, LENGTH)]
+    assert not [call for call in trainer.calls if call["name"] == "HHHH" and call["start"] == 0
+                and call["length"] > LENGTH]
 
 
 def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):
@@ -132,7 +137,7 @@ def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):
     result = _search(tmp_path / "run", trainer, trials=40)  # more trials than the space's 16 assignments
     trials = result.trials
     assert trials["key"].nunique() == 16 and len(trials) == 16  # enumerated, each once
-    proxies = [call for call in trainer.calls if call["seed"] < 1000]
+    proxies = [call for call in trainer.calls if call["length"] < CONFIRM]
     runs = pd.Series([(call["name"], call["seed"]) for call in proxies if call["start"] == 0])
     assert runs.is_unique  # no assignment trained twice on a seed, the reference included (one continuing run)
     skipped = trials[~trials["trained"]]
@@ -144,7 +149,8 @@ def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):
     candidates = sum(call["steps"] for call in proxies if call["name"] != "HHHH")
     branches = sum(branch_steps(call["readings"]) for call in proxies if call["name"] != "HHHH")
     assert branches > 0
-    confirmation = sum(call["length"] for call in trainer.calls if call["seed"] >= 1000)
+    confirmation = sum(call["length"] - call["start"] for call in trainer.calls if call["length"] == CONFIRM)
+    assert confirmation < len([call for call in trainer.calls if call["length"] == CONFIRM]) * CONFIRM
     assert budget.loc["calibration", "steps"] == calibration == 3 * LENGTH
     rungs = budget[budget.index.str.startswith("rung ")]
     assert list(rungs.index) == ["rung 1 (steps 1-45)", "rung 2 (steps 46-90)"]
@@ -169,7 +175,7 @@ def test_a_front_point_at_chance_is_not_confirmed(tmp_path, context):
 
     trainer = ScriptedTrainer(curve, context)
     result = _search(tmp_path / "run", trainer)
-    confirmed = {call["name"] for call in trainer.calls if call["seed"] >= 1000}
+    confirmed = {call["name"] for call in trainer.calls if call["length"] == CONFIRM}
     front = set(result.pareto["decisions"])
     assert "LLLL" in front and "LLLL" not in confirmed
     assert {"HHHH", "plain"} <= confirmed and (front - {"LLLL"}) <= confirmed
@@ -272,7 +278,7 @@ def test_sequential_confirmation_stops_at_the_first_point_confirmed(tmp_path, co
     result = _search(tmp_path / "run", trainer)
     front = list(result.pareto.sort_values("memory")["decisions"])
     assert len(front) >= 2
-    confirmed = {call["name"] for call in trainer.calls if call["seed"] >= 1000}
+    confirmed = {call["name"] for call in trainer.calls if call["length"] == CONFIRM}
     assert confirmed == {"HHHH", "plain", front[0]}  # no dearer point trained
     best = json.loads((tmp_path / "run" / "best.json").read_text())["provenance"]
     assert best["trial"] == int(result.pareto.sort_values("memory")["number"].iloc[0])

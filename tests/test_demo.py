@@ -46,9 +46,9 @@ def test_a_baseline_near_the_pick_is_confirmed_seed_by_seed_and_named_when_in(tm
         policies[name].save(tmp_path / f"{name}.json")
         rows.append({"source": "baseline", "name": name, "memory": memory, "diverged": diverged,
                      "policy": f"{name}.json"})
-    high_runs = [_record(1.0, seed) for seed in SEEDS]
+    high_runs = [_record(1.0, seed) for seed in (0, 1, 2)]
     result = SimpleNamespace(out_dir=tmp_path, confirmation=Confirmation(LENGTH, {context.all_high.key: high_runs},
-                                                                           SEEDS))
+                                                                           SEEDS, context.all_high.key, (0, 1, 2)))
     shown = held_baselines(pd.DataFrame(rows), {"memory": 0.522}, result, context)
     assert [(call["length"], call["seed"]) for call in trainer.calls] == [(LENGTH, seed)
                                                                            for seed in SEEDS[:trained_seeds]]

@@ -17,14 +17,16 @@ from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
-from precsearch.search.calibration import CalibrationSettings
-from precsearch.search.context import Budget, DataSpec, torch_threads
+from precsearch.search.calibration import CalibrationSettings, reference_policy
+from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
+from precsearch.search.ledger import recorded
 from precsearch.search.reference import Reference
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import R_GRID
 from precsearch.search.study import SearchInterrupted, run_search
 from precsearch.search.workers import worker_gpus
+from precsearch.train.continuing import decay_steps
 from precsearch.train.proxy import ProxyTrainer, build_model
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
@@ -167,6 +169,21 @@ def test_run_json_records_the_config(run):
     config = json.loads((out / "run.json").read_text())
     assert config["model"] == "tiny_cnn" and config["space"]["proxy"]["steps"] == 4 and config["seed"] == 0
     assert config["proxy_length"] == 4 and config["calibration"]["fixed"] and config["confirmation"]["length"] == 12
+
+
+def test_the_reference_is_confirmed_by_continuing_its_calibration_runs_as_a_fresh_run_would_read(run):
+    """Confirmation trains only the reference's steps past the proxy length (its checkpoints from calibration,
+    same policy and seeds), and what it reads is what a run of the confirmation's length from scratch reads."""
+    out, _ = run
+    attrs = _study(out).user_attrs
+    summary = attrs["confirmation"]
+    assert summary["reference_seeds"] == attrs["calibration"]["seeds"] and summary["seeds"][0] == 1000
+    context = SearchContext.create("tiny_cnn", SPACE, DataSpec("digits"), Budget(), 0, "cpu")
+    for seed in summary["reference_seeds"]:
+        continued = recorded(attrs, f"confirm:{summary['reference']}:{seed}")
+        assert continued["steps_spent"] == 12 - 4 + decay_steps(12)  # a fresh run would spend 12 + its branch
+        fresh = context.trainer(reference_policy(context), 12, seed)
+        assert (continued["val_accuracy"], continued["val_loss"]) == (fresh.val_accuracy, fresh.val_loss)
 
 
 def test_diverged_trials_are_complete_and_infeasible(tmp_path):

@@ -21,7 +21,8 @@ accuracy) could not resolve the drop, which no length changes (an easy task vali
 images, at 98%), and at the cap; each time with one WARNING line (kept in the calibration, shown in the
 summary) saying what to change. A reference that has not learned or is still rising at the cap is refused: a
 one-line PrecsearchError, never a pick of noise. Steps per reference seed: L plus the decay branches of its
-points, 1.2 x L with doubling points.
+points, 1.2 x L with doubling points. The runs' checkpoints stay: confirmation continues the same runs to its
+longer length (``REFERENCE_RUN``, ``reference_policy``) instead of training the reference again.
 
 Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it. With
 a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way (the
@@ -45,11 +46,18 @@ from precsearch.search.ledger import Ledger, recorded
 from precsearch.search.noise import MAX_SEEDS, Noise, pooled_noise, resolves
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["Calibration", "CalibrationSettings", "calibrate", "recorded_calibration", "run_record"]
+__all__ = ["REFERENCE_RUN", "Calibration", "CalibrationSettings", "calibrate", "recorded_calibration",
+           "reference_policy", "run_record"]
 
 log = logging.getLogger(__name__)
 
 CALIBRATION = "calibration"  # the study user attr that says which runs the calibration is
+REFERENCE_RUN = "all-high reference"  # the checkpoint key of the reference's runs, which confirmation continues
+
+
+def reference_policy(context: SearchContext) -> Policy:
+    """The all-high reference's policy, one definition: a checkpoint continues only a run of the same policy."""
+    return context.policy(context.all_high.assignment, {"strategy": REFERENCE_RUN})
 
 
 @dataclass(frozen=True)
@@ -168,8 +176,6 @@ def calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSetti
     if calibration.warning:
         log.warning("%s", calibration.warning)
     ledger.study.set_user_attr(CALIBRATION, calibration.summary())
-    for seed in seeds:
-        context.drop_checkpoint(context.all_high.key, seed)
     return calibration
 
 
@@ -179,7 +185,7 @@ def _step(point: int, seed: int) -> str:
 
 def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSettings, seeds: Sequence[int],
                check: Callable[[int, float], None]) -> Calibration:
-    policy = context.policy(context.all_high.assignment, {"strategy": "all-high reference"})
+    policy = reference_policy(context)
     runs: dict[int, list[dict[str, Any]]] = {}
     points = settings.points()
     for index, point in enumerate(points):
@@ -222,7 +228,7 @@ def _advance(context: SearchContext, ledger: Ledger, policy: Policy, point: int,
     def work(name: str) -> dict[str, Any]:
         seed = names[name]
         result = context.trainer(policy, point, seed, report=check,
-                                 checkpoint=context.checkpoint(context.all_high.key, seed))
+                                 checkpoint=context.checkpoint(REFERENCE_RUN, seed))
         return run_record(result, seed)
 
     results = ledger.run(list(names), work)

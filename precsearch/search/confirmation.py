@@ -1,13 +1,16 @@
-"""Confirmation: the Pareto front and the all-high reference trained again, longer and on fresh seeds,
-before any pick is written.
+"""Confirmation: the Pareto front trained again, longer and on fresh seeds, against the all-high reference
+continued to the same length, before any pick is written.
 
 Proxies earn their speed only by agreeing with longer runs, and their rank agreement is modest, so front
-points (within the memory budget, if any) and the all-high reference are trained for ``factor`` times the
-proxy length (default 3) on seeds no proxy used, as many as the reference's at most. ``best.json`` is then
-chosen from confirmed accuracies only (``selection.confirmed_front`` + ``choose_best``): a point whose proxy
-looked good but whose confirmation falls short is not picked, the next confirmed point is. A plain fp32 run
-(no policy) of the same length on the first seed is the yardstick the report holds the pick against; it
-decides nothing, so it trains one seed, not the reference's.
+points (within the memory budget, if any) are trained for ``factor`` times the proxy length (default 3) on
+seeds no proxy used, as many as the reference's at most. The all-high reference is calibration's own runs
+continued from their checkpoints to that length (one continuing run per reference seed: a run read at a
+length is a run of that length, precsearch.train.continuing), so it costs the steps past the proxy length
+only; it was never selected by its accuracy, so its seeds need not be fresh, and the comparison with it is
+unpaired. ``best.json`` is then chosen from confirmed accuracies only (``selection.confirmed_front`` +
+``choose_best``): a point whose proxy looked good but whose confirmation falls short is not picked, the next
+confirmed point is. A plain fp32 run (no policy) of the same length on the first fresh seed is the yardstick
+the report holds the pick against; it decides nothing, so it trains one seed, not the reference's.
 
 Under an accuracy-drop rule the pick is the least memory confirmed within the drop, so confirmation is
 sequential: the points in memory order, each seed by seed while the rule is undecided on it (``decide``,
@@ -27,7 +30,7 @@ import pandas as pd
 
 from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
-from precsearch.search.calibration import run_record
+from precsearch.search.calibration import REFERENCE_RUN, reference_policy, run_record
 from precsearch.search.context import SearchContext
 from precsearch.search.ledger import Ledger, recorded
 from precsearch.search.noise import Noise, pooled_noise
@@ -67,15 +70,19 @@ def seed_by_seed(train: Callable[[int], dict[str, Any]], seeds: Sequence[int], d
 @dataclass(frozen=True)
 class Confirmation:
     """Confirmation runs (``run_record``s) by assignment key, ``PLAIN_FP32`` for plain training, one per seed
-    trained (the first of ``seeds``)."""
+    trained: the ``reference`` key's on ``reference_seeds`` (calibration's, continued), every other key's on
+    the first of the fresh ``seeds``."""
 
     length: int
     runs: dict[str, list[dict[str, Any]]]
     seeds: tuple[int, ...]
+    reference: str
+    reference_seeds: tuple[int, ...]
 
     def summary(self) -> dict[str, Any]:
         """Which runs these are (recorded in the study, and in run.json)."""
-        return {"length": self.length, "seeds": list(self.seeds),
+        return {"length": self.length, "seeds": list(self.seeds), "reference": self.reference,
+                "reference_seeds": list(self.reference_seeds),
                 "runs": {key: len(runs) for key, runs in self.runs.items()}}
 
     def table(self) -> pd.DataFrame:
@@ -108,39 +115,49 @@ def recorded_confirmation(attrs: Mapping[str, Any]) -> Confirmation | None:
     summary = attrs.get(CONFIRMATION)
     if summary is None:
         return None
-    seeds = summary["seeds"]
-    runs = {key: [recorded(attrs, _step(key, seed)) for seed in seeds[:count]]
+    # a study recorded before the reference continued calibration's runs trained it on the fresh seeds too
+    seeds, reference = tuple(summary["seeds"]), summary.get("reference", "")
+    reference_seeds = tuple(summary.get("reference_seeds", seeds))
+    runs = {key: [recorded(attrs, _step(key, seed))
+                  for seed in (reference_seeds if key == reference else seeds)[:count]]
             for key, count in summary["runs"].items()}
-    return Confirmation(summary["length"], runs, tuple(seeds))
+    return Confirmation(summary["length"], runs, seeds, reference, reference_seeds)
 
 
 def _step(key: str, seed: int) -> str:
     return f"confirm:{key}:{seed}"
 
 
-def confirm(context: SearchContext, ledger: Ledger, high: str, high_policy: Policy, front: Mapping[str, Policy],
-            length: int, seeds: Sequence[int], check: Callable[[int, float], None],
+def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: Sequence[int],
+            front: Mapping[str, Policy], length: int, seeds: Sequence[int], check: Callable[[int, float], None],
             decide: Decide | None) -> Confirmation:
-    """Train all-high (key ``high``) for ``length`` steps on each of ``seeds`` and plain fp32 on the first,
-    then the ``front`` points (in memory order): with ``decide`` sequentially (see the module docstring), else
-    each on every seed; the study records which runs when all are done."""
+    """Continue the all-high reference's runs (key ``high``, calibration's ``reference_seeds``) to ``length``
+    steps and train plain fp32 on the first of the fresh ``seeds``, then the ``front`` points (in memory
+    order): with ``decide`` sequentially (see the module docstring), else each on every seed; the study
+    records which runs when all are done."""
     recorded_before = recorded_confirmation(ledger.study.user_attrs)
     if recorded_before is not None:
         return recorded_before
 
-    def trained(key: str, policy: Policy | None, chosen: Sequence[int]) -> list[dict[str, Any]]:
+    def trained(key: str, policy: Policy | None, chosen: Sequence[int], checkpoint_key: str | None = None
+                ) -> list[dict[str, Any]]:
+        """``key``'s runs on ``chosen`` seeds, each continuing its checkpoint under ``checkpoint_key`` (default
+        ``key``)."""
         names = {_step(key, seed): seed for seed in chosen}
+        checkpoint_key = checkpoint_key or key
 
         def work(name: str) -> dict[str, Any]:
             seed = names[name]
-            result = context.trainer(policy, length, seed, report=check, checkpoint=context.checkpoint(key, seed))
-            context.drop_checkpoint(key, seed)
+            checkpoint = context.checkpoint(checkpoint_key, seed)
+            result = context.trainer(policy, length, seed, report=check, checkpoint=checkpoint)
+            context.drop_checkpoint(checkpoint_key, seed)
             return run_record(result, seed)
 
         results = ledger.run(list(names), work)
         return [results[name] for name in names]
 
-    runs = {high: trained(high, high_policy, seeds), PLAIN_FP32: trained(PLAIN_FP32, None, seeds[:1])}
+    runs = {high: trained(high, reference_policy(context), reference_seeds, REFERENCE_RUN),
+            PLAIN_FP32: trained(PLAIN_FP32, None, seeds[:1])}
     for key, policy in front.items():
         if decide is None:
             runs[key] = trained(key, policy, seeds)
@@ -149,6 +166,6 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, high_policy: Poli
                                           seeds, decide, runs[high])
         if verdict:
             break
-    confirmation = Confirmation(length, runs, tuple(seeds))
+    confirmation = Confirmation(length, runs, tuple(seeds), high, tuple(reference_seeds))
     ledger.study.set_user_attr(CONFIRMATION, confirmation.summary())
     return confirmation

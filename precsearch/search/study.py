@@ -20,8 +20,9 @@ and worth are measured, not assumed.
    the same step (precsearch.search.rungs). It starts on one seed and gains seeds only while the budget's
    decision on it is open (racing). A candidate that a known point already beats (less memory and within
    the allowed drop) is not trained.
-3. Confirmation (precsearch.search.confirmation): all-high (and plain fp32, a yardstick, on one seed),
-   then the Pareto front in memory order, train at a multiple of L on fresh seeds, sequentially under an
+3. Confirmation (precsearch.search.confirmation): the reference's runs continued to a multiple of L (and
+   plain fp32, a yardstick, on one seed), then the Pareto front in memory order, trained at that length on
+   fresh seeds, sequentially under an
    accuracy-drop rule (seeds while undecided, stopping at the first point confirmed); best.json comes only
    from confirmed points, picked by precsearch.search.selection.
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
@@ -357,8 +358,9 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
 
 def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, ledger: Ledger,
              config: SearchConfig, check: Callable[[int, float], None]) -> None:
-    """Train all-high (and plain fp32 on one seed), then the front's points (within the memory budget) in
-    memory order, at the confirmation length on fresh seeds (precsearch.search.confirmation): under an
+    """Continue all-high's runs (and train plain fp32 on one seed), then the front's points (within the memory
+    budget) in memory order, to the confirmation length, the points on fresh seeds
+    (precsearch.search.confirmation): under an
     accuracy-drop rule sequentially, as ``selection.confirmation_verdict`` decides. A front point whose proxy
     diverged or stayed at chance cannot be picked whatever its confirmation says, so it is not trained again."""
     frame = trials_frame(study, context)
@@ -376,9 +378,10 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
     def decide(runs: list[dict[str, Any]], high_runs: list[dict[str, Any]]) -> bool | None:
         return confirmation_verdict(runs, high_runs, budget, context.chance)
 
-    seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(_reference_seeds(context)))]
-    confirm(context, ledger, high, context.policy(context.all_high.assignment, {"strategy": "all-high"}), points,
-            confirmation_length(reference.length, config.confirm_factor), seeds, check,
+    reference_seeds = _reference_seeds(context)
+    seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(reference_seeds))]
+    length = confirmation_length(reference.length, config.confirm_factor)
+    confirm(context, ledger, high, reference_seeds, points, length, seeds, check,
             decide if budget.max_memory is None else None)
 
 
