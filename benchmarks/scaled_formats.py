@@ -149,7 +149,9 @@ def render(frame: pd.DataFrame, trials: int, jobs: int) -> str:
         f"images, lr {PROXY['lr']} unless a section says otherwise), proxy length calibrated on all-high, seeds "
         "per proxy from the measured noise, "
         f"{trials} trials on {jobs} workers, the front confirmed at 3x the proxy length on fresh seeds (1000, "
-        "1001, ...); all-low and torchao_fp8 (every GEMM's weight, input and output gradient scaled fp8, the rest "
+        "1001, ...) against all-high's calibration runs continued to that length (seeds 0, 1, 2; the sections "
+        "measured before that change trained all-high on the fresh seeds too); all-low and torchao_fp8 (every "
+        "GEMM's weight, input and output gradient scaled fp8, the rest "
         "bf16, no promotion guard) trained at that length on those seeds. CPU, 2 cores shared with other jobs.",
         "",
         "Columns: memory = the cost model's bytes as a share of all-high's (bf16 everywhere), promoted tensors "
