@@ -11,6 +11,7 @@ import pytest
 from scripted import ScriptedTrainer
 
 from precsearch.config.spaces import paper_space
+from precsearch.search.confirmation import recorded_confirmation
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import assign
@@ -294,3 +295,19 @@ def test_the_progress_bar_shows_calibration_and_confirmation_runs(tmp_path, cont
     shown = capsys.readouterr().err
     assert "calibrating the all-high reference: step 50, loss" in shown
     assert f"confirming: step {3 * 200}, loss" in shown
+
+
+def test_a_confirmation_recorded_before_the_reference_continued_its_runs_reads_back_on_its_fresh_seeds():
+    """A study whose confirmation trained all-high on the fresh seeds (recorded without ``reference_seeds``)
+    still reads back each key's runs from the steps it recorded; the current record names the reference's."""
+    accuracy = {0: 0.90, 1: 0.91, 1000: 0.95, 1001: 0.96}
+    steps = {f"step:confirm:HHHH:{seed}": {"val_accuracy": value} for seed, value in accuracy.items()}
+    steps["step:confirm:plain-fp32:1000"] = {"val_accuracy": 0.5}
+    old = {**steps, "confirmation": {"length": 30, "seeds": [1000, 1001], "runs": {"HHHH": 2, "plain-fp32": 1}}}
+    read = recorded_confirmation(old)
+    assert [run["val_accuracy"] for run in read.runs["HHHH"]] == [0.95, 0.96]  # its fresh seeds
+    assert read.runs["plain-fp32"] == [{"val_accuracy": 0.5}]
+    new = {**steps, "confirmation": {**old["confirmation"], "reference": "HHHH", "reference_seeds": [0, 1]}}
+    read = recorded_confirmation(new)
+    assert [run["val_accuracy"] for run in read.runs["HHHH"]] == [0.90, 0.91]  # calibration's seeds, continued
+    assert read.runs["plain-fp32"] == [{"val_accuracy": 0.5}]
