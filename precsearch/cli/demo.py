@@ -62,13 +62,14 @@ def held_baselines(baselines, best, result, context) -> str:
     """Hold every prior-work baseline that holds less memory than the pick, or less than 10% more, to all-high as
     the pick was held: one that diverged at the proxy length is out; the others train on the confirmation's
     seeds at its length, seed by seed while the drop rule is undecided (``selection.confirmation_verdict``
-    against all-high's confirmation runs). The last line names the least-memory baseline still in (the held
+    against all-high's confirmation runs, which race too: a seed the confirmation did not continue is trained
+    from step 0, the same run). The last line names the least-memory baseline still in (the held
     ones confirmed within the drop, the others unless they diverged) and how much less memory the pick holds:
     the demo's claim that its answer is not a prior-work recipe in disguise. ``context``: the search's model,
     space and data (its trainer trains the baselines)."""
     from precsearch.config.policy import Policy
-    from precsearch.search.calibration import run_record
-    from precsearch.search.confirmation import seed_by_seed
+    from precsearch.search.calibration import reference_policy, run_record
+    from precsearch.search.confirmation import race
     from precsearch.search.selection import confirmation_verdict
 
     rows = baselines[baselines["source"] == "baseline"].sort_values("memory")
@@ -77,6 +78,9 @@ def held_baselines(baselines, best, result, context) -> str:
 
     def decide(runs, high):
         return confirmation_verdict(runs, high, context.budget, context.chance)
+
+    def trained(policy, seed):
+        return run_record(context.trainer(policy, confirmation.length, seed), seed)
 
     lines, kept = [f"baselines held to all-high (memory below {1 / (1 - CLAIMED_SAVING):.2f}x the pick's):"], []
     for _, row in rows.iterrows():
@@ -89,9 +93,8 @@ def held_baselines(baselines, best, result, context) -> str:
             lines.append(f"  {row['name']:<11} memory {row['memory']:.3f}  diverged at the proxy length: out")
             continue
         policy = Policy.load(Path(result.out_dir) / row["policy"])
-        runs, verdict = seed_by_seed(
-            lambda seed, policy=policy: run_record(context.trainer(policy, confirmation.length, seed), seed),
-            confirmation.seeds, decide, high_runs)
+        runs, high_runs, verdict = race(lambda seed, policy=policy: trained(policy, seed), lambda seed: trained(
+            reference_policy(context), seed), confirmation.seeds, confirmation.reference_seeds, decide, high_runs)
         accuracies = ", ".join(f"{run['val_accuracy']:.4f}" for run in runs)
         state = {True: "within the drop: in", False: "below the drop: out"}.get(verdict, "undecided: out")
         lines.append(f"  {row['name']:<11} memory {row['memory']:.3f}  confirmed {accuracies} ({confirmation.length} "

@@ -13,10 +13,12 @@ confirmed point is. A plain fp32 run (no policy) of the same length on the first
 the report holds the pick against; it decides nothing, so it trains one seed, not the reference's.
 
 Under an accuracy-drop rule the pick is the least memory confirmed within the drop, so confirmation is
-sequential: the points in memory order, each seed by seed while the rule is undecided on it (``decide``,
-precsearch.search.selection), stopping at the first point confirmed. Under a memory budget every point is
-confirmed on every seed. Each run is a step of the study's ``Ledger``, so any worker may take it and none is
-run twice; the sequence follows from what is recorded, so a resumed or joining worker goes on where it stood.
+sequential: the points in memory order, stopping at the first point confirmed, and seeds race (``race``): the
+reference continues two of its runs first (the fewest that measure its noise), and the point or the reference
+gains a seed only while the rule is undecided on the point (``decide``, precsearch.search.selection). Under a
+memory budget every point and the reference train on every seed. Each run is a step of the study's
+``Ledger``, so any worker may take it and none is run twice; the sequence follows from what is recorded, so a
+resumed or joining worker goes on where it stood.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from precsearch.search.context import SearchContext
 from precsearch.search.ledger import Ledger, recorded
 from precsearch.search.noise import Noise, pooled_noise
 
-__all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "Confirmation", "confirm",
-           "confirmation_length", "recorded_confirmation", "seed_by_seed"]
+__all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "RACING_REFERENCE_SEEDS", "Confirmation",
+           "confirm",
+           "confirmation_length", "race", "recorded_confirmation"]
 
 DEFAULT_CONFIRM_FACTOR = 3.0
 CONFIRM_SEED_OFFSET = 1000  # confirmation seeds are the search seed + 1000, 1001, ...: no proxy used them
 PLAIN_FP32 = "plain-fp32"  # the key of the plain fp32 runs
+RACING_REFERENCE_SEEDS = 2  # the reference's runs continued before any point races: the fewest with a noise
 CONFIRMATION = "confirmation"  # the study user attr that says which runs the confirmation is (``summary``)
 
 
@@ -53,18 +57,22 @@ def confirmation_length(length: int, factor: float) -> int:
 Decide = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool | None]  # (a point's runs, all-high's)
 
 
-def seed_by_seed(train: Callable[[int], dict[str, Any]], seeds: Sequence[int], decide: Decide,
-                 high_runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool | None]:
-    """A point's runs (``train(seed)`` a ``run_record``), one seed at a time while ``decide`` holds it
-    undecided against all-high's ``high_runs``; and the verdict."""
-    runs: list[dict[str, Any]] = []
-    verdict = None
-    for seed in seeds:
-        runs.append(train(seed))
-        verdict = decide(runs, high_runs)
-        if verdict is not None:
+def race(train_point: Callable[[int], dict[str, Any]], train_reference: Callable[[int], dict[str, Any]],
+         seeds: Sequence[int], reference_seeds: Sequence[int], decide: Decide, high_runs: Sequence[dict[str, Any]]
+         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool | None]:
+    """A point's runs on ``seeds`` and all-high's on ``reference_seeds`` (``high_runs`` those it has already;
+    ``train_*(seed)`` a ``run_record``), a seed at a time while ``decide`` holds the point undecided: the side
+    with fewer runs gains the next seed, all-high at a tie (its runs serve every later point too). The
+    point's runs, all-high's, and the verdict (None: undecided on every seed)."""
+    runs, high = [train_point(seeds[0])], list(high_runs)
+    while (verdict := decide(runs, high)) is None:
+        if len(high) < len(reference_seeds) and (len(high) <= len(runs) or len(runs) == len(seeds)):
+            high.append(train_reference(reference_seeds[len(high)]))
+        elif len(runs) < len(seeds):
+            runs.append(train_point(seeds[len(runs)]))
+        else:
             break
-    return runs, verdict
+    return runs, high, verdict
 
 
 @dataclass(frozen=True)
@@ -133,8 +141,9 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
             decide: Decide | None) -> Confirmation:
     """Continue the all-high reference's runs (key ``high``, calibration's ``reference_seeds``) to ``length``
     steps and train plain fp32 on the first of the fresh ``seeds``, then the ``front`` points (in memory
-    order): with ``decide`` sequentially (see the module docstring), else each on every seed; the study
-    records which runs when all are done."""
+    order): with ``decide`` sequentially, the reference's first two runs continued and the rest raced (see the
+    module docstring), else each point and the reference on every seed; the study records which runs when all
+    are done."""
     recorded_before = recorded_confirmation(ledger.study.user_attrs)
     if recorded_before is not None:
         return recorded_before
@@ -156,16 +165,22 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
         results = ledger.run(list(names), work)
         return [results[name] for name in names]
 
-    runs = {high: trained(high, reference_policy(context), reference_seeds, REFERENCE_RUN),
+    def reference(chosen: Sequence[int]) -> list[dict[str, Any]]:
+        return trained(high, reference_policy(context), chosen, REFERENCE_RUN)
+
+    runs = {high: reference(reference_seeds if decide is None else reference_seeds[:RACING_REFERENCE_SEEDS]),
             PLAIN_FP32: trained(PLAIN_FP32, None, seeds[:1])}
     for key, policy in front.items():
         if decide is None:
             runs[key] = trained(key, policy, seeds)
             continue
-        runs[key], verdict = seed_by_seed(lambda seed, key=key, policy=policy: trained(key, policy, [seed])[0],
-                                          seeds, decide, runs[high])
+        runs[key], runs[high], verdict = race(lambda seed, key=key, policy=policy: trained(key, policy, [seed])[0],
+                                              lambda seed: reference([seed])[0], seeds, reference_seeds, decide,
+                                              runs[high])
         if verdict:
             break
+    for seed in reference_seeds[len(runs[high]):]:  # runs the race did not need: nothing continues them
+        context.drop_checkpoint(REFERENCE_RUN, seed)
     confirmation = Confirmation(length, runs, tuple(seeds), high, tuple(reference_seeds))
     ledger.study.set_user_attr(CONFIRMATION, confirmation.summary())
     return confirmation
