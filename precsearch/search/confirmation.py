@@ -38,8 +38,7 @@ from precsearch.search.ledger import Ledger, recorded
 from precsearch.search.noise import Noise, pooled_noise
 
 __all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "RACING_REFERENCE_SEEDS", "Confirmation",
-           "confirm",
-           "confirmation_length", "race", "recorded_confirmation"]
+           "confirm", "confirmation_length", "race", "recorded_confirmation"]
 
 DEFAULT_CONFIRM_FACTOR = 3.0
 CONFIRM_SEED_OFFSET = 1000  # confirmation seeds are the search seed + 1000, 1001, ...: no proxy used them

@@ -22,9 +22,9 @@ and worth are measured, not assumed.
    the allowed drop) is not trained.
 3. Confirmation (precsearch.search.confirmation): the reference's runs continued to a multiple of L (and
    plain fp32, a yardstick, on one seed), then the Pareto front in memory order, trained at that length on
-   fresh seeds, sequentially under an
-   accuracy-drop rule (seeds while undecided, stopping at the first point confirmed); best.json comes only
-   from confirmed points, picked by precsearch.search.selection.
+   fresh seeds, sequentially under an accuracy-drop rule (the point's and the reference's seeds racing while
+   undecided, stopping at the first point confirmed); best.json comes only from confirmed points, picked by
+   precsearch.search.selection.
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
    with every trial at full length and the paper's one run per sweep point (budget.csv).
 
@@ -360,8 +360,8 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
              config: SearchConfig, check: Callable[[int, float], None]) -> None:
     """Continue all-high's runs (and train plain fp32 on one seed), then the front's points (within the memory
     budget) in memory order, to the confirmation length, the points on fresh seeds
-    (precsearch.search.confirmation): under an
-    accuracy-drop rule sequentially, as ``selection.confirmation_verdict`` decides. A front point whose proxy
+    (precsearch.search.confirmation): under an accuracy-drop rule sequentially, as
+    ``selection.confirmation_verdict`` decides. A front point whose proxy
     diverged or stayed at chance cannot be picked whatever its confirmation says, so it is not trained again."""
     frame = trials_frame(study, context)
     front = pareto_front(frame, context.space.accuracy_objective)
