@@ -13,7 +13,7 @@ import pytest
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
-from precsearch.search.noise import Noise, pooled_noise, rank_correlations, seeds_for
+from precsearch.search.noise import Noise, explained_by, pooled_noise, rank_correlations, seeds_for
 from precsearch.search.selection import choose_best, mark_ties
 from precsearch.search.settings import SearchConfig
 from precsearch.search.study import run_search
@@ -77,6 +77,18 @@ def test_front_marks_points_within_noise_of_a_cheaper_point():
                     {"memory": 0.8, "val_accuracy": 0.98, "seeds": 3}])
     marked = mark_ties(front, Noise(0.0075, 20, 0.9)).set_index("number")["within_noise_of"]
     assert marked.to_dict() == {0: -1, 1: 0, 2: -1}
+
+
+def test_a_spread_is_explained_by_a_known_sd_up_to_the_chi_square_bound():
+    """Three values (2 df): their sample variance is s^2 * chi2 / 2 under a known sd s, and the chi-square
+    distribution with 2 df has cdf 1 - exp(-x / 2), so its 90% quantile is -2 ln 0.1 = 4.60517 (by hand)."""
+    sd = 0.01
+    bound = sd ** 2 * (-2 * math.log(0.1)) / 2  # the largest sample variance a 10% tail still allows
+    for variance, explained in ((0.999 * bound, True), (1.001 * bound, False)):
+        half_gap = math.sqrt(variance)  # (-d, 0, d) has sample variance d^2
+        assert explained_by([0.9 - half_gap, 0.9, 0.9 + half_gap], sd, 0.9) is explained
+    assert explained_by([0.911, 0.912, 0.381], 0.0088) is False  # seeds 53 points apart: not sampling noise
+    assert explained_by([0.5], 0.0)  # one value has no spread to explain
 
 
 def test_pooled_noise_by_hand():

@@ -16,13 +16,14 @@ is judged there, and the runs go on from their checkpoints. The proxy length L i
 
 Seeds that have learned and stopped rising but still disagree, and drew no closer over two doublings (seeds
 that click late draw together as they do), are not going to agree: calibration stops there. So it does
-where even seeds apart by the validation set's own sampling noise alone (binomial, at the best seed's
-accuracy) could not resolve the drop, which no length changes (an easy task validated on a few hundred
-images, at 98%), and at the cap; each time with one WARNING line (kept in the calibration, shown in the
-summary) saying what to change. A reference that has not learned or is still rising at the cap is refused: a
-one-line PrecsearchError, never a pick of noise. Steps per reference seed: L plus the decay branches of its
-points, 1.2 x L with doubling points. The runs' checkpoints stay: confirmation continues the same runs to its
-longer length (``REFERENCE_RUN``, ``reference_policy``) instead of training the reference again.
+where the seeds are apart by no more than the validation set's own sampling noise explains (binomial, at the
+best seed's accuracy) and that noise alone could not resolve the drop, which no length changes (an easy task
+validated on a few hundred images, at 98%), and at the cap; each time with one WARNING line (kept in the
+calibration, shown in the summary) saying what to change. A reference that has not learned or is still rising
+at the cap is refused: a one-line PrecsearchError, never a pick of noise. Steps per reference seed: L plus the
+decay branches of its points, 1.2 x L with doubling points. The runs' checkpoints stay: confirmation continues
+the same runs to its longer length (``REFERENCE_RUN``, ``reference_policy``) instead of training the reference
+again.
 
 Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it. With
 a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way (the
@@ -43,7 +44,7 @@ from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
 from precsearch.search.context import SearchContext, combine_seeds
 from precsearch.search.ledger import Ledger, recorded
-from precsearch.search.noise import MAX_SEEDS, Noise, pooled_noise, resolves
+from precsearch.search.noise import MAX_SEEDS, Noise, explained_by, pooled_noise, resolves
 from precsearch.train.trainer import ProxyResult
 
 __all__ = ["REFERENCE_RUN", "Calibration", "CalibrationSettings", "calibrate", "recorded_calibration",
@@ -236,13 +237,15 @@ def _advance(context: SearchContext, ledger: Ledger, policy: Policy, point: int,
 
 
 def _sampling_floor(accuracies: list[float], context: SearchContext) -> str:
-    """Why no length resolves the allowed drop, or "": even seeds that all reached the best one's accuracy (the
-    mean is flat) and differed by the validation set's own sampling noise alone (``SearchContext.sampling_sd``,
-    known exactly) would leave a margin over half the drop. Training longer cannot make seeds agree more
-    closely than that."""
+    """Why no length resolves the allowed drop, or "": the seeds differ by no more than the validation set's own
+    sampling noise explains (``SearchContext.sampling_sd`` at the best seed's accuracy, known exactly;
+    ``noise.explained_by``), and even that noise would leave a margin over half the drop. Training longer
+    cannot make seeds agree more closely than that. Seeds further apart (one of them still learning: 91%, 91%
+    and 38%) may yet draw together, and their best accuracy, where the floor is read, may yet rise."""
     sd = context.sampling_sd(max(accuracies))
     floor = Noise(sd, context.validation_size - 1, context.budget.confidence)
-    if resolves(floor, context.budget.drop, len(accuracies)):
+    if resolves(floor, context.budget.drop, len(accuracies)) or not explained_by(accuracies, sd,
+                                                                                   context.budget.confidence):
         return ""
     return (f"the validation set's sampling noise alone ({100 * sd:.2f} points over {context.validation_size} "
             "images at this accuracy) is too large for that, which more steps do not shrink")

@@ -29,7 +29,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-__all__ = ["DEFAULT_CONFIDENCE", "MAX_SEEDS", "Noise", "pooled_noise", "rank_correlations", "resolves", "seeds_for"]
+__all__ = ["DEFAULT_CONFIDENCE", "MAX_SEEDS", "Noise", "explained_by", "pooled_noise", "rank_correlations", "resolves",
+           "seeds_for"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,15 @@ def pooled_noise(frame: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
             squares += float(np.var(values, ddof=1)) * (len(values) - 1)
             df += len(values) - 1
     return Noise(math.sqrt(squares / df) if df else math.nan, df, confidence)
+
+
+def explained_by(values: Sequence[float], sd: float, confidence: float = DEFAULT_CONFIDENCE) -> bool:
+    """Whether ``values`` scatter no more than a known standard deviation ``sd`` explains: their sample variance
+    within the one-sided chi-square bound ``sd**2 * chi2(confidence, n - 1) / (n - 1)``."""
+    df = len(values) - 1
+    if df < 1:
+        return True
+    return bool(np.var(values, ddof=1) <= sd ** 2 * stats.chi2.ppf(confidence, df) / df + 1e-15)
 
 
 def resolves(noise: Noise, drop: float, reference_seeds: int, seeds: int = MAX_SEEDS) -> bool:
