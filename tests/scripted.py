@@ -18,6 +18,13 @@ from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
 
+def curve_at(table: dict[int, tuple[float, ...]], step: int, before: float) -> tuple[float, ...]:
+    """A curve given per seed at a few steps, held constant between them (``before`` on every seed before the
+    first)."""
+    known = [point for point in table if point <= step]
+    return table[max(known)] if known else (before,) * len(next(iter(table.values())))
+
+
 @dataclass
 class ScriptedTrainer:
     curve: Callable[[str, int, int, int], float]

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
-from scripted import ScriptedTrainer
+from scripted import ScriptedTrainer, curve_at
 
 from precsearch.config.spaces import paper_space
 from precsearch.errors import PrecsearchError
@@ -138,13 +138,7 @@ def _one_seed_still_learning(name, step, length, seed):
         return CHANCE
     curve = {200: (0.105, 0.087, 0.137), 400: (0.897, 0.369, 0.157), 800: (0.911, 0.912, 0.381),
              1600: (1.0, 0.998, 0.842), 3200: (1.0, 1.0, 0.999)}
-    return _at_points(curve, step)[seed % 3]
-
-
-def _at_points(curve, step):
-    """The curve at the last point at or before ``step`` (chance before its first)."""
-    known = [point for point in curve if point <= step]
-    return curve[max(known)] if known else (CHANCE,) * 3
+    return curve_at(curve, step, CHANCE)[seed % 3]
 
 
 def test_seeds_far_apart_are_not_stopped_by_the_sampling_floor(tmp_path):

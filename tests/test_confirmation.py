@@ -8,7 +8,7 @@ import json
 
 import pandas as pd
 import pytest
-from scripted import ScriptedTrainer
+from scripted import ScriptedTrainer, curve_at
 
 from precsearch.config.spaces import paper_space
 from precsearch.search.confirmation import recorded_confirmation
@@ -28,9 +28,7 @@ REFERENCE = {11: (0.1, 0.4, 0.7), 22: (0.5, 0.9, 0.95), 45: (0.9, 0.93, 0.95), 9
 
 
 def _at(table, step):
-    """A curve given at a few steps, held constant between them (chance before the first)."""
-    known = [key for key in table if key <= step]
-    return table[max(known)] if known else (CHANCE,) * 3
+    return curve_at(table, step, CHANCE)
 
 
 @pytest.fixture(scope="module")

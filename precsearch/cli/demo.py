@@ -82,6 +82,8 @@ def held_baselines(baselines, best, result, context) -> str:
     def trained(policy, seed):
         return run_record(context.trainer(policy, confirmation.length, seed), seed)
 
+    reference = reference_policy(context)
+
     lines, kept = [f"baselines held to all-high (memory below {1 / (1 - CLAIMED_SAVING):.2f}x the pick's):"], []
     for _, row in rows.iterrows():
         if row["memory"] >= best["memory"] / (1 - CLAIMED_SAVING):
@@ -93,8 +95,9 @@ def held_baselines(baselines, best, result, context) -> str:
             lines.append(f"  {row['name']:<11} memory {row['memory']:.3f}  diverged at the proxy length: out")
             continue
         policy = Policy.load(Path(result.out_dir) / row["policy"])
-        runs, high_runs, verdict = race(lambda seed, policy=policy: trained(policy, seed), lambda seed: trained(
-            reference_policy(context), seed), confirmation.seeds, confirmation.reference_seeds, decide, high_runs)
+        runs, high_runs, verdict = race(lambda seed, policy=policy: trained(policy, seed),
+                                        lambda seed: trained(reference, seed), confirmation.seeds,
+                                        confirmation.reference_seeds, decide, high_runs)
         accuracies = ", ".join(f"{run['val_accuracy']:.4f}" for run in runs)
         state = {True: "within the drop: in", False: "below the drop: out"}.get(verdict, "undecided: out")
         lines.append(f"  {row['name']:<11} memory {row['memory']:.3f}  confirmed {accuracies} ({confirmation.length} "

@@ -243,9 +243,10 @@ def _sampling_floor(accuracies: list[float], context: SearchContext) -> str:
     cannot make seeds agree more closely than that. Seeds further apart (one of them still learning: 91%, 91%
     and 38%) may yet draw together, and their best accuracy, where the floor is read, may yet rise."""
     sd = context.sampling_sd(max(accuracies))
-    floor = Noise(sd, context.validation_size - 1, context.budget.confidence)
-    if resolves(floor, context.budget.drop, len(accuracies)) or not explained_by(accuracies, sd,
-                                                                                   context.budget.confidence):
+    if not explained_by(accuracies, sd, context.budget.confidence):  # seeds further apart than sampling explains
+        return ""
+    if resolves(Noise(sd, context.validation_size - 1, context.budget.confidence), context.budget.drop,
+                len(accuracies)):
         return ""
     return (f"the validation set's sampling noise alone ({100 * sd:.2f} points over {context.validation_size} "
             "images at this accuracy) is too large for that, which more steps do not shrink")
