@@ -12,6 +12,7 @@ import logging
 import math
 import pickle
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,10 @@ def reference_layer(grad: np.ndarray, residual: np.ndarray, bin_length: int) -> 
     return sent, float(scale), g - sent
 
 
+# A rank that waits this long for its peer fails its test instead of holding the run for gloo's default 30 min.
+GROUP_TIMEOUT = timedelta(seconds=120)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -99,7 +104,8 @@ def backward(model: nn.Module, grads: list[torch.Tensor]) -> list[np.ndarray]:
 def scenarios(rank: int, world: int, port: int, folder: Path) -> None:
     """Everything the tests look at, run in one of two gloo processes."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=GROUP_TIMEOUT)
     try:
         seen: dict = {"grads": [], "residuals": [], "sent_bytes": []}
         model, state = probe_ddp()
@@ -259,7 +265,8 @@ def test_other_bad_inputs_are_clear_errors():
 
 
 def test_one_process_warns_once_and_passes_gradients_through(caplog):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=GROUP_TIMEOUT)
     try:
         model, state = probe_ddp()
         with caplog.at_level(logging.WARNING, logger="precsearch.train.data_parallel"):
