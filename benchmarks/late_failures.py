@@ -8,6 +8,9 @@ rose above ``--spike-loss`` after the run had first fallen below a tenth of it, 
 below that before its end.
 
     python benchmarks/late_failures.py --task tiny --decisions HLLL,HHHH --seeds 2002 --steps 8000
+
+``--scaled weight`` gives the low formats of those kinds a power-of-two scale per tensor (``@tensor``), to ask
+whether the failure is the fixed exponent range of the paper's low formats.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 from search_efficiency import TASKS  # the same tasks (this script's folder is on sys.path)
 
 from precsearch.config.spaces import paper_space
+from precsearch.config.spec import PAPER_LOW
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.strategies import assign
 
@@ -45,12 +49,15 @@ def main() -> None:
     parser.add_argument("--seeds", default="2002")
     parser.add_argument("--steps", type=int, default=8000)
     parser.add_argument("--spike-loss", type=float, default=1.0, help="running loss that counts as a spike")
+    parser.add_argument("--scaled", default="", help="kinds whose low format gets a scale per tensor, comma-separated")
     args = parser.parse_args()
     model, proxy = TASKS[args.task]
-    space = paper_space(proxy=proxy)
+    scaled = [kind for kind in args.scaled.split(",") if kind]
+    space = paper_space(proxy=proxy, low={kind: f"{spec}@tensor" if kind in scaled else spec
+                                          for kind, spec in PAPER_LOW.items()})
     context = SearchContext.create(model, space, DataSpec("gratings"), Budget(max_accuracy_drop=0.01), 0, "cpu")
-    print(f"{args.task}: {model} on gratings, {args.steps} steps, one thread; spike: running loss above "
-          f"{args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
+    print(f"{args.task}: {model} on gratings, {args.steps} steps, one thread, low formats {space.low}; spike: running "
+          f"loss above {args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
     for decisions in args.decisions.split(","):
         levels = {unit: "high" if level == "H" else "low" for unit, level in zip(context.units, decisions, strict=True)}
         assignment = assign(context.graph, space, levels)
