@@ -264,8 +264,9 @@ def test_other_bad_inputs_are_clear_errors():
         Policy(compression="zip")
 
 
-def test_one_process_warns_once_and_passes_gradients_through(caplog):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+def test_one_process_warns_once_and_passes_gradients_through(caplog, tmp_path):
+    # a file store: no TCP server thread in the test process itself
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1,
                             timeout=GROUP_TIMEOUT)
     try:
         model, state = probe_ddp()
