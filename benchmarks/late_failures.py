@@ -53,6 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     model, proxy = TASKS[args.task]
     scaled = [kind for kind in args.scaled.split(",") if kind]
+    if unknown := sorted(set(scaled) - set(PAPER_LOW)):
+        parser.error(f"--scaled: unknown kinds {', '.join(unknown)}; choose from {', '.join(PAPER_LOW)}")
     space = paper_space(proxy=proxy, low={kind: f"{spec}@tensor" if kind in scaled else spec
                                           for kind, spec in PAPER_LOW.items()})
     context = SearchContext.create(model, space, DataSpec("gratings"), Budget(max_accuracy_drop=0.01), 0, "cpu")
