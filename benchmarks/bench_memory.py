@@ -103,7 +103,7 @@ def main() -> int:
         memory = trace_step(step) if device.type == "cpu" else None
         cuda = measure_peak(step, device) if device.type == "cuda" else None
         assignment = None if policy is None else policy.assignment(graph)
-        rows.append((name, memory, cuda, cost.peak_bytes(assignment, compiling and policy is not None),
+        rows.append((name, memory, cuda, cost.peak_bytes(assignment),
                      cost.saved_activation_bytes(assignment)))
         if args.timeline and memory is not None:
             print(f"\n{name}: {memory.summary()}")

@@ -1,7 +1,9 @@
 """Low weight gradients held as their format's codes from their rounding to the end of the backward
-(precsearch.runtime.gradients). Oracles: the same runtime rounding the gradients in place as before (holding
-switched off through ``apply_policy(hold_gradients=...)``, as under DDP), ``formats.quantize`` of the raw
-gradient (a tensor hook on the parameter sees it before it is accumulated), and a real gloo process group."""
+(precsearch.runtime.gradients, and the compiled step's carriers: precsearch.runtime.compiled). Oracles: the same
+runtime rounding the gradients in place as before (holding switched off through
+``apply_policy(hold_gradients=...)``, as under DDP), the eager step for the compiled one, ``formats.quantize`` of
+the raw gradient (a tensor hook on the parameter sees it before it is accumulated), and a real gloo process
+group."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.formats.kernels import quantize
 from precsearch.models import build
+from precsearch.runtime import compiled
 from precsearch.runtime.gradients import no_process_group
 from precsearch.runtime.model import apply_policy
 
@@ -22,11 +26,12 @@ PAPER_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e
 SHAPE = (3, 32, 32)
 
 
-def _wrapped(weight_grad: str = "fp16", overrides: dict[str, str] | None = None, hold_gradients=no_process_group):
+def _wrapped(weight_grad: str = "fp16", overrides: dict[str, str] | None = None, hold_gradients=no_process_group,
+             compile: CompileOptions | None = None):
     torch.manual_seed(0)
     policy = Policy(input_shape=SHAPE, batch_size=8, defaults={**PAPER_LOW, "weight_grad": weight_grad},
                     overrides=overrides or {})
-    return apply_policy(build("tiny_cnn"), policy, hold_gradients=hold_gradients)
+    return apply_policy(build("tiny_cnn"), policy, hold_gradients=hold_gradients, compile=compile)
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,3 +130,52 @@ def test_a_format_whose_codes_miss_a_rounded_value_is_rounded_in_place(weight_gr
     inside, raw = _grads_inside_backward(apply_policy(build("tiny_cnn"), policy))
     for name, grad in inside.items():
         assert grad is not None and torch.equal(grad, quantize(raw[name], weight_grad, overflow=overflow)), name
+
+
+def _carried(monkeypatch) -> list[tuple[tuple[int, ...], int]]:
+    """(the weight's shape, bytes) of each gradient the compiled backward hands a weight's carrier, as it
+    arrives."""
+    carried = []
+    make = compiled._gradient_carrier
+
+    def recording(param, *args):
+        carrier = make(param, *args)
+        carrier.register_hook(lambda g: carried.append((tuple(param.shape), g.numel() * g.element_size())))
+        return carrier
+
+    monkeypatch.setattr(compiled, "_gradient_carrier", recording)
+    return carried
+
+
+@pytest.mark.parametrize(("weight_grad", "code", "scales"), [("fp16", 2, 0), ("fp8_e5m2", 1, 0),
+                                                             ("e5m2@tensor", 1, 1)])
+def test_the_compiled_backward_hands_out_each_weight_gradient_as_codes_of_its_width(monkeypatch, weight_grad, code,
+                                                                                     scales):
+    """Under compile, every low weight gradient leaves the backward as its format's codes (``code`` bytes a
+    value, not float32's 4; a scaled format's scales as one byte each), as the eager runtime holds it, and
+    ``.grad`` is then bit for bit the eager step's (aot_eager runs the same float32 ops)."""
+    carried = _carried(monkeypatch)
+    options = CompileOptions(backend="aot_eager")
+    done = _train(_wrapped(weight_grad, compile=options), steps=1)
+    eager = _train(_wrapped(weight_grad), steps=1)
+    params = dict(_wrapped(weight_grad).module.named_parameters())
+    assert sorted(carried) == sorted((tuple(p.shape), code * p.numel() + scales) for p in params.values())
+    for name in params:
+        assert torch.equal(done[0][name], eager[0][name]), name
+        assert torch.equal(done[1][name], eager[1][name]), name
+
+
+@pytest.mark.slow  # compiles two graphs
+def test_compiled_held_gradients_accumulate_as_the_compiled_step_that_keeps_float32():
+    """Two backwards before each step: holding codes changes nothing against the compiled step not allowed to
+    hold them (as under DDP), which hands out float32 gradients (none through a carrier): each backward's
+    gradient is rounded, then added to ``.grad``."""
+    options = CompileOptions(backend="aot_eager")
+    held = _train(_wrapped(compile=options), steps=2, backwards=2)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        carried = _carried(monkeypatch)
+        in_float32 = _train(_wrapped(hold_gradients=_not_holding, compile=options), steps=2, backwards=2)
+    assert carried == []
+    for step, (a, b) in enumerate(zip(held, in_float32, strict=True)):
+        for name in b:
+            assert torch.equal(a[name], b[name]), (step, name)

@@ -290,15 +290,15 @@ class CostModel:
 
     # ------------------------------------------------------------------------------ step peak
 
-    def peak_bytes(self, assignment: Mapping[str, Spec] | None = None, compiled: bool = False) -> int:
+    def peak_bytes(self, assignment: Mapping[str, Spec] | None = None) -> int:
         """Predicted peak of one training step (forward, backward, optimizer) above the parameters and
-        optimizer state, under `assignment` as `precsearch.runtime` trains it, eagerly or (``compiled``) through
-        its compiled step (see `peak_timeline`)."""
-        blocks = self.peak_timeline(assignment, compiled)
+        optimizer state, under `assignment` as `precsearch.runtime` trains it, eagerly or through its compiled
+        step, which holds what the eager step holds (see `peak_timeline`)."""
+        blocks = self.peak_timeline(assignment)
         times = sorted({time for block in blocks for time in (block.start, block.end)})
         return max((sum(b.nbytes for b in blocks if b.start <= time <= b.end) for time in times), default=0)
 
-    def peak_timeline(self, assignment: Mapping[str, Spec] | None = None, compiled: bool = False) -> list[Held]:
+    def peak_timeline(self, assignment: Mapping[str, Spec] | None = None) -> list[Held]:
         """Every block the step holds, replayed on the graph: saved tensors in their formats until the
         backward of their first saver; float32 forward values until their last forward use; activation
         gradients (float32) from the backward of their last consumer to that of their producer; weight
@@ -316,9 +316,8 @@ class CostModel:
         weight update, keeps its codes between the two, which this model does not count; a scaled one keeps its
         codes and scales, which it counts), a rounded copy of
         each low weight gradient as it arrives, and, where its codes hold
-        every rounded value, those codes from then to the end of the backward (``.grad`` decoded then; the
-        ``compiled`` step returns its weight gradients as float32 when its backward ends, so it holds them so
-        from their rounding on, as it does every other gradient). The optimizer holds one gradient-sized
+        every rounded value, those codes from then to the end of the backward (``.grad`` decoded then).
+        The optimizer holds one gradient-sized
         temporary (SGD's weight decay). The input batch is not counted (it exists before the step) unless
         packed."""
         formats, scaled = self._formats(assignment), self._scaled(assignment)
@@ -427,8 +426,7 @@ class CostModel:
             grad_format = formats.get(f"{tid}_grad", FP32)
             after = bwd(users[0]) + 0.5  # in the hook after the layer's backward, its workspace freed
             # held as codes to the end of the backward (the runtime's rule, at the format's default overflow)
-            held = (not compiled and not grad_format.is_fp32
-                    and grad_format.codes_hold_rounded(grad_format.default_overflow))
+            held = not grad_format.is_fp32 and grad_format.codes_hold_rounded(grad_format.default_overflow)
             hold(4 * info.numel, bwd(users[-1]), after if held else 4.0 * n + 3, f"weight gradient {tid}")
             if not grad_format.is_fp32:
                 hold(4 * info.numel, after, after, f"rounded weight gradient {tid}")

@@ -7,7 +7,11 @@ autograd saves as codes, bookkeeping TorchDynamo cannot trace. Here every site o
 a table of rows (precsearch.formats.as_data), one row per tensor id, so the graph does not depend on the formats
 themselves:
 
-* a weight is rounded before the forward, its gradient in the backward by the weight gradient's row;
+* a weight is rounded before the forward, its gradient in the backward by the weight gradient's row; where the
+  eager runtime would hold that gradient as codes to the end of the backward (precsearch.runtime.gradients),
+  the backward hands it out as those codes, the gradient of a leaf of no storage standing for the weight
+  (``_gradient_carrier``), whose hook decodes it into ``.grad``; a post-grad pass (``_HoldGradientsEarly``)
+  rounds it right after the op that makes it, where autograd's order would leave it float32 to the end;
 * an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
   a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output, and the ReLU itself
   passes the gradient on: ``_ReluMaskedByItsSite``; with ``gradient_rounding: per_use``, each consumer's
@@ -64,6 +68,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import operator
 import types
 from collections.abc import Callable
@@ -80,14 +85,16 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
-from precsearch.config.spec import GRAD_KINDS, WEIGHT
+from precsearch.config.spec import ACTIVATION_GRAD, WEIGHT, WEIGHT_GRAD
 from precsearch.formats.as_data import (
     code_bytes,
     decode_codes,
     format_row,
     nearest_in_floats,
+    patterns_of,
 )
-from precsearch.formats.scaled import ScaledFormat, expand_scales
+from precsearch.formats.kernels import storage_dtype
+from precsearch.formats.scaled import ScaledFormat, e8m0_encode, expand_scales
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime.compiled_ops import (
     batch_norm_backward_of_codes,
@@ -96,15 +103,17 @@ from precsearch.runtime.compiled_ops import (
     round_scaled_site,
     round_site,
 )
+from precsearch.runtime.ops import Codes
 from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.sliced import ConvGeometry, Slicing
-from precsearch.runtime.state import TensorState
+from precsearch.runtime.state import Slot, TensorState
 
 __all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "unsupported"]
 
 log = logging.getLogger(__name__)
 
 DECODE = {"precsearch": "decode"}  # the annotation (node.meta["custom"]) of the ops that decode a site's codes
+HELD = {"precsearch": "held"}  # the annotation of the ops that round a weight gradient to the codes it is held as
 
 
 class _RecomputeDecodes(CustomGraphPass):
@@ -124,6 +133,28 @@ class _RecomputeDecodes(CustomGraphPass):
     def uuid(self) -> str:  # part of Inductor's cache key
         return "precsearch-recompute-decodes-1"
 
+
+class _HoldGradientsEarly(CustomGraphPass):
+    """Inductor's post-grad pass that moves each held weight gradient's rounding (``HELD``) to right after the op
+    that makes the gradient, as the eager runtime rounds it in the hook after the layer's backward. The
+    partitioner orders the backward as autograd's engine would, and there a weight's rounding, the first op of
+    the forward, runs after every other op of the backward: each weight gradient would stay float32 to the
+    end."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        held = [node for node in graph.nodes if node.meta.get("custom", {}).get("precsearch") == HELD["precsearch"]]
+        for node in held:  # in graph order: a node's held inputs have moved before it
+            position = {other: i for i, other in enumerate(graph.nodes)}
+            # after the last of its inputs (the last of the graph's inputs where it reads only those)
+            latest = max(node.all_input_nodes + graph.find_nodes(op="placeholder"), key=position.__getitem__)
+            latest.append(node)
+
+    def uuid(self) -> str:
+        return "precsearch-hold-gradients-early-1"
+
+
+# a held weight gradient's bytes cross autograd as a 1-byte float dtype (autograd carries only float gradients)
+CARRIER_DTYPE = torch.float8_e5m2
 
 SEED_STRIDE = 0x3C6EF35F  # odd: each site and direction of a step draws with its own seed, steps apart
 
@@ -165,6 +196,7 @@ class Site(NamedTuple):
     code: int | None  # bytes of the codes its rounded values pass through (None: float32, no codes)
     scaled: tuple[str | None, str | None]  # the value's and the gradient's scaled formats (None: unscaled)
     grad_arrives_rounded: bool = False  # its gradient arrives rounded alike (``OpSites.gradient_from``): counted
+    grad_code: int | None = None  # a weight's: bytes of the codes its gradient leaves the backward as (None: float32)
 
 
 class _Round(torch.autograd.Function):
@@ -178,7 +210,7 @@ class _Round(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
-                site: Site, formats: dict[str, ScaledFormat]) -> Any:
+                site: Site, formats: dict[str, ScaledFormat], carrier: torch.Tensor | None = None) -> Any:
         ctx.site, ctx.formats = site, formats
         row, scaled = rows[site.act], site.scaled[0]
         if scaled is None:  # one opaque pass: the rounded values, or their codes
@@ -206,6 +238,12 @@ class _Round(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor, *_not_differentiable: Any) -> Any:
         rows, seed, *output = ctx.saved_tensors
         site, overflowed = ctx.site, None
+        if site.grad_code is not None:  # a weight's gradient, left as its bytes: the gradient of its carrier
+            with torch.fx.traceback.annotate(HELD):
+                held, counted = _held_bytes(g, rows[site.grad], _site_seed(seed, site, True), site,
+                                            ctx.formats.get(site.scaled[1]))
+                overflowed = counted[0].to(torch.float64).reshape(1)
+            return None, None, None, overflowed, None, None, held.view(CARRIER_DTYPE)
         if site.grad is not None:
             grad_seed = _site_seed(seed, site, True)
             if site.grad_arrives_rounded:  # rounding again changes no value (and would hold a second copy)
@@ -216,7 +254,7 @@ class _Round(torch.autograd.Function):
             overflowed = overflowed.to(torch.float64).reshape(1)
         if output:
             g = torch.ops.aten.threshold_backward(g, output[0], 0)
-        return g, None, None, overflowed, None, None
+        return g, None, None, overflowed, None, None, None
 
 
 class _ReluMaskedByItsSite(torch.autograd.Function):
@@ -479,7 +517,8 @@ class RoundingGraph:
                         (roundings[info.kind], roundings[graph.tensors[gradient].kind] if gradient else "nearest"),
                         relu_output, info.numel, info.kind != WEIGHT, codes[rows[value]] if act else None,
                         (_name(scaled[rows[value]]) if act else None,
-                         _name(scaled[rows[gradient]]) if gradient else None), grad_arrives_rounded)
+                         _name(scaled[rows[gradient]]) if gradient else None), grad_arrives_rounded,
+                        codes[rows[gradient]] if gradient else None)
             self.sites.append(site)
             counter = None
             if site.grad is not None:
@@ -540,7 +579,7 @@ class RoundingGraph:
     def _counted(self, graph_module: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
         self.compiles += 1
         backend = torch._dynamo.lookup_backend(self.backend)
-        if all(site.code is None for site in self.sites):
+        if all(site.code is None and site.grad_code is None for site in self.sites):
             return backend(graph_module, example_inputs)
         with torch._inductor.config.patch(joint_custom_pre_pass=_RecomputeDecodes()):  # read as it partitions
             if self.backend == "inductor":
@@ -549,8 +588,10 @@ class RoundingGraph:
                 # backward is lowered later, outside this block, so the patch travels with the compile
                 # layout optimization off: it lays every 4-d tensor upstream of a convolution out channels-last, and
                 # so saved each weight's master (``_ConvOfCodes``) as a channels-last float32 copy
+                # and each held weight gradient rounded as soon as it is made (``_HoldGradientsEarly``)
                 return compile_fx(graph_module, example_inputs,
-                                  config_patches={"allow_buffer_reuse": False, "layout_optimization": False})
+                                  config_patches={"allow_buffer_reuse": False, "layout_optimization": False,
+                                                  "post_grad_custom_post_pass": _HoldGradientsEarly()})
             return backend(graph_module, example_inputs)
 
     def counters(self, device: torch.device) -> list[torch.Tensor]:
@@ -558,13 +599,16 @@ class RoundingGraph:
         return [torch.zeros(1, dtype=torch.float64, device=device, requires_grad=True) for _ in range(self._counters)]
 
     def run(self, model: nn.Module, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
-            counters: list[torch.Tensor]) -> tuple[Any, torch.Tensor]:
+            counters: list[torch.Tensor], slots: dict[int, Slot]) -> tuple[Any, torch.Tensor]:
         """``model`` (of the traced structure) on ``x``, rounded as ``rows`` say: its output and the forward's
-        overflow counts, one per site."""
+        overflow counts, one per site. ``slots``: the state's, by row (the formats of held weight gradients)."""
         self.graph_module.train(model.training)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
-        return self._compiled(self.graph_module, self.weight_sites, params, buffers, x, rows, seed, counters)
+        carriers = {name: _gradient_carrier(params[name], site.grad_code, slots[site.grad])
+                    for name, (site, _counter) in self.weight_sites.items() if site.grad_code is not None}
+        return self._compiled(self.graph_module, self.weight_sites, params, buffers, x, rows, seed, counters,
+                              carriers)
 
     def counts(self, forward: torch.Tensor, counters: list[torch.Tensor], batch: int) -> torch.Tensor:
         """(overflowed, elements, roundings, unencodable) per row, int64, from a step's forward counts (two per
@@ -601,16 +645,60 @@ class RoundingGraph:
         return self._elements[key]
 
 
+def _held_bytes(g: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, site: Site,
+                scaled: ScaledFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight gradient rounded by ``row`` as the bytes its carrier receives (``_gradient_carrier``), and its
+    counts: its codes as the eager runtime holds them (uint8, or int16 for 2 bytes), in the weight's element
+    order, then a scaled format's scales as e8m0 bytes."""
+    if scaled is None:
+        codes, counted = round_site(g, row, seed, site.rounding[1], site.grad_code)
+        scales = None
+    else:
+        codes, scales, counted = round_scaled_site(g, row, scaled.name, site.grad_code)
+    if site.grad_code == 2:  # int16, not byte planes
+        codes = patterns_of(codes, 2).to(torch.int16)
+    held = codes.reshape(-1).view(torch.uint8)
+    if scales is not None:
+        held = torch.cat([held, e8m0_encode(scales).reshape(-1)])
+    return held, counted
+
+
+def _gradient_carrier(param: torch.Tensor, nbytes: int, slot: Slot) -> torch.Tensor:
+    """A leaf of no storage (stride 0) whose gradient in the compiled backward is the bytes of ``param``'s rounded
+    gradient (``_held_bytes``: ``nbytes`` a value, and the scales of ``slot``'s format), which its hook decodes
+    into ``param.grad`` (the same values: rounded values are exactly the format's): the backward holds each
+    weight gradient as codes until it ends, as the eager runtime does (precsearch.runtime.gradients), not as
+    float32. A later backward accumulates into ``param.grad`` as autograd would."""
+    scaled, fmt = slot.scaled, slot.fmt
+    n_codes = param.numel() * nbytes
+    n_scales = 0 if scaled is None else math.prod(scaled.scales_shape(param.shape))
+    carrier = torch.empty((), dtype=CARRIER_DTYPE, device=param.device).expand(n_codes + n_scales)
+    carrier.requires_grad_()
+
+    def decode_into_param(carrier: torch.Tensor) -> None:
+        held = carrier.grad.view(torch.uint8)
+        carrier.grad = None
+        codes = held[:n_codes].view(storage_dtype(fmt)).view(param.shape)
+        scales = None if scaled is None else held[n_codes:].view(scaled.scales_shape(param.shape))
+        value = Codes(codes, fmt.name, scaled, scales).whole()
+        param.grad = value if param.grad is None else param.grad.add_(value)
+
+    carrier.register_post_accumulate_grad_hook(decode_into_param)
+    return carrier
+
+
 def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], params: dict[str, torch.Tensor],
           buffers: dict[str, torch.Tensor], x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
-          counters: list[torch.Tensor]) -> tuple[Any, torch.Tensor]:
-    """The compiled function: weights rounded, then the rounded graph on them (``functional_call``)."""
+          counters: list[torch.Tensor], carriers: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """The compiled function: weights rounded (a held gradient's to its carrier), then the rounded graph on them
+    (``functional_call``)."""
     tensors: dict[str, torch.Tensor] = {**buffers, **params}
     weight_counts = []
     for name, (site, counter) in weight_sites.items():  # in the order of the sites' rows
+        carrier = (carriers[name],) if site.grad_code is not None else ()
         tensors[name], counted, *_codes = _Round.apply(params[name], rows, seed,
                                                        None if counter is None else counters[counter], site,
-                                                       gm.precsearch_scaled.value)
+                                                       gm.precsearch_scaled.value, *carrier)
         weight_counts.append(counted)
     output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters, params))
     return output, _stack(*counts, weight_counts)
@@ -618,28 +706,33 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
 
 class CompiledStep:
     """One wrapped model's use of the shared ``RoundingGraph``s: its table of rows and its graph (both found
-    again after a promotion, which may change a site's code width and so the graph), a seed per step, and the
-    counts handed to its state (a training forward's only, as the eager path counts)."""
+    again after a promotion, which may change a site's code width and so the graph, or when whether weight
+    gradients may be held as codes changes: ``may_hold``), a seed per step, and the counts handed to its state
+    (a training forward's only, as the eager path counts)."""
 
-    def __init__(self, find_graph: Callable[[], RoundingGraph], state: TensorState) -> None:
-        self.find_graph, self.state = find_graph, state
-        self.graph = find_graph()
+    def __init__(self, find_graph: Callable[[bool], RoundingGraph], state: TensorState,
+                 may_hold: Callable[[], bool]) -> None:
+        self.find_graph, self.state, self.may_hold = find_graph, state, may_hold
+        self._holds = may_hold()
+        self.graph = find_graph(self._holds)
         self._rows: tuple[int, torch.Tensor] | None = None  # the promotions the table has, and the table
 
     def __call__(self, module: nn.Module, x: torch.Tensor, training: bool) -> Any:
         state = self.state
-        promoted = len(state.promotions)
-        if self._rows is None or self._rows[0] != promoted or self._rows[1].device != x.device:
-            if self._rows is not None and self._rows[0] != promoted:
-                graph = self.find_graph()
+        promoted, holds = len(state.promotions), self.may_hold()
+        if self._rows is None or self._rows[0] != promoted or self._rows[1].device != x.device or holds != self._holds:
+            if self._rows is not None and (self._rows[0] != promoted or holds != self._holds):
+                graph = self.find_graph(holds)
                 if graph is not self.graph and not graph.compiles:
-                    log.info("a promotion widened a code: the step compiles a graph for the new code widths")
-                self.graph = graph
+                    log.info("the step's code widths changed (a promotion, or weight gradients held or not): "
+                             "it compiles a graph for them")
+                self.graph, self._holds = graph, holds
             self._rows = promoted, rows_table(state, x.device)
         graph = self.graph
         seed = state.seed_tensor(x.device)
         counters = graph.counters(x.device)
-        output, forward = graph.run(module, x, self._rows[1], seed.reshape(1).clone(), counters)
+        slots = {slot.row: slot for slot in state.slots.values()}
+        output, forward = graph.run(module, x, self._rows[1], seed.reshape(1).clone(), counters, slots)
         seed.add_(SEED_STRIDE * 2 * len(graph.sites))
         if training:
             batch = x.shape[0]
@@ -648,9 +741,10 @@ class CompiledStep:
 
 
 def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: TensorState,
-                  options: CompileOptions) -> CompiledStep | None:
+                  options: CompileOptions, may_hold: Callable[[], bool]) -> CompiledStep | None:
     """The compiled step of ``graph`` under ``policy``, or None (with one WARNING per ``options`` saying why)
-    where it cannot train it."""
+    where it cannot train it; ``may_hold``: whether weight gradients may be held as codes during the backward
+    (precsearch.runtime.gradients)."""
     reason = unsupported(policy, graph, state)
     if reason is not None:
         if (graph.model_name, reason) not in options.built.warned:  # once: a search wraps many policies
@@ -658,20 +752,32 @@ def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: Ten
             log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
                         graph.model_name, reason)
         return None
-    return CompiledStep(lambda: rounding_graph(graph, plan, state, options), state)
+    return CompiledStep(lambda holds: rounding_graph(graph, plan, state, options, holds), state, may_hold)
 
 
-def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState,
-                   options: CompileOptions) -> RoundingGraph:
+def _code_width(slot: Slot, options: CompileOptions, holds: bool) -> int | None:
+    """The bytes of the codes a row's values pass through in the compiled graph (None: float32): a weight's or
+    an activation's, saved for the backward; a weight gradient's, held to the end of the backward (``holds``,
+    where its codes hold every rounded value: as the eager runtime holds it); an activation
+    gradient is never held."""
+    if not options.saves_codes or slot.kind == ACTIVATION_GRAD:
+        return None
+    if slot.kind == WEIGHT_GRAD and not (holds and slot.codes_hold_rounded):
+        return None
+    return code_bytes(slot.fmt)
+
+
+def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState, options: CompileOptions,
+                   holds: bool) -> RoundingGraph:
     """The ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per tensor kind and (with
-    ``options.saves_codes``) the code width of each row's format now, and the outputs whose gradients arrive
-    rounded alike now, built (and its step compiled, on first use) once for the runs that share ``options``."""
+    ``options.saves_codes``) the code width of each row's format now (``_code_width``), and the outputs whose
+    gradients arrive rounded alike now, built (and its step compiled, on first use) once for the runs that share
+    ``options``."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
     slots = sorted(state.slots.values(), key=lambda slot: slot.row)
-    codes = tuple(code_bytes(slot.fmt) if options.saves_codes and slot.kind not in GRAD_KINDS else None
-                  for slot in slots)  # gradients: never saved
+    codes = tuple(_code_width(slot, options, holds) for slot in slots)
     scaled = tuple(slot.scaled for slot in slots)
     per_use = tuple(sites.per_use for sites in plan.ops)
     # rounding such a gradient again or only counting it gives the same values and counts, so a graph that saves

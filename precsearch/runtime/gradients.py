@@ -49,7 +49,7 @@ def _rounding_hook(state: TensorState, slot: Slot, may_hold: Callable[[], bool])
     def hook(param: torch.Tensor) -> None:
         if not slot.is_low or state.graph_rounds:  # a compiled step's backward rounded it already
             return
-        hold = slot.fmt.codes_hold_rounded(slot.args()[2]) and may_hold()
+        hold = slot.codes_hold_rounded and may_hold()
         codes = state.round_(param.grad, slot, with_codes=hold, count=state.counting)
         if codes is not None:
             _hold(param, codes)

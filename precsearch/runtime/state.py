@@ -110,6 +110,12 @@ class Slot:
         moves from step to step)."""
         return source is not None and source.is_low and source.args() == self.args() and self.history is None
 
+    @property
+    def codes_hold_rounded(self) -> bool:
+        """Whether this slot's codes hold every value its rounding gives (inf and NaN too), so that a rounded
+        weight gradient may be held as its codes until the end of the backward (precsearch.runtime.gradients)."""
+        return self.is_low and self.fmt.codes_hold_rounded(self.args()[2])
+
     def args(self) -> tuple[str, str, str]:
         """The format arguments of the round ops (a scaled format saturates)."""
         overflow = "saturate" if self.scaled is not None else self.overflow_mode or self.fmt.default_overflow
