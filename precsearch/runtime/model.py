@@ -99,8 +99,7 @@ class PrecisionModel(nn.Module):
         if not policy.master_weights:
             self.state.on_promote.append(self._optimizers.promote)
         self.clipped_at_start = [] if policy.master_weights else round_pure_weights(weights, self.state)
-        self.compiled_step = compile and compiled_step(policy, graph, self.sites, self.state, compile,
-                                                            hold_gradients)
+        self.compiled_step = compile and compiled_step(policy, graph, self.sites, self.state, compile, hold_gradients)
         self._handles += hook_weight_gradients(model, self.sites, self.state, hold_gradients)
         self._rounding = Rounding(self.state, self._packer, weights)
         self._hooks: HookInstrument | None = None
