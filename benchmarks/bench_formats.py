@@ -1,6 +1,6 @@
 """Quantizer speed as a ratio to torch's native fp8_e5m2 cast round trip, timed side by side in one run.
 
-    .venv/bin/python benchmarks/bench_formats.py [--numel 16777216] [--repeats 7]
+    .venv/bin/python benchmarks/bench_formats.py [--numel 16777216] [--repeats 7] [--threads N]
 
 Prints medians. Goal (issue 2): nearest <= 1.0x the native cast, stochastic <= 1.5x. QPyTorch's
 float_quantize is timed too when it happens to be importable (it is not a dependency).
@@ -21,11 +21,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=1 << 24)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's); a copy of x is timed as the memory-bound row")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
-    cases = {"native x.to(float8_e5m2).float()": lambda: x.to(torch.float8_e5m2).float()}
+    cases = {"native x.to(float8_e5m2).float()": lambda: x.to(torch.float8_e5m2).float(), "x.clone()": x.clone}
     for spec in ("fp8_e5m2", "e4m3b4s"):
         cases[f"quantize {spec} nearest"] = lambda s=spec: formats.quantize(x, s)
         cases[f"quantize {spec} stochastic"] = lambda s=spec: formats.quantize(x, s, "stochastic", generator=gen)
