@@ -705,34 +705,37 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
 
 
 class CompiledStep:
-    """One wrapped model's use of the shared ``RoundingGraph``s: its table of rows and its graph (both found
-    again after a promotion, which may change a site's code width and so the graph, or when whether weight
-    gradients may be held as codes changes: ``may_hold``), a seed per step, and the counts handed to its state
-    (a training forward's only, as the eager path counts)."""
+    """One wrapped model's use of the shared ``RoundingGraph``s: its graph (found again when the state's
+    promotions, which may change a site's code width, or whether weight gradients may be held as codes,
+    ``may_hold``, changed), its table of rows, a seed per step, and the counts handed to its state (a training
+    forward's only, as the eager path counts)."""
 
     def __init__(self, find_graph: Callable[[bool], RoundingGraph], state: TensorState,
                  may_hold: Callable[[], bool]) -> None:
         self.find_graph, self.state, self.may_hold = find_graph, state, may_hold
-        self._holds = may_hold()
-        self.graph = find_graph(self._holds)
-        self._rows: tuple[int, torch.Tensor] | None = None  # the promotions the table has, and the table
+        self._slots = {slot.row: slot for slot in state.slots.values()}  # promotions change them in place
+        self._found_for: tuple[int, bool] | None = None  # (promotions, holds) the graph was found for
+        self._rows: torch.Tensor | None = None  # the table of rows for them
+        self.graph = self._current_graph()
+
+    def _current_graph(self) -> RoundingGraph:
+        now = (len(self.state.promotions), self.may_hold())
+        if now != self._found_for:
+            graph = self.find_graph(now[1])
+            if self._found_for is not None and graph is not self.graph and not graph.compiles:
+                log.info("the step's code widths changed (a promotion, or weight gradients held or not): "
+                         "it compiles a graph for them")
+            self.graph, self._found_for, self._rows = graph, now, None
+        return self.graph
 
     def __call__(self, module: nn.Module, x: torch.Tensor, training: bool) -> Any:
         state = self.state
-        promoted, holds = len(state.promotions), self.may_hold()
-        if self._rows is None or self._rows[0] != promoted or self._rows[1].device != x.device or holds != self._holds:
-            if self._rows is not None and (self._rows[0] != promoted or holds != self._holds):
-                graph = self.find_graph(holds)
-                if graph is not self.graph and not graph.compiles:
-                    log.info("the step's code widths changed (a promotion, or weight gradients held or not): "
-                             "it compiles a graph for them")
-                self.graph, self._holds = graph, holds
-            self._rows = promoted, rows_table(state, x.device)
-        graph = self.graph
+        graph = self._current_graph()
+        if self._rows is None or self._rows.device != x.device:
+            self._rows = rows_table(state, x.device)
         seed = state.seed_tensor(x.device)
         counters = graph.counters(x.device)
-        slots = {slot.row: slot for slot in state.slots.values()}
-        output, forward = graph.run(module, x, self._rows[1], seed.reshape(1).clone(), counters, slots)
+        output, forward = graph.run(module, x, self._rows, seed.reshape(1).clone(), counters, self._slots)
         seed.add_(SEED_STRIDE * 2 * len(graph.sites))
         if training:
             batch = x.shape[0]
