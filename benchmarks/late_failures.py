@@ -11,12 +11,23 @@ below that before its end.
 
 ``--scaled weight`` gives the low formats of those kinds a power-of-two scale per tensor (``@tensor``), to ask
 whether the failure is the fixed exponent range of the paper's low formats.
+
+``--shock STEP:FACTOR:LENGTH`` asks whether a cheap probe at the confirmation's length could see the failure
+coming: the learning rate times FACTOR for LENGTH steps from STEP (a spike made on purpose), the divergence
+monitor off (a natural spike does not stop a run either), then ``--steps`` more at the proxies' rate. A run that
+ends back below a tenth of ``--spike-loss`` recovered.
+
+    python benchmarks/late_failures.py --task tiny --decisions HLLL,HHHH --seeds 2000,2001,2002 --steps 600 \
+        --shock 2400:10:20
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from unittest import mock
 
+import torch
 from search_efficiency import TASKS  # the same tasks (this script's folder is on sys.path)
 
 from precsearch.config.spaces import paper_space
@@ -42,6 +53,35 @@ def spikes(losses: list[tuple[int, float]], spike_loss: float) -> list[tuple[int
     return found
 
 
+class Shock:
+    """The learning rate times ``factor`` for ``length`` steps from ``step``, set through the trainer's ``report``
+    hook (every ``report_every`` steps, so ``step`` and ``length`` are multiples of it) on the SGD optimizer the
+    run builds, which this context records."""
+
+    def __init__(self, text: str) -> None:
+        step, factor, length = text.split(":")
+        self.step, self.factor, self.length = int(step), float(factor), int(length)
+        self.optimizers: list[torch.optim.SGD] = []
+
+    def patched(self) -> contextlib.AbstractContextManager:
+        recorded, plain_sgd = self.optimizers, torch.optim.SGD
+
+        class RecordedSGD(plain_sgd):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                recorded.append(self)
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(torch.optim, "SGD", RecordedSGD))
+        stack.enter_context(mock.patch("precsearch.train.trainer.Divergence.check", return_value=""))
+        return stack
+
+    def at(self, step: int) -> None:
+        scale = self.factor if step == self.step else 1 / self.factor if step == self.step + self.length else 1
+        for group in self.optimizers[-1].param_groups if scale != 1 else ():
+            group["lr"] *= scale
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
@@ -50,7 +90,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8000)
     parser.add_argument("--spike-loss", type=float, default=1.0, help="running loss that counts as a spike")
     parser.add_argument("--scaled", default="", help="kinds whose low format gets a scale per tensor, comma-separated")
+    parser.add_argument("--shock", default=None, help="STEP:FACTOR:LENGTH: the rate times FACTOR for LENGTH steps "
+                        "from STEP, then --steps more")
     args = parser.parse_args()
+    shock = Shock(args.shock) if args.shock else None
+    steps = args.steps + (shock.step + shock.length if shock else 0)
     model, proxy = TASKS[args.task]
     scaled = [kind for kind in args.scaled.split(",") if kind]
     if unknown := sorted(set(scaled) - set(PAPER_LOW)):
@@ -58,17 +102,23 @@ def main() -> None:
     space = paper_space(proxy=proxy, low={kind: f"{spec}@tensor" if kind in scaled else spec
                                           for kind, spec in PAPER_LOW.items()})
     context = SearchContext.create(model, space, DataSpec("gratings"), Budget(max_accuracy_drop=0.01), 0, "cpu")
-    print(f"{args.task}: {model} on gratings, {args.steps} steps, one thread, low formats {space.low}; spike: running "
-          f"loss above {args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
+    shocked = f", shock {args.shock}" if shock else ""
+    print(f"{args.task}: {model} on gratings, {steps} steps{shocked}, one thread, low formats {space.low}; spike: "
+          f"running loss above {args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
     for decisions in args.decisions.split(","):
         levels = {unit: "high" if level == "H" else "low" for unit, level in zip(context.units, decisions, strict=True)}
         assignment = assign(context.graph, space, levels)
         policy = context.policy(assignment, {"strategy": decisions})
         for seed in (int(text) for text in args.seeds.split(",")):
             losses: list[tuple[int, float]] = []
-            with torch_threads(1):
-                result = context.trainer(policy, args.steps, seed,
-                                         report=lambda step, loss, losses=losses: losses.append((step, loss)))
+
+            def report(step: int, loss: float, losses: list = losses) -> None:
+                losses.append((step, loss))
+                if shock is not None:
+                    shock.at(step)
+
+            with torch_threads(1), shock.patched() if shock else contextlib.nullcontext():
+                result = context.trainer(policy, steps, seed, report=report)
             shown = ", ".join(f"{start}-{end}" if end is not None else f"{start}-never" for start, end
                               in spikes(losses, args.spike_loss)) or "none"
             print(f"  {decisions} (memory {context.memory(assignment, result.promotions)[0]:.3f}) seed {seed}: "
