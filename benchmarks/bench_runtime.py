@@ -13,17 +13,21 @@
    compiled all-low and hfp8 <= 1.5x compiled plain fp32. Rows: plain fp32; plain under
    ``torch.autocast(bfloat16)`` (CUDA); the fp32 policy through ``apply_policy``; the fp16, bf16 and hfp8
    baselines; the paper's all-low policy (weights and activations e4m3b4s, activation gradients e5m2s,
-   weight gradients e6m9s, high e6m9s, promotion guard on, dynamic loss scaling); and, when QPyTorch is
+   weight gradients e6m9s, high e6m9s, promotion guard on, dynamic loss scaling); ``all-high`` (every tensor the
+   paper's high format, e6m9s: what a search's reference trains; not in the default rows); and, when QPyTorch is
    importable, the paper's own style (QPyTorch ``float_quantize`` e5m2 in module hooks). On CUDA each row
    also gives ``torch.cuda.max_memory_allocated()`` during a step above what was allocated before it.
+   ``--proxy-graph``: the compiled policy rows save float32, as a search's proxies do (one graph for every
+   assignment), instead of codes. ``--threads N``: torch's intra-op threads (a search worker of ``--jobs 2`` on
+   2 cores has one).
 2. Rounding 2^28 values (CUDA; 2^24 on CPU): nearest and stochastic e5m2 (``precsearch.formats.kernels.quantize``)
    against torch's native float8_e5m2 cast round trip. Goal: stochastic <= 1.5x the native cast.
 3. Bytes autograd saves for backward after one forward under several policies, measured (packed storages,
    each once) against the fp32 model's measured bytes and against the cost model's prediction.
 
 Usage: python benchmarks/bench_runtime.py [--device cpu|cuda] [--model resnet18] [--width W] [--image-size 32]
-       [--batch N] [--steps 7] [--warmup 3]
-       [--policies fp32,fp16,bf16,hfp8,all-low] [--no-compiled] [--sections 1,2,3]
+       [--batch N] [--steps 7] [--warmup 3] [--threads N]
+       [--policies fp32,fp16,bf16,hfp8,all-low,all-high] [--no-compiled] [--proxy-graph] [--sections 1,2,3]
 Defaults: CPU ResNet-18 width 0.25 batch 64; CUDA width 1.0 batch 128.
 """
 
@@ -57,6 +61,9 @@ def main() -> int:
     parser.add_argument("--policies", default="fp32,fp16,bf16,hfp8,all-low",
                         help="comma-separated rows beside plain fp32 (default: all)")
     parser.add_argument("--no-compiled", action="store_true", help="eager rows only")
+    parser.add_argument("--proxy-graph", action="store_true",
+                        help="compiled policy rows save float32, as a search's proxies (default: codes)")
+    parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     parser.add_argument("--sections", default="1,2,3", help="which sections to run (default: 1,2,3)")
     args = parser.parse_args()
     sections = {part.strip() for part in args.sections.split(",")}
@@ -66,6 +73,10 @@ def main() -> int:
 
     import torch
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    from precsearch.config.compiling import CompileOptions
     from precsearch.config.spec import PAPER_OVERFLOW
     from precsearch.cost.measured import sgd_step
     from precsearch.cost.model import CostModel, measure_saved_bytes
@@ -88,11 +99,13 @@ def main() -> int:
     policies = {
         name: baseline(name, graph) for name in ("fp32", "fp16", "bf16", "hfp8")
     }
-    policies["all-low"] = policy_from_assignment(
-        graph, {tid: all_low[graph.tensors[tid].kind] for tid in graph.assignable_ids()},
-        high_format="e6m9s", overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
-        promotion_threshold=0.01, provenance={"strategy": "all-low"},
-    )
+    for name, formats in (("all-low", all_low), ("all-high", dict.fromkeys(all_low, "e6m9s"))):
+        policies[name] = policy_from_assignment(
+            graph, {tid: formats[graph.tensors[tid].kind] for tid in graph.assignable_ids()},
+            high_format="e6m9s", overflow=dict(PAPER_OVERFLOW),
+            loss_scaling={"mode": "dynamic", "init_scale": 2.0**16}, promotion_threshold=0.01,
+            provenance={"strategy": name},
+        )
     chosen = [name.strip() for name in args.policies.split(",") if name.strip()]
 
     name_of = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -101,7 +114,8 @@ def main() -> int:
     model = f"ResNet-18 width {width}" if args.model == "resnet18" else args.model
     print(f"{model}, {args.image_size}x{args.image_size}, batch {batch}, SGD(lr=0.1, momentum=0.9, wd=5e-4)\n")
     if "1" in sections:
-        _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_step)
+        compile_options = CompileOptions(saves_codes=False) if args.proxy_graph else True
+        _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_step, compile_options)
     if "2" in sections:
         _bench_quantize(device)
     if "3" in sections:
@@ -162,7 +176,8 @@ def _dispatched_ops(step: Callable[[], object]) -> int:
     return Count.ops
 
 
-def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_step) -> None:  # noqa: N803
+def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_step,  # noqa: N803
+                 compile_options) -> None:
     import torch
 
     def stepper(model, autocast: bool = False) -> Callable[[], object]:
@@ -183,7 +198,7 @@ def _bench_steps(args, device, plain, x, y, policies, chosen, apply_policy, sgd_
         wrapped_models[name] = wrapped
         steps[f"{name} policy"] = stepper(wrapped)
         if not args.no_compiled:
-            wrapped = apply_policy(copy.deepcopy(plain), policies[name], compile=True)
+            wrapped = apply_policy(copy.deepcopy(plain), policies[name], compile=compile_options)
             wrapped_models[f"{name}, compiled"] = wrapped
             steps[f"{name} policy, compiled"] = stepper(wrapped)
             compiled_rows.add(f"{name} policy, compiled")
