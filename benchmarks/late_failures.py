@@ -12,6 +12,8 @@ below that before its end.
 ``--scaled weight`` gives the low formats of those kinds a power-of-two scale per tensor (``@tensor``), to ask
 whether the failure is the fixed exponent range of the paper's low formats.
 
+``--weights-every N`` prints the largest magnitude of each parameter every N steps.
+
 ``--shock STEP:FACTOR:LENGTH`` asks whether a cheap probe at the confirmation's length could see the failure
 coming: the learning rate times FACTOR for LENGTH steps from STEP (a spike made on purpose), the divergence
 monitor off (a natural spike does not stop a run either), then ``--steps`` more at the proxies' rate. A run that
@@ -32,6 +34,7 @@ from search_efficiency import TASKS  # the same tasks (this script's folder is o
 
 from precsearch.config.spaces import paper_space
 from precsearch.config.spec import PAPER_LOW
+from precsearch.models import build
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.strategies import assign
 
@@ -54,13 +57,25 @@ def spikes(losses: list[tuple[int, float]], spike_loss: float) -> list[tuple[int
 
 
 class Shock:
-    """The learning rate times ``factor`` for ``length`` steps from ``step``, set through the trainer's ``report``
-    hook (every ``report_every`` steps, so ``step`` and ``length`` are multiples of it) on the SGD optimizer the
-    run builds, which this context records."""
+    """The learning rate times ``factor`` for ``length`` steps from ``step`` (multiples of the trainer's
+    ``report_every``, whose hook sets it)."""
 
     def __init__(self, text: str) -> None:
         step, factor, length = text.split(":")
         self.step, self.factor, self.length = int(step), float(factor), int(length)
+
+    def scale_at(self, step: int) -> float:
+        return self.factor if step == self.step else 1 / self.factor if step == self.step + self.length else 1
+
+
+class Probe:
+    """What a run's report hook (every ``report_every`` steps) does besides recording the loss: a ``shock``, and
+    every ``weights_every`` steps a line with the largest magnitude of each parameter (``names``, in the
+    model's order). Both reach the SGD optimizer the run builds, which ``patched`` records; with a shock the
+    divergence monitor is off, as a natural spike does not stop a run either."""
+
+    def __init__(self, shock: Shock | None, weights_every: int, names: list[str]) -> None:
+        self.shock, self.weights_every, self.names = shock, weights_every, names
         self.optimizers: list[torch.optim.SGD] = []
 
     def patched(self) -> contextlib.AbstractContextManager:
@@ -73,13 +88,22 @@ class Shock:
 
         stack = contextlib.ExitStack()
         stack.enter_context(mock.patch.object(torch.optim, "SGD", RecordedSGD))
-        stack.enter_context(mock.patch("precsearch.train.trainer.Divergence.check", return_value=""))
+        if self.shock is not None:
+            stack.enter_context(mock.patch("precsearch.train.trainer.Divergence.check", return_value=""))
         return stack
 
-    def at(self, step: int) -> None:
-        scale = self.factor if step == self.step else 1 / self.factor if step == self.step + self.length else 1
-        for group in self.optimizers[-1].param_groups if scale != 1 else ():
+    def at(self, step: int, loss: float) -> None:
+        if not self.optimizers:
+            return
+        groups = self.optimizers[-1].param_groups
+        scale = self.shock.scale_at(step) if self.shock is not None else 1
+        for group in groups if scale != 1 else ():
             group["lr"] *= scale
+        if self.weights_every and step % self.weights_every == 0:
+            params = [param for group in groups for param in group["params"]]
+            largest = ", ".join(f"{name} {param.detach().abs().max():.3g}"
+                                for name, param in zip(self.names, params, strict=True))
+            print(f"    step {step}: loss {loss:.3f}; largest |value|: {largest}", flush=True)
 
 
 def main() -> None:
@@ -92,6 +116,8 @@ def main() -> None:
     parser.add_argument("--scaled", default="", help="kinds whose low format gets a scale per tensor, comma-separated")
     parser.add_argument("--shock", default=None, help="STEP:FACTOR:LENGTH: the rate times FACTOR for LENGTH steps "
                         "from STEP, then --steps more")
+    parser.add_argument("--weights-every", type=int, default=0,
+                        help="print the largest magnitude of each parameter every N steps (0: never)")
     args = parser.parse_args()
     shock = Shock(args.shock) if args.shock else None
     steps = args.steps + (shock.step + shock.length if shock else 0)
@@ -102,6 +128,7 @@ def main() -> None:
     space = paper_space(proxy=proxy, low={kind: f"{spec}@tensor" if kind in scaled else spec
                                           for kind, spec in PAPER_LOW.items()})
     context = SearchContext.create(model, space, DataSpec("gratings"), Budget(max_accuracy_drop=0.01), 0, "cpu")
+    probe = Probe(shock, args.weights_every, [name for name, _ in build(model).named_parameters()])
     shocked = f", shock {args.shock}" if shock else ""
     print(f"{args.task}: {model} on gratings, {steps} steps{shocked}, one thread, low formats {space.low}; spike: "
           f"running loss above {args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
@@ -114,10 +141,9 @@ def main() -> None:
 
             def report(step: int, loss: float, losses: list = losses) -> None:
                 losses.append((step, loss))
-                if shock is not None:
-                    shock.at(step)
+                probe.at(step, loss)
 
-            with torch_threads(1), shock.patched() if shock else contextlib.nullcontext():
+            with torch_threads(1), probe.patched():
                 result = context.trainer(policy, steps, seed, report=report)
             shown = ", ".join(f"{start}-{end}" if end is not None else f"{start}-never" for start, end
                               in spikes(losses, args.spike_loss)) or "none"
