@@ -33,7 +33,7 @@ import torch
 from search_efficiency import TASKS  # the same tasks (this script's folder is on sys.path)
 
 from precsearch.config.spaces import paper_space
-from precsearch.config.spec import PAPER_LOW
+from precsearch.config.spec import PAPER_LOW, ProxyConfig
 from precsearch.models import build
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.strategies import assign
@@ -119,7 +119,13 @@ def main() -> None:
     parser.add_argument("--weights-every", type=int, default=0,
                         help="print the largest magnitude of each parameter every N steps (0: never)")
     args = parser.parse_args()
-    shock = Shock(args.shock) if args.shock else None
+    try:
+        shock = Shock(args.shock) if args.shock else None
+    except ValueError:
+        parser.error(f"--shock {args.shock!r}: give STEP:FACTOR:LENGTH, for example 2400:10:20")
+    report_every = TASKS[args.task][1].get("report_every", ProxyConfig().report_every)
+    if shock is not None and (shock.step % report_every or shock.length % report_every):
+        parser.error(f"--shock: STEP and LENGTH must be multiples of the trainer's report_every ({report_every})")
     steps = args.steps + (shock.step + shock.length if shock else 0)
     model, proxy = TASKS[args.task]
     scaled = [kind for kind in args.scaled.split(",") if kind]
