@@ -49,6 +49,6 @@ def test_eager_kernels_hold_for_the_command_alone(monkeypatch, flag):
 
     seen = []
     monkeypatch.setattr(formats_command, "run", lambda args: seen.append(RUNNER.enabled) or 0)
-    monkeypatch.setattr(RUNNER, "enabled", "the caller's")
-    assert main([*flag, "formats"]) == 0
-    assert seen == [not flag] and RUNNER.enabled == "the caller's"
+    with RUNNER.configured(enabled="the caller's"):
+        assert main([*flag, "formats"]) == 0
+        assert seen == [not flag] and RUNNER.enabled == "the caller's"

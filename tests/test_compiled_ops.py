@@ -66,9 +66,6 @@ def test_round_site_is_one_compiled_pass_at_the_size_a_step_compiles() -> None:
     row, seed = format_row("fp8_e5m2", "stochastic"), torch.tensor(7)
     compiled = round_site(x, row, seed, "stochastic", 1)
     assert any(label.startswith("site rounded to 1-byte codes (stochastic)") for label in RUNNER.ready)
-    RUNNER.enabled = False
-    try:
+    with RUNNER.configured(enabled=False):
         eager = round_site(x, row, seed, "stochastic", 1)
-    finally:
-        RUNNER.enabled = True
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])

@@ -59,8 +59,7 @@ class Finished:
 def eager_kernels():
     """Rounding kernels run eagerly here (``--eager-kernels`` in the subprocesses): these tests are about files,
     and compiling costs more than the tiny proxies."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RUNNER, "enabled", False)
+    with RUNNER.configured(enabled=False):
         yield
 
 

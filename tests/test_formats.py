@@ -313,7 +313,7 @@ def test_compiled_round_and_count_counts_nan_without_a_code(in_place):
 
 
 @pytest.mark.slow
-def test_compiled_path_matches_eager_bit_for_bit(monkeypatch):
+def test_compiled_path_matches_eager_bit_for_bit():
     n = COMPILE_MIN_NUMEL * 2
     x = torch.randn(n) * torch.exp2(torch.randint(-20, 20, (n,)).float())
     cases = [("e4m3b4s", "nearest"), ("fp8_e5m2", "stochastic"), ("bf16", "stochastic"), ("fp16", "nearest")]
@@ -323,24 +323,28 @@ def test_compiled_path_matches_eager_bit_for_bit(monkeypatch):
         compiled_back = decode(compiled_codes, spec)
         compiled_fused = kernels.round_and_count(x, spec, rounding, seed=torch.tensor(5), with_codes=True)
         assert not RUNNER.failed, "torch.compile failed here, so the compiled path went untested"
-        monkeypatch.setattr(RUNNER, "enabled", False)
-        eager = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
-        eager_codes = encode(x, spec)
-        eager_fused = kernels.round_and_count(x, spec, rounding, seed=torch.tensor(5), with_codes=True)
+        with RUNNER.configured(enabled=False):
+            eager = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
+            eager_codes = encode(x, spec)
+            eager_fused = kernels.round_and_count(x, spec, rounding, seed=torch.tensor(5), with_codes=True)
         assert mismatches(compiled, eager) == 0
         assert torch.equal(compiled_codes, eager_codes)
         assert mismatches(compiled_back, decode(eager_codes, spec)) == 0
         assert mismatches(compiled_fused[0], eager_fused[0]) == 0
         assert torch.equal(compiled_fused[1], eager_fused[1]) and torch.equal(compiled_fused[2], eager_fused[2])
-        monkeypatch.setattr(RUNNER, "enabled", True)
+
+
+@pytest.fixture
+def every_call_compiled():
+    with RUNNER.configured(enabled=True, min_numel=0):
+        yield
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("every_call_compiled")
 def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeypatch, caplog):
     """After the call that compiles it, a kernel runs Inductor's code directly: Dynamo's frame evaluation is not
     entered again (counted), at every size, and the results stay those of the eager kernel."""
-    monkeypatch.setattr(RUNNER, "enabled", True)
-    monkeypatch.setattr(RUNNER, "min_numel", 0)
     fn = kernels.round_and_count_fn("e5m2", "stochastic", "inf", True)
     kernel = kernels._round_kernel("stochastic", False, torch.uint8, False)  # fn's
     seed = torch.tensor(11)
@@ -356,9 +360,8 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
         x = torch.randn(n) * 2.0**14
         x[0] = 1e6  # overflows e5m2 (max 57344)
         rounded, codes, counts = fn(x, seed)
-        monkeypatch.setattr(RUNNER, "enabled", False)
-        eager = fn(x, seed)
-        monkeypatch.setattr(RUNNER, "enabled", True)
+        with RUNNER.configured(enabled=False):
+            eager = fn(x, seed)
         assert mismatches(rounded, eager[0]) == 0 and torch.equal(codes, eager[1])
         assert torch.equal(counts, eager[2]) and counts[0] > 0
     assert dynamo_calls == []

@@ -39,8 +39,7 @@ ONE_SEED_WARNING = "one seed per proxy"  # the warning a search with --proxy-see
 @contextlib.contextmanager
 def _eager() -> Iterator[None]:
     """Rounding kernels run eagerly: compiling costs more than these tiny proxies."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RUNNER, "enabled", False)
+    with RUNNER.configured(enabled=False):
         yield
 
 

@@ -161,7 +161,7 @@ def test_no_forward_outside_a_training_step_changes_the_training_state(context):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
-def test_compiled_kernels_train_bit_identically_to_eager_ones(name, monkeypatch):
+def test_compiled_kernels_train_bit_identically_to_eager_ones(name):
     plain, graph, x, y = _setup(name)
     policy = _paper_policy(graph)
 
@@ -171,11 +171,10 @@ def test_compiled_kernels_train_bit_identically_to_eager_ones(name, monkeypatch)
         losses = [step() for _ in range(3)]
         return losses, [p.detach().clone() for p in model.parameters()]
 
-    monkeypatch.setattr(RUNNER, "enabled", False)
-    eager_losses, eager_weights = three_steps()
-    monkeypatch.setattr(RUNNER, "enabled", True)
-    monkeypatch.setattr(RUNNER, "min_numel", 0)  # every kernel call compiled
-    compiled_losses, compiled_weights = three_steps()
+    with RUNNER.configured(enabled=False):
+        eager_losses, eager_weights = three_steps()
+    with RUNNER.configured(enabled=True, min_numel=0):  # every kernel call compiled
+        compiled_losses, compiled_weights = three_steps()
     assert not RUNNER.failed, f"torch.compile failed for {RUNNER.failed}: the compiled path went untested"
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))

@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         # with EFBIG instead, which is reported in one line below. CPython ignores it at startup already; this
         # keeps it so when the CLI is entered from a host that restored the default.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    compiled_kernels, RUNNER.enabled = RUNNER.enabled, not args.eager_kernels  # a search hands it to its workers
     try:
-        return int(args.func(args) or 0)
+        with RUNNER.configured(enabled=not args.eager_kernels):  # a search hands it to its workers
+            return int(args.func(args) or 0)
     except PrecsearchError as error:
         if args.verbose and error.__cause__ is not None:  # user code raised it: show where
             traceback.print_exception(error.__cause__, file=sys.stderr)
@@ -84,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"precsearch {args.command}: error: {os_error_line(full)}", file=sys.stderr)
         return 2
-    finally:  # a caller in the same process keeps its own setting
-        RUNNER.enabled = compiled_kernels
 
 
 def os_error_line(error: OSError) -> str:

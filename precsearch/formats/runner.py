@@ -3,7 +3,8 @@
 A ``KernelRunner`` runs a kernel compiled for tensors of at least ``min_numel`` elements on CPU and for every
 tensor on an accelerator. A kernel whose compilation fails runs eagerly from then on, that kernel alone,
 with one WARNING naming it and the reason. ``RUNNER`` is the process's runner, a cache of compiled kernels like
-torch.compile's own; ``RUNNER.enabled = False`` (the CLI's ``--eager-kernels``) runs every kernel eagerly. The
+torch.compile's own; ``with RUNNER.configured(enabled=False):`` (the CLI's ``--eager-kernels``) runs every kernel
+eagerly for that scope, and the caller's setting is back after it. The
 kernels hold no integer constant outside int32 (Triton types scalar literals as int32). After the call that
 compiles a kernel, later calls run Inductor's code directly, without TorchDynamo's per-call frame evaluation
 (``Compiled``): a training step makes hundreds of calls, most on small tensors.
@@ -14,10 +15,11 @@ it in warnings; precsearch.formats.kernels builds them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import fx
@@ -199,6 +201,18 @@ class KernelRunner:
         self.ready: set[str] = set()
         self.failed: set[str] = set()
         self.compiled = functools.lru_cache(maxsize=192)(compile)
+
+    @contextlib.contextmanager
+    def configured(self, enabled: bool | None = None, min_numel: int | None = None) -> Iterator[KernelRunner]:
+        """This runner with ``enabled`` and ``min_numel`` (where given) for the ``with`` block, the previous
+        settings restored after it however the block ends: the one way a command, a worker or a test sets them."""
+        before = self.enabled, self.min_numel
+        self.enabled = before[0] if enabled is None else enabled
+        self.min_numel = before[1] if min_numel is None else min_numel
+        try:
+            yield self
+        finally:
+            self.enabled, self.min_numel = before
 
     def run(self, kernel, flat: torch.Tensor, *args):
         unready = flat.device.type == "cpu" and flat.numel() < self.min_numel and kernel.label not in self.ready

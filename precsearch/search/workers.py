@@ -162,12 +162,12 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
         device = "cuda"
     torch.set_num_threads(setup.threads)
-    RUNNER.enabled = setup.compiled_kernels
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     hold_worker_lock(setup.out_dir)
     _stop_when_orphaned(parent)
     # the parent reports the interruption
-    with StopSignals() as signals, quiet_optuna_interrupts(), contextlib.suppress(KeyboardInterrupt):
+    with (RUNNER.configured(enabled=setup.compiled_kernels), StopSignals() as signals, quiet_optuna_interrupts(),
+          contextlib.suppress(KeyboardInterrupt)):
         context = SearchContext.create(*setup.context, device, compile=setup.compile)
         context.settings = setup.settings
         context.checkpoints = setup.out_dir / CHECKPOINTS
