@@ -14,6 +14,10 @@ whether the failure is the fixed exponent range of the paper's low formats.
 
 ``--weights-every N`` prints the largest magnitude of each parameter every N steps.
 
+``--cosine`` trains each run with its rate falling along one cosine over all its steps (a real training's
+schedule, as ``precsearch train`` without ``--recipe proxy``) instead of the proxies' constant rate with a decay
+only at the end: is the failure the assignment's, or the constant rate's?
+
 ``--shock STEP:FACTOR:LENGTH`` asks whether a cheap probe at the confirmation's length could see the failure
 coming: the learning rate times FACTOR for LENGTH steps from STEP (a spike made on purpose), the divergence
 monitor off (a natural spike does not stop a run either), then ``--steps`` more at the proxies' rate. A run that
@@ -30,7 +34,7 @@ import contextlib
 from unittest import mock
 
 import torch
-from search_efficiency import TASKS  # the same tasks (this script's folder is on sys.path)
+from search_efficiency import TASKS, CosineTrainer  # the same tasks (this script's folder is on sys.path)
 
 from precsearch.config.spaces import paper_space
 from precsearch.config.spec import PAPER_LOW, ProxyConfig
@@ -118,7 +122,11 @@ def main() -> None:
                         "from STEP, then --steps more")
     parser.add_argument("--weights-every", type=int, default=0,
                         help="print the largest magnitude of each parameter every N steps (0: never)")
+    parser.add_argument("--cosine", action="store_true",
+                        help="the rate along one cosine over each whole run, not the proxies' constant rate")
     args = parser.parse_args()
+    if args.cosine and args.shock:
+        parser.error("--shock is a probe of the proxies' constant rate; leave out --cosine")
     try:
         shock = Shock(args.shock) if args.shock else None
     except ValueError:
@@ -136,7 +144,9 @@ def main() -> None:
     context = SearchContext.create(model, space, DataSpec("gratings"), Budget(max_accuracy_drop=0.01), 0, "cpu")
     probe = Probe(shock, args.weights_every, [name for name, _ in build(model).named_parameters()])
     shocked = f", shock {args.shock}" if shock else ""
-    print(f"{args.task}: {model} on gratings, {steps} steps{shocked}, one thread, low formats {space.low}; spike: "
+    schedule = "one cosine over the run" if args.cosine else "the proxies' constant rate"
+    print(f"{args.task}: {model} on gratings, {steps} steps{shocked}, {schedule}, one thread, low formats "
+          f"{space.low}; spike: "
           f"running loss above {args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
     for decisions in args.decisions.split(","):
         levels = {unit: "high" if level == "H" else "low" for unit, level in zip(context.units, decisions, strict=True)}
@@ -150,7 +160,8 @@ def main() -> None:
                 probe.at(step, loss)
 
             with torch_threads(1), probe.patched():
-                result = context.trainer(policy, steps, seed, report=report)
+                trainer = CosineTrainer(context.trainer) if args.cosine else context.trainer
+                result = trainer(policy, steps, seed, report=report)
             shown = ", ".join(f"{start}-{end}" if end is not None else f"{start}-never" for start, end
                               in spikes(losses, args.spike_loss)) or "none"
             print(f"  {decisions} (memory {context.memory(assignment, result.promotions)[0]:.3f}) seed {seed}: "

@@ -19,6 +19,10 @@ trained; ``--resume`` finishes the search from its run directory and trains only
 ``--out``/TASK/search and give ``--resume``).
 
     python benchmarks/search_efficiency.py --task demo --out runs/efficiency
+
+``--full-schedule cosine`` trains the full-length runs with their rate along one cosine over all their steps,
+as a real training (and the paper's) does, instead of the proxies' constant rate with a decay only at the end;
+its points are kept apart (full_length_cosine.csv, efficiency_cosine.csv), and the search is the same.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import argparse
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +45,8 @@ from precsearch.search.selection import pick_pairwise
 from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import sweep
 from precsearch.search.study import run_search
+from precsearch.train.proxy import ProxyTrainer
+from precsearch.train.trainer import ProxyResult, train
 
 TASKS = {
     "demo": ("narrow_cnn", {"batch_size": 32, "image_size": 16, "lr": 0.2}),
@@ -48,6 +55,19 @@ TASKS = {
 BUDGET = Budget(max_accuracy_drop=0.01)
 FULL_SEED_OFFSET = 2000  # no proxy (seed + 0, 1, ...) or confirmation (+ 1000, ...) run used these seeds
 FULL_SEEDS = 3
+
+
+@dataclass(frozen=True)
+class CosineTrainer:
+    """A ``Trainer`` for runs trained once to their end with the rate along one cosine over all their steps (a
+    real training's schedule, without ``precsearch train``'s augmentation), on the data and recipe of a
+    search's ``ProxyTrainer``, where a proxy holds its rate and decays only off a branch at the end."""
+
+    proxy: ProxyTrainer
+
+    def __call__(self, policy: Policy | None, steps: int, seed: int, *, report=None) -> ProxyResult:
+        return train(self.proxy.model_spec, policy, self.proxy.data, steps, seed=seed, device=self.proxy.device,
+                     config=self.proxy.config, report=report)
 
 
 class FullLengthRuns:
@@ -114,7 +134,11 @@ def main() -> None:
                         help="the full length as a multiple of the calibrated proxy length (default 10)")
     parser.add_argument("--out", default="runs/efficiency", help="folder for the search's run directory")
     parser.add_argument("--resume", action="store_true", help="finish the search from its run directory")
+    parser.add_argument("--full-schedule", choices=["constant", "cosine"], default="constant",
+                        help="the full-length runs' rate: the proxies' constant one (default), or one cosine over "
+                             "each run")
     args = parser.parse_args()
+    suffix = "_cosine" if args.full_schedule == "cosine" else ""
     model, proxy = TASKS[args.task]
     space = paper_space(proxy=proxy)
     out = Path(args.out) / args.task
@@ -134,7 +158,9 @@ def main() -> None:
           f"{length} on seeds {seeds}", flush=True)
 
     context = SearchContext.create(model, space, DataSpec("gratings"), BUDGET, 0, "cpu")
-    runs = FullLengthRuns(out / "full_length.csv", length, seeds)
+    if args.full_schedule == "cosine":
+        context.trainer = CosineTrainer(context.trainer)
+    runs = FullLengthRuns(out / f"full_length{suffix}.csv", length, seeds)
     points: dict[str, dict] = {}
     with torch_threads(1):
         search_pick = None
@@ -173,8 +199,10 @@ def main() -> None:
     table["steps_vs_sweep"] = table["steps"] / sweep_steps
     table["all_high_full_accuracy"] = high["val_accuracy"]
     table["full_length"] = length
-    table.to_csv(out / "efficiency.csv", index=False)
-    print(f"\n{args.task}: {model} on gratings, L = {proxy_length}, full length {length} ({args.full_factor:g}x L) "
+    table["full_schedule"] = args.full_schedule
+    table.to_csv(out / f"efficiency{suffix}.csv", index=False)
+    print(f"\n{args.task}: {model} on gratings, L = {proxy_length}, full length {length} ({args.full_factor:g}x L, "
+          f"{args.full_schedule} rate) "
           f"on {FULL_SEEDS} fresh seeds; all-high there {high['val_accuracy']:.4f}; "
           f"wall {time.perf_counter() - start:.0f} s")
     with pd.option_context("display.width", 250, "display.max_columns", 30):
