@@ -143,11 +143,11 @@ def main() -> None:
                                           for kind, spec in PAPER_LOW.items()})
     context = SearchContext.create(model, space, DataSpec("gratings"), Budget(max_accuracy_drop=0.01), 0, "cpu")
     probe = Probe(shock, args.weights_every, [name for name, _ in build(model).named_parameters()])
+    trainer = CosineTrainer(context.trainer) if args.cosine else context.trainer
     shocked = f", shock {args.shock}" if shock else ""
     schedule = "one cosine over the run" if args.cosine else "the proxies' constant rate"
     print(f"{args.task}: {model} on gratings, {steps} steps{shocked}, {schedule}, one thread, low formats "
-          f"{space.low}; spike: "
-          f"running loss above {args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
+          f"{space.low}; spike: running loss above {args.spike_loss:g} after it was below {args.spike_loss / 10:g}")
     for decisions in args.decisions.split(","):
         levels = {unit: "high" if level == "H" else "low" for unit, level in zip(context.units, decisions, strict=True)}
         assignment = assign(context.graph, space, levels)
@@ -160,7 +160,6 @@ def main() -> None:
                 probe.at(step, loss)
 
             with torch_threads(1), probe.patched():
-                trainer = CosineTrainer(context.trainer) if args.cosine else context.trainer
                 result = trainer(policy, steps, seed, report=report)
             shown = ", ".join(f"{start}-{end}" if end is not None else f"{start}-never" for start, end
                               in spikes(losses, args.spike_loss)) or "none"
