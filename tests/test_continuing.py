@@ -3,15 +3,21 @@ uninterrupted run's result bit for bit, and its reading at a step is a fresh run
 
 from __future__ import annotations
 
+import dataclasses
+import io
+from pathlib import Path
+
 import pytest
 import torch
 
-from precsearch.config.spaces import paper_space
+from precsearch.config.spaces import load_space, paper_space
+from precsearch.errors import PrecsearchError
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.strategies import uniform
-from precsearch.train.continuing import decay_lr, decay_steps
+from precsearch.train.continuing import Progress, State, decay_lr, decay_steps, run_tag, write_checkpoint
 from precsearch.train.proxy import run_proxy
 
+SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
 SPACE = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
 
 
@@ -50,10 +56,16 @@ def test_a_continued_plain_run_is_the_uninterrupted_run_bit_for_bit(context, tmp
 
 
 @pytest.mark.slow
-def test_a_continued_low_precision_run_is_the_uninterrupted_run_bit_for_bit(context, tmp_path):
-    """All-low under the paper's numerics: the wrapper's state (loss scale, promotions, rounding counters) goes
-    back after every decay branch and comes back from the checkpoint."""
-    low = uniform(context.graph, SPACE, "low").assignment
+@pytest.mark.parametrize("space", ["paper", "fp8_scaled", "mx"])
+def test_a_continued_low_precision_run_is_the_uninterrupted_run_bit_for_bit(space, context, tmp_path):
+    """All-low under the paper's numerics and under scaled 8-bit formats: the wrapper's state (loss scale,
+    promotions, rounding counters, scales) goes back after every decay branch and comes back from the
+    checkpoint, which is read as data (tensors and plain values only)."""
+    if space != "paper":
+        loaded = load_space(SPACES / f"{space}.yaml")
+        context = SearchContext.create("tiny_cnn", dataclasses.replace(loaded, proxy=SPACE.proxy),
+                                       DataSpec("digits"), Budget(), 0, "cpu")
+    low = uniform(context.graph, context.space, "low").assignment
     _continued_matches_uninterrupted(context, context.policy(low, {}), tmp_path)
 
 
@@ -64,6 +76,38 @@ def test_a_checkpoint_of_another_run_is_not_continued(context, tmp_path):
                       checkpoint=checkpoint)
     fresh = run_proxy("tiny_cnn", None, context.data, 4, seed=4, device="cpu", config=SPACE.proxy)
     _same(other, fresh)  # seed 4 does not continue seed 3's run
+
+
+class _OpensAFile:
+    """A pickle payload: an unrestricted unpickler calls ``open(path, "w")``, which creates the file."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _saved(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def test_a_checkpoint_that_names_code_is_refused_and_never_run(context, tmp_path):
+    """A run directory may come from someone else: --resume reads its checkpoints as tensors and plain values
+    only, at either layer (the file, and the training state inside it)."""
+    sentinel = tmp_path / "ran"
+    outer = tmp_path / "outer.pt"
+    outer.write_bytes(_saved({"tag": "x", "state": b"", "progress": _OpensAFile(sentinel)}))
+    inner = tmp_path / "inner.pt"
+    write_checkpoint(inner, run_tag(None, 3), State(_saved({"model": _OpensAFile(sentinel)})), Progress(step=2))
+    for path in (outer, inner):
+        with pytest.raises(PrecsearchError, match="not one precsearch wrote.*delete it to train that run"):
+            _run(context, None, 4, checkpoint=path)
+    assert not sentinel.exists()
+    torch.load(outer, weights_only=False)  # the payload is real: an unrestricted load runs it
+    assert sentinel.exists()
 
 
 def test_a_decay_branch_falls_along_a_cosine_to_zero():

@@ -13,7 +13,9 @@ The state at every evaluation (model and optimizer state dicts, which carry prec
 promotions, loss scale, rounding counters; the global generators; the loop's own ``Progress``) is kept for
 the branch's return and, given a checkpoint path, written there atomically (and so is the state every
 ``CHECKPOINT_EVERY`` steps); a run asked for a length at or
-past the checkpoint's step continues from it, bit for bit the run that was not stopped.
+past the checkpoint's step continues from it, bit for bit the run that was not stopped. A checkpoint is data:
+it is read with ``torch.load(weights_only=True)`` (tensors and plain values only), since a run directory may
+come from someone else and an unrestricted unpickler would run whatever code the file names.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from precsearch.config.policy import Policy
+from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_bytes
 
 __all__ = ["CHECKPOINT_EVERY", "DECAY_FRACTION", "Progress", "State", "branch_steps", "decay_lr", "decay_steps",
@@ -88,7 +91,7 @@ class State:
         return cls(buffer.getvalue())
 
     def restore(self, model: torch.nn.Module, optimizer: Any, device: torch.device) -> None:
-        saved = torch.load(io.BytesIO(self.data), weights_only=False, map_location=device)
+        saved = _load_data(io.BytesIO(self.data), "a checkpoint's training state", map_location=device)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["rng"])
@@ -108,8 +111,23 @@ def read_checkpoint(path: Path, tag: str, steps: int) -> tuple[State, Progress] 
     checkpoint of another run, or one past ``steps``, is not one this run can continue)."""
     if not path.is_file():
         return None
-    saved = torch.load(path, weights_only=False)
+    saved = _load_data(path, f"checkpoint {path}")
     progress = Progress(**saved["progress"])
     if saved["tag"] != tag or progress.step > steps:
         return None
     return State(saved["state"]), progress
+
+
+def _load_data(source: Path | io.BytesIO, what: str, map_location: torch.device | None = None) -> dict[str, Any]:
+    """``torch.load`` restricted to tensors and plain values; anything else (code a tampered file names, a file
+    precsearch did not write) is refused in one line that says how to go on."""
+    try:
+        saved = torch.load(source, weights_only=True, map_location=map_location)
+    except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ... as the file is
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise PrecsearchError(f"{what} is not one precsearch wrote ({first[:200]}); delete it to train that run "
+                              "from its start") from None
+    if not isinstance(saved, dict):
+        raise PrecsearchError(f"{what} holds a {type(saved).__name__}, not a precsearch checkpoint; delete it to "
+                              "train that run from its start")
+    return saved
