@@ -4,7 +4,8 @@ Each policy is named by its decisions per unit of the space ("HHLL"; "plain" for
 table's ``decisions`` column names it. ``curve(name, step, length, seed)`` gives the validation accuracy at
 ``step`` of a run read at ``length`` (a continuing run: its point at ``length`` is a run of that length's);
 every call is logged in ``calls`` with the step it continued from (``start``: its checkpoint's, 0 without
-one) and how far it got (``steps``).
+one) and how far it got (``steps``). A curve that gives ``None`` at a run's end makes that run diverge (at
+chance, ``DIVERGED_ACCURACY``, as a real diverged run reads).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass, field
 from precsearch.search.context import SearchContext
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
+
+
+DIVERGED_ACCURACY = 0.1  # chance of the 10 classes
 
 
 def curve_at(table: dict[int, tuple[float, ...]], step: int, before: float) -> tuple[float, ...]:
@@ -58,10 +62,13 @@ class ScriptedTrainer:
                 call["steps"] = steps
         self._save(checkpoint, steps)
         final = self.curve(name, steps, steps, seed)
+        diverged = final is None
+        final = DIVERGED_ACCURACY if diverged else final
         if report is not None:  # a real run reports its running loss every few steps; here once, at its end
             report(steps, 1.0 - final)
         call["readings"].append(steps)
-        return ProxyResult(val_accuracy=final, val_loss=1.0 - final, diverged=False, reason="", steps_run=steps,
+        return ProxyResult(val_accuracy=final, val_loss=1.0 - final, diverged=diverged,
+                           reason=f"scripted divergence at step {steps}" if diverged else "", steps_run=steps,
                            loss_curve=[], val_curve=val_curve, steps_spent=steps - start,
                            branch_steps=branch_steps(call["readings"]))
 

@@ -313,6 +313,35 @@ def test_the_reference_gains_its_third_seed_only_while_a_point_is_undecided(tmp_
     assert best["confirmation"]["confirmed_accuracy"] == pytest.approx(0.96)
 
 
+@pytest.mark.parametrize("max_memory", [None, 0.9], ids=["drop", "memory-budget"])
+def test_once_the_reference_diverges_in_confirmation_no_point_is_trained_and_none_is_picked(
+        tmp_path, context, caplog, max_memory):
+    """All-high's first continued run diverges at the confirmation length: no point can be confirmed against
+    it, so none trains (hours on a slow model) and the search says why in one line: the seed and the reason."""
+    memories = _memories(context)
+    point = min((name for name in memories if name.count("L") == 1), key=memories.get)
+
+    def curve(name, step, length, seed):
+        if name == "HHHH" and length == CONFIRM and step == length and seed == 0:
+            return None
+        if name in ("HHHH", "plain", point):
+            return _at(REFERENCE, step)[seed % 1000]
+        return CHANCE
+
+    trainer = ScriptedTrainer(curve, context)
+    config = SearchConfig("tiny_cnn", SPACE, "digits", trials=16, out_dir=tmp_path / "run", proxy_steps=LENGTH,
+                          proxy_seeds=3, device="cpu", progress=False, budget=Budget(max_memory=max_memory))
+    result = run_search(config, trainer=trainer)
+    confirmed = [(call["name"], call["seed"]) for call in trainer.calls if call["length"] == CONFIRM]
+    reference = [("HHHH", 0), ("HHHH", 1)] if max_memory is None else [("HHHH", 0), ("HHHH", 1), ("HHHH", 2)]
+    assert confirmed == [*reference, ("plain", 1000)]  # the yardstick trains: is it the recipe or the format?
+    assert result.best is None and not (tmp_path / "run" / "best.json").exists()
+    why = "the all-high reference diverged in confirmation (seed 0: scripted divergence at step 270): no pick"
+    assert result.note.startswith(why)
+    warned = [record for record in caplog.records if record.levelname == "WARNING" and why in record.message]
+    assert len(warned) == 1
+
+
 def test_the_progress_bar_shows_calibration_and_confirmation_runs(tmp_path, context, capsys):
     """Calibration and confirmation train for long and count no trial: the bar names them and their step, so
     a search is not a bar standing at 0 for the half hour a slow model calibrates."""

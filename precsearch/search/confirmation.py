@@ -16,13 +16,16 @@ Under an accuracy-drop rule the pick is the least memory confirmed within the dr
 sequential: the points in memory order, stopping at the first point confirmed, and seeds race (``race``): the
 reference continues two of its runs first (the fewest that measure its noise), and the point or the reference
 gains a seed only while the rule is undecided on the point (``decide``, precsearch.search.selection). Under a
-memory budget every point and the reference train on every seed. Each run is a step of the study's
+memory budget every point and the reference train on every seed. Once an all-high run diverged, no
+point is trained (``reference_divergence``): nothing can be confirmed against a reference that does not train
+at that length. Each run is a step of the study's
 ``Ledger``, so any worker may take it and none is run twice; the sequence follows from what is recorded, so a
 resumed or joining worker goes on where it stood.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +41,9 @@ from precsearch.search.ledger import Ledger, recorded
 from precsearch.search.noise import Noise, pooled_noise
 
 __all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "RACING_REFERENCE_SEEDS", "Confirmation",
-           "confirm", "confirmation_length", "race", "recorded_confirmation"]
+           "confirm", "confirmation_length", "race", "recorded_confirmation", "reference_divergence"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CONFIRM_FACTOR = 3.0
 CONFIRM_SEED_OFFSET = 1000  # confirmation seeds are the search seed + 1000, 1001, ...: no proxy used them
@@ -131,6 +136,17 @@ def recorded_confirmation(attrs: Mapping[str, Any]) -> Confirmation | None:
     return Confirmation(summary["length"], runs, seeds, reference, reference_seeds)
 
 
+def reference_divergence(high: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why nothing can be picked when one of all-high's confirmation runs (``run_record``s) diverged, or None.
+    The reference is the accuracy a point must keep; where high precision itself diverges at that length, no
+    point is confirmed against it, so ``confirm`` trains none and selection's ``confirmed_pick`` picks none."""
+    run = next((run for run in high if run["diverged"]), None)
+    if run is None:
+        return None
+    return (f"the all-high reference diverged in confirmation (seed {run['seed']}: {run['reason'] or 'diverged'}): "
+            "no pick; lower the space's proxy lr or --confirm-factor")
+
+
 def _step(key: str, seed: int) -> str:
     return f"confirm:{key}:{seed}"
 
@@ -170,6 +186,9 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
     runs = {high: reference(reference_seeds if decide is None else reference_seeds[:RACING_REFERENCE_SEEDS]),
             PLAIN_FP32: trained(PLAIN_FP32, None, seeds[:1])}
     for key, policy in front.items():
+        if (why := reference_divergence(runs[high])) is not None:
+            log.warning("%s; the front's points are not trained", why)
+            break
         if decide is None:
             runs[key] = trained(key, policy, seeds)
             continue

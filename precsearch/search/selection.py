@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from precsearch.search.confirmation import Confirmation
+from precsearch.search.confirmation import Confirmation, reference_divergence
 from precsearch.search.context import Budget
 from precsearch.search.noise import Noise, pooled_noise
 from precsearch.search.reference import Reference
@@ -140,9 +140,10 @@ def drop_verdict(accuracies: Sequence[float], reference: float, reference_seeds:
 def confirmation_verdict(runs: Sequence[Mapping[str, Any]], high: Sequence[Mapping[str, Any]], budget: Budget,
                          chance: float) -> bool | None:
     """``drop_verdict`` on a point's confirmation runs (``run_record``s) against all-high's, with the seed noise
-    of those two alone, as ``confirmed_pick`` holds them; a point that diverged or sits at chance fails."""
+    of those two alone, as ``confirmed_pick`` holds them; a point that diverged or sits at chance fails, and so
+    does every point once all-high diverged (``reference_divergence``)."""
     accuracies = [run["val_accuracy"] for run in runs]
-    if any(run["diverged"] for run in runs) or np.mean(accuracies) <= chance:
+    if any(run["diverged"] for run in runs) or np.mean(accuracies) <= chance or reference_divergence(high):
         return False
     reference = [run["val_accuracy"] for run in high]
     noise = pooled_noise(pd.DataFrame(), budget.confidence, extra=[accuracies, reference])
@@ -199,8 +200,10 @@ def confirmed_pick(frame: pd.DataFrame, front: pd.DataFrame, confirmation: Confi
     confirmed = confirmation.table()
     table = confirmed.set_index("key")
     high = reference.key
-    if high not in table.index or bool(table.loc[high, "confirmed_diverged"]):
-        return Pick(None, "the all-high reference diverged in confirmation: no pick; lower the learning rate")
+    if high not in table.index:
+        return Pick(None, "the all-high reference has no confirmation run: no pick; --resume finishes it")
+    if (why := reference_divergence(confirmation.runs[high])) is not None:
+        return Pick(None, why)
     accuracy = float(table.loc[high, "confirmed_accuracy"])
     if accuracy <= chance:
         return Pick(None, f"the all-high reference reached only {accuracy:.3f} in confirmation, no better than "
