@@ -18,7 +18,6 @@ from precsearch.search.context import SearchContext
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
-
 DIVERGED_ACCURACY = 0.1  # chance of the 10 classes
 
 
