@@ -78,6 +78,28 @@ def test_a_checkpoint_of_another_run_is_not_continued(context, tmp_path):
     _same(other, fresh)  # seed 4 does not continue seed 3's run
 
 
+class _Stop(Exception):
+    pass
+
+
+def test_a_run_interrupted_and_continued_counts_the_steps_of_the_uninterrupted_run(context, tmp_path):
+    """A search's budget sums its runs' ``steps_spent``: a call that an interruption ended after its reading at
+    8 left its steps in the checkpoint, and the call that continues it counts them (Ctrl-C and --resume do
+    not make a confirmation or calibration run look cheaper than it was)."""
+    checkpoint = tmp_path / "run.pt"
+    _run(context, None, 4, evaluate_at=[4, 8], checkpoint=checkpoint)
+
+    def stop(step, loss):
+        if step == 10:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        _run(context, None, 12, evaluate_at=[4, 8], checkpoint=checkpoint, report=stop)
+    rest = _run(context, None, 12, evaluate_at=[4, 8], checkpoint=checkpoint)
+    assert rest.steps_spent == 8 + decay_steps(8) + decay_steps(12)  # steps 5-12, the branches at 8 and 12
+    _same(rest, _run(context, None, 12, evaluate_at=[4, 8]))
+
+
 class _OpensAFile:
     """A pickle payload: an unrestricted unpickler calls ``open(path, "w")``, which creates the file."""
 

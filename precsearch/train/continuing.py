@@ -65,7 +65,8 @@ def run_tag(policy: Policy | None, seed: int) -> str:
 @dataclass
 class Progress:
     """The loop's own record at a step: losses per step, the evaluated points, the divergence monitor's first
-    loss and reason, and the seconds trained so far."""
+    loss and reason, the seconds trained so far, and the steps no result has counted yet (a run interrupted
+    and continued costs what it would have cost uninterrupted, not only its last call's steps)."""
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
@@ -74,6 +75,7 @@ class Progress:
     reason: str = ""
     elapsed: float = 0.0
     branch_steps: int = 0  # steps trained in decay branches, so far
+    unreported: int = 0  # steps (branches included) a call trained that ended before returning its result
 
 
 @dataclass(frozen=True)

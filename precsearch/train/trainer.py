@@ -116,7 +116,9 @@ class ProxyResult:
     wall_time: float = 0.0
     device: str = "cpu"
     val_curve: list[list[float]] = field(default_factory=list)  # [step, validation accuracy] at ``evaluate_at``
-    steps_spent: int = 0  # steps this call trained, decay branches included (a continued run counts its own only)
+    steps_spent: int = 0  # steps trained since the run last returned a result, decay branches included (a run
+    # continued from a result counts its own steps only; one continued after an interruption, the interrupted
+    # call's too)
     branch_steps: int = 0  # steps the whole run trained in decay branches (a continued run's earlier ones too)
 
     @property
@@ -392,7 +394,7 @@ def train(
         monitor = Divergence(config, progress.first_loss)
         curve, val_curve = progress.losses, progress.val_curve
         window: list[float] = []
-        spent = 0
+        spent = progress.unreported
 
         def sgd_step(images: torch.Tensor, labels: torch.Tensor) -> float:
             if augment is not None:
@@ -425,6 +427,7 @@ def train(
                 val_curve.append([step, accuracy])
             if state is not None:
                 progress.elapsed = elapsed()
+                progress.unreported = 0 if final else spent  # a final reading is returned: its result counts them
                 if checkpoint is not None:
                     write_checkpoint(checkpoint, tag, state, progress)
                 if not final:
@@ -461,7 +464,7 @@ def train(
                 if on_eval is not None:
                     on_eval(step, step_accuracy, step_loss)
             elif checkpoint is not None and step % CHECKPOINT_EVERY == 0:
-                progress.elapsed = elapsed()
+                progress.elapsed, progress.unreported = elapsed(), spent
                 write_checkpoint(checkpoint, tag, State.capture(model, optimizer, torch_device), progress)
         accuracy, val_loss = read(len(curve), final=True)
         if on_eval is not None:
