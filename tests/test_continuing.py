@@ -124,7 +124,9 @@ def test_a_checkpoint_that_names_code_is_refused_and_never_run(context, tmp_path
     outer.write_bytes(_saved({"tag": "x", "state": b"", "progress": _OpensAFile(sentinel)}))
     inner = tmp_path / "inner.pt"
     write_checkpoint(inner, run_tag(None, 3), State(_saved({"model": _OpensAFile(sentinel)})), Progress(step=2))
-    for path in (outer, inner):
+    fields = tmp_path / "fields.pt"
+    fields.write_bytes(_saved({"tag": run_tag(None, 3), "state": b"", "progress": {"step": 2, "code": "x"}}))
+    for path in (outer, inner, fields):
         with pytest.raises(PrecsearchError, match="not one precsearch wrote.*delete it to train that run"):
             _run(context, None, 4, checkpoint=path)
     assert not sentinel.exists()

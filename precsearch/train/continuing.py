@@ -114,10 +114,14 @@ def read_checkpoint(path: Path, tag: str, steps: int) -> tuple[State, Progress] 
     if not path.is_file():
         return None
     saved = _load_data(path, f"checkpoint {path}")
-    progress = Progress(**saved["progress"])
-    if saved["tag"] != tag or progress.step > steps:
-        return None
-    return State(saved["state"]), progress
+    try:
+        progress, state = Progress(**saved["progress"]), State(bytes(saved["state"]))
+        if saved["tag"] != tag or progress.step > steps:
+            return None
+    except (KeyError, TypeError, ValueError) as error:
+        raise PrecsearchError(f"checkpoint {path} is not one precsearch wrote ({error!r}); delete it to train "
+                              "that run from its start") from None
+    return state, progress
 
 
 def _load_data(source: Path | io.BytesIO, what: str, map_location: torch.device | None = None) -> dict[str, Any]:
