@@ -119,21 +119,22 @@ def read_checkpoint(path: Path, tag: str, steps: int) -> tuple[State, Progress] 
         if saved["tag"] != tag or progress.step > steps:
             return None
     except (KeyError, TypeError, ValueError) as error:
-        raise PrecsearchError(f"checkpoint {path} is not one precsearch wrote ({error!r}); delete it to train "
-                              "that run from its start") from None
+        raise _not_ours(f"checkpoint {path}", repr(error)) from None
     return state, progress
 
 
 def _load_data(source: Path | io.BytesIO, what: str, map_location: torch.device | None = None) -> dict[str, Any]:
-    """``torch.load`` restricted to tensors and plain values; anything else (code a tampered file names, a file
-    precsearch did not write) is refused in one line that says how to go on."""
+    """``torch.load`` restricted to tensors and plain values: a file that names code, or is not precsearch's,
+    is refused (``_not_ours``) without running anything."""
     try:
         saved = torch.load(source, weights_only=True, map_location=map_location)
     except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ... as the file is
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise PrecsearchError(f"{what} is not one precsearch wrote ({first[:200]}); delete it to train that run "
-                              "from its start") from None
+        raise _not_ours(what, (str(error).strip().splitlines() or [type(error).__name__])[0][:200]) from None
     if not isinstance(saved, dict):
-        raise PrecsearchError(f"{what} holds a {type(saved).__name__}, not a precsearch checkpoint; delete it to "
-                              "train that run from its start")
+        raise _not_ours(what, f"it holds a {type(saved).__name__}")
     return saved
+
+
+def _not_ours(what: str, why: str) -> PrecsearchError:
+    """The one line a checkpoint precsearch cannot read gets, with the way on."""
+    return PrecsearchError(f"{what} is not one precsearch wrote ({why}); delete it to train that run from its start")
