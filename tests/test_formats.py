@@ -657,6 +657,21 @@ def test_nearest_rounding_matches_python_reference(spec, data):
     assert mismatches(quantize(-x, fmt, overflow="inf"), -expected) == 0
 
 
+@pytest.mark.parametrize("spec", [spec for spec in VALID_SPECS
+                                  if get_format(spec).man == 0 and get_format(spec).exp <= 5])
+def test_a_tie_between_powers_of_two_goes_to_the_even_code(spec):
+    """With no mantissa bit a tie lies between two powers of two, and the even code is the one of even exponent
+    field, which float32's own exponent parity gives only for an odd bias (e5m0b3 once rounded 3 to 2, not 4)."""
+    fmt = get_format(spec)
+    table = reference_values(fmt)
+    ties = [(low + high) / 2 for (low, _), (high, _) in itertools.pairwise(table)]
+    x = torch.tensor(ties, dtype=torch.float64).to(torch.float32)
+    assert x.double().tolist() == ties  # every tie is exact in float32
+    expected = torch.tensor([reference_round(value, table, fmt.man) for value in ties])
+    assert mismatches(quantize(x, fmt, overflow="inf"), expected) == 0
+    assert mismatches(quantize(-x, fmt, overflow="inf"), -expected) == 0
+
+
 @pytest.mark.parametrize(("value", "even", "away"), [
     (1.0625, 1.0, 1.125),  # halfway between 1 and 1 + 2^-3
     (2.0**-14, 0.0, 2.0**-13),  # half the smallest subnormal (e4m3b4s: emin -10, 3 mantissa bits)

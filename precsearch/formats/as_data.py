@@ -50,9 +50,17 @@ def _row_values(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[int, ..
             _float_bits(2.0 ** (exponent - low)), _float_bits(fmt.max),
             {"saturate": _float_bits(fmt.max), "inf": _INF_BITS, "nan": 0x7FC00000}[overflow],
             _INF_BITS if fmt.has_inf else _INF_BITS + 1,
-            _float_bits(overflow_threshold(fmt, rounding)), int(drop > 0), _float_bits(2.0 ** (exponent + 23)),
+            _float_bits(overflow_threshold(fmt, rounding)), _tie(fmt), _float_bits(2.0 ** (exponent + 23)),
             _float_bits(2.0**drop + 1), _float_bits(2.0 ** (127 - drop)), fmt.bits, fmt.man, fmt.emin,
             _SPECIAL_CODES[fmt.special], _float_bits(2.0**-low), _float_bits(2.0 ** (low - exponent)))
+
+
+def _tie(fmt: FloatFormat) -> int:
+    """How a normal tie finds its even neighbour (``round_with``): bit 0 set, from the last kept bit of float32's
+    pattern; bit 1 set, that bit inverted. With no mantissa bit the kept bit is float32's exponent field's last,
+    whose parity is the format's code's only when both biases are odd (float32's is 127)."""
+    flipped = fmt.man == 0 and fmt.bias % 2 == 0
+    return int(23 - fmt.man > 0) | (2 if flipped else 0)
 
 
 def format_row(fmt: str | FloatFormat, rounding: str = "nearest", overflow: str | None = None,
@@ -118,7 +126,7 @@ def round_with(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
 
     # normal range: add an increment, drop the low bits (a carry into the exponent is the correct rounding up)
     increment = pick(lambda: noise & mask, lambda: (mask + 1) >> 1,  # ties to even; with M = 23 nothing to drop
-                     lambda: (mask >> 1) + ((mag >> drop) & row[_TIE]))
+                     lambda: (mask >> 1) + (((mag >> drop) ^ (row[_TIE] >> 1)) & row[_TIE] & 1))
     normal = (mag + increment) & ~mask
     # below the min normal: a count of min-subnormal quanta, rounded the same three ways
     exp_field = mag >> 23
