@@ -28,7 +28,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.search import rundir
 from precsearch.search import study as search
 from precsearch.search.context import torch_threads
-from precsearch.search.rundir import RunLock, StopSignals, hold_worker_lock
+from precsearch.search.rundir import RunLock, hold_worker_lock
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import StudyLocation
 from precsearch.search.study import run_search
@@ -211,21 +211,6 @@ def test_outputs_get_the_users_umask(tmp_path):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name  # the temporary alone is 0600
     for path in (out / "policies").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o644
-
-
-def test_a_signal_inside_a_finalizer_is_kept_and_raised_at_the_next_check():
-    signals = StopSignals()
-
-    class Finalized:
-        def __del__(self):
-            signals._handle(signal.SIGINT, __import__("sys")._getframe())
-
-    with signals:
-        Finalized()  # Python would print 'Exception ignored in __del__' and drop a KeyboardInterrupt here
-        assert signals.received == signal.SIGINT
-        with pytest.raises(rundir.SearchStop) as stop:
-            signals.check()
-    assert stop.value.signum == signal.SIGINT
 
 
 def _consistent(out, before):

@@ -24,6 +24,7 @@ from precsearch.cli._arguments import read_negative_numbers
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, full_disk
 from precsearch.formats.runner import RUNNER
+from precsearch.stopping import stop_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with stop_signals():  # from the first line: no moment of a command is left to Python's own SIGINT handler
+        return _command(argv)
+
+
+def _command(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

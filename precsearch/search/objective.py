@@ -35,12 +35,12 @@ from precsearch.files import DiskFull, full_disk
 from precsearch.search.context import SearchContext, combine_seeds, seed_record
 from precsearch.search.noise import pooled_noise
 from precsearch.search.reference import Reference, proxy_noise
-from precsearch.search.rundir import StopSignals
 from precsearch.search.rungs import RungStop
 from precsearch.search.selection import choose_best, drop_verdict
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import assign, assignment_key, low_share
 from precsearch.search.trials import trials_frame
+from precsearch.stopping import StopSignals
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 

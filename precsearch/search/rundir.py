@@ -1,4 +1,4 @@
-"""A run directory owned by one search at a time, and searches that stop cleanly on SIGINT / SIGTERM.
+"""A run directory owned by one search at a time, and what a search stopped by a signal leaves in it.
 
 ``RunLock`` is an exclusive ``flock`` on ``.precsearch.lock`` in the run directory, holding the owner's host
 and pid for the refusal message. The kernel drops the lock when its owner dies however it dies (kill -9
@@ -6,11 +6,8 @@ included), so a lock left by a dead process is recognised as stale by simply bei
 The worker processes of ``--jobs`` hold a shared lock on ``.precsearch.workers.lock`` for as long as they
 live, so a new search is refused while the workers of a killed parent still train.
 
-``StopSignals`` turns the first SIGINT or SIGTERM into a ``SearchStop`` (a KeyboardInterrupt) raised in the
-main thread, except where raising is unsafe: inside a finalizer (``__del__``: Python would print and drop it)
-or inside Optuna's storage code (a journal lock half released). There the signal is only recorded, and the
-search raises it at its next safe point (``check()``, every few proxy steps) or stops after the trial. Later
-signals are recorded, not raised, so the results are written out in peace.
+A stopped search's Optuna records are quieted (``quiet_optuna_interrupts``); the signals themselves are
+``precsearch.stopping``'s.
 
 ``check_resume`` decides whether a search may use --out (new, resumed, or a shared study's worker coming
 back); ``run.json`` records the config and where the study lives (``write_run_file``).
@@ -26,11 +23,8 @@ import logging
 import os
 import re
 import shutil
-import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import optuna
@@ -42,9 +36,8 @@ from precsearch.search.calibration import recorded_calibration
 from precsearch.search.confirmation import recorded_confirmation
 from precsearch.search.storage import StudyLocation, owner_id
 
-__all__ = ["CHECKPOINTS", "LOCK_FILES", "RUN_FILE", "SEARCH_FORMAT", "RunLock", "SearchStop", "StopSignals",
-           "check_journal_kept", "check_resume", "earlier_search", "hold_worker_lock", "lost_study", "make_run_dir",
-           "missing_lock_files", "owned",
+__all__ = ["CHECKPOINTS", "LOCK_FILES", "RUN_FILE", "SEARCH_FORMAT", "RunLock", "check_journal_kept", "check_resume",
+           "earlier_search", "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files", "owned",
            "quiet_optuna_interrupts", "remove_new_run_dir", "remove_stale_journal_lock", "remove_temporaries",
            "write_run_file"]
 
@@ -138,75 +131,6 @@ def remove_temporaries(out_dir: Path) -> list[Path]:
     if removed:
         log.warning("removed %d temporary file(s) a killed process left in %s", len(removed), out_dir)
     return removed
-
-
-class SearchStop(KeyboardInterrupt):
-    """A search stopped by a signal; ``signum`` says which (the exit status is 128 + signum)."""
-
-    def __init__(self, signum: int = signal.SIGINT) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-_UNSAFE_PACKAGES = (f"{os.sep}optuna{os.sep}", f"{os.sep}sqlalchemy{os.sep}")
-
-
-def _unsafe(frame: FrameType | None) -> bool:
-    """Whether an exception raised at this point could be lost or leave shared state half-changed: inside a
-    ``__del__`` (Python prints and drops it) or inside Optuna's or SQLAlchemy's code (a journal lock half
-    released, a storage write half done)."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "__del__" or any(package in code.co_filename for package in _UNSAFE_PACKAGES):
-            return True
-        frame = frame.f_back
-    return False
-
-
-class StopSignals:
-    """SIGINT and SIGTERM handlers for the duration of a ``with`` block (main thread only); see the module
-    docstring. ``received`` is the first signal number seen, or None."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._raised = False
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
-            self.received = signum
-        if self._raised or _unsafe(frame):
-            return
-        self._raised = True
-        raise SearchStop(signum)
-
-    def check(self) -> None:
-        """Raise the recorded stop now if the handler could not (it arrived inside a finalizer)."""
-        if self.received is not None and not self._raised:
-            self._raised = True
-            raise SearchStop(self.received)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Record signals without raising them for the block (files being written must be finished)."""
-        raised, self._raised = self._raised, True
-        try:
-            yield
-        finally:
-            self._raised = raised or self.received is not None
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
 
 
 @contextlib.contextmanager

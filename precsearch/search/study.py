@@ -104,8 +104,6 @@ from precsearch.search.rundir import (
     CHECKPOINTS,
     RUN_FILE,
     SEARCH_FORMAT,
-    SearchStop,
-    StopSignals,
     check_journal_kept,
     check_resume,
     earlier_search,
@@ -137,6 +135,7 @@ from precsearch.search.workers import (
     worker_disk_full,
     worker_gpus,
 )
+from precsearch.stopping import SignalStop, StopSignals, stop_signals
 from precsearch.train.proxy import Trainer
 from precsearch.train.trainer import resolve_device
 
@@ -508,7 +507,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
     gpus = worker_gpus(jobs, cuda) if jobs > 1 else [None]
     out_dir = Path(config.out_dir)
     location = StudyLocation.of(config.storage, out_dir, config.study_name, config.heartbeat)
-    with StopSignals() as signals, quiet_optuna_interrupts():
+    with stop_signals() as signals, quiet_optuna_interrupts():
         context = SearchContext.create(config.model, space, data_spec, budget, config.seed, config.device,
                                        proxy_seeds=config.proxy_seeds, trainer=trainer, compile=config.compile)
         context.settings = config.settings()
@@ -559,7 +558,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
         raise PrecsearchError(f"{full.strerror or 'no space left'} writing {full.filename}; the search stopped and "
                               f"every finished trial is kept in {location.shown}: free some space (or raise the "
                               "file-size limit), then continue with --resume") from full
-    stopped_by = stopped_by or signals.received  # a signal Python dropped (raised inside a finalizer)
+    stopped_by = stopped_by or signals.received  # a signal recorded after the last check
     result = SearchResult.of(out_dir, exported, time.perf_counter() - start, stopped_by is not None)
     if stopped_by is not None:
         raise SearchInterrupted(result, stopped_by)
@@ -591,6 +590,7 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     worker of a study runs it; the ledger runs each setup and wrap-up step once. The pick and the files
     follow in ``run_search``, after a stop too: ``export`` writes what precsearch.search.selection picks."""
     ledger = _ledger(study, run.location, run.backend)
+    run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
     calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context),
                             _signal_check(run.signals, run.bar, "calibrating the all-high reference"))
     reference = _reference(study, context, calibration)
@@ -598,7 +598,9 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     run.record(study)
     _seed_study(study, context, config.seeding, run.trials, ledger)
     objective = Objective(context, reference, run.location, run.backend, run.out_dir, run.signals)
+    run.signals.check()
     _trials(study, context, objective, config, run)
+    run.signals.check()
     _confirm(study, context, reference, ledger, config, _signal_check(run.signals, run.bar, "confirming"))
     run.record(study)
 
@@ -630,7 +632,7 @@ def _signal_check(signals: StopSignals, bar: _Progress, phase: str) -> Callable[
 
 
 
-class SearchInterrupted(SearchStop):
+class SearchInterrupted(SignalStop):
     """SIGINT (Ctrl-C) or SIGTERM during a search; ``result`` holds what was saved, ``signum`` the signal."""
 
     def __init__(self, result: SearchResult, signum: int = signal.SIGINT) -> None:

@@ -29,12 +29,12 @@ from precsearch.search.objective import FINISHED, Objective
 from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
     CHECKPOINTS,
-    StopSignals,
     hold_worker_lock,
     quiet_optuna_interrupts,
 )
 from precsearch.search.samplers import make_sampler
 from precsearch.search.storage import StudyLocation
+from precsearch.stopping import StopSignals, stop_signals
 
 __all__ = [
     "SAMPLER_REPEATS",
@@ -166,7 +166,7 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
     hold_worker_lock(setup.out_dir)
     _stop_when_orphaned(parent)
     # the parent reports the interruption
-    with (RUNNER.configured(enabled=setup.compiled_kernels), StopSignals() as signals, quiet_optuna_interrupts(),
+    with (RUNNER.configured(enabled=setup.compiled_kernels), stop_signals() as signals, quiet_optuna_interrupts(),
           contextlib.suppress(KeyboardInterrupt)):
         context = SearchContext.create(*setup.context, device, compile=setup.compile)
         context.settings = setup.settings
