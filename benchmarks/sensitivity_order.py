@@ -78,17 +78,18 @@ class RunCache:
         self.results: dict[tuple, Any] = {}
         self.shared_steps = 0
 
-    def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None, checkpoint=None):
+    def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None, checkpoint=None,
+                 decay_from=None):
         if on_eval is not None:
             return self.trainer(policy, steps, seed, evaluate_at=evaluate_at, on_eval=on_eval, report=report,
-                                checkpoint=checkpoint)
+                                checkpoint=checkpoint, decay_from=decay_from)
         described = None if policy is None else json.dumps({**policy.to_dict(), "provenance": {}}, sort_keys=True)
-        key = (described, steps, seed, tuple(sorted(evaluate_at)))
+        key = (described, steps, seed, tuple(sorted(evaluate_at)), decay_from)
         if key in self.results:
             self.shared_steps += self.results[key].steps_spent
         else:
             self.results[key] = self.trainer(policy, steps, seed, evaluate_at=evaluate_at, report=report,
-                                             checkpoint=checkpoint)
+                                             checkpoint=checkpoint, decay_from=decay_from)
         return self.results[key]
 
 

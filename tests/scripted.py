@@ -43,11 +43,12 @@ class ScriptedTrainer:
                        for tensors in self.context.units.values())
 
     def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None,
-                 checkpoint=None) -> ProxyResult:
+                 checkpoint=None, decay_from=None) -> ProxyResult:
         name = self.name(policy)
         start = json.loads(checkpoint.read_text())["step"] if checkpoint is not None and checkpoint.is_file() else 0
-        start = start if start <= steps else 0
-        call = {"name": name, "length": steps, "seed": seed, "start": start, "steps": steps, "readings": []}
+        start = start if start <= (steps if decay_from is None else decay_from) else 0
+        call = {"name": name, "length": steps, "seed": seed, "start": start, "steps": steps, "readings": [],
+                "decay_from": decay_from}
         self.calls.append(call)
         val_curve = []
         for step in sorted(set(evaluate_at)):
@@ -65,7 +66,8 @@ class ScriptedTrainer:
         final = DIVERGED_ACCURACY if diverged else final
         if report is not None:  # a real run reports its running loss every few steps; here once, at its end
             report(steps, 1.0 - final)
-        call["readings"].append(steps)
+        if decay_from is None:  # a run ending in its own decay is read as it is: no branch
+            call["readings"].append(steps)
         return ProxyResult(val_accuracy=final, val_loss=1.0 - final, diverged=diverged,
                            reason=f"scripted divergence at step {steps}" if diverged else "", steps_run=steps,
                            loss_curve=[], val_curve=val_curve, steps_spent=steps - start,

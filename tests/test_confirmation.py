@@ -125,6 +125,9 @@ def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(t
         (0, LENGTH), (1, LENGTH)]
     assert not [call for call in trainer.calls if call["name"] == "HHHH" and call["start"] == 0
                 and call["length"] > LENGTH]
+    # every confirmation run holds the proxies' rate to the proxy length, then decays to its end; proxies do not
+    assert {call["decay_from"] for call in confirmations} == {LENGTH}
+    assert {call["decay_from"] for call in trainer.calls if call["length"] < CONFIRM} == {None}
 
 
 def test_no_assignment_is_trained_twice_and_the_steps_add_up(tmp_path, context):

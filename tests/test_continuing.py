@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from precsearch.config.spaces import load_space, paper_space
 from precsearch.errors import PrecsearchError
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.strategies import uniform
+from precsearch.train import trainer
 from precsearch.train.continuing import Progress, State, decay_lr, decay_steps, run_tag, write_checkpoint
 from precsearch.train.proxy import run_proxy
 
@@ -98,6 +100,68 @@ def test_a_run_interrupted_and_continued_counts_the_steps_of_the_uninterrupted_r
     rest = _run(context, None, 12, evaluate_at=[4, 8], checkpoint=checkpoint)
     assert rest.steps_spent == 8 + decay_steps(8) + decay_steps(12)  # steps 5-12, the branches at 8 and 12
     _same(rest, _run(context, None, 12, evaluate_at=[4, 8]))
+
+
+def _rates(run):
+    """The learning rate of every optimizer step ``run()`` takes (torch's global step hook)."""
+    rates = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: rates.append(optimizer.param_groups[0]["lr"]))
+    try:
+        run()
+    finally:
+        hook.remove()
+    return rates
+
+
+def test_a_run_ending_in_its_own_decay_goes_on_from_a_reading_along_torchs_cosine(context, tmp_path):
+    """Confirmation's runs: the rate held to step 4 (where a proxy of length 4 was read and checkpointed), then
+    falling along one cosine over steps 5-12, read at 12 as the run stands (no branch)."""
+    results = []
+    rates = _rates(lambda: results.append(_run(context, None, 12, decay_from=4)))
+    whole = results[0]
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=SPACE.proxy.lr)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=8)  # the oracle: torch's own schedule
+    expected = [SPACE.proxy.lr] * 4
+    for _ in range(8):
+        expected.append(sgd.param_groups[0]["lr"])
+        cosine.step()
+    assert rates == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert whole.steps_spent == 12 and whole.branch_steps == 0 and whole.steps_run == 12
+    checkpoint = tmp_path / "run.pt"
+    _run(context, None, 4, checkpoint=checkpoint)  # a proxy read at 4: its checkpoint holds the state at 4
+    rest = _run(context, None, 12, checkpoint=checkpoint, decay_from=4)
+    _same(whole, rest)
+    assert rest.steps_spent == 8  # steps 5-12: the decay, continued from the reading
+
+
+def test_a_run_stopped_inside_its_decay_goes_on_bit_for_bit(context, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "CHECKPOINT_EVERY", 2)
+    checkpoint = tmp_path / "run.pt"
+    _run(context, None, 4, checkpoint=checkpoint)
+
+    def stop(step, loss):
+        if step == 10:  # a report step (every 10), before that step's checkpoint: the last one is at 8
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        _run(context, None, 12, checkpoint=checkpoint, decay_from=4, report=stop)
+    rest = _run(context, None, 12, checkpoint=checkpoint, decay_from=4)
+    _same(rest, _run(context, None, 12, decay_from=4))
+    assert rest.steps_spent == 8  # steps 5-8 of the stopped call (its checkpoint carried them), then 9-12
+
+
+def test_a_checkpoint_another_schedule_left_is_not_continued(context, tmp_path, monkeypatch):
+    """A run at the constant rate past where this run's decay starts, or one inside another decay, is another
+    run: a run that continued it would be neither."""
+    monkeypatch.setattr(trainer, "CHECKPOINT_EVERY", 2)
+    past = tmp_path / "past.pt"
+    _run(context, None, 8, checkpoint=past)  # the constant rate to 8
+    _same(_run(context, None, 12, checkpoint=past, decay_from=4), _run(context, None, 12, decay_from=4))
+    decaying = tmp_path / "decaying.pt"
+    _run(context, None, 10, checkpoint=decaying, decay_from=6)  # checkpointed at 8, inside the decay after 6
+    _same(_run(context, None, 10, checkpoint=decaying, decay_from=4), _run(context, None, 10, decay_from=4))
+    _same(_run(context, None, 10, checkpoint=decaying), _run(context, None, 10))
 
 
 class _OpensAFile:

@@ -26,7 +26,6 @@ from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import R_GRID
 from precsearch.search.study import SearchInterrupted, run_search
 from precsearch.search.workers import worker_gpus
-from precsearch.train.continuing import decay_steps
 from precsearch.train.proxy import ProxyTrainer, build_model
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
@@ -181,8 +180,8 @@ def test_the_reference_is_confirmed_by_continuing_its_calibration_runs_as_a_fres
     context = SearchContext.create("tiny_cnn", SPACE, DataSpec("digits"), Budget(), 0, "cpu")
     for seed in summary["reference_seeds"]:
         continued = recorded(attrs, f"confirm:{summary['reference']}:{seed}")
-        assert continued["steps_spent"] == 12 - 4 + decay_steps(12)  # a fresh run would spend 12 + its branch
-        fresh = context.trainer(reference_policy(context), 12, seed)
+        assert continued["steps_spent"] == 12 - 4  # its decay after 4, read at its end: a fresh run spends 12
+        fresh = context.trainer(reference_policy(context), 12, seed, decay_from=4)
         assert (continued["val_accuracy"], continued["val_loss"]) == (fresh.val_accuracy, fresh.val_loss)
 
 

@@ -1,16 +1,20 @@
 """Confirmation: the Pareto front trained again, longer and on fresh seeds, against the all-high reference
 continued to the same length, before any pick is written.
 
-Proxies earn their speed only by agreeing with longer runs, and their rank agreement is modest, so front
-points (within the memory budget, if any) are trained for ``factor`` times the proxy length (default 3) on
-seeds no proxy used, as many as the reference's at most. The all-high reference is calibration's own runs
-continued from their checkpoints to that length (one continuing run per reference seed: a run read at a
-length is a run of that length, precsearch.train.continuing), so it costs the steps past the proxy length
-only; it was never selected by its accuracy, so its seeds need not be fresh, and the comparison with it is
-unpaired. ``best.json`` is then chosen from confirmed accuracies only (``selection.confirmed_front`` +
-``choose_best``): a point whose proxy looked good but whose confirmation falls short is not picked, the next
-confirmed point is. A plain fp32 run (no policy) of the same length on the first fresh seed is the yardstick
-the report holds the pick against; it decides nothing, so it trains one seed, not the reference's.
+Proxies earn their speed only by agreeing with longer runs, and their rank agreement is modest, so front points
+(within the memory budget, if any) are trained for ``factor`` times the proxy length (default 3) on seeds no
+proxy used, as many as the reference's at most. The all-high reference is calibration's own runs continued from
+their checkpoints to that length (one continuing run per reference seed: a run read at a length is a run of that
+length, precsearch.train.continuing), so it costs the steps past the proxy length only. Every confirmation run,
+the reference's, the points' and plain fp32's, holds the proxies' rate to the proxy length and then decays along
+one cosine to its end (``decay_start``): a longer run at the peak rate is not what a user trains, and a recipe
+that trains at L may blow up there whatever the precision (mobilenet_v2's reference and plain fp32 both did, at
+the constant rate past 2L). The reference was never selected by its accuracy, so its seeds need not be fresh,
+and the comparison with it is unpaired. ``best.json`` is then chosen from confirmed accuracies only
+(``selection.confirmed_front`` + ``choose_best``): a point whose proxy looked good but whose confirmation falls
+short is not picked, the next confirmed point is. A plain fp32 run (no policy) of the same length on the first
+fresh seed is the yardstick the report holds the pick against; it decides nothing, so it trains one seed, not
+the reference's.
 
 Under an accuracy-drop rule the pick is the least memory confirmed within the drop, so confirmation is
 sequential: the points in memory order, stopping at the first point confirmed, and seeds race (``race``): the
@@ -41,7 +45,7 @@ from precsearch.search.ledger import Ledger, recorded
 from precsearch.search.noise import Noise, pooled_noise
 
 __all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "RACING_REFERENCE_SEEDS", "Confirmation",
-           "confirm", "confirmation_length", "race", "recorded_confirmation", "reference_divergence"]
+           "confirm", "confirmation_length", "decay_start", "race", "recorded_confirmation", "reference_divergence"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,12 @@ def confirmation_length(length: int, factor: float) -> int:
     if factor < 1:
         raise PrecsearchError(f"confirmation factor {factor:g} must be at least 1 (a multiple of the proxy length)")
     return max(1, round(factor * length))
+
+
+def decay_start(proxy_length: int, length: int) -> int | None:
+    """The step after which a confirmation run of ``length`` steps ends in one long decay: the proxy length, where
+    the reference's calibration runs were read (None at the proxy length itself: read off the usual branch)."""
+    return proxy_length if proxy_length < length else None
 
 
 Decide = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool | None]  # (a point's runs, all-high's)
@@ -154,11 +164,11 @@ def _step(key: str, seed: int) -> str:
 def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: Sequence[int],
             front: Mapping[str, Policy], length: int, seeds: Sequence[int], check: Callable[[int, float], None],
             decide: Decide | None) -> Confirmation:
-    """Continue the all-high reference's runs (key ``high``, calibration's ``reference_seeds``) to ``length``
-    steps and train plain fp32 on the first of the fresh ``seeds``, then the ``front`` points (in memory
-    order): with ``decide`` sequentially, the reference's first two runs continued and the rest raced (see the
-    module docstring), else each point and the reference on every seed; the study records which runs when all
-    are done."""
+    """Continue the all-high reference's runs (key ``high``, calibration's ``reference_seeds``) to ``length`` steps,
+    decaying from the proxy length (``decay_start``), and train plain fp32 on the first of the fresh ``seeds``,
+    then the ``front`` points (in memory order): with ``decide`` sequentially, the reference's first two runs
+    continued and the rest raced (see the module docstring), else each point and the reference on every seed; the
+    study records which runs when all are done."""
     recorded_before = recorded_confirmation(ledger.study.user_attrs)
     if recorded_before is not None:
         return recorded_before
@@ -173,7 +183,8 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
         def work(name: str) -> dict[str, Any]:
             seed = names[name]
             checkpoint = context.checkpoint(checkpoint_key, seed)
-            result = context.trainer(policy, length, seed, report=check, checkpoint=checkpoint)
+            result = context.trainer(policy, length, seed, report=check, checkpoint=checkpoint,
+                                     decay_from=decay_start(context.length, length))
             context.drop_checkpoint(checkpoint_key, seed)
             return run_record(result, seed)
 

@@ -49,7 +49,7 @@ LOCK_FILES = (LOCK_NAME, WORKERS_LOCK_NAME)
 RUN_FILE = "run.json"
 # What a recorded search means (calibration, rungs, seeds, budget): raised when that changes, so that a search
 # recorded by an earlier precsearch is refused with a line that says so, not resumed under other rules.
-SEARCH_FORMAT = 3  # 3: rungs held to the reference at half their step
+SEARCH_FORMAT = 4  # 3: rungs held to the reference at half their step; 4: confirmation decays from L
 CHECKPOINTS = "checkpoints"  # the runs' checkpoints (precsearch.train.continuing), removed as each run is recorded
 
 
@@ -245,7 +245,7 @@ def earlier_search(theirs: dict[str, Any], where: str, fix: str) -> PrecsearchEr
         return None
     return PrecsearchError(f"{where} was recorded by {'an earlier' if recorded < SEARCH_FORMAT else 'a later'} "
                            f"precsearch (search format {recorded}, this one reads {SEARCH_FORMAT}: calibration, "
-                           f"rungs and seeds follow other rules), so it cannot be resumed; {fix}")
+                           f"rungs, seeds and confirmation follow other rules), so it cannot be resumed; {fix}")
 
 
 def check_resume(out_dir: Path, resume: bool, config: dict[str, Any], shared: bool) -> None:

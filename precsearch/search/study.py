@@ -22,7 +22,7 @@ and worth are measured, not assumed.
    the allowed drop) is not trained.
 3. Confirmation (precsearch.search.confirmation): the reference's runs continued to a multiple of L (and
    plain fp32, a yardstick, on one seed), then the Pareto front in memory order, trained at that length on
-   fresh seeds, sequentially under an accuracy-drop rule (the point's and the reference's seeds racing while
+   fresh seeds, every run decaying its rate from L to its end, sequentially under an accuracy-drop rule (the point's and the reference's seeds racing while
    undecided, stopping at the first point confirmed); best.json comes only from confirmed points, picked by
    precsearch.search.selection.
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search

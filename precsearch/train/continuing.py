@@ -9,6 +9,12 @@ s + decay_steps(s) steps whose decay starts at s, and nothing before s depends o
 calibration curve's point at s is the result of a proxy of that length, and a candidate passes its rungs
 without starting again.
 
+A run may end in one long decay instead (``decay_from``: confirmation's runs, from the proxy length to the
+confirmation length): the rate falls along one cosine from that step to the run's end, and the end is read as
+it is. So a run checkpointed at a reading (calibration's reference at L) goes on into that decay, and a run
+that is longer than the proxy does not spend its extra steps at the proxy's peak rate, where a recipe that
+trains at L can blow up at 3L whatever the precision (mobilenet_v2's, plain fp32 included).
+
 The state at every evaluation (model and optimizer state dicts, which carry precsearch's training state:
 promotions, loss scale, rounding counters; the global generators; the loop's own ``Progress``) is kept for
 the branch's return and, given a checkpoint path, written there atomically (and so is the state every
@@ -76,6 +82,7 @@ class Progress:
     elapsed: float = 0.0
     branch_steps: int = 0  # steps trained in decay branches, so far
     unreported: int = 0  # steps (branches included) a call trained that ended before returning its result
+    decay: list[int] | None = None  # [the step it starts after, its last step]: the run's own decay, once in it
 
 
 @dataclass(frozen=True)
@@ -108,19 +115,29 @@ def write_checkpoint(path: Path, tag: str, state: State, progress: Progress) -> 
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def read_checkpoint(path: Path, tag: str, steps: int) -> tuple[State, Progress] | None:
-    """The state a run of ``tag`` left at ``path`` at most ``steps`` steps in (None: start from the beginning; a
-    checkpoint of another run, or one past ``steps``, is not one this run can continue)."""
+def read_checkpoint(path: Path, tag: str, steps: int, decay: list[int] | None = None
+                    ) -> tuple[State, Progress] | None:
+    """The state a run of ``tag`` left at ``path`` at most ``steps`` steps in, and ending in ``decay`` ([step it
+    starts after, last step]; None: branches only), or None: start from the beginning. A checkpoint of another
+    run, one past ``steps``, one in another decay or one at a constant rate past where this run's decay starts
+    is not one this run can continue."""
     if not path.is_file():
         return None
     saved = _load_data(path, f"checkpoint {path}")
     try:
         progress, state = Progress(**saved["progress"]), State(bytes(saved["state"]))
-        if saved["tag"] != tag or progress.step > steps:
+        if saved["tag"] != tag or progress.step > steps or not _continues(progress, decay):
             return None
     except (KeyError, TypeError, ValueError) as error:
         raise _not_ours(f"checkpoint {path}", repr(error)) from None
     return state, progress
+
+
+def _continues(progress: Progress, decay: list[int] | None) -> bool:
+    """Whether a run ending in ``decay`` goes on from ``progress``: inside that same decay, or before it starts."""
+    if progress.decay is not None:
+        return progress.decay == decay
+    return decay is None or progress.step <= decay[0]
 
 
 def _load_data(source: Path | io.BytesIO, what: str, map_location: torch.device | None = None) -> dict[str, Any]:

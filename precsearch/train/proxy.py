@@ -59,8 +59,8 @@ __all__ = [
 
 def run_proxy(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,
               **options: Any) -> ProxyResult:
-    """One proxy: a continuing ``train`` (with its ``seed``, ``device``, ``config``, ``report``, ``checkpoint``)
-    that stops at the first sign of divergence; what the search calls per trial."""
+    """One proxy: a continuing ``train`` (with its ``seed``, ``device``, ``config``, ``report``, ``checkpoint``,
+    ``decay_from``) that stops at the first sign of divergence; what the search calls per trial."""
     return train(model_spec, policy, data, steps, stop_on_divergence=True, continuing=True, **options)
 
 
@@ -69,12 +69,13 @@ class Trainer(Protocol):
     steps (its result there is a run of that length's), evaluated at each step of ``evaluate_at``
     (``on_eval(step, accuracy, loss)``, whose exception stops the run) and at the end; ``report(step, loss)``
     every few steps; ``checkpoint``: where the run keeps its state and continues from (a later call for more
-    steps goes on from there). Tests inject scripted learning curves through it."""
+    steps goes on from there); ``decay_from``: the step after which the run ends in one long decay
+    (precsearch.train.continuing). Tests inject scripted learning curves through it."""
 
     def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
                  on_eval: Callable[[int, float, float], None] | None = None,
                  report: Callable[[int, float], None] | None = None,
-                 checkpoint: Path | None = None) -> ProxyResult: ...
+                 checkpoint: Path | None = None, decay_from: int | None = None) -> ProxyResult: ...
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class ProxyTrainer:
     def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
                  on_eval: Callable[[int, float, float], None] | None = None,
                  report: Callable[[int, float], None] | None = None,
-                 checkpoint: Path | None = None) -> ProxyResult:
+                 checkpoint: Path | None = None, decay_from: int | None = None) -> ProxyResult:
         return run_proxy(self.model_spec, policy, self.data, steps, seed=seed, device=self.device,
                          config=self.config, evaluate_at=evaluate_at, on_eval=on_eval, report=report,
-                         compile=self.compile, checkpoint=checkpoint)
+                         compile=self.compile, checkpoint=checkpoint, decay_from=decay_from)

@@ -331,6 +331,7 @@ def train(
     on_start: Callable[[], None] | None = None,
     continuing: bool = False,
     checkpoint: Path | None = None,
+    decay_from: int | None = None,
 ) -> ProxyResult:
     """Train ``model_spec`` under ``policy`` (None: plain fp32, no wrapper and no loss scaling) for ``steps``
     SGD steps and evaluate on the validation split.
@@ -350,11 +351,16 @@ def train(
 
     ``continuing`` trains at a constant rate and reads every evaluation off a short decay branch, so that the
     run's result at any step is that of a run of that length (precsearch.train.continuing); ``checkpoint``
-    (continuing only) is where its state is kept at each evaluation and continued from.
+    (continuing only) is where its state is kept at each evaluation and continued from. ``decay_from`` (continuing
+    only) ends the run in one long decay instead: the rate falls along a cosine from that step to ``steps``, and
+    the result is read at the end as it is (confirmation: a checkpoint at ``decay_from`` is a reading's state).
     """
     config = config or ProxyConfig()
     if checkpoint is not None and not continuing:
         raise ValueError("a checkpoint continues only a continuing run (a cosine schedule spans its own length)")
+    if decay_from is not None and not (continuing and 0 <= decay_from < steps):
+        raise ValueError(f"decay_from={decay_from} needs a continuing run and a step before steps={steps}")
+    decay = None if decay_from is None else [decay_from, steps]
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")
     train_set, val_set = data
@@ -385,7 +391,7 @@ def train(
         augment = torch.Generator().manual_seed(seed + 1) if recipe is not None and recipe.augment else None
         scaler = model.scaler if policy is not None else NoLossScaler()
         tag = run_tag(policy, seed)
-        saved = read_checkpoint(checkpoint, tag, steps) if checkpoint is not None else None
+        saved = read_checkpoint(checkpoint, tag, steps, decay) if checkpoint is not None else None
         progress = Progress()
         if saved is not None:
             saved[0].restore(model, optimizer, torch_device)
@@ -412,7 +418,8 @@ def train(
             branch (precsearch.train.continuing), the state at ``step`` checkpointed and, unless ``final``,
             restored after it."""
             nonlocal spent
-            state = State.capture(model, optimizer, torch_device) if continuing and not progress.reason else None
+            branched = continuing and not progress.reason and not progress.decay  # a run in its decay is read as is
+            state = State.capture(model, optimizer, torch_device) if branched else None
             if state is not None:
                 length = decay_steps(step)
                 branch = itertools.islice(_batches(train_set, config.batch_size, seed, start=step), length)
@@ -442,6 +449,10 @@ def train(
         batches = _batches(train_set, config.batch_size, seed, start=progress.step)
         while progress.step < steps and not (progress.reason and stop_on_divergence):
             step = progress.step = progress.step + 1
+            if decay is not None and step > decay[0]:
+                progress.decay = decay
+                for group in sgd.param_groups:
+                    group["lr"] = decay_lr(config.lr, step - 1 - decay[0], decay[1] - decay[0])
             value = sgd_step(*next(batches))
             spent += 1
             if schedule is not None and (not epoch_schedule or step % per_epoch == 0):
