@@ -60,7 +60,11 @@ def test_python_itself_drops_a_keyboard_interrupt_raised_in_a_weakref_callback(m
     """The oracle for the tests above and below: without StopSignals, this SIGINT is lost."""
     dropped = []
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
-    _sigint_inside_a_weakref_callback()  # pytest's handler is Python's default: it raises KeyboardInterrupt
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own: raises KeyboardInterrupt
+    try:
+        _sigint_inside_a_weakref_callback()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert dropped == [KeyboardInterrupt]
 
 
