@@ -1,6 +1,8 @@
 """`precsearch demo`: a real small search on a task where assignments differ, the baselines, and the report.
 
-The configuration is fixed so the run is comparable across machines: narrow_cnn (a 2x2 patch stem and four
+The configuration is fixed so the run is comparable across machines (every process trains on one thread: a
+CPU's float sums depend on how many threads share them, and the calibration in the main process took the
+machine's core count, so a 2-core machine read another curve than a 1-thread one): narrow_cnn (a 2x2 patch stem and four
 3x3 conv layers: seven groups), the paper's HFP8 space (per group: (1,6,9) high, (1,4,3)+bias 4 / (1,5,2)
 low), the generated ``gratings`` task at 16x16 (faint gratings on a bright level: an 8-bit input rounds the
 class signal away, so the group holding the input, 2% of the bytes, must stay high while the rest can go
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"precsearch demo: {MODEL} on {DATA} ({space.proxy.image_size}x{space.proxy.image_size}), space "
           f"{space.name}, {args.trials} trials of calibrated proxies on {args.jobs} worker(s)")
     result = run_search(SearchConfig(MODEL, space, DATA, trials=args.trials, out_dir=out, jobs=args.jobs, seed=0,
-                                     device=args.device, threads=1 if args.jobs == 1 else None, proxy_seeds=None,
+                                     device=args.device, threads=1, proxy_seeds=None,
                                      compile=compile))
     search_time = time.perf_counter() - start
     baselines = run_baselines(MODEL, space, DATA, out_dir=out, seed=0, device=args.device, threads=1,

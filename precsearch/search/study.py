@@ -20,11 +20,11 @@ and worth are measured, not assumed.
    the same step (precsearch.search.rungs). It starts on one seed and gains seeds only while the budget's
    decision on it is open (racing). A candidate that a known point already beats (less memory and within
    the allowed drop) is not trained.
-3. Confirmation (precsearch.search.confirmation): the reference's runs continued to a multiple of L (and
-   plain fp32, a yardstick, on one seed), then the Pareto front in memory order, trained at that length on
-   fresh seeds, every run decaying its rate from L to its end, sequentially under an accuracy-drop rule (the point's and the reference's seeds racing while
-   undecided, stopping at the first point confirmed); best.json comes only from confirmed points, picked by
-   precsearch.search.selection.
+3. Confirmation (precsearch.search.confirmation): the reference's runs continued to a multiple of L (and plain
+   fp32, a yardstick, on one seed), then the Pareto front in memory order, trained at that length on fresh seeds,
+   every run decaying its rate from L to its end, sequentially under an accuracy-drop rule (the point's and the
+   reference's seeds racing while undecided, stopping at the first point confirmed); best.json comes only from
+   confirmed points, picked by precsearch.search.selection.
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
    with every trial at full length and the paper's one run per sweep point (budget.csv).
 
