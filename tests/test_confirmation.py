@@ -82,6 +82,36 @@ def test_a_slow_starter_that_reaches_the_reference_is_not_stopped_but_a_failure_
     assert (never["seed_steps"] == "45").all()  # stopped on its first seed, the others never ran
 
 
+# one reference seed stuck on a plateau (as tiny_cnn's seed 0 on gratings: 38%, 38%, 30% at 200, 400, 800): the
+# seeds' spread at 22 (sd 0.40) puts the noise rule's bound at the rung (5.5%) below chance
+STUCK_REFERENCE = {11: (0.1, 0.4, 0.7), 22: (0.25, 0.95, 0.95), 45: (0.25, 0.95, 0.95), 90: (0.25, 0.96, 0.96),
+                   270: (0.25, 0.97, 0.97)}
+
+
+def test_a_rung_stops_a_candidate_at_chance_behind_a_reference_with_a_stuck_seed(tmp_path, context):
+    """Behind a reference whose seeds disagree (one stuck at 30%), the noise margin stops nothing, but a candidate
+    still at chance at the rung, where every reference seed had left chance at half its steps, is stopped on its
+    first seed; one that has left chance there goes on and reaches the reference."""
+    memories = _memories(context)
+    slow = min((name for name in memories if name.count("L") == 1), key=memories.get)
+
+    def curve(name, step, length, seed):
+        if name in ("HHHH", "plain"):
+            return _at(STUCK_REFERENCE, step)[seed % 1000]
+        if name == slow:  # at chance until 45, where it has just left it; the reference's best by L
+            return _at({22: (0.1,) * 3, 45: (0.3,) * 3, 90: (0.96,) * 3, 270: (0.97,) * 3}, step)[0]
+        return CHANCE  # never learns
+
+    trainer = ScriptedTrainer(curve, context)
+    result = _search(tmp_path / "run", trainer)
+    trials = result.trials.set_index("decisions")
+    assert pd.isna(trials.loc[slow, "stopped_at"]) and trials.loc[slow, "val_accuracy"] == pytest.approx(0.96)
+    never = trials[trials["trained"] & trials["duplicate_of"].eq("") & ~trials.index.isin(["HHHH", slow])]
+    assert len(never) > 0 and (never["stopped_at"] == 45).all()
+    assert (never["reason"].str.contains("still at chance")).all()
+    assert (never["seed_steps"] == "45").all()
+
+
 def test_confirmation_corrects_a_proxy_that_ranks_two_candidates_the_wrong_way(tmp_path, context):
     memories = _memories(context)
     ordered = sorted((name for name in memories if name not in ("HHHH",)), key=memories.get)
