@@ -151,6 +151,55 @@ def test_seeds_far_apart_are_not_stopped_by_the_sampling_floor(tmp_path):
     assert result.calibration.length == 3200 and result.calibration.warning == ""
 
 
+def _stuck(*stuck_seeds):
+    """tiny_cnn's reference on gratings (benchmarks/results/search_efficiency.md): the ``stuck_seeds`` leave
+    chance by 200 and stay on a plateau (38%, 38%, 30% at 200, 400, 800), the others read 100% by 400; every
+    candidate reads 80% at any length."""
+    def curve(name, step, length, seed):
+        if name != "HHHH":
+            return 0.8 if name != "plain" else 1.0
+        table = ({200: (0.38,), 400: (0.38,), 800: (0.30,)} if seed % 1000 in stuck_seeds
+                 else {200: (1.0,) if seed % 3 == 1 else (0.34,), 400: (1.0,)})
+        return curve_at(table, step, CHANCE)[0]
+    return curve
+
+
+def test_a_seed_stuck_near_chance_is_a_failed_run_left_out_of_the_reference(tmp_path, caplog):
+    """At 800 seed 0 has gained nothing over two doublings and stands nearer chance (14.7%) than the other seeds
+    (100%): a failed run. Calibration stops there with the two seeds that learned as the reference (one WARNING
+    line names the failed one); its checkpoint goes, confirmation continues seeds 1 and 2 only, and a candidate
+    at 80% is held to 100%: two seeds settle it (with seed 0 counted, the reference's mean was 76.7% at an sd of
+    40 points, and candidates raced to every seed)."""
+    trainer = ScriptedTrainer(_stuck(0), _context())
+    with caplog.at_level("WARNING", logger="precsearch.search.calibration"):
+        result = run_search(_config(tmp_path / "run", max_proxy_steps=3200), trainer=trainer)
+    calibration = result.calibration
+    assert (calibration.length, calibration.failed, calibration.accuracies) == (800, (0,), [1.0, 1.0])
+    warnings = [record.message for record in caplog.records if "failed run" in record.message]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "seed 0 at 0.300 (0.380 at 200)" in warnings[0] and "proxy lr" in warnings[0]
+    continued = {call["seed"] for call in trainer.calls if call["name"] == "HHHH" and call["length"] == 3 * 800}
+    assert continued == {1, 2}
+    assert not list((tmp_path / "run" / "checkpoints").glob("*"))
+    candidates = result.trials[result.trials["trained"] & (result.trials["decisions"] != "HHHH")]
+    assert len(candidates) > 0 and (candidates["seeds"] == 2).all()
+    best = json.loads((tmp_path / "run" / "best.json").read_text())["provenance"]
+    assert best["trial"] not in set(candidates["number"])  # 80% is not within a point of 100%
+    curves = pd.read_csv(tmp_path / "run" / "calibration.csv")
+    assert set(curves[curves["failed"]]["seed"]) == {0}
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["calibration"]["failed"] == [0]
+
+
+def test_stuck_seeds_that_are_the_majority_stay_in_the_reference(tmp_path):
+    """Two seeds of three on the plateau are not failed runs to leave out but the reference's own behaviour: the
+    seeds disagree and drew no closer, so calibration stops at 800 with that warning, every seed kept."""
+    result = run_search(_config(tmp_path / "run", max_proxy_steps=3200), trainer=ScriptedTrainer(_stuck(0, 2),
+                                                                                                 _context()))
+    assert result.calibration.length == 800 and result.calibration.failed == ()
+    assert len(result.calibration.accuracies) == 3 and "seeds still disagree" in result.calibration.warning
+
+
 def test_a_reference_that_never_learns_is_refused_and_nothing_is_picked(tmp_path):
     trainer = ScriptedTrainer(lambda name, step, length, seed: CHANCE, _context())
     with pytest.raises(PrecsearchError) as error:

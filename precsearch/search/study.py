@@ -377,7 +377,7 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
     def decide(runs: list[dict[str, Any]], high_runs: list[dict[str, Any]]) -> bool | None:
         return confirmation_verdict(runs, high_runs, budget, context.chance)
 
-    reference_seeds = _reference_seeds(context)
+    reference_seeds = [seed for seed in _reference_seeds(context) if seed not in reference.calibration.failed]
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(reference_seeds))]
     length = confirmation_length(reference.length, config.confirm_factor)
     confirm(context, ledger, high, reference_seeds, points, length, seeds, check,
