@@ -166,7 +166,8 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         """For run.json: the length, how it was chosen, and the per-seed accuracy at each point."""
         return {"length": self.length, "fixed": self.fixed, "steps": self.steps, "warning": self.warning,
-                "failed": list(self.failed), "accuracies": {str(point): [run["val_accuracy"] for run in runs] for point, runs in self.runs.items()}}
+                "failed": list(self.failed),
+                "accuracies": {str(point): [run["val_accuracy"] for run in runs] for point, runs in self.runs.items()}}
 
 
 def recorded_calibration(attrs: Mapping[str, Any]) -> Calibration | None:
