@@ -13,7 +13,7 @@ import pytest
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
-from precsearch.search.noise import Noise, explained_by, pooled_noise, rank_correlations, seeds_for
+from precsearch.search.noise import Noise, explained_by, failed_run, pooled_noise, rank_correlations, seeds_for
 from precsearch.search.selection import choose_best, mark_ties
 from precsearch.search.settings import SearchConfig
 from precsearch.search.study import run_search
@@ -101,6 +101,22 @@ def test_pooled_noise_by_hand():
     assert noise.df == 4 and noise.sd == pytest.approx(math.sqrt(sum(r * r for r in residuals) / 4))
     assert pooled_noise(frame).sd == pytest.approx(expected) and pooled_noise(frame).df == 3
     assert not pooled_noise(frame.iloc[2:]).measured
+
+
+def test_a_policy_with_a_failed_run_adds_nothing_to_the_pooled_noise():
+    """tiny_cnn on gratings (chance 14.95%): a candidate at 100% and 21.3% on its two seeds failed a run (21.3%
+    is nearer chance than 100%); its spread (sd 55.7 points) is left out, and the pooled sd is that of the others,
+    by hand. Seeds 3 points apart at 96-99% are noise, not failures."""
+    chance = 0.1495
+    assert failed_run(0.213, 1.0, chance) and failed_run(0.301, 1.0, chance)
+    assert not failed_run(0.965, 0.995, chance) and not failed_run(0.58, 1.0, chance)  # 0.58 > (0.1495 + 1) / 2
+    groups = [[1.0, 0.213], [0.96, 0.99], [1.0, 0.999]]
+    frame = _frame([{"val_accuracy": np.mean(g), "val_accuracy_sd": np.std(g, ddof=1), "seeds": len(g),
+                     "failed_runs": sum(failed_run(a, max(g), chance) for a in g)} for g in groups])
+    expected = math.sqrt(((0.96 - 0.975) ** 2 * 2 + (0.0005 ** 2) * 2) / 2)
+    noise = pooled_noise(frame)
+    assert noise.df == 2 and noise.sd == pytest.approx(expected)
+    assert pooled_noise(frame.drop(columns="failed_runs")).df == 3  # a table without the column pools every row
 
 
 def test_seeds_for_keeps_the_margin_under_half_the_drop():

@@ -14,22 +14,21 @@ is judged there, and the runs go on from their checkpoints. The proxy length L i
 * the seeds agree closely enough that proxies can resolve the allowed drop (``noise.resolves``): a mean
   that stopped rising over seeds that still disagree (99.8%, 74.5%, 64.2%) would hold every proxy to noise.
 
-A seed stuck on a plateau nearer chance than the others (it had left chance two doublings before, has gained
-no more than the allowed drop since, and stands below halfway from chance to the other seeds: tiny_cnn's seed 0
-on gratings at 38%, 38%, 30% at 200, 400 and 800 steps while seeds 1 and 2 read 100%) is a failed run, not seed
-noise: a minority of such seeds is left out of the reference (``Calibration.failed``, one WARNING line names
-them) when the others agree. Held to a mean that counts it, proxies would pass at 77% against runs at 100%, and
-its spread would race every candidate to the most seeds; its checkpoint goes, and confirmation continues the
-other seeds only. Seeds that have learned and stopped rising but still disagree, and drew no closer over two
-doublings (seeds that click late draw together as they do), are not going to agree: calibration stops there. So it does
-where the seeds are apart by no more than the validation set's own sampling noise explains (binomial, at the
-best seed's accuracy) and that noise alone could not resolve the drop, which no length changes (an easy task
-validated on a few hundred images, at 98%), and at the cap; each time with one WARNING line (kept in the
-calibration, shown in the summary) saying what to change. A reference that has not learned or is still rising
-at the cap is refused: a one-line PrecsearchError, never a pick of noise. Steps per reference seed: L plus the
-decay branches of its points, 1.2 x L with doubling points. The runs' checkpoints stay: confirmation continues
-the same runs to its longer length (``REFERENCE_RUN``, ``reference_policy``) instead of training the reference
-again.
+A seed stuck on a plateau nearer chance than the best seed (it had left chance two doublings before, has gained no
+more than the allowed drop since, and is a ``noise.failed_run``: tiny_cnn's seed 0 on gratings at 38%, 38%, 30% at
+200, 400 and 800 steps while seeds 1 and 2 read 100%) is a failed run, not seed noise: a minority of such seeds is
+left out of the reference (``Calibration.failed``, one WARNING line names them) when the others agree. Held to a
+mean that counts it, proxies would pass at 77% against runs at 100%, and its spread would race every candidate to
+the most seeds; its checkpoint goes, and confirmation continues the other seeds only. Seeds that have learned and
+stopped rising but still disagree, and drew no closer over two doublings (seeds that click late draw together as
+they do), are not going to agree: calibration stops there. So it does where the seeds are apart by no more than the
+validation set's own sampling noise explains (binomial, at the best seed's accuracy) and that noise alone could not
+resolve the drop, which no length changes (an easy task validated on a few hundred images, at 98%), and at the cap;
+each time with one WARNING line (kept in the calibration, shown in the summary) saying what to change. A reference
+that has not learned or is still rising at the cap is refused: a one-line PrecsearchError, never a pick of noise.
+Steps per reference seed: L plus the decay branches of its points, 1.2 x L with doubling points. The runs'
+checkpoints stay: confirmation continues the same runs to its longer length (``REFERENCE_RUN``,
+``reference_policy``) instead of training the reference again.
 
 Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it. With
 a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way (the
@@ -50,7 +49,7 @@ from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
 from precsearch.search.context import SearchContext, combine_seeds
 from precsearch.search.ledger import Ledger, recorded
-from precsearch.search.noise import MAX_SEEDS, Noise, explained_by, pooled_noise, resolves
+from precsearch.search.noise import MAX_SEEDS, Noise, explained_by, failed_run, pooled_noise, resolves
 from precsearch.train.trainer import ProxyResult
 
 __all__ = ["REFERENCE_RUN", "Calibration", "CalibrationSettings", "calibrate", "recorded_calibration",
@@ -267,12 +266,10 @@ def _failed(runs: dict[int, list[dict[str, Any]]], points: list[int], index: int
     now, earlier = runs[points[index]], runs[points[index - 2]] if index >= 2 else []
     if len(earlier) != len(now):
         return ()
-    stuck = []
-    for run, before in zip(now, earlier, strict=True):
-        others = [other["val_accuracy"] for other in now if other is not run]
-        if (before["val_accuracy"] > context.chance and run["val_accuracy"] <= before["val_accuracy"]
-                + context.budget.drop and run["val_accuracy"] < (context.chance + min(others)) / 2):
-            stuck.append(run["seed"])
+    best = max(_accuracies(now))
+    stuck = [run["seed"] for run, before in zip(now, earlier, strict=True)
+             if before["val_accuracy"] > context.chance and run["val_accuracy"] <= before["val_accuracy"]
+             + context.budget.drop and failed_run(run["val_accuracy"], best, context.chance)]
     kept = len(now) - len(stuck)
     return tuple(stuck) if kept >= 2 and kept > len(stuck) else ()
 

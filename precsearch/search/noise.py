@@ -6,7 +6,10 @@ single-seed proxies differ by about 1.07 points of pure noise. Here that noise i
 
 * ``Noise`` is the pooled standard deviation of one proxy's accuracy over seeds (pooled over every
   assignment trained with at least two seeds, each contributing ``seeds - 1`` degrees of freedom), with the
-  confidence the decisions are taken at.
+  confidence the decisions are taken at. An assignment with a failed run (``failed_run``: one seed stuck
+  nearer chance than its best seed, 21% beside 100%) adds none: it fails the drop rule through its own mean,
+  and its bimodal spread would widen every other candidate's margin (on tiny_cnn, one such pair raised the
+  pooled sd from 0 to 32 points, and no candidate could be decided).
 * A difference of two means is judged with a one-sided bound from Student's t: ``a - b`` is "at least x"
   at confidence c when ``(mean_a - mean_b) - t_c(df) * sd * sqrt(1/n_a + 1/n_b) >= x``. With the noise
   unmeasured (every proxy ran one seed) the margin is zero, i.e. the plain comparison of means, and the
@@ -29,8 +32,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-__all__ = ["DEFAULT_CONFIDENCE", "MAX_SEEDS", "Noise", "explained_by", "pooled_noise", "rank_correlations", "resolves",
-           "seeds_for"]
+__all__ = ["DEFAULT_CONFIDENCE", "MAX_SEEDS", "Noise", "explained_by", "failed_run", "pooled_noise",
+           "rank_correlations", "resolves", "seeds_for"]
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +89,23 @@ class Noise:
         return {"sd": self.sd, "df": self.df, "confidence": self.confidence}
 
 
+def failed_run(accuracy: float, best: float, chance: float) -> bool:
+    """Whether a run failed rather than scattered: it stands nearer chance than the best run of the same policy
+    (a stuck seed at 30% beside runs at 100%, with chance at 15%). Such a run is an outcome to count against its
+    policy, not seed noise to widen everyone's margin with."""
+    return accuracy < (chance + best) / 2
+
+
 def pooled_noise(frame: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
                  extra: Sequence[Sequence[float]] = ()) -> Noise:
-    """The pooled seed sd over rows with ``seeds >= 2`` (columns ``val_accuracy_sd`` and ``seeds``) and over
-    the ``extra`` groups of per-seed accuracies (the all-high reference). One row per assignment key counts."""
+    """The pooled seed sd over rows with ``seeds >= 2`` (columns ``val_accuracy_sd`` and ``seeds``; rows whose
+    ``failed_runs`` column counts a failed run are left out) and over the ``extra`` groups of per-seed
+    accuracies (the all-high reference). One row per assignment key counts."""
     squares, df = 0.0, 0
     if not frame.empty and {"seeds", "val_accuracy_sd", "key"} <= set(frame.columns):
         rows = frame[(frame["seeds"] >= 2) & frame["val_accuracy_sd"].notna()]
         rows = rows[rows["trained"].astype(bool) & ~rows["diverged"].astype(bool)] if "trained" in rows else rows
+        rows = rows[rows["failed_runs"] == 0] if "failed_runs" in rows else rows
         rows = rows.drop_duplicates("key")
         squares += float(((rows["seeds"] - 1) * rows["val_accuracy_sd"] ** 2).sum())
         df += int((rows["seeds"] - 1).sum())

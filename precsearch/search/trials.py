@@ -12,6 +12,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from precsearch.config.policy import Policy
 from precsearch.search.context import SearchContext
+from precsearch.search.noise import failed_run
 from precsearch.search.strategies import assign
 
 __all__ = ["feasible", "params_of", "policy_of", "trials_frame"]
@@ -46,6 +47,7 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "val_loss": attrs.get("val_loss", math.nan),
         "val_accuracy_sd": attrs.get("val_accuracy_sd", math.nan),
         "seeds": attrs.get("seeds", 1 if accuracy is not None else math.nan),
+        "failed_runs": _failed_runs(attrs.get("val_accuracies", []), context.chance),
         "trained": bool(attrs.get("trained", False)),
         "diverged": bool(attrs.get("diverged", False)),
         "stopped_at": attrs.get("stopped_at", math.nan),
@@ -66,6 +68,11 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "key": attrs.get("key", context.key(params) if len(params) == len(context.units) else ""),
         "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
     }
+
+
+def _failed_runs(accuracies: list[float], chance: float) -> int:
+    """How many of a trial's seeds failed (``noise.failed_run``) beside its best one."""
+    return sum(failed_run(accuracy, max(accuracies), chance) for accuracy in accuracies)
 
 
 def _level_code(level: str, context: SearchContext) -> str:
