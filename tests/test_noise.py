@@ -110,6 +110,7 @@ def test_a_policy_with_a_failed_run_adds_nothing_to_the_pooled_noise():
     chance = 0.1495
     assert failed_run(0.213, 1.0, chance) and failed_run(0.301, 1.0, chance)
     assert not failed_run(0.965, 0.995, chance) and not failed_run(0.58, 1.0, chance)  # 0.58 > (0.1495 + 1) / 2
+    assert not failed_run(0.0957, 0.119, chance)  # no seed learned: nothing failed beside it
     groups = [[1.0, 0.213], [0.96, 0.99], [1.0, 0.999]]
     frame = _frame([{"val_accuracy": np.mean(g), "val_accuracy_sd": np.std(g, ddof=1), "seeds": len(g),
                      "failed_runs": sum(failed_run(a, max(g), chance) for a in g)} for g in groups])

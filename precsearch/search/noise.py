@@ -90,10 +90,10 @@ class Noise:
 
 
 def failed_run(accuracy: float, best: float, chance: float) -> bool:
-    """Whether a run failed rather than scattered: it stands nearer chance than the best run of the same policy
-    (a stuck seed at 30% beside runs at 100%, with chance at 15%). Such a run is an outcome to count against its
-    policy, not seed noise to widen everyone's margin with."""
-    return accuracy < (chance + best) / 2
+    """Whether a run failed rather than scattered: it stands nearer chance than the best run of the same policy,
+    which learned (a stuck seed at 30% beside runs at 100%, with chance at 15%). Such a run is an outcome to count
+    against its policy, not seed noise to widen everyone's margin with."""
+    return best > chance and accuracy < (chance + best) / 2
 
 
 def pooled_noise(frame: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
