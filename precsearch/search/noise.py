@@ -9,7 +9,7 @@ single-seed proxies differ by about 1.07 points of pure noise. Here that noise i
   confidence the decisions are taken at. An assignment with a failed run (``failed_run``: one seed stuck
   nearer chance than its best seed, 21% beside 100%) adds none: it fails the drop rule through its own mean,
   and its bimodal spread would widen every other candidate's margin (on tiny_cnn, one such pair raised the
-  pooled sd from 0 to 32 points, and no candidate could be decided).
+  pooled sd from 0 to 32 points: no candidate was within the drop, so none was skipped as beaten).
 * A difference of two means is judged with a one-sided bound from Student's t: ``a - b`` is "at least x"
   at confidence c when ``(mean_a - mean_b) - t_c(df) * sd * sqrt(1/n_a + 1/n_b) >= x``. With the noise
   unmeasured (every proxy ran one seed) the margin is zero, i.e. the plain comparison of means, and the
