@@ -28,7 +28,7 @@ def feasible(trial: FrozenTrial) -> bool:
     return trial.state == TrialState.COMPLETE and bool(constraints) and all(v <= 0 for v in constraints.values())
 
 
-def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
+def _trial_row(trial: FrozenTrial, context: SearchContext, chance: float) -> dict[str, Any]:
     attrs = trial.user_attrs
     params = params_of(trial)
     accuracy = attrs.get("val_accuracy")
@@ -47,7 +47,7 @@ def _trial_row(trial: FrozenTrial, context: SearchContext) -> dict[str, Any]:
         "val_loss": attrs.get("val_loss", math.nan),
         "val_accuracy_sd": attrs.get("val_accuracy_sd", math.nan),
         "seeds": attrs.get("seeds", 1 if accuracy is not None else math.nan),
-        "failed_runs": _failed_runs(attrs.get("val_accuracies", []), context.chance),
+        "failed_runs": _failed_runs(attrs.get("val_accuracies", []), chance),
         "trained": bool(attrs.get("trained", False)),
         "diverged": bool(attrs.get("diverged", False)),
         "stopped_at": attrs.get("stopped_at", math.nan),
@@ -86,9 +86,11 @@ def _level_code(level: str, context: SearchContext) -> str:
 
 def trials_frame(study: optuna.Study, context: SearchContext) -> pd.DataFrame:
     """One row per started trial (queued ones are not trials yet) with origin, memory, proxy metrics, state."""
-    rows = [_trial_row(t, context) for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING]
+    chance = context.chance  # read once: it counts the validation labels
+    rows = [_trial_row(t, context, chance) for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING]
     if not rows:  # still a table with its header: stopped before the first trial (say, in calibration)
-        return pd.DataFrame(columns=list(_trial_row(optuna.trial.create_trial(state=TrialState.FAIL), context)))
+        return pd.DataFrame(columns=list(_trial_row(optuna.trial.create_trial(state=TrialState.FAIL), context,
+                                                    chance)))
     return pd.DataFrame(rows)
 
 
