@@ -90,6 +90,43 @@ def test_calibration_extends_past_a_flat_mean_while_the_seeds_disagree(tmp_path)
     assert result.calibration.steps == 3 * 1600
 
 
+def _saturating(name, step, length, seed):
+    """mobilenet_v2:width=0.5's all-high reference on gratings (runs/mnv2c): 17.5%, 66.9%, 96.0% at 400 steps,
+    91.2%, 90.0%, 100% at 800 and 100% on every seed at 1,600."""
+    if name != "HHHH" or step < 400:
+        return CHANCE
+    readings = {400: (0.175, 0.669, 0.960), 800: (0.912, 0.900, 1.0)}
+    return readings[step][seed % 3] if step in readings else 1.0
+
+
+def test_a_reference_that_reached_100_percent_in_the_last_doubling_gets_one_more(tmp_path):
+    result = run_search(_config(tmp_path / "run", max_proxy_steps=3200),
+                        trainer=ScriptedTrainer(_saturating, _context()))
+    # 800 -> 1600 gains 6 points, more than the seed noise allows: an assignment learning half as fast as all-high
+    # would be judged on its way up at 1600, so L is the doubling after, where the reference has stayed flat
+    assert result.calibration.length == 3200 and result.calibration.warning == ""
+
+
+def test_a_reference_at_100_percent_only_at_the_cap_is_taken_there_with_one_warning_line(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="precsearch.search.calibration"):
+        result = run_search(_config(tmp_path / "run", max_proxy_steps=1600),
+                            trainer=ScriptedTrainer(_saturating, _context()))
+    # at the cap it cannot rise further (100% on every seed): not refused as "still improving", but the doubling
+    # slower assignments would need is missing, and the line says how to give it
+    assert result.calibration.length == 1600
+    warning = result.calibration.warning
+    assert "93.7%" in warning and "800 steps" in warning and "--max-proxy-steps to 3200" in warning
+    assert [record.getMessage() for record in caplog.records if "calibration:" in record.getMessage()] == [warning]
+
+
+def test_a_reference_still_rising_at_the_cap_is_refused(tmp_path):
+    def rising(name, step, length, seed):
+        return CHANCE if name != "HHHH" or step < 400 else {400: 0.5, 800: 0.8}.get(step, 0.95)
+
+    with pytest.raises(PrecsearchError, match="is still improving at 1600 steps"):
+        run_search(_config(tmp_path / "run", max_proxy_steps=1600), trainer=ScriptedTrainer(rising, _context()))
+
+
 def test_seeds_that_stay_apart_stop_calibration_with_one_warning_line(tmp_path, caplog):
     def apart(name, step, length, seed):
         # learned, flat, 3 points apart forever; the best seed at 99.5%, where 360 validation images alone would

@@ -10,7 +10,11 @@ is judged there, and the runs go on from their checkpoints. The proxy length L i
 
 * every seed is clearly above chance (``SearchContext.chance``) and none diverged (learned),
 * the mean gained no more than the seed noise allows (the one-sided margin at the budget's confidence, and
-  at least the allowed drop) since the previous point (flat), and
+  at least the allowed drop) since the previous point (flat: L is one doubling past where the reference
+  levels off, even at 100%, so that an assignment learning up to twice as slowly is judged where it too has
+  levelled off; on the demo task the reference read 100% on every seed at 200 steps, and the least memory
+  that proxies of 200 steps held within the drop was 0.63 of the all-high bytes, where proxies of 400 steps
+  find 0.52, confirmed), and
 * the seeds agree closely enough that proxies can resolve the allowed drop (``noise.resolves``): a mean
   that stopped rising over seeds that still disagree (99.8%, 74.5%, 64.2%) would hold every proxy to noise.
 
@@ -25,7 +29,9 @@ they do), are not going to agree: calibration stops there. So it does where the 
 validation set's own sampling noise explains (binomial, at the best seed's accuracy) and that noise alone could not
 resolve the drop, which no length changes (an easy task validated on a few hundred images, at 98%), and at the cap;
 each time with one WARNING line (kept in the calibration, shown in the summary) saying what to change. A reference
-that has not learned or is still rising at the cap is refused: a one-line PrecsearchError, never a pick of noise.
+that reached within the allowed drop of 100% only in the doubling to the cap is taken at the cap, with one WARNING
+line (it cannot rise further, but slower assignments lose their doubling). A reference that has not learned or
+is still rising at the cap is refused: a one-line PrecsearchError, never a pick of noise.
 Steps per reference seed: L plus the decay branches of its points, 1.2 x L with doubling points. The runs'
 checkpoints stay: confirmation continues the same runs to its longer length (``REFERENCE_RUN``,
 ``reference_policy``) instead of training the reference again.
@@ -223,9 +229,12 @@ def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSett
                     and resolves(noise, context.budget.drop, len(now))):
                 return Calibration(point, False, runs, _failed_line(point, points[index - 2], runs, failed), failed)
         before, now = _accuracies(runs[points[index - 1]]), _accuracies(runs[point])
-        if not _flat(before, now, context.budget.confidence, context.budget.drop):
-            continue
         noise = pooled_noise(pd.DataFrame(), context.budget.confidence, extra=[now])
+        if not _flat(before, now, context.budget.confidence, context.budget.drop):
+            if (point == points[-1] and 1.0 - float(np.mean(now)) <= context.budget.drop
+                    and resolves(noise, context.budget.drop, len(now))):
+                return Calibration(point, False, runs, _late_plateau(points[index - 1], point, before, now))
+            continue
         if resolves(noise, context.budget.drop, len(now)):
             return Calibration(point, False, runs)
         earlier = runs[points[index - 2]] if index >= 2 else []
@@ -301,6 +310,14 @@ def _sampling_floor(accuracies: list[float], context: SearchContext) -> str:
         return ""
     return (f"the validation set's sampling noise alone ({100 * sd:.2f} points over {context.validation_size} "
             "images at this accuracy) is too large for that, which more steps do not shrink")
+
+
+def _late_plateau(earlier: int, point: int, before: list[float], now: list[float]) -> str:
+    """The calibration's one WARNING line when the reference reached 100% only in the doubling to the cap."""
+    return (f"calibration: the all-high reference reached {100 * float(np.mean(now)):.1f}% (from "
+            f"{100 * float(np.mean(before)):.1f}% at {earlier} steps) only by {point} steps, the cap: proxies of "
+            f"{point} steps judge assignments that learn more slowly than all-high before they level off, so "
+            f"picks lean high; raise --max-proxy-steps to {2 * point} to give them a doubling")
 
 
 def _disagreement(point: int, accuracies: list[float], noise: Noise, context: SearchContext, cause: str,
