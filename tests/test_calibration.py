@@ -228,6 +228,26 @@ def test_a_seed_stuck_near_chance_is_a_failed_run_left_out_of_the_reference(tmp_
     assert run["calibration"]["failed"] == [0]
 
 
+def test_a_seed_that_learned_and_fell_back_to_chance_is_a_failed_run(tmp_path, caplog):
+    """runs/mnv2c: mobilenet_v2's seed 1 read 90% and 100% at 800 and 1,600 steps and 9.6% at 3,200 (a spike of
+    the constant rate it never came back from, not flagged diverged) while seeds 0 and 2 read 100% at both. It is
+    a failed run like a stuck one: left out with one WARNING line, L = 3200 on the seeds that learned, not a
+    refusal as "not above chance on every seed" at the cap."""
+    def collapsing(name, step, length, seed):
+        accuracy = _saturating(name, step, length, seed)
+        return 0.096 if name == "HHHH" and seed % 1000 == 1 and step >= 3200 else accuracy
+
+    trainer = ScriptedTrainer(collapsing, _context())
+    with caplog.at_level("WARNING", logger="precsearch.search.calibration"):
+        result = run_search(_config(tmp_path / "run", max_proxy_steps=3200), trainer=trainer)
+    calibration = result.calibration
+    assert (calibration.length, calibration.failed, calibration.accuracies) == (3200, (1,), [1.0, 1.0])
+    warnings = [record.message for record in caplog.records if "failed run" in record.message]
+    assert len(warnings) == 1 and "seed 1 at 0.096 (0.900 at 800)" in warnings[0]
+    continued = {call["seed"] for call in trainer.calls if call["name"] == "HHHH" and call["length"] == 3 * 3200}
+    assert continued == {0, 2}
+
+
 def test_stuck_seeds_that_are_the_majority_stay_in_the_reference(tmp_path):
     """Two seeds of three on the plateau are not failed runs to leave out but the reference's own behaviour: the
     seeds disagree and drew no closer, so calibration stops at 800 with that warning, every seed kept."""
