@@ -297,7 +297,7 @@ def _failed_line(point: int, earlier: int, runs: dict[int, list[dict[str, Any]]]
     stuck = "; ".join(f"seed {seed} at {reading(seed, point):.3f} ({reading(seed, earlier):.3f} at {earlier})"
                       for seed in failed)
     kept = ", ".join(f"{run['val_accuracy']:.3f}" for run in runs[point] if run["seed"] not in failed)
-    return (f"calibration: at {point} steps all-high is stuck nearer chance than its other seeds on {stuck}: a "
+    return (f"calibration: at {point} steps all-high stands nearer chance than its other seeds on {stuck}: a "
             f"failed run, left out of the reference; proxies are held to the seeds that learned ({kept}); if "
             "runs fail this often, lower the space's proxy lr")
 
