@@ -279,13 +279,29 @@ def test_twenty_sigints_at_random_moments_each_stop_the_search_with_130_and_cons
 
 
 def test_sigterm_stops_the_search_with_143(tmp_path, capsys):
+    """SIGTERM is sent once the search has written run.json, inside its signal handling; a guard handler takes
+    one that lands outside (a fixed 1.5 s delay raced a slow start under load, and SIGTERM's default action
+    then killed pytest itself)."""
     out = tmp_path / "run"
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    code = main(["search", "tiny_cnn", "--trials", "500", "--out", str(out), "--no-progress", "--device", "cpu",
-                 "--threads", "1", "--proxy-steps", "2", "--image-size", "8", "--batch-size", "16"])
-    timer.join()
-    assert code == 143
+    outside: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: outside.append(signum))
+
+    def stop_once_running() -> None:
+        deadline = time.monotonic() + 300
+        while not (out / "run.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=stop_once_running)
+    sender.start()
+    try:
+        code = main(["search", "tiny_cnn", "--trials", "500", "--out", str(out), "--no-progress", "--device",
+                     "cpu", "--threads", "1", "--proxy-steps", "2", "--image-size", "8", "--batch-size", "16"])
+    finally:
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert not outside and code == 143
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("precsearch search: stopped by SIGTERM")
     _consistent(out, {})
 
