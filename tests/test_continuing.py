@@ -80,6 +80,20 @@ def test_a_checkpoint_of_another_run_is_not_continued(context, tmp_path):
     _same(other, fresh)  # seed 4 does not continue seed 3's run
 
 
+def test_a_retried_trial_continues_the_run_it_retries(context, tmp_path):
+    """--resume retries an interrupted trial under a new trial number, which its policy's provenance records:
+    the retry continues the interrupted run's checkpoint (steps 5-12 only), and gives the uninterrupted run."""
+    high = uniform(context.graph, context.space, "high").assignment
+    interrupted, retry = context.policy(high, {"trial": 1}), context.policy(high, {"trial": 11})
+    checkpoint = tmp_path / "run.pt"
+    _run(context, interrupted, 4, evaluate_at=[4, 8], checkpoint=checkpoint)
+    rest = _run(context, retry, 12, evaluate_at=[4, 8], checkpoint=checkpoint)
+    assert rest.steps_spent == 8 + decay_steps(8) + decay_steps(12)
+    _same(rest, _run(context, retry, 12, evaluate_at=[4, 8]))
+    other = uniform(context.graph, context.space, "low").assignment
+    assert run_tag(context.policy(other, {"trial": 1}), 3) != run_tag(interrupted, 3)  # another assignment's run
+
+
 class _Stop(Exception):
     pass
 

@@ -63,8 +63,10 @@ def decay_lr(lr: float, index: int, length: int) -> float:
 
 
 def run_tag(policy: Policy | None, seed: int) -> str:
-    """What a checkpoint must have been written by: this policy (None: plain fp32) and seed."""
-    text = "plain" if policy is None else policy.to_json()
+    """What a checkpoint must have been written by: this seed and this policy's training (None: plain fp32). Its
+    provenance only says where it came from (a trial retried after an interruption has a new number), so it is
+    left out: the retry continues the run it retries."""
+    text = "plain" if policy is None else policy.replace(provenance={}).to_json()
     return f"{seed}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
