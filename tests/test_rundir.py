@@ -22,6 +22,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from precsearch import stopping
 from precsearch.cli import main
 from precsearch.config.spaces import PAPER_SPACE, paper_space
 from precsearch.errors import PrecsearchError
@@ -254,18 +255,28 @@ def test_twenty_sigints_at_random_moments_each_stop_the_search_with_130_and_cons
         if inside.is_set():
             raise KeyboardInterrupt
 
+    def send_after(delay: float) -> None:
+        """SIGINT ``delay`` s after the CLI's own handler is in force: a signal landing before ``main`` entered
+        it, or after ``main`` returned for another reason, raised KeyboardInterrupt out of the test and
+        ended pytest itself (CI, under load); now a ``main`` that returns unstopped fails the assertion."""
+        while not stopping._in_force and inside.is_set():
+            time.sleep(0.001)
+        time.sleep(delay)
+        if inside.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
     previous = signal.signal(signal.SIGINT, interrupt)
     finished: dict[int, float] = {}
     try:
         for _ in range(20):
-            timer = threading.Timer(rng.uniform(0.0, 2.0), os.kill, (os.getpid(), signal.SIGINT))
+            sender = threading.Thread(target=send_after, args=(rng.uniform(0.0, 2.0),))
             inside.set()
-            timer.start()
+            sender.start()
             try:
                 code = main(command + (["--resume"] if (out / "run.json").is_file() else []))
             finally:
-                timer.join()
                 inside.clear()
+                sender.join()
             err = capsys.readouterr().err
             assert code == 130, err
             assert "stopped by SIGINT" in err.strip().splitlines()[-1]
