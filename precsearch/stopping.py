@@ -6,7 +6,9 @@ SQLAlchemy's code (a journal lock half released). There the signal is only recor
 at its next safe point (``check()``: the search calls it every few proxy steps). A stop raised where Python
 cannot deliver it (a weakref callback run by the garbage collector: Python reports it as unraisable and drops
 it) is caught by the block's ``sys.unraisablehook`` and kept for ``check()`` the same way. Later signals are
-recorded, not raised, so the results are written out in peace.
+recorded, not raised, so the results are written out in peace. A search's trials run inside Optuna's
+``study.optimize``, so there every signal is recorded; the trainer raises it at its next step
+(``raise_recorded_stop``), decay branches and confirmation's long runs included.
 
 One ``StopSignals`` serves a process: ``stop_signals()`` enters a new one, or hands out the one already in force
 (the CLI enters it before parsing its arguments, so no moment of a command falls to Python's default handler).
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-__all__ = ["SignalStop", "StopSignals", "stop_signals"]
+__all__ = ["SignalStop", "StopSignals", "raise_recorded_stop", "stop_signals"]
 
 
 class SignalStop(KeyboardInterrupt):
@@ -121,3 +123,10 @@ def stop_signals() -> Iterator[StopSignals]:
             yield signals
         finally:
             _in_force.pop()
+
+
+def raise_recorded_stop() -> None:
+    """Raise the stop that the process's ``StopSignals`` recorded but could not raise (``check()``); nothing when
+    none is in force (a user's own script). The trainer calls it before every step."""
+    if _in_force:
+        _in_force[-1].check()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from precsearch.config.spaces import load_space, paper_space
 from precsearch.errors import PrecsearchError
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.strategies import uniform
+from precsearch.stopping import SignalStop, stop_signals
 from precsearch.train import trainer
 from precsearch.train.continuing import Progress, State, decay_lr, decay_steps, run_tag, write_checkpoint
 from precsearch.train.proxy import run_proxy
@@ -217,3 +219,23 @@ def test_a_decay_branch_falls_along_a_cosine_to_zero():
     rates = [decay_lr(0.2, index, 10) for index in range(10)]
     assert rates[0] == 0.2 and rates == sorted(rates, reverse=True) and 0 < rates[-1] < 0.01
     assert decay_lr(0.2, 5, 10) == pytest.approx(0.1)
+
+
+def test_a_stop_recorded_inside_a_decay_branch_ends_the_run_at_its_next_step(context):
+    """A search's trials run inside Optuna's ``study.optimize``, where the handler only records a signal; the
+    trainer raises it before its next step. A branch is a tenth of its step (320 steps at 3,200, minutes on a
+    CPU), so a run that checked only where it reports its loss trained through the whole branch."""
+    steps = []
+
+    def record_a_signal_at_the_branchs_second_step(optimizer, args, kwargs):
+        steps.append(len(steps) + 1)
+        if len(steps) == 42:  # steps 1-40 at the constant rate, then the branch at 40 (4 steps)
+            signals.received = signal.SIGINT  # what the handler does inside Optuna's frames
+
+    hook = register_optimizer_step_pre_hook(record_a_signal_at_the_branchs_second_step)
+    try:
+        with stop_signals() as signals, pytest.raises(SignalStop):
+            _run(context, None, 50, evaluate_at=[40])
+    finally:
+        hook.remove()
+    assert decay_steps(40) == 4 and len(steps) == 42  # stopped before the branch's third step

@@ -188,13 +188,13 @@ def recorded_calibration(attrs: Mapping[str, Any]) -> Calibration | None:
 
 
 def calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSettings, seeds: Sequence[int],
-              check: Callable[[int, float], None]) -> Calibration:
+              report: Callable[[int, float], None]) -> Calibration:
     """Train the all-high reference's runs until the curve decides the length (see the module docstring); the
     study records the outcome."""
     recorded_before = recorded_calibration(ledger.study.user_attrs)
     if recorded_before is not None:
         return recorded_before
-    calibration = _calibrate(context, ledger, settings, seeds, check)
+    calibration = _calibrate(context, ledger, settings, seeds, report)
     if calibration.warning:
         log.warning("%s", calibration.warning)
     for seed in calibration.failed:  # nothing continues a failed run
@@ -208,12 +208,12 @@ def _step(point: int, seed: int) -> str:
 
 
 def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSettings, seeds: Sequence[int],
-               check: Callable[[int, float], None]) -> Calibration:
+               report: Callable[[int, float], None]) -> Calibration:
     policy = reference_policy(context)
     runs: dict[int, list[dict[str, Any]]] = {}
     points = settings.points()
     for index, point in enumerate(points):
-        runs[point] = _advance(context, ledger, policy, point, seeds, check)
+        runs[point] = _advance(context, ledger, policy, point, seeds, report)
         if settings.fixed is not None:
             if point == settings.fixed:
                 return Calibration(point, True, runs)
@@ -259,13 +259,13 @@ def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSett
 
 
 def _advance(context: SearchContext, ledger: Ledger, policy: Policy, point: int, seeds: Sequence[int],
-             check: Callable[[int, float], None]) -> list[dict[str, Any]]:
+             report: Callable[[int, float], None]) -> list[dict[str, Any]]:
     """Every seed's run continued to ``point`` (each a ledger step)."""
     names = {_step(point, seed): seed for seed in seeds}
 
     def work(name: str) -> dict[str, Any]:
         seed = names[name]
-        result = context.trainer(policy, point, seed, report=check,
+        result = context.trainer(policy, point, seed, report=report,
                                  checkpoint=context.checkpoint(REFERENCE_RUN, seed))
         return run_record(result, seed)
 

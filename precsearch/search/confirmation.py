@@ -162,7 +162,7 @@ def _step(key: str, seed: int) -> str:
 
 
 def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: Sequence[int],
-            front: Mapping[str, Policy], length: int, seeds: Sequence[int], check: Callable[[int, float], None],
+            front: Mapping[str, Policy], length: int, seeds: Sequence[int], report: Callable[[int, float], None],
             decide: Decide | None) -> Confirmation:
     """Continue the all-high reference's runs (key ``high``, calibration's ``reference_seeds``) to ``length`` steps,
     decaying from the proxy length (``decay_start``), and train plain fp32 on the first of the fresh ``seeds``,
@@ -183,7 +183,7 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
         def work(name: str) -> dict[str, Any]:
             seed = names[name]
             checkpoint = context.checkpoint(checkpoint_key, seed)
-            result = context.trainer(policy, length, seed, report=check, checkpoint=checkpoint,
+            result = context.trainer(policy, length, seed, report=report, checkpoint=checkpoint,
                                      decay_from=decay_start(context.length, length))
             context.drop_checkpoint(checkpoint_key, seed)
             return run_record(result, seed)

@@ -40,7 +40,6 @@ from precsearch.search.selection import choose_best, drop_verdict
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import assign, assignment_key, low_share
 from precsearch.search.trials import trials_frame
-from precsearch.stopping import StopSignals
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
@@ -83,14 +82,13 @@ class Objective:
     """
 
     def __init__(self, context: SearchContext, reference: Reference, location: StudyLocation,
-                 storage: optuna.storages.BaseStorage, out_dir: Path, signals: StopSignals | None = None) -> None:
+                 storage: optuna.storages.BaseStorage, out_dir: Path) -> None:
         self.context = context
         self.reference = reference
         self.rungs = reference.rung_rule(context.budget, context.chance)
         self.location = location
         self.storage = storage
         self.out_dir = out_dir
-        self.signals = signals
 
     def __call__(self, trial: optuna.Trial) -> Any:
         try:
@@ -184,7 +182,7 @@ class Objective:
         for seed in context.proxy_seed_list(self.reference.proxy_seeds):
             first = not results
             try:
-                results.append(context.trainer(policy, context.length, seed, report=self._check_signals,
+                results.append(context.trainer(policy, context.length, seed,
                                                evaluate_at=self.rungs.steps if first else (),
                                                on_eval=self.rungs.check if first else None,
                                                checkpoint=context.checkpoint(key, seed)))
@@ -211,11 +209,6 @@ class Objective:
         verdict = drop_verdict([run.val_accuracy for run in results], reference.accuracy,
                                len(reference.accuracies), budget.drop, noise)
         return verdict is not None
-
-    def _check_signals(self, step: int, loss: float) -> None:
-        """Called every few proxy steps: a stop signal recorded but not raised is raised here."""
-        if self.signals is not None:
-            self.signals.check()
 
     def _claim(self, trial: optuna.Trial, key: str) -> FrozenTrial | None:
         """Decide, under the study's lock, whether this trial trains the assignment ``key``.

@@ -356,7 +356,7 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
 
 
 def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, ledger: Ledger,
-             config: SearchConfig, check: Callable[[int, float], None]) -> None:
+             config: SearchConfig, report: Callable[[int, float], None]) -> None:
     """Continue all-high's runs (and train plain fp32 on one seed), then the front's points (within the memory
     budget) in memory order, to the confirmation length, the points on fresh seeds
     (precsearch.search.confirmation): under an accuracy-drop rule sequentially, as
@@ -380,7 +380,7 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
     reference_seeds = [seed for seed in _reference_seeds(context) if seed not in reference.calibration.failed]
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(reference_seeds))]
     length = confirmation_length(reference.length, config.confirm_factor)
-    confirm(context, ledger, high, reference_seeds, points, length, seeds, check,
+    confirm(context, ledger, high, reference_seeds, points, length, seeds, report,
             decide if budget.max_memory is None else None)
 
 
@@ -592,16 +592,16 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     ledger = _ledger(study, run.location, run.backend)
     run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
     calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context),
-                            _signal_check(run.signals, run.bar, "calibrating the all-high reference"))
+                            _phase_progress(run.bar, "calibrating the all-high reference"))
     reference = _reference(study, context, calibration)
     log.info("proxy length %d steps (%s)", reference.length, "fixed" if calibration.fixed else "calibrated")
     run.record(study)
     _seed_study(study, context, config.seeding, run.trials, ledger)
-    objective = Objective(context, reference, run.location, run.backend, run.out_dir, run.signals)
+    objective = Objective(context, reference, run.location, run.backend, run.out_dir)
     run.signals.check()
     _trials(study, context, objective, config, run)
     run.signals.check()
-    _confirm(study, context, reference, ledger, config, _signal_check(run.signals, run.bar, "confirming"))
+    _confirm(study, context, reference, ledger, config, _phase_progress(run.bar, "confirming"))
     run.record(study)
 
 
@@ -621,14 +621,12 @@ def _trials(study: optuna.Study, context: SearchContext, objective: Objective, c
         _settle(study, objective)
 
 
-def _signal_check(signals: StopSignals, bar: _Progress, phase: str) -> Callable[[int, float], None]:
-    """A ``report`` hook for calibration and confirmation runs: a recorded stop signal is raised there, and the
-    bar shows the ``phase`` and the run's step."""
-    def check(step: int, loss: float) -> None:
-        signals.check()
+def _phase_progress(bar: _Progress, phase: str) -> Callable[[int, float], None]:
+    """A ``report`` hook for calibration and confirmation runs: the bar shows the ``phase`` and the run's step."""
+    def show(step: int, loss: float) -> None:
         bar.phase(f"{phase}: step {step}, loss {loss:.3f}")
 
-    return check
+    return show
 
 
 

@@ -176,7 +176,7 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
         reference = Reference.from_study(study)  # the parent recorded it before starting the workers
         context.length = reference.length
         try:
-            optimize(study, Objective(context, reference, setup.location, storage, setup.out_dir, signals),
+            optimize(study, Objective(context, reference, setup.location, storage, setup.out_dir),
                      SAMPLER_REPEATS * setup.trials, [budget_callback(setup.trials, not setup.location.shared),
                                                       _parent_watch(parent), stop_on_signal(signals)])
         except (Exception, DiskFull) as error:

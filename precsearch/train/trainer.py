@@ -41,6 +41,7 @@ from precsearch.errors import PrecsearchError, run_user_code
 from precsearch.files import atomic_write_text
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
+from precsearch.stopping import raise_recorded_stop
 from precsearch.train.continuing import (
     CHECKPOINT_EVERY,
     Progress,
@@ -403,6 +404,7 @@ def train(
         spent = progress.unreported
 
         def sgd_step(images: torch.Tensor, labels: torch.Tensor) -> float:
+            raise_recorded_stop()  # a stop recorded inside Optuna's frames ends the run here, branch steps included
             if augment is not None:
                 images = random_crop_flip(images, train_set.mean, train_set.std, augment)
             images, labels = images.to(torch_device), labels.to(torch_device)
