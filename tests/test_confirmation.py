@@ -5,6 +5,7 @@ learned at half its steps, confirmation at 270)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -375,15 +376,17 @@ def test_once_the_reference_diverges_in_confirmation_no_point_is_trained_and_non
     assert len(warned) == 1
 
 
-def test_the_progress_bar_shows_calibration_and_confirmation_runs(tmp_path, context, capsys):
-    """Calibration and confirmation train for long and count no trial: the bar names them and their step, so
-    a search is not a bar standing at 0 for the half hour a slow model calibrates."""
+def test_the_progress_bar_shows_calibration_trial_and_confirmation_runs(tmp_path, context, capsys):
+    """Calibration and confirmation train for long and count no trial, and a slow model's proxy trains for most
+    of an hour: the bar names the run and its step, so a search is not a bar standing still for that long."""
     trainer = ScriptedTrainer(lambda name, step, length, seed: _at(REFERENCE, step)[seed % 1000], context)
     config = SearchConfig("tiny_cnn", SPACE, "digits", trials=4, out_dir=tmp_path / "run", proxy_seeds=3,
                           device="cpu", progress=True, max_proxy_steps=200)
     run_search(config, trainer=trainer)
     shown = capsys.readouterr().err
     assert "calibrating the all-high reference: step 50, loss" in shown
+    trials = set(re.findall(r"trial (\d+), seed (\d+): step 200/200", shown))  # a scripted run reports at its end
+    assert trials and {int(seed) for _, seed in trials} <= {0, 1, 2}
     assert f"confirming: step {3 * 200}, loss" in shown
 
 

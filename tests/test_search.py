@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import optuna
 import pandas as pd
@@ -351,12 +352,18 @@ def test_categorical_and_tensor_spaces_search(tmp_path):
 
 
 @pytest.mark.slow
-def test_parallel_workers_share_the_study(tmp_path):
-    result = _search(tmp_path / "run", 10, jobs=2)
+def test_parallel_workers_share_the_study(tmp_path, capsys):
+    config = SearchConfig("tiny_cnn", data="digits", trials=10, out_dir=tmp_path / "run", device="cpu", jobs=2,
+                          space=SPACE, proxy_steps=20)  # long enough to report (every 10 steps)
+    result = run_search(config)
     trials = result.trials
     assert _distinct(trials) == 10  # the trials other workers are running count against the budget
     fresh = trials[trials["trained"] & (trials["duplicate_of"] == "")]
     assert fresh["key"].is_unique
+    # the parent's bar shows where the workers' proxies stand, read from the memory they share with it
+    shown = set(re.findall(r"worker (\d): trial (\d+), seed (\d+): step (\d+)/(\d+)", capsys.readouterr().err))
+    assert shown and all(int(step) <= int(steps) == 20 for *_, step, steps in shown)
+    assert {int(trial) for _, trial, *_ in shown} <= set(fresh["number"])
 
 
 def test_a_torn_journal_record_is_dropped_on_resume(tmp_path):

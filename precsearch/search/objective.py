@@ -23,6 +23,8 @@ import os
 import socket
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ from precsearch.search.trials import trials_frame
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["FINISHED", "WORKER", "Objective"]
+__all__ = ["FINISHED", "WORKER", "Objective", "TrialStep"]
 
 log = logging.getLogger(__name__)
 
@@ -73,22 +75,38 @@ def _set_constraints(trial: optuna.Trial, constraints: dict[str, float]) -> None
             trial.set_constraint(name, value)
 
 
+@dataclass(frozen=True)
+class TrialStep:
+    """Where a trial's proxy stands: the step of its run on ``seed`` out of ``steps`` (the progress bar's)."""
+
+    trial: int
+    seed: int
+    step: int
+    steps: int
+
+    def __str__(self) -> str:
+        return f"trial {self.trial}, seed {self.seed}: step {self.step}/{self.steps}"
+
+
 class Objective:
     """Optuna objective: decide, price, reuse or train, record. One instance per worker process.
 
     ``reference`` is the calibrated all-high reference every trial is held to (at the rungs and at its end);
     ``location`` and ``storage`` are where the study lives (the decision lock is taken there);
-    ``out_dir`` is where this worker writes the policy of each proxy it trains.
+    ``out_dir`` is where this worker writes the policy of each proxy it trains; ``progress`` is told every
+    few steps where the proxy stands (a proxy of a slow model trains for most of an hour).
     """
 
     def __init__(self, context: SearchContext, reference: Reference, location: StudyLocation,
-                 storage: optuna.storages.BaseStorage, out_dir: Path) -> None:
+                 storage: optuna.storages.BaseStorage, out_dir: Path,
+                 progress: Callable[[TrialStep], None] | None = None) -> None:
         self.context = context
         self.reference = reference
         self.rungs = reference.rung_rule(context.budget, context.chance)
         self.location = location
         self.storage = storage
         self.out_dir = out_dir
+        self.progress = progress
 
     def __call__(self, trial: optuna.Trial) -> Any:
         try:
@@ -135,7 +153,7 @@ class Objective:
             branches = 0
             trial.set_user_attr("duplicate_of", "reference")
         else:
-            stopped, results = self._race(study, policy, key)
+            stopped, results = self._race(study, policy, key, trial.number)
             if stopped is not None:
                 result = ProxyResult(stopped.accuracy, math.nan, False, stopped.reason, stopped.step, [])
                 accuracies, seed_steps = [stopped.accuracy], [stopped.step]
@@ -172,7 +190,8 @@ class Objective:
             context.drop_checkpoint(key, seed)
         return context.values(memory, result)
 
-    def _race(self, study: optuna.Study, policy: Policy, key: str) -> tuple[RungStop | None, list[ProxyResult]]:
+    def _race(self, study: optuna.Study, policy: Policy, key: str, number: int
+              ) -> tuple[RungStop | None, list[ProxyResult]]:
         """Train a candidate seed by seed, the first through the rungs, adding a seed only while the budget's
         decision on it depends on one (``_decided``), up to the reference's ``proxy_seeds``; each run
         continues from its checkpoint if a stopped process left one (``_run`` removes them once the trial is
@@ -182,7 +201,7 @@ class Objective:
         for seed in context.proxy_seed_list(self.reference.proxy_seeds):
             first = not results
             try:
-                results.append(context.trainer(policy, context.length, seed,
+                results.append(context.trainer(policy, context.length, seed, report=self._reporter(number, seed),
                                                evaluate_at=self.rungs.steps if first else (),
                                                on_eval=self.rungs.check if first else None,
                                                checkpoint=context.checkpoint(key, seed)))
@@ -191,6 +210,13 @@ class Objective:
             if results[-1].diverged or self._decided(study, results):
                 break
         return None, results
+
+    def _reporter(self, number: int, seed: int) -> Callable[[int, float], None] | None:
+        """The trainer's ``report`` hook for trial ``number``'s run on ``seed``: it tells ``progress``."""
+        progress, steps = self.progress, self.context.length
+        if progress is None:
+            return None
+        return lambda step, loss: progress(TrialStep(number, seed, step, steps))
 
     def _decided(self, study: optuna.Study, results: list[ProxyResult]) -> bool:
         """Whether the accuracy-drop rule is settled on these seeds (``selection.drop_verdict``); under a memory

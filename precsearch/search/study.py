@@ -125,6 +125,7 @@ from precsearch.search.trials import params_of, policy_of, trials_frame
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
     WorkerSetup,
+    WorkerSteps,
     budget_callback,
     load_study,
     optimize,
@@ -460,29 +461,37 @@ PHASE_REFRESH_S = 1.0  # a run reports every few steps; the bar shows it at most
 
 
 class _Progress:
-    """A tqdm bar of counted trials with the size of the proxy front in its postfix (no pick before
-    confirmation)."""
+    """A tqdm bar of counted trials; its postfix holds the size of the proxy front (no pick before confirmation)
+    and what trains now: a trial's proxy, calibration's or confirmation's run. Those runs are long, a slow
+    model's proxy most of an hour, so the bar would otherwise stand still for them."""
 
     def __init__(self, total: int, done: int, enabled: bool) -> None:
         self.bar = tqdm(total=total, initial=min(done, total), desc="search", unit="trial", disable=not enabled,
                         dynamic_ncols=True)
         self.done = done
+        self.front: int | None = None
+        self.activity = ""
         self.shown = -PHASE_REFRESH_S  # when phase() last drew the bar
 
     def update(self, done: int, front: pd.DataFrame) -> None:
         if done > self.done:
             self.bar.update(min(done, self.bar.total) - min(self.done, self.bar.total))
             self.done = done
-        self.bar.set_postfix({"front": len(front)}, refresh=True)
+        self.front = len(front)
+        self._draw(refresh=True)
 
     def phase(self, text: str) -> None:
-        """What trains now outside the trials (calibration, confirmation): their runs are long and count no
-        trial, so the bar would otherwise stand still for them."""
-        self.bar.set_postfix_str(text, refresh=False)
+        """What trains now; drawn at most once every ``PHASE_REFRESH_S``."""
+        self.activity = text
         now = time.monotonic()
-        if now - self.shown >= PHASE_REFRESH_S:
-            self.bar.refresh()
+        due = now - self.shown >= PHASE_REFRESH_S
+        self._draw(refresh=due)
+        if due:
             self.shown = now
+
+    def _draw(self, refresh: bool) -> None:
+        parts = ([] if self.front is None else [f"front={self.front}"]) + ([self.activity] if self.activity else [])
+        self.bar.set_postfix_str(", ".join(parts), refresh=refresh)
 
     def close(self) -> None:
         self.bar.close()
@@ -597,7 +606,8 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     log.info("proxy length %d steps (%s)", reference.length, "fixed" if calibration.fixed else "calibrated")
     run.record(study)
     _seed_study(study, context, config.seeding, run.trials, ledger)
-    objective = Objective(context, reference, run.location, run.backend, run.out_dir)
+    objective = Objective(context, reference, run.location, run.backend, run.out_dir,
+                          lambda where: run.bar.phase(str(where)))
     run.signals.check()
     _trials(study, context, objective, config, run)
     run.signals.check()
@@ -686,7 +696,8 @@ def _optimize_workers(study: optuna.Study, context: SearchContext, setup: Worker
     if trials_done(study) >= setup.trials:
         return
     spawn = multiprocessing.get_context("spawn")
-    workers = [spawn.Process(target=run_worker, args=(setup, index + 1, gpu, os.getpid()), daemon=False)
+    steps = WorkerSteps(spawn, len(gpus))
+    workers = [spawn.Process(target=run_worker, args=(setup, index + 1, gpu, os.getpid(), steps), daemon=False)
                for index, gpu in enumerate(gpus)]
     for worker in workers:
         worker.start()
@@ -699,6 +710,7 @@ def _optimize_workers(study: optuna.Study, context: SearchContext, setup: Worker
             if done != seen:
                 seen = done
                 bar.update(done, export(study, context, setup.out_dir).pareto)
+            bar.phase(steps.shown())
     except KeyboardInterrupt:
         for worker in workers:  # SIGTERM reaches this process only; Ctrl-C reached them all (once is enough)
             if worker.is_alive():

@@ -4,6 +4,7 @@ budget is used up, its parent dies or a stop signal arrives."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
 from precsearch.formats.runner import RUNNER
 from precsearch.search.context import Budget, DataSpec, SearchContext
-from precsearch.search.objective import FINISHED, Objective
+from precsearch.search.objective import FINISHED, Objective, TrialStep
 from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
     CHECKPOINTS,
@@ -39,6 +40,7 @@ from precsearch.stopping import StopSignals, stop_signals
 __all__ = [
     "SAMPLER_REPEATS",
     "WorkerSetup",
+    "WorkerSteps",
     "budget_callback",
     "load_study",
     "optimize",
@@ -154,9 +156,27 @@ class WorkerSetup:
     compiled_kernels: bool  # the parent's ``RUNNER.enabled``
 
 
-def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> None:
+class WorkerSteps:
+    """Where each local worker's proxy stands (a ``TrialStep`` per worker), in memory shared with the parent,
+    which shows it on its bar. Each worker writes only its own slot; a reading torn by a write is redrawn
+    within a second."""
+
+    def __init__(self, spawn: Any, workers: int) -> None:
+        self.values = spawn.Array("q", 4 * workers, lock=False)  # trial, seed, step, steps; steps 0: none yet
+
+    def record(self, index: int, where: TrialStep) -> None:
+        """``index``: the worker's, from 1."""
+        self.values[4 * (index - 1):4 * index] = [where.trial, where.seed, where.step, where.steps]
+
+    def shown(self) -> str:
+        rows = [self.values[start:start + 4] for start in range(0, len(self.values), 4)]
+        return "; ".join(f"worker {index}: {TrialStep(*row)}" for index, row in enumerate(rows, 1) if row[3])
+
+
+def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int, steps: WorkerSteps) -> None:
     """One ``--jobs`` worker process: its own context and sampler on the study; ``gpu`` (an entry of the
-    parent's CUDA_VISIBLE_DEVICES) becomes the only GPU it sees."""
+    parent's CUDA_VISIBLE_DEVICES) becomes the only GPU it sees; ``steps`` is where it says how far its proxy
+    has trained."""
     device = setup.device
     if gpu is not None:  # before anything initializes CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
@@ -176,7 +196,9 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int) -> 
         reference = Reference.from_study(study)  # the parent recorded it before starting the workers
         context.length = reference.length
         try:
-            optimize(study, Objective(context, reference, setup.location, storage, setup.out_dir),
+            objective = Objective(context, reference, setup.location, storage, setup.out_dir,
+                                  functools.partial(steps.record, index))
+            optimize(study, objective,
                      SAMPLER_REPEATS * setup.trials, [budget_callback(setup.trials, not setup.location.shared),
                                                       _parent_watch(parent), stop_on_signal(signals)])
         except (Exception, DiskFull) as error:
