@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,29 @@ def test_a_checkpoint_another_schedule_left_is_not_continued(context, tmp_path, 
     _run(context, None, 10, checkpoint=decaying, decay_from=6)  # checkpointed at 8, inside the decay after 6
     _same(_run(context, None, 10, checkpoint=decaying, decay_from=4), _run(context, None, 10, decay_from=4))
     _same(_run(context, None, 10, checkpoint=decaying), _run(context, None, 10))
+
+
+def test_a_run_stopped_and_continued_counts_each_seconds_once(context, tmp_path, monkeypatch):
+    """``wall_time`` is the seconds the run trained over all its calls: a checkpoint (here every 2 steps) stores
+    the time so far, and neither the next checkpoint nor the continuing call adds that time again."""
+    monkeypatch.setattr(trainer, "CHECKPOINT_EVERY", 2)
+    checkpoint = tmp_path / "run.pt"
+
+    def stop(step, loss):
+        if step == 10:  # after the checkpoints at 2, 4, 6 and 8
+            raise _Stop
+
+    clock = time.perf_counter()
+    with pytest.raises(_Stop):
+        _run(context, None, 12, evaluate_at=[4], checkpoint=checkpoint, report=stop)
+    first = time.perf_counter() - clock
+    clock = time.perf_counter()
+    rest = _run(context, None, 12, evaluate_at=[4], checkpoint=checkpoint)
+    second = time.perf_counter() - clock
+    assert 0 < rest.wall_time <= first + second
+    clock = time.perf_counter()
+    whole = _run(context, None, 12, evaluate_at=[4], checkpoint=tmp_path / "whole.pt")
+    assert 0 < whole.wall_time <= time.perf_counter() - clock
 
 
 class _OpensAFile:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
 
 import optuna
@@ -21,12 +22,14 @@ from precsearch.graph.tracing import trace
 from precsearch.search.calibration import CalibrationSettings, reference_policy
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.ledger import recorded
+from precsearch.search.objective import TrialStep
 from precsearch.search.reference import Reference
+from precsearch.search.seeding import AllHigh, Seedings
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import R_GRID
 from precsearch.search.study import SearchInterrupted, run_search
-from precsearch.search.workers import worker_gpus
+from precsearch.search.workers import WorkerSteps, worker_gpus
 from precsearch.train.proxy import ProxyTrainer, build_model
 
 PROXY = {"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64}
@@ -366,6 +369,20 @@ def test_parallel_workers_share_the_study(tmp_path, capsys):
     assert {int(trial) for _, trial, *_ in shown} <= set(fresh["number"])
 
 
+@pytest.mark.slow
+@pytest.mark.slow
+def test_workers_resuming_the_last_trial_start_no_trial_past_the_budget(tmp_path):
+    """Resumed with one trial left, its interrupted trial queued again: one worker retries it, and the other is
+    not started, since each worker takes a trial before any budget check (it would sample a third)."""
+    out, seeding = tmp_path / "run", Seedings("all-high", [AllHigh()])
+    with pytest.raises(SearchInterrupted):  # trial 0 (all-high) is the reference's copy; trial 1 is interrupted
+        _search(out, 2, trainer=Failing(KeyboardInterrupt(), on_call=REFERENCE_CALLS + 1), seeding=seeding)
+    assert [t.state for t in _study(out).trials] == [TrialState.COMPLETE, TrialState.FAIL]
+    trials = _search(out, 2, resume=True, jobs=2, seeding=seeding).trials
+    assert _distinct(trials) == 2
+    assert [t.system_attrs.get("failed_trial") for t in _study(out).trials] == [None, None, 1]  # no trial 3
+
+
 def test_a_torn_journal_record_is_dropped_on_resume(tmp_path):
     out = tmp_path / "run"
     first = _search(out, 2).trials
@@ -375,6 +392,17 @@ def test_a_torn_journal_record_is_dropped_on_resume(tmp_path):
     assert trials.iloc[:2]["key"].tolist() == first["key"].tolist()
     assert _distinct(trials) == 3
     assert (out / "study.journal").read_bytes().endswith(b"\n")
+
+
+def test_the_bar_drops_a_worker_that_exited():
+    """A worker clears its slot when it exits (``run_worker``), so the bar no longer shows its last trial's step
+    beside the workers still training."""
+    steps = WorkerSteps(multiprocessing.get_context("spawn"), 2)
+    steps.record(1, TrialStep(25, 1, 50, 3200))
+    steps.record(2, TrialStep(28, 0, 10, 3200))
+    assert steps.shown() == "worker 1: trial 25, seed 1: step 50/3200; worker 2: trial 28, seed 0: step 10/3200"
+    steps.clear(1)
+    assert steps.shown() == "worker 2: trial 28, seed 0: step 10/3200"
 
 
 def test_workers_get_one_visible_gpu_each(monkeypatch):

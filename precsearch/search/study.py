@@ -133,6 +133,7 @@ from precsearch.search.workers import (
     sampler,
     stop_on_signal,
     trials_done,
+    trials_wanted,
     worker_disk_full,
     worker_gpus,
 )
@@ -684,17 +685,21 @@ def _optimize_here(study: optuna.Study, context: SearchContext, objective: Objec
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
         run.bar.update(trials_done(study), export(study, context, run.out_dir).pareto)
 
-    remaining = run.trials - trials_done(study)
-    if remaining <= 0:
+    wanted = trials_wanted(study, run.trials, not run.location.shared)
+    if wanted <= 0:
         return
-    optimize(study, objective, SAMPLER_REPEATS * remaining,
+    optimize(study, objective, SAMPLER_REPEATS * wanted,
              [after, budget_callback(run.trials, not run.location.shared), stop_on_signal(run.signals)])
 
 
 def _optimize_workers(study: optuna.Study, context: SearchContext, setup: WorkerSetup, gpus: list[str | None],
                       bar: _Progress) -> None:
-    if trials_done(study) >= setup.trials:
+    wanted = trials_wanted(study, setup.trials, not setup.location.shared)
+    if wanted <= 0:
         return
+    if wanted < len(gpus):  # each worker starts a trial before any budget check: start no more than are wanted
+        log.info("starting %d of %d workers: %d trial(s) left to run", wanted, len(gpus), wanted)
+        gpus = gpus[:wanted]
     spawn = multiprocessing.get_context("spawn")
     steps = WorkerSteps(spawn, len(gpus))
     workers = [spawn.Process(target=run_worker, args=(setup, index + 1, gpu, os.getpid(), steps), daemon=False)

@@ -102,17 +102,24 @@ def optimize(study: optuna.Study, objective: Objective, n_trials: int,
                         "(silent for over 3 heartbeats); its retry trains it again, this result is dropped")
 
 
+def trials_wanted(study: optuna.Study, trials: int, count_running: bool) -> int:
+    """How many more trials to start: what the budget of ``trials`` has left (``_counted``), and at least every
+    queued retry of an interrupted trial, which must run whatever the budget says. With ``count_running`` (the
+    workers of one run, all alive) the trials running now count against the budget, so that N workers do not
+    start N - 1 trials past it; a shared study may hold RUNNING trials of dead hosts until their heartbeat
+    times out, so there they do not count."""
+    queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if count_running else []
+    retries = sum("failed_trial" in t.system_attrs for t in queued)
+    return max(retries, trials - trials_done(study) - len(running))
+
+
 def budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study, FrozenTrial], None]:
-    """Stop once ``trials`` trials counted (distinct assignments, ``_counted``) and no retry of a dead worker's
-    trial is still queued, or once the sampler has had ``SAMPLER_REPEATS`` x ``trials`` turns. With
-    ``count_running`` (the workers of one run, all alive) the trials other workers are running count too,
-    so that N workers do not start N - 1 trials past the budget; a shared study may hold RUNNING trials of
-    dead hosts until their heartbeat times out, so there they do not count."""
+    """Stop once no more trials are wanted (``trials_wanted``), or once the sampler has had
+    ``SAMPLER_REPEATS`` x ``trials`` turns."""
 
     def stop(study: optuna.Study, trial: FrozenTrial) -> None:
-        queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if count_running else []
-        if trials_done(study) + len(running) >= trials and not any("failed_trial" in t.system_attrs for t in queued):
+        if trials_wanted(study, trials, count_running) <= 0:
             study.stop()
         elif len(study.get_trials(deepcopy=False)) >= SAMPLER_REPEATS * trials:
             log.warning("the sampler keeps proposing assignments already known; stopping at %d distinct",
@@ -168,6 +175,10 @@ class WorkerSteps:
         """``index``: the worker's, from 1."""
         self.values[4 * (index - 1):4 * index] = [where.trial, where.seed, where.step, where.steps]
 
+    def clear(self, index: int) -> None:
+        """A worker that exits shows nothing: not the last step of a trial it no longer trains."""
+        self.values[4 * (index - 1):4 * index] = [0, 0, 0, 0]
+
     def shown(self) -> str:
         rows = [self.values[start:start + 4] for start in range(0, len(self.values), 4)]
         return "; ".join(f"worker {index}: {TrialStep(*row)}" for index, row in enumerate(rows, 1) if row[3])
@@ -209,6 +220,8 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int, ste
                 log.error("worker %d: %s", index, error)
                 raise SystemExit(2) from None
             raise
+        finally:
+            steps.clear(index)
 
 
 def worker_disk_full(exitcode: int | None, out_dir: Path) -> None:

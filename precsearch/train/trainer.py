@@ -397,6 +397,7 @@ def train(
         if saved is not None:
             saved[0].restore(model, optimizer, torch_device)
             progress = saved[1]
+        earlier_calls = progress.elapsed  # seconds the calls before this one trained: each checkpoint adds this call's
         rungs = {step for step in evaluate_at if 1 <= step <= steps}
         monitor = Divergence(config, progress.first_loss)
         curve, val_curve = progress.losses, progress.val_curve
@@ -446,7 +447,7 @@ def train(
             return accuracy, loss
 
         def elapsed() -> float:
-            return progress.elapsed + time.perf_counter() - start
+            return earlier_calls + time.perf_counter() - start
 
         batches = _batches(train_set, config.batch_size, seed, start=progress.step)
         while progress.step < steps and not (progress.reason and stop_on_divergence):
