@@ -181,7 +181,7 @@ def test_a_checkpoint_another_schedule_left_is_not_continued(context, tmp_path, 
     _same(_run(context, None, 10, checkpoint=decaying), _run(context, None, 10))
 
 
-def test_a_run_stopped_and_continued_counts_each_seconds_once(context, tmp_path, monkeypatch):
+def test_a_run_stopped_and_continued_counts_each_second_once(context, tmp_path, monkeypatch):
     """``wall_time`` is the seconds the run trained over all its calls: a checkpoint (here every 2 steps) stores
     the time so far, and neither the next checkpoint nor the continuing call adds that time again."""
     monkeypatch.setattr(trainer, "CHECKPOINT_EVERY", 2)
