@@ -370,7 +370,6 @@ def test_parallel_workers_share_the_study(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_workers_resuming_the_last_trial_start_no_trial_past_the_budget(tmp_path):
     """Resumed with one trial left, its interrupted trial queued again: one worker retries it, and the other is
     not started, since each worker takes a trial before any budget check (it would sample a third)."""
