@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import re
+import time
 
 import optuna
 import pandas as pd
@@ -19,6 +20,7 @@ from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
+from precsearch.search import study as study_module
 from precsearch.search.calibration import CalibrationSettings, reference_policy
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.ledger import recorded
@@ -391,6 +393,52 @@ def test_a_torn_journal_record_is_dropped_on_resume(tmp_path):
     assert trials.iloc[:2]["key"].tolist() == first["key"].tolist()
     assert _distinct(trials) == 3
     assert (out / "study.journal").read_bytes().endswith(b"\n")
+
+
+def test_a_runs_workers_share_out_its_steps_and_a_later_run_takes_a_dead_ones_claim_at_once(tmp_path):
+    """The ledger of a run with --jobs: a worker leaves a step its sibling claimed (a lease), and with
+    ``wait=False`` goes on without it; the parent, which takes steps only while no worker runs, and a resumed run
+    (another run id) take a claim left by a killed worker at once, without waiting out the lease."""
+    location = StudyLocation.of(None, tmp_path)
+    storage = location.open()
+    study = optuna.create_study(study_name="precsearch", storage=storage)
+    first, second = (study_module._ledger(study, location, storage, "r1", index) for index in (1, 2))
+    ran = []
+
+    def work(name):
+        ran.append(name)
+        return {"done": name}
+
+    with first.lock():  # worker 1 holds step "a" (as its claim looks while it trains)
+        study.set_user_attr("claim:a", {"worker": first.worker, "since": time.time(), "time": time.time()})
+    assert second.run(["a", "b"], work, wait=False) == {"b": {"done": "b"}}  # "a" is left to worker 1
+    assert ran == ["b"]
+    parent = study_module._ledger(study, location, storage, "r1", 0)
+    resumed = study_module._ledger(study, location, storage, "r2", 1)
+    for ledger, name in ((parent, "a"), (resumed, "c")):
+        with ledger.lock():
+            study.set_user_attr(f"claim:{name}", {"worker": first.worker, "since": time.time(), "time": time.time()})
+        assert ledger.run([name], work)[name] == {"done": name}  # at once: the lease is 60 s
+    assert ran == ["b", "a", "c"]
+
+
+@pytest.mark.slow
+def test_jobs_workers_train_calibration_and_confirmation_runs_side_by_side(tmp_path):
+    """With --jobs 2 the worker processes, not the parent, train calibration's and confirmation's runs, and share
+    them out (all-high's two seeds in calibration; all-high's and plain fp32's runs in confirmation): the claims
+    the study keeps name the worker that trained each run. The runs are long enough (300 and 900 steps) that a
+    worker is still training its first when the other, started with it, comes for one."""
+    out = tmp_path / "run"
+    space = paper_space(proxy={**PROXY, "steps": 300})
+    result = _search(out, 2, jobs=2, proxy_seeds=2, space=space)
+    claims = {name.removeprefix("claim:"): claim["worker"] for name, claim in _study(out).user_attrs.items()
+              if name.startswith("claim:")}
+    runs = {name: worker for name, worker in claims.items() if name.startswith(("calibration:", "confirm:"))}
+    assert {name.split(":")[1] for name in runs} >= {"300", result.confirmation.reference, "plain-fp32"}
+    run_ids = {worker.split("/")[0] for worker in runs.values()}
+    assert len(run_ids) == 1 and run_ids.pop().startswith("run ")
+    assert {worker.split("/")[1] for worker in runs.values()} == {"1", "2"}  # both workers trained; no parent (0)
+    assert result.best is not None
 
 
 def test_the_bar_drops_a_worker_that_exited():

@@ -14,7 +14,8 @@ and the comparison with it is unpaired. ``best.json`` is then chosen from confir
 (``selection.confirmed_front`` + ``choose_best``): a point whose proxy looked good but whose confirmation falls
 short is not picked, the next confirmed point is. A plain fp32 run (no policy) of the same length on the first
 fresh seed is the yardstick the report holds the pick against; it decides nothing, so it trains one seed, not
-the reference's.
+the reference's. Workers take the runs in that order, none waiting while a run it could train is free: the
+reference's first runs, plain fp32, the points.
 
 Under an accuracy-drop rule the pick is the least memory confirmed within the drop, so confirmation is
 sequential: the points in memory order, stopping at the first point confirmed, and seeds race (``race``): the
@@ -173,10 +174,10 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
     if recorded_before is not None:
         return recorded_before
 
-    def trained(key: str, policy: Policy | None, chosen: Sequence[int], checkpoint_key: str | None = None
-                ) -> list[dict[str, Any]]:
+    def trained(key: str, policy: Policy | None, chosen: Sequence[int], checkpoint_key: str | None = None,
+                wait: bool = True) -> list[dict[str, Any]]:
         """``key``'s runs on ``chosen`` seeds, each continuing its checkpoint under ``checkpoint_key`` (default
-        ``key``)."""
+        ``key``); with ``wait=False`` only those recorded once this worker has run what no other worker holds."""
         names = {_step(key, seed): seed for seed in chosen}
         checkpoint_key = checkpoint_key or key
 
@@ -188,14 +189,16 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
             context.drop_checkpoint(checkpoint_key, seed)
             return run_record(result, seed)
 
-        results = ledger.run(list(names), work)
-        return [results[name] for name in names]
+        results = ledger.run(list(names), work, wait)
+        return [results[name] for name in names if name in results]
 
-    def reference(chosen: Sequence[int]) -> list[dict[str, Any]]:
-        return trained(high, reference_policy(context), chosen, REFERENCE_RUN)
+    def reference(chosen: Sequence[int], wait: bool = True) -> list[dict[str, Any]]:
+        return trained(high, reference_policy(context), chosen, REFERENCE_RUN, wait)
 
-    runs = {high: reference(reference_seeds if decide is None else reference_seeds[:RACING_REFERENCE_SEEDS]),
-            PLAIN_FP32: trained(PLAIN_FP32, None, seeds[:1])}
+    first = reference_seeds if decide is None else reference_seeds[:RACING_REFERENCE_SEEDS]
+    reference(first, wait=False)  # the runs no other worker holds: a worker finding none free trains plain fp32
+    runs = {high: [], PLAIN_FP32: trained(PLAIN_FP32, None, seeds[:1], wait=False)}
+    runs[high] = reference(first)
     for key, policy in front.items():
         if (why := reference_divergence(runs[high])) is not None:
             log.warning("%s; the front's points are not trained", why)
@@ -208,6 +211,7 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
                                               runs[high])
         if verdict:
             break
+    runs[PLAIN_FP32] = trained(PLAIN_FP32, None, seeds[:1])  # waited for here if another worker trains it
     for seed in reference_seeds[len(runs[high]):]:  # runs the race did not need: nothing continues them
         context.drop_checkpoint(REFERENCE_RUN, seed)
     confirmation = Confirmation(length, runs, tuple(seeds), high, tuple(reference_seeds))

@@ -6,8 +6,9 @@ redoes a finished step); a worker about to run it first claims it (``claim:<name
 last renewal) under the study's lock, and renews the claim every ``stale / 3`` seconds from a thread while
 the step runs: the claim is a lease. A claim not renewed for ``stale`` seconds belonged to a worker that
 died: the next worker that looks takes the step over and goes on from what the step recorded so far (a step
-that records as it goes checks under the lock that it still holds the claim, ``holding``). Runs are seeded,
-so a step run twice gives the same numbers.
+that records as it goes checks under the lock that it still holds the claim, ``holding``). A claim the
+ledger's ``alive`` rule says no living worker can hold (one of an earlier process of a run that holds its run
+lock now) is taken over at once. Runs are seeded, so a step run twice gives the same numbers.
 """
 
 from __future__ import annotations
@@ -52,29 +53,35 @@ class LeaseLost(Exception):
 
 
 class Ledger:
-    """Named steps of one study; ``lock()`` is the study's cross-process lock, ``worker`` this process's name."""
+    """Named steps of one study; ``lock()`` is the study's cross-process lock, ``worker`` this process's name,
+    ``alive(other)`` whether the worker named ``other`` may still be running (if so, its claim is a lease that
+    lapses after ``stale`` seconds unrenewed; if not, its claim is taken over at once)."""
 
     def __init__(self, study: optuna.Study, lock: Callable[[], contextlib.AbstractContextManager[Any]],
-                 worker: str, stale: float) -> None:
+                 worker: str, stale: float, alive: Callable[[str], bool] = lambda other: True) -> None:
         self.study = study
         self.lock = lock
         self.worker = worker
         self.stale = stale
+        self.alive = alive
         self._waiting_for: dict[str, str] = {}  # step -> the worker it was last seen held by
 
     def result(self, name: str) -> dict[str, Any] | None:
         return recorded(self.study.user_attrs, name)
 
-    def run(self, names: Sequence[str], work: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def run(self, names: Sequence[str], work: Callable[[str], dict[str, Any]], wait: bool = True
+            ) -> dict[str, dict[str, Any]]:
         """The results of every step in ``names``: recorded ones as they are, the others run here by
-        ``work(name)`` or waited for while another worker runs them (taken over if it goes silent)."""
+        ``work(name)`` or waited for while another worker runs them (taken over if it goes silent). With
+        ``wait=False`` one pass: the steps no other worker holds are run here, and the results recorded by then
+        are returned (a step another worker runs is left to it, so this worker can go on with other work)."""
         while True:
             missing = [name for name in names if self.result(name) is None]
             if not missing:
                 return {name: self.result(name) for name in names}
             ran = False
             for name in missing:
-                if not self._claim(name):
+                if not self._claim(name, wait):
                     continue
                 pause_point(f"claimed:{name}")
                 try:
@@ -85,6 +92,8 @@ class Ledger:
                     continue
                 self.study.set_user_attr(RESULT + name, result)
                 ran = True
+            if not wait:
+                return {name: done for name in names if (done := self.result(name)) is not None}
             if not ran:
                 time.sleep(POLL)
 
@@ -97,15 +106,20 @@ class Ledger:
                 raise LeaseLost(name)
             yield
 
-    def _claim(self, name: str) -> bool:
+    def _claim(self, name: str, waiting: bool = True) -> bool:
         with self.lock():
             if self.result(name) is not None:
                 return False
             claim = self.study.user_attrs.get(CLAIM + name)
-            if claim is not None and claim["worker"] != self.worker and time.time() - claim["time"] < self.stale:
-                self._log_wait(name, claim)
+            other = claim is not None and claim["worker"] != self.worker
+            if other and not self.alive(claim["worker"]):
+                log.info("step %s: continuing it where %s, an earlier process of this run, left it", name,
+                         claim["worker"])
+            elif other and time.time() - claim["time"] < self.stale:
+                if waiting:
+                    self._log_wait(name, claim)
                 return False
-            if claim is not None and claim["worker"] != self.worker:
+            elif other:
                 log.warning("step %s: its worker %s went silent %.0f s ago; taking it over", name, claim["worker"],
                             time.time() - claim["time"])
             now = time.time()

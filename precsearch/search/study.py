@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -70,6 +71,7 @@ import multiprocessing
 import os
 import signal
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -93,6 +95,7 @@ from precsearch.search.confirmation import (
     Confirmation,
     confirm,
     confirmation_length,
+    recorded_confirmation,
 )
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.export import Exported, export
@@ -124,6 +127,9 @@ from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
 from precsearch.search.trials import params_of, policy_of, trials_frame
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
+    TRIALS,
+    WorkerPhase,
+    WorkerRun,
     WorkerSetup,
     WorkerSteps,
     budget_callback,
@@ -310,12 +316,19 @@ def _trial_budget(context: SearchContext, trials: int) -> int:
     return min(trials, context.assignments)
 
 
-def _ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage) -> Ledger:
+def _ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage, run_id: str = "",
+            index: int = 0) -> Ledger:
     """Workers of a shared study are told apart: a dead one's claim on a step is taken over after the heartbeat
-    timeout. In a study of one run only the process holding the run lock takes steps, so the run is the worker:
-    a step that a killed (or stopped by a full disk) process of it claimed is taken up at once by --resume."""
-    worker = WORKER if location.shared else "run"
-    return Ledger(study, lambda: location.lock(storage), worker, stale=3.0 * location.heartbeat)
+    timeout. A study of one run is used by the processes of the run that holds its run lock: the parent
+    (``index`` 0) takes steps only while none of its ``--jobs`` workers (1, 2, ...) runs, and the workers honour
+    each other's claims as leases. So a step that a killed (or stopped by a full disk) process of an earlier run
+    claimed is taken up at once by --resume, and the parent takes up at once what a worker of its own left."""
+    lock = functools.partial(location.lock, storage)
+    if location.shared:
+        return Ledger(study, lock, WORKER, stale=3.0 * location.heartbeat)
+    ours = f"run {run_id}/"
+    return Ledger(study, lock, f"{ours}{index}", stale=3.0 * location.heartbeat,
+                  alive=lambda other: index > 0 and other.startswith(ours))
 
 
 def _reference_seeds(context: SearchContext) -> list[int]:
@@ -358,7 +371,7 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
 
 
 def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, ledger: Ledger,
-             config: SearchConfig, report: Callable[[int, float], None]) -> None:
+             confirm_factor: float, report: Callable[[int, float], None]) -> None:
     """Continue all-high's runs (and train plain fp32 on one seed), then the front's points (within the memory
     budget) in memory order, to the confirmation length, the points on fresh seeds
     (precsearch.search.confirmation): under an accuracy-drop rule sequentially, as
@@ -381,7 +394,7 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
 
     reference_seeds = [seed for seed in _reference_seeds(context) if seed not in reference.calibration.failed]
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(reference_seeds))]
-    length = confirmation_length(reference.length, config.confirm_factor)
+    length = confirmation_length(reference.length, confirm_factor)
     confirm(context, ledger, high, reference_seeds, points, length, seeds, report,
             decide if budget.max_memory is None else None)
 
@@ -548,7 +561,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 raise
             trials = _trial_budget(context, config.trials)
             run = _Run(out_dir, run_config, location, backend, signals,
-                       _Progress(trials, trials_done(study), config.progress), trials, gpus)
+                       _Progress(trials, trials_done(study), config.progress), trials, gpus, uuid.uuid4().hex[:8])
             stopped_by: int | None = None
             full: OSError | None = None
             try:
@@ -588,6 +601,7 @@ class _Run:
     bar: _Progress
     trials: int
     gpus: list[str | None]
+    run_id: str  # tells this run's processes from an earlier run's in the ledger (``_ledger``)
 
     def record(self, study: optuna.Study) -> None:
         """run.json, with the calibration and confirmation the study has recorded so far."""
@@ -597,10 +611,14 @@ class _Run:
 def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> None:
     """The search, top-down: calibrate the proxy length on the all-high reference and record the reference,
     seed the study, run the trials (each proxy held to the reference at the rungs), confirm the front. Every
-    worker of a study runs it; the ledger runs each setup and wrap-up step once. The pick and the files
-    follow in ``run_search``, after a stop too: ``export`` writes what precsearch.search.selection picks."""
-    ledger = _ledger(study, run.location, run.backend)
+    worker of a study runs it; the ledger runs each setup and wrap-up step once. With ``--jobs N`` the N worker
+    processes train calibration's, the trials' and confirmation's runs (``_in_workers``), and this process then
+    reads what they recorded. The pick and the files follow in ``run_search``, after a stop too: ``export``
+    writes what precsearch.search.selection picks."""
+    ledger = _ledger(study, run.location, run.backend, run.run_id)
     run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
+    if recorded_calibration(study.user_attrs) is None:
+        _in_workers(CALIBRATION, study, context, config, run)
     calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context),
                             _phase_progress(run.bar, "calibrating the all-high reference"))
     reference = _reference(study, context, calibration)
@@ -612,8 +630,30 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     run.signals.check()
     _trials(study, context, objective, config, run)
     run.signals.check()
-    _confirm(study, context, reference, ledger, config, _phase_progress(run.bar, "confirming"))
+    if recorded_confirmation(study.user_attrs) is None:
+        _in_workers(CONFIRMATION, study, context, config, run)
+    _confirm(study, context, reference, ledger, config.confirm_factor, _phase_progress(run.bar, "confirming"))
     run.record(study)
+
+
+def _calibrate_in_worker(run: WorkerRun) -> None:
+    """A worker's share of calibration: the runs no other worker has taken, at each length until it decides."""
+    setup = run.setup
+    calibrate(run.context, _ledger(run.study, setup.location, run.storage, setup.run_id, run.index), setup.calibration,
+              _reference_seeds(run.context), run.report("calibrating"))
+
+
+def _confirm_in_worker(run: WorkerRun) -> None:
+    """A worker's share of confirmation: the runs no other worker has taken, while the race is undecided."""
+    setup, study = run.setup, run.study
+    reference = Reference.from_study(study)
+    run.context.length = reference.length
+    _confirm(study, run.context, reference, _ledger(study, setup.location, run.storage, setup.run_id, run.index),
+             setup.confirm_factor, run.report("confirming"))
+
+
+CALIBRATION = WorkerPhase("calibration", _calibrate_in_worker, replayed=True)
+CONFIRMATION = WorkerPhase("confirmation", _confirm_in_worker, replayed=True)
 
 
 def _trials(study: optuna.Study, context: SearchContext, objective: Objective, config: SearchConfig,
@@ -623,13 +663,16 @@ def _trials(study: optuna.Study, context: SearchContext, objective: Objective, c
     if config.jobs == 1:
         _optimize_here(study, context, objective, run)
     else:
-        created = (context.model, context.space, context.data_spec, context.budget, context.seed)
-        setup = WorkerSetup(created, context.settings, context.device, run.location, run.out_dir, run.trials,
-                            config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile,
-                            RUNNER.enabled)
-        _optimize_workers(study, context, setup, run.gpus, run.bar)
+        _optimize_workers(study, context, config, run)
     if run.location.shared:
         _settle(study, objective)
+
+
+def _worker_setup(context: SearchContext, config: SearchConfig, run: _Run) -> WorkerSetup:
+    created = (context.model, context.space, context.data_spec, context.budget, context.seed)
+    return WorkerSetup(created, context.settings, context.device, run.location, run.out_dir, run.trials,
+                       config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile, RUNNER.enabled,
+                       config.proxy_seeds, config.calibration, config.confirm_factor, run.run_id)
 
 
 def _phase_progress(bar: _Progress, phase: str) -> Callable[[int, float], None]:
@@ -692,18 +735,31 @@ def _optimize_here(study: optuna.Study, context: SearchContext, objective: Objec
              [after, budget_callback(run.trials, not run.location.shared), stop_on_signal(run.signals)])
 
 
-def _optimize_workers(study: optuna.Study, context: SearchContext, setup: WorkerSetup, gpus: list[str | None],
-                      bar: _Progress) -> None:
-    wanted = trials_wanted(study, setup.trials, not setup.location.shared)
+def _optimize_workers(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> None:
+    wanted = trials_wanted(study, run.trials, not run.location.shared)
     if wanted <= 0:
         return
+    gpus = run.gpus
     if wanted < len(gpus):  # each worker starts a trial before any budget check: start no more than are wanted
         log.info("starting %d of %d workers: %d trial(s) left to run", wanted, len(gpus), wanted)
         gpus = gpus[:wanted]
+    _run_workers(TRIALS, study, context, _worker_setup(context, config, run), gpus, run.bar)
+
+
+def _in_workers(phase: WorkerPhase, study: optuna.Study, context: SearchContext, config: SearchConfig,
+                run: _Run) -> None:
+    """With ``--jobs N``, ``phase``'s runs trained in N worker processes at once; nothing with one job."""
+    if config.jobs > 1:
+        _run_workers(phase, study, context, _worker_setup(context, config, run), run.gpus, run.bar)
+
+
+def _run_workers(phase: WorkerPhase, study: optuna.Study, context: SearchContext, setup: WorkerSetup,
+                 gpus: list[str | None], bar: _Progress) -> None:
+    """One worker process per entry of ``gpus`` running ``phase``; the bar shows where each stands until all end."""
     spawn = multiprocessing.get_context("spawn")
     steps = WorkerSteps(spawn, len(gpus))
-    workers = [spawn.Process(target=run_worker, args=(setup, index + 1, gpu, os.getpid(), steps), daemon=False)
-               for index, gpu in enumerate(gpus)]
+    workers = [spawn.Process(target=run_worker, args=(setup, index + 1, gpu, os.getpid(), steps, phase),
+                             daemon=False) for index, gpu in enumerate(gpus)]
     for worker in workers:
         worker.start()
     seen = -1
@@ -712,7 +768,7 @@ def _optimize_workers(study: optuna.Study, context: SearchContext, setup: Worker
             for worker in workers:
                 worker.join(timeout=1.0 / len(workers))
             done = trials_done(study)
-            if done != seen:
+            if phase is TRIALS and done != seen:
                 seen = done
                 bar.update(done, export(study, context, setup.out_dir).pareto)
             bar.phase(steps.shown())

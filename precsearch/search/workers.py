@@ -1,5 +1,7 @@
-"""Worker processes of one study: each loads the study with its own sampler and optimizes until the trial
-budget is used up, its parent dies or a stop signal arrives."""
+"""Worker processes of one study (``--jobs``): each loads the study and runs one phase of the search, until
+the phase is done, its parent dies or a stop signal arrives: the trials (its own sampler, until the trial budget
+is used up), or calibration's or confirmation's runs, which are ledger steps the workers share out
+(precsearch.search.ledger), so that each core trains a run of its own."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from precsearch.config.spaces import SearchSpace
 from precsearch.errors import PrecsearchError
 from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
 from precsearch.formats.runner import RUNNER
+from precsearch.search.calibration import CalibrationSettings
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective, TrialStep
 from precsearch.search.reference import Reference
@@ -39,6 +42,9 @@ from precsearch.stopping import StopSignals, stop_signals
 
 __all__ = [
     "SAMPLER_REPEATS",
+    "TRIALS",
+    "WorkerPhase",
+    "WorkerRun",
     "WorkerSetup",
     "WorkerSteps",
     "budget_callback",
@@ -150,7 +156,8 @@ def _parent_watch(parent: int) -> Callable[[optuna.Study, FrozenTrial], None]:
 @dataclass(frozen=True)
 class WorkerSetup:
     """What a worker process rebuilds its context from (``SearchContext.create``'s model, space, data spec,
-    budget and seed; the device is the worker's own) and where it runs."""
+    budget and seed; the device is the worker's own), where it runs, and the search's settings its phases read;
+    ``run_id`` tells this run's processes from an earlier run's in the ledger's claims."""
 
     context: tuple[str, SearchSpace, DataSpec, Budget, int]
     settings: dict[str, Any]
@@ -161,33 +168,90 @@ class WorkerSetup:
     threads: int
     compile: CompileOptions | None
     compiled_kernels: bool  # the parent's ``RUNNER.enabled``
+    proxy_seeds: int | None
+    calibration: CalibrationSettings
+    confirm_factor: float
+    run_id: str
+
+
+@dataclass(frozen=True)
+class WorkerRun:
+    """A worker process's view of the search: the study, its own context and storage, its index (from 1) and
+    the hook its runs report their steps to."""
+
+    setup: WorkerSetup
+    index: int
+    parent: int
+    study: optuna.Study
+    context: SearchContext
+    storage: optuna.storages.BaseStorage
+    steps: WorkerSteps
+    signals: StopSignals = field(repr=False)
+
+    def report(self, phase: str) -> Callable[[int, float], None]:
+        """A trainer's ``report`` hook: this worker's slot on the parent's bar shows ``phase`` and the step."""
+        return lambda step, loss: self.steps.record_run(self.index, phase, step)
+
+
+@dataclass(frozen=True)
+class WorkerPhase:
+    """What a worker process runs: ``run``, a module-level function (the spawned process imports it by name).
+    A ``replayed`` phase is run again by the parent once its workers are done (a no-op on what they recorded),
+    so the parent reports the phase's errors, and a worker only logs them at DEBUG."""
+
+    name: str
+    run: Callable[[WorkerRun], None]
+    replayed: bool = False
 
 
 class WorkerSteps:
-    """Where each local worker's proxy stands (a ``TrialStep`` per worker), in memory shared with the parent,
-    which shows it on its bar. Each worker writes only its own slot; a reading torn by a write is redrawn
-    within a second."""
+    """Where each local worker stands: a trial's proxy (``TrialStep``) or a calibration or confirmation run (its
+    phase and step), in memory shared with the parent, which shows it on its bar. Each worker writes only its
+    own slot; a reading torn by a write is redrawn within a second."""
+
+    PHASES = ("", "trial", "calibrating", "confirming")  # a slot's first value: none yet, a trial, a named run
 
     def __init__(self, spawn: Any, workers: int) -> None:
-        self.values = spawn.Array("q", 4 * workers, lock=False)  # trial, seed, step, steps; steps 0: none yet
+        self.values = spawn.Array("q", 5 * workers, lock=False)  # phase, trial, seed, step, steps
 
     def record(self, index: int, where: TrialStep) -> None:
         """``index``: the worker's, from 1."""
-        self.values[4 * (index - 1):4 * index] = [where.trial, where.seed, where.step, where.steps]
+        self.values[5 * (index - 1):5 * index] = [1, where.trial, where.seed, where.step, where.steps]
+
+    def record_run(self, index: int, phase: str, step: int) -> None:
+        self.values[5 * (index - 1):5 * index] = [self.PHASES.index(phase), 0, 0, step, 0]
 
     def clear(self, index: int) -> None:
         """A worker that exits shows nothing: not the last step of a trial it no longer trains."""
-        self.values[4 * (index - 1):4 * index] = [0, 0, 0, 0]
+        self.values[5 * (index - 1):5 * index] = [0, 0, 0, 0, 0]
 
     def shown(self) -> str:
-        rows = [self.values[start:start + 4] for start in range(0, len(self.values), 4)]
-        return "; ".join(f"worker {index}: {TrialStep(*row)}" for index, row in enumerate(rows, 1) if row[3])
+        rows = [self.values[start:start + 5] for start in range(0, len(self.values), 5)]
+        return "; ".join(f"worker {index}: " + (str(TrialStep(*row[1:])) if row[0] == 1
+                                                 else f"{self.PHASES[row[0]]}: step {row[3]}")
+                         for index, row in enumerate(rows, 1) if row[0])
 
 
-def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int, steps: WorkerSteps) -> None:
-    """One ``--jobs`` worker process: its own context and sampler on the study; ``gpu`` (an entry of the
-    parent's CUDA_VISIBLE_DEVICES) becomes the only GPU it sees; ``steps`` is where it says how far its proxy
-    has trained."""
+def _optimize_trials(run: WorkerRun) -> None:
+    """The trials phase: optimize with this worker's own sampler until the trial budget is used up."""
+    setup, context = run.setup, run.context
+    reference = Reference.from_study(run.study)  # the parent recorded it before starting the workers
+    context.length = reference.length
+    objective = Objective(context, reference, setup.location, run.storage, setup.out_dir,
+                          functools.partial(run.steps.record, run.index))
+    optimize(run.study, objective,
+             SAMPLER_REPEATS * setup.trials, [budget_callback(setup.trials, not setup.location.shared),
+                                              _parent_watch(run.parent), stop_on_signal(run.signals)])
+
+
+TRIALS = WorkerPhase("trials", _optimize_trials)
+
+
+def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int, steps: WorkerSteps,
+               phase: WorkerPhase) -> None:
+    """One ``--jobs`` worker process running ``phase``: its own context on the study; ``gpu`` (an entry of the
+    parent's CUDA_VISIBLE_DEVICES) becomes the only GPU it sees; ``steps`` is where it says how far it has
+    trained."""
     device = setup.device
     if gpu is not None:  # before anything initializes CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
@@ -199,25 +263,19 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int, ste
     # the parent reports the interruption
     with (RUNNER.configured(enabled=setup.compiled_kernels), stop_signals() as signals, quiet_optuna_interrupts(),
           contextlib.suppress(KeyboardInterrupt)):
-        context = SearchContext.create(*setup.context, device, compile=setup.compile)
+        context = SearchContext.create(*setup.context, device, proxy_seeds=setup.proxy_seeds, compile=setup.compile)
         context.settings = setup.settings
         context.checkpoints = setup.out_dir / CHECKPOINTS
         storage = setup.location.open()
         study = load_study(context, storage, setup.location, index)
-        reference = Reference.from_study(study)  # the parent recorded it before starting the workers
-        context.length = reference.length
         try:
-            objective = Objective(context, reference, setup.location, storage, setup.out_dir,
-                                  functools.partial(steps.record, index))
-            optimize(study, objective,
-                     SAMPLER_REPEATS * setup.trials, [budget_callback(setup.trials, not setup.location.shared),
-                                                      _parent_watch(parent), stop_on_signal(signals)])
+            phase.run(WorkerRun(setup, index, parent, study, context, storage, steps, signals))
         except (Exception, DiskFull) as error:
             full = full_disk(error)
             if full is not None:
                 sys.exit(full.errno)  # the parent reports it (worker_disk_full), in one line
             if isinstance(error, PrecsearchError):  # the storage lost for good: one line, not a traceback
-                log.error("worker %d: %s", index, error)
+                log.log(logging.DEBUG if phase.replayed else logging.ERROR, "worker %d: %s", index, error)
                 raise SystemExit(2) from None
             raise
         finally:
