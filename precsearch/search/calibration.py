@@ -195,8 +195,6 @@ def calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSetti
     if recorded_before is not None:
         return recorded_before
     calibration = _calibrate(context, ledger, settings, seeds, report)
-    if calibration.warning:
-        log.warning("%s", calibration.warning)
     for seed in calibration.failed:  # nothing continues a failed run
         context.drop_checkpoint(REFERENCE_RUN, seed)
     ledger.study.set_user_attr(CALIBRATION, calibration.summary())

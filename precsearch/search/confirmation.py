@@ -30,7 +30,6 @@ resumed or joining worker goes on where it stood.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +46,6 @@ from precsearch.search.noise import Noise, pooled_noise
 
 __all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "RACING_REFERENCE_SEEDS", "Confirmation",
            "confirm", "confirmation_length", "decay_start", "race", "recorded_confirmation", "reference_divergence"]
-
-log = logging.getLogger(__name__)
 
 DEFAULT_CONFIRM_FACTOR = 3.0
 CONFIRM_SEED_OFFSET = 1000  # confirmation seeds are the search seed + 1000, 1001, ...: no proxy used them
@@ -200,8 +197,7 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
     runs = {high: [], PLAIN_FP32: trained(PLAIN_FP32, None, seeds[:1], wait=False)}
     runs[high] = reference(first)
     for key, policy in front.items():
-        if (why := reference_divergence(runs[high])) is not None:
-            log.warning("%s; the front's points are not trained", why)
+        if reference_divergence(runs[high]) is not None:  # the search says why, once (precsearch.search.study)
             break
         if decide is None:
             runs[key] = trained(key, policy, seeds)

@@ -42,7 +42,9 @@ Bookkeeping rules:
   calibration or confirmation run; a trial a killed process (or a full disk, or a cut journal) left RUNNING
   goes back to the queue as it is, first in line and marked ``interrupted``, and a trial failed as
   ``interrupted`` (Ctrl-C) is queued again as a retry the trial budget waits for. ``jobs=N`` runs N worker
-  processes on the same study (on CUDA, one per visible GPU).
+  processes on the same study (on CUDA, one per visible GPU): for the trials, and for calibration's and
+  confirmation's runs, which they share out as the ledger's steps (a worker that finds a run taken takes the
+  next; plain fp32 in confirmation blocks none), so those phases use every worker too.
 * A shared study (``study_name``) is joined by any number of workers on any number of hosts: the first
   creates it and records its config, and a worker with another model, graph, space, data, seed, budget or
   search setting is refused. The rest of setup (queuing the seeds, calibration) and the wrap-up
@@ -96,6 +98,7 @@ from precsearch.search.confirmation import (
     confirm,
     confirmation_length,
     recorded_confirmation,
+    reference_divergence,
 )
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.export import Exported, export
@@ -371,7 +374,7 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
 
 
 def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, ledger: Ledger,
-             confirm_factor: float, report: Callable[[int, float], None]) -> None:
+             confirm_factor: float, report: Callable[[int, float], None]) -> Confirmation:
     """Continue all-high's runs (and train plain fp32 on one seed), then the front's points (within the memory
     budget) in memory order, to the confirmation length, the points on fresh seeds
     (precsearch.search.confirmation): under an accuracy-drop rule sequentially, as
@@ -395,8 +398,8 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
     reference_seeds = [seed for seed in _reference_seeds(context) if seed not in reference.calibration.failed]
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(reference_seeds))]
     length = confirmation_length(reference.length, confirm_factor)
-    confirm(context, ledger, high, reference_seeds, points, length, seeds, report,
-            decide if budget.max_memory is None else None)
+    return confirm(context, ledger, high, reference_seeds, points, length, seeds, report,
+                   decide if budget.max_memory is None else None)
 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME,
@@ -621,6 +624,8 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
         _in_workers(CALIBRATION, study, context, config, run)
     calibration = calibrate(context, ledger, config.calibration, _reference_seeds(context),
                             _phase_progress(run.bar, "calibrating the all-high reference"))
+    if calibration.warning:  # said here, once, not by each worker that took part
+        log.warning("%s", calibration.warning)
     reference = _reference(study, context, calibration)
     log.info("proxy length %d steps (%s)", reference.length, "fixed" if calibration.fixed else "calibrated")
     run.record(study)
@@ -632,7 +637,10 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     run.signals.check()
     if recorded_confirmation(study.user_attrs) is None:
         _in_workers(CONFIRMATION, study, context, config, run)
-    _confirm(study, context, reference, ledger, config.confirm_factor, _phase_progress(run.bar, "confirming"))
+    confirmation = _confirm(study, context, reference, ledger, config.confirm_factor,
+                            _phase_progress(run.bar, "confirming"))
+    if (why := reference_divergence(confirmation.runs[confirmation.reference])) is not None:
+        log.warning("%s; the front's points are not trained", why)
     run.record(study)
 
 
