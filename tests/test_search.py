@@ -450,6 +450,8 @@ def test_the_bar_drops_a_worker_that_exited():
     assert steps.shown() == "worker 1: trial 25, seed 1: step 50/3200; worker 2: trial 28, seed 0: step 10/3200"
     steps.clear(1)
     assert steps.shown() == "worker 2: trial 28, seed 0: step 10/3200"
+    steps.record_run(1, "confirming", 4100)  # calibration's and confirmation's runs: the phase and the step
+    assert steps.shown() == "worker 1: confirming: step 4100; worker 2: trial 28, seed 0: step 10/3200"
 
 
 def test_workers_get_one_visible_gpu_each(monkeypatch):
