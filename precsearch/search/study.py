@@ -639,7 +639,7 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
         _in_workers(CONFIRMATION, study, context, config, run)
     confirmation = _confirm(study, context, reference, ledger, config.confirm_factor,
                             _phase_progress(run.bar, "confirming"))
-    if (why := reference_divergence(confirmation.runs[confirmation.reference])) is not None:
+    if (why := reference_divergence(confirmation.runs.get(confirmation.reference, []))) is not None:
         log.warning("%s; the front's points are not trained", why)
     run.record(study)
 
