@@ -660,8 +660,8 @@ def _confirm_in_worker(run: WorkerRun) -> None:
              setup.confirm_factor, run.report("confirming"))
 
 
-CALIBRATION = WorkerPhase("calibration", _calibrate_in_worker, replayed=True)
-CONFIRMATION = WorkerPhase("confirmation", _confirm_in_worker, replayed=True)
+CALIBRATION = WorkerPhase(_calibrate_in_worker, replayed=True)
+CONFIRMATION = WorkerPhase(_confirm_in_worker, replayed=True)
 
 
 def _trials(study: optuna.Study, context: SearchContext, objective: Objective, config: SearchConfig,

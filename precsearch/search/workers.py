@@ -199,7 +199,6 @@ class WorkerPhase:
     A ``replayed`` phase is run again by the parent once its workers are done (a no-op on what they recorded),
     so the parent reports the phase's errors, and a worker only logs them at DEBUG."""
 
-    name: str
     run: Callable[[WorkerRun], None]
     replayed: bool = False
 
@@ -244,7 +243,7 @@ def _optimize_trials(run: WorkerRun) -> None:
                                               _parent_watch(run.parent), stop_on_signal(run.signals)])
 
 
-TRIALS = WorkerPhase("trials", _optimize_trials)
+TRIALS = WorkerPhase(_optimize_trials)
 
 
 def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int, steps: WorkerSteps,
