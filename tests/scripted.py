@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from precsearch.search.context import SearchContext
 from precsearch.train.continuing import branch_steps
+from precsearch.train.reading import Reading
 from precsearch.train.trainer import ProxyResult
 
 DIVERGED_ACCURACY = 0.1  # chance of the 10 classes
@@ -32,6 +33,8 @@ def curve_at(table: dict[int, tuple[float, ...]], step: int, before: float) -> t
 class ScriptedTrainer:
     curve: Callable[[str, int, int, int], float]
     context: SearchContext  # of the same model, space and data as the search's: its graph, units, high format
+    batch_stats: Callable[[str, int, int, int], float] | None = None  # the batch-statistics accuracy of a final
+    # reading (default: the curve's own, a reading batch norm's statistics do not decide)
     calls: list[dict] = field(default_factory=list)  # name, length, seed, start, steps (how far it got), readings
 
     def name(self, policy) -> str:
@@ -58,7 +61,7 @@ class ScriptedTrainer:
                 call["steps"] = step  # how far it got if the rung stops it here
                 call["readings"].append(step)  # a real continuing run trains a decay branch at each
                 self._save(checkpoint, step)
-                on_eval(step, accuracy, 1.0 - accuracy)
+                on_eval(step, Reading(accuracy, 1.0 - accuracy, accuracy))
                 call["steps"] = steps
         self._save(checkpoint, steps)
         final = self.curve(name, steps, steps, seed)
@@ -68,7 +71,9 @@ class ScriptedTrainer:
             report(steps, 1.0 - final)
         if decay_from is None:  # a run ending in its own decay is read as it is: no branch
             call["readings"].append(steps)
+        batch_stats = final if self.batch_stats is None else self.batch_stats(name, steps, steps, seed)
         return ProxyResult(val_accuracy=final, val_loss=1.0 - final, diverged=diverged,
+                           batch_stats_accuracy=batch_stats,
                            reason=f"scripted divergence at step {steps}" if diverged else "", steps_run=steps,
                            loss_curve=[], val_curve=val_curve, steps_spent=steps - start,
                            branch_steps=branch_steps(call["readings"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import itertools
 import json
 import os
 import signal
@@ -115,6 +116,9 @@ def test_train_without_a_policy_is_plain_fp32(tmp_path, capsys):
         F.cross_entropy(model(images), labels).backward()
         sgd.step()
         schedule.step()
+    # the reading: batch norm's statistics recomputed from the first 1,024 training images of the run's seeded
+    # order, in batches of the training batch size (torch's own update_bn), then eval mode
+    torch.optim.swa_utils.update_bn(itertools.islice(make_loader(train_set, 16, shuffle=True, seed=3), 64), model)
     model.eval()
     with torch.no_grad():
         logits = model(val_set.images)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from scripted import ScriptedTrainer
 
-from precsearch.cli.demo import DATA, MODEL, PROXY, held_baselines
+from precsearch.cli.demo import DATA, MODEL, PROXY, held_baselines, held_text
 from precsearch.config.spaces import paper_space
 from precsearch.search.calibration import run_record
 from precsearch.search.confirmation import Confirmation
@@ -27,33 +27,47 @@ def _record(accuracy: float, seed: int) -> dict:
     return run_record(result, seed)
 
 
-@pytest.mark.parametrize(("wang_accuracy", "trained_seeds", "named"), [
-    (0.1, 1, "hfp8, 0.865"),  # at chance on its first seed: out, and the next baseline in is hfp8
-    (1.0, 1, "wang_fp8, 0.523"),  # as all-high (whose 3 seeds give the noise its degrees of freedom): in
+@pytest.mark.parametrize(("wang_accuracy", "wang_batch_stats", "trained_seeds", "named", "verdict"), [
+    # at chance on its first seed: out, and the next baseline in is hfp8
+    (0.1, 0.1, 1, "hfp8, 0.865", "not held: in (it did not diverge)"),
+    # as all-high (whose 3 seeds give the noise its degrees of freedom): in
+    (1.0, 1.0, 1, "wang_fp8, 0.523", "within the drop: in"),
+    # at 70% in eval mode, 100% with batch statistics: flagged, so neither in nor out, and the search matched it
+    (0.7, 1.0, 1, "wang_fp8, 0.523", "reading flagged: not ruled out"),
 ])
 def test_a_baseline_near_the_pick_is_confirmed_seed_by_seed_and_named_when_in(tmp_path, wang_accuracy,
-                                                                              trained_seeds, named):
+                                                                              wang_batch_stats, trained_seeds,
+                                                                              named, verdict):
     """wang_fp8 (0.523 of all-high's bytes) is within 10% of a 0.522 pick: it trains on the confirmation's
     seeds at its length until the drop rule decides. fp8 (0.500) diverged at the proxy length: out, untrained.
     hfp8 (0.865) holds more than 1/0.9 of the pick's memory: not trained, and the claim is held against it."""
     context = SearchContext.create(MODEL, paper_space(proxy=PROXY), DataSpec(DATA), Budget(max_accuracy_drop=0.01),
                                    0, "cpu")
-    trainer = ScriptedTrainer(lambda name, step, length, seed: wang_accuracy, context)
+    trainer = ScriptedTrainer(lambda name, step, length, seed: wang_accuracy, context,
+                              batch_stats=lambda name, step, length, seed: wang_batch_stats)
     context = dataclasses.replace(context, trainer=trainer)
     policies = baseline_policies(context.graph, ("fp8", "wang_fp8", "hfp8"))
     rows = []
     for name, memory, diverged in (("fp8", 0.500, True), ("wang_fp8", 0.523, False), ("hfp8", 0.865, False)):
         policies[name].save(tmp_path / f"{name}.json")
         rows.append({"source": "baseline", "name": name, "memory": memory, "diverged": diverged,
-                     "policy": f"{name}.json"})
+                     "val_accuracy": 0.9, "policy": f"{name}.json"})
     high_runs = [_record(1.0, seed) for seed in (0, 1, 2)]
     result = SimpleNamespace(out_dir=tmp_path, confirmation=Confirmation(LENGTH, {context.all_high.key: high_runs},
                                                                            SEEDS, context.all_high.key, (0, 1, 2)))
-    shown = held_baselines(pd.DataFrame(rows), {"memory": 0.522}, result, context)
+    held = held_baselines(pd.DataFrame(rows), {"memory": 0.522}, result, context)
+    shown = held_text(held, {"memory": 0.522})
     assert [(call["length"], call["seed"]) for call in trainer.calls] == [(LENGTH, seed)
                                                                            for seed in SEEDS[:trained_seeds]]
-    assert "fp8         memory 0.500  diverged at the proxy length: out" in shown
+    assert list(held["name"]) == ["fp8", "wang_fp8", "hfp8"]
+    assert list(held["held"]) == [False, True, False]
+    assert held.set_index("name").loc[named.split(",")[0], "verdict"] == verdict
+    assert held.set_index("name").loc["wang_fp8", "accuracies"] == f"{wang_accuracy:.4f}"
+    assert held.set_index("name").loc["wang_fp8", "batch_stats_accuracies"] == f"{wang_batch_stats:.4f}"
+    assert "fp8         memory 0.500: diverged at the proxy length: out" in shown
     memory = float(named.split(", ")[1])
-    how = "confirmed within the drop" if wang_accuracy == 1 else f"not held: {memory / 0.522:.2f}x the pick's memory"
-    assert shown.splitlines()[-1] == (f"the least-memory baseline not ruled out: {named} ({how}); the pick holds "
-                                      f"{1 - 0.522 / memory:.0%} less memory")
+    claim = (f"the least-memory baseline not ruled out: {named} ({verdict}); the pick holds "
+             f"{1 - 0.522 / memory:.0%} less memory")
+    matched = "on this task the search matches wang_fp8's rule: the pick is within 10% of its memory"
+    assert shown.splitlines()[-2:] == ([claim, matched] if named.startswith("wang") else
+                                       [shown.splitlines()[-2], claim])

@@ -121,7 +121,9 @@ def test_train_policy_writes_metrics(context, tmp_path):
     assert [int(row["step"]) for row in rows] == [4, 8]
     assert float(rows[-1]["val_accuracy"]) == pytest.approx(result.val_accuracy)
     assert float(rows[-1]["val_loss"]) == pytest.approx(result.val_loss, rel=1e-6)
-    assert set(rows[0]) == {"step", "epoch", "train_loss", "val_accuracy", "val_loss", "wall_time"}
+    assert float(rows[-1]["batch_stats_accuracy"]) == pytest.approx(result.batch_stats_accuracy)
+    assert set(rows[0]) == {"step", "epoch", "train_loss", "val_accuracy", "val_loss", "batch_stats_accuracy",
+                            "wall_time"}
 
 
 def test_train_policy_rejects_other_image_sizes(context):

@@ -39,6 +39,7 @@ from precsearch.files import atomic_write_text
 from precsearch.models import check_trusted
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
+from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult, resolve_device, train
 
 __all__ = ["LONG_FACTOR", "FidelityResult", "long_run", "plot_fidelity", "validate_run"]
@@ -136,6 +137,9 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
                 "proxy_promotions": int(row["promotions"]), "proxy_memory": float(row["memory"]),
                 "proxy_diverged": str(row["diverged"]) == "True",
                 "long_steps": steps, "long_accuracy": result.val_accuracy, "long_loss": result.val_loss,
+                "long_batch_stats_accuracy": result.batch_stats_accuracy,
+                "long_reading_flagged": flagged(result.val_accuracy, result.batch_stats_accuracy,
+                                                context.budget.drop),
                 "long_diverged": result.diverged, "long_reason": result.reason,
                 "long_promotions": len(result.promotions),
                 "long_memory": memories[f"memory_{context.budget.memory}"],

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from precsearch.cli._arguments import DEVICE_HELP, add_compile_argument, choose_compile, count, device
 from precsearch.config.reading import load_json_object
 from precsearch.errors import PrecsearchError
+from precsearch.files import atomic_write_text
 
 MODEL = "narrow_cnn"
 PROXY = {"batch_size": 32, "image_size": 16, "lr": 0.2}
@@ -60,23 +63,30 @@ def _clear_previous_demo(out: Path) -> None:
     shutil.rmtree(out)
 
 
-def held_baselines(baselines, best, result, context) -> str:
+HELD_FILE = "held_baselines.csv"
+
+
+def held_baselines(baselines, best, result, context) -> Any:
     """Hold every prior-work baseline that holds less memory than the pick, or less than 10% more, to all-high as
     the pick was held: one that diverged at the proxy length is out; the others train on the confirmation's
     seeds at its length, seed by seed while the drop rule is undecided (``selection.confirmation_verdict``
     against all-high's confirmation runs, which race too: a seed the confirmation did not continue is trained
-    from step 0, the same run). The last line names the least-memory baseline still in (the held
-    ones confirmed within the drop, the others unless they diverged) and how much less memory the pick holds:
-    the demo's claim that its answer is not a prior-work recipe in disguise. ``context``: the search's model,
-    space and data (its trainer trains the baselines)."""
+    from step 0, the same run). A held baseline whose reading is flagged (eval mode and batch statistics apart
+    by more than the drop, precsearch.train.reading) is neither in nor out: its readings say nothing either way.
+    One row per baseline (``HELD_FILE`` in the run directory): the demo's claim that its answer is not a
+    prior-work recipe in disguise rests on it. ``context``: the search's model, space and data (its trainer
+    trains the baselines)."""
+    import pandas as pd
+
     from precsearch.config.policy import Policy
     from precsearch.search.calibration import reference_policy, run_record
     from precsearch.search.confirmation import race
     from precsearch.search.selection import confirmation_verdict
+    from precsearch.train.reading import flagged
 
-    rows = baselines[baselines["source"] == "baseline"].sort_values("memory")
     confirmation = result.confirmation
     high_runs = confirmation.runs[context.all_high.key]
+    reference = reference_policy(context)
 
     def decide(runs, high):
         return confirmation_verdict(runs, high, context.budget, context.chance)
@@ -84,32 +94,53 @@ def held_baselines(baselines, best, result, context) -> str:
     def trained(policy, seed):
         return run_record(context.trainer(policy, confirmation.length, seed), seed)
 
-    reference = reference_policy(context)
-
-    lines, kept = [f"baselines held to all-high (memory below {1 / (1 - CLAIMED_SAVING):.2f}x the pick's):"], []
-    for _, row in rows.iterrows():
-        if row["memory"] >= best["memory"] / (1 - CLAIMED_SAVING):
-            if not row["diverged"]:
-                ratio = row["memory"] / best["memory"]
-                kept.append((row["name"], row["memory"], f"not held: {ratio:.2f}x the pick's memory"))
-            continue
+    rows = []
+    for _, row in baselines[baselines["source"] == "baseline"].sort_values("memory").iterrows():
+        entry = {"name": row["name"], "memory": row["memory"], "memory_to_pick": row["memory"] / best["memory"],
+                 "proxy_accuracy": row["val_accuracy"], "held": False, "steps": math.nan, "accuracies": "",
+                 "batch_stats_accuracies": "", "reading_flagged": False}
         if row["diverged"]:
-            lines.append(f"  {row['name']:<11} memory {row['memory']:.3f}  diverged at the proxy length: out")
-            continue
-        policy = Policy.load(Path(result.out_dir) / row["policy"])
-        runs, high_runs, verdict = race(lambda seed, policy=policy: trained(policy, seed),
-                                        lambda seed: trained(reference, seed), confirmation.seeds,
-                                        confirmation.reference_seeds, decide, high_runs)
-        accuracies = ", ".join(f"{run['val_accuracy']:.4f}" for run in runs)
-        state = {True: "within the drop: in", False: "below the drop: out"}.get(verdict, "undecided: out")
-        lines.append(f"  {row['name']:<11} memory {row['memory']:.3f}  confirmed {accuracies} ({confirmation.length} "
-                     f"steps): {state}")
-        if verdict:
-            kept.append((row["name"], row["memory"], "confirmed within the drop"))
-    if kept:
-        name, memory, how = min(kept, key=lambda entry: entry[1])
-        lines.append(f"the least-memory baseline not ruled out: {name}, {memory:.3f} ({how}); the pick holds "
-                     f"{1 - best['memory'] / memory:.0%} less memory")
+            entry.update(verdict="diverged at the proxy length: out", ruled_out=True)
+        elif row["memory"] >= best["memory"] / (1 - CLAIMED_SAVING):
+            entry.update(verdict="not held: in (it did not diverge)", ruled_out=False)
+        else:
+            policy = Policy.load(Path(result.out_dir) / row["policy"])
+            runs, high_runs, verdict = race(lambda seed, policy=policy: trained(policy, seed),
+                                            lambda seed: trained(reference, seed), confirmation.seeds,
+                                            confirmation.reference_seeds, decide, high_runs)
+            marked = [flagged(run["val_accuracy"], run["batch_stats_accuracy"], context.budget.drop) for run in runs]
+            entry.update(held=True, steps=confirmation.length, reading_flagged=any(marked),
+                         accuracies=";".join(f"{run['val_accuracy']:.4f}" for run in runs),
+                         batch_stats_accuracies=";".join(f"{run['batch_stats_accuracy']:.4f}" for run in runs))
+            entry["verdict"] = ("reading flagged: not ruled out" if any(marked) else
+                                {True: "within the drop: in", False: "below the drop: out"}.get(
+                                    verdict, "undecided: out"))
+            entry["ruled_out"] = not any(marked) and verdict is not True
+        rows.append(entry)
+    return pd.DataFrame(rows)
+
+
+def held_text(held: Any, best) -> str:
+    """The held baselines as the demo prints them, and its claim: the least-memory baseline still in (or not
+    ruled out) and how much less memory the pick holds; under 10%, the search matched that baseline's rule."""
+    lines = [f"baselines held to all-high (memory below {1 / (1 - CLAIMED_SAVING):.2f}x the pick's), "
+             f"also in {HELD_FILE}:"]
+    for _, row in held[held["held"] | (held["ruled_out"] & ~held["held"])].iterrows():
+        readings = (f"  confirmed {row['accuracies'].replace(';', ', ')} (batch statistics "
+                    f"{row['batch_stats_accuracies'].replace(';', ', ')}; {int(row['steps'])} steps)"
+                    if row["held"] else "")
+        lines.append(f"  {row['name']:<11} memory {row['memory']:.3f}{readings}: {row['verdict']}")
+    kept = held[~held["ruled_out"].astype(bool)]
+    if kept.empty:
+        lines.append("every baseline is out: the pick holds less memory than any prior-work recipe that holds")
+        return "\n".join(lines)
+    least = kept.loc[kept["memory"].idxmin()]
+    saving = 1 - best["memory"] / least["memory"]
+    lines.append(f"the least-memory baseline not ruled out: {least['name']}, {least['memory']:.3f} "
+                 f"({least['verdict']}); the pick holds {saving:.0%} less memory")
+    if saving < CLAIMED_SAVING:
+        lines.append(f"on this task the search matches {least['name']}'s rule: the pick is within "
+                     f"{CLAIMED_SAVING:.0%} of its memory")
     return "\n".join(lines)
 
 
@@ -164,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {json.loads((out / 'best.json').read_text())['provenance']['noise']['statement']}")
         context = SearchContext.create(MODEL, space, DataSpec(DATA), Budget(max_accuracy_drop=MAX_DROP), 0,
                                        args.device)
-        print(held_baselines(baselines, best, result, context))
+        held = held_baselines(baselines, best, result, context)
+        atomic_write_text(out / HELD_FILE, held.to_csv(index=False))
+        print(held_text(held, best))
     else:
         print(f"best.json not written: {result.note}")
     print(describe_budget(result.budget))

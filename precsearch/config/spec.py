@@ -158,7 +158,7 @@ class ProxyConfig:
 
     KEYS: ClassVar[tuple[str, ...]] = (
         "steps", "batch_size", "image_size", "lr", "momentum", "weight_decay", "eval_batch_size",
-        "blowup_factor", "min_loss_scale", "max_skipped_fraction", "report_every", "stats_every",
+        "blowup_factor", "min_loss_scale", "max_skipped_fraction", "report_every", "stats_every", "bn_images",
     )
     steps: int = 150
     batch_size: int = 64
@@ -172,6 +172,8 @@ class ProxyConfig:
     max_skipped_fraction: float = 0.25
     report_every: int = 10
     stats_every: int = 50
+    bn_images: int = 1024  # training images batch norm's statistics are recomputed from before each reading
+    # (precsearch.train.reading; 0: read with the running averages as training left them)
 
     def __post_init__(self) -> None:  # a recipe built in code is held to a space file's ranges
         for name in self.KEYS:

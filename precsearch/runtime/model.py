@@ -15,6 +15,8 @@ It traces the model (precsearch.graph.tracing), checks that the policy was made 
 Each step in its own module of precsearch.runtime, each given what it needs explicitly:
 
 * ``state``: per tensor id, its format now, its overflow counts, promotion (the divergence guard).
+* ``norm_statistics``: batch norm's running statistics put back when the loss scaler skips a step (the forward
+  that overflowed or saturated must not leave its batch in them).
 * ``packing``: tensors autograd saves for backward held as the codes of their format, once per storage.
 * ``rounding``: the autograd Functions and the modules inserted to round weights, activations and their
   gradients.
@@ -63,6 +65,7 @@ from precsearch.runtime.compiled import compiled_step
 from precsearch.runtime.gradients import hook_weight_gradients, no_process_group
 from precsearch.runtime.instrument_fx import instrument_fx
 from precsearch.runtime.instrument_hooks import HookInstrument, is_module_call
+from precsearch.runtime.norm_statistics import RunningStatistics
 from precsearch.runtime.packing import Packer, SavedBytes
 from precsearch.runtime.rounding import Rounding, low_weights
 from precsearch.runtime.scaling import LossScaler, epoch_growth, make_scaler
@@ -93,6 +96,8 @@ class PrecisionModel(nn.Module):
         self._packer = Packer(model)
         self.scaler, self._handles = _policy_scaler(self, policy, graph, self.state, steps_per_epoch)
         self.scaler.watch(self.state)
+        self._statistics = RunningStatistics(model)
+        self.scaler.on_skip.append(self._statistics.restore)
         self.sites = plan_sites(graph, per_use=policy.gradient_rounding == "per_use")
         weights = low_weights(model, self.sites, self.state)
         self._optimizers = Optimizers(policy, weights, self._generator)
@@ -167,6 +172,8 @@ class PrecisionModel(nn.Module):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         self.state.start_forward(self.training and torch.is_grad_enabled(), self.stats_every)
+        if self.state.counting:
+            self._statistics.save()
         self.state.graph_rounds = (self.compiled_step is not None and torch.is_grad_enabled()
                                    and not self.state.stats_due and len(args) == 1 and not kwargs)
         if self.state.graph_rounds:

@@ -124,6 +124,7 @@ class LossScaler:
         self._recorded_overflow = False
         self._skip_requested = False
         self._checks: list[StepCheck] = []
+        self.on_skip: list[Callable[[], None]] = []  # called when a step is skipped (batch norm's statistics)
 
     # -- the GradScaler surface ------------------------------------------------------------------------
 
@@ -165,6 +166,8 @@ class LossScaler:
         if self._skip_requested or (self.skip_on_overflow and overflowed):
             self.skipped_steps += 1
             log.debug("overflow at scale %g: optimizer step skipped", self._scale)
+            for callback in self.on_skip:
+                callback()
             return None
         return optimizer.step(*args, **kwargs)
 

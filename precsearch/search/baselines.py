@@ -26,6 +26,7 @@ from precsearch.search.strategies import (
 )
 from precsearch.search.study import quiet, study_config
 from precsearch.train.proxy import run_proxy
+from precsearch.train.reading import flagged
 from precsearch.train.trainer import resolve_device
 
 __all__ = ["run_baselines"]
@@ -54,7 +55,8 @@ def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[st
     return reusable
 
 
-_COPIED = ("memory", "bytes", "val_accuracy", "val_loss", "diverged", "reason", "promotions", "wall_time")
+_COPIED = ("memory", "bytes", "val_accuracy", "val_loss", "batch_stats_accuracy", "diverged", "reason", "promotions",
+           "wall_time")
 _SEED_FIELDS = ("seeds", "val_accuracy_sd")  # copied when the reused trial has them (a multi-seed search)
 
 
@@ -114,14 +116,15 @@ def run_baselines(
         for source, name, policy, r, key in tqdm(todo, desc="baselines", unit="proxy", disable=not progress):
             row: dict[str, Any] = {"source": source, "name": name, "r": math.nan if r is None else r, "key": key}
             if key in known:
-                row.update({field: known[key][field] for field in (*_COPIED, "reused")})
+                row.update({field: known[key].get(field, math.nan) for field in (*_COPIED, "reused")})
                 row.update({field: known[key][field] for field in _SEED_FIELDS if field in known[key]})
             else:
                 result = run_proxy(model_spec, policy, context.data, space.proxy.steps, seed=seed, device=device,
                                    config=space.proxy, compile=proxy_compile(compile))
                 memory, size = context.memory(policy.assignment(context.graph), result.promotions)
                 row.update(memory=memory, bytes=size, val_accuracy=result.val_accuracy, val_loss=result.val_loss,
-                           diverged=result.diverged, reason=result.reason, promotions=len(result.promotions),
+                           batch_stats_accuracy=result.batch_stats_accuracy, diverged=result.diverged,
+                           reason=result.reason, promotions=len(result.promotions),
                            wall_time=result.wall_time, reused="")
                 if key:
                     known[key] = {**row, "reused": f"{source} {name}"}
@@ -129,6 +132,7 @@ def run_baselines(
             proxy = {"val_accuracy": float(row["val_accuracy"]), "memory": float(row["memory"]),
                      "diverged": bool(row["diverged"])}
             policy.replace(provenance={**policy.provenance, "source": source, "name": name, "proxy": proxy}).save(path)
+            row["reading_flagged"] = flagged(row["val_accuracy"], row["batch_stats_accuracy"], context.budget.drop)
             rows.append({**row, "policy": str(path.relative_to(out_dir))})
             atomic_write_text(out_dir / "baselines.csv", pd.DataFrame(rows).to_csv(index=False))
     return pd.DataFrame(rows)

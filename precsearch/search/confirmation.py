@@ -30,6 +30,7 @@ resumed or joining worker goes on where it stood.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,16 +107,19 @@ class Confirmation:
                 "runs": {key: len(runs) for key, runs in self.runs.items()}}
 
     def table(self) -> pd.DataFrame:
-        """One row per key: confirmed mean accuracy, sd (NaN for one seed), seeds, diverged, steps."""
+        """One row per key: confirmed mean accuracy, sd (NaN for one seed), seeds, diverged, steps, and the mean
+        batch-statistics accuracy of the same runs (NaN for runs recorded before it was read)."""
         rows = []
         for key, runs in self.runs.items():
             accuracies = [run["val_accuracy"] for run in runs]
+            batch = [run.get("batch_stats_accuracy") for run in runs]
             rows.append({"key": key, "confirmed_accuracy": float(np.mean(accuracies)),
+                         "confirmed_batch_stats_accuracy": math.nan if None in batch else float(np.mean(batch)),
                          "confirmed_sd": float(np.std(accuracies, ddof=1)) if len(runs) > 1 else float("nan"),
                          "confirmed_seeds": len(runs), "confirmed_diverged": any(run["diverged"] for run in runs),
                          "confirmed_steps": self.length})
-        return pd.DataFrame(rows, columns=["key", "confirmed_accuracy", "confirmed_sd", "confirmed_seeds",
-                                           "confirmed_diverged", "confirmed_steps"])
+        return pd.DataFrame(rows, columns=["key", "confirmed_accuracy", "confirmed_batch_stats_accuracy",
+                                           "confirmed_sd", "confirmed_seeds", "confirmed_diverged", "confirmed_steps"])
 
     def noise(self, confidence: float, keys: Sequence[str] | None = None) -> Noise:
         """The seed noise of the confirmation runs of ``keys`` (default: every confirmed policy, not plain

@@ -281,6 +281,7 @@ def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
         first,
         val_accuracy=sum(result.val_accuracy for result in results) / len(results),
         val_loss=sum(result.val_loss for result in results) / len(results),
+        batch_stats_accuracy=_mean_or_none([result.batch_stats_accuracy for result in results]),
         diverged=bool(diverged),
         reason=diverged[0].reason if diverged else "",
         steps_run=min(result.steps_run for result in results),
@@ -293,6 +294,11 @@ def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
         steps_spent=sum(result.steps_spent for result in results),
         branch_steps=sum(result.branch_steps for result in results),
     )
+
+
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    """The mean of values every seed has, else None (a run read before batch-statistics readings existed)."""
+    return None if any(value is None for value in values) else sum(values) / len(values)
 
 
 def seed_record(accuracies: Sequence[float]) -> dict[str, Any]:

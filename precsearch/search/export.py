@@ -28,6 +28,7 @@ from precsearch.search.selection import Pick, confirmed_pick, mark_ties, pareto_
 from precsearch.search.sensitivity_table import recorded_table, save_table
 from precsearch.search.strategies import R_GRID
 from precsearch.search.trials import policy_of, trials_frame
+from precsearch.train.reading import flagged
 
 __all__ = ["Exported", "export"]
 
@@ -74,6 +75,10 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> Export
     pick = confirmed_pick(frame, front, confirmation, reference, context.budget, context.chance, noise)
     confirmed = confirmation.table() if confirmation is not None else None
     if confirmed is not None:
+        confirmed["confirmed_reading_flagged"] = [
+            flagged(accuracy, batch, context.budget.drop)
+            for accuracy, batch in zip(confirmed["confirmed_accuracy"], confirmed["confirmed_batch_stats_accuracy"],
+                                       strict=True)]
         frame = frame.merge(confirmed, on="key", how="left") if not frame.empty else frame
         front = front.merge(confirmed, on="key", how="left").set_axis(front.index) if not front.empty else front
     atomic_write_text(out_dir / "trials.csv", frame.to_csv(index=False))

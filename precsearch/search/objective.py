@@ -55,8 +55,8 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 CANDIDATE_DF = 2  # degrees of freedom candidates measure before a noise of zero is believed (``_decided``)
 OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
 METRICS = (
-    "val_accuracy", "val_loss", "diverged", "reason", "steps_run", "skipped_steps", "final_loss_scale",
-    "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
+    "val_accuracy", "val_loss", "batch_stats_accuracy", "diverged", "reason", "steps_run", "skipped_steps",
+    "final_loss_scale", "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
     "memory_bytes", "memory_peak", "memory_planned", "low_share", "trained", "device",
     "val_accuracy_sd", "val_accuracies", "seeds", "stopped_at", "seed_steps", "branch_steps",
 )

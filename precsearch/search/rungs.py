@@ -29,6 +29,7 @@ import numpy as np
 from scipy import stats
 
 from precsearch.search.noise import Noise
+from precsearch.train.reading import Reading
 
 __all__ = ["RungRule", "RungStop"]
 
@@ -81,8 +82,8 @@ class RungRule:
         return (f"stopped at rung step {step}: accuracy {accuracy:.4f} is below the all-high reference's "
                 f"{mean:.4f} at half that step by more than the drop and the seed noise allow (bound {bound:.4f})")
 
-    def check(self, step: int, accuracy: float, loss: float) -> None:
+    def check(self, step: int, reading: Reading) -> None:
         """A ``Trainer`` ``on_eval``: raises ``RungStop`` at a rung where ``verdict`` says stop."""
-        reason = self.verdict(step, accuracy)
+        reason = self.verdict(step, reading.accuracy)
         if reason:
-            raise RungStop(step, accuracy, reason)
+            raise RungStop(step, reading.accuracy, reason)

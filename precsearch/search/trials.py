@@ -14,6 +14,7 @@ from precsearch.config.policy import Policy
 from precsearch.search.context import SearchContext
 from precsearch.search.noise import failed_run
 from precsearch.search.strategies import assign
+from precsearch.train.reading import flagged
 
 __all__ = ["feasible", "params_of", "policy_of", "trials_frame"]
 
@@ -45,6 +46,9 @@ def _trial_row(trial: FrozenTrial, context: SearchContext, chance: float) -> dic
         "val_accuracy": math.nan if accuracy is None else accuracy,
         "val_error": math.nan if accuracy is None else 1.0 - accuracy,
         "val_loss": attrs.get("val_loss", math.nan),
+        "batch_stats_accuracy": _or_nan(attrs.get("batch_stats_accuracy")),
+        "reading_flagged": flagged(math.nan if accuracy is None else accuracy, attrs.get("batch_stats_accuracy"),
+                                   context.budget.drop),
         "val_accuracy_sd": attrs.get("val_accuracy_sd", math.nan),
         "seeds": attrs.get("seeds", 1 if accuracy is not None else math.nan),
         "failed_runs": _failed_runs(attrs.get("val_accuracies", []), chance),
@@ -68,6 +72,10 @@ def _trial_row(trial: FrozenTrial, context: SearchContext, chance: float) -> dic
         "key": attrs.get("key", context.key(params) if len(params) == len(context.units) else ""),
         "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
     }
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def _failed_runs(accuracies: list[float], chance: float) -> int:

@@ -70,7 +70,15 @@ from precsearch.formats.kernels import quantize
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import NoLossScaler
 from precsearch.train.data import ImageDataset, make_loader
-from precsearch.train.trainer import build_model, check_policy_inputs, eval_interval, evaluate, resolve_device
+from precsearch.train.reading import read_model
+from precsearch.train.trainer import (
+    METRICS_COLUMNS,
+    build_model,
+    check_policy_inputs,
+    eval_interval,
+    metrics_row,
+    resolve_device,
+)
 
 __all__ = [
     "LAYER_TYPES",
@@ -421,7 +429,7 @@ def _worker(rank: int, world: int, port: int, job: _Job, report: Path) -> None:
 
 
 def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> DataParallelResult | None:
-    config, (train_set, val_set) = job.config, job.data
+    config, train_set = job.config, job.data[0]
     torch.manual_seed(job.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(job.model_spec, train_set.num_classes, train_set.images[:2]).to(device)
     start = time.perf_counter()  # training time: a user factory's own is not counted
@@ -437,7 +445,7 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> DataP
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=job.steps)
     per_epoch = max(1, len(train_set) // config.batch_size)
     eval_every = eval_interval(job.eval_every, per_epoch)
-    rows = ["step,epoch,train_loss,val_accuracy,val_loss,wall_time"]
+    rows = [METRICS_COLUMNS]
     curve: list[float] = []
     batches = _epochs(_shard(train_set, rank, world), config.batch_size // world, job.seed + 1000 * rank)
     for step in range(1, job.steps + 1):
@@ -452,11 +460,10 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> DataP
         schedule.step()
         curve.append(float(loss.detach()))
         if rank == 0 and (step % eval_every == 0 or step == job.steps):
-            accuracy, val_loss = evaluate(model, val_set, device, config.eval_batch_size)
-            window = curve[-eval_every:]
-            rows.append(f"{step},{step / per_epoch:.3f},{sum(window) / len(window):.8g},{accuracy:.8g},"
-                        f"{val_loss:.8g},{time.perf_counter() - start:.3f}")
-            log.info("step %d: val accuracy %.4f, val loss %.4f", step, accuracy, val_loss)
+            reading = read_model(model, job.data, device, bn_images=config.bn_images,
+                                 batch_size=config.batch_size, eval_batch_size=config.eval_batch_size, seed=job.seed)
+            accuracy, val_loss = reading.accuracy, reading.loss
+            rows.append(metrics_row(step, per_epoch, curve[-eval_every:], reading, time.perf_counter() - start))
             if job.metrics is not None:
                 atomic_write_text(job.metrics, "\n".join(rows) + "\n")
     compression, wire = _gather_compression(state, device)

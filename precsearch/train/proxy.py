@@ -28,6 +28,7 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spec import ProxyConfig  # re-exported: a space's proxy section
 from precsearch.train.data import ImageDataset
+from precsearch.train.reading import Reading
 from precsearch.train.trainer import (
     PAPER_LR,
     PAPER_RECIPE,
@@ -67,13 +68,13 @@ def run_proxy(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, 
 class Trainer(Protocol):
     """What the search trains with: one seeded continuing run of ``policy`` (None: plain fp32) up to ``steps``
     steps (its result there is a run of that length's), evaluated at each step of ``evaluate_at``
-    (``on_eval(step, accuracy, loss)``, whose exception stops the run) and at the end; ``report(step, loss)``
-    every few steps; ``checkpoint``: where the run keeps its state and continues from (a later call for more
-    steps goes on from there); ``decay_from``: the step after which the run ends in one long decay
-    (precsearch.train.continuing). Tests inject scripted learning curves through it."""
+    (``on_eval(step, reading)``, a precsearch.train.reading ``Reading``; its exception stops the run) and at
+    the end; ``report(step, loss)`` every few steps; ``checkpoint``: where the run keeps its state and
+    continues from (a later call for more steps goes on from there); ``decay_from``: the step after which the
+    run ends in one long decay (precsearch.train.continuing). Tests inject scripted learning curves through it."""
 
     def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
-                 on_eval: Callable[[int, float, float], None] | None = None,
+                 on_eval: Callable[[int, Reading], None] | None = None,
                  report: Callable[[int, float], None] | None = None,
                  checkpoint: Path | None = None, decay_from: int | None = None) -> ProxyResult: ...
 
@@ -89,7 +90,7 @@ class ProxyTrainer:
     compile: CompileOptions | None = None
 
     def __call__(self, policy: Policy | None, steps: int, seed: int, *, evaluate_at: Collection[int] = (),
-                 on_eval: Callable[[int, float, float], None] | None = None,
+                 on_eval: Callable[[int, Reading], None] | None = None,
                  report: Callable[[int, float], None] | None = None,
                  checkpoint: Path | None = None, decay_from: int | None = None) -> ProxyResult:
         return run_proxy(self.model_spec, policy, self.data, steps, seed=seed, device=self.device,

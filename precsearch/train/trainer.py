@@ -53,8 +53,10 @@ from precsearch.train.continuing import (
     write_checkpoint,
 )
 from precsearch.train.data import ImageDataset, make_loader, random_crop_flip
+from precsearch.train.reading import Reading, evaluate, read_model
 
 __all__ = [
+    "METRICS_COLUMNS",
     "PAPER_LR",
     "PAPER_RECIPE",
     "Divergence",
@@ -66,6 +68,7 @@ __all__ = [
     "determinism",
     "evaluate",
     "kaiming_fan_out_",
+    "metrics_row",
     "resolve_device",
     "seeded",
     "train",
@@ -102,7 +105,7 @@ PAPER_LR = 0.1  # the reference's peak learning rate (momentum 0.9 and weight de
 class ProxyResult:
     """What one proxy measured. Accuracies are fractions in [0, 1]; ``wall_time`` is seconds."""
 
-    val_accuracy: float
+    val_accuracy: float  # in eval mode, batch norm's statistics recomputed (precsearch.train.reading)
     val_loss: float
     diverged: bool
     reason: str
@@ -121,6 +124,7 @@ class ProxyResult:
     # continued from a result counts its own steps only; one continued after an interruption, the interrupted
     # call's too)
     branch_steps: int = 0  # steps the whole run trained in decay branches (a continued run's earlier ones too)
+    batch_stats_accuracy: float | None = None  # the final reading with each validation batch's own statistics
 
     @property
     def val_error(self) -> float:
@@ -255,24 +259,6 @@ def _batches(dataset: Dataset, batch_size: int, seed: int, start: int = 0
         epoch, skip = epoch + 1, 0
 
 
-def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 512) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) on ``dataset`` in eval mode; NaN loss if the model emits non-finite logits."""
-    was_training = model.training
-    model.eval()
-    correct, total, loss_sum = 0, 0, 0.0
-    with torch.no_grad():
-        for images, labels in make_loader(dataset, batch_size, shuffle=False):
-            images, labels = images.to(device), labels.to(device)
-            logits = model(images)
-            loss_sum += float(F.cross_entropy(logits, labels, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == labels).sum())
-            total += len(labels)
-    model.train(was_training)
-    if total == 0:
-        raise PrecsearchError("the validation set is empty; give a dataset with validation images")
-    return correct / total, loss_sum / total
-
-
 def _stat_summary(stats: Any) -> tuple[float, float, float]:
     """(max overflow, max underflow, mean underflow) over the runtime's per-tensor statistics."""
     rows = list(stats.values()) if isinstance(stats, dict) else []
@@ -309,7 +295,7 @@ class Divergence:
 
 
 Report = Callable[[int, float], None]
-Evaluate = Callable[[int, float, float], None]
+Evaluate = Callable[[int, Reading], None]
 
 
 def train(
@@ -416,10 +402,10 @@ def train(
             scaler.update()
             return float(loss.detach())
 
-        def read(step: int, final: bool) -> tuple[float, float]:
-            """Validation accuracy and loss at ``step``: of the model as it is, or, continuing, off a decay
-            branch (precsearch.train.continuing), the state at ``step`` checkpointed and, unless ``final``,
-            restored after it."""
+        def read(step: int, final: bool) -> Reading:
+            """The reading at ``step`` (precsearch.train.reading: batch norm's statistics recomputed first): of
+            the model as it is, or, continuing, off a decay branch (precsearch.train.continuing), the state at
+            ``step`` checkpointed and, unless ``final``, restored after it."""
             nonlocal spent
             branched = continuing and not progress.reason and not progress.decay  # a run in its decay is read as is
             state = State.capture(model, optimizer, torch_device) if branched else None
@@ -432,9 +418,10 @@ def train(
                     sgd_step(images, labels)
                 spent += length
                 progress.branch_steps += length
-            accuracy, loss = evaluate(model, val_set, torch_device, config.eval_batch_size)
+            reading = read_model(model, data, torch_device, bn_images=config.bn_images,
+                                 batch_size=config.batch_size, eval_batch_size=config.eval_batch_size, seed=seed)
             if step in rungs and not (val_curve and val_curve[-1][0] == step):
-                val_curve.append([step, accuracy])
+                val_curve.append([step, reading.accuracy])
             if state is not None:
                 progress.elapsed = elapsed()
                 progress.unreported = 0 if final else spent  # a final reading is returned: its result counts them
@@ -444,7 +431,7 @@ def train(
                     state.restore(model, optimizer, torch_device)
                     for group in sgd.param_groups:
                         group["lr"] = config.lr
-            return accuracy, loss
+            return reading
 
         def elapsed() -> float:
             return earlier_calls + time.perf_counter() - start
@@ -474,15 +461,16 @@ def train(
             if step == steps:
                 break
             if step in rungs or (eval_every and step % eval_every == 0):
-                step_accuracy, step_loss = read(step, final=False)
+                reading = read(step, final=False)
                 if on_eval is not None:
-                    on_eval(step, step_accuracy, step_loss)
+                    on_eval(step, reading)
             elif checkpoint is not None and step % CHECKPOINT_EVERY == 0:
                 progress.elapsed, progress.unreported = elapsed(), spent
                 write_checkpoint(checkpoint, tag, State.capture(model, optimizer, torch_device), progress)
-        accuracy, val_loss = read(len(curve), final=True)
+        reading = read(len(curve), final=True)
         if on_eval is not None:
-            on_eval(len(curve), accuracy, val_loss)
+            on_eval(len(curve), reading)
+    accuracy, val_loss = reading.accuracy, reading.loss
     reason = progress.reason
     if not reason and not math.isfinite(val_loss):
         reason = "non-finite validation loss"
@@ -491,6 +479,7 @@ def train(
     result = ProxyResult(
         val_accuracy=accuracy,
         val_loss=val_loss if math.isfinite(val_loss) else float("inf"),
+        batch_stats_accuracy=reading.batch_stats_accuracy,
         diverged=bool(reason),
         reason=reason,
         steps_run=len(curve),
@@ -512,6 +501,19 @@ def train(
     return result
 
 
+METRICS_COLUMNS = "step,epoch,train_loss,val_accuracy,val_loss,batch_stats_accuracy,wall_time"
+
+
+def metrics_row(step: int, per_epoch: int, losses: list[float], reading: Reading, wall_time: float) -> str:
+    """One row of a full training's metrics CSV (``METRICS_COLUMNS``): ``losses`` are the training losses since
+    the last row, ``reading`` the validation reading at ``step``; logged at INFO too."""
+    train_loss = sum(losses) / len(losses) if losses else math.nan
+    log.info("step %d: val accuracy %.4f (batch statistics %.4f), val loss %.4f", step, reading.accuracy,
+             reading.batch_stats_accuracy, reading.loss)
+    return (f"{step},{step / per_epoch:.3f},{train_loss:.8g},{reading.accuracy:.8g},{reading.loss:.8g},"
+            f"{reading.batch_stats_accuracy:.8g},{wall_time:.3f}")
+
+
 def train_policy(
     model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int, *,
     config: ProxyConfig | None = None,
@@ -524,21 +526,17 @@ def train_policy(
     the policy was made for this model (graph fingerprint),
     trains without stopping at divergence with the paper's ``recipe`` (augmentation, Kaiming fan-out init,
     cosine per epoch; None: a proxy's), and rewrites the ``metrics`` CSV after every evaluation
-    (columns step, epoch, train_loss, val_accuracy, val_loss, loss_scale, wall_time). ``options`` are
-    ``train``'s (``seed``, ``device``, ``deterministic``)."""
+    (``METRICS_COLUMNS``). ``options`` are ``train``'s (``seed``, ``device``, ``deterministic``)."""
     config = config or ProxyConfig()
     train_set = data[0]
     check_policy_inputs(policy, train_set)
-    rows: list[str] = ["step,epoch,train_loss,val_accuracy,val_loss,wall_time"]
+    rows: list[str] = [METRICS_COLUMNS]
     losses: list[float] = []
     start = math.nan  # set when the model is built and training starts
     per_epoch = max(1, len(train_set) // config.batch_size)
 
-    def record(step: int, accuracy: float, loss: float) -> None:
-        train_loss = sum(losses[-eval_every:]) / len(losses[-eval_every:]) if losses else math.nan
-        rows.append(f"{step},{step / per_epoch:.3f},{train_loss:.8g},{accuracy:.8g},{loss:.8g},"
-                    f"{time.perf_counter() - start:.3f}")
-        log.info("step %d: val accuracy %.4f, val loss %.4f", step, accuracy, loss)
+    def record(step: int, reading: Reading) -> None:
+        rows.append(metrics_row(step, per_epoch, losses[-eval_every:], reading, time.perf_counter() - start))
         if metrics is not None:
             atomic_write_text(metrics, "\n".join(rows) + "\n")
 
