@@ -3,6 +3,8 @@ batch-statistics check beside it (precsearch.train.reading, precsearch.runtime.n
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -160,3 +162,62 @@ def test_bn_images_zero_reads_the_running_averages_as_they_are(digits):
 def test_a_reading_is_flagged_when_it_and_batch_statistics_differ_by_more_than_the_drop(accuracy, batch, drop,
                                                                                         expected):
     assert flagged(accuracy, batch, drop) is expected
+
+
+@pytest.mark.slow
+def test_the_wang_fp8_case_in_miniature_reads_what_batch_statistics_read():
+    """wang_fp8 on the demo's task, one 200-step proxy (seed 1): its stem's output, held in e5m2, rises faster
+    than the running averages follow. Read on those averages the proxy is far below what the same weights read
+    with batch statistics; read on recomputed statistics it is within a point of them."""
+    from precsearch.cli.demo import DATA, MODEL, PROXY
+    from precsearch.config.spaces import paper_space
+    from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
+    from precsearch.search.strategies import baseline
+    from precsearch.train.proxy import run_proxy
+
+    space = paper_space().with_proxy(**PROXY)
+    context = SearchContext.create(MODEL, space, DataSpec(DATA), Budget(), 0, "cpu")
+    policy = baseline("wang_fp8", context.graph)
+    with torch_threads(1):
+        before = run_proxy(MODEL, policy, context.data, 200, seed=1, device="cpu",
+                           config=dataclasses.replace(space.proxy, bn_images=0))
+        now = run_proxy(MODEL, policy, context.data, 200, seed=1, device="cpu", config=space.proxy)
+    assert now.loss_curve == before.loss_curve  # the same training: only the reading differs
+    assert now.batch_stats_accuracy == before.batch_stats_accuracy >= 0.9
+    assert before.val_accuracy < before.batch_stats_accuracy - 0.3  # the running averages misread it
+    assert abs(now.val_accuracy - now.batch_stats_accuracy) <= 0.01
+
+
+def test_a_forward_outside_training_draws_no_stochastic_rounding_of_its_own(digits):
+    """Under a stochastic weight update (Wang et al.) each training forward draws the working copy of the weights
+    from the masters. An eval-mode forward computes with the copy the next training forward will draw: the same
+    values every time (a reading's statistics and its evaluation see one model), and training's draws unmoved."""
+    train_set, _ = digits
+    torch.manual_seed(0)
+    plain = build("tiny_cnn", num_classes=10)
+    graph = trace(plain, train_set.images[:2], batch_size=BATCH)
+    policy = policy_for_graph(graph, defaults=dict.fromkeys(ALL_LOW, "e5m2s"), high_format="e6m9s",
+                              optimizer={"update": "stochastic"}, loss_scaling={"mode": "none"})
+    images, labels = train_set.images[:BATCH], train_set.labels[:BATCH]
+
+    def losses(evaluate_between: bool) -> list[float]:
+        model = apply_policy(copy.deepcopy(plain), policy, images[:2], seed=3)
+        optimizer = model.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+        seen = []
+        for _ in range(4):
+            if evaluate_between:
+                model.eval()
+                with torch.no_grad():
+                    first, second = model(images), model(images)
+                assert torch.equal(first, second)
+                model.train()
+                with torch.no_grad():  # train mode without gradients is outside training too
+                    assert torch.equal(model(images), model(images))
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            seen.append(float(loss))
+        return seen
+
+    assert losses(evaluate_between=True) == losses(evaluate_between=False)

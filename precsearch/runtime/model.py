@@ -65,7 +65,7 @@ from precsearch.runtime.compiled import compiled_step
 from precsearch.runtime.gradients import hook_weight_gradients, no_process_group
 from precsearch.runtime.instrument_fx import instrument_fx
 from precsearch.runtime.instrument_hooks import HookInstrument, is_module_call
-from precsearch.runtime.norm_statistics import RunningStatistics
+from precsearch.runtime.norm_statistics import keep_running_statistics
 from precsearch.runtime.packing import Packer, SavedBytes
 from precsearch.runtime.rounding import Rounding, low_weights
 from precsearch.runtime.scaling import LossScaler, epoch_growth, make_scaler
@@ -95,9 +95,6 @@ class PrecisionModel(nn.Module):
         self.state = make_state(graph, policy, seed)
         self._packer = Packer(model)
         self.scaler, self._handles = _policy_scaler(self, policy, graph, self.state, steps_per_epoch)
-        self.scaler.watch(self.state)
-        self._statistics = RunningStatistics(model)
-        self.scaler.on_skip.append(self._statistics.restore)
         self.sites = plan_sites(graph, per_use=policy.gradient_rounding == "per_use")
         weights = low_weights(model, self.sites, self.state)
         self._optimizers = Optimizers(policy, weights, self._generator)
@@ -172,8 +169,6 @@ class PrecisionModel(nn.Module):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         self.state.start_forward(self.training and torch.is_grad_enabled(), self.stats_every)
-        if self.state.counting:
-            self._statistics.save()
         self.state.graph_rounds = (self.compiled_step is not None and torch.is_grad_enabled()
                                    and not self.state.stats_due and len(args) == 1 and not kwargs)
         if self.state.graph_rounds:
@@ -247,6 +242,16 @@ def _swap_accumulation(model: nn.Module, policy: Policy) -> dict[str, nn.Module]
 
 def _policy_scaler(wrapper: PrecisionModel, policy: Policy, graph: TensorGraph, state: TensorState,
                    steps_per_epoch: int | None) -> tuple[LossScaler, list[Any]]:
+    """The loss scaler ``policy.loss_scaling`` names (``_scaler_of``), reading the state's counts in its one host
+    read a step and putting batch norm's statistics back when it skips a step; and the handles of its hooks."""
+    scaler, handles = _scaler_of(wrapper, policy, graph, state, steps_per_epoch)
+    scaler.watch(state)
+    keep_running_statistics(wrapper.module, scaler, state)
+    return scaler, handles
+
+
+def _scaler_of(wrapper: PrecisionModel, policy: Policy, graph: TensorGraph, state: TensorState,
+               steps_per_epoch: int | None) -> tuple[LossScaler, list[Any]]:
     """The loss scaler ``policy.loss_scaling`` names, and the handles of its hooks. An adaptive scaler's points
     are the GEMM layers: a GEMM's scale protects the products that form its input's gradient, so each uses
     that gradient's format."""

@@ -2,8 +2,9 @@
 
 A skipped step changes no weight, so it should change no statistic: but the forward that overflowed has already
 folded its batch into batch norm's running averages (torch.amp's GradScaler leaves them so), and a forward that
-saturated a low format folds in values at the format's largest magnitude. ``RunningStatistics`` copies the
-buffers before each training forward (a few small tensors) and copies them back from the scaler's ``on_skip``.
+saturated a low format folds in values at the format's largest magnitude. ``keep_running_statistics`` copies the
+buffers as each training forward starts (a few small tensors: the state's ``on_training_forward``) and copies them
+back from the scaler's ``on_skip``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RunningStatistics", "batch_norms"]
+from precsearch.runtime.scaling import LossScaler
+from precsearch.runtime.state import TensorState
+
+__all__ = ["RunningStatistics", "batch_norms", "keep_running_statistics"]
 
 
 def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -41,3 +45,12 @@ class RunningStatistics:
     def restore(self) -> None:
         if self._saved:
             torch._foreach_copy_(self._buffers(), self._saved)
+
+
+def keep_running_statistics(model: nn.Module, scaler: LossScaler, state: TensorState) -> RunningStatistics:
+    """``model``'s batch norm statistics saved as each training forward starts and put back when ``scaler``
+    skips the step."""
+    statistics = RunningStatistics(model)
+    state.on_training_forward.append(statistics.save)
+    scaler.on_skip.append(statistics.restore)
+    return statistics

@@ -6,7 +6,10 @@ that also adds the number of overflowing values to the tensor's row of a counts 
 counts are read once per step, together with the loss scaler's own overflow test (``LossScaler.watch``:
 ``pending``/``settle``; or ``flush`` at the next training forward when the loop does not call
 ``scaler.step``): a training step makes one host synchronisation, however many tensors it rounds. Only
-training forwards (``counting``) count, so evaluation never promotes.
+training forwards (``counting``) count, so evaluation never promotes. Nor does evaluation draw: a forward outside
+training rounds stochastically from a copy of the stochastic-rounding counter taken as it starts, so it computes
+with the weights the next training forward will draw (a stochastic weight update's working copy), gives the same
+values every time, and leaves training's draws as they were.
 
 Divergence guard (Lee et al.): when a tensor of a kind in ``promotion_kinds`` has an overflow fraction in a
 step that reaches ``threshold``, it is promoted to the high format for the rest of training, logged and
@@ -141,10 +144,13 @@ class TensorState:
         self.graph_rounds = False  # this forward is a compiled step's, whose backward rounds the weight gradients
         self.stats_due = False
         self.on_promote: list[Callable[[Slot], None]] = []
+        self.on_training_forward: list[Callable[[], None]] = []  # called as each training forward starts
         self._seed = seed
         self._counts: list[torch.Tensor] = []  # per slot row: [overflowed, unencodable] this step, on the device
         self._uncounted: torch.Tensor | None = None  # what a rounding that counts nothing adds to, never read
         self._seeds: torch.Tensor | None = None
+        self._outside_training = False  # a forward outside training has started: it draws from ``_drawn``
+        self._drawn: torch.Tensor | None = None  # that forward's copy of ``_seeds``
         self._compiled: Callable[[], torch.Tensor] | None = None  # a compiled step's counts, read when settled
         self._dirty = False
         self._warned_unencodable = self._warned_copied_gradient = False
@@ -155,7 +161,10 @@ class TensorState:
         self.flush()
         if training:
             self.step += 1
+            for callback in self.on_training_forward:
+                callback()
         self.counting = training
+        self._outside_training, self._drawn = not training, None
         self.stats_due = training and bool(stats_every) and self.step % stats_every == 0
 
     def _op_state(self, x: torch.Tensor, slot: Slot | None, count: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,10 +177,15 @@ class TensorState:
             self._counts = [torch.zeros(2, dtype=torch.int64, device=device) for _ in self.slots]
             self._uncounted = torch.zeros(2, dtype=torch.int64, device=device)
             self._seeds = torch.full((), self._seed, dtype=torch.int64, device=device)
+        seeds = self._seeds
+        if self._outside_training:
+            if self._drawn is None or self._drawn.device != device:
+                self._drawn = self._seeds.clone()
+            seeds = self._drawn
         if not (count and x.numel() > 0):
-            return self._uncounted, self._seeds
+            return self._uncounted, seeds
         self._account(x, slot)
-        return self._counts[slot.row], self._seeds
+        return self._counts[slot.row], seeds
 
     def round(self, x: torch.Tensor, slot: Slot, with_codes: bool = False,
               count: bool = True) -> tuple[torch.Tensor, ops.Codes | None]:
