@@ -70,6 +70,48 @@ def test_search_prints_its_front_and_writes_outputs(search_run):
     assert any(line.startswith(f"best.json: trial {trial} ") for line in lines)
 
 
+def test_best_json_records_the_picks_predicted_peak_and_its_measured_one_beside_fp32_and_autocast(search_run):
+    """The memory a user runs out of: best.json's ``predicted`` has the cost model's step peak, and ``peak`` the
+    pick's step measured once at the proxy's batch beside plain fp32's and torch.autocast(bf16)'s, each measured
+    again here by the allocator's events of the same kind of step."""
+    import copy
+
+    import torch
+
+    from precsearch.config.policy import Policy
+    from precsearch.cost.measured import sgd_step, trace_step
+    from precsearch.cost.model import CostModel
+    from precsearch.graph.tracing import trace
+    from precsearch.models import build
+
+    searched, printed = search_run
+    best = Policy.load(searched / "best.json")
+    peak = best.provenance["peak"]
+    assert peak["batch"] == 16 and peak["device"] == "cpu"
+    data = load_dataset("digits", image_size=8)[0]
+    torch.manual_seed(0)
+    plain = build("tiny_cnn", num_classes=10)
+    graph = trace(plain, data.images[:2], batch_size=16)
+    assert best.predicted["peak_bytes"] == peak["predicted"] == CostModel(graph).peak_bytes(best.assignment(graph))
+
+    def measured(model, autocast=None):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+        optimizer = model.wrap_optimizer(optimizer) if hasattr(model, "wrap_optimizer") else optimizer
+        step = sgd_step(model, optimizer, data.images[:16], data.labels[:16], autocast=autocast)
+        step()
+        step()
+        return trace_step(step).peak
+
+    from precsearch.runtime.model import apply_policy
+
+    assert peak["plain_fp32"] == measured(copy.deepcopy(plain))
+    assert peak["autocast_bf16"] == measured(copy.deepcopy(plain), torch.bfloat16)
+    assert peak["measured"] == measured(apply_policy(copy.deepcopy(plain), best, data.images[:2], steps_per_epoch=1))
+    assert abs(peak["measured"] - peak["predicted"]) <= 0.02 * peak["measured"]
+    assert any(line.startswith("  step peak ") and "x plain fp32" in line and "torch.autocast(bf16)" in line
+               for line in printed.splitlines())
+
+
 def test_best_json_trains_under_precsearch_train(searched, tmp_path, capsys):
     metrics = tmp_path / "metrics.csv"
     code = main(["train", "tiny_cnn", "--policy", str(searched / "best.json"), "--steps", "6", "--eval-every", "3",

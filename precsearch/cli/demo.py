@@ -146,7 +146,14 @@ def held_text(held: Any, best) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from precsearch.analysis.report import write_report
-    from precsearch.cli.search import accuracy_text, confidence_text, confirmed_text, tie_text, yardsticks_text
+    from precsearch.cli.search import (
+        accuracy_text,
+        confidence_text,
+        confirmed_text,
+        peak_text,
+        tie_text,
+        yardsticks_text,
+    )
     from precsearch.config.spaces import paper_space
     from precsearch.search.accounting import describe_budget
     from precsearch.search.baselines import run_baselines
@@ -193,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
               f"within {100 * MAX_DROP:g} point of all-high at {100 * result.noise.confidence:g}% confidence)"
               f"{confidence_text(best)}")
         print(f"  {json.loads((out / 'best.json').read_text())['provenance']['noise']['statement']}")
+        print(peak_text(out))
         context = SearchContext.create(MODEL, space, DataSpec(DATA), Budget(max_accuracy_drop=MAX_DROP), 0,
                                        args.device)
         held = held_baselines(baselines, best, result, context)

@@ -9,6 +9,7 @@ import argparse
 import shlex
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from precsearch.cli._arguments import (
@@ -166,6 +167,17 @@ def yardsticks_text(result: Any) -> str:
     return "confirmed yardsticks: " + ", ".join(parts)
 
 
+def peak_text(out_dir: str | Path) -> str:
+    """The pick's measured step peak beside plain fp32's and torch.autocast's (best.json's ``peak``), or ''."""
+    from precsearch.config.reading import load_json_object
+    from precsearch.search.peaks import StepPeaks
+
+    best = Path(out_dir) / "best.json"
+    peak = load_json_object(best, "policy file", "run the search again").get("provenance", {}).get("peak") \
+        if best.is_file() else None
+    return "" if peak is None else f"  {StepPeaks(**peak).describe()}"
+
+
 def summarize(result: Any) -> str:
     """A few lines: the proxy length, trials, the front (proxy and confirmed), the pick, the budget, files."""
     from precsearch.search.accounting import describe_budget
@@ -195,6 +207,8 @@ def summarize(result: Any) -> str:
     if result.best is not None:
         lines.append(f"best.json: trial {int(result.best['number'])} (memory {result.best['memory']:.3f}, "
                      f"confirmed accuracy {accuracy_text(result.best)}){confidence_text(result.best)}")
+        if peak := peak_text(result.out_dir):
+            lines.append(peak)
         if result.note:
             lines.append(f"  {result.note}")
     else:

@@ -23,8 +23,9 @@ __all__ = ["policy_for_graph", "policy_from_assignment", "prediction"]
 
 
 def prediction(policy: Policy, graph: TensorGraph) -> dict[str, Any]:
-    """A policy's ``predicted`` entry for ``graph``: its bytes, the fp32 bytes, their ratio, the low share and
-    the saved activation bytes, from the cost model."""
+    """A policy's ``predicted`` entry for ``graph``: its bytes, the fp32 bytes, their ratio, the low share, the
+    saved activation bytes and the peak of a training step (the memory a user runs out of) beside plain fp32's,
+    from the cost model."""
     cost = CostModel(graph)
     assignment = policy.assignment(graph)
     total, fp32 = cost.bytes(assignment), cost.bytes({})
@@ -34,6 +35,8 @@ def prediction(policy: Policy, graph: TensorGraph) -> dict[str, Any]:
         "ratio": float(total) / float(fp32) if fp32 else 1.0,
         "low_share": float(cost.low_share(assignment)),
         "saved_activation_bytes": int(cost.saved_activation_bytes(assignment)),
+        "peak_bytes": int(cost.peak_bytes(assignment)),
+        "fp32_peak_bytes": int(cost.peak_bytes(None)),
     }
 
 

@@ -23,6 +23,7 @@ from precsearch.search.calibration import Calibration, recorded_calibration
 from precsearch.search.confirmation import PLAIN_FP32, Confirmation, recorded_confirmation
 from precsearch.search.context import SearchContext
 from precsearch.search.noise import Noise
+from precsearch.search.peaks import PICK_PEAK
 from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.selection import Pick, confirmed_pick, mark_ties, pareto_front
 from precsearch.search.sensitivity_table import recorded_table, save_table
@@ -30,7 +31,7 @@ from precsearch.search.strategies import R_GRID
 from precsearch.search.trials import policy_of, trials_frame
 from precsearch.train.reading import flagged
 
-__all__ = ["Exported", "export"]
+__all__ = ["Decision", "Exported", "decide", "export", "pick_policy"]
 
 
 @dataclass
@@ -60,19 +61,45 @@ def _policy_for_row(row: pd.Series, study: optuna.Study, context: SearchContext,
     return policy_of(trial, context, provenance)
 
 
-def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> Exported:
-    """Rewrite the run directory's tables, policies and pick (``selection.confirmed_pick``) from the storage
-    (see the module docstring)."""
+@dataclass(frozen=True)
+class Decision:
+    """What the storage holds, read once, and the pick ``selection.confirmed_pick`` makes of it."""
+
+    frame: pd.DataFrame
+    front: pd.DataFrame
+    noise: Noise
+    calibration: Calibration | None
+    confirmation: Confirmation | None
+    reference: Reference
+    pick: Pick
+
+
+def decide(study: optuna.Study, context: SearchContext) -> Decision:
+    """The trials table, the Pareto front (ties marked), the seed noise and the pick, from the storage."""
     attrs = study.user_attrs
     reference = Reference.from_study(study)
     frame = trials_frame(study, context)
     noise = proxy_noise(frame, reference, context.budget.confidence)
-    calibration = recorded_calibration(attrs)
     confirmation = recorded_confirmation(attrs)
     front = pareto_front(frame, context.space.accuracy_objective)
     if not front.empty:
         front = mark_ties(front, noise)
     pick = confirmed_pick(frame, front, confirmation, reference, context.budget, context.chance, noise)
+    return Decision(frame, front, noise, recorded_calibration(attrs), confirmation, reference, pick)
+
+
+def pick_policy(study: optuna.Study, context: SearchContext, best: pd.Series) -> Policy:
+    """best.json's policy, without what the export adds to its provenance."""
+    return _policy_for_row(best, study, context, f"best: {context.budget.describe()}")
+
+
+def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> Exported:
+    """Rewrite the run directory's tables, policies and pick (``selection.confirmed_pick``) from the storage
+    (see the module docstring)."""
+    attrs = study.user_attrs
+    decision = decide(study, context)
+    frame, front, noise, pick = decision.frame, decision.front, decision.noise, decision.pick
+    calibration, confirmation, reference = decision.calibration, decision.confirmation, decision.reference
     confirmed = confirmation.table() if confirmation is not None else None
     if confirmed is not None:
         confirmed["confirmed_reading_flagged"] = [
@@ -104,8 +131,11 @@ def _write_pick(pick: Pick, study: optuna.Study, context: SearchContext, out_dir
     if pick.best is None:
         (out_dir / "best.json").unlink(missing_ok=True)
         return
-    policy = _policy_for_row(pick.best, study, context, f"best: {context.budget.describe()}")
+    policy = pick_policy(study, context, pick.best)
     provenance = _pick_provenance(pick, confirmation, reference.key)
+    measured = study.user_attrs.get(PICK_PEAK)
+    if measured is not None and measured["key"] == pick.best["key"]:
+        provenance["peak"] = measured["peaks"]
     policy.replace(provenance={**policy.provenance, **provenance}).save(out_dir / "best.json")
 
 

@@ -101,10 +101,11 @@ from precsearch.search.confirmation import (
     reference_divergence,
 )
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
-from precsearch.search.export import Exported, export
+from precsearch.search.export import Exported, decide, export, pick_policy
 from precsearch.search.ledger import Ledger, pause_point
 from precsearch.search.noise import Noise, pooled_noise, seeds_for
 from precsearch.search.objective import FINISHED, WORKER, Objective
+from precsearch.search.peaks import PICK_PEAK, measure_step_peaks
 from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
     CHECKPOINTS,
@@ -641,7 +642,25 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
                             _phase_progress(run.bar, "confirming"))
     if (why := reference_divergence(confirmation.runs.get(confirmation.reference, []))) is not None:
         log.warning("%s; the front's points are not trained", why)
+    with torch_threads(config.threads):
+        _measure_pick(study, context)
     run.record(study)
+
+
+def _measure_pick(study: optuna.Study, context: SearchContext) -> None:
+    """The pick's step peak beside plain fp32's and torch.autocast's, measured once on the proxy's batch
+    (precsearch.search.peaks), for best.json and the summary."""
+    best = decide(study, context).pick.best
+    recorded = study.user_attrs.get(PICK_PEAK)
+    if best is None or (recorded is not None and recorded["key"] == best["key"]):
+        return
+    policy = pick_policy(study, context, best)
+    train_set, batch = context.data[0], context.space.proxy.batch_size
+    predicted = context.cost.peak_bytes(policy.assignment(context.graph))
+    peaks = measure_step_peaks(context.model, policy, train_set.images[:batch], train_set.labels[:batch],
+                               train_set.num_classes, predicted, context.device, context.seed)
+    log.info("the pick's %s", peaks.describe())
+    study.set_user_attr(PICK_PEAK, {"key": best["key"], "peaks": peaks.to_dict()})
 
 
 def _calibrate_in_worker(run: WorkerRun) -> None:
