@@ -34,6 +34,8 @@ def _record(accuracy: float, seed: int) -> dict:
     (1.0, 1.0, 1, "wang_fp8, 0.523", "within the drop: in"),
     # at 70% in eval mode, 100% with batch statistics: flagged, so neither in nor out, and the search matched it
     (0.7, 1.0, 1, "wang_fp8, 0.523", "reading flagged: not ruled out"),
+    # at 12% in eval mode, 75% with batch statistics: flagged, and out by both readings
+    (0.12, 0.75, 1, "hfp8, 0.865", "not held: in (it did not diverge)"),
 ])
 def test_a_baseline_near_the_pick_is_confirmed_seed_by_seed_and_named_when_in(tmp_path, wang_accuracy,
                                                                               wang_batch_stats, trained_seeds,
@@ -62,6 +64,9 @@ def test_a_baseline_near_the_pick_is_confirmed_seed_by_seed_and_named_when_in(tm
     assert list(held["name"]) == ["fp8", "wang_fp8", "hfp8"]
     assert list(held["held"]) == [False, True, False]
     assert held.set_index("name").loc[named.split(",")[0], "verdict"] == verdict
+    if wang_batch_stats == 0.75:
+        assert held.set_index("name").loc["wang_fp8", "verdict"] == ("reading flagged, below the drop with batch "
+                                                                     "statistics too: out")
     assert held.set_index("name").loc["wang_fp8", "accuracies"] == f"{wang_accuracy:.4f}"
     assert held.set_index("name").loc["wang_fp8", "batch_stats_accuracies"] == f"{wang_batch_stats:.4f}"
     assert "fp8         memory 0.500: diverged at the proxy length: out" in shown

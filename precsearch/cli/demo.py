@@ -72,7 +72,8 @@ def held_baselines(baselines, best, result, context) -> Any:
     seeds at its length, seed by seed while the drop rule is undecided (``selection.confirmation_verdict``
     against all-high's confirmation runs, which race too: a seed the confirmation did not continue is trained
     from step 0, the same run). A held baseline whose reading is flagged (eval mode and batch statistics apart
-    by more than the drop, precsearch.train.reading) is neither in nor out: its readings say nothing either way.
+    by more than the drop, precsearch.train.reading) is out only if its batch-statistics readings are below the
+    drop too; else it is not ruled out (its eval-mode readings say nothing either way).
     One row per baseline (``HELD_FILE`` in the run directory): the demo's claim that its answer is not a
     prior-work recipe in disguise rests on it. ``context``: the search's model, space and data (its trainer
     trains the baselines)."""
@@ -112,10 +113,14 @@ def held_baselines(baselines, best, result, context) -> Any:
             entry.update(held=True, steps=confirmation.length, reading_flagged=any(marked),
                          accuracies=";".join(f"{run['val_accuracy']:.4f}" for run in runs),
                          batch_stats_accuracies=";".join(f"{run['batch_stats_accuracy']:.4f}" for run in runs))
-            entry["verdict"] = ("reading flagged: not ruled out" if any(marked) else
-                                {True: "within the drop: in", False: "below the drop: out"}.get(
-                                    verdict, "undecided: out"))
-            entry["ruled_out"] = not any(marked) and verdict is not True
+            if any(marked):  # eval mode is not to be trusted: out only if batch statistics read it out too
+                batch_read = [{**run, "val_accuracy": run["batch_stats_accuracy"]} for run in runs]
+                out = decide(batch_read, high_runs) is False
+                entry.update(verdict="reading flagged, below the drop with batch statistics too: out" if out
+                             else "reading flagged: not ruled out", ruled_out=out)
+            else:
+                entry.update(verdict={True: "within the drop: in", False: "below the drop: out"}.get(
+                    verdict, "undecided: out"), ruled_out=verdict is not True)
         rows.append(entry)
     return pd.DataFrame(rows)
 
