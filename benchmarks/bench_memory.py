@@ -1,19 +1,23 @@
 """Peak memory of one training step (forward, backward, SGD step with momentum) under each policy, measured
-and predicted, beside the bytes autograd saves, all as ratios to the plain fp32 model's measured peak.
+and predicted, beside plain fp32 and plain fp32 under ``torch.autocast(bfloat16)``: what a user's device shows.
 
 Measured: the CPU allocator's events (precsearch.cost.measured), and CUDA's ``max_memory_allocated`` with
 ``--device cuda``; both above what is live before the step (parameters, momentum, the batch). Predicted:
-``CostModel.peak_bytes``. Saved: ``CostModel.saved_activation_bytes``. Rows: plain fp32, plain under
-``torch.autocast(bfloat16)`` (CUDA only), the fp32/fp16/bf16/hfp8 baselines and the paper's all-low policy, each
-eager; then, with ``--compiled`` (a list of policies), the same policies through ``apply_policy(compile=True)``:
-the compiled step with each rounded tensor's codes saved for the backward (precsearch.runtime.compiled), beside
-plain ``torch.compile`` of the fp32 model. Each compiled row compiles its own graph (its code widths), which
-takes minutes on a CPU; the step measured is the third, after the compile.
+``CostModel.peak_bytes`` (autocast has none: it assigns no formats). Rows: plain fp32, plain fp32 under
+``torch.autocast(bfloat16)`` (fp32 parameters, torch's own casts), then the policies ``--policies`` names, each
+eager: ``all-high`` (every tensor at the paper's HFP8 space's high format, e6m9s), the ``fp32``/``fp16``/``bf16``/
+``hfp8`` baselines (precsearch.search.strategies.baseline), ``all-low`` (the paper's low formats everywhere,
+dynamic loss scaling, the promotion guard at 1%), ``pick`` (the demo's rule: the paper's space with the group
+holding the input high and every other group low), and ``fp8-all-low`` / ``fp8-scaled-all-low`` (the all-low of
+search_spaces/fp8_e4m3_e5m2.yaml and of fp8_scaled.yaml, the same elements without and with a scale per tensor).
+With ``--compiled`` (a list of those policies), the same policies through ``apply_policy(compile=True)`` beside
+plain ``torch.compile`` of the fp32 model; each compiled row compiles its own graph (its code widths), which takes
+minutes on a CPU; the step measured is the third, after the compile. ``--time N``: each eager row's step time,
+the median of N steps taken in turn (precsearch.cost.measured.median_step_times). ``--suite``: the settings a
+search runs (``SUITE``), one table each.
 
-Usage: python benchmarks/bench_memory.py [--width 1.0] [--batch 128] [--device cpu|cuda]
-       [--policies fp32,fp16,bf16,hfp8,all-low] [--compiled fp16,hfp8,all-low]
-       (also fp8-all-low and fp8-scaled-all-low: the all-low of search_spaces/fp8_e4m3_e5m2.yaml and of
-       fp8_scaled.yaml, the same elements without and with a scale per tensor)
+Usage: python benchmarks/bench_memory.py [--model resnet18] [--width W] [--image-size 32] [--batch 128]
+       [--device cpu|cuda] [--policies all-high,hfp8,all-low,pick] [--compiled hfp8,all-low] [--time 5] [--suite]
 """
 
 from __future__ import annotations
@@ -21,112 +25,168 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from precsearch.config.policy import Policy
-from precsearch.config.spaces import load_space
-from precsearch.config.spec import PAPER_OVERFLOW
-from precsearch.cost.measured import measure_peak, sgd_step, trace_step
+from precsearch.config.spaces import SearchSpace, load_space, paper_space
+from precsearch.config.spec import PAPER_LOW, PAPER_OVERFLOW
+from precsearch.cost.measured import measure_peak, median_step_times, sgd_step, trace_step
 from precsearch.cost.model import MIB, CostModel
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.graph.tracing import trace
+from precsearch.graph.types import TensorGraph
 from precsearch.models import build
 from precsearch.runtime.model import apply_policy
-from precsearch.search.strategies import baseline, uniform
+from precsearch.search.strategies import assign, baseline, uniform, units
 
-ALL_LOW = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s"}
+# The settings searches run at (issue 67): (model spec, image side, batch).
+SUITE = (("narrow_cnn", 16, 32), ("tiny_cnn", 16, 64), ("resnet18:width=0.25", 16, 64),
+         ("mobilenet_v2:width=0.5", 16, 64), ("shufflenet_v2:width=0.5", 16, 64), ("resnet18", 32, 128))
+DEFAULT_POLICIES = "all-high,hfp8,all-low,pick"
+BASELINE_ROWS = ("fp32", "fp16", "bf16", "hfp8")
 # The all-low assignments of two spaces that differ only in a scale per tensor (issue 40: within 2%).
 SPACES = Path(__file__).resolve().parent.parent / "search_spaces"
 SPACE_ALL_LOW = {"fp8-all-low": SPACES / "fp8_e4m3_e5m2.yaml", "fp8-scaled-all-low": SPACES / "fp8_scaled.yaml"}
+POLICY_NAMES = (*BASELINE_ROWS, "all-high", "all-low", "pick", *SPACE_ALL_LOW)
 
 
-def space_all_low(graph, path: Path) -> Policy:
-    """Every tensor at the space's low format, with its high format, overflow, loss scaling and guard."""
-    space = load_space(path)
-    return policy_from_assignment(graph, uniform(graph, space, "low").assignment, high_format=space.high,
-                                  overflow=dict(space.overflow), loss_scaling=dict(space.loss_scaling),
-                                  promotion_threshold=space.promotion_threshold)
+def space_policy(graph: TensorGraph, space: SearchSpace, assignment: dict[str, str]) -> Policy:
+    """``assignment`` with the space's high format, overflow, loss scaling and guard, as a search trains it."""
+    return policy_from_assignment(graph, assignment, high_format=space.high, overflow=dict(space.overflow),
+                                  loss_scaling=dict(space.loss_scaling), promotion_threshold=space.promotion_threshold)
+
+
+def input_high_rest_low(graph: TensorGraph, space: SearchSpace) -> dict[str, str]:
+    """The demo's pick: the unit holding the model's input (``x:activation``) high, every other unit low."""
+    inputs = {op.name for op in graph.ops if op.role == "input"}
+    decisions = {unit: "high" if any(tid.split(":")[0] in inputs for tid in ids) else "low"
+                 for unit, ids in units(graph, space).items()}
+    return assign(graph, space, decisions)
+
+
+def policies(graph: TensorGraph) -> dict[str, Policy]:
+    """Every policy a row can name (see the module doc)."""
+    paper = paper_space()
+    every = {name: baseline(name, graph) for name in BASELINE_ROWS}
+    every["all-high"] = space_policy(graph, paper, uniform(graph, paper, "high").assignment)
+    every["all-low"] = policy_from_assignment(
+        graph, {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
+        overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
+        promotion_threshold=0.01)
+    every["pick"] = space_policy(graph, paper, input_high_rest_low(graph, paper))
+    for name, path in SPACE_ALL_LOW.items():
+        space = load_space(path)
+        every[name] = space_policy(graph, space, uniform(graph, space, "low").assignment)
+    return every
+
+
+@dataclass
+class Row:
+    name: str
+    measured: int
+    predicted: int | None
+    step: Callable[[], object]
+    eager: str | None  # a compiled row's eager counterpart (None: an eager row)
+
+
+def measure_row(name: str, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+                predicted: int | None, eager: str | None, autocast: torch.dtype | None, timeline: bool) -> Row:
+    """The row's step measured after two steps (momentum buffers made, compiled kernels built)."""
+    model = model.to(device)
+    step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4),
+                    *(tensor.to(device) for tensor in batch), autocast=autocast)
+    step()
+    step()
+    if device.type == "cuda":
+        return Row(name, measure_peak(step, device), predicted, step, eager)
+    memory = trace_step(step)
+    if timeline:
+        print(f"\n{name}: {memory.summary()}")
+    return Row(name, memory.peak, predicted, step, eager)
+
+
+def setting_rows(spec: str, image_size: int, batch_size: int, device: torch.device, args: argparse.Namespace
+                 ) -> list[Row]:
+    """Plain fp32, autocast bf16, the eager policies, then plain torch.compile and the compiled policies."""
+    torch.manual_seed(0)
+    plain = build(spec)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(batch_size, 3, image_size, image_size, generator=g),
+             torch.randint(0, 10, (batch_size,), generator=g))
+    graph = trace(plain, batch[0][:2], batch_size=batch_size)
+    cost, every = CostModel(graph), policies(graph)
+    chosen = [name for name in args.policies.split(",") if name]
+    compiled = [name for name in args.compiled.split(",") if name]
+    plan: list[tuple[str, Policy | None, str | None, torch.dtype | None]] = [  # (row, policy, its eager row, autocast)
+        ("plain fp32", None, None, None), ("autocast bf16", None, None, torch.bfloat16)]
+    plan += [(name, every[name], None, None) for name in chosen]
+    plan += [("plain fp32, torch.compile", None, "plain fp32", None)] if compiled else []
+    plan += [(f"{name}, compiled", every[name], name, None) for name in compiled]
+    rows = []
+    for name, policy, eager, autocast in plan:
+        model = copy.deepcopy(plain)
+        if policy is not None:  # the paper's space grows its loss scale once per "epoch": any length will do
+            model = apply_policy(model, policy, compile=eager is not None, steps_per_epoch=100)
+        elif eager is not None:
+            model = torch.compile(model, fullgraph=True)
+        predicted = None if autocast else cost.peak_bytes(None if policy is None else policy.assignment(graph))
+        rows.append(measure_row(name, model, batch, device, predicted, eager, autocast, args.timeline))
+    return rows
+
+
+def table(rows: list[Row], device: torch.device, repeats: int) -> str:
+    """The markdown table: each row against plain fp32, autocast bf16 and (compiled) its eager row; step times."""
+    measured = {row.name: row.measured for row in rows}
+    fp32, autocast = measured["plain fp32"], measured["autocast bf16"]
+    eager = [row for row in rows if row.eager is None]
+    times = dict(zip([row.name for row in eager], median_step_times([row.step for row in eager], device, repeats),
+                     strict=True)) if repeats else {}
+    head = ("| step | peak measured (MiB) | x plain fp32 | x autocast bf16 | x its eager row | peak predicted (MiB) "
+            "| predicted/measured |" + (" step time (ms) | x plain fp32 |" if times else ""))
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for row in rows:
+        cells = [f"{row.measured / MIB:.3f}", f"{row.measured / fp32:.3f}", f"{row.measured / autocast:.3f}",
+                 "-" if row.eager is None else f"{row.measured / measured[row.eager]:.3f}"]
+        cells += (["-", "-"] if row.predicted is None else
+                  [f"{row.predicted / MIB:.3f}", f"{row.predicted / row.measured:.3f}"])
+        if times:
+            seconds = times.get(row.name)
+            cells += ["-", "-"] if seconds is None else [f"{1000 * seconds:.1f}",
+                                                         f"{seconds / times['plain fp32']:.2f}"]
+        lines.append(f"| {row.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=float, default=1.0)
+    parser.add_argument("--model", default="resnet18", help="zoo spec, e.g. resnet18:width=0.25")
+    parser.add_argument("--width", type=float, default=None, help="the model's width (or give it in --model)")
+    parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--suite", action="store_true", help="every setting of SUITE (ignores model, size, batch)")
     parser.add_argument("--timeline", action="store_true", help="print the blocks at each measured peak")
-    parser.add_argument("--policies", default="fp32,fp16,bf16,hfp8,all-low", help="eager policy rows")
-    parser.add_argument("--compiled", default="", help="policies also measured compiled (e.g. fp16,hfp8,all-low)")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="eager policy rows")
+    parser.add_argument("--compiled", default="", help="policies also measured compiled (e.g. hfp8,all-low)")
+    parser.add_argument("--time", type=int, default=0, metavar="N", help="eager step times, median of N")
     args = parser.parse_args()
     device = torch.device(args.device)
-
-    torch.manual_seed(0)
-    plain = build("resnet18", width=args.width)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
-    graph = trace(plain, x[:2], batch_size=args.batch)
-    cost = CostModel(graph)
-    every: dict[str, Policy] = {name: baseline(name, graph) for name in ("fp32", "fp16", "bf16", "hfp8")}
-    every["all-low"] = policy_from_assignment(
-        graph, {tid: ALL_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()}, high_format="e6m9s",
-        overflow=dict(PAPER_OVERFLOW), loss_scaling={"mode": "dynamic", "init_scale": 2.0**16},
-        promotion_threshold=0.01)
-    every.update({name: space_all_low(graph, path) for name, path in SPACE_ALL_LOW.items()})
-    chosen = [name for name in args.policies.split(",") if name]
-    compiled = [name for name in args.compiled.split(",") if name]
-    unknown = sorted(set(chosen + compiled) - set(every))
+    spec = args.model if args.width is None else f"{args.model}{',' if ':' in args.model else ':'}width={args.width}"
+    settings = SUITE if args.suite else ((spec, args.image_size, args.batch),)
+    unknown = sorted(set(args.policies.split(",") + args.compiled.split(",")) - {""} - set(POLICY_NAMES))
     if unknown:
-        parser.error(f"unknown policy {unknown[0]!r}; use any of {', '.join(every)}")
-    # (row, policy, compiled)
-    rows_to_run: list[tuple[str, Policy | None, bool]] = [("plain fp32", None, False)]
-    rows_to_run += [(name, every[name], False) for name in chosen]
-    if compiled:
-        rows_to_run.append(("plain fp32, torch.compile", None, True))
-    rows_to_run += [(f"{name}, compiled", every[name], True) for name in compiled]
-
-    print(f"torch {torch.__version__}, ResNet-18 width {args.width}, batch {args.batch}, 32x32, "
-          f"SGD(momentum=0.9, wd=5e-4); {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
-    rows = []
-    for name, policy, compiling in rows_to_run:
-        model = copy.deepcopy(plain)
-        if policy is not None:
-            model = apply_policy(model, policy, compile=compiling)
-        elif compiling:
-            model = torch.compile(model, fullgraph=True)
-        model = model.to(device)
-        step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4),
-                        x.to(device), y.to(device))
-        step()  # momentum buffers, compiled kernels
-        step()
-        memory = trace_step(step) if device.type == "cpu" else None
-        cuda = measure_peak(step, device) if device.type == "cuda" else None
-        assignment = None if policy is None else policy.assignment(graph)
-        rows.append((name, memory, cuda, cost.peak_bytes(assignment),
-                     cost.saved_activation_bytes(assignment)))
-        if args.timeline and memory is not None:
-            print(f"\n{name}: {memory.summary()}")
-    if device.type == "cuda":
-        model = copy.deepcopy(plain).to(device)
-        autocast_step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
-                                                        weight_decay=5e-4), x.to(device), y.to(device),
-                                 autocast=torch.bfloat16)
-        autocast_step()
-        rows.insert(1, ("autocast bf16", None, measure_peak(autocast_step, device), None, None))
-
-    base = rows[0][2] if device.type == "cuda" else rows[0][1].peak
-    measured_of = {name: cuda if device.type == "cuda" else memory.peak for name, memory, cuda, _, _ in rows}
-    print("\n| step | peak measured (MiB) | x fp32 | x its eager row | peak predicted | x fp32 | saved bytes "
-          "| x fp32 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, _, _, predicted, saved in rows:
-        measured = measured_of[name]
-        eager = measured_of.get(name.removesuffix(", compiled")) if name.endswith(", compiled") else None
-        cells = [f"{measured / MIB:.1f}", f"{measured / base:.3f}", "-" if eager is None else f"{measured / eager:.3f}"]
-        cells += ["-", "-"] if predicted is None else [f"{predicted / MIB:.1f}", f"{predicted / base:.3f}"]
-        cells += ["-", "-"] if saved is None else [f"{saved / MIB:.1f}", f"{saved / base:.3f}"]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        parser.error(f"unknown policy {unknown[0]!r}; use any of {', '.join(POLICY_NAMES)}")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"CPU, kernels {torch.backends.cpu.get_cpu_capability()}")
+    for model_spec, image_size, batch_size in settings:
+        print(f"\n{model_spec}, {image_size}x{image_size}, batch {batch_size}: torch {torch.__version__}, "
+              f"SGD(momentum=0.9, wd=5e-4); {where}\n")
+        rows = setting_rows(model_spec, image_size, batch_size, device, args)
+        print(table(rows, device, args.time), flush=True)
     return 0
 
 

@@ -170,6 +170,9 @@ def _entry(source: str, name: str, row: pd.Series) -> dict[str, Any]:
     }
 
 
+_SOURCES = {"baseline": "baseline", "torch": "torch.autocast"}  # baselines.csv's sources besides the sweep's
+
+
 def summary_table(tables: RunTables) -> pd.DataFrame:
     """Pareto front, the paper's sweep and the baselines in one table (memory relative to all-high)."""
     entries = [_entry("pareto", f"trial {int(row['number'])}", row) for _, row in tables.pareto.iterrows()]
@@ -179,7 +182,7 @@ def summary_table(tables: RunTables) -> pd.DataFrame:
     entries += [_entry("paper sweep", f"r={row['r']:.1f}", row) for _, row in sweep.iterrows()]
     if not tables.baselines.empty:
         for _, row in tables.baselines[tables.baselines["source"] != "paper"].iterrows():
-            source = "baseline" if row["source"] == "baseline" else f"ablation ({row['source']})"
+            source = _SOURCES.get(row["source"], f"ablation ({row['source']})")
             entries.append(_entry(source, str(row["name"]), row))
     return pd.DataFrame(entries)
 
@@ -361,7 +364,9 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
         if tables.best.get("noise"):
             lines.append(f"- noise: {tables.best['noise']['statement']}")
     lines += ["", "Memory is the cost model's bytes of weights, activations and their gradients relative to the "
-              "all-high assignment (promoted tensors counted high); accuracy is the proxy's validation accuracy.",
+              "all-high assignment (promoted tensors counted high); accuracy is the proxy's validation accuracy. "
+              "torch.autocast rows assign no formats and have no such memory: baselines.csv holds their step's "
+              "measured peak and time beside plain fp32's.",
               "", "![tradeoff](report.png)", "", markdown_table(table)]
     if not tables.calibration.empty:
         lines += ["## Calibration: the all-high reference's learning curve", "",

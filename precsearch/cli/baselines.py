@@ -11,21 +11,25 @@ from precsearch.cli._arguments import (
     choose_compile,
     space_argument,
 )
-from precsearch.config.spec import BASELINES
+from precsearch.config.spec import BASELINES, TORCH_BASELINES
 
 HELP = "train prior-work baselines and the paper's sweep into one table"
-DESCRIPTION = ("Proxy-train the prior-work policies and the paper's technique at r = 0, 0.1, ..., 1 with "
-               "the space's proxy budget (in a search run directory: the search's proxy length); writes "
-               "baselines.csv and baselines/*.json into --out. In a search run directory with the same settings, "
-               "sweep points the search trained are reused.")
+DESCRIPTION = ("Proxy-train the prior-work policies, the plain model under torch.autocast (autocast_bf16; "
+               "autocast_fp16 on CUDA) and the paper's technique at r = 0, 0.1, ..., 1 with the space's proxy budget "
+               "(in a search run directory: the search's proxy length); writes baselines.csv and baselines/*.json "
+               "into --out. The autocast rows have no policy file and no cost-model memory: their step's measured "
+               "peak and time, beside plain fp32's, are in peak_bytes, peak_x_fp32, step_time and "
+               "step_time_x_fp32. In a search run directory with the same settings, sweep points the search trained "
+               "are reused.")
+NAMES = (*BASELINES, *TORCH_BASELINES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compile_argument(parser)
     add_space_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="output (or search run) directory")
-    parser.add_argument("--names", default=",".join(BASELINES), metavar="LIST",
-                        help=f"comma-separated baselines (default all: {','.join(BASELINES)})")
+    parser.add_argument("--names", default=",".join(NAMES), metavar="LIST",
+                        help=f"comma-separated baselines (default all: {','.join(NAMES)})")
     parser.add_argument("--ablations", action="store_true",
                         help="also sweep with groups ordered smallest-first and randomly")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     for _, row in table.iterrows():
         state = f"diverged: {row['reason']}" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
         reused = f" (reused {row['reused']})" if row["reused"] else ""
-        print(f"{row['source']:>9} {row['name']:<9} memory {row['memory']:.3f}  {state}{reused}")
+        memory = (f"peak {row['peak_bytes'] / 2**20:.2f} MiB measured ({row['peak_x_fp32']:.3f}x plain fp32's, "
+                  f"step time {row['step_time_x_fp32']:.2f}x)" if row["source"] == "torch" else
+                  f"memory {row['memory']:.3f}")
+        print(f"{row['source']:>9} {row['name']:<9} {memory}  {state}{reused}")
     print(f"table: {args.out}/baselines.csv; policies: {args.out}/baselines/")
     return 0

@@ -42,6 +42,7 @@ __all__ = [
     "SAMPLERS",
     "SPACE_DEFAULTS",
     "TIES",
+    "TORCH_BASELINES",
     "TensorId",
     "WEIGHT",
     "WEIGHT_GRAD",
@@ -73,6 +74,8 @@ GRADIENT_ROUNDINGS: tuple[str, ...] = ("sum", "per_use")
 # Training and search settings.
 COMPRESSIONS: tuple[str, ...] = ("none", "adacomp")
 BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wang_fp8", "torchao_fp8")
+# Torch's own mixed precision beside them: plain torch.autocast, no policy file (precsearch.train.autocast).
+TORCH_BASELINES: tuple[str, ...] = ("autocast_bf16", "autocast_fp16")
 # Optuna samplers a search can use (precsearch.search.samplers): multivariate TPE, NSGA-II, random, Gaussian process.
 SAMPLERS: tuple[str, ...] = ("tpe", "nsga2", "random", "gp")
 # What a search's memory objective measures: the cost model's bytes, or the measured peak of a step.

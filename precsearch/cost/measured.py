@@ -19,15 +19,18 @@ so call it with the step's previous garbage gone (e.g. gradients set to None fir
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Allocation", "StepMemory", "measure_peak", "sgd_step", "trace_step"]
+__all__ = ["Allocation", "StepMemory", "measure_peak", "median_step_times", "sgd_step", "trace_step"]
 
 _BACKWARD = "autograd::engine::evaluate_function: "
 _OPTIMIZER = "Optimizer.step#"
@@ -138,11 +141,12 @@ def measure_peak(step: Callable[[], object], device: str | torch.device = "cpu")
 
 
 def sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-             autocast: torch.dtype | None = None) -> Callable[[], torch.Tensor]:
-    """One cross-entropy training step to measure, returning its (detached) loss: through the model's loss
-    scaler when it has one (a ``PrecisionModel``), the forward under ``torch.autocast(autocast)`` when given,
-    gradients set to None at its end so that the next step starts from the baseline."""
-    scaler = getattr(model, "scaler", None)
+             autocast: torch.dtype | None = None, scaler: Any = None) -> Callable[[], torch.Tensor]:
+    """One cross-entropy training step to measure, returning its (detached) loss: through ``scaler`` (default:
+    the model's own when it has one, a ``PrecisionModel``; a ``torch.amp.GradScaler`` for fp16 autocast), the
+    forward under ``torch.autocast(autocast)`` when given, gradients set to None at its end so that the next step
+    starts from the baseline."""
+    scaler = scaler if scaler is not None else getattr(model, "scaler", None)
 
     def step() -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
@@ -158,3 +162,20 @@ def sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.
         return loss.detach()
 
     return step
+
+
+def median_step_times(steps: Sequence[Callable[[], object]], device: str | torch.device = "cpu",
+                      repeats: int = 5) -> list[float]:
+    """Median seconds of each of ``steps`` over ``repeats`` calls, taken in turn (one call of each, then the next
+    round), so that a machine's load falls on all of them alike; the device synchronised around each call."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for index, step in enumerate(steps):
+            sync(device)
+            start = time.perf_counter()
+            step()
+            sync(device)
+            times[index].append(time.perf_counter() - start)
+    return [statistics.median(seconds) for seconds in times]

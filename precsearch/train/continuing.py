@@ -62,11 +62,11 @@ def decay_lr(lr: float, index: int, length: int) -> float:
     return 0.5 * lr * (1.0 + math.cos(math.pi * index / length))
 
 
-def run_tag(policy: Policy | None, seed: int) -> str:
-    """What a checkpoint must have been written by: this seed and this policy's training (None: plain fp32). Its
-    provenance only says where it came from (a trial retried after an interruption has a new number), so it is
-    left out: the retry continues the run it retries."""
-    text = "plain" if policy is None else policy.replace(provenance={}).to_json()
+def run_tag(policy: Policy | None, seed: int, autocast: torch.dtype | None = None) -> str:
+    """What a checkpoint must have been written by: this seed and this policy's training (None: plain fp32, under
+    ``torch.autocast(autocast)`` when given). Its provenance only says where it came from (a trial retried after an
+    interruption has a new number), so it is left out: the retry continues the run it retries."""
+    text = (f"plain {autocast}" if autocast else "plain") if policy is None else policy.replace(provenance={}).to_json()
     return f"{seed}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
@@ -89,22 +89,26 @@ class Progress:
 
 @dataclass(frozen=True)
 class State:
-    """The model's, the optimizer's and the global generators' state at one step, serialized."""
+    """The model's, the optimizer's and the global generators' state at one step, serialized; and a loss scaler's
+    the model does not hold (torch.autocast's GradScaler, precsearch.train.autocast)."""
 
     data: bytes
 
     @classmethod
-    def capture(cls, model: torch.nn.Module, optimizer: Any, device: torch.device) -> State:
+    def capture(cls, model: torch.nn.Module, optimizer: Any, device: torch.device, scaler: Any = None) -> State:
         buffer = io.BytesIO()
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "rng": torch.get_rng_state(), "cuda_rng": cuda}, buffer)
+                    "rng": torch.get_rng_state(), "cuda_rng": cuda,
+                    "scaler": None if scaler is None else scaler.state_dict()}, buffer)
         return cls(buffer.getvalue())
 
-    def restore(self, model: torch.nn.Module, optimizer: Any, device: torch.device) -> None:
+    def restore(self, model: torch.nn.Module, optimizer: Any, device: torch.device, scaler: Any = None) -> None:
         saved = _load_data(io.BytesIO(self.data), "a checkpoint's training state", map_location=device)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(saved["scaler"])
         torch.set_rng_state(saved["rng"])
         if saved["cuda_rng"] is not None:
             torch.cuda.set_rng_state(saved["cuda_rng"], device)

@@ -42,6 +42,7 @@ from precsearch.files import atomic_write_text
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
 from precsearch.stopping import raise_recorded_stop
+from precsearch.train.autocast import CountingGradScaler, autocast_scaler, autocasting
 from precsearch.train.continuing import (
     CHECKPOINT_EVERY,
     Progress,
@@ -319,9 +320,11 @@ def train(
     continuing: bool = False,
     checkpoint: Path | None = None,
     decay_from: int | None = None,
+    autocast: torch.dtype | None = None,
 ) -> ProxyResult:
     """Train ``model_spec`` under ``policy`` (None: plain fp32, no wrapper and no loss scaling) for ``steps``
-    SGD steps and evaluate on the validation split.
+    SGD steps and evaluate on the validation split. ``autocast`` (with no policy): the plain model's forward,
+    loss and readings under ``torch.autocast(dtype)``, float16 through a GradScaler (precsearch.train.autocast).
 
     ``recipe`` adds full training's augmentation, init and per-epoch schedule (see ``Recipe``); a proxy
     has none. The loss scaler learns the steps per epoch (a ``growth_interval`` of ``"epoch"``).
@@ -343,6 +346,8 @@ def train(
     the result is read at the end as it is (confirmation: a checkpoint at ``decay_from`` is a reading's state).
     """
     config = config or ProxyConfig()
+    if policy is not None and autocast is not None:
+        raise ValueError("train under a policy or under torch.autocast, not both")
     if checkpoint is not None and not continuing:
         raise ValueError("a checkpoint continues only a continuing run (a cosine schedule spans its own length)")
     if decay_from is not None and not (continuing and 0 <= decay_from < steps):
@@ -376,12 +381,13 @@ def train(
         schedule = None if continuing else torch.optim.lr_scheduler.CosineAnnealingLR(
             sgd, T_max=math.ceil(steps / per_epoch) if epoch_schedule else steps)
         augment = torch.Generator().manual_seed(seed + 1) if recipe is not None and recipe.augment else None
-        scaler = model.scaler if policy is not None else NoLossScaler()
-        tag = run_tag(policy, seed)
+        scaler = model.scaler if policy is not None else autocast_scaler(autocast, torch_device)
+        own_scaler = scaler if isinstance(scaler, CountingGradScaler) else None  # not in the model's state_dict
+        tag = run_tag(policy, seed, autocast)
         saved = read_checkpoint(checkpoint, tag, steps, decay) if checkpoint is not None else None
         progress = Progress()
         if saved is not None:
-            saved[0].restore(model, optimizer, torch_device)
+            saved[0].restore(model, optimizer, torch_device, own_scaler)
             progress = saved[1]
         earlier_calls = progress.elapsed  # seconds the calls before this one trained: each checkpoint adds this call's
         rungs = {step for step in evaluate_at if 1 <= step <= steps}
@@ -396,7 +402,8 @@ def train(
                 images = random_crop_flip(images, train_set.mean, train_set.std, augment)
             images, labels = images.to(torch_device), labels.to(torch_device)
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(images), labels)
+            with autocasting(torch_device, autocast):
+                loss = F.cross_entropy(model(images), labels)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
@@ -408,7 +415,7 @@ def train(
             ``step`` checkpointed and, unless ``final``, restored after it."""
             nonlocal spent
             branched = continuing and not progress.reason and not progress.decay  # a run in its decay is read as is
-            state = State.capture(model, optimizer, torch_device) if branched else None
+            state = State.capture(model, optimizer, torch_device, own_scaler) if branched else None
             if state is not None:
                 length = decay_steps(step)
                 branch = itertools.islice(_batches(train_set, config.batch_size, seed, start=step), length)
@@ -418,8 +425,9 @@ def train(
                     sgd_step(images, labels)
                 spent += length
                 progress.branch_steps += length
-            reading = read_model(model, data, torch_device, bn_images=config.bn_images,
-                                 batch_size=config.batch_size, eval_batch_size=config.eval_batch_size, seed=seed)
+            with autocasting(torch_device, autocast):
+                reading = read_model(model, data, torch_device, bn_images=config.bn_images,
+                                     batch_size=config.batch_size, eval_batch_size=config.eval_batch_size, seed=seed)
             if step in rungs and not (val_curve and val_curve[-1][0] == step):
                 val_curve.append([step, reading.accuracy])
             if state is not None:
@@ -428,7 +436,7 @@ def train(
                 if checkpoint is not None:
                     write_checkpoint(checkpoint, tag, state, progress)
                 if not final:
-                    state.restore(model, optimizer, torch_device)
+                    state.restore(model, optimizer, torch_device, own_scaler)
                     for group in sgd.param_groups:
                         group["lr"] = config.lr
             return reading
@@ -466,7 +474,7 @@ def train(
                     on_eval(step, reading)
             elif checkpoint is not None and step % CHECKPOINT_EVERY == 0:
                 progress.elapsed, progress.unreported = elapsed(), spent
-                write_checkpoint(checkpoint, tag, State.capture(model, optimizer, torch_device), progress)
+                write_checkpoint(checkpoint, tag, State.capture(model, optimizer, torch_device, own_scaler), progress)
         reading = read(len(curve), final=True)
         if on_eval is not None:
             on_eval(len(curve), reading)
