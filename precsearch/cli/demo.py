@@ -195,9 +195,12 @@ def run(args: argparse.Namespace) -> int:
               f"{confirmed_text(row)}  [{row['origin']}]{tie_text(row)}")
     print(yardsticks_text(result))
     print("baselines (same proxies):")
-    for _, row in baselines[baselines["source"] == "baseline"].iterrows():
+    for _, row in baselines[baselines["source"].isin(("baseline", "torch"))].iterrows():
         state = "diverged" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
-        print(f"  {row['name']:<9} memory {row['memory']:.3f}  {state}")
+        memory = (f"step peak {row['peak_bytes'] / 2**20:.2f} MiB measured ({row['peak_x_fp32']:.3f}x plain fp32, "
+                  f"step time {row['step_time_x_fp32']:.2f}x)" if row["source"] == "torch" else
+                  f"memory {row['memory']:.3f}")
+        print(f"  {row['name']:<9} {memory}  {state}")
     if result.best is not None:
         best = result.best
         print(f"best.json: trial {int(best['number'])}, memory {best['memory']:.3f} (predicted peak of a step "
