@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from precsearch.config.policy import Policy
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, clip
 from precsearch.files import atomic_write_bytes
 
 __all__ = ["CHECKPOINT_EVERY", "DECAY_FRACTION", "Progress", "State", "branch_steps", "check_checkpoints", "decay_lr",
@@ -171,10 +172,18 @@ def _load_data(source: Path | io.BytesIO, what: str, map_location: torch.device 
     try:
         saved = torch.load(source, weights_only=True, map_location=map_location)
     except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ... as the file is
-        raise _not_ours(what, (str(error).strip().splitlines() or [type(error).__name__])[0][:200]) from None
+        raise _not_ours(what, _load_failure(error)) from None
     if not isinstance(saved, dict):
         raise _not_ours(what, f"it holds a {type(saved).__name__}")
     return saved
+
+
+def _load_failure(error: Exception) -> str:
+    """Why ``torch.load`` refused a file, in a few words: the line naming the global it would not load (its first
+    line is advice on ``weights_only=False``, which a file from someone else must not get), else the first line."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines() if line.strip()]
+    named = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(error).__name__)
+    return clip(named.partition(" Please use")[0], 200)  # not the advice that follows on allowing it
 
 
 class _NotOurs(PrecsearchError):
