@@ -14,11 +14,24 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["PrecsearchError", "described", "find_cause", "first_line", "raised_at", "run_user_code", "user_code_error"]
+__all__ = ["ECHO_LIMIT", "PrecsearchError", "clip", "described", "echo", "find_cause", "first_line", "raised_at",
+           "run_user_code", "user_code_error"]
 
 T = TypeVar("T")
 
 _PACKAGE = Path(__file__).resolve().parent
+ECHO_LIMIT = 80  # characters of a user's value an error line repeats
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` of a user's for an error line, cut after ``limit`` characters with an ellipsis and its length: a
+    value pasted by mistake (an id of 200,000 characters) stays a line one can read."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def echo(value: object, limit: int = ECHO_LIMIT) -> str:
+    """``clip`` of ``repr(value)``: a user's value, quoted, as an error line repeats it."""
+    return clip(repr(value), limit)
 
 
 class PrecsearchError(ValueError):

@@ -146,7 +146,7 @@ ROWS = [
     ("search-max-proxy-steps-neg", [*SEARCH, "--max-proxy-steps", "-1"], "--max-proxy-steps: '-1'", ("run",)),
     ("search-confirm-nan", [*SEARCH, "--confirm-factor", "nan"], "--confirm-factor: 'nan' is not a finite",
      ("run",)),
-    ("search-confirm-half", [*SEARCH, "--confirm-factor", "0.5"], "--confirm-factor: '0.5': give a number >= 1",
+    ("search-confirm-half", [*SEARCH, "--confirm-factor", "0.5"], "--confirm-factor: '0.5': give a number in [1, 100]",
      ("run",)),
     ("search-heartbeat-0", [*SEARCH, "--heartbeat", "0"], "--heartbeat: '0'", ("run",)),
     ("search-max-memory-nan", [*SEARCH, "--max-memory", "nan"], "--max-memory: 'nan' is not a finite", ("run",)),

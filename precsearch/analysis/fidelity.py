@@ -34,11 +34,12 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.reading import REWRITE, load_json_object
 from precsearch.config.spaces import parse_space
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, echo
 from precsearch.files import atomic_write_text
 from precsearch.models import check_trusted
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
+from precsearch.search.objective import TRIAL_POLICIES
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult, resolve_device, train
 
@@ -99,10 +100,17 @@ def _roles(run_dir: Path, trials: pd.DataFrame) -> dict[str, list[str]]:
 
 
 def _policy_file(run_dir: Path, row: pd.Series) -> Path:
-    """The policy the proxy trained under: trials/ of the run directory, else the path the trial recorded."""
-    recorded = Path(str(row["policy"]))
-    local = run_dir / "trials" / recorded.name
-    return local if local.is_file() else recorded
+    """The policy the proxy trained under, in trials/ of the run directory. The path the trial recorded (absolute,
+    on the worker's host) names the file only: a run directory may come from someone else, so nothing it names
+    outside itself is opened, and whether such a file exists changes no message."""
+    folder = run_dir / TRIAL_POLICIES
+    name = Path(str(row["policy"])).name
+    local = folder / name
+    if not name or not local.resolve().is_relative_to(folder.resolve()) or not local.is_file():
+        raise PrecsearchError(f"{run_dir / 'trials.csv'}: trial {int(row['number'])} trained under policy "
+                              f"{echo(name)}, which is not a file in {folder}; validate reads the policies of a run "
+                              "from its own trials/ folder only: copy the worker's trials/ files there")
+    return local
 
 
 def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None = None, device: str = "cpu",
@@ -122,11 +130,12 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
     roles = _roles(run_dir, trials)
     first = trials[trials["trained"].astype(bool) & (trials["state"] == "COMPLETE")].drop_duplicates("key")
     first = first[first["key"].isin(roles)].set_index("key")
+    policies = {key: Policy.load(_policy_file(run_dir, first.loc[key])) for key in roles}  # all, before any run
     rows = []
     with torch_threads(threads):
         for key in tqdm(list(roles), desc="validate", unit="run", disable=not progress):
             row = first.loc[key]
-            policy = Policy.load(_policy_file(run_dir, row))
+            policy = policies[key]
             result = long_run(context, policy, steps, seed)
             memories, _ = context.memories(policy.assignment(context.graph), result.promotions)
             rows.append({

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from precsearch import __version__
-from precsearch.cli._arguments import read_negative_numbers
+from precsearch.cli._arguments import OneLineParser, read_negative_numbers
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, full_disk
 from precsearch.formats.runner import RUNNER
@@ -28,7 +28,7 @@ from precsearch.stopping import stop_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="precsearch",
         description="Search mixed low-precision float assignments for training CNNs, and train under them.",
     )

@@ -13,17 +13,17 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from precsearch.config.checks import number, requirement
 from precsearch.config.compiling import CompileOptions
 from precsearch.errors import PrecsearchError
 from precsearch.train.data import DATASETS
 
-__all__ = ["COMPILE_MIN_STEPS", "DEVICE_HELP", "SEED_MAX", "add_compile_argument", "add_data_arguments",
-           "add_space_arguments", "add_trust_argument", "choose_compile", "count", "count_or_auto", "device",
-           "input_shape", "proxy_seeds", "proxy_steps", "read_negative_numbers", "real", "seed", "space_argument",
-           "whole"]
+__all__ = ["COMPILE_MIN_STEPS", "DEVICE_HELP", "SEED_MAX", "OneLineParser", "add_compile_argument",
+           "add_data_arguments", "add_space_arguments", "add_trust_argument", "choose_compile", "count",
+           "count_or_auto", "device", "input_shape", "path", "proxy_steps", "read_negative_numbers", "real", "seed",
+           "space_argument", "whole"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,15 @@ DEVICE_HELP = "auto (CUDA when available), cpu, cuda or cuda:N"
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # A value starting with "-" that float() reads: -2, -.5, -1e39, -inf, -nan
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose refusals are the one line the README promises (``precsearch train: error: argument
+    --lr: 'nan' is not a finite number; ...``, exit 2), without the usage block argparse prints first; ``--help``
+    shows the usage. Its subcommand parsers are of its class too (``add_subparsers`` makes them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message.replace(chr(10), ' ')}\n")
 
 
 def read_negative_numbers(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +83,10 @@ def real(low: float = -math.inf, high: float = math.inf, *, open_low: bool = Fal
     return parse
 
 
-def count_or_auto(unit: str, auto: Any) -> Callable[[str], Any]:
-    """An argparse type: ``auto`` (given back as ``auto``) or a count of ``unit`` >= 1."""
-    counted = whole(1)
+def count_or_auto(unit: str, auto: Any, high: float = math.inf) -> Callable[[str], Any]:
+    """An argparse type: ``auto`` (given back as ``auto``) or a count of ``unit`` in [1, high]."""
+    counted = whole(1, high)
+    wanted = ">= 1" if high == math.inf else f"in [1, {high}]"
 
     def parse(text: str) -> Any:
         if text == "auto":
@@ -84,7 +94,7 @@ def count_or_auto(unit: str, auto: Any) -> Callable[[str], Any]:
         try:
             return counted(text)
         except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"{text!r}: give a number of {unit} >= 1, or auto") from None
+            raise argparse.ArgumentTypeError(f"{text!r}: give a number of {unit} {wanted}, or auto") from None
 
     return parse
 
@@ -93,6 +103,13 @@ def device(text: str) -> str:
     """An argparse type: a device name (whether CUDA is there is checked by the command, before any write)."""
     if not _DEVICE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r}: give {DEVICE_HELP}")
+    return text
+
+
+def path(text: str) -> str:
+    """An argparse type: a file or folder path, not empty (the OS would read ``""`` as the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a path (an empty one would mean the current folder)")
     return text
 
 
@@ -112,14 +129,13 @@ def input_shape(text: str) -> tuple[int, int, int]:
 count = whole(1)  # steps, batches, trials, processes, threads, a batch or image size: at least one
 seed = whole(0, SEED_MAX)
 proxy_steps = count_or_auto("steps", "auto")  # --proxy-steps of a search: a fixed length, or calibrated
-proxy_seeds = count_or_auto("seeds", None)  # --proxy-seeds: a count, or chosen from the noise (None)
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """--data, --data-root, --image-size, --batch-size, --device, --seed, --threads."""
     parser.add_argument("--data", default="digits", metavar="NAME",
                         help=f"dataset: {', '.join(DATASETS)} (default digits, bundled, no download)")
-    parser.add_argument("--data-root", default=None, metavar="DIR",
+    parser.add_argument("--data-root", type=path, default=None, metavar="DIR",
                         help="folder of a local dataset (cifar10, cifar100, imagefolder)")
     parser.add_argument("--image-size", type=count, default=None, metavar="PX",
                         help="resize images to PX x PX (default: the space's proxy.image_size)")
@@ -135,7 +151,7 @@ def add_space_arguments(parser: argparse.ArgumentParser, calibrated: bool = Fals
     """MODEL, --space, --proxy-steps (``calibrated``: auto, the default, or a number; else a number)."""
     parser.add_argument("model", metavar="MODEL",
                         help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
-    parser.add_argument("--space", default=None, metavar="YAML",
+    parser.add_argument("--space", type=path, default=None, metavar="YAML",
                         help="search space file (see search_spaces/README.md; default: the paper's HFP8 space, "
                              "as search_spaces/hfp8.yaml)")
     if calibrated:

@@ -9,6 +9,7 @@ from precsearch.cli._arguments import (
     add_data_arguments,
     add_space_arguments,
     choose_compile,
+    path,
     space_argument,
 )
 from precsearch.config.spec import BASELINES, TORCH_BASELINES
@@ -27,7 +28,7 @@ NAMES = (*BASELINES, *TORCH_BASELINES)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compile_argument(parser)
     add_space_arguments(parser)
-    parser.add_argument("--out", required=True, metavar="DIR", help="output (or search run) directory")
+    parser.add_argument("--out", type=path, required=True, metavar="DIR", help="output (or search run) directory")
     parser.add_argument("--names", default=",".join(NAMES), metavar="LIST",
                         help=f"comma-separated baselines (default all: {','.join(NAMES)})")
     parser.add_argument("--ablations", action="store_true",

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from precsearch.cli._arguments import DEVICE_HELP, add_compile_argument, choose_compile, count, device
+from precsearch.cli._arguments import DEVICE_HELP, add_compile_argument, choose_compile, count, device, path
 from precsearch.config.reading import load_json_object
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
@@ -45,7 +45,8 @@ DESCRIPTION = ("Search narrow_cnn's precision assignments in the paper's HFP8 sp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs/demo", metavar="DIR", help="run directory (default runs/demo)")
+    parser.add_argument("--out", type=path, default="runs/demo", metavar="DIR",
+                        help="run directory (default runs/demo)")
     parser.add_argument("--trials", type=count, default=TRIALS, metavar="N", help=f"trials (default {TRIALS})")
     parser.add_argument("--jobs", type=count, default=JOBS, metavar="N", help=f"worker processes (default {JOBS})")
     parser.add_argument("--device", type=device, default="auto", help=DEVICE_HELP)
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.search.accounting import describe_budget
     from precsearch.search.baselines import run_baselines
     from precsearch.search.context import Budget, DataSpec, SearchContext
-    from precsearch.search.settings import SearchConfig
+    from precsearch.search.settings import SearchConfig, usable_jobs
     from precsearch.search.study import run_search
     from precsearch.train.trainer import resolve_device
 
@@ -172,9 +173,10 @@ def run(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # before an earlier demo in --out is cleared
     _clear_previous_demo(out)
     space = paper_space(proxy=PROXY)
-    compile = choose_compile(args, args.trials * space.proxy.steps // args.jobs)  # each worker compiles once
+    jobs = usable_jobs(args.jobs, args.trials)  # what SearchConfig starts (it says so at INFO)
+    compile = choose_compile(args, args.trials * space.proxy.steps // jobs)  # each worker compiles once
     print(f"precsearch demo: {MODEL} on {DATA} ({space.proxy.image_size}x{space.proxy.image_size}), space "
-          f"{space.name}, {args.trials} trials of calibrated proxies on {args.jobs} worker(s)")
+          f"{space.name}, {args.trials} trials of calibrated proxies on {jobs} worker(s)")
     result = run_search(SearchConfig(MODEL, space, DATA, trials=args.trials, out_dir=out, jobs=args.jobs, seed=0,
                                      device=args.device, threads=1, proxy_seeds=None,
                                      compile=compile))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from precsearch.cli._arguments import add_trust_argument
+from precsearch.cli._arguments import add_trust_argument, path
 
 HELP = "plot and tabulate a run directory"
 DESCRIPTION = ("Write RUN_DIR/report.png (memory vs proxy accuracy: trials, Pareto front, the paper's "
@@ -13,8 +13,9 @@ DESCRIPTION = ("Write RUN_DIR/report.png (memory vs proxy accuracy: trials, Pare
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="directory written by precsearch search / baselines")
-    parser.add_argument("--storage", default=None, metavar="URL",
+    parser.add_argument("run_dir", type=path, metavar="RUN_DIR",
+                        help="directory written by precsearch search / baselines")
+    parser.add_argument("--storage", type=path, default=None, metavar="URL",
                         help="read the study from this storage (e.g. the PostgreSQL URL the workers shared)")
     parser.add_argument("--study-name", default=None, metavar="NAME",
                         help="the study's name in --storage (default: precsearch, a search's own study)")

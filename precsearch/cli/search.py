@@ -18,31 +18,36 @@ from precsearch.cli._arguments import (
     add_space_arguments,
     choose_compile,
     count,
-    proxy_seeds,
+    count_or_auto,
+    path,
     real,
     space_argument,
 )
 from precsearch.config.spec import MEMORY_MEASURES, SAMPLERS
 
+NO_PICK = 3  # the exit status of a search that ended without a pick (README, "Command line")
 HELP = "search precision assignments (Optuna + proxy training)"
 DESCRIPTION = ("Search mixed-precision assignments of MODEL: memory from the cost model, accuracy from "
-               "short proxy trainings. Writes trials.csv, pareto.csv, policies/ and best.json into --out.")
+               "short proxy trainings. Writes trials.csv, pareto.csv, policies/ and best.json into --out. "
+               f"Exit status: 0 with a pick (best.json), {NO_PICK} when the search ends without one (its last line "
+               "says why; the other files are written), 2 for an input refused before any work.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compile_argument(parser)
     from precsearch.search.calibration import CalibrationSettings
-    from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
+    from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR, MAX_CONFIRM_FACTOR
 
     add_space_arguments(parser, calibrated=True)
     parser.add_argument("--max-proxy-steps", type=count, default=CalibrationSettings.max_steps, metavar="S",
                         help="cap of the calibration's doubling schedule (default %(default)s)")
-    parser.add_argument("--confirm-factor", type=real(1), default=DEFAULT_CONFIRM_FACTOR, metavar="F",
-                        help="confirmation runs are F x the proxy length, on fresh seeds (default %(default)s)")
+    parser.add_argument("--confirm-factor", type=real(1, MAX_CONFIRM_FACTOR), default=DEFAULT_CONFIRM_FACTOR,
+                        metavar="F", help="confirmation runs are F x the proxy length, on fresh seeds, F in [1, "
+                                          f"{MAX_CONFIRM_FACTOR}] (default %(default)s)")
     parser.add_argument("--trials", type=count, default=40, metavar="N",
                         help="distinct assignments the study tries (default 40; a smaller space is enumerated)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="run directory")
-    parser.add_argument("--storage", default=None, metavar="URL",
+    parser.add_argument("--out", type=path, required=True, metavar="DIR", help="run directory")
+    parser.add_argument("--storage", type=path, default=None, metavar="URL",
                         help="Optuna storage URL (postgresql://user:password@host/db, sqlite:///f.db) or journal "
                              "file path (default: DIR/study.journal)")
     parser.add_argument("--study-name", default=None, metavar="NAME",
@@ -52,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between a worker's heartbeats on a database storage; a trial silent for 3 x S "
                              "is failed and its assignment retried (default 20)")
     parser.add_argument("--jobs", type=count, default=1, metavar="N",
-                        help="worker processes on the study; with --device cuda, one per visible GPU")
+                        help="worker processes on the study; with --device cuda, one per visible GPU; no more are "
+                             "started than the trials and the machine's CPUs can use (-v says so)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the search in --out (with no other process working on its study)")
     budget = parser.add_mutually_exclusive_group()
@@ -84,9 +90,12 @@ def seedings() -> dict[str, Any]:
 
 def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
     """--proxy-seeds, --confidence."""
-    parser.add_argument("--proxy-seeds", type=proxy_seeds, default=None, metavar="K",
-                        help="seeds per proxy (and for the all-high reference); auto (default): the reference "
-                             "trains 3, and each proxy as many (2-4) as the noise they show needs")
+    from precsearch.search.noise import MAX_PROXY_SEEDS
+
+    parser.add_argument("--proxy-seeds", type=count_or_auto("seeds", None, MAX_PROXY_SEEDS), default=None,
+                        metavar="K", help=f"seeds per proxy (and for the all-high reference), at most "
+                                          f"{MAX_PROXY_SEEDS}; auto (default): the reference trains 3, and each "
+                                          "proxy as many (2-4) as the noise they show needs")
     parser.add_argument("--confidence", type=real(0.5, 1, open_high=True), default=0.9, metavar="C",
                         help="one-sided confidence of accuracy decisions against the seed noise (default 0.9)")
 
@@ -94,11 +103,11 @@ def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from precsearch.config.spec import ProxyConfig
     from precsearch.search.context import Budget, DataSpec
-    from precsearch.search.settings import SearchConfig
+    from precsearch.search.settings import SearchConfig, usable_jobs
     from precsearch.search.study import SearchInterrupted, run_search
 
     proxy_steps = args.proxy_steps if isinstance(args.proxy_steps, int) else ProxyConfig.steps  # calibrated: longer
-    compile = choose_compile(args, args.trials * proxy_steps // args.jobs)  # each worker compiles once
+    compile = choose_compile(args, args.trials * proxy_steps // usable_jobs(args.jobs, args.trials))  # once a worker
     budget = Budget(max_memory=args.max_memory, max_accuracy_drop=args.max_accuracy_drop, memory=args.memory,
                     confidence=args.confidence)
     config = SearchConfig(
@@ -117,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
               "continue with --resume", file=sys.stderr)
         return 128 + stop.signum
     print(summarize(result))
+    if result.best is None:
+        print(f"precsearch search: no pick, best.json not written: {result.note or 'no trial meets the budget'}",
+              file=sys.stderr)
+        return NO_PICK
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from precsearch.cli._arguments import add_data_arguments, count, space_argument
+from precsearch.cli._arguments import add_data_arguments, count, path, space_argument
 from precsearch.search.sensitivity import DEFAULT_BATCHES
 
 HELP = "measure how much the low format hurts each group and tensor kind"
@@ -18,11 +18,12 @@ DESCRIPTION = ("Run a few seeded plain-fp32 SGD steps of MODEL on the data and s
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
-    parser.add_argument("--space", default=None, metavar="YAML",
+    parser.add_argument("--space", type=path, default=None, metavar="YAML",
                         help="search space file (default: the paper's HFP8 space)")
     parser.add_argument("--batches", type=count, default=DEFAULT_BATCHES, metavar="N",
                         help="training batches measured (default %(default)s)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="directory for sensitivity.csv (a run directory)")
+    parser.add_argument("--out", type=path, required=True, metavar="DIR",
+                        help="directory for sensitivity.csv (a run directory)")
     add_data_arguments(parser)
 
 

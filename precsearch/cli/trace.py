@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from precsearch.cli._arguments import count, input_shape
+from precsearch.cli._arguments import count, input_shape, path
 
 DEFAULT_BATCH = 128
 EXAMPLE_BATCH = 2
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-sample input shape (default 3,32,32, the zoo's CIFAR form)")
     parser.add_argument("--leaf", nargs="+", action="extend", default=[], metavar="MODULE_TYPE",
                         help="module class names (or qualified module names) to keep as single ops")
-    parser.add_argument("--json", metavar="FILE", help="also write the graph as JSON to FILE (atomically)")
+    parser.add_argument("--json", type=path, metavar="FILE", help="also write the graph as JSON to FILE (atomically)")
     parser.add_argument("--check", action="store_true",
                         help="also measure one training forward at the batch size: saved bytes predicted vs "
                              "measured in fp32 and under the hfp8 and fp16 policies, and the ops not enforced "
@@ -66,6 +66,10 @@ def report(graph: Any, cost: Any) -> str:
         f"{cost.bytes_batch([False] * cost.n_groups)[0] / MIB:.2f} MiB all high; autograd saves "
         f"{cost.saved_activation_bytes(paper) / MIB:.2f} MiB.",
     ]
+    hidden = graph.unenforced()
+    if hidden:  # an nn.LSTM, a leaf function: one op, rounded at its boundary
+        lines.append(f"WARNING: {len(hidden)} op(s) rounded at their boundary only, the GEMMs inside them in "
+                     f"float32: {'; '.join(f'{name} ({why})' for name, why in hidden.items())}")
     return "\n".join(lines)
 
 

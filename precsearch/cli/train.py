@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from precsearch.cli._arguments import add_compile_argument, add_data_arguments, choose_compile, count, real
+from precsearch.cli._arguments import add_compile_argument, add_data_arguments, choose_compile, count, path, real
 from precsearch.config.spec import COMPRESSIONS, ProxyConfig
 from precsearch.errors import PrecsearchError
 from precsearch.train.trainer import PAPER_LR
@@ -28,7 +28,7 @@ DESCRIPTION = ("Train MODEL under a policy (e.g. a search's best.json) with the 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="the model the policy was made for (e.g. tiny_cnn)")
     add_compile_argument(parser)
-    parser.add_argument("--policy", default=None, metavar="FILE",
+    parser.add_argument("--policy", type=path, default=None, metavar="FILE",
                         help="policy JSON file (default: none, plain fp32 training)")
     parser.add_argument("--nproc", type=count, default=None, metavar="N",
                         help="train in N data-parallel processes (gloo on CPU, nccl on CUDA); --batch-size is "
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"L2 weight decay >= 0 (default {recipe.weight_decay})")
     parser.add_argument("--eval-every", type=count, default=None, metavar="N",
                         help="evaluate every N steps (default: every epoch)")
-    parser.add_argument("--metrics", default=None, metavar="CSV", help="write metrics to this CSV file")
+    parser.add_argument("--metrics", type=path, default=None, metavar="CSV", help="write metrics to this CSV file")
     add_data_arguments(parser)
 
 

@@ -11,6 +11,7 @@ from precsearch.cli._arguments import (
     choose_compile,
     count,
     device,
+    path,
     seed,
 )
 
@@ -23,7 +24,7 @@ DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", metavar="RUN", help="run directory of precsearch search")
+    parser.add_argument("run", type=path, metavar="RUN", help="run directory of precsearch search")
     parser.add_argument("--steps", type=count, default=None, metavar="N",
                         help="training steps of each long run (default: 8 x the proxy's steps)")
     parser.add_argument("--seed", type=seed, default=None, help="seed of the long runs (default: the search's)")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Mapping
 from typing import Any
 
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, echo
+from precsearch.formats.scaled import ScaledFormat, any_format
 
-__all__ = ["check_keys", "choice", "flag", "number", "requirement"]
+__all__ = ["check_keys", "choice", "flag", "not_wider", "number", "requirement", "value_bits"]
 
 
 def check_keys(keys: Any, allowed: tuple[str, ...], where: str) -> None:
@@ -18,20 +20,20 @@ def check_keys(keys: Any, allowed: tuple[str, ...], where: str) -> None:
     if unknown:
         close = difflib.get_close_matches(unknown[0], allowed, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise PrecsearchError(f"{where}: unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(allowed)}")
+        raise PrecsearchError(f"{where}: unknown key {echo(unknown[0])}{hint}; allowed keys: {', '.join(allowed)}")
 
 
 def choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
     """``value`` if it is one of ``allowed``."""
     if value not in allowed:
-        raise PrecsearchError(f"{where}: {value!r} is not allowed; use one of {', '.join(allowed)}")
+        raise PrecsearchError(f"{where}: {echo(value)} is not allowed; use one of {', '.join(allowed)}")
     return value
 
 
 def flag(value: Any, where: str) -> bool:
     """``value`` if it is a bool (YAML and JSON ``true``/``false``)."""
     if not isinstance(value, bool):
-        raise PrecsearchError(f"{where} must be true or false, not {value!r}")
+        raise PrecsearchError(f"{where} must be true or false, not {echo(value)}")
     return value
 
 
@@ -46,7 +48,7 @@ def number(value: Any, where: str, low: float, high: float = math.inf, integer: 
         ok = (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
     if not ok:
         wanted = requirement(low, high, integer, open_low=open_low, open_high=open_high)
-        raise PrecsearchError(f"{where}={value!r} must be {wanted}")
+        raise PrecsearchError(f"{where}={echo(value)} must be {wanted}")
     return int(value) if integer else float(value)
 
 
@@ -61,3 +63,20 @@ def requirement(low: float, high: float = math.inf, integer: bool = False, *, op
     if low == -math.inf:
         return f"{kind} {'<' if open_high else '<='} {high}"
     return f"{kind} in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+
+
+def value_bits(spec: str) -> int:
+    """Bits of one value: a scaled format's element's (its scales are a byte per tensor, row or block)."""
+    fmt = any_format(spec)
+    return (fmt.element if isinstance(fmt, ScaledFormat) else fmt).bits
+
+
+def not_wider(high: str, formats: Mapping[str, str], where: str, high_key: str = "high") -> None:
+    """No format of ``formats`` (label -> spec) wider than ``high``, the format promotion goes to: a search space's
+    levels and a policy's rules alike, or "promoting" would narrow a tensor (and a level cost more than all-high)."""
+    high_bits = value_bits(high)
+    for label, format_spec in formats.items():
+        width = value_bits(format_spec)
+        if width > high_bits:
+            raise PrecsearchError(f"{where}: {label} {format_spec} ({width} bits) is wider than {high_key} {high} "
+                                  f"({high_bits} bits); give a format at most as wide as the high one")

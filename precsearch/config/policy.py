@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from precsearch.config.checks import check_keys, choice, flag
+from precsearch.config.checks import check_keys, choice, flag, not_wider
 from precsearch.config.loss_scaling import loss_scaling
 from precsearch.config.optimizer import optimizer
 from precsearch.config.reading import load_json
@@ -70,7 +70,7 @@ from precsearch.config.spec import (
     kinds_list,
     promotion_threshold,
 )
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, echo
 from precsearch.files import atomic_write_text
 from precsearch.formats.format import OVERFLOWS, FloatFormat, spec_name
 from precsearch.formats.scaled import ScaledFormat, any_format, format_name, is_scaled
@@ -139,8 +139,17 @@ def _kinds(value: Any, where: str) -> Mapping[str, Any]:
     value = _mapping(value, where)
     unknown = sorted(set(value) - set(ASSIGNABLE_KINDS))
     if unknown:
-        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(ASSIGNABLE_KINDS)}")
+        raise PrecsearchError(f"{where}: unknown tensor kind {echo(unknown[0])}; use {', '.join(ASSIGNABLE_KINDS)}")
     return value
+
+
+def _rule_formats(normal: Mapping[str, Any]) -> dict[str, str]:
+    """Every format a rule of the policy gives a tensor, by where it stands (``defaults.weight``, ...)."""
+    formats = {f"defaults.{kind}": spec for kind, spec in normal["defaults"].items()}
+    formats |= {f"overrides[{echo(key)}]": spec for key, spec in normal["overrides"].items()}
+    formats |= {f"module_types.{name}.{kind}": spec for name, rules in normal["module_types"].items()
+                for kind, spec in rules.items()}
+    return formats
 
 
 def _json_data(value: Any, where: str) -> dict[str, Any]:
@@ -157,7 +166,7 @@ def _optional_int(value: Any, where: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PrecsearchError(f"{where} must be a positive integer or null, not {value!r}")
+        raise PrecsearchError(f"{where} must be a positive integer or null, not {echo(value)}")
     return value
 
 
@@ -247,7 +256,7 @@ class Policy:
         """Check every field and normalize format specs; a ``PrecsearchError`` names the first problem."""
         normal: dict[str, Any] = {}
         if not isinstance(self.model, str):
-            raise PrecsearchError(f"{where}: model must be a model spec string, not {self.model!r}")
+            raise PrecsearchError(f"{where}: model must be a model spec string, not {echo(self.model)}")
         if self.graph_fingerprint is not None and not isinstance(self.graph_fingerprint, str):
             raise PrecsearchError(f"{where}: graph_fingerprint must be a string or null")
         if self.input_shape is not None:
@@ -255,12 +264,12 @@ class Policy:
             if not isinstance(shape, list | tuple) or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape
             ):
-                raise PrecsearchError(f"{where}: input_shape must be a list of positive integers, not {shape!r}")
+                raise PrecsearchError(f"{where}: input_shape must be a list of positive integers, not {echo(shape)}")
             normal["input_shape"] = tuple(shape)
         normal["batch_size"] = _optional_int(self.batch_size, f"{where}: batch_size")
         normal["defaults"] = {k: format_name(v, f"{where}: defaults.{k}")
                               for k, v in _kinds(self.defaults, f"{where}: defaults").items()}
-        normal["overrides"] = {k: format_name(v, f"{where}: overrides[{k!r}]")
+        normal["overrides"] = {k: format_name(v, f"{where}: overrides[{echo(k)}]")
                                for k, v in _mapping(self.overrides, f"{where}: overrides").items()}
         normal["module_types"] = {
             name: {k: format_name(v, f"{where}: module_types.{name}.{k}")
@@ -268,6 +277,7 @@ class Policy:
             for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
         }
         normal["high_format"] = format_name(self.high_format, f"{where}: high_format", scaled=False)
+        not_wider(normal["high_format"], _rule_formats(normal), where, "high_format")
         normal["rounding"] = {k: choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")
                               for k, v in _kinds(self.rounding, f"{where}: rounding").items()}
         normal["overflow"] = {k: choice(v, OVERFLOWS, f"{where}: overflow.{k}")
@@ -371,8 +381,9 @@ class Policy:
             raise PrecsearchError(f"{where}: expected a JSON object, found {type(data).__name__}")
         version = data.get("schema_version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise PrecsearchError(f"{where}: missing or invalid schema_version {version!r}; "
-                                  f"a policy file needs schema_version {SCHEMA_VERSION}")
+            given = "is missing" if version is None else f"is {echo(version)} ({type(version).__name__})"
+            raise PrecsearchError(f"{where}: schema_version {given}; give an integer, 1 or {SCHEMA_VERSION} (the "
+                                  f"versions this precsearch reads; {SCALED_SCHEMA_VERSION} when a format is scaled)")
         if version > SCHEMA_VERSION:
             raise PrecsearchError(f"{where}: schema_version {version} was written by a newer precsearch "
                                   f"(this one reads {SCHEMA_VERSION}); upgrade precsearch")

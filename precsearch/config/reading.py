@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,14 @@ def read_text(path: str | Path, what: str, fix: str) -> str:
     path = Path(path)
     where = f"{what} {path}"
     try:
-        with path.open("rb") as file:
-            size = os.fstat(file.fileno()).st_size  # 0 for a pipe: its read is bounded instead
+        # non-blocking: opening a FIFO no one writes to returns at once (and is refused below) instead of waiting
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
+            status = os.fstat(file.fileno())
+            if stat.S_ISDIR(status.st_mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(status.st_mode):  # a FIFO, a socket, a device such as /dev/zero
+                raise PrecsearchError(f"{where} is not a regular file (a pipe, socket or device); {fix}")
+            size = status.st_size
             data = file.read(MAX_BYTES + 1) if size <= MAX_BYTES else b""
     except FileNotFoundError:
         raise PrecsearchError(f"{where} does not exist; {fix}") from None
@@ -173,7 +180,13 @@ _LimitedLoader.add_constructor("tag:yaml.org,2002:int", _LimitedLoader.construct
 def parse_yaml(text: str, where: str) -> Any:
     """The YAML document in ``text``, within the limits; ``where`` names the file in errors
     (``search space x.yaml``)."""
-    loader = _LimitedLoader(text, where)
+    try:
+        loader = _LimitedLoader(text, where)  # its reader refuses a character YAML does not allow, such as NUL
+    except yaml.reader.ReaderError as error:
+        line = text.count("\n", 0, error.position) + 1
+        code = error.character if isinstance(error.character, int) else ord(error.character)
+        raise PrecsearchError(f"{where}:{line}: character U+{code:04X} (at offset {error.position}) is not allowed "
+                              "in YAML; remove it (is it a text file?)") from None
     try:
         return loader.get_single_data()
     except yaml.MarkedYAMLError as error:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from precsearch.config import spec
-from precsearch.config.checks import check_keys, choice, flag
+from precsearch.config.checks import check_keys, choice, flag, not_wider, value_bits
 from precsearch.config.loss_scaling import PAPER_LOSS_SCALING, loss_scaling
 from precsearch.config.optimizer import UpdateConfig, optimizer
 from precsearch.config.reading import load_yaml
@@ -203,7 +203,7 @@ def _choices(raw: Any, high: str, low: Mapping[str, str], where: str) -> dict[st
             raise PrecsearchError(f"{where}: choice name {name!r} must be an identifier other than "
                                   f"{' and '.join(RESERVED_LEVELS)}")
         level = _per_kind(value, f"{where}: choices.{name}", format_name, dict.fromkeys(ASSIGNABLE_KINDS, high))
-        _check_not_wider(high, level, f"choices.{name}", where)
+        not_wider(high, {f"choices.{name}.{kind}": spec for kind, spec in level.items()}, where)
         same = next((other for other, formats in levels.items() if _formats(formats) == _formats(level)), None)
         if same is not None:
             raise PrecsearchError(f"{where}: choices.{name} gives every kind the format level {same} gives; drop it "
@@ -224,27 +224,11 @@ def _formats(level: Mapping[str, str]) -> dict[str, tuple[Any, ...]]:
     return {kind: _parameters(any_format(spec)) for kind, spec in level.items()}
 
 
-def _bits(spec: str) -> int:
-    """Bits of one value: a scaled format's element's (its scales are a byte per tensor, row or block)."""
-    fmt = any_format(spec)
-    return (fmt.element if isinstance(fmt, ScaledFormat) else fmt).bits
-
-
-def _check_not_wider(high: str, level: Mapping[str, str], name: str, where: str) -> None:
-    """No format of the level ``name`` wider than high: it would cost more memory than the all-high level."""
-    high_bits = _bits(high)
-    for kind, format_spec in level.items():
-        width = _bits(format_spec)
-        if width > high_bits:
-            raise PrecsearchError(f"{where}: {name}.{kind} {format_spec} ({width} bits) is wider than high {high} "
-                                  f"({high_bits} bits); give a format at most as wide as the high one")
-
-
 def _check_narrower(high: str, low: Mapping[str, str], where: str) -> None:
     """Every low format at most as wide as high, and one narrower: else "low" saves nothing (or costs more)."""
-    _check_not_wider(high, low, "low", where)
-    high_bits = _bits(high)
-    if all(_bits(spec) == high_bits for spec in low.values()):
+    not_wider(high, {f"low.{kind}": spec for kind, spec in low.items()}, where)
+    high_bits = value_bits(high)
+    if all(value_bits(spec) == high_bits for spec in low.values()):
         raise PrecsearchError(f"{where}: every low format is as wide as high {high} ({high_bits} bits), so no "
                               "assignment saves memory; give at least one low format narrower than the high one")
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from precsearch.config.checks import number
 from precsearch.config.loss_scaling import PAPER_LOSS_SCALING
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, echo
 
 __all__ = [
     "ACTIVATION",
@@ -132,7 +132,7 @@ class TensorId:
         """The id ``str`` wrote (``op:activation1``, ``op:weight_grad``, ...)."""
         op, colon, rest = text.rpartition(":")
         if not colon or not op or not rest:
-            raise ValueError(f"tensor id {text!r} is not op:name, e.g. conv1:activation or conv1:weight")
+            raise ValueError(f"tensor id {echo(text)} is not op:name, e.g. conv1:activation or conv1:weight")
         match = _ACTIVATION.fullmatch(rest)
         if match:
             return cls(op, match[1], int(match[2] or 0))
@@ -183,12 +183,24 @@ class ProxyConfig:
             proxy_value(name, getattr(self, name), "proxy")
 
 
+# Each proxy setting's range as ``number`` takes it (low, high, open_low, open_high); a setting not listed is a
+# finite number >= 0. The same ranges as the train command's options (--lr > 0, --momentum in [0, 1)).
+_PROXY_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    **dict.fromkeys(("steps", "batch_size", "image_size", "eval_batch_size", "report_every"),
+                    (1, math.inf, False, False)),
+    "lr": (0, math.inf, True, False),
+    "momentum": (0, 1, False, True),
+    "blowup_factor": (1, math.inf, True, False),  # a loss above 1x its first value is no blow-up
+    "max_skipped_fraction": (0, 1, False, False),
+}
+
+
 def proxy_value(name: str, value: Any, where: str) -> Any:
-    """A proxy setting checked (``where``: ``proxy`` or a file's ``proxy``): steps and sizes are counts >= 1, the
-    rest finite numbers >= 0, integers where the default is one."""
+    """A proxy setting checked (``where``: ``proxy`` or a file's ``proxy``) against its range (``_PROXY_RANGES``),
+    an integer where the default is one."""
+    low, high, open_low, open_high = _PROXY_RANGES.get(name, (0, math.inf, False, False))
     integer = isinstance(getattr(ProxyConfig, name), int)
-    return number(value, f"{where}.{name}", 1 if name in ("steps", "batch_size", "image_size") else 0,
-                  integer=integer)
+    return number(value, f"{where}.{name}", low, high, integer=integer, open_low=open_low, open_high=open_high)
 
 
 @dataclass(frozen=True)
@@ -232,8 +244,9 @@ def promotion_threshold(value: Any, where: str) -> float | None:
 def kinds_list(value: Any, where: str) -> tuple[str, ...]:
     """A list of tensor kinds (each once), kept in the order of ``ASSIGNABLE_KINDS``."""
     if isinstance(value, str) or not isinstance(value, list | tuple) or not all(isinstance(k, str) for k in value):
-        raise PrecsearchError(f"{where} must be a list of tensor kinds ({', '.join(ASSIGNABLE_KINDS)}), not {value!r}")
+        raise PrecsearchError(f"{where} must be a list of tensor kinds ({', '.join(ASSIGNABLE_KINDS)}), not "
+                              f"{echo(value)}")
     unknown = sorted(set(value) - set(ASSIGNABLE_KINDS))
     if unknown:
-        raise PrecsearchError(f"{where}: unknown tensor kind {unknown[0]!r}; use {', '.join(ASSIGNABLE_KINDS)}")
+        raise PrecsearchError(f"{where}: unknown tensor kind {echo(unknown[0])}; use {', '.join(ASSIGNABLE_KINDS)}")
     return tuple(kind for kind in ASSIGNABLE_KINDS if kind in value)

@@ -36,7 +36,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, echo
 
 __all__ = [
     "FloatFormat",
@@ -226,11 +226,11 @@ def _parse(spec: str) -> FloatFormat:
     match = _SPEC_RE.fullmatch(key)
     if not match:
         raise PrecsearchError(
-            f"unknown float format {spec!r}: use a name ({', '.join(NAMED_FORMATS)}) or a spec {GRAMMAR}"
+            f"unknown float format {echo(spec)}: use a name ({', '.join(NAMED_FORMATS)}) or a spec {GRAMMAR}"
         )
     exp, man, shift, suffix = int(match[1]), int(match[2]), int(match[3] or 0), match[4]
     if not (1 <= exp <= 8 and 0 <= man <= 23):
-        raise PrecsearchError(f"format {spec!r}: E must be in 1..8 and M in 0..23 ({GRAMMAR})")
+        raise PrecsearchError(f"format {echo(spec)}: E must be in 1..8 and M in 0..23 ({GRAMMAR})")
     special = {None: "ieee", "fn": "fn", "s": "none"}[suffix]
     return _standard(exp, man, special, shift=shift)
 
@@ -240,7 +240,7 @@ def get_format(spec: str | FloatFormat) -> FloatFormat:
     if isinstance(spec, FloatFormat):
         return spec
     if not isinstance(spec, str):
-        raise PrecsearchError(f"float format must be a name, a spec string or a FloatFormat, not {spec!r}")
+        raise PrecsearchError(f"float format must be a name, a spec string or a FloatFormat, not {echo(spec)}")
     return _parse(spec)
 
 
@@ -252,7 +252,7 @@ def spec_name(value: object, where: str) -> str:
     if isinstance(value, FloatFormat):
         return value.name
     if not isinstance(value, str):
-        raise PrecsearchError(f"{where}: a format must be a string such as e4m3b4s or fp16, not {value!r}")
+        raise PrecsearchError(f"{where}: a format must be a string such as e4m3b4s or fp16, not {echo(value)}")
     try:
         get_format(value)
     except PrecsearchError as error:

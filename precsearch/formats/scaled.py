@@ -51,24 +51,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, clip, echo
 from precsearch.formats.format import FloatFormat, get_format, spec_name
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GRANULARITIES", "SCALED_GRAMMAR", "AmaxHistory", "ScaledFormat", "any_format", "e8m0_decode",
-           "e8m0_encode", "expand_scales", "format_name", "get_scaled_format", "is_scaled", "power_of_two_scales",
-           "quantize_scaled", "scale_bytes", "scaled_values"]
+__all__ = ["GRANULARITIES", "MAX_BLOCK", "MAX_HISTORY", "SCALED_GRAMMAR", "AmaxHistory", "ScaledFormat", "any_format",
+           "e8m0_decode", "e8m0_encode", "expand_scales", "format_name", "get_scaled_format", "is_scaled",
+           "power_of_two_scales", "quantize_scaled", "scale_bytes", "scaled_values"]
 
 GRANULARITIES: tuple[str, ...] = ("tensor", "row", "block")
-SCALED_GRAMMAR = ("<element>@tensor[:delayed<N>], <element>@row or <element>@block<N>, N >= 1 "
-                  "(e.g. e4m3fn@tensor, e4m3fn@tensor:delayed16, e5m2@row, e2m1fn@block32)")
 
 # OCP MX's element names: its fp6/fp4 have no NaN code (the grammar's "fn" suffix would reserve one)
 _OCP_ELEMENTS = {"e2m3fn": "fp6_e2m3fn", "e3m2fn": "fp6_e3m2fn", "e2m1fn": "fp4_e2m1fn"}
 _SCALE_EXPONENTS = 127  # e8m0 holds 2**-127 .. 2**127 (0xFF is its NaN)
 _AMAX_BYTES = 4  # a delayed history's amaxes are float32
+# Bounds of a spec's numbers, checked as it is parsed, before anything is allocated for it: a row pads its last block
+# to the block size (MX uses 32), and a delayed history keeps that many amaxes per tensor (Transformer Engine: 1024).
+MAX_BLOCK = 4096
+MAX_HISTORY = 1024
+SCALED_GRAMMAR = (f"<element>@tensor[:delayed<N>], <element>@row or <element>@block<N>, 1 <= N <= {MAX_BLOCK} for a "
+                  f"block and {MAX_HISTORY} for a history (e.g. e4m3fn@tensor, e4m3fn@tensor:delayed16, e5m2@row, "
+                  "e2m1fn@block32)")
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,9 @@ class ScaledFormat:
         if self.history < 0 or (self.history and self.granularity != "tensor"):
             raise PrecsearchError(f"scaled format {self.name}: delayed scaling keeps one amax history per tensor; "
                                   f"use @tensor:delayed<N> with N >= 1")
+        _check_bound(self.name, str(self.block) if self.block else None, MAX_BLOCK, "a block of", "@block<N>")
+        _check_bound(self.name, str(self.history) if self.history else None, MAX_HISTORY, "a delayed history of",
+                     ":delayed<N>")
 
     @property
     def name(self) -> str:
@@ -121,13 +129,22 @@ _SCALED_RE = re.compile(r"([^@]+)@(tensor|row|block([1-9]\d*))(?::delayed([1-9]\
 def _parse(spec: str) -> ScaledFormat:
     match = _SCALED_RE.fullmatch(spec.strip().lower())
     if not match:
-        raise PrecsearchError(f"unknown scaled format {spec!r}: use {SCALED_GRAMMAR}")
+        raise PrecsearchError(f"unknown scaled format {echo(spec)}: use {SCALED_GRAMMAR}")
     element, granularity, block, history = match[1], match[2], match[3], match[4]
+    _check_bound(spec, block, MAX_BLOCK, "a block of", "@block<N>")
+    _check_bound(spec, history, MAX_HISTORY, "a delayed history of", ":delayed<N>")
     try:
         fmt = get_format(_OCP_ELEMENTS.get(element, element))
     except PrecsearchError as error:
-        raise PrecsearchError(f"scaled format {spec!r}: {error}") from None
+        raise PrecsearchError(f"scaled format {echo(spec)}: {error}") from None
     return ScaledFormat(fmt, "block" if block else granularity, int(history or 0), int(block or 0))
+
+
+def _check_bound(spec: str, digits: str | None, bound: int, what: str, grammar: str) -> None:
+    """Refuse a spec number over ``bound`` by its digits, before Python or torch is asked to hold it."""
+    if digits is not None and (len(digits) > len(str(bound)) or int(digits) > bound):
+        raise PrecsearchError(f"scaled format {echo(spec.strip())}: {what} {clip(digits, 20)} is over the limit of "
+                              f"{bound}; give {grammar} with 1 <= N <= {bound}")
 
 
 def get_scaled_format(spec: str | ScaledFormat) -> ScaledFormat:

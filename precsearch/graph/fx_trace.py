@@ -21,7 +21,10 @@ from precsearch.graph.raw_ops import (
     ParamRef,
     RawOp,
     describe,
+    flat_sources,
     live_ops,
+    output_layout,
+    output_leaves,
     split_sources,
 )
 from precsearch.graph.runs import record_runs
@@ -85,6 +88,7 @@ class _ShapeRecorder(torch.fx.Interpreter):
         self.rules = rules
         self.extra_traceback = False
         self.records: dict[str, list[tuple[int, ...] | None] | None] = {}
+        self.layouts: dict[str, Any] = {}  # node name -> its outputs' positions as its value nests them
         self.saves: dict[str, list[_Saved]] = {}
         self.gemms: dict[str, list[str]] = {}
         self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -101,8 +105,9 @@ class _ShapeRecorder(torch.fx.Interpreter):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), recorder:
             result = super().run_node(n)
         self.records[n.name] = describe(result)
-        values = [result] if isinstance(result, torch.Tensor) else list(result) if describe(result) else []
-        own = {t.untyped_storage().data_ptr(): (n.name, i) for i, t in enumerate(values)}
+        self.layouts[n.name] = output_layout(result)
+        own = {t.untyped_storage().data_ptr(): (n.name, i) for i, t in enumerate(output_leaves(result))
+               if isinstance(t, torch.Tensor)}
         entries: dict[int, _Saved] = {}
         for tensor in saved:
             ptr = tensor.untyped_storage().data_ptr()
@@ -161,8 +166,7 @@ def _fx_ops(gm: torch.fx.GraphModule, run: _ShapeRecorder, rules: OpRules) -> li
             op = RawOp.of_function(namer.function(node.name), node.name, module_type, in_place, rule, activations,
                                    params, out, node.args, node.kwargs)
         ops.append(op)
-        ids = op.activation_ids()
-        sources[node.name] = ids[0] if len(ids) == 1 else tuple(ids)
+        sources[node.name] = _nested(run.layouts[node.name], op.activation_ids())
         op.attrs["saves"] = _saved_items(run.saves[node.name], sources)
         if not rule.gemm and run.gemms[node.name]:
             op.attrs["hidden_gemms"] = sorted(set(run.gemms[node.name]))
@@ -178,12 +182,18 @@ def _saved_items(saves: list[_Saved], sources: dict[str, Any]) -> list[list[Any]
     for saved in saves:
         source = sources.get(saved.node) if saved.node is not None else None
         if isinstance(source, tuple):
-            source = source[saved.position] if saved.position < len(source) else None
+            flat = flat_sources(source)
+            source = flat[saved.position] if saved.position < len(flat) else None
         if isinstance(source, str):
             items.append(["activation", source])
         else:
             items.append(["new", saved.nbytes // saved.itemsize, saved.itemsize])
     return items
+
+
+def _nested(layout: Any, ids: list[str | None]) -> Any:
+    """An op's activation ids nested as its value nests its outputs (``output_layout``): getitem picks from it."""
+    return tuple(_nested(item, ids) for item in layout) if isinstance(layout, tuple) else ids[layout]
 
 
 def _select(node: torch.fx.Node, sources: dict[str, Any], arg_sources: list[Any]) -> Any:

@@ -21,6 +21,7 @@ from precsearch.graph.raw_ops import (
     RawOp,
     describe,
     live_ops,
+    output_leaves,
     split_sources,
     tensors_in,
 )
@@ -67,9 +68,9 @@ class _HookRecorder(TorchFunctionMode):
 
     def _bind(self, value: Any, op: RawOp) -> None:
         ids = op.activation_ids()
-        tensors = [value] if isinstance(value, torch.Tensor) else list(value)
-        for tensor, tensor_id in zip(tensors, ids, strict=False):
-            self.sources[id(tensor)] = tensor_id
+        for leaf, tensor_id in zip(output_leaves(value), ids, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                self.sources[id(leaf)] = tensor_id
         self.alive.append(value)
 
     def _source(self, tensor: torch.Tensor) -> Any:

@@ -282,8 +282,10 @@ _FUNCTIONS: dict[str, OpRule] = {
     **_each(("stride", "storage_offset"), OpRule(no_tensor=True)),
 }
 
-# aten ops (overload packet names) that multiply matrices, as the dispatcher sees them after decomposition
+# aten ops (overload packet names) that multiply matrices, as the dispatcher sees them after decomposition; the
+# fused recurrent kernels (an nn.LSTM/GRU/RNN on oneDNN, cuDNN or MIOpen) run their input and recurrent GEMMs inside
 _ATEN_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "convolution", "_convolution",
-               "mkldnn_convolution", "cudnn_convolution", "_mkldnn_matmul")
+               "mkldnn_convolution", "cudnn_convolution", "_mkldnn_matmul", "mkldnn_rnn_layer", "mkldnn_rnn",
+               "_cudnn_rnn", "miopen_rnn")
 
 OP_RULES = OpRules(_MODULES, _FUNCTIONS, _ATEN_GEMMS)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from precsearch.config.policy import ACCUMULATION_LAYER_TYPES, Policy, is_glob
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, echo
 from precsearch.graph.types import TensorGraph
 
 log = logging.getLogger(__name__)
@@ -76,15 +76,15 @@ def check_policy(policy: Policy, graph: TensorGraph, untraced: Sequence[str] = (
     """Report the rules of ``policy`` that name nothing in ``graph`` and the tensors no rule covers, by name;
     ``untraced`` names the model's modules the trace did not see (passed on to the report)."""
     ids = set(graph.tensors)
-    missing = [f"override {key!r}" for key in sorted(policy.overrides)
+    missing = [f"override {echo(key)}" for key in sorted(policy.overrides)
                if (key not in ids if not is_glob(key) else not fnmatch.filter(ids, key))]
     types = {info.module_type for info in graph.tensors.values()}
-    missing += [f"module type {name!r}" for name in sorted(policy.module_types) if name not in types]
+    missing += [f"module type {echo(name)}" for name in sorted(policy.module_types) if name not in types]
     if policy.accumulation is not None:
         layers = {op.name.partition("#")[0] for op in graph.ops if op.module_type in ACCUMULATION_LAYER_TYPES}
-        missing += [f"accumulation layers {pattern!r}" for pattern in policy.accumulation.layers
+        missing += [f"accumulation layers {echo(pattern)}" for pattern in policy.accumulation.layers
                     if not fnmatch.filter(layers, pattern)]
-    missing += [f"module type {name!r} {kind}" for name, rules in sorted(policy.module_types.items())
+    missing += [f"module type {echo(name)} {kind}" for name, rules in sorted(policy.module_types.items())
                 if name in types for kind in sorted(rules)
                 if not any(t.module_type == name and t.kind == kind for t in graph.tensors.values())]
     uncovered = [tensor_id for tensor_id in graph.assignable_ids()

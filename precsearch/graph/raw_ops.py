@@ -3,6 +3,7 @@ op rules say to record about a call."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -63,14 +64,51 @@ def _role(rule: OpRule) -> str:
     return "gemm" if rule.gemm else "other"
 
 
+def output_leaves(value: Any) -> list[Any]:
+    """An op's outputs by position: the value itself, or the items of its (nested) tuples and lists in order
+    (an LSTM's ``(out, (h, c))`` is out, h, c). Tracers and the runtime number outputs by this one order."""
+    if isinstance(value, tuple | list):
+        return [leaf for item in value for leaf in output_leaves(item)]
+    return [value]
+
+
+def with_leaves(value: Any, leaves: Iterable[Any]) -> Any:
+    """``value`` with its ``output_leaves`` replaced, in order, by ``leaves`` (same nesting and container types)."""
+    remaining = iter(leaves)
+
+    def rebuild(item: Any) -> Any:
+        if not isinstance(item, tuple | list):
+            return next(remaining)
+        items = [rebuild(inner) for inner in item]
+        return type(item)(*items) if hasattr(item, "_fields") else type(item)(items)  # a namedtuple's fields
+
+    return rebuild(value)
+
+
+def output_layout(value: Any) -> Any:
+    """The ``output_leaves`` positions of ``value`` as plain tuples nested as the value nests them: 0 for one value,
+    ``(0, (1, 2))`` for an LSTM's ``(out, (h, c))``: what a ``getitem`` of the value picks."""
+    positions = itertools.count()
+
+    def walk(item: Any) -> Any:
+        return tuple(walk(inner) for inner in item) if isinstance(item, tuple | list) else next(positions)
+
+    return walk(value)
+
+
+def flat_sources(source: Any) -> list[Any]:
+    """The sources of a value's ``output_leaves`` positions, from its sources nested as its ``output_layout``."""
+    return [leaf for item in source for leaf in flat_sources(item)] if isinstance(source, tuple) else [source]
+
+
 def describe(value: Any) -> list[tuple[int, ...] | None] | None:
-    """Output shapes of a value: [shape] for a float tensor, one entry per element for a tuple/list of tensors
-    (None for non-float ones), None when it holds no tensor at all."""
-    if isinstance(value, torch.Tensor):
-        return [tuple(value.shape) if value.is_floating_point() else None]
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return [tuple(v.shape) if v.is_floating_point() else None for v in value]
-    return None
+    """Output shapes of a value, one entry per ``output_leaves`` position: a float tensor's shape, else None; None
+    when it holds no tensor at all."""
+    leaves = output_leaves(value)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return None
+    return [tuple(leaf.shape) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else None
+            for leaf in leaves]
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -187,7 +225,7 @@ def split_sources(arg_sources: Iterable[Any]) -> tuple[list[str], list[ParamRef]
     activations: list[str] = []
     params: list[ParamRef] = []
     for source in arg_sources:
-        for item in source if isinstance(source, tuple) else (source,):
+        for item in flat_sources(source):
             if isinstance(item, str) and item not in activations:
                 activations.append(item)
             elif isinstance(item, ParamRef):

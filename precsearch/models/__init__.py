@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precsearch.errors import PrecsearchError, described, run_user_code
+from precsearch.errors import PrecsearchError, described, echo, run_user_code
 from precsearch.models.common import TooNarrow
 from precsearch.models.mobilenet import mobilenet_v2
 from precsearch.models.narrow import narrow_cnn
@@ -58,7 +58,7 @@ def _parse_value(text: str, key: str, spec: str) -> Any:
         except ValueError:
             continue
         if "_" in text or not text.isascii():
-            raise PrecsearchError(f"option {key}={text} in model spec {spec!r}: write the number in plain digits, "
+            raise PrecsearchError(f"option {key}={text} in model spec {echo(spec)}: write the number in plain digits, "
                                   f"without underscores ({value!r})")
         return value
     lowered = text.lower()
@@ -74,10 +74,10 @@ def _parse_options(text: str, spec: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key.isidentifier() or not value:
-            raise PrecsearchError(f"bad option {item!r} in model spec {spec!r}; write key=value,...")
+            raise PrecsearchError(f"bad option {echo(item)} in model spec {echo(spec)}; write key=value,...")
         key = _ALIASES.get(key, key)
         if key in options:
-            raise PrecsearchError(f"option {key!r} given twice in model spec {spec!r}; give it once")
+            raise PrecsearchError(f"option {echo(key)} given twice in model spec {echo(spec)}; give it once")
         options[key] = _parse_value(value, key, spec)
     return options
 
@@ -92,15 +92,15 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
     parts = spec.strip().split(":")
     head = parts[0].strip()
     if not head:
-        raise PrecsearchError(f"empty model name in spec {spec!r}; give a zoo name ({', '.join(NAMES)}) "
+        raise PrecsearchError(f"empty model name in spec {echo(spec)}; give a zoo name ({', '.join(NAMES)}) "
                               "or package.module:factory")
     is_factory = "." in head or (head not in _ZOO and len(parts) > 1 and parts[1].strip().isidentifier())
     if is_factory:
         if len(parts) < 2 or not parts[1].strip().isidentifier() or len(parts) > 3:
-            raise PrecsearchError(f"bad factory path {spec!r}; write package.module:factory[:key=value,...]")
+            raise PrecsearchError(f"bad factory path {echo(spec)}; write package.module:factory[:key=value,...]")
         return f"{head}:{parts[1].strip()}", _parse_options(parts[2] if len(parts) == 3 else "", spec)
     if len(parts) > 2:
-        raise PrecsearchError(f"bad model spec {spec!r}; write name[:key=value,...], e.g. resnet18:width=0.5")
+        raise PrecsearchError(f"bad model spec {echo(spec)}; write name[:key=value,...], e.g. resnet18:width=0.5")
     return head, _parse_options(parts[1] if len(parts) == 2 else "", spec)
 
 
@@ -129,13 +129,13 @@ def check_trusted(spec: Any, source: str, trusted: str | None) -> str:
     not code, unless the user named that same spec (``trusted``, the command line's --trust-model). Someone who
     hands over a run directory or a policy must not be able to run code on the receiver's machine."""
     if not isinstance(spec, str):
-        raise PrecsearchError(f"{source}: model must be a model spec string, not {spec!r}; the file was edited or "
+        raise PrecsearchError(f"{source}: model must be a model spec string, not {echo(spec)}; the file was edited or "
                               "damaged")
     if trusted is not None and not same_model(spec, trusted):
-        raise PrecsearchError(f"--trust-model {trusted!r} is not the model {source} names ({spec!r}); name that "
-                              "spec, as the file writes it, or leave --trust-model out")
+        raise PrecsearchError(f"--trust-model {echo(trusted)} is not the model {source} names ({echo(spec)}); name "
+                              "that spec, as the file writes it, or leave --trust-model out")
     if trusted is None and names_code(spec):
-        raise PrecsearchError(f"{source} names the model factory {spec!r}, code that would run here; a file is "
+        raise PrecsearchError(f"{source} names the model factory {echo(spec)}, code that would run here; a file is "
                               "data, so it is refused: read that code, and if you trust it, pass "
                               f"--trust-model {shlex.quote(spec)}")
     return spec
@@ -287,12 +287,44 @@ def check_fits(model_spec: str, batch_size: int, image_size: int) -> None:
             largest = max(largest, output.numel() * output.element_size())
 
     hooks = [module.register_forward_hook(measure) for module in model.modules()]
-    with torch.no_grad():
-        model(torch.empty(batch_shape, device="meta"))
-    for hook in hooks:
-        hook.remove()
+    try:
+        _meta_forward(model, batch_shape)
+    except (RuntimeError, ValueError) as error:  # a layer's output would have no pixels left
+        raise PrecsearchError(f"{name} cannot take images of {image_size}x{image_size} ({described(error)}); give "
+                              f"an image size >= {_smallest_image(model, batch_size, image_size)}") from None
+    finally:
+        for hook in hooks:
+            hook.remove()
     parts["its largest activation"] = largest
     _refuse_past_memory(what, parts, fix)
+
+
+def _meta_forward(model: nn.Module, shape: tuple[int, ...]) -> None:
+    """``model``'s forward on the meta device at input ``shape``: its shapes, nothing computed or allocated."""
+    with torch.no_grad():
+        model(torch.empty(shape, device="meta"))
+
+
+def _smallest_image(model: nn.Module, batch_size: int, too_small: int) -> int:
+    """The least square image size above ``too_small`` that meta ``model`` takes in batches of ``batch_size`` (a
+    training BatchNorm needs two values a channel): doubling to one that runs, then halving the gap (a model that
+    takes a size takes every larger one)."""
+    def runs(size: int) -> bool:
+        try:
+            _meta_forward(model, (batch_size, INPUT_SHAPE[0], size, size))
+        except (RuntimeError, ValueError):
+            return False
+        return True
+
+    low, high = too_small, max(2 * too_small, 2)  # low fails; find a high that runs
+    while not runs(high):
+        if high > 2**16:
+            raise PrecsearchError(f"{type(model).__name__} runs on no image size up to {high}; check the model")
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if runs(middle) else (middle, high)
+    return high
 
 
 def build(name: str, **options: Any) -> nn.Module:

@@ -95,6 +95,7 @@ from precsearch.formats.as_data import (
 )
 from precsearch.formats.kernels import storage_dtype
 from precsearch.formats.scaled import ScaledFormat, e8m0_encode, expand_scales
+from precsearch.graph.raw_ops import output_leaves, with_leaves
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime.compiled_ops import (
     batch_norm_backward_of_codes,
@@ -319,14 +320,14 @@ def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[to
     rounded, the forward's overflow counts, and the codes (and scales) of the sites that have them, in order;
     ``formats``: the scaled formats the sites name."""
     counts, codes = [], []
-    items = list(value) if isinstance(value, tuple | list) else [value]
+    items = output_leaves(value)  # positions as the tracer numbered them, nested tuples flattened
     for position, site, counter in sites:
         items[position], counted, *code = _Round.apply(items[position], rows, seed,
                                                        None if counter is None else counters[counter], site,
                                                        formats.value)
         counts.append(counted)
         codes += code
-    rounded = type(value)(items) if isinstance(value, tuple | list) else items[0]
+    rounded = with_leaves(value, items)
     return rounded, counts, codes
 
 

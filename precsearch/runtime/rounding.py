@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precsearch.graph.raw_ops import output_leaves, with_leaves
 from precsearch.runtime.packing import Packer
 from precsearch.runtime.sites import OpSites, SitePlan
 from precsearch.runtime.state import Slot, TensorState
@@ -165,8 +166,9 @@ class Rounder(nn.Module):
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return self._one(0, value)
-        if isinstance(value, tuple | list):
-            return type(value)(self._one(i, v) if isinstance(v, torch.Tensor) else v for i, v in enumerate(value))
+        if isinstance(value, tuple | list):  # positions as the tracer numbered them, nested tuples flattened
+            return with_leaves(value, [self._one(i, v) if isinstance(v, torch.Tensor) else v
+                                       for i, v in enumerate(output_leaves(value))])
         return value
 
     def _one(self, position: int, t: torch.Tensor) -> torch.Tensor:

@@ -45,10 +45,12 @@ from precsearch.search.context import SearchContext
 from precsearch.search.ledger import Ledger, recorded
 from precsearch.search.noise import Noise, pooled_noise
 
-__all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "PLAIN_FP32", "RACING_REFERENCE_SEEDS", "Confirmation",
-           "confirm", "confirmation_length", "decay_start", "race", "recorded_confirmation", "reference_divergence"]
+__all__ = ["CONFIRM_SEED_OFFSET", "DEFAULT_CONFIRM_FACTOR", "MAX_CONFIRM_FACTOR", "PLAIN_FP32",
+           "RACING_REFERENCE_SEEDS", "Confirmation", "confirm", "confirmation_length", "decay_start", "race",
+           "recorded_confirmation", "reference_divergence"]
 
 DEFAULT_CONFIRM_FACTOR = 3.0
+MAX_CONFIRM_FACTOR = 100  # confirmation runs of 100 proxies each are already far longer than the search
 CONFIRM_SEED_OFFSET = 1000  # confirmation seeds are the search seed + 1000, 1001, ...: no proxy used them
 PLAIN_FP32 = "plain-fp32"  # the key of the plain fp32 runs
 RACING_REFERENCE_SEEDS = 2  # the reference's runs continued before any point races: the fewest with a noise

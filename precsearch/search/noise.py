@@ -32,13 +32,14 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-__all__ = ["DEFAULT_CONFIDENCE", "MAX_SEEDS", "Noise", "explained_by", "failed_run", "pooled_noise",
-           "rank_correlations", "resolves", "seeds_for"]
+__all__ = ["DEFAULT_CONFIDENCE", "MAX_PROXY_SEEDS", "MAX_SEEDS", "Noise", "explained_by", "failed_run",
+           "pooled_noise", "rank_correlations", "resolves", "seeds_for"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIDENCE = 0.9
 MAX_SEEDS = 4  # a proxy never trains more seeds than this by default (each seed is a full proxy)
+MAX_PROXY_SEEDS = 32  # the most a user may ask for: each seed is a full proxy of every trial
 
 
 @dataclass(frozen=True)

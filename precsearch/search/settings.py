@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -10,11 +12,14 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.spaces import SearchSpace, load_space, parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.search.calibration import CalibrationSettings
-from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR
+from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR, MAX_CONFIRM_FACTOR
 from precsearch.search.context import Budget, DataSpec
+from precsearch.search.noise import MAX_PROXY_SEEDS
 from precsearch.search.seeding import PAPER_SEEDING, Seeding
 
-__all__ = ["AUTO", "DEFAULT_HEARTBEAT", "SearchConfig"]
+__all__ = ["AUTO", "DEFAULT_HEARTBEAT", "SearchConfig", "usable_jobs"]
+
+log = logging.getLogger(__name__)
 
 AUTO = "auto"
 DEFAULT_HEARTBEAT = 20  # seconds between heartbeats; a trial silent for 3x this is failed and retried
@@ -71,9 +76,17 @@ class SearchConfig:
                                   "least 1")
         if self.proxy_steps != AUTO and not (isinstance(self.proxy_steps, int) and self.proxy_steps >= 1):
             raise PrecsearchError(f"proxy steps {self.proxy_steps!r}: give auto or a number of steps >= 1")
-        if self.confirm_factor < 1:
-            raise PrecsearchError(f"confirmation factor {self.confirm_factor:g} must be at least 1")
+        if not 1 <= self.confirm_factor <= MAX_CONFIRM_FACTOR:
+            raise PrecsearchError(f"confirmation factor {self.confirm_factor:g} must be in [1, {MAX_CONFIRM_FACTOR}]")
+        if self.proxy_seeds is not None and not 1 <= self.proxy_seeds <= MAX_PROXY_SEEDS:
+            raise PrecsearchError(f"proxy_seeds={self.proxy_seeds} must be in [1, {MAX_PROXY_SEEDS}] (or None: chosen "
+                                  "from the noise)")
         self.calibration  # noqa: B018 (checks the schedule)
+        jobs = usable_jobs(self.jobs, self.trials)
+        if jobs < self.jobs:  # a worker beyond these would only start, load the model and wait: memory for nothing
+            log.info("--jobs %d: %d worker process(es), as many as %d trial(s) on %d CPU(s) can use", self.jobs, jobs,
+                     self.trials, os.cpu_count() or 1)
+            object.__setattr__(self, "jobs", jobs)
 
     @property
     def calibration(self) -> CalibrationSettings:
@@ -97,6 +110,12 @@ class SearchConfig:
         """The settings that, with the model, space, data, seed and budget, decide what a study means (as the
         study's config records them: a seeding by its name)."""
         return {name: _recorded(getattr(self, name)) for name in self.SETTINGS}
+
+
+def usable_jobs(jobs: int, trials: int) -> int:
+    """Worker processes a search of ``trials`` trials can use on this machine: no more than its trials, nor than its
+    CPUs (each worker is a process of its own, on a GPU too)."""
+    return max(1, min(jobs, trials, os.cpu_count() or 1))
 
 
 def _recorded(value: Any) -> Any:

@@ -148,6 +148,7 @@ from precsearch.search.workers import (
     worker_gpus,
 )
 from precsearch.stopping import SignalStop, StopSignals, stop_signals
+from precsearch.train.continuing import check_checkpoints
 from precsearch.train.proxy import Trainer
 from precsearch.train.trainer import resolve_device
 
@@ -552,6 +553,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 check_resume(out_dir, config.resume, run_config, location.shared)
                 check_journal_kept(out_dir, location, config.resume)
                 remove_temporaries(out_dir)
+                check_checkpoints(out_dir / CHECKPOINTS)  # each bad one named now, not as its trial fails
                 if location.target == str(out_dir / JOURNAL_NAME):  # this run's own journal
                     remove_stale_journal_lock(Path(location.target))
                 backend = backend or location.open()

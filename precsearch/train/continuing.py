@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,11 +38,11 @@ from typing import Any
 import torch
 
 from precsearch.config.policy import Policy
-from precsearch.errors import PrecsearchError
+from precsearch.errors import PrecsearchError, clip
 from precsearch.files import atomic_write_bytes
 
-__all__ = ["CHECKPOINT_EVERY", "DECAY_FRACTION", "Progress", "State", "branch_steps", "decay_lr", "decay_steps",
-           "read_checkpoint", "run_tag", "write_checkpoint"]
+__all__ = ["CHECKPOINT_EVERY", "DECAY_FRACTION", "Progress", "State", "branch_steps", "check_checkpoints", "decay_lr",
+           "decay_steps", "read_checkpoint", "run_tag", "write_checkpoint"]
 
 DECAY_FRACTION = 0.1  # a branch at step s decays over a tenth of s: doubling points cost 0.2x the run in branches
 CHECKPOINT_EVERY = 100  # steps between checkpoints (no branch) of a long stretch without evaluations
@@ -129,14 +130,37 @@ def read_checkpoint(path: Path, tag: str, steps: int, decay: list[int] | None = 
     is not one this run can continue."""
     if not path.is_file():
         return None
+    saved_tag, state, progress = _read(path)
+    if saved_tag != tag or progress.step > steps or not _continues(progress, decay):
+        return None
+    return state, progress
+
+
+def _read(path: Path) -> tuple[Any, State, Progress]:
+    """The run tag, training state and progress of the checkpoint at ``path``, or ``_not_ours``'s refusal."""
     saved = _load_data(path, f"checkpoint {path}")
     try:
-        progress, state = Progress(**saved["progress"]), State(bytes(saved["state"]))
-        if saved["tag"] != tag or progress.step > steps or not _continues(progress, decay):
-            return None
+        return saved["tag"], State(bytes(saved["state"])), Progress(**saved["progress"])
     except (KeyError, TypeError, ValueError) as error:
         raise _not_ours(f"checkpoint {path}", repr(error)) from None
-    return state, progress
+
+
+def check_checkpoints(folder: Path) -> None:
+    """Refuse, in one line naming every one, the checkpoints in ``folder`` that precsearch cannot continue (one
+    naming code, a damaged or foreign file), before a resumed search trains anything: each would otherwise fail
+    its own trial. Each file and the training state inside it are read as data only (``_load_data``)."""
+    bad: list[str] = []
+    reasons: list[str] = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        try:
+            _load_data(io.BytesIO(_read(path)[1].data), f"checkpoint {path}")
+        except _NotOurs as error:
+            bad.append(path.name)
+            reasons.append(error.why)
+    if bad:
+        raise PrecsearchError(f"{len(bad)} checkpoint(s) in {folder} are not ones precsearch wrote: {', '.join(bad)} "
+                              f"(the first: {reasons[0]}); nothing in them was run; delete them to train those runs "
+                              "from their start")
 
 
 def _continues(progress: Progress, decay: list[int] | None) -> bool:
@@ -152,12 +176,28 @@ def _load_data(source: Path | io.BytesIO, what: str, map_location: torch.device 
     try:
         saved = torch.load(source, weights_only=True, map_location=map_location)
     except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, ... as the file is
-        raise _not_ours(what, (str(error).strip().splitlines() or [type(error).__name__])[0][:200]) from None
+        raise _not_ours(what, _load_failure(error)) from None
     if not isinstance(saved, dict):
         raise _not_ours(what, f"it holds a {type(saved).__name__}")
     return saved
 
 
-def _not_ours(what: str, why: str) -> PrecsearchError:
+def _load_failure(error: Exception) -> str:
+    """Why ``torch.load`` refused a file, in a few words: the line naming the global it would not load (its first
+    line is advice on ``weights_only=False``, which a file from someone else must not get), else the first line."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines() if line.strip()]
+    named = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(error).__name__)
+    return clip(named.partition(" Please use")[0], 200)  # not the advice that follows on allowing it
+
+
+class _NotOurs(PrecsearchError):
+    """A checkpoint precsearch cannot read; ``why`` says what is wrong with it."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+def _not_ours(what: str, why: str) -> _NotOurs:
     """The one line a checkpoint precsearch cannot read gets, with the way on."""
-    return PrecsearchError(f"{what} is not one precsearch wrote ({why}); delete it to train that run from its start")
+    return _NotOurs(f"{what} is not one precsearch wrote ({why}); delete it to train that run from its start", why)

@@ -260,7 +260,8 @@ def _image_files(split_dir: Path, classes: Sequence[str]) -> list[list[Path]]:
 
 
 def _read_image_folder(files_of: list[list[Path]], image_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every image of ``files_of`` (a list of files per class) as (N, 3, size, size) uint8 and its class index.
+    """Every image of ``files_of`` (a list of files per class) as (N, 3, size, size) float32 in [0, 1] and its class
+    index.
 
     An image over Pillow's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``, 89M pixels) is refused from
     its header, before it is decoded: Pillow raises past twice the limit and only warns below, so its warning
@@ -274,17 +275,33 @@ def _read_image_folder(files_of: list[list[Path]], image_size: int) -> tuple[np.
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", Image.DecompressionBombWarning)
                     with Image.open(file) as image:
-                        rgb = image.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
+                        images.append(_image_pixels(image, image_size, file))
             except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
                 raise PrecsearchError(f"image {file} is too large to decode: {str(exc).rstrip('.')}; shrink it or "
                                       "remove it") from exc
             except (UnidentifiedImageError, OSError) as exc:
                 raise PrecsearchError(f"cannot read image {file} ({exc}); remove it or replace it") from exc
-            images.append(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
             labels.append(index)
     if not images:
-        return np.zeros((0, 3, image_size, image_size), np.uint8), np.zeros(0, np.int64)
+        return np.zeros((0, 3, image_size, image_size), np.float32), np.zeros(0, np.int64)
     return np.stack(images), np.asarray(labels, dtype=np.int64)
+
+
+def _image_pixels(image: Any, image_size: int, file: Path) -> np.ndarray:
+    """One image as (3, size, size) float32 in [0, 1], resized bilinearly. A 16-bit greyscale image (Pillow's
+    ``I;16`` modes) is read at its 16 bits, from 0 to 65535: ``convert("RGB")`` would clip it to 255. 32-bit
+    integer or float pixels (modes ``I``, ``F``) have no range to scale by, so they are refused."""
+    from PIL import Image
+
+    if image.mode.startswith("I;16"):
+        grey = image.convert("F").resize((image_size, image_size), Image.Resampling.BILINEAR)
+        return np.repeat((np.asarray(grey, dtype=np.float32) / np.float32(65535))[None], 3, axis=0)
+    if image.mode in ("I", "F"):
+        raise PrecsearchError(f"image {file} has 32-bit {'integer' if image.mode == 'I' else 'float'} pixels "
+                              f"(mode {image.mode}), whose range precsearch cannot know; save it as an 8- or "
+                              "16-bit image")
+    rgb = image.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
+    return np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / np.float32(255)
 
 
 def _image_classes(split_dir: Path) -> list[str]:
@@ -318,8 +335,8 @@ def _load_image_folder(root: str | os.PathLike[str] | None,
     _check_fits(sum(map(len, train_files + val_files)), image_size)
     train_images, train_labels = _read_image_folder(train_files, image_size)
     val_images, val_labels = _read_image_folder(val_files, image_size)
-    return _normalized_pair(_uint8_to_float(train_images, image_size), torch.from_numpy(train_labels),
-                            _uint8_to_float(val_images, image_size), torch.from_numpy(val_labels), classes)
+    return _normalized_pair(torch.from_numpy(train_images), torch.from_numpy(train_labels),
+                            torch.from_numpy(val_images), torch.from_numpy(val_labels), classes)
 
 
 def _load_synthetic(image_size: int, seed: int, num_classes: int, train_size: int,
