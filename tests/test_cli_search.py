@@ -159,8 +159,8 @@ def test_train_without_a_policy_is_plain_fp32(tmp_path, capsys):
         sgd.step()
         schedule.step()
     # the reading: batch norm's statistics recomputed from the first 1,024 training images of the run's seeded
-    # order, in batches of the training batch size (torch's own update_bn), then eval mode
-    torch.optim.swa_utils.update_bn(itertools.islice(make_loader(train_set, 16, shuffle=True, seed=3), 64), model)
+    # order, in batches of the evaluation batch size, 512 (torch's own update_bn), then eval mode
+    torch.optim.swa_utils.update_bn(itertools.islice(make_loader(train_set, 512, shuffle=True, seed=3), 2), model)
     model.eval()
     with torch.no_grad():
         logits = model(val_set.images)

@@ -34,9 +34,11 @@ from precsearch.formats.runner import RUNNER
 
 # 3 trials out of the 4 distinct seeds the paper's sweep queues: the budget ends with a seed still waiting, so a
 # retry queued behind it would never run
+# seed 4: a search whose all-high point is on the front (``finished`` needs it there), under readings that
+# recompute batch norm's statistics
 SEARCH = ["--eager-kernels", "search", "tiny_cnn", "--trials", "3", "--proxy-steps", "4", "--proxy-seeds", "1",
           "--confirm-factor", "1", "--image-size", "8", "--batch-size", "16", "--device", "cpu", "--threads", "1",
-          "--no-progress"]
+          "--no-progress", "--seed", "4"]
 ONE_SEED_WARNING = "one seed per proxy"  # the only other line a search with --proxy-seeds 1 prints on stderr
 SUMMARY = re.compile(r"(\d+) trials \((\d+) complete, \d+ diverged, \d+ stopped at a rung, (\d+) failed, "
                      r"(\d+) interrupted and retried\)")

@@ -60,7 +60,7 @@ def _statistics(model) -> list[torch.Tensor]:
     return [buffer.clone() for norm in batch_norms(model) for buffer in (norm.running_mean, norm.running_var)]
 
 
-def _precise_by_hand(wrapped, train_set, images: int, seed: int) -> list[torch.Tensor]:
+def _precise_by_hand(wrapped, train_set, images: int, batch: int, seed: int) -> list[torch.Tensor]:
     """Precise BN's statistics computed independently: each batch norm's inputs in a train-mode forward over the
     same batches, their per-batch means and unbiased variances in float64, averaged with equal weights."""
     norms = batch_norms(wrapped.module)
@@ -69,10 +69,10 @@ def _precise_by_hand(wrapped, train_set, images: int, seed: int) -> list[torch.T
              for norm in norms]
     saved = _statistics(wrapped.module)
     wrapped.train()
-    loader = make_loader(train_set, BATCH, shuffle=True, seed=seed)
+    loader = make_loader(train_set, batch, shuffle=True, seed=seed)
     with torch.no_grad():
-        for _, (batch, _labels) in zip(range(math.ceil(images / BATCH)), loader, strict=False):
-            wrapped(batch)
+        for _, (inputs, _labels) in zip(range(math.ceil(images / batch)), loader, strict=False):
+            wrapped(inputs)
     for hook in hooks:
         hook.remove()
     for buffer, value in zip(_statistics_refs(wrapped.module), saved, strict=True):
@@ -103,8 +103,8 @@ def test_a_skipped_saturating_step_leaves_the_statistics_and_the_reading_is_prec
     for kept, now in zip(before, _statistics(wrapped.module), strict=True):
         assert torch.equal(kept, now)  # the skipped step left batch norm's statistics as they were
 
-    expected = _precise_by_hand(wrapped, train_set, 1024, seed=7)
-    reading = read_model(wrapped, digits, CPU, bn_images=1024, batch_size=BATCH, eval_batch_size=512, seed=7)
+    expected = _precise_by_hand(wrapped, train_set, 1024, batch=512, seed=7)
+    reading = read_model(wrapped, digits, CPU, bn_images=1024, eval_batch_size=512, seed=7)
     for mine, theirs in zip(_statistics(wrapped.module), expected, strict=True):
         torch.testing.assert_close(mine.double(), theirs, rtol=1e-5, atol=1e-6)
     assert reading.accuracy == evaluate(wrapped, val_set, CPU)[0]  # the reading is eval mode on those statistics
@@ -120,7 +120,7 @@ def test_without_the_rollback_the_same_step_poisons_the_running_statistics(digit
     _step(wrapped, optimizer, train_set.images[:BATCH] * 1000, train_set.labels[:BATCH])
     assert healthy > 0.5
     assert evaluate(wrapped, val_set, CPU)[0] <= 0.15  # one class, give or take
-    reading = read_model(wrapped, digits, CPU, bn_images=1024, batch_size=BATCH, eval_batch_size=512, seed=7)
+    reading = read_model(wrapped, digits, CPU, bn_images=1024, eval_batch_size=512, seed=7)
     assert abs(reading.accuracy - reading.batch_stats_accuracy) <= 0.01  # precise BN reads what the weights do
 
 
@@ -141,7 +141,7 @@ def test_a_reading_takes_no_training_step_and_batch_statistics_leave_the_buffers
     for buffer, value in zip(_statistics_refs(wrapped.module), before, strict=True):
         buffer.copy_(value)
     assert accuracy == pytest.approx(float((logits.argmax(1) == val_set.labels).float().mean()))
-    read_model(wrapped, digits, CPU, bn_images=256, batch_size=BATCH, eval_batch_size=512, seed=0)
+    read_model(wrapped, digits, CPU, bn_images=256, eval_batch_size=512, seed=0)
     assert wrapped.step_count == steps
     assert {key: row["calls"] for key, row in wrapped.tensor_stats().items()} == calls  # nothing counted
 
@@ -150,7 +150,7 @@ def test_bn_images_zero_reads_the_running_averages_as_they_are(digits):
     _, val_set = digits
     wrapped, _ = _trained_all_low(digits, steps=5)
     before = _statistics(wrapped.module)
-    reading = read_model(wrapped, digits, CPU, bn_images=0, batch_size=BATCH, eval_batch_size=512, seed=0)
+    reading = read_model(wrapped, digits, CPU, bn_images=0, eval_batch_size=512, seed=0)
     for kept, now in zip(before, _statistics(wrapped.module), strict=True):
         assert torch.equal(kept, now)
     assert reading.accuracy == evaluate(wrapped, val_set, CPU)[0]

@@ -461,7 +461,7 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> DataP
         curve.append(float(loss.detach()))
         if rank == 0 and (step % eval_every == 0 or step == job.steps):
             reading = read_model(model, job.data, device, bn_images=config.bn_images,
-                                 batch_size=config.batch_size, eval_batch_size=config.eval_batch_size, seed=job.seed)
+                                 eval_batch_size=config.eval_batch_size, seed=job.seed)
             accuracy, val_loss = reading.accuracy, reading.loss
             rows.append(metrics_row(step, per_epoch, curve[-eval_every:], reading, time.perf_counter() - start))
             if job.metrics is not None:

@@ -60,9 +60,9 @@ def flagged(accuracy: float, batch_stats_accuracy: float | None, drop: float) ->
 def recompute_bn_statistics(model: nn.Module, train_set: Dataset, device: torch.device, images: int,
                             batch_size: int, seed: int) -> None:
     """Batch norm's running statistics recomputed as equal-weight averages over the first ``images`` training
-    images (rounded up to whole batches of ``batch_size``, the training batch size, so per-batch scales round as
-    in training) of an order seeded by ``seed``, unaugmented, in a forward without gradients: no rounding is
-    counted and no training step is taken. ``images`` 0 keeps the running averages as they are."""
+    images (rounded up to whole batches of ``batch_size``: a reading's evaluation batch, so that a per-tensor scale
+    rounds them as it rounds the evaluation's) of an order seeded by ``seed``, unaugmented, in a forward without
+    gradients: no rounding is counted and no training step is taken. ``images`` 0 keeps the running averages."""
     if images <= 0 or not batch_norms(model):
         return
     loader = make_loader(train_set, batch_size, shuffle=True, seed=seed)
@@ -108,13 +108,13 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_siz
 
 
 def read_model(model: nn.Module, data: tuple[Dataset, Dataset], device: torch.device, *, bn_images: int,
-               batch_size: int, eval_batch_size: int, seed: int) -> Reading:
+               eval_batch_size: int, seed: int) -> Reading:
     """A ``Reading`` of ``model`` on ``data`` (train, validation): statistics recomputed from ``bn_images``
     training images (``recompute_bn_statistics``; 0: the running averages as training left them), then the
-    eval-mode and the batch-statistics accuracies."""
+    eval-mode and the batch-statistics accuracies, all in batches of ``eval_batch_size``."""
     train_set, val_set = data
     was_training = model.training
-    recompute_bn_statistics(model, train_set, device, bn_images, batch_size, seed)
+    recompute_bn_statistics(model, train_set, device, bn_images, eval_batch_size, seed)
     model.train(was_training)
     accuracy, loss = evaluate(model, val_set, device, eval_batch_size)
     batch_accuracy = (evaluate(model, val_set, device, eval_batch_size, batch_stats=True)[0]

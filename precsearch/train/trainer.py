@@ -427,7 +427,7 @@ def train(
                 progress.branch_steps += length
             with autocasting(torch_device, autocast):
                 reading = read_model(model, data, torch_device, bn_images=config.bn_images,
-                                     batch_size=config.batch_size, eval_batch_size=config.eval_batch_size, seed=seed)
+                                     eval_batch_size=config.eval_batch_size, seed=seed)
             if step in rungs and not (val_curve and val_curve[-1][0] == step):
                 val_curve.append([step, reading.accuracy])
             if state is not None:
