@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from cli_runs import run_cli
 from PIL import Image
 from torch import nn
 
-from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import PAPER_SPACE, parse_space
 from precsearch.errors import PrecsearchError
@@ -122,16 +122,6 @@ def _fifos_answered(folder: Path):
         thread.join()
 
 
-def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    """main's exit status (argparse's refusals exit through SystemExit), stdout and stderr."""
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def _listing(folder: Path) -> list[tuple[str, int]]:
     return sorted((str(path.relative_to(folder)), path.lstat().st_mtime_ns) for path in folder.rglob("*"))
 
@@ -213,7 +203,7 @@ def test_a_refused_input_is_one_line_exit_2_and_changes_nothing(argv, phrase, fi
     before = _listing(files)
     filled = [part.format(tmp=tmp_path, files=files) for part in argv]
     with _fifos_answered(files):
-        code, out, err = _run(filled, capsys)
+        code, out, err = run_cli(filled, capsys)
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"precsearch {argv[0]}: error: "), err
@@ -226,7 +216,7 @@ def test_a_refused_input_is_one_line_exit_2_and_changes_nothing(argv, phrase, fi
 
 def _validate_line(files: Path, run: str, capsys, monkeypatch, tmp_path) -> str:
     monkeypatch.chdir(tmp_path)
-    code, _, err = _run(["validate", str(files / run), "--steps", "1", "--no-progress"], capsys)
+    code, _, err = run_cli(["validate", str(files / run), "--steps", "1", "--no-progress"], capsys)
     assert code == 2
     return err.strip().replace(str(files / run), "RUN")
 
@@ -294,7 +284,7 @@ def test_trace_lists_the_lstm_and_warns_that_it_is_rounded_at_its_boundary(tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     monkeypatch.delitem(sys.modules, USER_MODULE, raising=False)
-    code, out, err = _run(["trace", f"{USER_MODULE}:conv_lstm", "--input-shape", "3,8,8", "--batch-size", "4"],
+    code, out, err = run_cli(["trace", f"{USER_MODULE}:conv_lstm", "--input-shape", "3,8,8", "--batch-size", "4"],
                           capsys)
     assert code == 0, err
     assert "5 ops" in out and "lstm:activation2" in out and "lstm:weight_ih_l0" in out
@@ -390,7 +380,7 @@ def test_a_search_with_jobs_1000_and_one_trial_runs_in_this_process(tmp_path, ca
     started: list[object] = []
     monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", lambda self: started.append(self))
     with caplog.at_level("INFO", logger="precsearch.search.settings"):
-        code, _, err = _run([*[part.format(tmp=tmp_path) for part in SEARCH], "--jobs", "1000", "--proxy-seeds",
+        code, _, err = run_cli([*[part.format(tmp=tmp_path) for part in SEARCH], "--jobs", "1000", "--proxy-seeds",
                              "1", "--batch-size", "16"], capsys)
     assert code in (0, 3), err
     assert "--jobs 1000: 1 worker process(es), as many as 1 trial(s)" in caplog.text
@@ -405,7 +395,7 @@ VALUES = [1000.0, 2000.0, 3000.0, 0.001, -7.5]
 
 def _rounded(spec: str, capsys) -> list[float]:
     """The rounded column of ``precsearch formats SPEC --round VALUES`` (x, rounded, scale on each line)."""
-    code, out, err = _run(["formats", spec, "--round", *map(str, VALUES)], capsys)
+    code, out, err = run_cli(["formats", spec, "--round", *map(str, VALUES)], capsys)
     assert code == 0, err
     rows = [line.split() for line in out.strip().splitlines()[1:]]
     assert [float(row[0]) for row in rows] == pytest.approx(VALUES)
@@ -438,7 +428,7 @@ def test_formats_rounds_each_block_with_the_scale_of_its_amax(capsys):
 @pytest.mark.slow  # a one-trial search, then its resume: 20 s on 2 cores
 def test_a_resume_names_every_checkpoint_naming_code_and_runs_nothing(tmp_path, capsys):
     argv = [part.format(tmp=tmp_path) for part in SEARCH] + ["--proxy-seeds", "1", "--batch-size", "16"]
-    code, _, err = _run(argv, capsys)
+    code, _, err = run_cli(argv, capsys)
     assert code in (0, 3), err
     folder = tmp_path / "run" / "checkpoints"
     folder.mkdir(exist_ok=True)
@@ -448,7 +438,7 @@ def test_a_resume_names_every_checkpoint_naming_code_and_runs_nothing(tmp_path, 
         return [item for item in _listing(tmp_path / "run") if not item[0].startswith(".precsearch")]
 
     before = files_of_the_run()
-    code, out, err = _run([*argv, "--resume", "--trials", "2"], capsys)
+    code, out, err = run_cli([*argv, "--resume", "--trials", "2"], capsys)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err and "Trial" not in err, err  # no Optuna "Trial 4 failed"
@@ -463,7 +453,7 @@ def test_a_resume_names_every_checkpoint_naming_code_and_runs_nothing(tmp_path, 
 @pytest.mark.slow  # a three-trial search on the gratings: 30 s on 2 cores
 def test_a_search_without_a_pick_exits_3_and_says_why(tmp_path, capsys):
     space = Path(__file__).resolve().parents[1] / "search_spaces" / "fp8_scaled.yaml"
-    code, out, err = _run(["search", "tiny_cnn", "--data", "gratings", "--space", str(space), "--trials", "3",
+    code, out, err = run_cli(["search", "tiny_cnn", "--data", "gratings", "--space", str(space), "--trials", "3",
                            "--proxy-steps", "20", "--out", str(tmp_path / "run"), "--no-progress", "--device", "cpu",
                            "--threads", "1"], capsys)
     assert code == 3, err
@@ -472,6 +462,6 @@ def test_a_search_without_a_pick_exits_3_and_says_why(tmp_path, capsys):
 
 
 def test_search_help_documents_exit_status_3(capsys):
-    code, out, _ = _run(["search", "--help"], capsys)
+    code, out, _ = run_cli(["search", "--help"], capsys)
     assert code == 0
     assert "3 when the search ends without one" in " ".join(out.split())

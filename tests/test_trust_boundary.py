@@ -20,9 +20,9 @@ import optuna
 import pytest
 import torch
 import yaml
+from cli_runs import run_cli
 
 from precsearch import models
-from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import PAPER_SPACE
 from precsearch.errors import PrecsearchError
@@ -34,16 +34,6 @@ FAST = ["--image-size", "8", "--device", "cpu", "--threads", "1"]
 EVIL_MODULE = "precsearch_test_evil_import"  # writes the sentinel when imported
 USER_MODULE = "precsearch_test_trust_factories"
 TRUSTED = f"{USER_MODULE}:tiny"
-
-
-def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    """main's exit status (argparse's refusals exit through SystemExit), stdout and stderr."""
-    try:
-        code = main(argv)
-    except SystemExit as stop:
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _one_error_line(command: str, err: str) -> str:
@@ -116,7 +106,7 @@ def test_a_run_directory_naming_code_cannot_run_it(command, which, tmp_path, sen
     run = tmp_path / "run"
     _foreign_run(run, evil)
     before = sorted(path.name for path in run.iterdir())
-    code, _, err = _run(_four_commands(run)[command], capsys)
+    code, _, err = run_cli(_four_commands(run)[command], capsys)
     assert code == 2, err
     line = _one_error_line(command, err)
     assert ("holds a search with different model" if command == "search" else evil) in line  # search: as named
@@ -130,7 +120,7 @@ def test_report_without_storage_reads_the_model_as_text_only(tmp_path, sentinel,
     _foreign_run(run, _evil_specs(sentinel)[0])
     (run / "trials.csv").write_text("number,state,origin,trained,memory,val_accuracy,val_loss,diverged\n"
                                     "0,COMPLETE,all-high,True,1.0,0.5,1.0,False\n")
-    code, _, err = _run(["report", str(run)], capsys)
+    code, _, err = run_cli(["report", str(run)], capsys)
     assert code == 0, err
     assert not sentinel.exists()
     assert "os:system" in (run / "report.md").read_text()  # shown as what the file says, never run
@@ -140,18 +130,18 @@ def test_trust_model_runs_exactly_the_factory_named(tmp_path, sentinel, capsys):
     evil = _evil_specs(sentinel)[0]
     run = tmp_path / "run"
     _foreign_run(run, evil)
-    code, _, err = _run(["validate", str(run), "--trust-model", "os:system:command=touch elsewhere", "--steps",
+    code, _, err = run_cli(["validate", str(run), "--trust-model", "os:system:command=touch elsewhere", "--steps",
                          "1", "--threads", "1", "--no-progress"], capsys)
     assert code == 2 and "is not the model" in _one_error_line("validate", err)
     assert not sentinel.exists()
-    code, _, err = _run(["validate", str(run), "--trust-model", evil, "--steps", "1", "--threads", "1",
+    code, _, err = run_cli(["validate", str(run), "--trust-model", evil, "--steps", "1", "--threads", "1",
                          "--no-progress"], capsys)
     assert sentinel.exists()  # the user opted in: the factory ran (and returned no model)
     assert code == 2 and "returned int, expected a torch.nn.Module" in _one_error_line("validate", err)
 
 
 def test_trust_model_needs_the_storage_it_applies_to(tmp_path, capsys):
-    code, _, err = _run(["report", str(tmp_path), "--trust-model", TRUSTED], capsys)
+    code, _, err = run_cli(["report", str(tmp_path), "--trust-model", TRUSTED], capsys)
     assert code == 2 and "--trust-model needs --storage" in _one_error_line("report", err)
 
 
@@ -159,7 +149,7 @@ def test_a_spec_in_a_file_that_is_no_string_is_refused_naming_the_file(tmp_path,
     run = tmp_path / "run"
     _foreign_run(run, "tiny_cnn")
     (run / "run.json").write_text(json.dumps({**_run_config("tiny_cnn"), "model": ["os", "system"]}))
-    code, _, err = _run(_four_commands(run)["validate"], capsys)
+    code, _, err = run_cli(_four_commands(run)["validate"], capsys)
     assert code == 2 and "run.json: model must be a model spec string" in _one_error_line("validate", err)
 
 
@@ -207,23 +197,23 @@ def user_factories(tmp_path, monkeypatch):
 @pytest.mark.slow  # a two-trial search with a user factory, then validate, report, train, resume: 25 s
 def test_a_factory_named_on_the_command_line_runs_in_all_four_commands(tmp_path, user_factories, capsys):
     run = tmp_path / "run"
-    code, _, err = _run(["search", TRUSTED, "--out", str(run), "--proxy-steps", "2", "--trials", "2",
+    code, _, err = run_cli(["search", TRUSTED, "--out", str(run), "--proxy-steps", "2", "--trials", "2",
                          "--no-progress", "--batch-size", "16", "--proxy-seeds", "1", *FAST], capsys)
     assert code == 0, err
     assert json.loads((run / "run.json").read_text())["model"] == TRUSTED
     commands = _four_commands(run)
-    code, _, err = _run(commands["validate"], capsys)
+    code, _, err = run_cli(commands["validate"], capsys)
     assert code == 2 and "--trust-model" in _one_error_line("validate", err)
-    code, out, err = _run([*commands["validate"], "--trust-model", TRUSTED], capsys)
+    code, out, err = run_cli([*commands["validate"], "--trust-model", TRUSTED], capsys)
     assert code == 0, err
     assert (run / "fidelity.csv").is_file()
-    code, out, err = _run([*commands["report"], "--trust-model", TRUSTED], capsys)
+    code, out, err = run_cli([*commands["report"], "--trust-model", TRUSTED], capsys)
     assert code == 0, err
     assert "rebuilt from the storage" in out
-    code, out, err = _run(["train", TRUSTED, *commands["train"][2:]], capsys)
+    code, out, err = run_cli(["train", TRUSTED, *commands["train"][2:]], capsys)
     assert code == 0, err
     assert out.startswith("trained: 1 steps")
-    code, _, err = _run(["search", TRUSTED, *commands["search"][2:], "--proxy-seeds", "1"], capsys)
+    code, _, err = run_cli(["search", TRUSTED, *commands["search"][2:], "--proxy-seeds", "1"], capsys)
     assert code == 0, err
 
 
@@ -234,7 +224,7 @@ def test_a_policy_made_for_another_model_is_refused_before_the_data_is_loaded(tm
     policy = tmp_path / "policy.json"
     Policy(model="tiny_cnn", input_shape=(3, 8, 8), batch_size=16).save(policy)
     metrics = tmp_path / "m.csv"
-    code, _, err = _run(["train", "narrow_cnn", "--policy", str(policy), "--steps", "1", "--metrics", str(metrics),
+    code, _, err = run_cli(["train", "narrow_cnn", "--policy", str(policy), "--steps", "1", "--metrics", str(metrics),
                          *FAST], capsys)
     assert code == 2
     assert "was made for model 'tiny_cnn', not 'narrow_cnn'" in _one_error_line("train", err)
@@ -244,7 +234,7 @@ def test_a_policy_made_for_another_model_is_refused_before_the_data_is_loaded(tm
 def test_the_policy_model_is_honoured_spelled_any_way(tmp_path, capsys):
     policy = tmp_path / "policy.json"
     Policy(model="tiny_cnn:width=1", input_shape=(3, 8, 8), batch_size=16).save(policy)
-    code, out, err = _run(["train", " tiny_cnn : width = 1.0 ", "--policy", str(policy), "--steps", "1", *FAST],
+    code, out, err = run_cli(["train", " tiny_cnn : width = 1.0 ", "--policy", str(policy), "--steps", "1", *FAST],
                           capsys)
     assert code == 0, err
     assert out.startswith("trained: 1 steps")
@@ -266,7 +256,7 @@ def test_the_policy_model_is_honoured_spelled_any_way(tmp_path, capsys):
 def test_a_factory_that_fails_exits_or_interrupts_itself_is_one_line(factory, phrase, tmp_path, user_factories,
                                                                       capsys):
     metrics = tmp_path / "m.csv"
-    code, out, err = _run(["train", factory, "--steps", "1", "--metrics", str(metrics), *FAST], capsys)
+    code, out, err = run_cli(["train", factory, "--steps", "1", "--metrics", str(metrics), *FAST], capsys)
     assert code == 2, err
     line = _one_error_line("train", err)
     assert phrase in line
@@ -289,7 +279,7 @@ def test_the_factory_time_is_not_training_time(tmp_path, user_factories, capsys)
     seconds = 3.0
     metrics = tmp_path / "m.csv"
     start = time.perf_counter()
-    code, out, err = _run(["train", f"{USER_MODULE}:slow:seconds={seconds}", "--steps", "1", "--recipe", "proxy",
+    code, out, err = run_cli(["train", f"{USER_MODULE}:slow:seconds={seconds}", "--steps", "1", "--recipe", "proxy",
                            "--metrics", str(metrics), *FAST], capsys)
     assert code == 0, err
     assert time.perf_counter() - start >= seconds  # the factory slept in this call ...
@@ -325,7 +315,7 @@ SMALL = ["--image-size", "8"]
 def test_sizes_and_spec_values_are_refused_in_one_line_before_any_work(argv, phrase, tmp_path, capsys):
     (tmp_path / "huge.yaml").write_text(yaml.safe_dump({**PAPER_SPACE, "proxy": {"image_size": 100000}}))
     start = time.perf_counter()
-    code, _, err = _run([part.format(tmp=tmp_path) for part in argv], capsys)
+    code, _, err = run_cli([part.format(tmp=tmp_path) for part in argv], capsys)
     seconds = time.perf_counter() - start
     assert code == 2, err
     assert phrase in _one_error_line(argv[0], err)
