@@ -10,16 +10,19 @@ chance, ``DIVERGED_ACCURACY``, as a real diverged run reads).
 
 from __future__ import annotations
 
-import json
+import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from precsearch.search.context import SearchContext
-from precsearch.train.continuing import branch_steps
+from precsearch.train.continuing import Progress, State, branch_steps, read_checkpoint, write_checkpoint
 from precsearch.train.reading import Reading
 from precsearch.train.trainer import ProxyResult
 
 DIVERGED_ACCURACY = 0.1  # chance of the 10 classes
+SCRIPTED = "scripted"  # the run tag of a scripted run's checkpoints
 
 
 def curve_at(table: dict[int, tuple[float, ...]], step: int, before: float) -> tuple[float, ...]:
@@ -48,7 +51,7 @@ class ScriptedTrainer:
     def __call__(self, policy, steps, seed, *, evaluate_at=(), on_eval=None, report=None,
                  checkpoint=None, decay_from=None) -> ProxyResult:
         name = self.name(policy)
-        start = json.loads(checkpoint.read_text())["step"] if checkpoint is not None and checkpoint.is_file() else 0
+        start = self._step_of(checkpoint)
         start = start if start <= (steps if decay_from is None else decay_from) else 0
         call = {"name": name, "length": steps, "seed": seed, "start": start, "steps": steps, "readings": [],
                 "decay_from": decay_from}
@@ -80,6 +83,15 @@ class ScriptedTrainer:
 
     @staticmethod
     def _save(checkpoint, step: int) -> None:
+        """A checkpoint as a real run writes one (``write_checkpoint``; ``--resume`` reads every one as data first),
+        its training state a scripted one: only the step."""
         if checkpoint is not None:
-            checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            checkpoint.write_text(json.dumps({"step": step}))
+            buffer = io.BytesIO()
+            torch.save({"step": step}, buffer)
+            write_checkpoint(checkpoint, SCRIPTED, State(buffer.getvalue()), Progress(step=step))
+
+    @staticmethod
+    def _step_of(checkpoint) -> int:
+        """The step a checkpoint of ``_save`` was written at (0: none)."""
+        found = read_checkpoint(checkpoint, SCRIPTED, steps=2**62) if checkpoint is not None else None
+        return 0 if found is None else found[1].step
