@@ -216,3 +216,18 @@ def test_resnet18_width_1_batch_128_peaks_meet_their_goals():
     ratios = {name: _measured_peak(copy.deepcopy(model), _policy(name, graph), x, y) / plain
               for name in ("all-low", "fp16")}
     assert ratios["all-low"] <= 0.35 and ratios["fp16"] <= 0.55, ratios
+
+
+def test_trace_step_holds_back_the_profilers_banners_and_passes_the_rest_on(capfd):
+    """torch's profiler prints "USDT:" lines on stderr at each start and stop (two a measured step, six in a
+    search's summary): they are held back; what the step itself writes there still reaches stderr."""
+    import os
+
+    from precsearch.cost.measured import trace_step
+
+    def step():
+        os.write(2, b"the step's own line\n")
+        return torch.ones(1024) + 1
+
+    assert trace_step(step).peak >= 4096
+    assert capfd.readouterr().err == "the step's own line\n"

@@ -18,10 +18,14 @@ so call it with the step's previous garbage gone (e.g. gradients set to None fir
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,9 +99,29 @@ def _phase(event: object) -> tuple[str, str]:
     return op, phase
 
 
+@contextlib.contextmanager
+def _without_profiler_banners() -> Iterator[None]:
+    """The profiler's library prints "USDT:" (and "STAGE:") lines on the process's stderr as each profile starts
+    and stops: they are held back, and whatever else was written there meanwhile is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(("USDT:", "STAGE:"))]
+            sys.stderr.write("".join(kept))
+
+
 def trace_step(step: Callable[[], object]) -> StepMemory:
     """Run ``step`` once under torch.profiler and return every CPU allocation it made (see module doc)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_banners(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
