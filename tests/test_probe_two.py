@@ -327,14 +327,16 @@ def test_32_bit_integer_pixels_are_refused_in_one_line(tmp_path):
 
 def test_a_policy_and_a_space_refuse_a_wider_low_format_by_one_rule():
     with pytest.raises(PrecsearchError) as policy:
-        Policy(high_format="fp16", defaults={"weight": "fp32"})
+        Policy(high_format="e4m3b4s", defaults={"weight": "fp16"})
     with pytest.raises(PrecsearchError) as space:
         parse_space({**PAPER_SPACE, "high": "fp16", "low": "fp32"}, where="space")
-    assert str(policy.value) == ("policy: defaults.weight fp32 (32 bits) is wider than high_format fp16 (16 bits); "
-                                 "give a format at most as wide as the high one")
+    assert str(policy.value) == ("policy: defaults.weight fp16 (16 bits) is wider than high_format e4m3b4s (8 "
+                                 "bits); give a format at most as wide as the high one")
     assert str(space.value) == ("space: low.weight fp32 (32 bits) is wider than high fp16 (16 bits); give a format at "
                                 "most as wide as the high one")
     assert Policy(high_format="e6m9s", defaults={"weight": "e4m3fn@tensor"}).high_format == "e6m9s"  # its element
+    # fp32 is no low format in a policy: its tensors are not rounded, so never promoted
+    assert Policy(high_format="e6m9s", defaults={"weight": "fp32", "activation": "e8m23"}).high_format == "e6m9s"
 
 
 # ------------------------------------------------------------------------- 9. the smallest image size

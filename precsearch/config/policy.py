@@ -144,12 +144,14 @@ def _kinds(value: Any, where: str) -> Mapping[str, Any]:
 
 
 def _rule_formats(normal: Mapping[str, Any]) -> dict[str, str]:
-    """Every format a rule of the policy gives a tensor, by where it stands (``defaults.weight``, ...)."""
+    """Every low format a rule of the policy gives a tensor, by where it stands (``defaults.weight``, ...): fp32 is
+    no low format (its tensors are not rounded, so never promoted)."""
     formats = {f"defaults.{kind}": spec for kind, spec in normal["defaults"].items()}
     formats |= {f"overrides[{echo(key)}]": spec for key, spec in normal["overrides"].items()}
     formats |= {f"module_types.{name}.{kind}": spec for name, rules in normal["module_types"].items()
                 for kind, spec in rules.items()}
-    return formats
+    return {where: spec for where, spec in formats.items()
+            if not (isinstance(fmt := any_format(spec), FloatFormat) and fmt.is_fp32)}
 
 
 def _json_data(value: Any, where: str) -> dict[str, Any]:
