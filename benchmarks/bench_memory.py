@@ -98,9 +98,7 @@ def measure_row(name: str, model: torch.nn.Module, batch: tuple[torch.Tensor, to
     """The row's step measured after two steps (momentum buffers made, compiled kernels built)."""
     model = model.to(device)
     step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4),
-                    *(tensor.to(device) for tensor in batch), autocast=autocast)
-    step()
-    step()
+                    *(tensor.to(device) for tensor in batch), autocast=autocast, warmup=2)
     if device.type == "cuda":
         return Row(name, measure_peak(step, device), predicted, step, eager)
     memory = trace_step(step)

@@ -165,11 +165,12 @@ def measure_peak(step: Callable[[], object], device: str | torch.device = "cpu")
 
 
 def sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-             autocast: torch.dtype | None = None, scaler: Any = None) -> Callable[[], torch.Tensor]:
+             autocast: torch.dtype | None = None, scaler: Any = None, warmup: int = 0) -> Callable[[], torch.Tensor]:
     """One cross-entropy training step to measure, returning its (detached) loss: through ``scaler`` (default:
     the model's own when it has one, a ``PrecisionModel``; a ``torch.amp.GradScaler`` for fp16 autocast), the
     forward under ``torch.autocast(autocast)`` when given, gradients set to None at its end so that the next step
-    starts from the baseline."""
+    starts from the baseline. ``warmup`` steps are taken before it is returned (2: the momentum buffers made and
+    compiled kernels built, so that the step measured is a steady one)."""
     scaler = scaler if scaler is not None else getattr(model, "scaler", None)
 
     def step() -> torch.Tensor:
@@ -185,6 +186,8 @@ def sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    for _ in range(warmup):
+        step()
     return step
 
 

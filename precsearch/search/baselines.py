@@ -95,9 +95,8 @@ def _measured_steps(model_spec: str, train_set: ImageDataset, config: ProxyConfi
             model = build_model(model_spec, train_set.num_classes).to(device)
             optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                                         weight_decay=config.weight_decay)
-            step = sgd_step(model, optimizer, images, labels, autocast=dtype, scaler=autocast_scaler(dtype, device))
-            step()
-            step()
+            step = sgd_step(model, optimizer, images, labels, autocast=dtype, scaler=autocast_scaler(dtype, device),
+                            warmup=2)
             peaks.append(measure_peak(step, device))
             steps.append(step)
     return list(zip(peaks, median_step_times(steps, device, TIMED_STEPS), strict=True))

@@ -62,10 +62,7 @@ def measure_step_peaks(model_spec: str, policy: Policy, images: torch.Tensor, la
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
         if hasattr(model, "wrap_optimizer"):
             optimizer = model.wrap_optimizer(optimizer)
-        step = sgd_step(model, optimizer, images, labels, autocast=autocast)
-        step()
-        step()
-        return measure_peak(step, torch_device)
+        return measure_peak(sgd_step(model, optimizer, images, labels, autocast=autocast, warmup=2), torch_device)
 
     # the loss scaler's growth per epoch needs some epoch: one step's memory does not depend on its length
     wrapped = apply_policy(copy.deepcopy(plain), policy, images[:2], steps_per_epoch=1)
