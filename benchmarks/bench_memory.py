@@ -14,10 +14,13 @@ With ``--compiled`` (a list of those policies), the same policies through ``appl
 plain ``torch.compile`` of the fp32 model; each compiled row compiles its own graph (its code widths), which takes
 minutes on a CPU; the step measured is the third, after the compile. ``--time N``: each eager row's step time,
 the median of N steps taken in turn (precsearch.cost.measured.median_step_times). ``--suite``: the settings a
-search runs (``SUITE``), one table each.
+search runs (``SUITE``), one table each. ``--min-slices N``: each eager policy again, its sliced backwards run in
+at least N slices of the batch (``OpRules.with_min_slices``: less memory, more time), predicted from a graph traced
+with those rules.
 
 Usage: python benchmarks/bench_memory.py [--model resnet18] [--width W] [--image-size 32] [--batch 128]
        [--device cpu|cuda] [--policies all-high,hfp8,all-low,pick] [--compiled hfp8,all-low] [--time 5] [--suite]
+       [--min-slices 4]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from precsearch.config.spec import PAPER_LOW, PAPER_OVERFLOW
 from precsearch.cost.measured import measure_peak, median_step_times, sgd_step, trace_step
 from precsearch.cost.model import MIB, CostModel
 from precsearch.cost.policies import policy_from_assignment
+from precsearch.graph.op_rules import OP_RULES
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph
 from precsearch.models import build
@@ -122,16 +126,20 @@ def setting_rows(spec: str, image_size: int, batch_size: int, device: torch.devi
     plan: list[tuple[str, Policy | None, str | None, torch.dtype | None]] = [  # (row, policy, its eager row, autocast)
         ("plain fp32", None, None, None), ("autocast bf16", None, None, torch.bfloat16)]
     plan += [(name, every[name], None, None) for name in chosen]
+    plan += [(f"{name}, {args.min_slices} slices", every[name], None, None) for name in chosen if args.min_slices > 1]
     plan += [("plain fp32, torch.compile", None, "plain fp32", None)] if compiled else []
     plan += [(f"{name}, compiled", every[name], name, None) for name in compiled]
+    sliced_rules = OP_RULES.with_min_slices(args.min_slices)
+    sliced_cost = CostModel(trace(plain, batch[0][:2], batch_size=batch_size, rules=sliced_rules))
     rows = []
     for name, policy, eager, autocast in plan:
         model = copy.deepcopy(plain)
+        row_rules, row_cost = (sliced_rules, sliced_cost) if name.endswith(" slices") else (OP_RULES, cost)
         if policy is not None:  # the paper's space grows its loss scale once per "epoch": any length will do
-            model = apply_policy(model, policy, compile=eager is not None, steps_per_epoch=100)
+            model = apply_policy(model, policy, compile=eager is not None, steps_per_epoch=100, rules=row_rules)
         elif eager is not None:
             model = torch.compile(model, fullgraph=True)
-        predicted = None if autocast else cost.peak_bytes(None if policy is None else policy.assignment(graph))
+        predicted = None if autocast else row_cost.peak_bytes(None if policy is None else policy.assignment(graph))
         rows.append(measure_row(name, model, batch, device, predicted, eager, autocast, args.timeline))
     return rows
 
@@ -171,6 +179,9 @@ def main() -> int:
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help="eager policy rows")
     parser.add_argument("--compiled", default="", help="policies also measured compiled (e.g. hfp8,all-low)")
     parser.add_argument("--time", type=int, default=0, metavar="N", help="eager step times, median of N")
+    parser.add_argument("--min-slices", type=int, default=1, metavar="N",
+                        help="also each eager policy with its sliced backwards in at least N slices of the batch "
+                             "(OpRules.with_min_slices)")
     args = parser.parse_args()
     device = torch.device(args.device)
     spec = args.model if args.width is None else f"{args.model}{',' if ':' in args.model else ':'}width={args.width}"

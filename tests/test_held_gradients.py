@@ -120,16 +120,45 @@ def test_nothing_is_held_while_a_process_group_is_up():
         assert grad is not None and torch.equal(grad, quantize(raw[name], "fp16")), name
 
 
-@pytest.mark.parametrize(("weight_grad", "overflow"), [("e6m9s", "saturate"), ("e4m3fn", "inf")])
-def test_a_format_whose_codes_miss_a_rounded_value_is_rounded_in_place(weight_grad, overflow):
-    """e6m9s has no NaN code, and an fn format no inf code for an overflow to inf: those gradients stay in
-    ``.grad``, rounded, during the backward (a NaN or inf would otherwise come back as a finite value)."""
+@pytest.mark.parametrize(("weight_grad", "overflow"), [("e6m9s", "saturate"), ("e6m9s", "inf"), ("e4m3fn", "inf")])
+def test_a_format_without_inf_or_nan_codes_is_held_too(weight_grad, overflow):
+    """e6m9s has no inf or NaN code, an fn format no inf code: their gradients are held as codes as well (None to
+    a later hook), and come back as the raw gradient rounded (``formats.quantize``)."""
     torch.manual_seed(0)
     policy = Policy(input_shape=SHAPE, batch_size=8, defaults={**PAPER_LOW, "weight_grad": weight_grad},
                     overflow={"weight_grad": overflow})
-    inside, raw = _grads_inside_backward(apply_policy(build("tiny_cnn"), policy))
-    for name, grad in inside.items():
-        assert grad is not None and torch.equal(grad, quantize(raw[name], weight_grad, overflow=overflow)), name
+    wrapped = apply_policy(build("tiny_cnn"), policy)
+    inside, raw = _grads_inside_backward(wrapped)
+    for name, param in wrapped.module.named_parameters():
+        assert inside[name] is None, name
+        assert torch.equal(param.grad, quantize(raw[name], weight_grad, overflow=overflow)), name
+
+
+@pytest.mark.parametrize("compile", [None, CompileOptions(backend="aot_eager")], ids=["eager", "compiled"])
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_an_inf_or_nan_weight_gradient_its_codes_miss_skips_the_step(compile, poison):
+    """Only the weight gradients are low (e6m9s, no inf or NaN code), so no rounding counts a non-finite value
+    but theirs: one input value is ``poison``, which makes the loss and every gradient NaN. Held as codes the
+    weight gradients come back finite (the format's largest magnitude), yet the step is skipped and the loss
+    scale backs off, as for a NaN in ``.grad`` (oracle: the weights unchanged, ``skipped_steps``, the scale
+    halved)."""
+    torch.manual_seed(0)
+    fp32 = {kind: "fp32" for kind in PAPER_LOW}
+    policy = Policy(input_shape=SHAPE, batch_size=8, defaults={**fp32, "weight_grad": "e6m9s"},
+                    loss_scaling={"mode": "dynamic", "init_scale": 1024.0})
+    wrapped = apply_policy(build("tiny_cnn"), policy, compile=compile)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    before = {name: p.detach().clone() for name, p in wrapped.module.named_parameters()}
+    x, y = _batch(0)
+    x[0, 0, 0, 0] = poison
+    wrapped.scaler.scale(F.cross_entropy(wrapped(x), y)).backward()
+    assert torch.isfinite(wrapped.module.linear.weight.grad).all()  # held as codes: no inf or NaN code
+    wrapped.scaler.step(optimizer)
+    wrapped.scaler.update()
+    assert wrapped.scaler.skipped_steps == 1
+    assert wrapped.scaler.get_scale() == 512.0
+    for name, p in wrapped.module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
 
 
 def _carried(monkeypatch) -> list[tuple[tuple[int, ...], int]]:

@@ -315,8 +315,8 @@ class CostModel:
         than keep the weight's codes (nearest rounding; a weight rounded stochastically, as by the stochastic
         weight update, keeps its codes between the two, which this model does not count; a scaled one keeps its
         codes and scales, which it counts), a rounded copy of
-        each low weight gradient as it arrives, and, where its codes hold
-        every rounded value, those codes from then to the end of the backward (``.grad`` decoded then).
+        each low weight gradient as it arrives, and, where its format fits 16 bits, its codes from then to the
+        end of the backward (``.grad`` decoded then).
         The optimizer holds one gradient-sized
         temporary (SGD's weight decay). The input batch is not counted (it exists before the step) unless
         packed."""
@@ -425,8 +425,7 @@ class CostModel:
             total += 4 * info.numel
             grad_format = formats.get(f"{tid}_grad", FP32)
             after = bwd(users[0]) + 0.5  # in the hook after the layer's backward, its workspace freed
-            # held as codes to the end of the backward (the runtime's rule, at the format's default overflow)
-            held = not grad_format.is_fp32 and grad_format.codes_hold_rounded(grad_format.default_overflow)
+            held = not grad_format.is_fp32 and grad_format.packs  # as codes to the end of the backward
             hold(4 * info.numel, bwd(users[-1]), after if held else 4.0 * n + 3, f"weight gradient {tid}")
             if not grad_format.is_fp32:
                 hold(4 * info.numel, after, after, f"rounded weight gradient {tid}")

@@ -147,11 +147,6 @@ class FloatFormat:
         """Whether the runtime holds values of this format as codes (at most 16 bits; wider ones stay float32)."""
         return self.bits <= 16
 
-    def codes_hold_rounded(self, overflow: str) -> bool:
-        """Whether this format's codes hold every value a rounding to it under ``overflow`` can give: it packs,
-        has a NaN code, and an inf code unless overflow saturates (then only a NaN input leaves the grid)."""
-        return self.packs and self.has_nan and (self.has_inf or overflow == "saturate")
-
     @property
     def storage_bytes(self) -> int:
         """Bytes of one code as the runtime stores it: 1 up to 8 bits, 2 up to 16, else 4 (float32)."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
+
+from precsearch.errors import PrecsearchError
 
 __all__ = ["ASSUMED_SAVES", "OP_RULES", "ChannelSlices", "OpRule", "OpRules", "SlicedBackward", "call_name",
            "op_type_key"]
@@ -54,12 +56,14 @@ class SlicedBackward:
     workspace: int
     weight_blocks: int = 0
     channels: ChannelSlices | None = None
+    min_slices: int = 1  # at least this many slices of a batch (``OpRules.with_min_slices``)
 
     def rows(self, shape: Sequence[int], weight_numel: int = 0) -> int:
-        """Samples per slice over a saved tensor of ``shape``: slices of ``slice_bytes``."""
+        """Samples per slice over a saved tensor of ``shape``: slices of ``slice_bytes``, and at least
+        ``min_slices`` of them."""
         if self.weight_blocks and weight_numel >= math.prod(shape):
             return shape[0]
-        return max(1, self.slice_bytes // (4 * math.prod(shape[1:])))
+        return max(1, min(self.slice_bytes // (4 * math.prod(shape[1:])), -(-shape[0] // self.min_slices)))
 
     def channels_per_group(self, shape: Sequence[int], weight_shape: Sequence[int]) -> int:
         """Input channels per group of a backward over an input of ``shape`` with a weight of ``weight_shape``
@@ -136,6 +140,16 @@ class OpRules:
     def with_functions(self, functions: Mapping[str, OpRule]) -> OpRules:
         """This table with ``functions``' rules added or replacing those of the same names."""
         return OpRules(self.modules, {**self.functions, **functions}, self.aten_gemms)
+
+    def with_min_slices(self, count: int) -> OpRules:
+        """This table with every sliced backward run in at least ``count`` slices of the batch: less memory (the
+        backward of a small tensor holds a slice's float32 copy, not the whole tensor's) for more time (more,
+        smaller kernel calls; benchmarks/results/bench_memory.md measures both), and float32 sums in another
+        order."""
+        if count < 1:
+            raise PrecsearchError(f"min_slices must be at least 1, got {count}")
+        return OpRules({cls: replace(rule, sliced=replace(rule.sliced, min_slices=count)) if rule.sliced else rule
+                        for cls, rule in self.modules.items()}, self.functions, self.aten_gemms)
 
     def module(self, module: nn.Module) -> OpRule:
         """The rule of a module call: its class's, or its nearest base class's."""

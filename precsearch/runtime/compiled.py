@@ -243,7 +243,8 @@ class _Round(torch.autograd.Function):
             with torch.fx.traceback.annotate(HELD):
                 held, counted = _held_bytes(g, rows[site.grad], _site_seed(seed, site, True), site,
                                             ctx.formats.get(site.scaled[1]))
-                overflowed = counted[0].to(torch.float64).reshape(1)
+                # an inf or NaN its codes miss counts as an overflow: the step is skipped (TensorState.settle)
+                overflowed = counted.sum().to(torch.float64).reshape(1)
             return None, None, None, overflowed, None, None, held.view(CARRIER_DTYPE)
         if site.grad is not None:
             grad_seed = _site_seed(seed, site, True)
@@ -762,11 +763,10 @@ def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: Ten
 def _code_width(slot: Slot, options: CompileOptions, holds: bool) -> int | None:
     """The bytes of the codes a row's values pass through in the compiled graph (None: float32): a weight's or
     an activation's, saved for the backward; a weight gradient's, held to the end of the backward (``holds``,
-    where its codes hold every rounded value: as the eager runtime holds it); an activation
-    gradient is never held."""
+    ``Slot.holds_codes``: as the eager runtime holds it); an activation gradient is never held."""
     if not options.saves_codes or slot.kind == ACTIVATION_GRAD:
         return None
-    if slot.kind == WEIGHT_GRAD and not (holds and slot.codes_hold_rounded):
+    if slot.kind == WEIGHT_GRAD and not (holds and slot.holds_codes):
         return None
     return code_bytes(slot.fmt)
 

@@ -1,11 +1,12 @@
 """Weight gradients: rounded in place as each arrives, then held as codes until the end of the backward.
 
 Each low weight gradient is rounded in place by a post-accumulate-grad hook, still loss-scaled. Where the
-format's codes hold every rounded value (``FloatFormat.codes_hold_rounded``: fp16, bf16, fp8; not e6m9s, which
-has no NaN code) it is then held as its codes, ``.grad`` None, until the end of the backward, when a callback
-sets ``.grad`` to the decoded (identical) values: the earlier layers' backward runs beside 16 (or 8) bits a
-value, not 32. Not while ``may_hold`` says no (by default ``no_process_group``: DDP reads ``.grad`` during the
-backward).
+format fits 16 bits (``Slot.holds_codes``) it is then held as its codes, ``.grad`` None, until the end of the
+backward, when a callback sets ``.grad`` to the decoded (identical) values: the earlier layers' backward runs
+beside 16 (or 8) bits a value, not 32. An inf or NaN a format has no code for (e6m9s has neither) comes back as
+the format's largest magnitude, counted: that step is skipped as overflowed (``TensorState.settle``), so no
+optimizer reads it. Not while ``may_hold`` says no (by default ``no_process_group``: DDP reads ``.grad`` during
+the backward).
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ def hook_weight_gradients(module: nn.Module, plan: SitePlan, state: TensorState,
 
 
 def _rounding_hook(state: TensorState, slot: Slot, may_hold: Callable[[], bool]) -> Callable[[torch.Tensor], None]:
-    """Round ``param.grad`` in place and, where its format's codes hold every rounded value (inf and NaN too),
-    hold only those until the end of the backward (``_hold``)."""
+    """Round ``param.grad`` in place and, where its format fits 16 bits, hold only its codes until the end of the
+    backward (``_hold``)."""
 
     def hook(param: torch.Tensor) -> None:
         if not slot.is_low or state.graph_rounds:  # a compiled step's backward rounded it already
             return
-        hold = slot.codes_hold_rounded and may_hold()
+        hold = slot.holds_codes and may_hold()
         codes = state.round_(param.grad, slot, with_codes=hold, count=state.counting)
         if codes is not None:
             _hold(param, codes)

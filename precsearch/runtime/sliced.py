@@ -110,11 +110,10 @@ def _channel_slicer(stored: Stored) -> Callable[[int, int], torch.Tensor]:
 
 
 class _ConvOfPackedInput(torch.autograd.Function):
-    """A Conv2d whose input autograd would hold as codes. Its backward, in slices of samples, makes the weight
-    gradient as a sum over slices of the decoded input, then the input gradient slice by slice from the
-    output gradient alone (as ``torch.nn.grad.conv2d_input``), so no float32 copy of the whole input, nor
-    oneDNN's reordered copies of it, is made. One slice (``SlicedBackward.rows``: a weight larger than
-    the input): groups of input channels instead (``SlicedBackward.channels_per_group``), one call each, from that
+    """A Conv2d whose input autograd would hold as codes. Its backward, in one pass over slices of samples, makes
+    each slice's input gradient and the weight gradient as a sum over slices, from the slice of the decoded
+    input, so no float32 copy of the whole input, nor oneDNN's reordered copies of it, is made. One slice
+    (``SlicedBackward.rows``: a weight larger than the input): groups of input channels instead (``SlicedBackward.channels_per_group``), one call each, from that
     group's slices of the input, decoded from its codes, and of the weight, rounded again from the master or
     decoded where it keeps codes (a group's input gradient needs only its weight slice, its weight gradient
     only its input slice), written into the whole gradients: no float32 copy of the whole weight, nor
@@ -196,18 +195,15 @@ def conv_backward_in_slices(grad_out: torch.Tensor, packed: Slices, saved_weight
         grad_input, grad_weight, _ = conv_backward(grad_out, x, saved_weight.unpack(), [need_input, need_weight, False])
     else:
         weight = saved_weight.unpack()
-        passes = packed.batch_slices(rows)
-        for start, x in passes() if need_weight else ():
-            grad = conv_backward(grad_out[start:start + rows], x, weight, [False, True, False])[1]
-            grad_weight = grad if grad_weight is None else grad_weight.add_(grad)
-            del x, grad  # the next slice and its gradient are made beside neither, and the last outlives no loop
-        if need_input:
-            grad_input = grad_out.new_empty(input_shape)
-            for start in range(0, batch, rows):
-                g = grad_out[start:start + rows]
-                shape = (g.shape[0], *input_shape[1:])
-                grad_input[start:start + rows].copy_(conv_backward(g, g.new_empty(1).expand(shape), weight,
-                                                                   [True, False, False])[0])
+        grad_input = grad_out.new_empty(input_shape) if need_input else None
+        for start, x in packed.batch_slices(rows)() if need_input or need_weight else ():
+            g = grad_out[start:start + rows]
+            part, grad = conv_backward(g, x, weight, [need_input, need_weight, False])[:2]
+            if need_input:
+                grad_input[start:start + rows].copy_(part)
+            if need_weight:
+                grad_weight = grad if grad_weight is None else grad_weight.add_(grad)
+            del x, part, grad  # the next slice and its gradients are made beside none of these
     return grad_input, grad_weight
 
 

@@ -114,10 +114,12 @@ class Slot:
         return source is not None and source.is_low and source.args() == self.args() and self.history is None
 
     @property
-    def codes_hold_rounded(self) -> bool:
-        """Whether this slot's codes hold every value its rounding gives (inf and NaN too), so that a rounded
-        weight gradient may be held as its codes until the end of the backward (precsearch.runtime.gradients)."""
-        return self.is_low and self.fmt.codes_hold_rounded(self.args()[2])
+    def holds_codes(self) -> bool:
+        """Whether this slot's rounded values may be held as their codes (a low format of at most 16 bits): a
+        weight gradient to the end of the backward (precsearch.runtime.gradients), an activation gradient in
+        flight (precsearch.runtime.encoded). A value its format has no code for (inf or NaN in a format without
+        them) is held as the largest magnitude and counted unencodable: the step is skipped (``settle``)."""
+        return self.is_low and self.fmt.packs
 
     def args(self) -> tuple[str, str, str]:
         """The format arguments of the round ops (a scaled format saturates)."""
@@ -293,8 +295,8 @@ class TensorState:
 
     def settle(self, values: list[int]) -> tuple[bool, bool]:
         """Take this step's counts (``pending``): update statistics, promote, and say whether a gradient
-        overflowed and whether the step must be skipped (a promotion, or a saved tensor the format could not
-        hold)."""
+        overflowed and whether the step must be skipped (a promotion, a saved tensor the format could not hold,
+        or an inf or NaN gradient held as codes, which hold neither)."""
         overflowed = skip = False
         unencodable = 0
         compiled = values[2 * len(self.slots):]
@@ -312,9 +314,11 @@ class TensorState:
             slot.overflowed += over
             slot.max_overflow = max(slot.max_overflow, fraction)
             slot.pending = 0
-            unencodable += bad
-            if over and slot.kind in GRAD_KINDS:
-                overflowed = True
+            if slot.kind in GRAD_KINDS:  # an inf or NaN gradient: the step overflowed (its codes are not read)
+                overflowed = overflowed or bool(over or bad)
+                skip = skip or bool(bad)
+            else:
+                unencodable += bad
             if self.threshold is not None and fraction >= self.threshold and self._promote(slot, fraction):
                 skip = True
         if unencodable:
