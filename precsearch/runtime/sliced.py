@@ -113,11 +113,11 @@ class _ConvOfPackedInput(torch.autograd.Function):
     """A Conv2d whose input autograd would hold as codes. Its backward, in one pass over slices of samples, makes
     each slice's input gradient and the weight gradient as a sum over slices, from the slice of the decoded
     input, so no float32 copy of the whole input, nor oneDNN's reordered copies of it, is made. One slice
-    (``SlicedBackward.rows``: a weight larger than the input): groups of input channels instead (``SlicedBackward.channels_per_group``), one call each, from that
-    group's slices of the input, decoded from its codes, and of the weight, rounded again from the master or
-    decoded where it keeps codes (a group's input gradient needs only its weight slice, its weight gradient
-    only its input slice), written into the whole gradients: no float32 copy of the whole weight, nor
-    oneDNN's reordered copy of it. The weight comes as its save (``weight_stored``, from
+    (``SlicedBackward.rows``: a weight larger than the input): groups of input channels instead
+    (``SlicedBackward.channels_per_group``), one call each, from that group's slices of the input, decoded from
+    its codes, and of the weight, rounded again from the master or decoded where it keeps codes (a group's input
+    gradient needs only its weight slice, its weight gradient only its input slice), written into the whole
+    gradients: no float32 copy of the whole weight, nor oneDNN's reordered copy of it. The weight comes as its save (``weight_stored``, from
     ``Packer.save_packed``) where it is low."""
 
     slices_weight = True  # the caller passes the weight's save
