@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GRANULARITIES", "MAX_BLOCK", "MAX_HISTORY", "SCALED_GRAMMAR", "AmaxHistory", "ScaledFormat", "any_format",
            "e8m0_decode", "e8m0_encode", "expand_scales", "format_name", "get_scaled_format", "is_scaled",
-           "power_of_two_scales", "quantize_scaled", "scale_bytes", "scaled_values"]
+           "power_of_two_scales", "quantize_scaled", "recorded", "scale_bytes", "scaled_values"]
 
 GRANULARITIES: tuple[str, ...] = ("tensor", "row", "block")
 
@@ -208,14 +208,9 @@ class AmaxHistory:
             raise PrecsearchError(f"amax history length {length}: use at least 1")
         self.amaxes = torch.zeros(length, dtype=torch.float32, device=device)
 
-    def scale_amax(self) -> torch.Tensor:
-        """The amax the next scale comes from: the largest recorded."""
-        return self.amaxes.max()
-
     def update(self, amax: torch.Tensor) -> None:
         """Record ``amax`` (a 0-d tensor) as the newest, dropping the oldest."""
-        self.amaxes = self.amaxes.to(amax.device).roll(1)
-        self.amaxes[0] = amax
+        self.amaxes = recorded(self.amaxes.to(amax.device), amax)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"amaxes": self.amaxes.clone()}
@@ -226,6 +221,14 @@ class AmaxHistory:
             raise PrecsearchError(f"amax history of length {self.amaxes.numel()} cannot load one of length "
                                   f"{amaxes.numel()}: use the delayed<N> it was saved with")
         self.amaxes = amaxes.to(self.amaxes, copy=True)
+
+
+def recorded(amaxes: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """A history's ``amaxes`` with ``amax`` recorded as the newest and the oldest dropped, as a new tensor: what
+    ``AmaxHistory.update`` keeps, and what the compiled step passes out of its graph (no state written there)."""
+    import torch
+
+    return torch.cat([amax.reshape(1), amaxes[:-1]])
 
 
 def power_of_two_scales(amax: torch.Tensor, fmt: ScaledFormat) -> torch.Tensor:
@@ -274,13 +277,14 @@ def expand_scales(scales: torch.Tensor, spec: str | ScaledFormat, shape: Sequenc
     return scales.repeat_interleave(fmt.block, dim=1)[:, :cols].reshape(shape)
 
 
-def scaled_values(x: torch.Tensor, fmt: ScaledFormat, history: AmaxHistory | None = None,
-                  in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def scaled_values(x: torch.Tensor, fmt: ScaledFormat, history: torch.Tensor | None = None,
+                  in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` divided by its scales, shaped as ``x`` (exact: powers of two; inf turned NaN where the element has
     no inf): a new float32 tensor, or with ``in_place`` ``x`` itself where it is contiguous and needs no
-    padding; and the scales (``ScaledFormat.scales_shape``). A group's amax is over its finite values (a
-    block's: over all, so that a block holding inf or NaN gets the NaN scale); with a delayed ``history``, the
-    scale comes from its largest amax and this amax is recorded. One float32 temporary (the magnitudes), freed
+    padding; the scales and the groups' amaxes (both ``ScaledFormat.scales_shape``). A group's amax is over its
+    finite values (a block's: over all, so that a block holding inf or NaN gets the NaN scale); with a delayed
+    ``history`` (an ``AmaxHistory``'s amaxes), the scale comes from its largest, and the caller records this
+    amax (``recorded``): the history is read, never written, here. One float32 temporary (the magnitudes), freed
     before the result is made, so the eager runtime's peak is the rounding's own; pure torch ops otherwise, so
     the compiled step traces the same function."""
     import torch
@@ -298,17 +302,14 @@ def scaled_values(x: torch.Tensor, fmt: ScaledFormat, history: AmaxHistory | Non
         magnitude = magnitude.nan_to_num_(nan=0.0, posinf=0.0)
     amax = magnitude.amax(-1, keepdim=True)
     del magnitude
-    if history is not None:
-        scales = power_of_two_scales(history.scale_amax().to(amax.device), fmt)
-        history.update(amax.reshape(()))
-    else:
-        scales = power_of_two_scales(amax, fmt)
+    scales = power_of_two_scales(amax if history is None else history.max().to(amax.device), fmt)
     infinite = None if fmt.element.has_inf else groups.isinf()  # (read before x may be divided in place)
     scaled = groups.div_(scales) if in_place and x.is_contiguous() and not padded else groups / scales
     if infinite is not None:
         scaled.masked_fill_(infinite, math.nan)
     scaled = torch.ops.aten._unsafe_view.default(scaled.reshape(rows, -1)[:, :cols].contiguous(), x.shape)
-    return scaled, scales.reshape(fmt.scales_shape(x.shape))
+    shape = fmt.scales_shape(x.shape)
+    return scaled, scales.reshape(shape), amax.reshape(shape)
 
 
 def quantize_scaled(
@@ -340,7 +341,9 @@ def quantize_scaled(
     threshold = overflow_threshold(fmt.element, rounding)  # checks the rounding before the history changes
     if x.numel() == 0:  # no amax to take
         return x, x.new_ones(fmt.scales_shape(x.shape)), x.new_zeros((), dtype=torch.int64)
-    scaled, scales = scaled_values(x, fmt, history)
+    scaled, scales, amax = scaled_values(x, fmt, None if history is None else history.amaxes)
+    if history is not None:
+        history.update(amax)
     overflowed = ((scaled.abs() >= threshold) & x.isfinite()).sum()
     rounded = quantize(scaled, fmt.element, rounding, "saturate", generator) * expand_scales(scales, fmt, x.shape)
     return rounded, scales, overflowed

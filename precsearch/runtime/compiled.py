@@ -30,12 +30,17 @@ themselves:
   is called through ``_ConvOfCodes`` or ``_batch_norm_of_codes``: its backward is an opaque op
   (``conv_backward_of_codes``, ``batch_norm_backward_of_codes``) that runs the eager runtime's sliced backward
   (precsearch.runtime.sliced) over the codes, a slice at a time;
-* a scaled format (precsearch.formats.scaled: a power-of-two scale per tensor or per row, from this step's
-  amax) is rounded as ``quantize_scaled`` rounds it, traced, so that Inductor fuses the amax reduction with the
-  rounding; its codes are the element's codes of the scaled-down values, saved with the scales (float32, a few
-  per tensor) and decoded times them; the sites' scaled formats are part of the graph (``precsearch_scaled``, by
-  name), so an assignment that scales other rows compiles its own graph. MX block scales and delayed scaling
-  (an amax history carried across steps) train eagerly;
+* a scaled format (precsearch.formats.scaled: a power-of-two scale per tensor, row or MX block, from this
+  step's amax) is rounded as ``quantize_scaled`` rounds it, in one opaque op (``round_scaled_site``) whose
+  kernel fuses the amax reduction with the rounding; its codes are the element's codes of the scaled-down
+  values, saved with the scales as the eager runtime holds them (e8m0 bytes: one per tensor, row or block of
+  32) and decoded times them; the sites' scaled formats are part of the graph (``precsearch_scaled``, by name),
+  so an assignment that scales other rows compiles its own graph. A delayed format's scale comes from its amax
+  history (``Site.history``), which the step passes in as tensors (``precsearch_histories``) and takes out with
+  this step's amax recorded: a value's as outputs of the forward, a gradient's as the gradient of a leaf of its
+  own (``_history_input``), whose hook keeps it in the slot, as the counters leave; nothing is written inside
+  the graph, and the eager runtime's slot holds the history between steps (checkpoints, evaluation, statistics
+  steps);
 * overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable": inf or
   NaN in a format without them; the step is then skipped, as eagerly, but the compiled forward goes on with the
   code's value, the format's largest magnitude, so batch-norm running statistics stay finite), leave the graph
@@ -53,14 +58,15 @@ every assignment and a search compiles its step once per worker.
 
 What the compiled step does not do: gather underflow statistics (a step that gathers them, every
 ``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``), chunked accumulation, adaptive
-per-layer loss scaling, nearest rounding to a format without a mantissa bit and models whose own forward FX cannot
-trace, which train eagerly (a submodule FX cannot trace is one op of the graph, ``TensorGraph.opaque_modules``:
-the step compiles around it, TorchDynamo's graph broken there). Its stochastic rounding draws from the same hash
-with other seeds (per site and step, not per call; the elements in memory order). With ``backend="aot_eager"``
-the graph runs the eager runtime's float32 ops in the same order and trains bit for bit as it does with nearest
-rounding (its partitioner ignores the recomputation marks and saves float32); Inductor sums some float32
-reductions (batch norm) in another order, so its values differ in the last bits, and where that flips an 8-bit
-rounding, by an ulp of the format (tests/test_compiled_step.py states both).
+per-layer loss scaling, nearest rounding to a format without a mantissa bit, delayed scaling of activation
+gradients rounded per use (each consumer's amax recorded in the order autograd's engine picks) and models whose
+own forward FX cannot trace, which train eagerly (a submodule FX cannot trace is one op of the graph,
+``TensorGraph.opaque_modules``: the step compiles around it, TorchDynamo's graph broken there). Its stochastic
+rounding draws from the same hash with other seeds (per site and step, not per call; the elements in memory
+order). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in the same order and trains
+bit for bit as it does with nearest rounding (its partitioner ignores the recomputation marks and saves float32);
+Inductor sums some float32 reductions (batch norm) in another order, so its values differ in the last bits, and
+where that flips an 8-bit rounding, by an ulp of the format (tests/test_compiled_step.py states both).
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ from precsearch.formats.as_data import (
     patterns_of,
 )
 from precsearch.formats.kernels import storage_dtype
-from precsearch.formats.scaled import ScaledFormat, e8m0_encode, expand_scales
+from precsearch.formats.scaled import ScaledFormat, e8m0_decode, e8m0_encode, expand_scales, recorded
 from precsearch.graph.raw_ops import output_leaves, with_leaves
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime.compiled_ops import (
@@ -175,9 +181,10 @@ def unsupported(policy: Policy, graph: TensorGraph, state: TensorState) -> str |
         "policy.accumulation (chunked accumulation layers)": policy.accumulation is not None,
         "adaptive loss scaling (per-layer hooks)": policy.loss_scaling["mode"] == "adaptive",
         f"nearest rounding to {', '.join(no_mantissa)} (no mantissa bit)": bool(no_mantissa),
-        "MX block scales": any(slot.scaled is not None and slot.scaled.block for slot in state.slots.values()),
-        "delayed scaling (an amax history across steps)": any(
-            slot.scaled is not None and slot.scaled.history for slot in state.slots.values()),
+        # each consumer's gradient would record its amax in an order autograd's engine picks
+        "delayed scaling of activation gradients rounded per use (gradient_rounding: per_use)":
+            policy.gradient_rounding == "per_use" and any(
+                slot.history is not None and slot.kind == ACTIVATION_GRAD for slot in state.slots.values()),
     }
     found = [reason for reason, applies in reasons.items() if applies]
     return f"the policy needs {', '.join(found)}" if found else None
@@ -198,65 +205,76 @@ class Site(NamedTuple):
     scaled: tuple[str | None, str | None]  # the value's and the gradient's scaled formats (None: unscaled)
     grad_arrives_rounded: bool = False  # its gradient arrives rounded alike (``OpSites.gradient_from``): counted
     grad_code: int | None = None  # a weight's: bytes of the codes its gradient leaves the backward as (None: float32)
+    history: tuple[int | None, int | None] = (None, None)  # the value's and gradient's amax histories (delayed)
+
+
+def _record(history: torch.Tensor | None, amax: torch.Tensor) -> torch.Tensor | None:
+    """A delayed format's ``history`` with this rounding's ``amax`` recorded (None: not delayed)."""
+    return None if history is None else recorded(history, amax)
 
 
 class _Round(torch.autograd.Function):
     """Forward: ``x`` rounded by the site's row of ``rows`` (passed through its codes where the site has a
     code dtype), and [how many values overflowed, how many had no code] (float64, not differentiable).
     Backward: the gradient rounded by the site's gradient row; how many of its values overflowed is the
-    gradient of ``counter`` (a float64 leaf of its own, exact to 2**53). After a ReLU
+    gradient of ``counter`` (a float64 leaf of its own, exact to 2**53). A delayed format's amax history
+    (``history``, ``gradient_history``) scales the rounding and leaves with its amax recorded: the forward's as
+    an output after the counts, the backward's as the gradient of ``gradient_history`` (a leaf). After a ReLU
     (``relu_output``) the rounded gradient is also masked by the rounded output, as the eager runtime's ReLU
     backward reads its packed, rounded output (precsearch.runtime.sliced): a positive value that rounds to 0
     passes no gradient."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
-                site: Site, formats: dict[str, ScaledFormat], carrier: torch.Tensor | None = None) -> Any:
+                site: Site, formats: dict[str, ScaledFormat], carrier: torch.Tensor | None = None,
+                history: torch.Tensor | None = None, gradient_history: torch.Tensor | None = None) -> Any:
         ctx.site, ctx.formats = site, formats
         row, scaled = rows[site.act], site.scaled[0]
+        kept = ()  # the history with this amax recorded
         if scaled is None:  # one opaque pass: the rounded values, or their codes
             values, counted = round_site(x, row, _site_seed(seed, site, False), site.rounding[0], site.code)
             scales = None
         else:
-            values, scales, counted = round_scaled_site(x, row, scaled, site.code)
-            scales = expand_scales(scales, formats[scaled], x.shape)
+            values, scales, counted, amax = round_scaled_site(x, row, scaled, site.code, history)
+            kept = () if history is None else (recorded(history, amax),)
         rounded, codes = values, ()
         if site.code is not None:  # the partitioner saves these codes (and scales) for the backward, which decodes
+            scales = None if scales is None else e8m0_encode(scales)  # as the eager runtime holds them
             with torch.fx.traceback.annotate(DECODE):
                 rounded = decode_codes(values, row, site.code)
                 if scales is not None:
-                    rounded = rounded * scales
+                    rounded = rounded * expand_scales(e8m0_decode(scales), formats[scaled], x.shape)
             codes = (values,) if scales is None else (values, scales)
         elif scales is not None:
-            rounded = values * scales
-        ctx.save_for_backward(rows, seed, *([rounded] if site.relu_output else []))
+            rounded = values * expand_scales(scales, formats[scaled], x.shape)
+        ctx.save_for_backward(rows, seed, gradient_history, *([rounded] if site.relu_output else []))
         # [overflowed, unencodable], float64 of 2 elements (Dynamo specializes no value of a 0-d tensor)
         counts = counted.to(torch.float64)
-        ctx.mark_non_differentiable(counts, *codes)
-        return rounded, counts, *codes
+        ctx.mark_non_differentiable(counts, *kept, *codes)
+        return rounded, counts, *kept, *codes
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, *_not_differentiable: Any) -> Any:
-        rows, seed, *output = ctx.saved_tensors
-        site, overflowed = ctx.site, None
+        rows, seed, history, *output = ctx.saved_tensors
+        site, overflowed, kept = ctx.site, None, None
         if site.grad_code is not None:  # a weight's gradient, left as its bytes: the gradient of its carrier
             with torch.fx.traceback.annotate(HELD):
-                held, counted = _held_bytes(g, rows[site.grad], _site_seed(seed, site, True), site,
-                                            ctx.formats.get(site.scaled[1]))
+                held, counted, kept = _held_bytes(g, rows[site.grad], _site_seed(seed, site, True), site,
+                                                  ctx.formats.get(site.scaled[1]), history)
                 # an inf or NaN its codes miss counts as an overflow: the step is skipped (TensorState.settle)
                 overflowed = counted.sum().to(torch.float64).reshape(1)
-            return None, None, None, overflowed, None, None, held.view(CARRIER_DTYPE)
+            return None, None, None, overflowed, None, None, held.view(CARRIER_DTYPE), None, kept
         if site.grad is not None:
             grad_seed = _site_seed(seed, site, True)
             if site.grad_arrives_rounded:  # rounding again changes no value (and would hold a second copy)
                 overflowed = count_overflows(g, rows[site.grad], grad_seed, site.rounding[1], site.scaled[1])
             else:
-                g, overflowed = _rounded(g, rows[site.grad], grad_seed, site.rounding[1],
-                                         ctx.formats.get(site.scaled[1]))
+                g, overflowed, kept = _rounded(g, rows[site.grad], grad_seed, site.rounding[1],
+                                               ctx.formats.get(site.scaled[1]), history)
             overflowed = overflowed.to(torch.float64).reshape(1)
         if output:
             g = torch.ops.aten.threshold_backward(g, output[0], 0)
-        return g, None, None, overflowed, None, None, None
+        return g, None, None, overflowed, None, None, None, None, kept
 
 
 class _ReluMaskedByItsSite(torch.autograd.Function):
@@ -278,15 +296,15 @@ def _relu_masked_by_its_site(x: torch.Tensor) -> torch.Tensor:
     return _ReluMaskedByItsSite.apply(x)
 
 
-def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
-             scaled: ScaledFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``) and its overflow count, in one opaque
-    op."""
+def _rounded(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str, scaled: ScaledFormat | None,
+             history: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x`` rounded by ``row`` (a scaled format's element, ``scaled``; a delayed one's scale from ``history``)
+    and its overflow count, in one opaque op, and ``history`` with its amax recorded (``_record``)."""
     if scaled is None:
         values, counted = round_site(x, row, seed, rounding, None)
-        return values, counted[0]
-    values, scales, counted = round_scaled_site(x, row, scaled.name, None)
-    return values * expand_scales(scales, scaled, x.shape), counted[0]
+        return values, counted[0], None
+    values, scales, counted, amax = round_scaled_site(x, row, scaled.name, None, history)
+    return values * expand_scales(scales, scaled, x.shape), counted[0], _record(history, amax)
 
 
 class _RoundGradient(torch.autograd.Function):
@@ -304,8 +322,8 @@ class _RoundGradient(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         rows, seed = ctx.saved_tensors
         site = ctx.site
-        g, overflowed = _rounded(g, rows[site.grad], _site_seed(seed, site, True), site.rounding[1],
-                                 ctx.formats.get(site.scaled[1]))
+        g, overflowed, _ = _rounded(g, rows[site.grad], _site_seed(seed, site, True), site.rounding[1],
+                                    ctx.formats.get(site.scaled[1]))  # never delayed (``unsupported``)
         return g, None, None, overflowed.to(torch.float64).reshape(1), None, None
 
 
@@ -314,22 +332,40 @@ def _round_gradient(value: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
     return _RoundGradient.apply(value, rows, seed, counters[counter], site, formats.value)
 
 
+def _histories_of(site: Site, histories: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The amax histories a site's value and gradient are scaled by (None: not delayed)."""
+    return tuple(None if index is None else histories[index] for index in site.history)  # type: ignore[return-value]
+
+
+def _round_site(value: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
+                site: Site, counter: int | None, formats: dict[str, ScaledFormat], histories: list[torch.Tensor],
+                carrier: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor],
+                                                              list[torch.Tensor]]:
+    """``_Round`` of one site: the rounded value, its counts, its value's history with this amax recorded (none
+    where not delayed), and its codes (and scales)."""
+    rounded, counted, *rest = _Round.apply(value, rows, seed, None if counter is None else counters[counter], site,
+                                           formats, carrier, *_histories_of(site, histories))
+    kept = rest[:1] if site.history[0] is not None else []
+    return rounded, counted, kept, rest[len(kept):]
+
+
 def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
-           sites: tuple[tuple[int, Site, int | None], ...],
-           formats: _HeldByGraph) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+           sites: tuple[tuple[int, Site, int | None], ...], formats: _HeldByGraph,
+           histories: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """``value`` (a tensor, or a tuple of them) with each (position, site, counter index) of ``sites``
-    rounded, the forward's overflow counts, and the codes (and scales) of the sites that have them, in order;
-    ``formats``: the scaled formats the sites name."""
-    counts, codes = [], []
+    rounded, the forward's overflow counts, the codes (and scales) of the sites that have them, and the amax
+    histories recorded, in order; ``formats``: the scaled formats the sites name; ``histories``: the delayed
+    formats' amax histories (``Site.history``)."""
+    counts, codes, kept = [], [], []
     items = output_leaves(value)  # positions as the tracer numbered them, nested tuples flattened
     for position, site, counter in sites:
-        items[position], counted, *code = _Round.apply(items[position], rows, seed,
-                                                       None if counter is None else counters[counter], site,
-                                                       formats.value)
+        items[position], counted, site_kept, code = _round_site(items[position], rows, seed, counters, site, counter,
+                                                                formats.value, histories)
         counts.append(counted)
+        kept += site_kept
         codes += code
     rounded = with_leaves(value, items)
-    return rounded, counts, codes
+    return rounded, counts, codes, kept
 
 
 def _stack(*counts: list[torch.Tensor]) -> torch.Tensor:
@@ -347,27 +383,28 @@ class _ConvOfCodes(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, codes: torch.Tensor,
                 scales: torch.Tensor | None, rows: torch.Tensor, site: Site, geometry: ConvGeometry, slice_rows: int,
                 channels: int, master: torch.Tensor, seed: torch.Tensor, weight_site: Site,
-                weight_scaled: ScaledFormat | None) -> torch.Tensor:
+                weight_scaled: ScaledFormat | None, weight_history: torch.Tensor | None) -> torch.Tensor:
         ctx.site, ctx.geometry, ctx.slice_rows, ctx.channels = site, geometry, slice_rows, channels
         ctx.weight_site, ctx.weight_scaled, ctx.has_bias = weight_site, weight_scaled, bias is not None
-        ctx.save_for_backward(codes, rows, master, seed, scales)
+        ctx.save_for_backward(codes, rows, master, seed, scales, weight_history)
         return torch.ops.aten.convolution(x, weight, bias, geometry.stride, geometry.padding, geometry.dilation,
                                           False, [0, 0], geometry.groups)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        codes, rows, master, seed, scales = ctx.saved_tensors
+        codes, rows, master, seed, scales, weight_history = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         geometry, weight_site = ctx.geometry, ctx.weight_site
+        # the forward's history, before its amax was recorded: the forward's scale
         weight = _rounded(master, rows[weight_site.act], _site_seed(seed, weight_site, False),
-                          weight_site.rounding[0], ctx.weight_scaled)[0]
+                          weight_site.rounding[0], ctx.weight_scaled, weight_history)[0]
         grad_input, grad_weight = conv_backward_of_codes(
-            grad_out, codes, scales, rows[ctx.site.act], weight, list(geometry.stride),
+            grad_out, codes, scales, ctx.site.scaled[0], rows[ctx.site.act], weight, list(geometry.stride),
             list(geometry.padding), list(geometry.dilation), geometry.groups, ctx.site.code, ctx.slice_rows,
             ctx.channels, need_input, need_weight)
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
         return (grad_input if need_input else None, grad_weight if need_weight else None, grad_bias,
-                *[None] * 11)
+                *[None] * 12)
 
 
 class _BatchNormGradOfCodes(torch.autograd.Function):
@@ -377,9 +414,10 @@ class _BatchNormGradOfCodes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                bias: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
-                mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int) -> torch.Tensor:
-        ctx.eps, ctx.nbytes, ctx.rows = eps, nbytes, rows
+                bias: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor | None, scaled: str | None,
+                row: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int,
+                rows: int) -> torch.Tensor:
+        ctx.eps, ctx.nbytes, ctx.rows, ctx.scaled = eps, nbytes, rows, scaled
         ctx.save_for_backward(codes, row, mean, invstd, weight, scales)
         return out.view_as(out)
 
@@ -388,16 +426,16 @@ class _BatchNormGradOfCodes(torch.autograd.Function):
         codes, row, mean, invstd, weight, scales = ctx.saved_tensors
         need = list(ctx.needs_input_grad[1:4])
         grads = batch_norm_backward_of_codes(
-            grad_out, codes, scales, row, weight, mean, invstd, ctx.eps, ctx.nbytes, ctx.rows, need)
-        return None, *(grad if wanted else None for grad, wanted in zip(grads, need, strict=True)), *[None] * 8
+            grad_out, codes, scales, ctx.scaled, row, weight, mean, invstd, ctx.eps, ctx.nbytes, ctx.rows, need)
+        return None, *(grad if wanted else None for grad, wanted in zip(grads, need, strict=True)), *[None] * 9
 
 
 def _conv_of_codes(layer: nn.Conv2d, x: torch.Tensor, codes: tuple[torch.Tensor, ...], rows: torch.Tensor, site: Site,
                    of_graph: _HeldByGraph, master: torch.Tensor, seed: torch.Tensor, weight_name: str,
-                   held: _HeldByGraph) -> torch.Tensor:
+                   held: _HeldByGraph, histories: list[torch.Tensor]) -> torch.Tensor:
     """``layer`` on a site's rounded values ``x``, its backward reading their ``codes`` (and scales) and rounding
     its weight again from ``master``, by the site of the parameter ``weight_name`` (``held``: the graph's weight
-    sites and scaled formats)."""
+    sites and scaled formats; ``histories``: the delayed formats' amax histories as the step started)."""
     slicing = of_graph.value
     weight = layer.weight
     weight_sites, formats = held.value
@@ -406,7 +444,7 @@ def _conv_of_codes(layer: nn.Conv2d, x: torch.Tensor, codes: tuple[torch.Tensor,
     return _ConvOfCodes.apply(x, weight, layer.bias, codes[0], _scales_of(codes), rows, site, geometry,
                               slicing.rows(x.shape, x.device, "Conv2d", weight.numel()),
                               slicing.channels(x.shape, weight.shape, x.device), master, seed, weight_site,
-                              formats.get(weight_site.scaled[0]))
+                              formats.get(weight_site.scaled[0]), _histories_of(weight_site, histories)[0])
 
 
 def _batch_norm_of_codes(layer: nn.BatchNorm2d, x: torch.Tensor, codes: tuple[torch.Tensor, ...], rows: torch.Tensor,
@@ -421,8 +459,9 @@ def _batch_norm_of_codes(layer: nn.BatchNorm2d, x: torch.Tensor, codes: tuple[to
     out, mean, invstd = torch.native_batch_norm(
         x.detach(), None if weight is None else weight.detach(), None if bias is None else bias.detach(),
         layer.running_mean, layer.running_var, True, layer.momentum, layer.eps)
-    return _BatchNormGradOfCodes.apply(out, x, weight, bias, codes[0], _scales_of(codes), rows[site.act], mean,
-                                       invstd, layer.eps, site.code, slicing.rows(x.shape, x.device, "BatchNorm2d"))
+    return _BatchNormGradOfCodes.apply(out, x, weight, bias, codes[0], _scales_of(codes), site.scaled[0],
+                                       rows[site.act], mean, invstd, layer.eps, site.code,
+                                       slicing.rows(x.shape, x.device, "BatchNorm2d"))
 
 
 def _scales_of(codes: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
@@ -447,7 +486,8 @@ _OF_CODES = {nn.Conv2d: _conv_of_codes, nn.BatchNorm2d: _batch_norm_of_codes}
 
 
 def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.Node, Site]], rows: fx.Node,
-                            seed: fx.Node, masters: fx.Node, slicing: Slicing, weights: _HeldByGraph) -> None:
+                            seed: fx.Node, masters: fx.Node, histories: fx.Node, slicing: Slicing,
+                            weights: _HeldByGraph) -> None:
     """Each layer of ``gm`` whose backward slices over its input (``Slicing.input_function``) and reads a value
     with codes (``coded``) called through ``_OF_CODES``, so that its backward decodes the codes a slice at a time,
     as the eager runtime's does; a convolution's also rounds its weight again from its master (``masters``, by
@@ -468,7 +508,7 @@ def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.No
             if isinstance(layer, nn.Conv2d):
                 name = f"{node.target}.weight"
                 master = gm.graph.call_function(operator.getitem, (masters, name))
-                args += (master, seed, name, gm.graph.get_attr("precsearch_weights"))
+                args += (master, seed, name, gm.graph.get_attr("precsearch_weights"), histories)
             replacement = gm.graph.call_function(_OF_CODES[type(layer)], args)
         node.replace_all_uses_with(replacement)
         gm.graph.erase_node(node)
@@ -507,7 +547,11 @@ class RoundingGraph:
         with fx_graph.inserting_after(counters_node):
             masters_node = fx_graph.placeholder("precsearch_masters")  # the fp32 parameters, by name
         with fx_graph.inserting_after(masters_node):
+            histories_node = fx_graph.placeholder("precsearch_histories")  # the delayed rows' amax histories
+        with fx_graph.inserting_after(histories_node):
             formats_node = fx_graph.get_attr("precsearch_scaled")
+        self._delayed = [row for row, fmt in enumerate(scaled) if fmt is not None and fmt.history]
+        delayed = {row: index for index, row in enumerate(self._delayed)}
         nodes = {node.name: node for node in fx_graph.nodes}
         self.sites: list[Site] = []
         self._counters = 0
@@ -520,14 +564,15 @@ class RoundingGraph:
                         relu_output, info.numel, info.kind != WEIGHT, codes[rows[value]] if act else None,
                         (_name(scaled[rows[value]]) if act else None,
                          _name(scaled[rows[gradient]]) if gradient else None), grad_arrives_rounded,
-                        codes[rows[gradient]] if gradient else None)
+                        codes[rows[gradient]] if gradient else None,
+                        (delayed.get(rows[value]) if act else None, delayed.get(rows[gradient]) if gradient else None))
             self.sites.append(site)
             counter = None
             if site.grad is not None:
                 counter, self._counters = self._counters, self._counters + 1
             return site, counter
 
-        forward_counts = []
+        forward_counts, kept = [], []
         coded: dict[fx.Node, tuple[fx.Node, Site]] = {}  # a value with codes -> its rounding and site
         for op_sites in plan.ops:
             node = nodes[op_sites.node]
@@ -539,11 +584,13 @@ class RoundingGraph:
                                                    grad_arrives_rounded=op_sites.op in arrive_rounded))
                           for out in op_sites.outputs)
             with fx_graph.inserting_after(formats_node if node.op == "placeholder" else node):
-                pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites, formats_node))
+                pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites, formats_node,
+                                                       histories_node))
             with fx_graph.inserting_after(pair):
                 rounded = fx_graph.call_function(operator.getitem, (pair, 0))
             with fx_graph.inserting_after(rounded):
                 forward_counts.append(fx_graph.call_function(operator.getitem, (pair, 1)))
+                kept.append(fx_graph.call_function(operator.getitem, (pair, 3)))
             node.replace_all_uses_with(rounded, delete_user_cb=lambda user, pair=pair: user is not pair)
             whole = sites[0][1] if len(sites) == 1 and sites[0][0] == 0 and sites[0][1].code is not None else None
             if whole is not None:
@@ -557,15 +604,18 @@ class RoundingGraph:
                 if whole is not None:
                     coded[use] = pair, whole
         weight_sites: dict[str, tuple[Site, int | None]] = {}  # made last, as before: the seeds follow site order
-        _read_codes_in_backward(gm, coded, rows_node, seed_node, masters_node, Slicing(graph.rules),
+        _read_codes_in_backward(gm, coded, rows_node, seed_node, masters_node, histories_node, Slicing(graph.rules),
                                 _HeldByGraph((weight_sites, formats)))
         output = next(node for node in fx_graph.nodes if node.op == "output")
-        output.args = ((output.args[0], tuple(forward_counts)),)
+        output.args = ((output.args[0], tuple(forward_counts), tuple(kept)),)
         fx_graph.lint()
         gm.recompile()
         self.graph_module = gm
         weight_sites.update({site.param: add_site(site.value, site.gradient, False) for site in plan.weights})
         self.weight_sites = weight_sites
+        # the rows whose recorded histories the step returns, in order (a value's; a gradient's leave as gradients)
+        self._kept = [self._delayed[site.history[0]] for site in self.sites if site.history[0] is not None]
+        self._gradient_histories = {site.history[1] for site in self.sites} - {None}
         self.passes = sum((site.act is not None) + (site.grad is not None) for site in self.sites)  # roundings a step
         self._forward_rows = [site.act for site in self.sites if site.act is not None]
         self._backward_rows = [site.grad for site in self.sites if site.grad is not None]
@@ -601,16 +651,22 @@ class RoundingGraph:
         return [torch.zeros(1, dtype=torch.float64, device=device, requires_grad=True) for _ in range(self._counters)]
 
     def run(self, model: nn.Module, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
-            counters: list[torch.Tensor], slots: dict[int, Slot]) -> tuple[Any, torch.Tensor]:
+            counters: list[torch.Tensor], slots: dict[int, Slot], training: bool) -> tuple[Any, torch.Tensor]:
         """``model`` (of the traced structure) on ``x``, rounded as ``rows`` say: its output and the forward's
-        overflow counts, one per site. ``slots``: the state's, by row (the formats of held weight gradients)."""
+        overflow counts, one per site. ``slots``: the state's, by row (the formats of held weight gradients, the
+        delayed formats' amax histories, which a ``training`` step's roundings record into)."""
         self.graph_module.train(model.training)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         carriers = {name: _gradient_carrier(params[name], site.grad_code, slots[site.grad])
                     for name, (site, _counter) in self.weight_sites.items() if site.grad_code is not None}
-        return self._compiled(self.graph_module, self.weight_sites, params, buffers, x, rows, seed, counters,
-                              carriers)
+        histories = [_history_input(slots[row], index in self._gradient_histories, training, x.device)
+                     for index, row in enumerate(self._delayed)]
+        output, counts, kept = self._compiled(self.graph_module, self.weight_sites, params, buffers, x, rows, seed,
+                                              counters, carriers, histories)
+        for row, amaxes in zip(self._kept, kept, strict=True) if training else ():
+            slots[row].history.amaxes = amaxes
+        return output, counts
 
     def counts(self, forward: torch.Tensor, counters: list[torch.Tensor], batch: int) -> torch.Tensor:
         """(overflowed, elements, roundings, unencodable) per row, int64, from a step's forward counts (two per
@@ -647,22 +703,41 @@ class RoundingGraph:
         return self._elements[key]
 
 
-def _held_bytes(g: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, site: Site,
-                scaled: ScaledFormat | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight gradient rounded by ``row`` as the bytes its carrier receives (``_gradient_carrier``), and its
-    counts: its codes as the eager runtime holds them (uint8, or int16 for 2 bytes), in the weight's element
-    order, then a scaled format's scales as e8m0 bytes."""
+def _held_bytes(g: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, site: Site, scaled: ScaledFormat | None,
+                history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A weight gradient rounded by ``row`` as the bytes its carrier receives (``_gradient_carrier``), its
+    counts, and a delayed format's ``history`` with its amax recorded: its codes as the eager runtime holds them
+    (uint8, or int16 for 2 bytes), in the weight's element order, then a scaled format's scales as e8m0 bytes."""
+    kept = None
     if scaled is None:
         codes, counted = round_site(g, row, seed, site.rounding[1], site.grad_code)
         scales = None
     else:
-        codes, scales, counted = round_scaled_site(g, row, scaled.name, site.grad_code)
+        codes, scales, counted, amax = round_scaled_site(g, row, scaled.name, site.grad_code, history)
+        kept = _record(history, amax)
     if site.grad_code == 2:  # int16, not byte planes
         codes = patterns_of(codes, 2).to(torch.int16)
     held = codes.reshape(-1).view(torch.uint8)
     if scales is not None:
         held = torch.cat([held, e8m0_encode(scales).reshape(-1)])
-    return held, counted
+    return held, counted, kept
+
+
+def _history_input(slot: Slot, gradient: bool, training: bool, device: torch.device) -> torch.Tensor:
+    """A delayed row's amax history as the compiled step reads it: a value's as it is (the step returns it with
+    the amax recorded); a ``gradient``'s as a leaf whose gradient in the backward is that, which its hook keeps
+    in the slot, in a ``training`` step (an evaluation's backward records nothing, as eagerly)."""
+    amaxes = slot.history.amaxes.to(device)
+    if not gradient:
+        return amaxes
+    leaf = amaxes.detach().requires_grad_()
+
+    def keep(leaf: torch.Tensor) -> None:
+        slot.history.amaxes, leaf.grad = leaf.grad, None
+
+    if training:
+        leaf.register_post_accumulate_grad_hook(keep)
+    return leaf
 
 
 def _gradient_carrier(param: torch.Tensor, nbytes: int, slot: Slot) -> torch.Tensor:
@@ -691,19 +766,19 @@ def _gradient_carrier(param: torch.Tensor, nbytes: int, slot: Slot) -> torch.Ten
 
 def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], params: dict[str, torch.Tensor],
           buffers: dict[str, torch.Tensor], x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
-          counters: list[torch.Tensor], carriers: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+          counters: list[torch.Tensor], carriers: dict[str, torch.Tensor],
+          histories: list[torch.Tensor]) -> tuple[Any, torch.Tensor, list[torch.Tensor]]:
     """The compiled function: weights rounded (a held gradient's to its carrier), then the rounded graph on them
-    (``functional_call``)."""
+    (``functional_call``); the output, the forward's counts and the amax histories recorded (``_kept``)."""
     tensors: dict[str, torch.Tensor] = {**buffers, **params}
-    weight_counts = []
+    weight_counts, weight_kept = [], []
     for name, (site, counter) in weight_sites.items():  # in the order of the sites' rows
-        carrier = (carriers[name],) if site.grad_code is not None else ()
-        tensors[name], counted, *_codes = _Round.apply(params[name], rows, seed,
-                                                       None if counter is None else counters[counter], site,
-                                                       gm.precsearch_scaled.value, *carrier)
+        tensors[name], counted, kept, _codes = _round_site(params[name], rows, seed, counters, site, counter,
+                                                           gm.precsearch_scaled.value, histories, carriers.get(name))
         weight_counts.append(counted)
-    output, counts = torch.func.functional_call(gm, tensors, (x, rows, seed, counters, params))
-    return output, _stack(*counts, weight_counts)
+        weight_kept += kept
+    output, counts, kept = torch.func.functional_call(gm, tensors, (x, rows, seed, counters, params, histories))
+    return output, _stack(*counts, weight_counts), [*(amaxes for group in kept for amaxes in group), *weight_kept]
 
 
 class CompiledStep:
@@ -737,7 +812,7 @@ class CompiledStep:
             self._rows = rows_table(state, x.device)
         seed = state.seed_tensor(x.device)
         counters = graph.counters(x.device)
-        output, forward = graph.run(module, x, self._rows, seed.reshape(1).clone(), counters, self._slots)
+        output, forward = graph.run(module, x, self._rows, seed.reshape(1).clone(), counters, self._slots, training)
         seed.add_(SEED_STRIDE * 2 * len(graph.sites))
         if training:
             batch = x.shape[0]

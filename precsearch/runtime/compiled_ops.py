@@ -19,7 +19,7 @@ import torch
 from precsearch.formats.as_data import decode_patterns, encode_codes, patterns_of, round_nearest, round_values
 from precsearch.formats.format import ROUNDINGS
 from precsearch.formats.runner import RUNNER, labelled
-from precsearch.formats.scaled import ScaledFormat, get_scaled_format, scaled_values
+from precsearch.formats.scaled import ScaledFormat, e8m0_decode, expand_scales, get_scaled_format, scaled_values
 from precsearch.runtime.packing import Stored, batch_passes
 from precsearch.runtime.sliced import ConvGeometry, batch_norm_backward_in_slices, conv_backward_in_slices
 
@@ -43,24 +43,34 @@ class _CodesInSlices:
     """A site's codes in a compiled step's backward, decoded a slice at a time by the sliced backwards
     (precsearch.runtime.sliced.Slices), as the eager runtime decodes its packed codes: each slice in one
     compiled pass (``_DECODERS``), not the dozen whole-slice temporaries of ``decode_codes`` run eagerly; a
-    scaled site's values times their ``scales`` (one per tensor, or per row: per sample)."""
+    scaled site's values (``scaled``, by name) times their scales, e8m0 bytes (``scales``) as the eager runtime
+    holds them (``ops.Codes.part``: a slice of rows takes its rows' scales, another slice of a row- or
+    block-scaled tensor the whole tensor's)."""
 
-    def __init__(self, codes: torch.Tensor, row: torch.Tensor, nbytes: int, scales: torch.Tensor | None) -> None:
+    def __init__(self, codes: torch.Tensor, row: torch.Tensor, nbytes: int, scales: torch.Tensor | None,
+                 scaled: str | None) -> None:
         self.codes, self.row, self.nbytes, self.scales = codes, row, nbytes, scales
+        self.scaled = None if scaled is None else get_scaled_format(scaled)
         self.shape = codes.shape if nbytes == 1 else codes.shape[1:]  # 2 bytes: the byte planes stacked first
 
     def slicer(self, dim: int = 0) -> Callable[[int, int], torch.Tensor]:
         axis = dim + (self.nbytes != 1)
-        scales = self.scales
 
         def decode(start: int, length: int) -> torch.Tensor:
             part = self.codes.narrow(axis, start, length)
             values = RUNNER.run(_DECODERS[self.nbytes], part.reshape(-1), self.row).view(part.shape[axis - dim:])
-            if scales is None:
-                return values
-            return values * (scales.narrow(0, start, length) if dim == 0 and scales.dim() else scales)
+            return values if self.scaled is None else values * self._scales(dim, start, length, values.shape)
 
         return decode
+
+    def _scales(self, dim: int, start: int, length: int, shape: torch.Size) -> torch.Tensor:
+        """The scales of a slice, expanded over its values."""
+        fmt, scales = self.scaled, e8m0_decode(self.scales)
+        if fmt.granularity == "tensor":
+            return scales
+        if dim == 0:
+            return expand_scales(scales.narrow(0, start, length), fmt, shape)
+        return expand_scales(scales, fmt, self.shape).narrow(dim, start, length)
 
     def batch_slices(self, rows: int) -> Callable[[], Iterator[tuple[int, torch.Tensor]]]:
         return batch_passes(self.slicer(), self.shape[0], rows)
@@ -95,6 +105,16 @@ def _in_memory_order(x: torch.Tensor, rows: int = 1) -> torch.Tensor:
     return x
 
 
+def _in_groups(x: torch.Tensor, fmt: ScaledFormat) -> tuple[torch.Tensor, int, bool]:
+    """``x`` in the memory order a scaled format's pass reads (``_in_memory_order``; a row's MX blocks run along
+    its values in their logical order, which only a contiguous ``x`` lays out), its rows, and whether a row ends
+    in a shorter block: a branch of the traced kernel that a direct call of it (precsearch.formats.runner) would
+    not check again, so a kernel of its own."""
+    rows, cols = fmt.rows_columns(x.shape)
+    x = x.contiguous() if fmt.block else _in_memory_order(x, rows)
+    return x, rows, bool(fmt.block) and cols % fmt.block != 0
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.numel(),), (1,))
 
@@ -126,75 +146,85 @@ def _(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding: str,
             x.new_empty(2, dtype=torch.int32))
 
 
-def _scaled_rounded(flat: torch.Tensor, row: torch.Tensor, fmt: ScaledFormat,
-                    rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A flat tensor of ``rows`` groups in memory order divided by the scales of its groups' amaxes and rounded
-    (current scaling, nearest), the scales, and how many values overflowed (an inf input stays inf in an element
-    with inf: no overflow, as ``quantize_scaled`` counts), as ``scaled_values`` and ``quantize_scaled`` compute
-    them."""
-    scaled, scales = scaled_values(flat.view(rows, -1), fmt)
+def _scaled_rounded(flat: torch.Tensor, row: torch.Tensor, fmt: ScaledFormat, rows: int,
+                    history: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """A flat tensor of ``rows`` groups in memory order divided by the scales of its groups' amaxes (a delayed
+    format's: of its ``history``) and rounded (nearest), the scales, the amaxes, and how many values overflowed
+    (an inf input stays inf in an element with inf: no overflow, as ``quantize_scaled`` counts), as
+    ``scaled_values`` and ``quantize_scaled`` compute them."""
+    scaled, scales, amax = scaled_values(flat.view(rows, -1), fmt, history)
     values, overflowed = round_nearest(scaled, row)
     if fmt.element.has_inf:
         overflowed = overflowed - scaled.isinf().sum(dtype=overflowed.dtype)
-    return values, scales, overflowed
+    return values, scales, amax, overflowed
 
 
 @functools.lru_cache(maxsize=64)
-def _scaled_site_kernel(name: str, nbytes: int | None, rows: int):
-    """``round_site`` for a scaled format (``_scaled_rounded``): the values (or their codes), the scales and the
-    counts."""
+def _scaled_site_kernel(name: str, nbytes: int | None, rows: int, padded: bool):
+    """``round_site`` for a scaled format (``_scaled_rounded``): the values (or their codes), the scales, the
+    amaxes and the counts. ``padded``: whether a row ends in a shorter block, a branch of the traced code that a
+    direct call of the compiled kernel would not check again (``_in_groups``)."""
     fmt = get_scaled_format(name)
 
-    def round_scaled_site(flat: torch.Tensor, row: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        values, scales, overflowed = _scaled_rounded(flat, row, fmt, rows)
+    def round_scaled_site(flat: torch.Tensor, row: torch.Tensor,
+                          history: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        values, scales, amax, overflowed = _scaled_rounded(flat, row, fmt, rows, history)
         unencodable = torch.zeros_like(overflowed)
         if nbytes is not None:
             values, unencodable = encode_codes(values, row, nbytes)
         counts = torch.stack([overflowed.to(torch.int32), unencodable.to(torch.int32)])
-        return values.reshape(-1) if nbytes != 2 else values.reshape(2, -1), scales.reshape(-1), counts
+        return (values.reshape(-1) if nbytes != 2 else values.reshape(2, -1), scales.reshape(-1), counts,
+                amax.reshape(-1))
 
     what = "rounded" if nbytes is None else f"rounded to {nbytes}-byte codes"
-    return labelled(f"scaled site ({name}) {what}", round_scaled_site)
+    return labelled(f"scaled site ({name}) {what}" + (" in padded rows" if padded else ""), round_scaled_site)
 
 
 @torch.library.custom_op("precsearch::round_scaled_site", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def round_scaled_site(x: torch.Tensor, row: torch.Tensor, scaled: str,
-                      nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``round_site`` for a scaled format (``scaled``, by name; current scaling per tensor or per row): the
-    values divided by their scales and rounded, or their codes, laid out as ``x``; the scales
-    (``ScaledFormat.scales_shape``); and the counts. One compiled pass for the amaxes and one for the rest."""
+def round_scaled_site(x: torch.Tensor, row: torch.Tensor, scaled: str, nbytes: int | None,
+                      history: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``round_site`` for a scaled format (``scaled``, by name; a delayed one's scale from its ``history``, an
+    ``AmaxHistory``'s amaxes): the values divided by their scales and rounded, or their codes, laid out as
+    ``x``; the scales (``ScaledFormat.scales_shape``); the counts; and the groups' amaxes (shaped as the
+    scales), which a delayed history records (``recorded``) outside the op. One compiled pass for the amaxes and
+    one for the rest."""
     fmt = get_scaled_format(scaled)
-    rows, _ = fmt.rows_columns(x.shape)
-    x = _in_memory_order(x, rows)
-    values, scales, counts = RUNNER.run(_scaled_site_kernel(scaled, nbytes, rows), _flat(x), row)
+    x, rows, padded = _in_groups(x, fmt)
+    kernel = _scaled_site_kernel(scaled, nbytes, rows, padded)
+    # (a gradient's history arrives as the leaf the backward's step passed in: its values alone)
+    values, scales, counts, amax = RUNNER.run(kernel, _flat(x), row, *([] if history is None else [history.detach()]))
     shape, stride = _laid_out(x, nbytes)
-    return values.as_strided(shape, stride), scales.reshape(fmt.scales_shape(x.shape)), counts
+    scales_shape = fmt.scales_shape(x.shape)
+    return values.as_strided(shape, stride), scales.reshape(scales_shape), counts, amax.reshape(scales_shape)
 
 
 @round_scaled_site.register_fake
-def _(x: torch.Tensor, row: torch.Tensor, scaled: str,
-      nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, row: torch.Tensor, scaled: str, nbytes: int | None,
+      history: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     fmt = get_scaled_format(scaled)
-    x = _in_memory_order(x, fmt.rows_columns(x.shape)[0])
+    x = _in_groups(x, fmt)[0]
     shape, stride = _laid_out(x, nbytes)
+    scales_shape = fmt.scales_shape(x.shape)
     return (x.new_empty_strided(shape, stride, dtype=torch.float32 if nbytes is None else torch.uint8),
-            x.new_empty(fmt.scales_shape(x.shape)), x.new_empty(2, dtype=torch.int32))
+            x.new_empty(scales_shape), x.new_empty(2, dtype=torch.int32), x.new_empty(scales_shape))
 
 
 @functools.lru_cache(maxsize=64)
-def _overflow_kernel(rounding: str, scaled: str | None, rows: int):
+def _overflow_kernel(rounding: str, scaled: str | None, rows: int, padded: bool):
     """How many values of a flat tensor overflow when rounded by ``row`` (a scaled format's element,
-    ``scaled``), as ``round_site`` and ``round_scaled_site`` count them; the values are never written."""
+    ``scaled``, in ``rows`` rows, ``padded``: ``_in_groups``), as ``round_site`` and ``round_scaled_site`` count
+    them; the values are never written."""
     fmt = get_scaled_format(scaled) if scaled is not None else None
 
     def count_overflows(flat: torch.Tensor, row: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
         if fmt is None:
             overflowed = round_values(flat, row, seed, rounding, in_floats=True)[1]
         else:
-            overflowed = _scaled_rounded(flat, row, fmt, rows)[2]
+            overflowed = _scaled_rounded(flat, row, fmt, rows)[3]
         return overflowed.to(torch.int32).reshape(1)
 
-    return labelled(f"site counted ({scaled or rounding})", count_overflows)
+    return labelled(f"site counted ({scaled or rounding})" + (" in padded rows" if padded else ""), count_overflows)
 
 
 @torch.library.custom_op("precsearch::count_overflows", mutates_args=())
@@ -204,9 +234,8 @@ def count_overflows(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, roun
     name), counted as ``round_site`` (or ``round_scaled_site``) counts them, in one pass that writes no value:
     for a gradient that arrives rounded alike (``OpSites.gradient_from``), which rounding again leaves as it
     is but counts again, as the eager runtime does (int32, 1 element)."""
-    rows = get_scaled_format(scaled).rows_columns(x.shape)[0] if scaled is not None else 1
-    x = _in_memory_order(x, rows)
-    return RUNNER.run(_overflow_kernel(rounding, scaled, rows), _flat(x), row, seed)
+    x, rows, padded = (_in_memory_order(x), 1, False) if scaled is None else _in_groups(x, get_scaled_format(scaled))
+    return RUNNER.run(_overflow_kernel(rounding, scaled, rows, padded), _flat(x), row, seed)
 
 
 @count_overflows.register_fake
@@ -220,23 +249,23 @@ def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("precsearch::conv_backward_of_codes", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def conv_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
-                           weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int],
-                           groups: int, nbytes: int, rows: int, channels: int, need_input: bool,
-                           need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
+                           scaled: str | None, row: torch.Tensor, weight: torch.Tensor, stride: list[int],
+                           padding: list[int], dilation: list[int], groups: int, nbytes: int, rows: int,
+                           channels: int, need_input: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A convolution's input and weight gradients from its input's codes, a slice at a time
     (precsearch.runtime.sliced.conv_backward_in_slices): opaque to Inductor, which would otherwise decode the
     whole input, and fuse its decoding with its neighbours' into kernels that hold them all at once."""
-    slices = _CodesInSlices(codes, row, nbytes, scales)
+    slices = _CodesInSlices(codes, row, nbytes, scales, scaled)
     grads = conv_backward_in_slices(grad_out, slices, Stored(weight), ConvGeometry(stride, padding, dilation, groups),
                                     slices.shape, weight.shape, rows, channels, need_input, need_weight)
     return _or_empty(grads[0], grad_out), _or_empty(grads[1], grad_out)
 
 
 @conv_backward_of_codes.register_fake
-def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor, weight: torch.Tensor,
-      stride: list[int], padding: list[int], dilation: list[int], groups: int, nbytes: int, rows: int, channels: int,
-      need_input: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, scaled: str | None, row: torch.Tensor,
+      weight: torch.Tensor, stride: list[int], padding: list[int], dilation: list[int], groups: int, nbytes: int,
+      rows: int, channels: int, need_input: bool, need_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     shape = codes.shape if nbytes == 1 else codes.shape[1:]
     return grad_out.new_empty(shape if need_input else (0,)), grad_out.new_empty(weight.shape if need_weight else (0,))
 
@@ -244,19 +273,19 @@ def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, 
 @torch.library.custom_op("precsearch::batch_norm_backward_of_codes", mutates_args=(),
                          tags=(torch.Tag.flexible_layout,))
 def batch_norm_backward_of_codes(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
-                                 row: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
-                                 invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
+                                 scaled: str | None, row: torch.Tensor, weight: torch.Tensor | None,
+                                 mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
                                  need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A training batch norm's gradients from its input's codes, a slice at a time
     (precsearch.runtime.sliced.batch_norm_backward_in_slices), opaque to Inductor as ``conv_backward_of_codes``."""
-    grads = batch_norm_backward_in_slices(grad_out, _CodesInSlices(codes, row, nbytes, scales), weight, mean, invstd,
-                                          eps, rows, need)
+    grads = batch_norm_backward_in_slices(grad_out, _CodesInSlices(codes, row, nbytes, scales, scaled), weight, mean,
+                                          invstd, eps, rows, need)
     return tuple(_or_empty(grad, grad_out) for grad in grads)  # type: ignore[return-value]
 
 
 @batch_norm_backward_of_codes.register_fake
-def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, row: torch.Tensor,
-      weight: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, eps: float, nbytes: int, rows: int,
-      need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(grad_out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None, scaled: str | None,
+      row: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, eps: float,
+      nbytes: int, rows: int, need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     shapes = (grad_out.shape, mean.shape, mean.shape)
     return tuple(grad_out.new_empty(shape if wanted else (0,)) for shape, wanted in zip(shapes, need, strict=True))

@@ -117,8 +117,8 @@ class _ConvOfPackedInput(torch.autograd.Function):
     (``SlicedBackward.channels_per_group``), one call each, from that group's slices of the input, decoded from
     its codes, and of the weight, rounded again from the master or decoded where it keeps codes (a group's input
     gradient needs only its weight slice, its weight gradient only its input slice), written into the whole
-    gradients: no float32 copy of the whole weight, nor oneDNN's reordered copy of it. The weight comes as its save (``weight_stored``, from
-    ``Packer.save_packed``) where it is low."""
+    gradients: no float32 copy of the whole weight, nor oneDNN's reordered copy of it. The weight comes as its
+    save (``weight_stored``, from ``Packer.save_packed``) where it is low."""
 
     slices_weight = True  # the caller passes the weight's save
 

@@ -218,10 +218,9 @@ class TensorState:
         ``quantize_scaled`` does not (a scale cannot saturate it): those are taken back. A forward that counts
         nothing (evaluation) reads a delayed scale but records no amax."""
         history = slot.history
-        if history is not None and not count:
-            history = AmaxHistory(history.amaxes.numel(), history.amaxes.device)
-            history.load_state_dict(slot.history.state_dict())
-        scaled, scales = scaled_values(x, slot.scaled, history, in_place)
+        scaled, scales, amax = scaled_values(x, slot.scaled, None if history is None else history.amaxes, in_place)
+        if history is not None and count:
+            history.update(amax)
         if count and self.stats_due:  # of its scaled-down values
             self._gather_stats(scaled, slot)
         if slot.fmt.has_inf:
