@@ -16,11 +16,13 @@ minutes on a CPU; the step measured is the third, after the compile. ``--time N`
 the median of N steps taken in turn (precsearch.cost.measured.median_step_times). ``--suite``: the settings a
 search runs (``SUITE``), one table each. ``--min-slices N``: each eager policy again, its sliced backwards run in
 at least N slices of the batch (``OpRules.with_min_slices``: less memory, more time), predicted from a graph traced
-with those rules.
+with those rules. ``--float32-grads``: each eager policy again with its weight gradients kept float32 in ``.grad``
+through the backward (``hold_gradients`` off), the step as it was before gradients in formats of 16 bits without
+inf or NaN codes (e6m9s) were held as codes: an A/B of memory and (with ``--time``) time in one run.
 
 Usage: python benchmarks/bench_memory.py [--model resnet18] [--width W] [--image-size 32] [--batch 128]
        [--device cpu|cuda] [--policies all-high,hfp8,all-low,pick] [--compiled hfp8,all-low] [--time 5] [--suite]
-       [--min-slices 4]
+       [--min-slices 4] [--float32-grads]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from precsearch.graph.op_rules import OP_RULES
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import TensorGraph
 from precsearch.models import build
+from precsearch.runtime.gradients import no_process_group
 from precsearch.runtime.model import apply_policy
 from precsearch.search.strategies import assign, baseline, uniform, units
 
@@ -55,6 +58,7 @@ BASELINE_ROWS = ("fp32", "fp16", "bf16", "hfp8")
 # The all-low assignments of two spaces that differ only in a scale per tensor (issue 40: within 2%).
 SPACES = Path(__file__).resolve().parent.parent / "search_spaces"
 SPACE_ALL_LOW = {"fp8-all-low": SPACES / "fp8_e4m3_e5m2.yaml", "fp8-scaled-all-low": SPACES / "fp8_scaled.yaml"}
+FLOAT32_GRADS = "weight gradients float32"  # a row's suffix: apply_policy(hold_gradients=...) off
 POLICY_NAMES = (*BASELINE_ROWS, "all-high", "all-low", "pick", *SPACE_ALL_LOW)
 
 
@@ -127,6 +131,7 @@ def setting_rows(spec: str, image_size: int, batch_size: int, device: torch.devi
         ("plain fp32", None, None, None), ("autocast bf16", None, None, torch.bfloat16)]
     plan += [(name, every[name], None, None) for name in chosen]
     plan += [(f"{name}, {args.min_slices} slices", every[name], None, None) for name in chosen if args.min_slices > 1]
+    plan += [(f"{name}, {FLOAT32_GRADS}", every[name], None, None) for name in chosen if args.float32_grads]
     plan += [("plain fp32, torch.compile", None, "plain fp32", None)] if compiled else []
     plan += [(f"{name}, compiled", every[name], name, None) for name in compiled]
     sliced_rules = OP_RULES.with_min_slices(args.min_slices)
@@ -135,11 +140,14 @@ def setting_rows(spec: str, image_size: int, batch_size: int, device: torch.devi
     for name, policy, eager, autocast in plan:
         model = copy.deepcopy(plain)
         row_rules, row_cost = (sliced_rules, sliced_cost) if name.endswith(" slices") else (OP_RULES, cost)
+        hold = (lambda: False) if name.endswith(FLOAT32_GRADS) else no_process_group
         if policy is not None:  # the paper's space grows its loss scale once per "epoch": any length will do
-            model = apply_policy(model, policy, compile=eager is not None, steps_per_epoch=100, rules=row_rules)
+            model = apply_policy(model, policy, compile=eager is not None, steps_per_epoch=100, rules=row_rules,
+                                 hold_gradients=hold)
         elif eager is not None:
             model = torch.compile(model, fullgraph=True)
-        predicted = None if autocast else row_cost.peak_bytes(None if policy is None else policy.assignment(graph))
+        predicted = None if autocast or name.endswith(FLOAT32_GRADS) else row_cost.peak_bytes(
+            None if policy is None else policy.assignment(graph))  # the cost model prices held gradients
         rows.append(measure_row(name, model, batch, device, predicted, eager, autocast, args.timeline))
     return rows
 
@@ -179,6 +187,9 @@ def main() -> int:
     parser.add_argument("--policies", default=DEFAULT_POLICIES, help="eager policy rows")
     parser.add_argument("--compiled", default="", help="policies also measured compiled (e.g. hfp8,all-low)")
     parser.add_argument("--time", type=int, default=0, metavar="N", help="eager step times, median of N")
+    parser.add_argument("--float32-grads", action="store_true",
+                        help="also each eager policy with its weight gradients kept in .grad as float32 during the "
+                             "backward (hold_gradients off: the step before they were held as codes), for an A/B")
     parser.add_argument("--min-slices", type=int, default=1, metavar="N",
                         help="also each eager policy with its sliced backwards in at least N slices of the batch "
                              "(OpRules.with_min_slices)")

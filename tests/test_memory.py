@@ -231,3 +231,33 @@ def test_trace_step_holds_back_the_profilers_banners_and_passes_the_rest_on(capf
 
     assert trace_step(step).peak >= 4096
     assert capfd.readouterr().err == "the step's own line\n"
+
+
+# ------------------------------------------------------------------------------------ peak ordering
+# The search's settings (benchmarks/bench_memory.py's SUITE): 16x16 images, batch 64 (the demo's narrow_cnn 32).
+ORDER_WIDTHS = {"resnet18": 0.25, "mobilenet_v2": 0.5, "shufflenet_v2": 0.5, "squeezenet": 0.5, "tiny_cnn": 1.0,
+                "narrow_cnn": 1.0}
+ORDER_BATCH = {"narrow_cnn": 32}
+# Where the ordering does not hold yet, measured on a 2-core Xeon (AVX-512), torch 2.13: model -> why.
+ORDER_FAILS = {"tiny_cnn": "the first layer's 1 MiB output: its batch norm's backward decodes it whole beside its "
+                           "codes and torch's own workspace (all-high 1.145x plain fp32, all-low 1.072x)"}
+
+
+@pytest.mark.slow  # the format kernels are compiled for each model's first step
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=ORDER_FAILS[name])]
+                                               if name in ORDER_FAILS else []) for name in NAMES])
+def test_all_low_peaks_at_most_all_high_and_all_high_at_most_plain_fp32(name):
+    """Measured step peaks (the CPU allocator's events) at the search's settings: the paper's all-low policy
+    holds no more than all-high (every tensor e6m9s), which holds no more than the plain fp32 model."""
+    torch.manual_seed(0)
+    model = build(name, width=ORDER_WIDTHS[name])
+    batch = ORDER_BATCH.get(name, 64)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    graph = trace(model, x[:2], batch_size=batch)
+    high = policy_from_assignment(graph, dict.fromkeys(graph.assignable_ids(), "e6m9s"), high_format="e6m9s",
+                                  overflow=dict(PAPER_OVERFLOW),
+                                  loss_scaling={"mode": "dynamic", "init_scale": 2.0**16})
+    peaks = {label: _measured_peak(copy.deepcopy(model), policy, x, y)
+             for label, policy in (("plain", None), ("all-high", high), ("all-low", _policy("all-low", graph)))}
+    assert peaks["all-low"] <= peaks["all-high"] <= peaks["plain"], {k: v / MIB for k, v in peaks.items()}
