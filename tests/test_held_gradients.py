@@ -176,7 +176,7 @@ def _carried(monkeypatch) -> list[tuple[tuple[int, ...], int]]:
     return carried
 
 
-@pytest.mark.parametrize(("weight_grad", "code", "scales"), [("fp16", 2, 0), ("fp8_e5m2", 1, 0),
+@pytest.mark.parametrize(("weight_grad", "code", "scales"), [("fp16", 2, 0), ("fp8_e5m2", 1, 0), ("e6m9s", 2, 0),
                                                              ("e5m2@tensor", 1, 1)])
 def test_the_compiled_backward_hands_out_each_weight_gradient_as_codes_of_its_width(monkeypatch, weight_grad, code,
                                                                                      scales):
@@ -208,3 +208,18 @@ def test_compiled_held_gradients_accumulate_as_the_compiled_step_that_keeps_floa
     for step, (a, b) in enumerate(zip(held, in_float32, strict=True)):
         for name in b:
             assert torch.equal(a[name], b[name]), (step, name)
+
+
+@pytest.mark.parametrize(("weight_grad", "code"), [("fp16", 2), ("fp8_e5m2", 1), ("e6m9s", 2), ("e4m3b4s", 1)])
+def test_the_eager_backward_holds_each_weight_gradient_as_codes_of_its_width(monkeypatch, weight_grad, code):
+    """Each low weight gradient is held in the backward as ``code`` bytes a value (counted where the runtime
+    hands them to ``_hold``), not float32's 4, e6m9s (no inf or NaN code) and e4m3b4s too."""
+    from precsearch.runtime import gradients
+
+    held = []
+    hold = gradients._hold
+    monkeypatch.setattr(gradients, "_hold", lambda param, codes: (held.append((tuple(param.shape), codes.nbytes)),
+                                                                  hold(param, codes)))
+    wrapped = _wrapped(weight_grad)
+    _train(wrapped, steps=1)
+    assert sorted(held) == sorted((tuple(p.shape), code * p.numel()) for p in wrapped.module.parameters())
