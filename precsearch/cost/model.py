@@ -320,134 +320,100 @@ class CostModel:
         The optimizer holds one gradient-sized
         temporary (SGD's weight decay). The input batch is not counted (it exists before the step) unless
         packed."""
-        formats, scaled = self._formats(assignment), self._scaled(assignment)
-        graph, ops, rules = self.graph, self.graph.ops, self.graph.rules
-        n = len(ops)
-        index = {op.name: i for i, op in enumerate(ops)}
-        blocks: list[Held] = []
+        step = _StepReplay(self.graph, self._formats(assignment), self._scaled(assignment))
+        saved_fp32, reads_kept = self._hold_saved(step, assignment)
+        self._hold_values_and_gradients(step, saved_fp32)
+        channel_sliced = _hold_workspaces(step, reads_kept)
+        self._hold_weights(step, channel_sliced)
+        return step.blocks
 
-        def fwd(i: int) -> float:
-            return 2.0 * i
-
-        def bwd(i: int) -> float:
-            return 4.0 * n - 2.0 * i
-
-        def hold(nbytes: float, start: float, end: float, what: str) -> None:
-            blocks.append(Held(int(nbytes), start, end, what))
-
-        producer, root, needs_grad, last_use = _forward_lifetimes(graph)
-        traced = graph.graph_module is not None
-        sliced = {}  # op index -> the low tensor whose codes its backward reads in slices
-        for i, op in enumerate(ops):
-            tid = rules.sliced_saved_tensor(op) if traced else None
-            if tid is not None and not formats.get(tid, FP32).is_fp32:
-                sliced[i] = tid
-        saved_fp32, reads_kept = set(), set()
+    def _hold_saved(self, step: _StepReplay, assignment: Mapping[str, Spec] | None) -> tuple[set[str], set[int]]:
+        """Saved tensors' blocks (codes and their decoded copies where low); returns the activations saved in
+        float32 (their forward value is that block) and the sliced backwards that read a kept decoded copy."""
+        ops = step.graph.ops
+        saved_fp32: set[str] = set()
+        reads_kept: set[int] = set()
         for entry, size in zip(self.saved, self._saved_bytes(assignment), strict=True):
-            savers = sorted(index[name] for name in entry.saved_by)
+            savers = sorted(step.index[name] for name in entry.saved_by)
             if entry.tensor is None:
-                hold(size, fwd(savers[0]), bwd(savers[0]), f"saved {entry.key}")
-            elif formats.get(entry.tensor, FP32).is_fp32:
-                owner = root[entry.tensor]  # an in-place op's output lives in its input's storage
-                if ops[producer[owner]].role != "input":
+                step.hold(size, step.fwd(savers[0]), step.bwd(savers[0]), f"saved {entry.key}")
+            elif step.format(entry.tensor).is_fp32:
+                owner = step.root[entry.tensor]  # an in-place op's output lives in its input's storage
+                if ops[step.producer[owner]].role != "input":
                     saved_fp32.add(owner)
-                    hold(size, fwd(producer[owner]), bwd(savers[0]), f"saved {entry.tensor}")
+                    step.hold(size, step.fwd(step.producer[owner]), step.bwd(savers[0]), f"saved {entry.tensor}")
             else:
-                hold(size, fwd(savers[0]), bwd(savers[0]), f"codes {entry.tensor}")
-                whole = [i for i in savers if sliced.get(i) != entry.tensor]
+                step.hold(size, step.fwd(savers[0]), step.bwd(savers[0]), f"codes {entry.tensor}")
+                whole = [i for i in savers if step.sliced.get(i) != entry.tensor]
                 if whole:  # decoded at the first backward that unpacks it whole, kept to the last unpack
-                    hold(4 * entry.numel, bwd(whole[-1]), bwd(savers[0]), f"decoded {entry.tensor}")
+                    step.hold(4 * entry.numel, step.bwd(whole[-1]), step.bwd(savers[0]), f"decoded {entry.tensor}")
                     # a sliced backward after that one reads the kept copy: it decodes nothing
-                    reads_kept.update(i for i in savers if sliced.get(i) == entry.tensor and i < whole[-1])
+                    reads_kept.update(i for i in savers if step.sliced.get(i) == entry.tensor and i < whole[-1])
+        return saved_fp32, reads_kept
+
+    def _hold_values_and_gradients(self, step: _StepReplay, saved_fp32: set[str]) -> None:
+        """Each activation's float32 forward value (and its unrounded copy where low), its gradient and the
+        gradient's rounded copy."""
+        graph, ops, rules = step.graph, step.graph.ops, step.graph.rules
         # outputs their producer saved: the runtime rounds the others of a fresh-output op over the op's output
         self_saved = {entry.tensor for entry in self.saved if entry.tensor is not None
-                      and entry.tensor in producer and ops[producer[entry.tensor]].name in entry.saved_by}
-        for tid, i in producer.items():
+                      and entry.tensor in step.producer and ops[step.producer[entry.tensor]].name in entry.saved_by}
+        for tid, i in step.producer.items():
             numel = graph.tensors[tid].numel
-            if ops[i].role != "input" and root[tid] == tid:
+            if ops[i].role != "input" and step.root[tid] == tid:
                 if tid not in saved_fp32:
-                    hold(4 * numel, fwd(i), fwd(last_use.get(tid, i)), f"float32 {tid}")
+                    step.hold(4 * numel, step.fwd(i), step.fwd(step.last_use.get(tid, i)), f"float32 {tid}")
                 in_place = makes_fresh_output(ops[i], rules) and tid not in self_saved
-                if not formats.get(tid, FP32).is_fp32 and not in_place:
-                    hold(4 * numel, fwd(i), fwd(i), f"unrounded {tid}")
-            if needs_grad[tid]:
-                users = [index[name] for name in graph.tensors[tid].consumers if name in index]
+                if not step.format(tid).is_fp32 and not in_place:
+                    step.hold(4 * numel, step.fwd(i), step.fwd(i), f"unrounded {tid}")
+            if step.needs_grad[tid]:
+                users = [step.index[name] for name in graph.tensors[tid].consumers if name in step.index]
                 add = self._gradient_sources.get(ops[i].name)
-                grad_format = formats.get(grad_id(tid), FP32)
-                alike = add is not None and formats.get(grad_id(add.outputs[0]), FP32) == grad_format
+                grad_format = step.format(grad_id(tid))
+                alike = add is not None and step.format(grad_id(add.outputs[0])) == grad_format
                 # the add's gradient itself, which its other input's gradient block holds: no block of its own
-                if not (alike and any(needs_grad[t] for t in add.input_tensors if t != tid)):
-                    hold(4 * numel, bwd(max(users)) if users else 4.0 * n, bwd(i), f"gradient {tid}")
-                rounded_over = alike or (ops[i].name in self._fresh_gradients and not formats.get(tid, FP32).is_fp32)
+                if not (alike and any(step.needs_grad[other] for other in add.input_tensors if other != tid)):
+                    arrives = step.bwd(max(users)) if users else 4.0 * step.n
+                    step.hold(4 * numel, arrives, step.bwd(i), f"gradient {tid}")
+                rounded_over = alike or (ops[i].name in self._fresh_gradients and not step.format(tid).is_fp32)
                 if not grad_format.is_fp32 and not rounded_over:
-                    hold(4 * numel, bwd(i) - 1, bwd(i) - 1, f"rounded gradient {tid}")
-        channel_sliced = set()  # weights whose conv's backward decodes them a channel slice at a time
-        for i, op in enumerate(ops):
-            inputs = 4 * sum(graph.tensors[t].numel for t in op.input_tensors)
-            rule = rules.op_type(op.module_type)
-            kernel = rule.backward_workspace + (rule.input_gradient_workspace
-                                                if any(needs_grad[t] for t in op.input_tensors) else 0)
-            if rule.forward_workspace:  # oneDNN's forward: the reordered input and weight beside the blocked
-                # output, then that beside the output's plain copy (the output's own block)
-                params = 4 * sum(graph.tensors[p].numel for p in op.params)
-                outputs = 4 * sum(graph.tensors[t].numel for t in op.outputs)
-                hold(max(inputs + params, outputs), fwd(i), fwd(i), f"forward workspace {op.name}")
-            if i in sliced:
-                shape, slicing = graph.tensors[sliced[i]].shape, rule.sliced
-                weight_info = max((graph.tensors[p] for p in op.params), key=lambda t: t.numel, default=None)
-                sample, weight = math.prod(shape[1:]), 0 if weight_info is None else weight_info.numel
-                rows = slicing.rows(shape, weight)
-                decodes = i not in reads_kept
-                channels = (slicing.channels_per_group(shape, weight_info.shape) if slicing.channels is not None
-                            else shape[1])
-                if channels < shape[1]:  # one slice of samples in groups of input channels
-                    channel_sliced.add(weight_info.id)
-                    group_input = 4 * shape[0] * channels * math.prod(shape[2:])
-                    group_weight = 4 * weight * channels // shape[1]
-                    work = (slicing.channels.output_gradient * 4 * graph.tensors[op.outputs[0]].numel
-                            + (slicing.channels.input - (not decodes)) * group_input
-                            + slicing.channels.weight * group_weight)
-                    hold(work, bwd(i), bwd(i), f"channel slice workspace {op.name}")
-                elif rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (an
-                    # op with weight blocks whose weight outsizes its input: oneDNN's reordered weight)
-                    work = max(kernel * inputs, 4 * weight if slicing.weight_blocks else 0)
-                    hold(decodes * 4 * sample * shape[0] + work, bwd(i), bwd(i), f"workspace {op.name}")
-                else:
-                    summed = slicing.weight_blocks * 4 * weight
-                    slices = slicing.workspace - (not decodes)
-                    hold(slices * 4 * rows * sample + summed, bwd(i), bwd(i), f"slice workspace {op.name}")
-            elif kernel:
-                hold(kernel * inputs, bwd(i), bwd(i), f"workspace {op.name}")
+                    step.hold(4 * numel, step.bwd(i) - 1, step.bwd(i) - 1, f"rounded gradient {tid}")
+
+    def _hold_weights(self, step: _StepReplay, channel_sliced: set[str]) -> None:
+        """Each trainable weight's gradient (held as codes where low and packed), its low copies, and the
+        optimizer's temporary."""
+        graph = step.graph
         low_weights = total = 0
         for tid in self._trainable:
             info = graph.tensors[tid]
-            users = sorted(index[name] for name in info.consumers)
+            users = sorted(step.index[name] for name in info.consumers)
             total += 4 * info.numel
-            grad_format = formats.get(f"{tid}_grad", FP32)
-            after = bwd(users[0]) + 0.5  # in the hook after the layer's backward, its workspace freed
+            grad_format = step.format(f"{tid}_grad")
+            after = step.bwd(users[0]) + 0.5  # in the hook after the layer's backward, its workspace freed
             held = not grad_format.is_fp32 and grad_format.packs  # as codes to the end of the backward
-            hold(4 * info.numel, bwd(users[-1]), after if held else 4.0 * n + 3, f"weight gradient {tid}")
+            until = after if held else 4.0 * step.n + 3
+            step.hold(4 * info.numel, step.bwd(users[-1]), until, f"weight gradient {tid}")
             if not grad_format.is_fp32:
-                hold(4 * info.numel, after, after, f"rounded weight gradient {tid}")
+                step.hold(4 * info.numel, after, after, f"rounded weight gradient {tid}")
             if held:
-                codes = info.numel * _storage_bytes(grad_format) + _stored_scales(scaled.get(f"{tid}_grad"), info.shape)
-                hold(codes, after, 4.0 * n, f"held weight gradient {tid}")
-                hold(4 * info.numel, 4.0 * n, 4.0 * n + 3, f"decoded weight gradient {tid}")
-            fmt = formats.get(tid, FP32)
-            if tid in scaled:  # its codes and scales, from its layer's forward to its backward
-                codes = info.numel * _storage_bytes(fmt) + _stored_scales(scaled[tid], info.shape)
-                hold(codes, fwd(users[0]), bwd(users[-1]), f"codes {tid}")
+                codes = (info.numel * _storage_bytes(grad_format)
+                         + _stored_scales(step.scaled.get(f"{tid}_grad"), info.shape))
+                step.hold(codes, after, 4.0 * step.n, f"held weight gradient {tid}")
+                step.hold(4 * info.numel, 4.0 * step.n, 4.0 * step.n + 3, f"decoded weight gradient {tid}")
+            fmt = step.format(tid)
+            if tid in step.scaled:  # its codes and scales, from its layer's forward to its backward
+                codes = info.numel * _storage_bytes(fmt) + _stored_scales(step.scaled[tid], info.shape)
+                step.hold(codes, step.fwd(users[0]), step.bwd(users[-1]), f"codes {tid}")
             if not fmt.is_fp32:
                 low_weights += 4 * info.numel
                 if tid not in channel_sliced:  # rounded again from the master in its layer's backward
-                    hold(4 * info.numel, bwd(users[-1]), bwd(users[-1]), f"re-rounded {tid}")
-                if traced:  # rounded at the layer's call: its float32 copy dies with the call
+                    step.hold(4 * info.numel, step.bwd(users[-1]), step.bwd(users[-1]), f"re-rounded {tid}")
+                if step.traced:  # rounded at the layer's call: its float32 copy dies with the call
                     for user in users:
-                        hold(4 * info.numel, fwd(user), fwd(user), f"rounded {tid}")
-        if low_weights and not traced:  # module hooks: every weight rounded before the forward
-            hold(low_weights, -1.0, fwd(n - 1), "rounded weights")
-        hold(total, 4.0 * n + 3, 4.0 * n + 3, "optimizer temporary")
-        return blocks
+                        step.hold(4 * info.numel, step.fwd(user), step.fwd(user), f"rounded {tid}")
+        if low_weights and not step.traced:  # module hooks: every weight rounded before the forward
+            step.hold(low_weights, -1.0, step.fwd(step.n - 1), "rounded weights")
+        step.hold(total, 4.0 * step.n + 3, 4.0 * step.n + 3, "optimizer temporary")
 
     # ---------------------------------------------------------------------------- group decisions
 
@@ -554,6 +520,80 @@ def _predict_saved(graph: TensorGraph) -> list[SavedTensor]:
         log.warning("no autograd save rule for op type(s) %s; assuming they save their inputs and output",
                     ", ".join(sorted(unknown)))
     return list(entries.values())
+
+
+class _StepReplay:
+    """A training step replayed on a graph under one assignment (``CostModel.peak_timeline``): when each op's
+    forward and backward run, the forward's lifetimes, and the blocks held so far."""
+
+    def __init__(self, graph: TensorGraph, formats: dict[str, FloatFormat], scaled: dict[str, ScaledFormat]) -> None:
+        self.graph, self.formats, self.scaled = graph, formats, scaled
+        self.n = len(graph.ops)
+        self.index = {op.name: i for i, op in enumerate(graph.ops)}
+        self.producer, self.root, self.needs_grad, self.last_use = _forward_lifetimes(graph)
+        self.traced = graph.graph_module is not None
+        self.sliced: dict[int, str] = {}  # op index -> the low tensor whose codes its backward reads in slices
+        for i, op in enumerate(graph.ops):
+            tid = graph.rules.sliced_saved_tensor(op) if self.traced else None
+            if tid is not None and not self.format(tid).is_fp32:
+                self.sliced[i] = tid
+        self.blocks: list[Held] = []
+
+    def fwd(self, i: int) -> float:
+        return 2.0 * i
+
+    def bwd(self, i: int) -> float:
+        return 4.0 * self.n - 2.0 * i
+
+    def format(self, tid: str) -> FloatFormat:
+        return self.formats.get(tid, FP32)
+
+    def hold(self, nbytes: float, start: float, end: float, what: str) -> None:
+        self.blocks.append(Held(int(nbytes), start, end, what))
+
+
+def _hold_workspaces(step: _StepReplay, reads_kept: set[int]) -> set[str]:
+    """Kernel workspaces: oneDNN's forward, each backward's, and a sliced backward's slices; returns the
+    weights whose conv's backward decodes them a channel slice at a time."""
+    graph, rules = step.graph, step.graph.rules
+    channel_sliced = set()
+    for i, op in enumerate(graph.ops):
+        inputs = 4 * sum(graph.tensors[tid].numel for tid in op.input_tensors)
+        rule = rules.op_type(op.module_type)
+        kernel = rule.backward_workspace + (rule.input_gradient_workspace
+                                            if any(step.needs_grad[tid] for tid in op.input_tensors) else 0)
+        if rule.forward_workspace:  # oneDNN's forward: the reordered input and weight beside the blocked
+            # output, then that beside the output's plain copy (the output's own block)
+            params = 4 * sum(graph.tensors[p].numel for p in op.params)
+            outputs = 4 * sum(graph.tensors[tid].numel for tid in op.outputs)
+            step.hold(max(inputs + params, outputs), step.fwd(i), step.fwd(i), f"forward workspace {op.name}")
+        if i in step.sliced:
+            shape, slicing = graph.tensors[step.sliced[i]].shape, rule.sliced
+            weight_info = max((graph.tensors[p] for p in op.params), key=lambda info: info.numel, default=None)
+            sample, weight = math.prod(shape[1:]), 0 if weight_info is None else weight_info.numel
+            rows = slicing.rows(shape, weight)
+            decodes = i not in reads_kept
+            channels = (slicing.channels_per_group(shape, weight_info.shape) if slicing.channels is not None
+                        else shape[1])
+            if channels < shape[1]:  # one slice of samples in groups of input channels
+                channel_sliced.add(weight_info.id)
+                group_input = 4 * shape[0] * channels * math.prod(shape[2:])
+                group_weight = 4 * weight * channels // shape[1]
+                work = (slicing.channels.output_gradient * 4 * graph.tensors[op.outputs[0]].numel
+                        + (slicing.channels.input - (not decodes)) * group_input
+                        + slicing.channels.weight * group_weight)
+                step.hold(work, step.bwd(i), step.bwd(i), f"channel slice workspace {op.name}")
+            elif rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (an
+                # op with weight blocks whose weight outsizes its input: oneDNN's reordered weight)
+                work = max(kernel * inputs, 4 * weight if slicing.weight_blocks else 0)
+                step.hold(decodes * 4 * sample * shape[0] + work, step.bwd(i), step.bwd(i), f"workspace {op.name}")
+            else:
+                summed = slicing.weight_blocks * 4 * weight
+                slices = slicing.workspace - (not decodes)
+                step.hold(slices * 4 * rows * sample + summed, step.bwd(i), step.bwd(i), f"slice workspace {op.name}")
+        elif kernel:
+            step.hold(kernel * inputs, step.bwd(i), step.bwd(i), f"workspace {op.name}")
+    return channel_sliced
 
 
 def _forward_lifetimes(graph: TensorGraph) -> tuple[dict[str, int], dict[str, str], dict[str, bool], dict[str, int]]:

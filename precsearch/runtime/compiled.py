@@ -514,6 +514,103 @@ def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.No
         gm.graph.erase_node(node)
 
 
+class _StepInputs(NamedTuple):
+    """The nodes a rounded graph reads its step's state from, after the model's own inputs."""
+
+    rows: fx.Node  # the formats table, one row per assignable tensor
+    seed: fx.Node
+    counters: fx.Node  # one float64 leaf per site whose gradient is rounded
+    masters: fx.Node  # the fp32 parameters, by name
+    histories: fx.Node  # the delayed rows' amax histories
+    formats: fx.Node  # the scaled formats, by name: the graph's code cannot spell a ScaledFormat
+
+
+def _add_step_inputs(gm: fx.GraphModule, formats: dict[str, ScaledFormat]) -> _StepInputs:
+    """``gm``'s placeholders for the step's state, after the model's own, and a read of the scaled ``formats``."""
+    fx_graph = gm.graph
+    gm.add_submodule("precsearch_scaled", _HeldByGraph(formats))
+    node = [node for node in fx_graph.nodes if node.op == "placeholder"][-1]
+    placeholders = []
+    for name in ("rows", "seed", "counters", "masters", "histories"):
+        with fx_graph.inserting_after(node):
+            node = fx_graph.placeholder(f"precsearch_{name}")
+        placeholders.append(node)
+    with fx_graph.inserting_after(node):
+        formats_node = fx_graph.get_attr("precsearch_scaled")
+    return _StepInputs(*placeholders, formats_node)
+
+
+class _SiteNumbering:
+    """The graph's sites in the order they are made, and the counters of those whose gradient is rounded: a
+    site's index and counter are its place in these lists (the seeds follow site order)."""
+
+    def __init__(self, graph: TensorGraph, rows: dict[str, int], roundings: dict[str, str],
+                 codes: tuple[int | None, ...], scaled: tuple[ScaledFormat | None, ...],
+                 delayed: dict[int, int]) -> None:
+        self.graph, self.rows, self.roundings, self.codes, self.scaled = graph, rows, roundings, codes, scaled
+        self.delayed = delayed  # a delayed row -> its amax history
+        self.sites: list[Site] = []
+        self.counters = 0
+
+    def add(self, value: str, gradient: str | None, relu_output: bool, act: bool = True,
+            grad_arrives_rounded: bool = False) -> tuple[Site, int | None]:
+        """The site rounding ``value`` (unless not ``act``) and ``gradient`` (unless None), and its counter."""
+        info, rows, codes, scaled, delayed = self.graph.tensors[value], self.rows, self.codes, self.scaled, self.delayed
+        site = Site(len(self.sites), rows[value] if act else None, rows.get(gradient),
+                    (self.roundings[info.kind],
+                     self.roundings[self.graph.tensors[gradient].kind] if gradient else "nearest"),
+                    relu_output, info.numel, info.kind != WEIGHT, codes[rows[value]] if act else None,
+                    (_name(scaled[rows[value]]) if act else None,
+                     _name(scaled[rows[gradient]]) if gradient else None), grad_arrives_rounded,
+                    codes[rows[gradient]] if gradient else None,
+                    (delayed.get(rows[value]) if act else None, delayed.get(rows[gradient]) if gradient else None))
+        self.sites.append(site)
+        counter = None
+        if site.grad is not None:
+            counter, self.counters = self.counters, self.counters + 1
+        return site, counter
+
+
+def _round_at_sites(fx_graph: fx.Graph, plan: SitePlan, numbering: _SiteNumbering, inputs: _StepInputs,
+                    arrive_rounded: frozenset[str]
+                    ) -> tuple[list[fx.Node], list[fx.Node], dict[fx.Node, tuple[fx.Node, Site]]]:
+    """Every op of ``plan`` followed by its rounding (``_round``), and, where its gradient is rounded per use, each
+    consumer preceded by a rounding of its gradient (``_round_gradient``); returns the nodes of the forward's
+    counts and of the recorded amaxes kept, and the values with codes (-> their rounding and site)."""
+    nodes = {node.name: node for node in fx_graph.nodes}
+    state = (inputs.rows, inputs.seed, inputs.counters)
+    forward_counts, kept = [], []
+    coded: dict[fx.Node, tuple[fx.Node, Site]] = {}
+    for op_sites in plan.ops:
+        node = nodes[op_sites.node]
+        users = list(node.users)
+        if op_sites.relu_output:  # the site masks the gradient by the rounded output, inside the ReLU's mask
+            node.op, node.target, node.kwargs = "call_function", _relu_masked_by_its_site, {}
+        sites = tuple((out.position, *numbering.add(out.value, None if op_sites.per_use else out.gradient,
+                                                    op_sites.relu_output,
+                                                    grad_arrives_rounded=op_sites.op in arrive_rounded))
+                      for out in op_sites.outputs)
+        with fx_graph.inserting_after(inputs.formats if node.op == "placeholder" else node):
+            pair = fx_graph.call_function(_round, (node, *state, sites, inputs.formats, inputs.histories))
+        with fx_graph.inserting_after(pair):
+            rounded = fx_graph.call_function(operator.getitem, (pair, 0))
+        with fx_graph.inserting_after(rounded):
+            forward_counts.append(fx_graph.call_function(operator.getitem, (pair, 1)))
+            kept.append(fx_graph.call_function(operator.getitem, (pair, 3)))
+        node.replace_all_uses_with(rounded, delete_user_cb=lambda user, pair=pair: user is not pair)
+        whole = sites[0][1] if len(sites) == 1 and sites[0][0] == 0 and sites[0][1].code is not None else None
+        if whole is not None:
+            coded[rounded] = pair, whole
+        for user in users if op_sites.per_use else ():  # each consumer's gradient rounded before it
+            site, counter = numbering.add(op_sites.outputs[0].value, op_sites.outputs[0].gradient, False, act=False)
+            with fx_graph.inserting_before(user):
+                use = fx_graph.call_function(_round_gradient, (rounded, *state, site, counter, inputs.formats))
+            user.replace_input_with(rounded, use)
+            if whole is not None:
+                coded[use] = pair, whole
+    return forward_counts, kept, coded
+
+
 class RoundingGraph:
     """The model's FX graph with a rounding site at every assignable tensor, and its compiled step.
 
@@ -531,88 +628,29 @@ class RoundingGraph:
         self.backend = backend
         self.batch_size = graph.batch_size
         source = graph.graph_module
-        fx_graph = copy.deepcopy(source.graph)
         # over a copy of the traced modules: every model of this structure passes its own tensors (functional_call)
-        gm = fx.GraphModule(copy.deepcopy(source), fx_graph, f"{graph.model_name}Rounded")
-        placeholders = [node for node in fx_graph.nodes if node.op == "placeholder"]
-        with fx_graph.inserting_after(placeholders[-1]):
-            rows_node = fx_graph.placeholder("precsearch_rows")
-        with fx_graph.inserting_after(rows_node):
-            seed_node = fx_graph.placeholder("precsearch_seed")
-        with fx_graph.inserting_after(seed_node):
-            counters_node = fx_graph.placeholder("precsearch_counters")
-        # the scaled formats, by name: the graph's code names its sites' formats (it cannot spell a ScaledFormat)
+        gm = fx.GraphModule(copy.deepcopy(source), copy.deepcopy(source.graph), f"{graph.model_name}Rounded")
         formats = {fmt.name: fmt for fmt in scaled if fmt is not None}
-        gm.add_submodule("precsearch_scaled", _HeldByGraph(formats))
-        with fx_graph.inserting_after(counters_node):
-            masters_node = fx_graph.placeholder("precsearch_masters")  # the fp32 parameters, by name
-        with fx_graph.inserting_after(masters_node):
-            histories_node = fx_graph.placeholder("precsearch_histories")  # the delayed rows' amax histories
-        with fx_graph.inserting_after(histories_node):
-            formats_node = fx_graph.get_attr("precsearch_scaled")
+        inputs = _add_step_inputs(gm, formats)
         self._delayed = [row for row, fmt in enumerate(scaled) if fmt is not None and fmt.history]
         delayed = {row: index for index, row in enumerate(self._delayed)}
-        nodes = {node.name: node for node in fx_graph.nodes}
-        self.sites: list[Site] = []
-        self._counters = 0
-
-        def add_site(value: str, gradient: str | None, relu_output: bool, act: bool = True,
-                     grad_arrives_rounded: bool = False) -> tuple[Site, int | None]:
-            info = graph.tensors[value]
-            site = Site(len(self.sites), rows[value] if act else None, rows.get(gradient),
-                        (roundings[info.kind], roundings[graph.tensors[gradient].kind] if gradient else "nearest"),
-                        relu_output, info.numel, info.kind != WEIGHT, codes[rows[value]] if act else None,
-                        (_name(scaled[rows[value]]) if act else None,
-                         _name(scaled[rows[gradient]]) if gradient else None), grad_arrives_rounded,
-                        codes[rows[gradient]] if gradient else None,
-                        (delayed.get(rows[value]) if act else None, delayed.get(rows[gradient]) if gradient else None))
-            self.sites.append(site)
-            counter = None
-            if site.grad is not None:
-                counter, self._counters = self._counters, self._counters + 1
-            return site, counter
-
-        forward_counts, kept = [], []
-        coded: dict[fx.Node, tuple[fx.Node, Site]] = {}  # a value with codes -> its rounding and site
-        for op_sites in plan.ops:
-            node = nodes[op_sites.node]
-            users = list(node.users)
-            if op_sites.relu_output:  # the site masks the gradient by the rounded output, inside the ReLU's mask
-                node.op, node.target, node.kwargs = "call_function", _relu_masked_by_its_site, {}
-            sites = tuple((out.position, *add_site(out.value, None if op_sites.per_use else out.gradient,
-                                                   op_sites.relu_output,
-                                                   grad_arrives_rounded=op_sites.op in arrive_rounded))
-                          for out in op_sites.outputs)
-            with fx_graph.inserting_after(formats_node if node.op == "placeholder" else node):
-                pair = fx_graph.call_function(_round, (node, rows_node, seed_node, counters_node, sites, formats_node,
-                                                       histories_node))
-            with fx_graph.inserting_after(pair):
-                rounded = fx_graph.call_function(operator.getitem, (pair, 0))
-            with fx_graph.inserting_after(rounded):
-                forward_counts.append(fx_graph.call_function(operator.getitem, (pair, 1)))
-                kept.append(fx_graph.call_function(operator.getitem, (pair, 3)))
-            node.replace_all_uses_with(rounded, delete_user_cb=lambda user, pair=pair: user is not pair)
-            whole = sites[0][1] if len(sites) == 1 and sites[0][0] == 0 and sites[0][1].code is not None else None
-            if whole is not None:
-                coded[rounded] = pair, whole
-            for user in users if op_sites.per_use else ():  # each consumer's gradient rounded before it
-                site, counter = add_site(op_sites.outputs[0].value, op_sites.outputs[0].gradient, False, act=False)
-                with fx_graph.inserting_before(user):
-                    use = fx_graph.call_function(_round_gradient, (rounded, rows_node, seed_node, counters_node, site,
-                                                                   counter, formats_node))
-                user.replace_input_with(rounded, use)
-                if whole is not None:
-                    coded[use] = pair, whole
+        numbering = _SiteNumbering(graph, rows, roundings, codes, scaled, delayed)
+        forward_counts, kept, coded = _round_at_sites(gm.graph, plan, numbering, inputs, arrive_rounded)
         weight_sites: dict[str, tuple[Site, int | None]] = {}  # made last, as before: the seeds follow site order
-        _read_codes_in_backward(gm, coded, rows_node, seed_node, masters_node, histories_node, Slicing(graph.rules),
-                                _HeldByGraph((weight_sites, formats)))
-        output = next(node for node in fx_graph.nodes if node.op == "output")
+        _read_codes_in_backward(gm, coded, inputs.rows, inputs.seed, inputs.masters, inputs.histories,
+                                Slicing(graph.rules), _HeldByGraph((weight_sites, formats)))
+        output = next(node for node in gm.graph.nodes if node.op == "output")
         output.args = ((output.args[0], tuple(forward_counts), tuple(kept)),)
-        fx_graph.lint()
+        gm.graph.lint()
         gm.recompile()
         self.graph_module = gm
-        weight_sites.update({site.param: add_site(site.value, site.gradient, False) for site in plan.weights})
+        weight_sites.update({site.param: numbering.add(site.value, site.gradient, False) for site in plan.weights})
         self.weight_sites = weight_sites
+        self.sites, self._counters = numbering.sites, numbering.counters
+        self._set_up_step(graph)
+
+    def _set_up_step(self, graph: TensorGraph) -> None:
+        """What a step reads off the sites, and the step's own compiled function."""
         # the rows whose recorded histories the step returns, in order (a value's; a gradient's leave as gradients)
         self._kept = [self._delayed[site.history[0]] for site in self.sites if site.history[0] is not None]
         self._gradient_histories = {site.history[1] for site in self.sites} - {None}

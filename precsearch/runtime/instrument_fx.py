@@ -42,47 +42,70 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
     op rules the graph was traced with (``graph.rules``) allow it, a rounding writes over the op's output and
     over the gradient it receives (precsearch.graph.in_place); without ``in_place``, never."""
     source = graph.graph_module
-    slicing = Slicing(graph.rules)  # which layers run their backward a slice at a time
-    fx_graph = copy.deepcopy(source.graph)
-    gm = fx.GraphModule(source, fx_graph, type(module).__name__)
+    gm = fx.GraphModule(source, copy.deepcopy(source.graph), type(module).__name__)
     traced = dict(gm.named_modules())
     for name, layer in (replaced or {}).items():
         if name in traced:
             gm.set_submodule(name, layer)
-    nodes = {node.name: node for node in fx_graph.nodes}
-    last_placeholder = [node for node in fx_graph.nodes if node.op == "placeholder"][-1]
-    carried: dict[fx.Node, dict[int, Slot]] = {}  # node -> the rounded activation slot of each output
+    rounders, carried = _insert_rounders(gm, graph, plan, rounding, in_place)
+    _insert_aliases(gm, graph, rounding, carried)
+    for name, (node, inserted) in rounders.items():
+        if plan.of_op(name).per_use:
+            _round_per_use(gm, node, inserted, rounding)
+    for name, (_, inserted) in rounders.items():
+        add = plan.of_op(name).gradient_from
+        if in_place and add in rounders and set(inserted.slots) == {0}:
+            inserted.grad_source = rounders[add][1].slots.get(0, (None, None))[1]
+    _replace_layer_calls(gm, module, rounding, Slicing(graph.rules), traced, carried)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
-    def insert(after: fx.Node, node: fx.Node, name: str, inserted: nn.Module) -> fx.Node:
-        gm.add_submodule(name, inserted)
-        with fx_graph.inserting_after(after):
-            new = fx_graph.call_module(name, (node,))
-        node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
-        return new
 
+def _insert(gm: fx.GraphModule, after: fx.Node, node: fx.Node, name: str, inserted: nn.Module) -> fx.Node:
+    """A call of ``inserted`` on ``node``, after ``after``, read by every other use of ``node``."""
+    gm.add_submodule(name, inserted)
+    with gm.graph.inserting_after(after):
+        new = gm.graph.call_module(name, (node,))
+    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    return new
+
+
+def _insert_rounders(gm: fx.GraphModule, graph: TensorGraph, plan: SitePlan, rounding: Rounding, in_place: bool
+                     ) -> tuple[dict[str, tuple[fx.Node, Rounder]], dict[fx.Node, dict[int, Slot]]]:
+    """A ``Rounder`` after every op of ``graph`` that makes a rounded tensor; returns, by op, the rounding's node
+    and module, and, by node, the rounded activation slot of each output it carries."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    last_placeholder = [node for node in gm.graph.nodes if node.op == "placeholder"][-1]
     fresh_gradients = gradient_arrives_fresh(graph) if in_place else frozenset()
-    rounders: dict[str, Rounder] = {}
-    per_use: list[tuple[fx.Node, Rounder]] = []  # the rounding nodes whose consumers round their own gradients
+    rounders: dict[str, tuple[fx.Node, Rounder]] = {}
+    carried: dict[fx.Node, dict[int, Slot]] = {}
     for index, op in enumerate(graph.ops):
         sites = plan.of_op(op.name)
         inserted = rounder_for(sites, rounding)
-        if inserted is not None:
-            # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
-            inserted.in_place = in_place and makes_fresh_output(op, graph.rules)
-            inserted.grad_in_place = op.name in fresh_gradients and set(inserted.slots) == {0}
-            node = nodes[op.node]
-            after = last_placeholder if node.op == "placeholder" else node
-            new = insert(after, node, f"precsearch_round_{index}", inserted)
-            passes = in_place and sites.gradient_from is not None
-            reader = next(iter(new.users)) if inserted.grad_in_place or passes else None  # the one
-            if reader is not None and reader.op == "call_module":
-                inserted.__dict__["reader"] = gm.get_submodule(reader.target)  # the user's, not a child
-            carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
-            rounders[op.name] = inserted
-            if sites.per_use:
-                per_use.append((new, inserted))
+        if inserted is None:
+            continue
+        # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
+        inserted.in_place = in_place and makes_fresh_output(op, graph.rules)
+        inserted.grad_in_place = op.name in fresh_gradients and set(inserted.slots) == {0}
+        node = nodes[op.node]
+        after = last_placeholder if node.op == "placeholder" else node
+        new = _insert(gm, after, node, f"precsearch_round_{index}", inserted)
+        passes = in_place and sites.gradient_from is not None
+        reader = next(iter(new.users)) if inserted.grad_in_place or passes else None  # the one
+        if reader is not None and reader.op == "call_module":
+            inserted.__dict__["reader"] = gm.get_submodule(reader.target)  # the user's, not a child
+        carried[new] = {position: act for position, (act, _) in inserted.slots.items() if act.is_low}
+        rounders[op.name] = new, inserted
+    return rounders, carried
+
+
+def _insert_aliases(gm: fx.GraphModule, graph: TensorGraph, rounding: Rounding,
+                    carried: dict[fx.Node, dict[int, Slot]]) -> None:
+    """An ``Alias`` after every layout op that may copy a rounded activation (a ``getitem`` picks its output's
+    slot); ``carried`` gains the nodes that carry a rounded activation on."""
     op_nodes = {op.node for op in graph.ops}
-    for node in list(fx_graph.nodes):
+    for node in list(gm.graph.nodes):
         if (node.name in op_nodes or node in carried or not node.op.startswith("call_")
                 or graph.rules.returns_no_tensor(node.target) or node.target is getattr):
             continue
@@ -94,16 +117,16 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
             source_slots = {0: picked} if picked is not None else {}
         if 0 in source_slots:
             alias = Alias(rounding, source_slots[0])
-            carried[insert(node, node, f"precsearch_alias_{len(carried)}", alias)] = source_slots
+            carried[_insert(gm, node, node, f"precsearch_alias_{len(carried)}", alias)] = source_slots
         elif source_slots:
             carried[node] = source_slots
-    for node, inserted in per_use:
-        _round_per_use(fx_graph, gm, node, inserted, rounding)
-    for name, inserted in rounders.items():
-        add = plan.of_op(name).gradient_from
-        if in_place and add in rounders and set(inserted.slots) == {0}:
-            inserted.grad_source = rounders[add].slots.get(0, (None, None))[1]
-    for node in list(fx_graph.nodes):
+
+
+def _replace_layer_calls(gm: fx.GraphModule, module: nn.Module, rounding: Rounding, slicing: Slicing,
+                         traced: dict[str, nn.Module], carried: dict[fx.Node, dict[int, Slot]]) -> None:
+    """Every call of one of the user's modules (``traced``) and every parameter read replaced where
+    ``_layer_call`` says."""
+    for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target in traced:  # the user's modules, not those inserted
             names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]
             low_input = len(node.args) == 1 and bool(carried.get(node.args[0])) and not node.kwargs  # a low value
@@ -118,14 +141,10 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
         elif node.op == "get_attr":
             inserted = _layer_call(module, rounding, slicing, node.target, None, False, False)
             if inserted is not None:
-                insert(node, node, f"precsearch_weight_{node.target.replace('.', '_')}", inserted)
-    fx_graph.lint()
-    gm.recompile()
-    return gm
+                _insert(gm, node, node, f"precsearch_weight_{node.target.replace('.', '_')}", inserted)
 
 
-def _round_per_use(fx_graph: fx.Graph, gm: fx.GraphModule, node: fx.Node, inserted: Rounder,
-                   rounding: Rounding) -> None:
+def _round_per_use(gm: fx.GraphModule, node: fx.Node, inserted: Rounder, rounding: Rounding) -> None:
     """Give each consumer of ``node`` (the rounding node of an op's one output) its own gradient rounding module,
     and take the rounding of the summed gradient off ``inserted``."""
     act, grad = inserted.slots[0]
@@ -136,8 +155,8 @@ def _round_per_use(fx_graph: fx.Graph, gm: fx.GraphModule, node: fx.Node, insert
     for user in users:
         name = f"precsearch_use_{node.name}_{user.name}"
         gm.add_submodule(name, GradUse(rounding, grad))
-        with fx_graph.inserting_before(user):
-            use = fx_graph.call_module(name, (node,))
+        with gm.graph.inserting_before(user):
+            use = gm.graph.call_module(name, (node,))
         user.replace_input_with(node, use)
 
 

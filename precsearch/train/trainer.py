@@ -346,167 +346,227 @@ def train(
     the result is read at the end as it is (confirmation: a checkpoint at ``decay_from`` is a reading's state).
     """
     config = config or ProxyConfig()
+    _check_request(policy, data[0], steps, config, continuing, checkpoint, decay_from, autocast)
+    torch_device = resolve_device(device)
+    checked = determinism(torch_device) if deterministic else contextlib.nullcontext()
+    with checked, seeded(seed, torch_device):
+        run = _TrainingRun(model_spec, policy, data, steps, seed, torch_device, config, recipe=recipe, compile=compile,
+                   on_start=on_start, continuing=continuing, checkpoint=checkpoint, decay_from=decay_from,
+                   autocast=autocast, evaluate_at=evaluate_at)
+        run.loop(stop_on_divergence, report, eval_every, on_eval)
+        reading = run.evaluate(run.steps_run, final=True, on_eval=on_eval)
+    return run.result(reading)
+
+
+def _check_request(policy: Policy | None, train_set: ImageDataset, steps: int, config: ProxyConfig, continuing: bool,
+                   checkpoint: Path | None, decay_from: int | None, autocast: torch.dtype | None) -> None:
+    """``train``'s arguments agree with each other and with the data, before anything is built."""
     if policy is not None and autocast is not None:
         raise ValueError("train under a policy or under torch.autocast, not both")
     if checkpoint is not None and not continuing:
         raise ValueError("a checkpoint continues only a continuing run (a cosine schedule spans its own length)")
     if decay_from is not None and not (continuing and 0 <= decay_from < steps):
         raise ValueError(f"decay_from={decay_from} needs a continuing run and a step before steps={steps}")
-    decay = None if decay_from is None else [decay_from, steps]
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")
-    train_set, val_set = data
     if len(train_set) < config.batch_size:
         raise PrecsearchError(f"the training set has {len(train_set)} images, fewer than the batch size "
                               f"{config.batch_size}; lower the batch size or give more data")
-    torch_device = resolve_device(device)
-    checked = determinism(torch_device) if deterministic else contextlib.nullcontext()
-    with checked, seeded(seed, torch_device):
-        model = build_model(model_spec, train_set.num_classes, train_set.images[:2]).to(torch_device)
+
+
+class _TrainingRun:
+    """One call of ``train``, set up inside its seeded block: the model under its policy, its optimizer, schedule
+    and loss scaler, where the run stands (``Progress``, continued from ``checkpoint`` when it holds one) and the
+    steps this call spent; ``loop`` trains, ``evaluate`` reads, ``result`` sums it up."""
+
+    def __init__(self, model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,
+                 seed: int, device: torch.device, config: ProxyConfig, *, recipe: Recipe | None,
+                 compile: CompileOptions | None, on_start: Callable[[], None] | None, continuing: bool,
+                 checkpoint: Path | None, decay_from: int | None, autocast: torch.dtype | None,
+                 evaluate_at: Collection[int]) -> None:
+        self.policy, self.data, self.train_set, self.steps, self.seed = policy, data, data[0], steps, seed
+        self.device, self.config, self.autocast = device, config, autocast
+        self.continuing, self.checkpoint = continuing, checkpoint
+        self.decay = None if decay_from is None else [decay_from, steps]
+        self.model = build_model(model_spec, self.train_set.num_classes, self.train_set.images[:2]).to(device)
         if recipe is not None and recipe.kaiming_init and ":" not in models.parse_model_spec(model_spec)[0]:
-            kaiming_fan_out_(model)  # zoo models only: a user's factory keeps its own init
-        start = time.perf_counter()
+            kaiming_fan_out_(self.model)  # zoo models only: a user's factory keeps its own init
+        self.start = time.perf_counter()
         if on_start is not None:
             on_start()
-        per_epoch = len(train_set) // config.batch_size
+        self.per_epoch = len(self.train_set) // config.batch_size
         if policy is not None:  # traced on real images, as the search traced it: a branch zeros skip is kept
-            model = apply_policy(model, policy, train_set.images[:2].to(torch_device), seed=seed,
-                                 stats_every=config.stats_every, steps_per_epoch=per_epoch,
-                                 compile=compile or False)
-        model.train()
-        sgd = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                              weight_decay=config.weight_decay)
-        optimizer = model.wrap_optimizer(sgd) if policy is not None else sgd
-        epoch_schedule = recipe is not None and recipe.epoch_schedule
-        schedule = None if continuing else torch.optim.lr_scheduler.CosineAnnealingLR(
-            sgd, T_max=math.ceil(steps / per_epoch) if epoch_schedule else steps)
-        augment = torch.Generator().manual_seed(seed + 1) if recipe is not None and recipe.augment else None
-        scaler = model.scaler if policy is not None else autocast_scaler(autocast, torch_device)
-        own_scaler = scaler if isinstance(scaler, CountingGradScaler) else None  # not in the model's state_dict
-        tag = run_tag(policy, seed, autocast)
-        saved = read_checkpoint(checkpoint, tag, steps, decay) if checkpoint is not None else None
-        progress = Progress()
+            self.model = apply_policy(self.model, policy, self.train_set.images[:2].to(device), seed=seed,
+                                      stats_every=config.stats_every, steps_per_epoch=self.per_epoch,
+                                      compile=compile or False)
+        self.model.train()
+        self._set_up_optimizer(recipe)
+        self._continue_from_checkpoint()
+        self.rungs = {step for step in evaluate_at if 1 <= step <= steps}
+        self.monitor = Divergence(config, self.progress.first_loss)
+        self.window: list[float] = []  # losses since the last report
+
+    def _set_up_optimizer(self, recipe: Recipe | None) -> None:
+        """SGD (wrapped by the policy's model), the cosine schedule (none when continuing), the augmentation's
+        generator and the loss scaler."""
+        config = self.config
+        self.sgd = torch.optim.SGD(self.model.parameters(), lr=config.lr, momentum=config.momentum,
+                                   weight_decay=config.weight_decay)
+        self.optimizer = self.model.wrap_optimizer(self.sgd) if self.policy is not None else self.sgd
+        self.epoch_schedule = recipe is not None and recipe.epoch_schedule
+        self.schedule = None if self.continuing else torch.optim.lr_scheduler.CosineAnnealingLR(
+            self.sgd, T_max=math.ceil(self.steps / self.per_epoch) if self.epoch_schedule else self.steps)
+        self.augment = torch.Generator().manual_seed(self.seed + 1) if recipe is not None and recipe.augment else None
+        self.scaler = self.model.scaler if self.policy is not None else autocast_scaler(self.autocast, self.device)
+        # not in the model's state_dict
+        self.own_scaler = self.scaler if isinstance(self.scaler, CountingGradScaler) else None
+
+    def _continue_from_checkpoint(self) -> None:
+        """Where the run stands: the checkpoint's state and progress when it holds this run's, else the start."""
+        self.tag = run_tag(self.policy, self.seed, self.autocast)
+        saved = (read_checkpoint(self.checkpoint, self.tag, self.steps, self.decay)
+                 if self.checkpoint is not None else None)
+        self.progress = Progress()
         if saved is not None:
-            saved[0].restore(model, optimizer, torch_device, own_scaler)
-            progress = saved[1]
-        earlier_calls = progress.elapsed  # seconds the calls before this one trained: each checkpoint adds this call's
-        rungs = {step for step in evaluate_at if 1 <= step <= steps}
-        monitor = Divergence(config, progress.first_loss)
-        curve, val_curve = progress.losses, progress.val_curve
-        window: list[float] = []
-        spent = progress.unreported
+            saved[0].restore(self.model, self.optimizer, self.device, self.own_scaler)
+            self.progress = saved[1]
+        self.earlier_calls = self.progress.elapsed  # seconds the calls before this one trained
+        self.spent = self.progress.unreported
 
-        def sgd_step(images: torch.Tensor, labels: torch.Tensor) -> float:
-            raise_recorded_stop()  # a stop recorded inside Optuna's frames ends the run here, branch steps included
-            if augment is not None:
-                images = random_crop_flip(images, train_set.mean, train_set.std, augment)
-            images, labels = images.to(torch_device), labels.to(torch_device)
-            optimizer.zero_grad(set_to_none=True)
-            with autocasting(torch_device, autocast):
-                loss = F.cross_entropy(model(images), labels)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            return float(loss.detach())
+    @property
+    def steps_run(self) -> int:
+        return len(self.progress.losses)
 
-        def read(step: int, final: bool) -> Reading:
-            """The reading at ``step`` (precsearch.train.reading: batch norm's statistics recomputed first): of
-            the model as it is, or, continuing, off a decay branch (precsearch.train.continuing), the state at
-            ``step`` checkpointed and, unless ``final``, restored after it."""
-            nonlocal spent
-            branched = continuing and not progress.reason and not progress.decay  # a run in its decay is read as is
-            state = State.capture(model, optimizer, torch_device, own_scaler) if branched else None
-            if state is not None:
-                length = decay_steps(step)
-                branch = itertools.islice(_batches(train_set, config.batch_size, seed, start=step), length)
-                for index, (images, labels) in enumerate(branch):
-                    for group in sgd.param_groups:
-                        group["lr"] = decay_lr(config.lr, index, length)
-                    sgd_step(images, labels)
-                spent += length
-                progress.branch_steps += length
-            with autocasting(torch_device, autocast):
-                reading = read_model(model, data, torch_device, bn_images=config.bn_images,
-                                     eval_batch_size=config.eval_batch_size, seed=seed)
-            if step in rungs and not (val_curve and val_curve[-1][0] == step):
-                val_curve.append([step, reading.accuracy])
-            if state is not None:
-                progress.elapsed = elapsed()
-                progress.unreported = 0 if final else spent  # a final reading is returned: its result counts them
-                if checkpoint is not None:
-                    write_checkpoint(checkpoint, tag, state, progress)
-                if not final:
-                    state.restore(model, optimizer, torch_device, own_scaler)
-                    for group in sgd.param_groups:
-                        group["lr"] = config.lr
-            return reading
+    def elapsed(self) -> float:
+        """Seconds trained, this call's and the earlier calls' of a continued run."""
+        return self.earlier_calls + time.perf_counter() - self.start
 
-        def elapsed() -> float:
-            return earlier_calls + time.perf_counter() - start
+    def _capture(self) -> State:
+        return State.capture(self.model, self.optimizer, self.device, self.own_scaler)
 
-        batches = _batches(train_set, config.batch_size, seed, start=progress.step)
-        while progress.step < steps and not (progress.reason and stop_on_divergence):
+    def _set_lr(self, lr: float) -> None:
+        for group in self.sgd.param_groups:
+            group["lr"] = lr
+
+    def sgd_step(self, images: torch.Tensor, labels: torch.Tensor) -> float:
+        raise_recorded_stop()  # a stop recorded inside Optuna's frames ends the run here, branch steps included
+        if self.augment is not None:
+            images = random_crop_flip(images, self.train_set.mean, self.train_set.std, self.augment)
+        images, labels = images.to(self.device), labels.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        with autocasting(self.device, self.autocast):
+            loss = F.cross_entropy(self.model(images), labels)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return float(loss.detach())
+
+    def loop(self, stop_on_divergence: bool, report: Report | None, eval_every: int | None,
+             on_eval: Evaluate | None) -> None:
+        """Train to ``steps``, or to a divergence where it stops the run, with the reports, the evaluations and
+        the checkpoints between; the last step's evaluation is the caller's."""
+        progress, config = self.progress, self.config
+        batches = _batches(self.train_set, config.batch_size, self.seed, start=progress.step)
+        while progress.step < self.steps and not (progress.reason and stop_on_divergence):
             step = progress.step = progress.step + 1
-            if decay is not None and step > decay[0]:
-                progress.decay = decay
-                for group in sgd.param_groups:
-                    group["lr"] = decay_lr(config.lr, step - 1 - decay[0], decay[1] - decay[0])
-            value = sgd_step(*next(batches))
-            spent += 1
-            if schedule is not None and (not epoch_schedule or step % per_epoch == 0):
+            if self.decay is not None and step > self.decay[0]:
+                progress.decay = self.decay
+                self._set_lr(decay_lr(config.lr, step - 1 - self.decay[0], self.decay[1] - self.decay[0]))
+            value = self.sgd_step(*next(batches))
+            self.spent += 1
+            if self.schedule is not None and (not self.epoch_schedule or step % self.per_epoch == 0):
                 with warnings.catch_warnings():  # a step the loss scaler skipped is no misordered scheduler
                     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-                    schedule.step()
-            curve.append(value)
-            window.append(value)
-            progress.reason = progress.reason or monitor.check(step, value, scaler)
-            progress.first_loss = monitor.first_loss
+                    self.schedule.step()
+            progress.losses.append(value)
+            self.window.append(value)
+            progress.reason = progress.reason or self.monitor.check(step, value, self.scaler)
+            progress.first_loss = self.monitor.first_loss
             if progress.reason and stop_on_divergence:
                 break
             if report is not None and step % config.report_every == 0:
-                report(step, sum(window) / len(window))
-                window.clear()
-            if step == steps:
+                report(step, sum(self.window) / len(self.window))
+                self.window.clear()
+            if step == self.steps:
                 break
-            if step in rungs or (eval_every and step % eval_every == 0):
-                reading = read(step, final=False)
-                if on_eval is not None:
-                    on_eval(step, reading)
-            elif checkpoint is not None and step % CHECKPOINT_EVERY == 0:
-                progress.elapsed, progress.unreported = elapsed(), spent
-                write_checkpoint(checkpoint, tag, State.capture(model, optimizer, torch_device, own_scaler), progress)
-        reading = read(len(curve), final=True)
+            if step in self.rungs or (eval_every and step % eval_every == 0):
+                self.evaluate(step, final=False, on_eval=on_eval)
+            elif self.checkpoint is not None and step % CHECKPOINT_EVERY == 0:
+                self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
+        """The state and progress at this step, kept at ``checkpoint`` for a later call to continue from."""
+        self.progress.elapsed, self.progress.unreported = self.elapsed(), self.spent
+        write_checkpoint(self.checkpoint, self.tag, self._capture(), self.progress)
+
+    def evaluate(self, step: int, final: bool, on_eval: Evaluate | None) -> Reading:
+        """The reading at ``step``, handed to ``on_eval``."""
+        reading = self._read(step, final)
         if on_eval is not None:
-            on_eval(len(curve), reading)
-    accuracy, val_loss = reading.accuracy, reading.loss
-    reason = progress.reason
-    if not reason and not math.isfinite(val_loss):
-        reason = "non-finite validation loss"
-    stats = model.tensor_stats() if policy is not None else {}
-    overflow_max, underflow_max, underflow_mean = _stat_summary(stats)
-    result = ProxyResult(
-        val_accuracy=accuracy,
-        val_loss=val_loss if math.isfinite(val_loss) else float("inf"),
-        batch_stats_accuracy=reading.batch_stats_accuracy,
-        diverged=bool(reason),
-        reason=reason,
-        steps_run=len(curve),
-        loss_curve=curve,
-        skipped_steps=scaler.skipped_steps,
-        final_loss_scale=float(scaler.get_scale()),
-        promotions=[promotion.id for promotion in model.promotions] if policy is not None else [],
-        overflow_max=overflow_max,
-        underflow_max=underflow_max,
-        underflow_mean=underflow_mean,
-        wall_time=elapsed(),
-        device=str(torch_device),
-        val_curve=val_curve,
-        steps_spent=spent,
-        branch_steps=progress.branch_steps,
-    )
-    log.info("proxy: acc %.4f loss %.4f%s in %.1fs", accuracy, result.val_loss,
-             f" (diverged: {reason})" if reason else "", result.wall_time)
-    return result
+            on_eval(step, reading)
+        return reading
+
+    def _read(self, step: int, final: bool) -> Reading:
+        """The reading at ``step`` (precsearch.train.reading: batch norm's statistics recomputed first): of
+        the model as it is, or, continuing, off a decay branch (precsearch.train.continuing), the state at
+        ``step`` checkpointed and, unless ``final``, restored after it."""
+        progress, config = self.progress, self.config
+        branched = self.continuing and not progress.reason and not progress.decay  # a run in its decay is read as is
+        state = self._capture() if branched else None
+        if state is not None:
+            length = decay_steps(step)
+            branch = itertools.islice(_batches(self.train_set, config.batch_size, self.seed, start=step), length)
+            for index, (images, labels) in enumerate(branch):
+                self._set_lr(decay_lr(config.lr, index, length))
+                self.sgd_step(images, labels)
+            self.spent += length
+            progress.branch_steps += length
+        with autocasting(self.device, self.autocast):
+            reading = read_model(self.model, self.data, self.device, bn_images=config.bn_images,
+                                 eval_batch_size=config.eval_batch_size, seed=self.seed)
+        if step in self.rungs and not (progress.val_curve and progress.val_curve[-1][0] == step):
+            progress.val_curve.append([step, reading.accuracy])
+        if state is not None:
+            progress.elapsed = self.elapsed()
+            progress.unreported = 0 if final else self.spent  # a final reading is returned: its result counts them
+            if self.checkpoint is not None:
+                write_checkpoint(self.checkpoint, self.tag, state, progress)
+            if not final:
+                state.restore(self.model, self.optimizer, self.device, self.own_scaler)
+                self._set_lr(config.lr)
+        return reading
+
+    def result(self, reading: Reading) -> ProxyResult:
+        """The call's result from its final ``reading``, logged."""
+        accuracy, val_loss = reading.accuracy, reading.loss
+        reason = self.progress.reason
+        if not reason and not math.isfinite(val_loss):
+            reason = "non-finite validation loss"
+        stats = self.model.tensor_stats() if self.policy is not None else {}
+        overflow_max, underflow_max, underflow_mean = _stat_summary(stats)
+        result = ProxyResult(
+            val_accuracy=accuracy,
+            val_loss=val_loss if math.isfinite(val_loss) else float("inf"),
+            batch_stats_accuracy=reading.batch_stats_accuracy,
+            diverged=bool(reason),
+            reason=reason,
+            steps_run=self.steps_run,
+            loss_curve=self.progress.losses,
+            skipped_steps=self.scaler.skipped_steps,
+            final_loss_scale=float(self.scaler.get_scale()),
+            promotions=[promotion.id for promotion in self.model.promotions] if self.policy is not None else [],
+            overflow_max=overflow_max,
+            underflow_max=underflow_max,
+            underflow_mean=underflow_mean,
+            wall_time=self.elapsed(),
+            device=str(self.device),
+            val_curve=self.progress.val_curve,
+            steps_spent=self.spent,
+            branch_steps=self.progress.branch_steps,
+        )
+        log.info("proxy: acc %.4f loss %.4f%s in %.1fs", accuracy, result.val_loss,
+                 f" (diverged: {reason})" if reason else "", result.wall_time)
+        return result
 
 
 METRICS_COLUMNS = "step,epoch,train_loss,val_accuracy,val_loss,batch_stats_accuracy,wall_time"
