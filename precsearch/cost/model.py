@@ -368,16 +368,33 @@ class CostModel:
                     step.hold(4 * numel, step.fwd(i), step.fwd(i), f"unrounded {tid}")
             if step.needs_grad[tid]:
                 users = [step.index[name] for name in graph.tensors[tid].consumers if name in step.index]
-                add = self._gradient_sources.get(ops[i].name)
+                add = self._passes_alike(step, tid)
                 grad_format = step.format(grad_id(tid))
-                alike = add is not None and step.format(grad_id(add.outputs[0])) == grad_format
-                # the add's gradient itself, which its other input's gradient block holds: no block of its own
-                if not (alike and any(step.needs_grad[other] for other in add.input_tensors if other != tid)):
+                alike = add is not None
+                if not alike or self._holds_shared_gradient(step, tid, add):
                     arrives = step.bwd(max(users)) if users else 4.0 * step.n
                     step.hold(4 * numel, arrives, step.bwd(i), f"gradient {tid}")
                 rounded_over = alike or (ops[i].name in self._fresh_gradients and not step.format(tid).is_fp32)
                 if not grad_format.is_fp32 and not rounded_over:
                     step.hold(4 * numel, step.bwd(i) - 1, step.bwd(i) - 1, f"rounded gradient {tid}")
+
+    def _passes_alike(self, step: _StepReplay, tid: str) -> OpInfo | None:
+        """The add whose output gradient is ``tid``'s gradient itself, in the same format
+        (``graph.gradient_passes_from``: rounding it again changes no value), or None."""
+        add = self._gradient_sources.get(step.graph.ops[step.producer[tid]].name)
+        if add is None or step.format(grad_id(add.outputs[0])) != step.format(grad_id(tid)):
+            return None
+        return add
+
+    def _holds_shared_gradient(self, step: _StepReplay, tid: str, add: OpInfo) -> bool:
+        """Whether ``tid``'s block holds the add's gradient, which the add hands each input as the same tensor:
+        that tensor lives to the backward of the last input to read it. Where another input has a gradient block
+        of its own (its gradient rounded into a new tensor, or read by other ops too), that block holds it; where
+        every input passes it alike, the one whose backward comes last (the earliest producer) does."""
+        sharing = [t for t in add.input_tensors if step.needs_grad[t]]
+        if any(self._passes_alike(step, t) is None for t in sharing):
+            return False
+        return tid == min(sharing, key=lambda t: step.producer[t])
 
     def _hold_weights(self, step: _StepReplay, channel_sliced: set[str]) -> None:
         """Each trainable weight's gradient (held as codes where low and packed), its low copies, and the
