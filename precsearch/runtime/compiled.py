@@ -261,9 +261,8 @@ class _Round(torch.autograd.Function):
             with torch.fx.traceback.annotate(HELD):
                 held, counted, kept = _held_bytes(g, rows[site.grad], _site_seed(seed, site, True), site,
                                                   ctx.formats.get(site.scaled[1]), history)
-                # an inf or NaN its codes miss counts as an overflow: the step is skipped (TensorState.settle)
-                overflowed = counted.sum().to(torch.float64).reshape(1)
-            return None, None, None, overflowed, None, None, held.view(CARRIER_DTYPE), None, kept
+                counts = counted.to(torch.float64).reshape(2)  # an inf or NaN its codes miss: unencodable
+            return None, None, None, counts, None, None, held.view(CARRIER_DTYPE), None, kept
         if site.grad is not None:
             grad_seed = _site_seed(seed, site, True)
             if site.grad_arrives_rounded:  # rounding again changes no value (and would hold a second copy)
@@ -271,10 +270,16 @@ class _Round(torch.autograd.Function):
             else:
                 g, overflowed, kept = _rounded(g, rows[site.grad], grad_seed, site.rounding[1],
                                                ctx.formats.get(site.scaled[1]), history)
-            overflowed = overflowed.to(torch.float64).reshape(1)
+            overflowed = _backward_counts(overflowed)
         if output:
             g = torch.ops.aten.threshold_backward(g, output[0], 0)
         return g, None, None, overflowed, None, None, None, None, kept
+
+
+def _backward_counts(overflowed: torch.Tensor) -> torch.Tensor:
+    """A gradient site's counts as its counter's gradient: [overflowed, unencodable] (float64; a gradient left
+    float32 has no value its format cannot hold)."""
+    return torch.cat([overflowed.to(torch.float64).reshape(1), overflowed.new_zeros(1, dtype=torch.float64)])
 
 
 class _ReluMaskedByItsSite(torch.autograd.Function):
@@ -324,7 +329,7 @@ class _RoundGradient(torch.autograd.Function):
         site = ctx.site
         g, overflowed, _ = _rounded(g, rows[site.grad], _site_seed(seed, site, True), site.rounding[1],
                                     ctx.formats.get(site.scaled[1]))  # never delayed (``unsupported``)
-        return g, None, None, overflowed.to(torch.float64).reshape(1), None, None
+        return g, None, None, _backward_counts(overflowed), None, None
 
 
 def _round_gradient(value: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
@@ -685,8 +690,9 @@ class RoundingGraph:
             return backend(graph_module, example_inputs)
 
     def counters(self, device: torch.device) -> list[torch.Tensor]:
-        """Fresh float64 leaves, one per site whose gradient is rounded: their gradients count its overflows."""
-        return [torch.zeros(1, dtype=torch.float64, device=device, requires_grad=True) for _ in range(self._counters)]
+        """Fresh float64 leaves, one per site whose gradient is rounded: their gradients count its values that
+        overflowed and (a weight gradient held as codes) that its codes miss."""
+        return [torch.zeros(2, dtype=torch.float64, device=device, requires_grad=True) for _ in range(self._counters)]
 
     def run(self, model: nn.Module, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor,
             counters: list[torch.Tensor], slots: dict[int, Slot], training: bool) -> tuple[Any, torch.Tensor]:
@@ -716,7 +722,7 @@ class RoundingGraph:
         grads = [counter.grad for counter in counters]
         backward = bool(grads) and all(grad is not None for grad in grads)
         if backward:
-            counted[:, 0].index_add_(0, backward_rows, torch.cat(grads))
+            counted.index_add_(0, backward_rows, torch.stack(grads))
         counted = counted.to(torch.int64)
         return torch.cat([counted[:, :1], self._elements_at(batch, device, backward), counted[:, 1:]], dim=1)
 
