@@ -40,6 +40,7 @@ from precsearch.models import check_trusted
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
 from precsearch.search.objective import TRIAL_POLICIES
+from precsearch.search.trials import origins
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult, resolve_device, train
 
@@ -88,7 +89,7 @@ def _roles(run_dir: Path, trials: pd.DataFrame) -> dict[str, list[str]]:
         for number in pareto["number"]:
             roles.setdefault(by_number.loc[number, "key"], []).append("front")
     for _, row in trained.iterrows():
-        for origin in str(row["origin"]).split("; "):
+        for origin in origins(row["origin"]):
             if origin == "all-high" or origin.startswith("paper r="):
                 roles.setdefault(row["key"], []).append(origin)
     best = run_dir / "best.json"

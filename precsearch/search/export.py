@@ -28,7 +28,7 @@ from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.selection import Pick, confirmed_pick, mark_ties, pareto_front
 from precsearch.search.sensitivity_table import recorded_table, save_table
 from precsearch.search.strategies import R_GRID
-from precsearch.search.trials import policy_of, trials_frame
+from precsearch.search.trials import copies, policy_of, trials_frame
 from precsearch.train.reading import flagged
 
 __all__ = ["Decision", "Exported", "decide", "export", "pick_policy"]
@@ -191,7 +191,7 @@ def _pick_statement(best: pd.Series, noise: Noise) -> str:
 
 def _budget(frame: pd.DataFrame, calibration: Calibration, confirmation: Confirmation | None,
             reference: Reference | None, context: SearchContext) -> pd.DataFrame:
-    fresh = frame[frame["duplicate_of"] == ""] if not frame.empty else frame
+    fresh = frame[~copies(frame)] if not frame.empty else frame
     factor = context.settings["confirm_factor"]
     confirm_length = confirmation.length if confirmation is not None else round(factor * calibration.length)
     return budget_table(

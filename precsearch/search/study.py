@@ -128,7 +128,7 @@ from precsearch.search.seeding import Seeding, seed_candidates
 from precsearch.search.selection import confirmation_verdict, pareto_front
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
-from precsearch.search.trials import params_of, policy_of, trials_frame
+from precsearch.search.trials import TrialRecord, params_of, policy_of, retry_trial, trials_frame
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
     TRIALS,
@@ -257,24 +257,22 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     reopened = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     for trial in reopened:
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
-        storage.set_trial_user_attr(trial_id, "interrupted", True)
+        for name, value in TrialRecord(interrupted=True).to_attrs().items():
+            storage.set_trial_user_attr(trial_id, name, value)
         storage.set_trial_state_values(trial_id, TrialState.WAITING)
     trials = study.get_trials(deepcopy=False)
     pending = {context.key(params_of(t)) for t in trials
                if t.state in (*FINISHED, TrialState.WAITING) and len(params_of(t)) == len(context.units)}
     queued = 0
     for trial in trials:
-        params = params_of(trial)
-        if trial.state != TrialState.FAIL or not trial.user_attrs.get("interrupted"):
+        params, record = params_of(trial), TrialRecord.from_trial(trial)
+        if trial.state != TrialState.FAIL or not record.interrupted:
             continue
         if len(params) != len(context.units) or context.key(params) in pending:
             continue
         pending.add(context.key(params))
-        origin = trial.user_attrs.get("origin", [f"requeued trial {trial.number}"])
-        study.add_trial(optuna.trial.create_trial(
-            state=TrialState.WAITING, params=params,
-            distributions={unit: CategoricalDistribution(context.levels) for unit in context.units},
-            user_attrs={"origin": origin}, system_attrs={"failed_trial": trial.number}))
+        study.add_trial(retry_trial(params, {unit: CategoricalDistribution(context.levels) for unit in context.units},
+                                    record.origin or (f"requeued trial {trial.number}",), trial.number))
         queued += 1
     return len(reopened) + queued
 
@@ -292,7 +290,7 @@ def _seed_study(study: optuna.Study, context: SearchContext, seeding: Seeding, t
             if context.key(decisions) in queued:
                 continue
             with ledger.holding(name):
-                study.enqueue_trial(decisions, user_attrs={"origin": origins})
+                study.enqueue_trial(decisions, user_attrs=TrialRecord(origin=tuple(origins)).to_attrs())
                 queued.add(context.key(decisions))
                 pause_point(f"queued:{len(queued)}")
         return {"queued": len(queued)}
@@ -366,7 +364,7 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
         retries = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-                   if "failed_trial" in t.system_attrs]
+                   if TrialRecord.from_trial(t).retry_of is not None]
         if retries:
             optimize(study, objective, len(retries), [])
         elif not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
