@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from precsearch.search.confirmation import Confirmation, reference_divergence
+from precsearch.search.confirmation import Confirmation, Decide, reference_divergence
 from precsearch.search.context import Budget
 from precsearch.search.noise import Noise, pooled_noise
 from precsearch.search.reference import Reference
 
-__all__ = ["Pick", "choose_best", "confirmation_verdict", "confirmed_front", "confirmed_pick", "drop_verdict",
-           "mark_ties", "pareto_front", "usable", "within_drop"]
+__all__ = ["Pick", "choose_best", "confirmable_front", "confirmation_rule", "confirmation_verdict", "confirmed_front",
+           "confirmed_pick", "drop_verdict", "mark_ties", "pareto_front", "usable", "within_drop"]
 
 
 def usable(frame: pd.DataFrame) -> pd.Series:
@@ -163,6 +163,25 @@ def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds
     best["pick_confidence"] = (math.nan if best["key"] == reference_key else noise.probability_above(
         best["val_accuracy"] - reference, -drop, _seeds_of(ok)[best.name], reference_seeds))
     return best
+
+
+def confirmable_front(frame: pd.DataFrame, budget: Budget, objective: str, chance: float) -> pd.DataFrame:
+    """The front points confirmation trains: within the memory budget, and neither diverged nor at chance (such a
+    point cannot be picked whatever its confirmation says)."""
+    front = pareto_front(frame, objective)
+    if budget.max_memory is not None and not front.empty:
+        front = front[front["memory"] <= budget.max_memory + 1e-12]
+    if not front.empty:
+        front = front[(front["val_accuracy"] > chance) & ~front["diverged"].astype(bool)]
+    return front
+
+
+def confirmation_rule(budget: Budget, chance: float) -> Decide | None:
+    """How confirmation decides a point: under an accuracy-drop rule seed by seed while ``confirmation_verdict``
+    is undecided; under a memory budget (whose pick compares the points with each other) on every seed (None)."""
+    if budget.max_memory is not None:
+        return None
+    return lambda runs, high: confirmation_verdict(runs, high, budget, chance)
 
 
 def mark_ties(front: pd.DataFrame, noise: Noise) -> pd.DataFrame:

@@ -56,9 +56,9 @@ Bookkeeping rules:
   --resume, or a worker of the same run directory, continues it from there; a worker on another host
   trains it again, to the same numbers. A PostgreSQL restart is ridden out
   (precsearch.search.storage.RetryingRDBStorage).
-* After every trial the outputs are rewritten atomically from the storage (precsearch.search.export);
-  the policy each proxy trained under is in ``trials/`` of the worker that ran it. ``export_study`` rebuilds
-  all of it from the storage alone.
+* The outputs are written atomically from the storage once the search ends or stops
+  (precsearch.search.export); the policy each proxy trained under is in ``trials/`` of the worker that ran it.
+  ``export_study`` rebuilds all of it from the storage alone, any time.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ from precsearch.search.rundir import (
     write_run_file,
 )
 from precsearch.search.seeding import Seeding, seed_candidates
-from precsearch.search.selection import confirmation_verdict, pareto_front
+from precsearch.search.selection import confirmable_front, confirmation_rule, pareto_front
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
 from precsearch.search.trials import TrialRecord, params_of, policy_of, retry_trial, trials_frame
@@ -379,27 +379,20 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
     budget) in memory order, to the confirmation length, the points on fresh seeds
     (precsearch.search.confirmation): under an accuracy-drop rule sequentially, as
     ``selection.confirmation_verdict`` decides. A front point whose proxy
-    diverged or stayed at chance cannot be picked whatever its confirmation says, so it is not trained again."""
-    frame = trials_frame(study, context)
-    front = pareto_front(frame, context.space.accuracy_objective)
+    diverged or stayed at chance cannot be picked whatever its confirmation says, so it is not trained again
+    (``selection.confirmable_front``)."""
     budget = context.budget
-    if budget.max_memory is not None and not front.empty:
-        front = front[front["memory"] <= budget.max_memory + 1e-12]
-    if not front.empty:
-        front = front[(front["val_accuracy"] > context.chance) & ~front["diverged"].astype(bool)]
+    front = confirmable_front(trials_frame(study, context), budget, context.space.accuracy_objective, context.chance)
     trials = study.get_trials(deepcopy=False)
     high = context.all_high.key
     points = {row["key"]: policy_of(trials[int(row["number"])], context, {"trial": int(row["number"])})
               for _, row in front.sort_values("memory").iterrows() if row["key"] != high}
 
-    def decide(runs: list[dict[str, Any]], high_runs: list[dict[str, Any]]) -> bool | None:
-        return confirmation_verdict(runs, high_runs, budget, context.chance)
-
     reference_seeds = [seed for seed in _reference_seeds(context) if seed not in reference.calibration.failed]
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(reference_seeds))]
     length = confirmation_length(reference.length, confirm_factor)
     return confirm(context, ledger, high, reference_seeds, points, length, seeds, report,
-                   decide if budget.max_memory is None else None)
+                   confirmation_rule(budget, context.chance))
 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME,
@@ -751,9 +744,14 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
 
 
 
+def _front(study: optuna.Study, context: SearchContext) -> pd.DataFrame:
+    """The proxies' Pareto front so far, for the bar: read from the storage, nothing written."""
+    return pareto_front(trials_frame(study, context), context.space.accuracy_objective)
+
+
 def _optimize_here(study: optuna.Study, context: SearchContext, objective: Objective, run: _Run) -> None:
     def after(study: optuna.Study, trial: FrozenTrial) -> None:
-        run.bar.update(trials_done(study), export(study, context, run.out_dir).pareto)
+        run.bar.update(trials_done(study), _front(study, context))
 
     wanted = trials_wanted(study, run.trials, not run.location.shared)
     if wanted <= 0:
@@ -797,7 +795,7 @@ def _run_workers(phase: WorkerPhase, study: optuna.Study, context: SearchContext
             done = trials_done(study)
             if phase is TRIALS and done != seen:
                 seen = done
-                bar.update(done, export(study, context, setup.out_dir).pareto)
+                bar.update(done, _front(study, context))
             bar.phase(steps.shown())
     except KeyboardInterrupt:
         for worker in workers:  # SIGTERM reaches this process only; Ctrl-C reached them all (once is enough)

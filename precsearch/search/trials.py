@@ -65,8 +65,8 @@ class TrialRecord:
     """What a trial of the study records: its user attrs (``to_attrs``) and what Optuna keeps of it
     (``from_trial``). A field's order is its column's order in the trials table."""
 
-    number: int = -1
-    state: str = TrialState.WAITING.name
+    number: int = _optuna(-1)
+    state: str = _optuna(TrialState.WAITING.name)
     origin: tuple[str, ...] = _own((), cell=lambda names: ORIGIN_SEPARATOR.join(names) or "sampler")
     memory: float | None = _result()
     memory_bytes: float | None = _result()
@@ -112,17 +112,18 @@ class TrialRecord:
     def to_attrs(self) -> dict[str, Any]:
         """The user attrs to set on the trial: every field of its own or a result that is not its default."""
         attrs = {}
-        for name, item in _fields(("own", "result")):
-            value = getattr(self, name)
+        for item in _fields(self, ("own", "result")):
+            value = getattr(self, item.name)
             if value != item.default:
-                attrs[name] = list(value) if isinstance(value, tuple) else value
+                attrs[item.name] = list(value) if isinstance(value, tuple) else value
         return attrs
 
     @classmethod
     def from_trial(cls, trial: FrozenTrial) -> TrialRecord:
         """The record of a trial as the storage holds it (a trial that trained one seed has ``seeds`` 1)."""
+        names = {item.name for item in _fields(cls, ("own", "result"))}
         attrs = {name: tuple(value) if isinstance(value, list) else value
-                 for name, value in trial.user_attrs.items() if name in _NAMES}
+                 for name, value in trial.user_attrs.items() if name in names}
         if "seeds" not in attrs and "val_accuracy" in attrs:
             attrs["seeds"] = 1
         return cls(number=trial.number, state=trial.state.name, retry_of=trial.system_attrs.get(RETRY_OF),
@@ -139,7 +140,8 @@ class TrialRecord:
 
     def copied(self) -> TrialRecord:
         """What a trial of the same assignment records instead of training it: these results."""
-        return TrialRecord(duplicate_of=self.number, **{name: getattr(self, name) for name, _ in _fields(("result",))})
+        return type(self)(duplicate_of=self.number,
+                          **{item.name: getattr(self, item.name) for item in _fields(self, ("result",))})
 
     @property
     def feasible(self) -> bool:
@@ -153,11 +155,8 @@ class TrialRecord:
                 for item in dataclasses.fields(self) if item.metadata.get("cell", _same) is not None}
 
 
-def _fields(kinds: tuple[str, ...]) -> list[tuple[str, dataclasses.Field]]:
-    return [(item.name, item) for item in dataclasses.fields(TrialRecord) if item.metadata.get("kind") in kinds]
-
-
-_NAMES = {name for name, _ in _fields(("own", "result"))}
+def _fields(record: TrialRecord | type[TrialRecord], kinds: tuple[str, ...]) -> list[dataclasses.Field]:
+    return [item for item in dataclasses.fields(record) if item.metadata.get("kind") in kinds]
 
 
 def set_attrs(trial: optuna.Trial, record: TrialRecord) -> None:
