@@ -29,16 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import pandas as pd
 from optuna.trial import TrialState
 
 from precsearch.config.policy import Policy
 from precsearch.files import DiskFull, full_disk
 from precsearch.search.context import SearchContext, combine_seeds, seed_record
-from precsearch.search.noise import pooled_noise
 from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.rungs import RungStop
-from precsearch.search.selection import choose_best, drop_verdict
+from precsearch.search.selection import race_settled, untrained_reason
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import assign, assignment_key, low_share
 from precsearch.search.trials import TrialRecord, set_attrs, set_constraints, trials_frame
@@ -52,7 +50,6 @@ log = logging.getLogger(__name__)
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-CANDIDATE_DF = 2  # degrees of freedom candidates measure before a noise of zero is believed (``_decided``)
 
 @dataclass(frozen=True)
 class TrialStep:
@@ -114,13 +111,10 @@ class Objective:
         if previous is not None:
             return self._reuse(trial, previous)
         reference = self.reference
-        if context.budget.max_memory is not None and planned > context.budget.max_memory:
-            return self._untrained(trial, planned, "over the memory budget")
-        if key != reference.key:
-            beaten = _beaten_by(study, context, reference, planned)
-            if beaten is not None:
-                return self._untrained(trial, planned, f"trial {int(beaten['number'])} has less memory "
-                                       f"({beaten['memory']:.4f}) and is within the allowed drop: no training needed")
+        skipped = untrained_reason(trials_frame(study, context), context.budget, reference, key, planned,
+                                   context.chance)
+        if skipped is not None:
+            return self._untrained(trial, planned, skipped)
         policy = context.policy(assignment, {"trial": trial.number})
         stopped: RungStop | None = None
         if key == reference.key:
@@ -164,7 +158,7 @@ class Objective:
     def _race(self, study: optuna.Study, policy: Policy, key: str, number: int
               ) -> tuple[RungStop | None, list[ProxyResult]]:
         """Train a candidate seed by seed, the first through the rungs, adding a seed only while the budget's
-        decision on it depends on one (``_decided``), up to the reference's ``proxy_seeds``; each run
+        decision on it depends on one (``selection.race_settled``), up to the reference's ``proxy_seeds``; each run
         continues from its checkpoint if a stopped process left one (``_run`` removes them once the trial is
         recorded). A rung's stop ends it."""
         context = self.context
@@ -172,40 +166,24 @@ class Objective:
         for seed in context.proxy_seed_list(self.reference.proxy_seeds):
             first = not results
             try:
-                results.append(context.trainer(policy, context.length, seed, report=self._reporter(number, seed),
+                results.append(context.trainer(policy, self.reference.length, seed, report=self._reporter(number, seed),
                                                evaluate_at=self.rungs.steps if first else (),
                                                on_eval=self.rungs.check if first else None,
                                                checkpoint=context.checkpoint(key, seed)))
             except RungStop as stop:
                 return stop, []
-            if results[-1].diverged or self._decided(study, results):
+            accuracies = [run.val_accuracy for run in results]
+            if results[-1].diverged or race_settled(trials_frame(study, context), accuracies, self.reference,
+                                                    context.budget):
                 break
         return None, results
 
     def _reporter(self, number: int, seed: int) -> Callable[[int, float], None] | None:
         """The trainer's ``report`` hook for trial ``number``'s run on ``seed``: it tells ``progress``."""
-        progress, steps = self.progress, self.context.length
+        progress, steps = self.progress, self.reference.length
         if progress is None:
             return None
         return lambda step, loss: progress(TrialStep(number, seed, step, steps))
-
-    def _decided(self, study: optuna.Study, results: list[ProxyResult]) -> bool:
-        """Whether the accuracy-drop rule is settled on these seeds (``selection.drop_verdict``); under a memory
-        budget, whose pick compares candidates with each other, every seed is trained. A noise of zero (a
-        reference at the same accuracy on every seed, 100% say) settles nothing until candidates have measured
-        ``CANDIDATE_DF`` degrees of freedom of their own: low precision may scatter where all-high does not."""
-        reference, budget = self.reference, self.context.budget
-        if budget.max_memory is not None or reference.accuracy is None:
-            return False
-        frame = trials_frame(study, self.context)
-        noise = proxy_noise(frame, reference, budget.confidence)
-        if noise.sd == 0 and len(results) < 2:
-            candidates = frame[frame["key"] != reference.key] if not frame.empty else frame
-            if pooled_noise(candidates, budget.confidence).df < CANDIDATE_DF:
-                return False
-        verdict = drop_verdict([run.val_accuracy for run in results], reference.accuracy,
-                               len(reference.accuracies), budget.drop, noise)
-        return verdict is not None
 
     def _claim(self, trial: optuna.Trial, key: str) -> TrialRecord | None:
         """Decide, under the study's lock, whether this trial trains the assignment ``key``.
@@ -260,18 +238,3 @@ def _wait_while_running(study: optuna.Study, number: int) -> None:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
 
-
-def _beaten_by(study: optuna.Study, context: SearchContext, reference: Reference,
-              planned: float) -> pd.Series | None:
-    """A trained point that makes training a candidate of ``planned`` memory pointless: the accuracy-drop pick
-    among the proxies so far (least memory within the drop of all-high), when its memory is at most
-    ``planned``; None under a memory budget (whose pick wants accuracy, not memory) or when there is none."""
-    if context.budget.max_memory is not None:
-        return None
-    frame = trials_frame(study, context)
-    if frame.empty or reference.accuracy is None:
-        return None
-    noise = proxy_noise(frame, reference, context.budget.confidence)
-    best = choose_best(frame, context.budget, reference.accuracy, noise, len(reference.accuracies), reference.key,
-                       context.chance)
-    return best if best is not None and best["memory"] <= planned else None

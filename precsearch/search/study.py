@@ -101,9 +101,9 @@ from precsearch.search.confirmation import (
     reference_divergence,
 )
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
-from precsearch.search.export import Exported, decide, export, pick_policy
+from precsearch.search.export import SearchResult, decide, export, pick_policy
 from precsearch.search.ledger import Ledger, pause_point
-from precsearch.search.noise import Noise, pooled_noise, seeds_for
+from precsearch.search.noise import pooled_noise, seeds_for
 from precsearch.search.objective import FINISHED, WORKER, Objective
 from precsearch.search.peaks import PICK_PEAK, measure_step_peaks
 from precsearch.search.reference import Reference
@@ -243,7 +243,6 @@ def study_config(context: SearchContext) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- trial upkeep
 
 
-
 def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage, context: SearchContext) -> int:
     """Queue again what a dead process left unfinished; the number of trials queued.
 
@@ -342,7 +341,6 @@ def _reference(study: optuna.Study, context: SearchContext, calibration: Calibra
     """The reference every trial compares with, recorded once per study (whichever worker gets here first):
     the calibrated all-high runs and the seeds per proxy (with ``proxy_seeds=None`` chosen from the noise the
     reference shows, ``noise.seeds_for``)."""
-    context.length = calibration.length
     recorded = Reference.from_study(study)
     if recorded is not None:
         return recorded
@@ -391,7 +389,7 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
     reference_seeds = [seed for seed in _reference_seeds(context) if seed not in reference.calibration.failed]
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(reference_seeds))]
     length = confirmation_length(reference.length, confirm_factor)
-    return confirm(context, ledger, high, reference_seeds, points, length, seeds, report,
+    return confirm(context, ledger, high, reference_seeds, points, reference.length, length, seeds, report,
                    confirmation_rule(budget, context.chance))
 
 
@@ -426,9 +424,7 @@ def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / RUN_FILE, json.dumps(
         {**config, "storage": location.shown, "study": location.study_name}, indent=2))
-    calibration = recorded_calibration(study.user_attrs)
-    context.length = calibration.length if calibration is not None else None
-    return SearchResult.of(out_dir, export(study, context, out_dir), time.perf_counter() - start)
+    return dataclasses.replace(export(study, context, out_dir), wall_time=time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -443,28 +439,6 @@ def quiet() -> Iterator[None]:
         yield
     finally:
         optuna.logging.set_verbosity(verbosity)
-
-
-@dataclass
-class SearchResult:
-    """What a search left in its run directory, as tables."""
-
-    out_dir: Path
-    trials: pd.DataFrame
-    pareto: pd.DataFrame
-    best: pd.Series | None
-    wall_time: float
-    interrupted: bool = False
-    noise: Noise | None = None  # the pooled seed noise of the proxies
-    note: str = ""  # why best is None, or which proxy pick confirmation replaced
-    calibration: Calibration | None = None
-    confirmation: Confirmation | None = None  # the confirmation runs (``.table()``: accuracy per key)
-    budget: pd.DataFrame | None = None  # training steps per phase (precsearch.search.accounting)
-
-    @classmethod
-    def of(cls, out_dir: Path, exported: Exported, wall_time: float, interrupted: bool = False) -> SearchResult:
-        return cls(out_dir, exported.trials, exported.pareto, exported.best, wall_time, interrupted, exported.noise,
-                   exported.note, exported.calibration, exported.confirmation, exported.budget)
 
 
 PHASE_REFRESH_S = 1.0  # a run reports every few steps; the bar shows it at most once a second
@@ -505,7 +479,6 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
-
 
 
 def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> SearchResult:
@@ -579,7 +552,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                               f"every finished trial is kept in {location.shown}: free some space (or raise the "
                               "file-size limit), then continue with --resume") from full
     stopped_by = stopped_by or signals.received  # a signal recorded after the last check
-    result = SearchResult.of(out_dir, exported, time.perf_counter() - start, stopped_by is not None)
+    result = dataclasses.replace(exported, wall_time=time.perf_counter() - start, interrupted=stopped_by is not None)
     if stopped_by is not None:
         raise SearchInterrupted(result, stopped_by)
     return result
@@ -610,8 +583,8 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     seed the study, run the trials (each proxy held to the reference at the rungs), confirm the front. Every
     worker of a study runs it; the ledger runs each setup and wrap-up step once. With ``--jobs N`` the N worker
     processes train calibration's, the trials' and confirmation's runs (``_in_workers``), and this process then
-    reads what they recorded. The pick and the files follow in ``run_search``, after a stop too: ``export``
-    writes what precsearch.search.selection picks."""
+    reads what they recorded. It ends in the pick; ``run_search`` then writes the files once, after a stop too
+    (``export``)."""
     ledger = _ledger(study, run.location, run.backend, run.run_id)
     run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
     if recorded_calibration(study.user_attrs) is None:
@@ -635,15 +608,15 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
                             _phase_progress(run.bar, "confirming"))
     if (why := reference_divergence(confirmation.runs.get(confirmation.reference, []))) is not None:
         log.warning("%s; the front's points are not trained", why)
+    pick = decide(study, context).pick  # precsearch.search.selection, on the confirmed figures
     with torch_threads(config.threads):
-        _measure_pick(study, context)
+        _measure_pick(study, context, pick.best)
     run.record(study)
 
 
-def _measure_pick(study: optuna.Study, context: SearchContext) -> None:
+def _measure_pick(study: optuna.Study, context: SearchContext, best: pd.Series | None) -> None:
     """The pick's step peak beside plain fp32's and torch.autocast's, measured once on the proxy's batch
     (precsearch.search.peaks), for best.json and the summary."""
-    best = decide(study, context).pick.best
     recorded = study.user_attrs.get(PICK_PEAK)
     if best is None or (recorded is not None and recorded["key"] == best["key"]):
         return
@@ -667,7 +640,6 @@ def _confirm_in_worker(run: WorkerRun) -> None:
     """A worker's share of confirmation: the runs no other worker has taken, while the race is undecided."""
     setup, study = run.setup, run.study
     reference = Reference.from_study(study)
-    run.context.length = reference.length
     _confirm(study, run.context, reference, _ledger(study, setup.location, run.storage, setup.run_id, run.index),
              setup.confirm_factor, run.report("confirming"))
 
@@ -678,12 +650,20 @@ CONFIRMATION = WorkerPhase(_confirm_in_worker, replayed=True)
 
 def _trials(study: optuna.Study, context: SearchContext, objective: Objective, config: SearchConfig,
             run: _Run) -> None:
-    """The trial budget's trials, here (``jobs=1``) or in worker processes; in a shared study, then those
-    other workers still run (``_settle``)."""
-    if config.jobs == 1:
-        _optimize_here(study, context, objective, run)
-    else:
-        _optimize_workers(study, context, config, run)
+    """The trial budget's trials, here (``jobs=1``) or in worker processes, no more than trials are wanted (each
+    worker starts a trial before any budget check); in a shared study, then those other workers still run
+    (``_settle``)."""
+    wanted = trials_wanted(study, run.trials, not run.location.shared)
+    if wanted > 0 and config.jobs == 1:
+        def after(study: optuna.Study, trial: FrozenTrial) -> None:
+            run.bar.update(trials_done(study), _front(study, context))
+
+        optimize(study, objective, SAMPLER_REPEATS * wanted,
+                 [after, budget_callback(run.trials, not run.location.shared), stop_on_signal(run.signals)])
+    elif wanted > 0:
+        if wanted < len(run.gpus):
+            log.info("starting %d of %d workers: %d trial(s) left to run", wanted, len(run.gpus), wanted)
+        _run_workers(TRIALS, study, context, _worker_setup(context, config, run), run.gpus[:wanted], run.bar)
     if run.location.shared:
         _settle(study, objective)
 
@@ -701,7 +681,6 @@ def _phase_progress(bar: _Progress, phase: str) -> Callable[[int, float], None]:
         bar.phase(f"{phase}: step {step}, loss {loss:.3f}")
 
     return show
-
 
 
 class SearchInterrupted(SignalStop):
@@ -743,32 +722,9 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
     return study
 
 
-
 def _front(study: optuna.Study, context: SearchContext) -> pd.DataFrame:
     """The proxies' Pareto front so far, for the bar: read from the storage, nothing written."""
     return pareto_front(trials_frame(study, context), context.space.accuracy_objective)
-
-
-def _optimize_here(study: optuna.Study, context: SearchContext, objective: Objective, run: _Run) -> None:
-    def after(study: optuna.Study, trial: FrozenTrial) -> None:
-        run.bar.update(trials_done(study), _front(study, context))
-
-    wanted = trials_wanted(study, run.trials, not run.location.shared)
-    if wanted <= 0:
-        return
-    optimize(study, objective, SAMPLER_REPEATS * wanted,
-             [after, budget_callback(run.trials, not run.location.shared), stop_on_signal(run.signals)])
-
-
-def _optimize_workers(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> None:
-    wanted = trials_wanted(study, run.trials, not run.location.shared)
-    if wanted <= 0:
-        return
-    gpus = run.gpus
-    if wanted < len(gpus):  # each worker starts a trial before any budget check: start no more than are wanted
-        log.info("starting %d of %d workers: %d trial(s) left to run", wanted, len(gpus), wanted)
-        gpus = gpus[:wanted]
-    _run_workers(TRIALS, study, context, _worker_setup(context, config, run), gpus, run.bar)
 
 
 def _in_workers(phase: WorkerPhase, study: optuna.Study, context: SearchContext, config: SearchConfig,

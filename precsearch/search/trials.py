@@ -10,6 +10,7 @@ result; the trial's own fields are not copied), and trials.csv and pareto.csv sh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,20 +45,13 @@ def _blank(value: int | None) -> Any:
     return pd.NA if value is None else value
 
 
-def _result(default: Any = None, cell: Any = _same) -> Any:
-    """A measurement: a copy of the trial (the same assignment) takes it too. ``cell``: its table cell (None:
-    not in the table)."""
-    return field(default=default, metadata={"kind": "result", "cell": cell})
+def _field(kind: str, default: Any = None, cell: Any = _same) -> Any:
+    """A field of ``kind``: "result" (a measurement: a trial of the same assignment copies it), "own" (this
+    trial's own) or "optuna" (Optuna's record of the trial: no user attr). ``cell``: its table cell (None: none)."""
+    return field(default=default, metadata={"kind": kind, "cell": cell})
 
 
-def _own(default: Any = None, cell: Any = _same) -> Any:
-    """This trial's own: never copied to a trial of the same assignment."""
-    return field(default=default, metadata={"kind": "own", "cell": cell})
-
-
-def _optuna(default: Any = None, cell: Any = _same) -> Any:
-    """Optuna's record of the trial (``from_trial`` reads it); no user attr."""
-    return field(default=default, metadata={"kind": "optuna", "cell": cell})
+_result, _own, _optuna = (functools.partial(_field, kind) for kind in ("result", "own", "optuna"))
 
 
 @dataclass(frozen=True)

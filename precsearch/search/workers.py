@@ -237,7 +237,6 @@ def _optimize_trials(run: WorkerRun) -> None:
     """The trials phase: optimize with this worker's own sampler until the trial budget is used up."""
     setup, context = run.setup, run.context
     reference = Reference.from_study(run.study)  # the parent recorded it before starting the workers
-    context.length = reference.length
     objective = Objective(context, reference, setup.location, run.storage, setup.out_dir,
                           functools.partial(run.steps.record, run.index))
     optimize(run.study, objective,
