@@ -40,7 +40,7 @@ from precsearch.models import check_trusted
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
 from precsearch.search.objective import TRIAL_POLICIES
-from precsearch.search.trials import origins
+from precsearch.search.origins import origins
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult, resolve_device, train
 

@@ -29,8 +29,8 @@ from matplotlib.figure import Figure
 from precsearch.config.reading import REWRITE, load_json_object
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_bytes, atomic_write_text
+from precsearch.search.origins import origins
 from precsearch.search.sensitivity_table import SENSITIVITY_CSV, unit_table
-from precsearch.search.trials import origins
 
 log = logging.getLogger(__name__)
 

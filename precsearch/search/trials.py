@@ -24,16 +24,16 @@ from optuna.trial import FrozenTrial, TrialState
 from precsearch.config.policy import Policy
 from precsearch.search.context import SearchContext
 from precsearch.search.noise import failed_run
+from precsearch.search.origins import origins_cell
 from precsearch.search.strategies import assign
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["TrialRecord", "copies", "origins", "params_of", "policy_of", "retry_trial", "set_attrs",
+__all__ = ["TrialRecord", "copies", "params_of", "policy_of", "retry_trial", "set_attrs",
            "set_constraints", "trials_frame"]
 
 RETRY_OF = "failed_trial"  # Optuna's system attr of a retried trial (its RetryFailedTrialCallback's name)
 OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
-ORIGIN_SEPARATOR = "; "  # between a trial's origins in its table cell (``origins`` splits them back)
 
 
 def _same(value: Any) -> Any:
@@ -61,7 +61,7 @@ class TrialRecord:
 
     number: int = _optuna(-1)
     state: str = _optuna(TrialState.WAITING.name)
-    origin: tuple[str, ...] = _own((), cell=lambda names: ORIGIN_SEPARATOR.join(names) or "sampler")
+    origin: tuple[str, ...] = _own((), cell=origins_cell)
     memory: float | None = _result()
     memory_bytes: float | None = _result()
     memory_peak: float | None = _result()
@@ -183,11 +183,6 @@ def retry_trial(params: Mapping[str, Any], distributions: dict[str, BaseDistribu
 def params_of(trial: FrozenTrial) -> dict[str, Any]:
     """The trial's decisions: a queued trial's fixed params until it runs."""
     return dict(trial.system_attrs.get("fixed_params") or trial.params)
-
-
-def origins(cell: Any) -> list[str]:
-    """The origins of a trials-table row (its ``origin`` cell)."""
-    return str(cell).split(ORIGIN_SEPARATOR)
 
 
 def copies(frame: pd.DataFrame) -> pd.Series:
