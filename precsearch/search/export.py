@@ -102,11 +102,12 @@ def pick_policy(study: optuna.Study, context: SearchContext, best: pd.Series) ->
     return _policy_for_row(best, study, context, f"best: {context.budget.describe()}")
 
 
-def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> SearchResult:
-    """Rewrite the run directory's tables, policies and pick (``selection.confirmed_pick``) from the storage
-    (see the module docstring)."""
+def export(study: optuna.Study, context: SearchContext, out_dir: Path, decision: Decision | None = None
+           ) -> SearchResult:
+    """Rewrite the run directory's tables, policies and pick from the storage and the search's ``decision``
+    (``decide``'s, made here when the search stopped before its pick; see the module docstring)."""
     attrs = study.user_attrs
-    decision = decide(study, context)
+    decision = decision or decide(study, context)
     frame, front, noise, pick = decision.frame, decision.front, decision.noise, decision.pick
     calibration, confirmation, reference = decision.calibration, decision.confirmation, decision.reference
     confirmed = confirmation.table() if confirmation is not None else None

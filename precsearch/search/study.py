@@ -101,7 +101,7 @@ from precsearch.search.confirmation import (
     reference_divergence,
 )
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
-from precsearch.search.export import SearchResult, decide, export, pick_policy
+from precsearch.search.export import Decision, SearchResult, decide, export, pick_policy
 from precsearch.search.ledger import Ledger, pause_point
 from precsearch.search.noise import pooled_noise, seeds_for
 from precsearch.search.objective import FINISHED, WORKER, Objective
@@ -533,9 +533,10 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
             run = _Run(out_dir, run_config, location, backend, signals,
                        _Progress(trials, trials_done(study), config.progress), trials, gpus, uuid.uuid4().hex[:8])
             stopped_by: int | None = None
+            decision: Decision | None = None  # none when the search stopped before its pick
             full: OSError | None = None
             try:
-                _search(study, context, config, run)
+                decision = _search(study, context, config, run)
             except KeyboardInterrupt as stop:
                 stopped_by = getattr(stop, "signum", signal.SIGINT)
             except (Exception, DiskFull) as error:
@@ -546,7 +547,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 with signals.held():  # a second Ctrl-C must not tear the files being written
                     run.bar.close()
                     if full is None:  # on a full disk, --resume writes them
-                        exported = export(study, context, out_dir)  # a lost storage raises its one line here
+                        exported = export(study, context, out_dir, decision)  # a lost storage raises its one line here
     if full is not None:
         raise PrecsearchError(f"{full.strerror or 'no space left'} writing {full.filename}; the search stopped and "
                               f"every finished trial is kept in {location.shown}: free some space (or raise the "
@@ -578,13 +579,13 @@ class _Run:
         write_run_file(self.out_dir, self.config, self.location, study)
 
 
-def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> None:
+def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> Decision:
     """The search, top-down: calibrate the proxy length on the all-high reference and record the reference,
     seed the study, run the trials (each proxy held to the reference at the rungs), confirm the front. Every
     worker of a study runs it; the ledger runs each setup and wrap-up step once. With ``--jobs N`` the N worker
     processes train calibration's, the trials' and confirmation's runs (``_in_workers``), and this process then
-    reads what they recorded. It ends in the pick; ``run_search`` then writes the files once, after a stop too
-    (``export``)."""
+    reads what they recorded. It ends in the pick (``decide``); ``run_search`` then writes the files once, after
+    a stop too (``export``)."""
     ledger = _ledger(study, run.location, run.backend, run.run_id)
     run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
     if recorded_calibration(study.user_attrs) is None:
@@ -608,10 +609,11 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
                             _phase_progress(run.bar, "confirming"))
     if (why := reference_divergence(confirmation.runs.get(confirmation.reference, []))) is not None:
         log.warning("%s; the front's points are not trained", why)
-    pick = decide(study, context).pick  # precsearch.search.selection, on the confirmed figures
+    decision = decide(study, context)  # precsearch.search.selection's pick, on the confirmed figures
     with torch_threads(config.threads):
-        _measure_pick(study, context, pick.best)
+        _measure_pick(study, context, decision.pick.best)
     run.record(study)
+    return decision
 
 
 def _measure_pick(study: optuna.Study, context: SearchContext, best: pd.Series | None) -> None:
