@@ -116,9 +116,9 @@ class Slot:
     @property
     def holds_codes(self) -> bool:
         """Whether this slot's rounded values may be held as their codes (a low format of at most 16 bits): a
-        weight gradient to the end of the backward (precsearch.runtime.gradients), an activation gradient in
-        flight (precsearch.runtime.encoded). A value its format has no code for (inf or NaN in a format without
-        them) is held as the largest magnitude and counted unencodable: the step is skipped (``settle``)."""
+        weight gradient to the end of the backward (precsearch.runtime.gradients). A value its format has no code
+        for (inf or NaN in a format without them) is held as the largest magnitude and counted unencodable: the
+        step is skipped (``settle``)."""
         return self.is_low and self.fmt.packs
 
     def args(self) -> tuple[str, str, str]:
