@@ -16,6 +16,7 @@ import time
 import optuna
 import pandas as pd
 import pytest
+import torch
 import yaml
 from optuna.trial import TrialState
 
@@ -23,6 +24,9 @@ from precsearch.cli import main
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import PAPER_SPACE
 from precsearch.config.spec import ASSIGNABLE_KINDS
+from precsearch.cost.model import CostModel
+from precsearch.graph.tracing import trace
+from precsearch.models import build
 from precsearch.search.storage import StudyLocation
 from precsearch.train.data import load_dataset
 
@@ -59,6 +63,7 @@ def test_search_prints_its_front_and_writes_outputs(search_run):
     assert [int(line.split()[1].rstrip(":")) for line in front] == pareto["number"].tolist()
     for line, (_, row) in zip(front, pareto.iterrows(), strict=True):
         assert f"memory {row['memory']:.3f} of all-high" in line and f"accuracy {row['val_accuracy']:.4f}" in line
+        assert line.split(": ", 1)[1].startswith(f"step peak {float(row['peak_predicted']) / 2**20:.2f} MiB predicted")
         if row["confirmed_accuracy"] != "":  # sequential confirmation stops at the first point confirmed
             assert f"confirmed {float(row['confirmed_accuracy']):.4f}" in line and "12 steps" in line
         else:
@@ -76,15 +81,12 @@ def test_best_json_records_the_picks_predicted_peak_and_its_measured_one_beside_
     again here by the allocator's events of the same kind of step."""
     import copy
 
-    import torch
-
-    from precsearch.config.policy import Policy
     from precsearch.cost.measured import sgd_step, trace_step
-    from precsearch.cost.model import CostModel
-    from precsearch.graph.tracing import trace
-    from precsearch.models import build
 
     searched, printed = search_run
+    assert json.loads((searched / "run.json").read_text())["budget"]["memory"] == "peak"  # the default measure
+    pareto = pd.read_csv(searched / "pareto.csv")
+    assert (pareto["memory"] == pareto["memory_peak"]).all()
     best = Policy.load(searched / "best.json")
     peak = best.provenance["peak"]
     assert peak["batch"] == 16 and peak["device"] == "cpu"
@@ -183,11 +185,20 @@ def test_baselines_reuse_the_sweep_and_report_draws_everything(searched, space_f
     searched_keys = set(trials[trials["trained"].astype(str) == "True"]["key"])
     for _, row in sweep.iterrows():
         assert row["reused"].startswith("trial ") == (row["key"] in searched_keys)
+    # the memory column is the search's measure (the step's peak), trained here or reused, beside the other one
+    policies = table[table["source"] != "torch"]
+    assert (policies["memory"].astype(float) == policies["memory_peak"].astype(float)).all()
+    assert (policies["memory_bytes"].astype(float) != policies["memory_peak"].astype(float)).any()
+    fp32 = table[table["name"] == "fp32"].iloc[0]
+    graph = trace(build("tiny_cnn", num_classes=10), torch.zeros(2, 3, 8, 8), batch_size=16)
+    fp32_policy = Policy.load(searched / fp32["policy"])
+    assert float(fp32["peak_predicted"]) == CostModel(graph).peak_bytes(fp32_policy.assignment(graph))
     assert main(["report", str(searched)]) == 0
     assert "report.png" in capsys.readouterr().out
     text = (searched / "report.md").read_text()
     assert "| baseline | fp8 |" in text and "| paper sweep | r=0.5 |" in text and "| pareto |" in text
     assert "- proxy length: 4 steps (fixed)" in text and "plain fp32" in text and "## Training steps" in text
+    assert "| peak MiB | x autocast | bytes MiB |" in text and "- the pick's step peak " in text
 
 
 def _bad_space(tmp_path, **changes):

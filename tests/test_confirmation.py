@@ -34,12 +34,12 @@ def _at(table, step):
 
 @pytest.fixture(scope="module")
 def context():
-    return SearchContext.create("tiny_cnn", SPACE, DataSpec("digits"), Budget(), 0, "cpu")
+    return SearchContext.create("tiny_cnn", SPACE, DataSpec("digits"), Budget(memory="bytes"), 0, "cpu")
 
 
 def _search(out, trainer, trials=16):
     config = SearchConfig("tiny_cnn", SPACE, "digits", trials=trials, out_dir=out, proxy_steps=LENGTH, proxy_seeds=3,
-                          device="cpu", progress=False)
+                          device="cpu", progress=False, budget=Budget(memory="bytes"))  # the scripts' memory order
     return run_search(config, trainer=trainer)
 
 
@@ -364,7 +364,8 @@ def test_once_the_reference_diverges_in_confirmation_no_point_is_trained_and_non
 
     trainer = ScriptedTrainer(curve, context)
     config = SearchConfig("tiny_cnn", SPACE, "digits", trials=16, out_dir=tmp_path / "run", proxy_steps=LENGTH,
-                          proxy_seeds=3, device="cpu", progress=False, budget=Budget(max_memory=max_memory))
+                          proxy_seeds=3, device="cpu", progress=False,
+                          budget=Budget(max_memory=max_memory, memory="bytes"))
     result = run_search(config, trainer=trainer)
     confirmed = [(call["name"], call["seed"]) for call in trainer.calls if call["length"] == CONFIRM]
     reference = [("HHHH", 0), ("HHHH", 1)] if max_memory is None else [("HHHH", 0), ("HHHH", 1), ("HHHH", 2)]

@@ -53,7 +53,7 @@ def test_a_baseline_near_the_pick_is_confirmed_seed_by_seed_and_named_when_in(tm
     for name, memory, diverged in (("fp8", 0.500, True), ("wang_fp8", 0.523, False), ("hfp8", 0.865, False)):
         policies[name].save(tmp_path / f"{name}.json")
         rows.append({"source": "baseline", "name": name, "memory": memory, "diverged": diverged,
-                     "val_accuracy": 0.9, "policy": f"{name}.json"})
+                     "val_accuracy": 0.9, "policy": f"{name}.json", "peak_predicted": memory * 2**21})
     high_runs = [_record(1.0, seed) for seed in (0, 1, 2)]
     result = SimpleNamespace(out_dir=tmp_path, confirmation=Confirmation(LENGTH, {context.all_high.key: high_runs},
                                                                            SEEDS, context.all_high.key, (0, 1, 2)))
@@ -69,7 +69,9 @@ def test_a_baseline_near_the_pick_is_confirmed_seed_by_seed_and_named_when_in(tm
                                                                      "statistics too: out")
     assert held.set_index("name").loc["wang_fp8", "accuracies"] == f"{wang_accuracy:.4f}"
     assert held.set_index("name").loc["wang_fp8", "batch_stats_accuracies"] == f"{wang_batch_stats:.4f}"
-    assert "fp8         memory 0.500: diverged at the proxy length: out" in shown
+    assert ("fp8         step peak 1.00 MiB predicted, memory 0.500 of all-high: diverged at the proxy length: "
+            "out") in shown
+    assert list(held["peak_predicted"]) == [2**20, 0.523 * 2**21, 0.865 * 2**21]  # in held_baselines.csv too
     memory = float(named.split(", ")[1])
     claim = (f"the least-memory baseline not ruled out: {named} ({verdict}); the pick holds "
              f"{1 - 0.522 / memory:.0%} less memory")

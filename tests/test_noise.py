@@ -142,7 +142,7 @@ def test_multi_seed_search_records_means_over_the_same_seeds(tmp_path):
     with torch_threads(1):
         result = run_search(SearchConfig("tiny_cnn", space, "digits", trials=3, out_dir=tmp_path / "run",
                                          proxy_steps=4, device="cpu", progress=False, proxy_seeds=2,
-                                         budget=Budget(max_accuracy_drop=0.5)))
+                                         budget=Budget(max_accuracy_drop=0.5, memory="bytes")))  # trials 0, 1 trained
         trials = result.trials.set_index("number")
         assert set(trials["seeds"]) <= {1, 2}  # racing: a candidate gains its second seed only while undecided
         context = SearchContext.create("tiny_cnn", space, DataSpec(), Budget(), 0, "cpu")

@@ -13,8 +13,9 @@ from precsearch.errors import PrecsearchError
 
 def _trial(number, origin, memory, accuracy, diverged=False, trained=True):
     return {"number": number, "state": "COMPLETE", "origin": origin, "memory": memory, "bytes": memory * 2**20,
-            "val_accuracy": accuracy, "val_error": 1 - accuracy, "val_loss": 1 - accuracy, "trained": trained,
-            "diverged": diverged, "feasible": not diverged, "promotions": 0, "key": f"k{number}",
+            "peak_predicted": 3 * memory * 2**20, "val_accuracy": accuracy, "val_error": 1 - accuracy,
+            "val_loss": 1 - accuracy, "trained": trained, "diverged": diverged, "feasible": not diverged,
+            "promotions": 0, "key": f"k{number}",
             "duplicate_of": "", "reason": "", "error": "", "decisions": ""}
 
 
@@ -30,13 +31,18 @@ def run_dir(tmp_path):
     trials.to_csv(tmp_path / "trials.csv", index=False)
     trials.iloc[[2, 3, 1]].to_csv(tmp_path / "pareto.csv", index=False)
     pd.DataFrame([
-        {"source": "baseline", "name": "fp32", "r": None, "memory": 2.0, "bytes": 2 * 2**20, "val_accuracy": 0.95,
-         "val_loss": 0.05, "diverged": False, "reason": "", "promotions": 0, "key": "", "reused": ""},
-        {"source": "baseline", "name": "fp8", "r": None, "memory": 0.5, "bytes": 2**19, "val_accuracy": 0.1,
-         "val_loss": 9.0, "diverged": True, "reason": "non-finite loss at step 3", "promotions": 0, "key": "",
-         "reused": ""},
-        {"source": "paper", "name": "r=0.0", "r": 0.0, "memory": 1.0, "bytes": 2**20, "val_accuracy": 0.95,
-         "val_loss": 0.05, "diverged": False, "reason": "", "promotions": 0, "key": "k0", "reused": "trial 0"},
+        {"source": "baseline", "name": "fp32", "r": None, "memory": 2.0, "bytes": 2 * 2**20,
+         "peak_predicted": 4 * 2**20, "val_accuracy": 0.95, "val_loss": 0.05, "diverged": False, "reason": "",
+         "promotions": 0, "key": "", "reused": ""},
+        {"source": "baseline", "name": "fp8", "r": None, "memory": 0.5, "bytes": 2**19, "peak_predicted": 3 * 2**19,
+         "val_accuracy": 0.1, "val_loss": 9.0, "diverged": True, "reason": "non-finite loss at step 3",
+         "promotions": 0, "key": "", "reused": ""},
+        {"source": "paper", "name": "r=0.0", "r": 0.0, "memory": 1.0, "bytes": 2**20, "peak_predicted": 3 * 2**20,
+         "val_accuracy": 0.95, "val_loss": 0.05, "diverged": False, "reason": "", "promotions": 0, "key": "k0",
+         "reused": "trial 0"},
+        {"source": "torch", "name": "autocast_bf16", "r": None, "memory": None, "bytes": None, "peak_predicted": None,
+         "peak_bytes": 2**21, "val_accuracy": 0.95, "val_loss": 0.05, "diverged": False, "reason": "",
+         "promotions": 0, "key": "", "reused": ""},
     ]).to_csv(tmp_path / "baselines.csv", index=False)
     (tmp_path / "run.json").write_text(json.dumps({"model": "tiny_cnn", "seed": 0, "data": {"name": "digits"},
                                                    "space": {"name": "hfp8", "proxy": {"steps": 5}}}))
@@ -51,11 +57,15 @@ def test_sweep_points_expand_shared_trials(run_dir):
 
 def test_summary_table_puts_front_sweep_and_baselines_side_by_side(run_dir):
     table = summary_table(load_run(run_dir))
-    assert table["source"].tolist() == ["pareto"] * 3 + ["paper sweep"] * 4 + ["baseline"] * 2
+    assert table["source"].tolist() == ["pareto"] * 3 + ["paper sweep"] * 4 + ["baseline"] * 2 + ["torch.autocast"]
     front = table[table["source"] == "pareto"]
     assert front["name"].tolist() == ["trial 2", "trial 3", "trial 1"]
     fp8 = table[table["name"] == "fp8"].iloc[0]
-    assert fp8["diverged"] and fp8["memory"] == 0.5 and fp8["MiB"] == 0.5
+    assert fp8["diverged"] and fp8["memory"] == 0.5 and fp8["bytes MiB"] == 0.5
+    # a policy's peak is the cost model's prediction; autocast's is measured, and every row is set beside it
+    assert fp8["peak MiB"] == 1.5 and fp8["x autocast"] == 0.75
+    autocast = table[table["name"] == "autocast_bf16"].iloc[0]
+    assert autocast["peak MiB"] == 2.0 and autocast["x autocast"] == 1.0 and pd.isna(autocast["memory"])
     assert table[table["name"] == "r=0.1"].iloc[0]["val_accuracy"] == 0.96
 
 
@@ -72,7 +82,7 @@ def test_baselines_alone_still_report(tmp_path, run_dir):
     (run_dir / "trials.csv").unlink()
     (run_dir / "pareto.csv").unlink()
     table = summary_table(load_run(run_dir))
-    assert table["source"].tolist() == ["paper sweep", "baseline", "baseline"]
+    assert table["source"].tolist() == ["paper sweep", "baseline", "baseline", "torch.autocast"]
     write_report(run_dir)
 
 

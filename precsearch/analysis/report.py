@@ -6,8 +6,9 @@ Everything comes from the files a search and ``precsearch baselines`` leave in t
 side by side with numbers from the same proxies, the front's confirmed accuracies next to its proxy accuracies, the pick
 next to the confirmed all-high and plain fp32 runs, the reference's learning curve that set the proxy
 length, the training steps each phase spent, and the measured sensitivity of each unit against the bytes its
-demotion saves (``precsearch sensitivity``). Memory is the
-cost model's bytes of the assignable tensors relative to the space's all-high assignment.
+demotion saves (``precsearch sensitivity``). Memory is the measure the search minimized (a step's predicted peak
+by default, or the paper's bytes of the assignable tensors) relative to the space's all-high assignment, beside the
+step's peak in MiB and its ratio to torch.autocast(bf16)'s.
 
 Figures are made with ``matplotlib.figure.Figure`` (rendered by the Agg canvas), never through pyplot, so
 a headless CLI needs no display and a notebook keeps its own backend (pass ``ax`` to draw into it).
@@ -92,9 +93,10 @@ def _read_csv(path: Path) -> pd.DataFrame:
 
 # The columns the report reads as numbers and as flags; a cell of another kind (an edited or damaged file) is
 # refused naming the file, the column and the line, never read as NaN or as True.
-NUMBER_COLUMNS = ("number", "memory", "memory_bytes", "memory_peak", "bytes", "val_accuracy", "val_accuracy_sd",
-                  "val_loss", "promotions", "seeds", "within_noise_of", "confirmed_accuracy", "confirmed_sd",
-                  "confirmed_seeds", "confirmed_steps", "length", "seed", "step", "runs", "steps", "share_of_total")
+NUMBER_COLUMNS = ("number", "memory", "memory_bytes", "memory_peak", "peak_predicted", "peak_bytes", "bytes",
+                  "val_accuracy", "val_accuracy_sd", "val_loss", "promotions", "seeds", "within_noise_of",
+                  "confirmed_accuracy", "confirmed_sd", "confirmed_seeds", "confirmed_steps", "length", "seed", "step",
+                  "runs", "steps", "share_of_total")
 FLAG_COLUMNS = ("trained", "diverged", "feasible", "interrupted", "confirmed_diverged", "chosen")
 _POINT = ("memory", "val_accuracy", "val_loss", "diverged")
 REQUIRED_COLUMNS = {"trials.csv": ("number", "state", "origin", "trained", *_POINT), "pareto.csv": ("number", *_POINT),
@@ -152,14 +154,24 @@ def sweep_points(trials: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values("r").drop_duplicates("r") if not frame.empty else frame
 
 
-def _entry(source: str, name: str, row: pd.Series) -> dict[str, Any]:
+def _mib(row: pd.Series, column: str) -> float:
+    return float(row.get(column, math.nan)) / 2**20
+
+
+def _entry(source: str, name: str, row: pd.Series, autocast_peak: float) -> dict[str, Any]:
+    """One row of the summary: ``peak MiB`` is the step's peak, predicted by the cost model for a policy and
+    measured for a torch.autocast row (which assigns no formats), and ``x autocast`` its ratio to autocast bf16's
+    measured peak; ``bytes MiB`` is the paper's bytes."""
+    peak = _mib(row, "peak_bytes") if source == _SOURCES["torch"] else _mib(row, "peak_predicted")
     return {
         "source": source,
         "name": name,
         "memory": float(row["memory"]),
         "memory_bytes": float(row.get("memory_bytes", math.nan)),
         "memory_peak": float(row.get("memory_peak", math.nan)),
-        "MiB": float(row["bytes"]) / 2**20 if not pd.isna(row.get("bytes", math.nan)) else math.nan,
+        "peak MiB": peak,
+        "x autocast": peak / autocast_peak,
+        "bytes MiB": _mib(row, "bytes"),
         "val_accuracy": float(row["val_accuracy"]),
         "val_accuracy_sd": float(row.get("val_accuracy_sd", math.nan)),
         "val_loss": float(row["val_loss"]),
@@ -174,17 +186,31 @@ _SOURCES = {"baseline": "baseline", "torch": "torch.autocast"}  # baselines.csv'
 
 
 def summary_table(tables: RunTables) -> pd.DataFrame:
-    """Pareto front, the paper's sweep and the baselines in one table (memory relative to all-high)."""
-    entries = [_entry("pareto", f"trial {int(row['number'])}", row) for _, row in tables.pareto.iterrows()]
+    """Pareto front, the paper's sweep and the baselines in one table (memory relative to all-high, the step's
+    peak in MiB and beside torch.autocast bf16's)."""
+    autocast = autocast_peak(tables)
+    entries = [_entry("pareto", f"trial {int(row['number'])}", row, autocast) for _, row in tables.pareto.iterrows()]
     sweep = sweep_points(tables.trials)
     if sweep.empty and not tables.baselines.empty:
         sweep = tables.baselines[tables.baselines["source"] == "paper"]
-    entries += [_entry("paper sweep", f"r={row['r']:.1f}", row) for _, row in sweep.iterrows()]
+    entries += [_entry("paper sweep", f"r={row['r']:.1f}", row, autocast) for _, row in sweep.iterrows()]
     if not tables.baselines.empty:
         for _, row in tables.baselines[tables.baselines["source"] != "paper"].iterrows():
             source = _SOURCES.get(row["source"], f"ablation ({row['source']})")
-            entries.append(_entry(source, str(row["name"]), row))
+            entries.append(_entry(source, str(row["name"]), row, autocast))
     return pd.DataFrame(entries)
+
+
+def autocast_peak(tables: RunTables) -> float:
+    """torch.autocast(bf16)'s measured step peak in MiB: its baselines row, else the pick's measurement in best.json
+    (``StepPeaks``); NaN when neither ran."""
+    baselines = tables.baselines
+    if not baselines.empty and "peak_bytes" in baselines:
+        row = baselines[(baselines["source"] == "torch") & (baselines["name"] == "autocast_bf16")]
+        if not row.empty:
+            return _mib(row.iloc[0], "peak_bytes")
+    peak = (tables.best or {}).get("peak")
+    return peak["autocast_bf16"] / 2**20 if peak else math.nan
 
 
 def _by_point(frame: pd.DataFrame, column: str) -> dict[tuple[float, float], list[Any]]:
@@ -332,6 +358,8 @@ def save_figure(figure: Figure, path: Path) -> None:
 
 def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     """Write ``report.png`` and ``report.md`` into ``run_dir``; returns their paths."""
+    from precsearch.search.peaks import StepPeaks  # torch's: the report's tables need none
+
     tables = load_run(run_dir)
     run_dir = Path(run_dir)
     png = run_dir / "report.png"
@@ -363,10 +391,15 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
         lines += _confirmation_lines(tables.best.get("confirmation"))
         if tables.best.get("noise"):
             lines.append(f"- noise: {tables.best['noise']['statement']}")
-    lines += ["", "Memory is the cost model's bytes of weights, activations and their gradients relative to the "
-              "all-high assignment (promoted tensors counted high); accuracy is the proxy's validation accuracy. "
-              "torch.autocast rows assign no formats and have no such memory: baselines.csv holds their step's "
-              "measured peak and time beside plain fp32's.",
+        if tables.best.get("peak"):
+            lines.append(f"- the pick's {StepPeaks(**tables.best['peak']).describe()}")
+    measure = config.get("budget", {}).get("memory", "bytes")
+    lines += ["", f"Memory is the measure the search minimized, {MEASURE_LABELS[measure]}, relative to the all-high "
+              "assignment (promoted tensors counted high): `memory_peak` the cost model's step peak, "
+              "`memory_bytes` the paper's bytes of weights, activations and their gradients. `peak MiB` is a "
+              "step's peak, predicted by the cost model for a policy and measured for a torch.autocast row (which "
+              "assigns no formats and has no memory ratio), and `x autocast` its ratio to torch.autocast(bf16)'s "
+              "measured peak; `bytes MiB` the paper's bytes. Accuracy is the proxy's validation accuracy.",
               "", "![tradeoff](report.png)", "", markdown_table(table)]
     if not tables.calibration.empty:
         lines += ["## Calibration: the all-high reference's learning curve", "",

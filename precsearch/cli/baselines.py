@@ -12,7 +12,7 @@ from precsearch.cli._arguments import (
     path,
     space_argument,
 )
-from precsearch.config.spec import BASELINES, TORCH_BASELINES
+from precsearch.config.spec import BASELINES, MEMORY_MEASURES, TORCH_BASELINES
 
 HELP = "train prior-work baselines and the paper's sweep into one table"
 DESCRIPTION = ("Proxy-train the prior-work policies, the plain model under torch.autocast (autocast_bf16; "
@@ -33,11 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated baselines (default all: {','.join(NAMES)})")
     parser.add_argument("--ablations", action="store_true",
                         help="also sweep with groups ordered smallest-first and randomly")
+    parser.add_argument("--memory", choices=MEMORY_MEASURES, default=None,
+                        help="memory measure of the table's memory column: the predicted peak of a training step "
+                             "or the paper's bytes (default: the search's in a search run directory, else peak); "
+                             "both are columns too")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from precsearch.cli.search import memory_text
     from precsearch.config.spec import ProxyConfig
     from precsearch.search.baselines import run_baselines
     from precsearch.search.context import DataSpec
@@ -48,13 +53,13 @@ def run(args: argparse.Namespace) -> int:
         args.model, space_argument(args), DataSpec(args.data, args.data_root), out_dir=args.out,
         proxy_steps=args.proxy_steps, seed=args.seed, device=args.device, names=names, ablations=args.ablations,
         batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
-        compile=compile)
+        compile=compile, memory=args.memory)
     for _, row in table.iterrows():
         state = f"diverged: {row['reason']}" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
         reused = f" (reused {row['reused']})" if row["reused"] else ""
         memory = (f"peak {row['peak_bytes'] / 2**20:.2f} MiB measured ({row['peak_x_fp32']:.3f}x plain fp32's, "
                   f"step time {row['step_time_x_fp32']:.2f}x)" if row["source"] == "torch" else
-                  f"memory {row['memory']:.3f}")
+                  memory_text(row))
         print(f"{row['source']:>9} {row['name']:<9} {memory}  {state}{reused}")
     print(f"table: {args.out}/baselines.csv; policies: {args.out}/baselines/")
     return 0

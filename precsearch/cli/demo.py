@@ -99,6 +99,7 @@ def held_baselines(baselines, best, result, context) -> Any:
     rows = []
     for _, row in baselines[baselines["source"] == "baseline"].sort_values("memory").iterrows():
         entry = {"name": row["name"], "memory": row["memory"], "memory_to_pick": row["memory"] / best["memory"],
+                 "peak_predicted": row.get("peak_predicted", math.nan),
                  "proxy_accuracy": row["val_accuracy"], "held": False, "steps": math.nan, "accuracies": "",
                  "batch_stats_accuracies": "", "reading_flagged": False}
         if row["diverged"]:
@@ -129,13 +130,15 @@ def held_baselines(baselines, best, result, context) -> Any:
 def held_text(held: Any, best) -> str:
     """The held baselines as the demo prints them, and its claim: the least-memory baseline still in (or not
     ruled out) and how much less memory the pick holds; under 10%, the search matched that baseline's rule."""
+    from precsearch.cli.search import memory_text
+
     lines = [f"baselines held to all-high (memory below {1 / (1 - CLAIMED_SAVING):.2f}x the pick's), "
              f"also in {HELD_FILE}:"]
     for _, row in held[held["held"] | (held["ruled_out"] & ~held["held"])].iterrows():
         readings = (f"  confirmed {row['accuracies'].replace(';', ', ')} (batch statistics "
                     f"{row['batch_stats_accuracies'].replace(';', ', ')}; {int(row['steps'])} steps)"
                     if row["held"] else "")
-        lines.append(f"  {row['name']:<11} memory {row['memory']:.3f}{readings}: {row['verdict']}")
+        lines.append(f"  {row['name']:<11} {memory_text(row)}{readings}: {row['verdict']}")
     kept = held[~held["ruled_out"].astype(bool)]
     if kept.empty:
         lines.append("every baseline is out: the pick holds less memory than any prior-work recipe that holds")
@@ -151,16 +154,18 @@ def held_text(held: Any, best) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precsearch.analysis.report import write_report
+    from precsearch.analysis.report import MEASURE_LABELS, write_report
     from precsearch.cli.search import (
         accuracy_text,
         confidence_text,
         confirmed_text,
+        memory_text,
         peak_text,
         tie_text,
         yardsticks_text,
     )
     from precsearch.config.spaces import paper_space
+    from precsearch.config.spec import DEFAULT_MEMORY_MEASURE
     from precsearch.search.accounting import describe_budget
     from precsearch.search.baselines import run_baselines
     from precsearch.search.context import Budget, DataSpec, SearchContext
@@ -191,9 +196,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"search: {len(trials)} trials ({int(trials['trained'].sum() - (trials['duplicate_of'] != '').sum())} "
           f"assignments trained) in {search_time:.0f} s; all-high proxy accuracy {accuracy_text(high.iloc[0])}")
     print(result.noise.describe())
-    print("Pareto front (memory as a share of the all-high assignment):")
+    print(f"Pareto front (memory: {MEASURE_LABELS[DEFAULT_MEMORY_MEASURE]}, as a share of all-high's):")
     for _, row in front.iterrows():
-        print(f"  trial {int(row['number']):3d}  memory {row['memory']:.3f}  accuracy {accuracy_text(row)}"
+        print(f"  trial {int(row['number']):3d}  {memory_text(row)}  accuracy {accuracy_text(row)}"
               f"{confirmed_text(row)}  [{row['origin']}]{tie_text(row)}")
     print(yardsticks_text(result))
     print("baselines (same proxies):")
@@ -201,12 +206,12 @@ def run(args: argparse.Namespace) -> int:
         state = "diverged" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
         memory = (f"step peak {row['peak_bytes'] / 2**20:.2f} MiB measured ({row['peak_x_fp32']:.3f}x plain fp32, "
                   f"step time {row['step_time_x_fp32']:.2f}x)" if row["source"] == "torch" else
-                  f"memory {row['memory']:.3f}")
+                  memory_text(row))
         print(f"  {row['name']:<9} {memory}  {state}")
     if result.best is not None:
         best = result.best
-        print(f"best.json: trial {int(best['number'])}, memory {best['memory']:.3f} (predicted peak of a step "
-              f"{best['memory_peak']:.3f} of all-high's), confirmed accuracy {accuracy_text(best)} (least memory "
+        print(f"best.json: trial {int(best['number'])}, {memory_text(best)}, confirmed accuracy "
+              f"{accuracy_text(best)} (least memory "
               f"within {100 * MAX_DROP:g} point of all-high at {100 * result.noise.confidence:g}% confidence)"
               f"{confidence_text(best)}")
         print(f"  {json.loads((out / 'best.json').read_text())['provenance']['noise']['statement']}")

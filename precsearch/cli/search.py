@@ -6,6 +6,7 @@ Also holds the summary texts demo shares.
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import signal
 import sys
@@ -23,7 +24,7 @@ from precsearch.cli._arguments import (
     real,
     space_argument,
 )
-from precsearch.config.spec import MEMORY_MEASURES, SAMPLERS
+from precsearch.config.spec import DEFAULT_MEMORY_MEASURE, MEMORY_MEASURES, SAMPLERS
 
 NO_PICK = 3  # the exit status of a search that ended without a pick (README, "Command line")
 HELP = "search precision assignments (Optuna + proxy training)"
@@ -66,9 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="single objective: best accuracy with memory <= R x all-high")
     budget.add_argument("--max-accuracy-drop", type=real(0, 1), default=None, metavar="D",
                         help="single objective: least memory with accuracy >= all-high - D (0.01 = 1 point)")
-    parser.add_argument("--memory", choices=MEMORY_MEASURES, default="bytes",
-                        help="memory measure to minimize: bytes of the tensors training keeps (the paper's, "
-                             "default) or the predicted peak of a training step")
+    parser.add_argument("--memory", choices=MEMORY_MEASURES, default=DEFAULT_MEMORY_MEASURE,
+                        help="memory measure to minimize: the predicted peak of a training step (default; what "
+                             "the device runs out of) or the bytes of the tensors training keeps (the paper's)")
     add_noise_arguments(parser)
     parser.add_argument("--seeding", choices=list(seedings()), default="paper",
                         help="first trials: the paper's sweep with all-high and all-low (paper, the default), or the "
@@ -180,6 +181,14 @@ def yardsticks_text(result: Any) -> str:
     return "confirmed yardsticks: " + ", ".join(parts)
 
 
+def memory_text(row: Any) -> str:
+    """A policy row's memory as the summaries print it: the step's peak the cost model predicts, in MiB, then the
+    ratio to all-high of the measure the search minimized."""
+    peak = float(row.get("peak_predicted", math.nan))
+    lead = "" if math.isnan(peak) else f"step peak {peak / 2**20:.2f} MiB predicted, "
+    return f"{lead}memory {row['memory']:.3f} of all-high"
+
+
 def peak_text(out_dir: str | Path) -> str:
     """The pick's measured step peak beside plain fp32's and torch.autocast's (best.json's ``peak``), or ''."""
     from precsearch.config.reading import load_json_object
@@ -210,7 +219,7 @@ def summarize(result: Any) -> str:
                  f"{int(interrupted.sum())} interrupted and retried) "
                  f"in {result.wall_time:.1f} s; Pareto front: {len(result.pareto)} point(s)")
     for _, row in result.pareto.iterrows():
-        lines.append(f"  trial {int(row['number']):4d}: memory {row['memory']:.3f} of all-high, "
+        lines.append(f"  trial {int(row['number']):4d}: {memory_text(row)}, "
                      f"proxy accuracy {accuracy_text(row)}{confirmed_text(row)}  [{row['origin']}]{tie_text(row)}")
     if result.noise is not None:
         lines.append(result.noise.describe())
@@ -218,7 +227,7 @@ def summarize(result: Any) -> str:
     if yardsticks:
         lines.append(yardsticks)
     if result.best is not None:
-        lines.append(f"best.json: trial {int(result.best['number'])} (memory {result.best['memory']:.3f}, "
+        lines.append(f"best.json: trial {int(result.best['number'])} ({memory_text(result.best)}, "
                      f"confirmed accuracy {accuracy_text(result.best)}){confidence_text(result.best)}")
         if peak := peak_text(result.out_dir):
             lines.append(peak)

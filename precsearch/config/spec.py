@@ -78,8 +78,10 @@ BASELINES: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mpt", "hfp8", "wan
 TORCH_BASELINES: tuple[str, ...] = ("autocast_bf16", "autocast_fp16")
 # Optuna samplers a search can use (precsearch.search.samplers): multivariate TPE, NSGA-II, random, Gaussian process.
 SAMPLERS: tuple[str, ...] = ("tpe", "nsga2", "random", "gp")
-# What a search's memory objective measures: the cost model's bytes, or the measured peak of a step.
-MEMORY_MEASURES: tuple[str, ...] = ("bytes", "peak")
+# What a search's memory objective measures: the predicted peak of a training step (the default: what a user's
+# device runs out of), or the paper's bytes of the tensors training keeps, each as a ratio to all-high's.
+MEMORY_MEASURES: tuple[str, ...] = ("peak", "bytes")
+DEFAULT_MEMORY_MEASURE = "peak"
 
 # The paper (Lee, Sharma, Aiken 2023): its high format and per-kind low formats, forward tensors saturating
 # and gradients overflowing to inf (so the loss scaler sees them), promotion of weights and activations only.

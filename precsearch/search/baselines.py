@@ -3,13 +3,16 @@ search in the same run directory already trained; and torch's own mixed precisio
 
 The torch rows (``TORCH_BASELINES``: ``autocast_bf16``, ``autocast_fp16``) train the plain model under
 ``torch.autocast`` (precsearch.train.autocast), no policy file. They assign no formats, so the cost model has no
-figure for them: their ``memory`` and ``bytes`` are NaN (the demo's held baselines, ``source == "baseline"``,
-never read them), and what they hold is measured: ``peak_bytes``, one proxy step's peak (the CPU allocator's
-events or CUDA's, precsearch.cost.measured, gradients set to None before it), and ``step_time``, the median
-seconds of a step, each beside the plain fp32 model's step measured in the same call (``peak_x_fp32``,
-``step_time_x_fp32``). The policy rows leave those columns empty. fp16 autocast is CUDA's: on another device
-``autocast_fp16`` is skipped with one INFO line (torch's CPU float16 autocast exists, but it is no recipe
-anyone trains with there), so the default list runs anywhere.
+figure for them: their ``memory``, ``bytes`` and ``peak_predicted`` are NaN (the demo's held baselines,
+``source == "baseline"``, never read them), and what they hold is measured: ``peak_bytes``, one proxy step's
+peak (the CPU allocator's events or CUDA's, precsearch.cost.measured, gradients set to None before it), and
+``step_time``, the median seconds of a step, each beside the plain fp32 model's step measured in the same call
+(``peak_x_fp32``, ``step_time_x_fp32``). The policy rows leave those columns empty; they hold the cost model's
+figures: both memory measures as ratios to all-high (``memory_peak``, ``memory_bytes``), the predicted step peak
+in bytes (``peak_predicted``), and ``memory``, the measure of the search in the run directory, else the default
+(the step's peak). fp16 autocast is CUDA's: on another device ``autocast_fp16`` is skipped with one INFO line
+(torch's CPU float16 autocast exists, but it is no recipe anyone trains with there), so the default list runs
+anywhere.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.reading import REWRITE, load_json_object
 from precsearch.config.spaces import SearchSpace, load_space, parse_space
-from precsearch.config.spec import TORCH_BASELINES, ProxyConfig
+from precsearch.config.spec import DEFAULT_MEMORY_MEASURE, TORCH_BASELINES, ProxyConfig
 from precsearch.cost.measured import measure_peak, median_step_times, sgd_step
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_text
@@ -74,8 +77,9 @@ def _reusable_trials(out_dir: Path, context: SearchContext) -> dict[str, dict[st
     return reusable
 
 
-_COPIED = ("memory", "bytes", "val_accuracy", "val_loss", "batch_stats_accuracy", "diverged", "reason", "promotions",
-           "wall_time")
+_MEMORIES = ("memory_bytes", "memory_peak", "peak_predicted")  # SearchContext.memories
+_COPIED = ("memory", "bytes", *_MEMORIES, "val_accuracy", "val_loss", "batch_stats_accuracy", "diverged", "reason",
+           "promotions", "wall_time")
 _SEED_FIELDS = ("seeds", "val_accuracy_sd")  # copied when the reused trial has them (a multi-seed search)
 _MEASURED = ("peak_bytes", "peak_x_fp32", "step_time", "step_time_x_fp32")  # the torch rows' (module doc)
 TIMED_STEPS = 5  # each torch row's step time: the median of this many steps, taken in turn with plain fp32's
@@ -109,7 +113,8 @@ def _autocast_row(model_spec: str, context: SearchContext, config: ProxyConfig, 
                        autocast=dtype)
     (plain_peak, plain_time), (peak, seconds) = _measured_steps(model_spec, context.data[0], config,
                                                                 resolve_device(device), (None, dtype))
-    return {"memory": math.nan, "bytes": math.nan, "val_accuracy": result.val_accuracy, "val_loss": result.val_loss,
+    return {"memory": math.nan, "bytes": math.nan, **dict.fromkeys(_MEMORIES, math.nan),
+            "val_accuracy": result.val_accuracy, "val_loss": result.val_loss,
             "batch_stats_accuracy": result.batch_stats_accuracy, "diverged": result.diverged, "reason": result.reason,
             "promotions": 0, "wall_time": result.wall_time, "reused": "", "peak_bytes": peak,
             "peak_x_fp32": peak / plain_peak, "step_time": seconds, "step_time_x_fp32": seconds / plain_time}
@@ -132,13 +137,15 @@ def _policy_row(source: str, name: str, policy: Policy, key: str, known: dict[st
     row: dict[str, Any]
     if key in known:
         row = {field: known[key].get(field, math.nan) for field in (*_COPIED, "reused")}
+        row["memory"] = row[f"memory_{context.budget.memory}"]  # the search may have minimized the other measure
         row.update({field: known[key][field] for field in _SEED_FIELDS if field in known[key]})
     else:
         space = context.space
         result = run_proxy(context.model, policy, context.data, space.proxy.steps, seed=seed, device=device,
                            config=space.proxy, compile=proxy_compile(compile))
-        memory, size = context.memory(policy.assignment(context.graph), result.promotions)
-        row = dict(memory=memory, bytes=size, val_accuracy=result.val_accuracy, val_loss=result.val_loss,
+        measures, size = context.memories(policy.assignment(context.graph), result.promotions)
+        row = dict(memory=measures[f"memory_{context.budget.memory}"], bytes=size, **measures,
+                   val_accuracy=result.val_accuracy, val_loss=result.val_loss,
                    batch_stats_accuracy=result.batch_stats_accuracy, diverged=result.diverged, reason=result.reason,
                    promotions=len(result.promotions), wall_time=result.wall_time, reused="")
         if key:
@@ -166,6 +173,7 @@ def run_baselines(
     threads: int | None = None,
     progress: bool = True,
     compile: CompileOptions | None = None,
+    memory: str | None = None,
 ) -> pd.DataFrame:
     """Train the prior-work baselines, torch's autocast and the paper's sweep (plus its ablations) under the
     same proxies.
@@ -174,13 +182,18 @@ def run_baselines(
     the torch rows, see the module doc). In a search's run directory made with the same model, space, data and
     seed, the proxies are as long as the search's (unless ``proxy_steps`` says otherwise), and sweep points the
     search already trained are reused, not trained again; so are sweep points that coincide with each other.
-    ``compile``: how the proxies of policies compile their step (None: eagerly; ``proxy_compile``).
+    ``compile``: how the proxies of policies compile their step (None: eagerly; ``proxy_compile``). ``memory``:
+    the measure of the ``memory`` column (``MEMORY_MEASURES``; None: the run directory's search's, else the
+    default, the step's peak).
     """
     if isinstance(space, str | Path):
         space = load_space(space)
     run_file = Path(out_dir) / RUN_FILE
-    if proxy_steps is None and run_file.is_file():
-        proxy_steps = load_json_object(run_file, "run file", REWRITE).get("proxy_length")
+    recorded = load_json_object(run_file, "run file", REWRITE) if run_file.is_file() else {}
+    if proxy_steps is None:
+        proxy_steps = recorded.get("proxy_length")
+    if memory is None:
+        memory = recorded["budget"].get("memory", "bytes") if "budget" in recorded else DEFAULT_MEMORY_MEASURE
     space = space.with_proxy(steps=proxy_steps, batch_size=batch_size, image_size=image_size)
     data_spec = DataSpec(data) if isinstance(data, str) else data
     unknown = [name for name in names if name not in (*BASELINES, *TORCH_BASELINES)]
@@ -189,7 +202,7 @@ def run_baselines(
     if threads is not None and threads < 1:
         raise PrecsearchError(f"threads={threads} must be at least 1")
     resolve_device(device)
-    context = SearchContext.create(model_spec, space, data_spec, Budget(), seed, device)
+    context = SearchContext.create(model_spec, space, data_spec, Budget(memory=memory), seed, device)
     out_dir = Path(out_dir)
     known = {key: {**row, "reused": f"trial {int(row['number'])}"}
              for key, row in _reusable_trials(out_dir, context).items()}

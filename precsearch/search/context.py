@@ -17,7 +17,7 @@ import torch
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spaces import SearchSpace
-from precsearch.config.spec import MEMORY_MEASURES
+from precsearch.config.spec import DEFAULT_MEMORY_MEASURE, MEMORY_MEASURES
 from precsearch.cost.model import CostModel
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.errors import PrecsearchError
@@ -50,12 +50,12 @@ class DataSpec:
 @dataclass(frozen=True)
 class Budget:
     """At most one of: ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction), and the
-    memory measure the search minimizes: ``bytes`` (the paper's: bytes of the assignable tensors) or
-    ``peak`` (the predicted peak of a training step, ``CostModel.peak_bytes``)."""
+    memory measure the search minimizes: ``peak`` (the default: the predicted peak of a training step,
+    ``CostModel.peak_bytes``) or ``bytes`` (the paper's: bytes of the assignable tensors)."""
 
     max_memory: float | None = None
     max_accuracy_drop: float | None = None
-    memory: str = "bytes"
+    memory: str = DEFAULT_MEMORY_MEASURE
     confidence: float = DEFAULT_CONFIDENCE  # one-sided confidence of accuracy decisions (see precsearch.search.noise)
 
     def __post_init__(self) -> None:
@@ -181,14 +181,16 @@ class SearchContext:
         return ratios[f"memory_{self.budget.memory}"], size
 
     def memories(self, assignment: Mapping[str, str], promoted: Sequence[str] = ()) -> tuple[dict[str, float], float]:
-        """Both measures as ratios to all-high (``memory_bytes``, ``memory_peak``), and the bytes."""
+        """Both measures as ratios to all-high (``memory_bytes``, ``memory_peak``) and the predicted step peak in
+        bytes (``peak_predicted``), and the bytes."""
         effective = dict(assignment)
         for tensor_id in promoted:
             if tensor_id in effective:
                 effective[tensor_id] = self.space.high
         size = float(self.cost.bytes(effective))
         peak = float(self.cost.peak_bytes(effective))
-        return {"memory_bytes": size / self.high_bytes, "memory_peak": peak / self.high_peak}, size
+        return {"memory_bytes": size / self.high_bytes, "memory_peak": peak / self.high_peak,
+                "peak_predicted": peak}, size
 
     def policy(self, assignment: Mapping[str, str], provenance: Mapping[str, Any]) -> Policy:
         """The policy file for an assignment under this space's numerics (rounding, scaling, guard); the

@@ -57,7 +57,7 @@ OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "c
 METRICS = (
     "val_accuracy", "val_loss", "batch_stats_accuracy", "diverged", "reason", "steps_run", "skipped_steps",
     "final_loss_scale", "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
-    "memory_bytes", "memory_peak", "memory_planned", "low_share", "trained", "device",
+    "memory_bytes", "memory_peak", "peak_predicted", "memory_planned", "low_share", "trained", "device",
     "val_accuracy_sd", "val_accuracies", "seeds", "stopped_at", "seed_steps", "branch_steps",
 )
 
@@ -163,8 +163,8 @@ class Objective:
                 accuracies = [run.val_accuracy for run in results]
                 seed_steps = [run.steps_run for run in results]
                 branches = sum(run.branch_steps for run in results)
-        ratios, size = context.memories(assignment, result.promotions)
-        memory = ratios[f"memory_{context.budget.memory}"]
+        measures, size = context.memories(assignment, result.promotions)
+        memory = measures[f"memory_{context.budget.memory}"]
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
         path.parent.mkdir(exist_ok=True)
         proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
@@ -172,7 +172,7 @@ class Objective:
         record = result.to_dict()
         for name in ("loss_curve", "val_curve"):
             record.pop(name)
-        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **ratios,
+        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **measures,
                       **seed_record(accuracies), seed_steps=seed_steps, branch_steps=branches)
         if stopped is not None:
             record["stopped_at"] = stopped.step

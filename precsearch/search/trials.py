@@ -40,6 +40,7 @@ def _trial_row(trial: FrozenTrial, context: SearchContext, chance: float) -> dic
         "memory": attrs.get("memory", math.nan),
         "memory_bytes": attrs.get("memory_bytes", math.nan),
         "memory_peak": attrs.get("memory_peak", math.nan),
+        "peak_predicted": attrs.get("peak_predicted", math.nan),
         "memory_planned": attrs.get("memory_planned", math.nan),
         "bytes": attrs.get("bytes", math.nan),
         "low_share": attrs.get("low_share", math.nan),
