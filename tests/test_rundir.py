@@ -232,7 +232,8 @@ def _consistent(out, before):
     finished = {int(row["number"]): float(row["val_accuracy"]) for _, row in trials.iterrows()
                 if row["state"] == "COMPLETE" and str(row["trained"]) == "True"}
     assert all(finished.get(number) == accuracy for number, accuracy in before.items())  # nothing lost
-    fresh = trials[(trials["trained"].astype(str) == "True") & (trials["duplicate_of"].astype(str) == "")]
+    fresh = trials[(trials["trained"].astype(str) == "True") & (trials["duplicate_of"].astype(str) == "")
+                   & (trials["reference_copy"].astype(str) == "False")]
     assert fresh["key"].is_unique  # no assignment trained twice across the stops
     if (out / "best.json").is_file():
         assert json.loads((out / "best.json").read_text())["provenance"]["trial"] in finished
