@@ -7,7 +7,10 @@ import dataclasses
 import json
 from pathlib import Path
 
+import optuna
 import pandas as pd
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
 
 from precsearch.analysis.report import load_run
 from precsearch.config.spaces import paper_space
@@ -15,7 +18,7 @@ from precsearch.search import objective, trials
 from precsearch.search.context import torch_threads
 from precsearch.search.settings import SearchConfig
 from precsearch.search.study import run_search
-from precsearch.search.trials import TrialRecord
+from precsearch.search.trials import RetryStaleTrial, TrialRecord, set_attrs
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "tradeoff_curves.ipynb"
 SPACE = paper_space(proxy={"steps": 4, "batch_size": 16, "image_size": 8, "eval_batch_size": 64})
@@ -63,3 +66,14 @@ def test_an_attribute_added_to_the_record_alone_reaches_every_table(tmp_path, mo
     assert pareto.set_index("number")["probe"].equals(table.set_index("number").loc[pareto["number"], "probe"])
     shown = _notebook_trials(out)
     assert shown.set_index("number")["probe"].sort_index().equals(table.set_index("number")["probe"].sort_index())
+
+
+def test_a_dead_workers_trial_is_retried_with_its_origin_and_none_of_its_results():
+    study = optuna.create_study()
+    trial = study.ask({"g0": CategoricalDistribution(["high", "low"])})
+    set_attrs(trial, TrialRecord(origin=("paper r=0.1",), key="k", trains=trial.number, worker="host:1",
+                                 trained=True, val_accuracy=0.5))  # died after recording its result
+    RetryStaleTrial(3)(study, study.trials[trial.number])
+    retry = TrialRecord.from_trial(study.get_trials(states=(TrialState.WAITING,))[0])
+    assert retry == TrialRecord(number=retry.number, origin=("paper r=0.1",), retry_of=trial.number,
+                                params=dict(trial.params))

@@ -49,8 +49,8 @@ Bookkeeping rules:
   creates it and records its config, and a worker with another model, graph, space, data, seed, budget or
   search setting is refused. The rest of setup (queuing the seeds, calibration) and the wrap-up
   (confirmation) are leased steps any worker takes (precsearch.search.ledger). A worker that dies stops
-  heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again (Optuna's
-  ``RetryHeartbeatStaleTrialCallback``), and its setup step or calibration or confirmation run is taken
+  heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again (its origin only:
+  ``trials.RetryStaleTrial``), and its setup step or calibration or confirmation run is taken
   over by another worker from what it recorded, so only that run's work is lost, whichever worker died. A
   run keeps a checkpoint in ``checkpoints/`` of its run directory while it trains (removed once recorded):
   --resume, or a worker of the same run directory, continues it from there; a worker on another host

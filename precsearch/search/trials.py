@@ -9,6 +9,7 @@ result; the trial's own fields are not copied), and trials.csv and pareto.csv sh
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -19,6 +20,7 @@ from typing import Any
 import optuna
 import pandas as pd
 from optuna.distributions import BaseDistribution
+from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from precsearch.config.policy import Policy
@@ -29,7 +31,7 @@ from precsearch.search.strategies import assign
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["TrialRecord", "copies", "params_of", "policy_of", "retry_trial", "set_attrs",
+__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "params_of", "policy_of", "retry_trial", "set_attrs",
            "set_constraints", "trials_frame"]
 
 RETRY_OF = "failed_trial"  # Optuna's system attr of a retried trial (its RetryFailedTrialCallback's name)
@@ -178,6 +180,18 @@ def retry_trial(params: Mapping[str, Any], distributions: dict[str, BaseDistribu
     (the trial budget waits for it)."""
     return optuna.trial.create_trial(state=TrialState.WAITING, params=dict(params), distributions=distributions,
                                      user_attrs=TrialRecord(origin=origin).to_attrs(), system_attrs={RETRY_OF: number})
+
+
+class RetryStaleTrial(RetryHeartbeatStaleTrialCallback):
+    """Optuna's retry of a trial its heartbeat failed (a dead worker's), at most ``max_retry`` times an assignment,
+    carrying the trial's origin only, as ``retry_trial``'s do. Optuna's would copy every user attr: the dead
+    trial's claim, and whatever results it recorded before it died, which the retry's own record could not set
+    back to their defaults (``to_attrs`` writes only the fields that differ from them)."""
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        kept = copy.copy(trial)
+        kept.user_attrs = TrialRecord(origin=TrialRecord.from_trial(trial).origin).to_attrs()
+        super().__call__(study, kept)
 
 
 def params_of(trial: FrozenTrial) -> dict[str, Any]:
