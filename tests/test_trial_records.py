@@ -9,6 +9,7 @@ from pathlib import Path
 
 import optuna
 import pandas as pd
+import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
@@ -68,6 +69,7 @@ def test_an_attribute_added_to_the_record_alone_reaches_every_table(tmp_path, mo
     assert shown.set_index("number")["probe"].sort_index().equals(table.set_index("number")["probe"].sort_index())
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # Optuna's retry callback is
 def test_a_dead_workers_trial_is_retried_with_its_origin_and_none_of_its_results():
     study = optuna.create_study()
     trial = study.ask({"g0": CategoricalDistribution(["high", "low"])})
