@@ -37,6 +37,7 @@ from optuna.trial import TrialState
 
 from precsearch.config.spaces import PAPER_SPACE
 from precsearch.search.storage import StudyLocation
+from precsearch.search.trials import TrialRecord
 
 UNITS = 40  # decisions per empty trial, about tiny_cnn's tensor count
 
@@ -54,7 +55,9 @@ def _search_run(url: str, study: str, workers: int, trials: int, steps: int, spa
     done = [t for t in optuna.load_study(study_name=study, storage=url).get_trials()
             if t.state == TrialState.COMPLETE]
     span = (max(t.datetime_complete for t in done) - min(t.datetime_start for t in done)).total_seconds()
-    trained = [t for t in done if t.user_attrs.get("trained") and "duplicate_of" not in t.user_attrs]
+    records = [TrialRecord.from_trial(t) for t in done]
+    trained = [t for t, record in zip(done, records, strict=True)
+               if record.trained and record.duplicate_of is None and not record.reference_copy]
     overhead = [1 - t.user_attrs["wall_time"] / (t.datetime_complete - t.datetime_start).total_seconds()
                 for t in trained]
     return {"trials": len(done), "trained": len(trained), "per_minute": 60 * len(done) / span,

@@ -17,6 +17,7 @@ from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.settings import SearchConfig
 from precsearch.search.strategies import assign
 from precsearch.search.study import run_search
+from precsearch.search.trials import copies
 from precsearch.train.continuing import branch_steps, decay_steps
 
 SPACE = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
@@ -77,7 +78,7 @@ def test_a_slow_starter_that_reaches_the_reference_is_not_stopped_but_a_failure_
     assert pd.isna(trials.loc[slow, "stopped_at"]) and trials.loc[slow, "val_accuracy"] == pytest.approx(0.95)
     slow_runs = [call for call in trainer.calls if call["name"] == slow and call["seed"] < 1000]
     assert slow_runs[0]["start"] == 0 and slow_runs[0]["steps"] == LENGTH  # through the rung in one run
-    never = trials[trials["trained"] & trials["duplicate_of"].eq("") & ~trials.index.isin(["HHHH", slow])]
+    never = trials[trials["trained"] & ~copies(trials) & ~trials.index.isin(["HHHH", slow])]
     assert len(never) > 0 and (never["stopped_at"] == 45).all()  # at chance where the reference had learned at 22
     assert "stopped at rung step 45" in never["reason"].iloc[0]
     assert (never["seed_steps"] == "45").all()  # stopped on its first seed, the others never ran
@@ -107,7 +108,7 @@ def test_a_rung_stops_a_candidate_at_chance_behind_a_reference_with_a_stuck_seed
     result = _search(tmp_path / "run", trainer)
     trials = result.trials.set_index("decisions")
     assert pd.isna(trials.loc[slow, "stopped_at"]) and trials.loc[slow, "val_accuracy"] == pytest.approx(0.96)
-    never = trials[trials["trained"] & trials["duplicate_of"].eq("") & ~trials.index.isin(["HHHH", slow])]
+    never = trials[trials["trained"] & ~copies(trials) & ~trials.index.isin(["HHHH", slow])]
     assert len(never) > 0 and (never["stopped_at"] == 45).all()
     assert (never["reason"].str.contains("still at chance")).all()
     assert (never["seed_steps"] == "45").all()

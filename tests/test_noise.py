@@ -155,6 +155,6 @@ def test_multi_seed_search_records_means_over_the_same_seeds(tmp_path):
     if len(accuracies) > 1:
         assert row["val_accuracy_sd"] == pytest.approx(np.std(accuracies, ddof=1))
     high = trials.loc[0]
-    assert high["duplicate_of"] == "reference" and high["seeds"] == 2  # the reference ran the same two seeds
+    assert high["reference_copy"] and high["seeds"] == 2  # the reference ran the same two seeds
     noise = json.loads((tmp_path / "run" / "best.json").read_text())["provenance"]["noise"]
     assert noise["confidence"] == 0.9 and noise["seeds"] in (1, 2) and result.noise.df >= 1  # the pick's seeds

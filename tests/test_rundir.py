@@ -232,7 +232,8 @@ def _consistent(out, before):
     finished = {int(row["number"]): float(row["val_accuracy"]) for _, row in trials.iterrows()
                 if row["state"] == "COMPLETE" and str(row["trained"]) == "True"}
     assert all(finished.get(number) == accuracy for number, accuracy in before.items())  # nothing lost
-    fresh = trials[(trials["trained"].astype(str) == "True") & (trials["duplicate_of"].astype(str) == "")]
+    fresh = trials[(trials["trained"].astype(str) == "True") & (trials["duplicate_of"].astype(str) == "")
+                   & (trials["reference_copy"].astype(str) == "False")]
     assert fresh["key"].is_unique  # no assignment trained twice across the stops
     if (out / "best.json").is_file():
         assert json.loads((out / "best.json").read_text())["provenance"]["trial"] in finished
@@ -336,6 +337,18 @@ def _children(pid):
     return found
 
 
+def _finished_trials(out):
+    """How many trials the search writing to ``out`` has finished so far, read from its study's journal (what
+    ``precsearch report SNAPSHOT --storage OUT/study.journal`` tabulates while the search runs)."""
+    if not (out / "study.journal").is_file():  # opening a journal that is not there would create it
+        return 0
+    try:
+        study = optuna.load_study(study_name="precsearch", storage=StudyLocation.of(None, out).open())
+    except KeyError:  # the study is not created yet
+        return 0
+    return sum(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
+
+
 @pytest.mark.slow
 def test_workers_of_a_killed_jobs_parent_stop_and_resume_then_works(tmp_path):
     out = tmp_path / "run"
@@ -344,8 +357,9 @@ def test_workers_of_a_killed_jobs_parent_stop_and_resume_then_works(tmp_path):
                "--image-size", "8", "--batch-size", "16"]
     parent = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": os.getcwd()}, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not ((out / "trials.csv").is_file() and len(_children(parent.pid)) >= 2):
+    while time.monotonic() < deadline and not (_finished_trials(out) and len(_children(parent.pid)) >= 2):
         time.sleep(0.2)
+    assert not (out / "trials.csv").exists()  # the run directory's tables are written once, when the search ends
     workers = _children(parent.pid)
     assert len(workers) >= 2
     parent.kill()  # kill -9: the workers are orphaned mid-trial

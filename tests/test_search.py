@@ -31,6 +31,7 @@ from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import R_GRID
 from precsearch.search.study import SearchInterrupted, run_search
+from precsearch.search.trials import copies
 from precsearch.search.workers import WorkerSteps, worker_gpus
 from precsearch.train.proxy import ProxyTrainer, build_model
 
@@ -60,7 +61,7 @@ def _search(out, trials, trainer=None, **kwargs):
 
 def _distinct(trials):
     """Completed trials that used up budget: every distinct assignment, not the copies of a trial's results."""
-    copies = trials["duplicate_of"].astype(str).str.fullmatch(r"\d+")
+    copies = pd.to_numeric(trials["duplicate_of"], errors="coerce").notna()  # read with or without blanks as NaN
     return int(((trials["state"] == "COMPLETE") & ~copies).sum())
 
 
@@ -102,12 +103,12 @@ def test_outputs_exist_and_seeds_come_first(run):
 def test_no_assignment_is_trained_twice(run):
     _, result = run
     trials = result.trials
-    fresh = trials[trials["duplicate_of"] == ""]
+    fresh = trials[~copies(trials)]
     assert fresh["key"].is_unique
     assert trials["key"].nunique() == 14  # the budget counts distinct assignments, not the sampler's repeats
-    high = trials[trials["duplicate_of"] == "reference"]
+    high = trials[trials["reference_copy"]]
     assert high["decisions"].tolist() == ["HHHH"]  # all-high is the reference, trained once before the trials
-    duplicates = trials[(trials["duplicate_of"] != "") & (trials["duplicate_of"] != "reference")]
+    duplicates = trials[trials["duplicate_of"].notna()]
     for _, row in duplicates.iterrows():
         original = trials.set_index("number").loc[int(row["duplicate_of"])]
         assert original["key"] == row["key"]
@@ -249,7 +250,7 @@ def test_interrupt_keeps_completed_trials_and_resume_finishes(tmp_path):
     assert trials.iloc[:2]["val_accuracy"].tolist() == pytest.approx(before)
     assert _distinct(trials) == 6  # the interrupted trial does not use budget
     retried = trials[(trials["key"] == interrupted_key) & (trials["state"] == "COMPLETE")]
-    assert len(retried) == 1 and retried.iloc[0]["duplicate_of"] == ""
+    assert len(retried) == 1 and pd.isna(retried.iloc[0]["duplicate_of"])
 
 
 def test_a_trial_left_running_by_a_killed_process_is_requeued(tmp_path):
@@ -285,7 +286,7 @@ def test_max_accuracy_drop_budget(tmp_path):
     reference = Reference.from_study(_study(tmp_path / "run")).result.val_accuracy
     trials = result.trials
     high = trials[trials["decisions"] == "HHHH"].iloc[0]
-    assert high["duplicate_of"] == "reference" and high["val_accuracy"] == reference  # not trained twice
+    assert high["reference_copy"] and high["val_accuracy"] == reference  # not trained twice
     confirmed = _confirmed(trials)
     confirmed_high = float(confirmed[confirmed["decisions"] == "HHHH"]["confirmed_accuracy"].iloc[0])
     ok = confirmed[confirmed["confirmed_accuracy"] >= confirmed_high - 0.05]
@@ -368,7 +369,7 @@ def test_parallel_workers_share_the_study(tmp_path, capsys):
     result = run_search(config)
     trials = result.trials
     assert _distinct(trials) == 10  # the trials other workers are running count against the budget
-    fresh = trials[trials["trained"] & (trials["duplicate_of"] == "")]
+    fresh = trials[trials["trained"] & ~copies(trials)]
     assert fresh["key"].is_unique
     # the parent's bar shows where the workers' proxies stand, read from the memory they share with it
     shown = set(re.findall(r"worker (\d): trial (\d+), seed (\d+): step (\d+)/(\d+)", capsys.readouterr().err))

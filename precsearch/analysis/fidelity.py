@@ -40,6 +40,7 @@ from precsearch.models import check_trusted
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.noise import rank_correlations
 from precsearch.search.objective import TRIAL_POLICIES
+from precsearch.search.origins import origins
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult, resolve_device, train
 
@@ -65,7 +66,9 @@ def long_run(context: SearchContext, policy: Policy | None, steps: int, seed: in
                  config=context.space.proxy, stop_on_divergence=False, compile=context.compile)
 
 
-def _context(run_dir: Path, device: str, compile: CompileOptions | None, trust_model: str | None) -> SearchContext:
+def _context(run_dir: Path, device: str, compile: CompileOptions | None, trust_model: str | None
+             ) -> tuple[SearchContext, int]:
+    """The run's search context and proxy length, from its run.json."""
     run_file = run_dir / "run.json"
     if not run_file.is_file() or not (run_dir / "trials.csv").is_file():
         raise PrecsearchError(f"{run_dir} holds no run.json and trials.csv; give a run directory written by "
@@ -74,8 +77,7 @@ def _context(run_dir: Path, device: str, compile: CompileOptions | None, trust_m
     model = check_trusted(config.get("model"), str(run_file), trust_model)
     context = SearchContext.create(model, parse_space(config["space"]), DataSpec(**config["data"]),
                                    Budget(**config["budget"]), config["seed"], device, compile=compile)
-    context.length = config.get("proxy_length", context.space.proxy.steps)
-    return context
+    return context, config.get("proxy_length", context.space.proxy.steps)
 
 
 def _roles(run_dir: Path, trials: pd.DataFrame) -> dict[str, list[str]]:
@@ -88,7 +90,7 @@ def _roles(run_dir: Path, trials: pd.DataFrame) -> dict[str, list[str]]:
         for number in pareto["number"]:
             roles.setdefault(by_number.loc[number, "key"], []).append("front")
     for _, row in trained.iterrows():
-        for origin in str(row["origin"]).split("; "):
+        for origin in origins(row["origin"]):
             if origin == "all-high" or origin.startswith("paper r="):
                 roles.setdefault(row["key"], []).append(origin)
     best = run_dir / "best.json"
@@ -121,8 +123,8 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
     A run.json naming a model factory is refused unless ``trust_model`` is that spec (``check_trusted``)."""
     run_dir = Path(run_dir)
     resolve_device(device)  # refused before the run is read and retrained
-    context = _context(run_dir, device, compile, trust_model)
-    steps = LONG_FACTOR * context.length if steps is None else steps
+    context, length = _context(run_dir, device, compile, trust_model)
+    steps = LONG_FACTOR * length if steps is None else steps
     if steps < 1:
         raise PrecsearchError(f"steps={steps} must be at least 1")
     seed = context.seed if seed is None else seed

@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from precsearch.config.reading import REWRITE, load_json_object
 from precsearch.errors import PrecsearchError
 from precsearch.files import atomic_write_bytes, atomic_write_text
+from precsearch.search.origins import origins
 from precsearch.search.sensitivity_table import SENSITIVITY_CSV, unit_table
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def sweep_points(trials: pd.DataFrame) -> pd.DataFrame:
     if trials.empty or "origin" not in trials:
         return pd.DataFrame(rows)
     for _, row in trials[trials["trained"].astype(bool)].iterrows():
-        for match in _R_PATTERN.finditer(str(row["origin"])):
+        for match in filter(None, map(_R_PATTERN.fullmatch, origins(row["origin"]))):
             rows.append({**row.to_dict(), "r": float(match.group(1))})
     frame = pd.DataFrame(rows)
     return frame.sort_values("r").drop_duplicates("r") if not frame.empty else frame

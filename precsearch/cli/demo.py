@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     from precsearch.search.context import Budget, DataSpec, SearchContext
     from precsearch.search.settings import SearchConfig, usable_jobs
     from precsearch.search.study import run_search
+    from precsearch.search.trials import copies
     from precsearch.train.trainer import resolve_device
 
     start = time.perf_counter()
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     high = trials[trials["decisions"].str.fullmatch("H+")]
     front = result.pareto
     print(f"\nproxy length: {result.calibration.length} steps (calibrated on the all-high reference)")
-    print(f"search: {len(trials)} trials ({int(trials['trained'].sum() - (trials['duplicate_of'] != '').sum())} "
+    print(f"search: {len(trials)} trials ({int(trials['trained'].sum() - copies(trials).sum())} "
           f"assignments trained) in {search_time:.0f} s; all-high proxy accuracy {accuracy_text(high.iloc[0])}")
     print(result.noise.describe())
     print(f"Pareto front (memory: {MEASURE_LABELS[DEFAULT_MEMORY_MEASURE]}, as a share of all-high's):")

@@ -166,10 +166,10 @@ def _step(key: str, seed: int) -> str:
 
 
 def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: Sequence[int],
-            front: Mapping[str, Policy], length: int, seeds: Sequence[int], report: Callable[[int, float], None],
-            decide: Decide | None) -> Confirmation:
+            front: Mapping[str, Policy], proxy_length: int, length: int, seeds: Sequence[int],
+            report: Callable[[int, float], None], decide: Decide | None) -> Confirmation:
     """Continue the all-high reference's runs (key ``high``, calibration's ``reference_seeds``) to ``length`` steps,
-    decaying from the proxy length (``decay_start``), and train plain fp32 on the first of the fresh ``seeds``,
+    decaying from ``proxy_length`` (``decay_start``), and train plain fp32 on the first of the fresh ``seeds``,
     then the ``front`` points (in memory order): with ``decide`` sequentially, the reference's first two runs
     continued and the rest raced (see the module docstring), else each point and the reference on every seed; the
     study records which runs when all are done."""
@@ -188,7 +188,7 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
             seed = names[name]
             checkpoint = context.checkpoint(checkpoint_key, seed)
             result = context.trainer(policy, length, seed, report=report, checkpoint=checkpoint,
-                                     decay_from=decay_start(context.length, length))
+                                     decay_from=decay_start(proxy_length, length))
             context.drop_checkpoint(checkpoint_key, seed)
             return run_record(result, seed)
 

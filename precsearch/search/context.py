@@ -91,7 +91,7 @@ class Budget:
 @dataclass
 class SearchContext:
     """Everything one process needs to run trials: data, traced graph, cost model, space, budget, the
-    ``trainer`` (the real proxies unless one is injected) and ``length``, the proxy length once known."""
+    ``trainer`` (the real proxies unless one is injected)."""
 
     model: str
     space: SearchSpace
@@ -108,7 +108,6 @@ class SearchContext:
     units: dict[str, list[str]] = field(default_factory=dict)
     all_high: Candidate | None = None  # every unit high: the reference's assignment (its key is the reference's)
     proxy_seeds: int | None = 1  # seeds per proxy; None: chosen from the noise the reference measures
-    length: int | None = None  # steps of one proxy: fixed, or set by calibration
     settings: dict[str, Any] = field(default_factory=dict)  # SearchConfig.settings(): part of the study's config
     compile: CompileOptions | None = None  # how fixed-policy runs compile (None: eagerly); proxies save float32
     checkpoints: Path | None = None  # where this process's runs keep their checkpoints (None: nowhere)

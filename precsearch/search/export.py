@@ -28,24 +28,27 @@ from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.selection import Pick, confirmed_pick, mark_ties, pareto_front
 from precsearch.search.sensitivity_table import recorded_table, save_table
 from precsearch.search.strategies import R_GRID
-from precsearch.search.trials import policy_of, trials_frame
+from precsearch.search.trials import copies, policy_of, trials_frame
 from precsearch.train.reading import flagged
 
-__all__ = ["Decision", "Exported", "decide", "export", "pick_policy"]
+__all__ = ["Decision", "SearchResult", "decide", "export", "pick_policy"]
 
 
 @dataclass
-class Exported:
-    """What an export wrote, as tables; ``note`` says why ``best`` is None when it is."""
+class SearchResult:
+    """What a search left in its run directory, as tables (``export`` writes them)."""
 
+    out_dir: Path
     trials: pd.DataFrame
     pareto: pd.DataFrame
     best: pd.Series | None
-    noise: Noise
-    note: str = ""
+    noise: Noise | None = None  # the pooled seed noise of the proxies
+    note: str = ""  # why best is None, or which proxy pick confirmation replaced
     calibration: Calibration | None = None
-    confirmation: Confirmation | None = None
-    budget: pd.DataFrame | None = None
+    confirmation: Confirmation | None = None  # the confirmation runs (``.table()``: accuracy per key)
+    budget: pd.DataFrame | None = None  # training steps per phase (precsearch.search.accounting)
+    wall_time: float = 0.0  # seconds the search ran (``run_search`` sets it)
+    interrupted: bool = False
 
 
 def _policy_for_row(row: pd.Series, study: optuna.Study, context: SearchContext, role: str) -> Policy:
@@ -53,12 +56,18 @@ def _policy_for_row(row: pd.Series, study: optuna.Study, context: SearchContext,
     provenance = {
         "strategy": str(row["origin"]), "role": role, "trial": int(row["number"]), "space": context.space.name,
         "space_fingerprint": context.space.fingerprint(), "seed": context.seed,
-        "proxy_steps": context.length, "data": context.data_spec.name,
+        "proxy_steps": _proxy_length(study), "data": context.data_spec.name,
         "proxy": {"val_accuracy": float(row.get("proxy_accuracy", row["val_accuracy"])),
                   "val_loss": float(row["val_loss"]), "memory": float(row["memory"]),
                   "promotions": int(row["promotions"])},
     }
     return policy_of(trial, context, provenance)
+
+
+def _proxy_length(study: optuna.Study) -> int | None:
+    """The calibrated proxy length (None before calibration is recorded)."""
+    calibration = recorded_calibration(study.user_attrs)
+    return calibration.length if calibration is not None else None
 
 
 @dataclass(frozen=True)
@@ -93,11 +102,12 @@ def pick_policy(study: optuna.Study, context: SearchContext, best: pd.Series) ->
     return _policy_for_row(best, study, context, f"best: {context.budget.describe()}")
 
 
-def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> Exported:
-    """Rewrite the run directory's tables, policies and pick (``selection.confirmed_pick``) from the storage
-    (see the module docstring)."""
+def export(study: optuna.Study, context: SearchContext, out_dir: Path, decision: Decision | None = None
+           ) -> SearchResult:
+    """Rewrite the run directory's tables, policies and pick from the storage and the search's ``decision``
+    (``decide``'s, made here when the search stopped before its pick; see the module docstring)."""
     attrs = study.user_attrs
-    decision = decide(study, context)
+    decision = decision or decide(study, context)
     frame, front, noise, pick = decision.frame, decision.front, decision.noise, decision.pick
     calibration, confirmation, reference = decision.calibration, decision.confirmation, decision.reference
     confirmed = confirmation.table() if confirmation is not None else None
@@ -121,8 +131,8 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path) -> Export
         budget = _budget(frame, calibration, confirmation, reference, context)
         atomic_write_text(out_dir / "budget.csv", budget.to_csv(index=False))
     _write_pick(pick, study, context, out_dir, confirmation, reference)
-    return Exported(frame, front, pick.best, noise, "" if pick.best is not None else pick.note, calibration,
-                    confirmation, budget)
+    return SearchResult(out_dir, frame, front, pick.best, noise, "" if pick.best is not None else pick.note,
+                        calibration, confirmation, budget)
 
 
 def _write_pick(pick: Pick, study: optuna.Study, context: SearchContext, out_dir: Path,
@@ -191,7 +201,7 @@ def _pick_statement(best: pd.Series, noise: Noise) -> str:
 
 def _budget(frame: pd.DataFrame, calibration: Calibration, confirmation: Confirmation | None,
             reference: Reference | None, context: SearchContext) -> pd.DataFrame:
-    fresh = frame[frame["duplicate_of"] == ""] if not frame.empty else frame
+    fresh = frame[~copies(frame)] if not frame.empty else frame
     factor = context.settings["confirm_factor"]
     confirm_length = confirmation.length if confirmation is not None else round(factor * calibration.length)
     return budget_table(

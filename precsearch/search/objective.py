@@ -29,19 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import pandas as pd
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from precsearch.config.policy import Policy
 from precsearch.files import DiskFull, full_disk
 from precsearch.search.context import SearchContext, combine_seeds, seed_record
-from precsearch.search.noise import pooled_noise
 from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.rungs import RungStop
-from precsearch.search.selection import choose_best, drop_verdict
+from precsearch.search.selection import race_settled, untrained_reason
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import assign, assignment_key, low_share
-from precsearch.search.trials import trials_frame
+from precsearch.search.trials import TrialRecord, set_attrs, set_constraints, trials_frame
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
@@ -52,28 +50,6 @@ log = logging.getLogger(__name__)
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
 WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-CANDIDATE_DF = 2  # degrees of freedom candidates measure before a noise of zero is believed (``_decided``)
-OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
-METRICS = (
-    "val_accuracy", "val_loss", "batch_stats_accuracy", "diverged", "reason", "steps_run", "skipped_steps",
-    "final_loss_scale", "promotions", "overflow_max", "underflow_max", "underflow_mean", "wall_time", "memory", "bytes",
-    "memory_bytes", "memory_peak", "peak_predicted", "memory_planned", "low_share", "trained", "device",
-    "val_accuracy_sd", "val_accuracies", "seeds", "stopped_at", "seed_steps", "branch_steps",
-)
-
-
-def _set_constraints(trial: optuna.Trial, constraints: dict[str, float]) -> None:
-    """Optuna keeps the first value of a trial's constraint (warning at a second). A trial reopened by --resume
-    may have set them before its end was lost (precsearch.search.study): those are written over, so the values
-    are this run's."""
-    recorded = trial.storage.get_trial_system_attrs(trial._trial_id)
-    for name, value in constraints.items():
-        key = f"{OPTUNA_CONSTRAINTS}:{name}"
-        if key in recorded:
-            trial.storage.set_trial_system_attr(trial._trial_id, key, float(value))
-        else:
-            trial.set_constraint(name, value)
-
 
 @dataclass(frozen=True)
 class TrialStep:
@@ -114,12 +90,12 @@ class Objective:
         except optuna.TrialPruned:
             raise
         except KeyboardInterrupt:
-            trial.set_user_attr("interrupted", True)
+            set_attrs(trial, TrialRecord(interrupted=True))
             raise
         except Exception as error:
             if full_disk(error) is not None:  # not the trial's fault: stop, and leave it RUNNING for --resume
                 raise DiskFull() from error
-            trial.set_user_attr("error", f"{type(error).__name__}: {error}"[:2000])
+            set_attrs(trial, TrialRecord(error=f"{type(error).__name__}: {error}"[:2000]))
             raise
 
     def _run(self, trial: optuna.Trial) -> Any:
@@ -128,22 +104,17 @@ class Objective:
         assignment = assign(context.graph, context.space, decisions)
         key = assignment_key(assignment)
         planned, _ = context.memory(assignment)
-        trial.set_user_attr("key", key)
-        trial.set_user_attr("memory_planned", planned)
-        trial.set_user_attr("low_share", low_share(context.graph, context.space, decisions))
-        trial.set_user_attr("worker", WORKER)
+        set_attrs(trial, TrialRecord(key=key, memory_planned=planned, worker=WORKER,
+                                     low_share=low_share(context.graph, context.space, decisions)))
         study = trial.study
         previous = self._claim(trial, key)
         if previous is not None:
             return self._reuse(trial, previous)
         reference = self.reference
-        if context.budget.max_memory is not None and planned > context.budget.max_memory:
-            return self._untrained(trial, planned, "over the memory budget")
-        if key != reference.key:
-            beaten = _beaten_by(study, context, reference, planned)
-            if beaten is not None:
-                return self._untrained(trial, planned, f"trial {int(beaten['number'])} has less memory "
-                                       f"({beaten['memory']:.4f}) and is within the allowed drop: no training needed")
+        skipped = untrained_reason(trials_frame(study, context), context.budget, reference, key, planned,
+                                   context.chance)
+        if skipped is not None:
+            return self._untrained(trial, planned, skipped)
         policy = context.policy(assignment, {"trial": trial.number})
         stopped: RungStop | None = None
         if key == reference.key:
@@ -151,7 +122,7 @@ class Objective:
             accuracies = list(reference.accuracies)
             seed_steps: list[int] = []
             branches = 0
-            trial.set_user_attr("duplicate_of", "reference")
+            set_attrs(trial, TrialRecord(reference_copy=True))
         else:
             stopped, results = self._race(study, policy, key, trial.number)
             if stopped is not None:
@@ -169,23 +140,17 @@ class Objective:
         path.parent.mkdir(exist_ok=True)
         proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
         policy.replace(provenance={**policy.provenance, "worker": WORKER, "proxy": proxy}).save(path)
-        record = result.to_dict()
-        for name in ("loss_curve", "val_curve"):
-            record.pop(name)
-        record.update(memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **measures,
-                      **seed_record(accuracies), seed_steps=seed_steps, branch_steps=branches)
-        if stopped is not None:
-            record["stopped_at"] = stopped.step
-        for name, value in record.items():
-            trial.set_user_attr(name, value)
+        set_attrs(trial, TrialRecord.from_result(
+            result, memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **measures,
+            **seed_record(accuracies), seed_steps=tuple(seed_steps), branch_steps=branches,
+            stopped_at=None if stopped is None else stopped.step))
         margin = 0.0
         if reference.accuracy is not None:
             noise = proxy_noise(trials_frame(study, context), reference, context.budget.confidence)
             margin = float(noise.margin(len(accuracies), len(reference.accuracies)))
         constraints = context.constraints(result, memory, reference.accuracy, margin)
         constraints["stopped"] = 1.0 if stopped is not None else 0.0
-        _set_constraints(trial, constraints)
-        trial.set_user_attr("loss_curve", [round(v, 5) for v in result.loss_curve])
+        set_constraints(trial, constraints)
         for seed in context.proxy_seed_list(reference.proxy_seeds):
             context.drop_checkpoint(key, seed)
         return context.values(memory, result)
@@ -193,7 +158,7 @@ class Objective:
     def _race(self, study: optuna.Study, policy: Policy, key: str, number: int
               ) -> tuple[RungStop | None, list[ProxyResult]]:
         """Train a candidate seed by seed, the first through the rungs, adding a seed only while the budget's
-        decision on it depends on one (``_decided``), up to the reference's ``proxy_seeds``; each run
+        decision on it depends on one (``selection.race_settled``), up to the reference's ``proxy_seeds``; each run
         continues from its checkpoint if a stopped process left one (``_run`` removes them once the trial is
         recorded). A rung's stop ends it."""
         context = self.context
@@ -201,42 +166,26 @@ class Objective:
         for seed in context.proxy_seed_list(self.reference.proxy_seeds):
             first = not results
             try:
-                results.append(context.trainer(policy, context.length, seed, report=self._reporter(number, seed),
+                results.append(context.trainer(policy, self.reference.length, seed, report=self._reporter(number, seed),
                                                evaluate_at=self.rungs.steps if first else (),
                                                on_eval=self.rungs.check if first else None,
                                                checkpoint=context.checkpoint(key, seed)))
             except RungStop as stop:
                 return stop, []
-            if results[-1].diverged or self._decided(study, results):
+            accuracies = [run.val_accuracy for run in results]
+            if results[-1].diverged or race_settled(trials_frame(study, context), accuracies, self.reference,
+                                                    context.budget):
                 break
         return None, results
 
     def _reporter(self, number: int, seed: int) -> Callable[[int, float], None] | None:
         """The trainer's ``report`` hook for trial ``number``'s run on ``seed``: it tells ``progress``."""
-        progress, steps = self.progress, self.context.length
+        progress, steps = self.progress, self.reference.length
         if progress is None:
             return None
         return lambda step, loss: progress(TrialStep(number, seed, step, steps))
 
-    def _decided(self, study: optuna.Study, results: list[ProxyResult]) -> bool:
-        """Whether the accuracy-drop rule is settled on these seeds (``selection.drop_verdict``); under a memory
-        budget, whose pick compares candidates with each other, every seed is trained. A noise of zero (a
-        reference at the same accuracy on every seed, 100% say) settles nothing until candidates have measured
-        ``CANDIDATE_DF`` degrees of freedom of their own: low precision may scatter where all-high does not."""
-        reference, budget = self.reference, self.context.budget
-        if budget.max_memory is not None or reference.accuracy is None:
-            return False
-        frame = trials_frame(study, self.context)
-        noise = proxy_noise(frame, reference, budget.confidence)
-        if noise.sd == 0 and len(results) < 2:
-            candidates = frame[frame["key"] != reference.key] if not frame.empty else frame
-            if pooled_noise(candidates, budget.confidence).df < CANDIDATE_DF:
-                return False
-        verdict = drop_verdict([run.val_accuracy for run in results], reference.accuracy,
-                               len(reference.accuracies), budget.drop, noise)
-        return verdict is not None
-
-    def _claim(self, trial: optuna.Trial, key: str) -> FrozenTrial | None:
+    def _claim(self, trial: optuna.Trial, key: str) -> TrialRecord | None:
         """Decide, under the study's lock, whether this trial trains the assignment ``key``.
 
         A finished trial with the key is returned for reuse. A live trial already training it is waited
@@ -248,36 +197,32 @@ class Objective:
         study = trial.study
         while True:
             with self.location.lock(self.storage):
-                others = [t for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
-                          if t.number != trial.number and t.user_attrs.get("key") == key]
-                finished = [t for t in others if t.state in FINISHED]
+                others = [TrialRecord.from_trial(t) for t in study.get_trials(
+                    deepcopy=False, states=(*FINISHED, TrialState.RUNNING)) if t.number != trial.number]
+                others = [t for t in others if t.key == key]
+                finished = [t for t in others if t.state != TrialState.RUNNING.name]
                 if finished:
                     return finished[0]
-                owner = next((t for t in others if t.user_attrs.get("trains") == t.number), None)
+                owner = next((t for t in others if t.trains == t.number), None)
                 if owner is None:
-                    trial.set_user_attr("trains", trial.number)
+                    set_attrs(trial, TrialRecord(trains=trial.number))
                     return None
             log.info("trial %d waits for trial %d, which trains the same assignment", trial.number, owner.number)
             _wait_while_running(study, owner.number)
 
-    def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> Any:
+    def _reuse(self, trial: optuna.Trial, previous: TrialRecord) -> Any:
         """Copy a finished trial's results for the same assignment instead of training again."""
-        for name in (*METRICS, "loss_curve", "reason", "policy"):
-            if name in previous.user_attrs:
-                trial.set_user_attr(name, previous.user_attrs[name])
-        trial.set_user_attr("duplicate_of", previous.number)
-        if previous.state == TrialState.PRUNED:
+        set_attrs(trial, previous.copied())
+        if previous.state == TrialState.PRUNED.name:
             raise optuna.TrialPruned(f"same assignment as pruned trial {previous.number}")
-        _set_constraints(trial, previous.constraints)
-        return previous.values
+        set_constraints(trial, previous.constraints)
+        return list(previous.values)
 
     def _untrained(self, trial: optuna.Trial, memory: float, reason: str) -> Any:
         """A completed, infeasible trial that was priced but not worth training."""
         context = self.context
-        trial.set_user_attr("trained", False)
-        trial.set_user_attr("reason", reason)
-        trial.set_user_attr("memory", memory)
-        _set_constraints(trial, context.constraints(None, memory, None))
+        set_attrs(trial, TrialRecord(trained=False, reason=reason, memory=memory))
+        set_constraints(trial, context.constraints(None, memory, None))
         worst = 1e6 if context.space.accuracy_objective == "val_loss" else 1.0
         if context.budget.max_memory is not None:
             return [worst]
@@ -293,18 +238,3 @@ def _wait_while_running(study: optuna.Study, number: int) -> None:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
 
-
-def _beaten_by(study: optuna.Study, context: SearchContext, reference: Reference,
-              planned: float) -> pd.Series | None:
-    """A trained point that makes training a candidate of ``planned`` memory pointless: the accuracy-drop pick
-    among the proxies so far (least memory within the drop of all-high), when its memory is at most
-    ``planned``; None under a memory budget (whose pick wants accuracy, not memory) or when there is none."""
-    if context.budget.max_memory is not None:
-        return None
-    frame = trials_frame(study, context)
-    if frame.empty or reference.accuracy is None:
-        return None
-    noise = proxy_noise(frame, reference, context.budget.confidence)
-    best = choose_best(frame, context.budget, reference.accuracy, noise, len(reference.accuracies), reference.key,
-                       context.chance)
-    return best if best is not None and best["memory"] <= planned else None

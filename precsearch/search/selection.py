@@ -17,13 +17,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from precsearch.search.confirmation import Confirmation, reference_divergence
+from precsearch.search.confirmation import Confirmation, Decide, reference_divergence
 from precsearch.search.context import Budget
 from precsearch.search.noise import Noise, pooled_noise
-from precsearch.search.reference import Reference
+from precsearch.search.reference import Reference, proxy_noise
 
-__all__ = ["Pick", "choose_best", "confirmation_verdict", "confirmed_front", "confirmed_pick", "drop_verdict",
-           "mark_ties", "pareto_front", "usable", "within_drop"]
+__all__ = ["Pick", "choose_best", "confirmable_front", "confirmation_rule", "confirmation_verdict", "confirmed_front",
+           "confirmed_pick", "drop_verdict", "mark_ties", "pareto_front", "race_settled", "untrained_reason", "usable",
+           "within_drop"]
+
+
+CANDIDATE_DF = 2  # degrees of freedom candidates measure before a noise of zero is believed (``race_settled``)
 
 
 def usable(frame: pd.DataFrame) -> pd.Series:
@@ -71,6 +75,41 @@ def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, no
     if reference is None or reference <= chance:
         return None
     return _confidently_within_drop(ok, reference, reference_seeds, budget.drop, noise, reference_key)
+
+
+def untrained_reason(frame: pd.DataFrame, budget: Budget, reference: Reference, key: str, planned: float,
+                     chance: float) -> str | None:
+    """Why a candidate with assignment ``key`` and ``planned`` memory is not trained (None: it is): it is over the
+    memory budget, or a trained point of the trials table ``frame`` makes training it pointless: the
+    accuracy-drop pick among the proxies so far (least memory within the drop of all-high) has at most its
+    memory (under a memory budget, whose pick wants accuracy, not memory, no point does)."""
+    if budget.max_memory is not None:
+        return "over the memory budget" if planned > budget.max_memory else None
+    if key == reference.key or frame.empty or reference.accuracy is None:
+        return None
+    best = choose_best(frame, budget, reference.accuracy, proxy_noise(frame, reference, budget.confidence),
+                       len(reference.accuracies), reference.key, chance)
+    if best is None or best["memory"] > planned:
+        return None
+    return (f"trial {int(best['number'])} has less memory ({best['memory']:.4f}) and is within the allowed drop: "
+            "no training needed")
+
+
+def race_settled(frame: pd.DataFrame, accuracies: Sequence[float], reference: Reference, budget: Budget) -> bool:
+    """Whether a candidate's seeds so far (``accuracies``) settle the accuracy-drop rule (``drop_verdict``), so
+    racing adds no seed; under a memory budget, whose pick compares candidates with each other, every seed is
+    trained. A noise of zero (a reference at the same accuracy on every seed, 100% say) settles nothing until the
+    candidates of the trials table ``frame`` have measured ``CANDIDATE_DF`` degrees of freedom of their own: low
+    precision may scatter where all-high does not."""
+    if budget.max_memory is not None or reference.accuracy is None:
+        return False
+    noise = proxy_noise(frame, reference, budget.confidence)
+    if noise.sd == 0 and len(accuracies) < 2:
+        candidates = frame[frame["key"] != reference.key] if not frame.empty else frame
+        if pooled_noise(candidates, budget.confidence).df < CANDIDATE_DF:
+            return False
+    verdict = drop_verdict(accuracies, reference.accuracy, len(reference.accuracies), budget.drop, noise)
+    return verdict is not None
 
 
 def pick_pairwise(candidates: pd.DataFrame, budget: Budget, reference: float, reference_seeds: int,
@@ -163,6 +202,25 @@ def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds
     best["pick_confidence"] = (math.nan if best["key"] == reference_key else noise.probability_above(
         best["val_accuracy"] - reference, -drop, _seeds_of(ok)[best.name], reference_seeds))
     return best
+
+
+def confirmable_front(frame: pd.DataFrame, budget: Budget, objective: str, chance: float) -> pd.DataFrame:
+    """The front points confirmation trains: within the memory budget, and neither diverged nor at chance (such a
+    point cannot be picked whatever its confirmation says)."""
+    front = pareto_front(frame, objective)
+    if budget.max_memory is not None and not front.empty:
+        front = front[front["memory"] <= budget.max_memory + 1e-12]
+    if not front.empty:
+        front = front[(front["val_accuracy"] > chance) & ~front["diverged"].astype(bool)]
+    return front
+
+
+def confirmation_rule(budget: Budget, chance: float) -> Decide | None:
+    """How confirmation decides a point: under an accuracy-drop rule seed by seed while ``confirmation_verdict``
+    is undecided; under a memory budget (whose pick compares the points with each other) on every seed (None)."""
+    if budget.max_memory is not None:
+        return None
+    return lambda runs, high: confirmation_verdict(runs, high, budget, chance)
 
 
 def mark_ties(front: pd.DataFrame, noise: Noise) -> pd.DataFrame:

@@ -34,13 +34,14 @@ from typing import Any, TypeVar
 
 import optuna
 import sqlalchemy
-from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from optuna.storages.journal._storage import JournalOperation
 from sqlalchemy.engine import make_url
 
 from precsearch.errors import PrecsearchError, find_cause, first_line
 from precsearch.search.settings import DEFAULT_HEARTBEAT
+from precsearch.search.trials import RetryStaleTrial
 
 __all__ = ["JOURNAL_NAME", "STORAGE_OUTAGE", "STUDY_NAME", "RetryingRDBStorage", "StudyLocation", "owner_id"]
 
@@ -66,7 +67,7 @@ class StudyLocation:
     hosts: the first creates it, the others load it, and any of them sets it up (precsearch.search.study); only
     Optuna's heartbeat decides that a RUNNING trial is dead. On an RDB storage every trial records a heartbeat each
     ``heartbeat`` seconds; a trial silent for ``3 x heartbeat`` seconds is failed and its assignment queued
-    again (``RetryHeartbeatStaleTrialCallback``), by whichever worker notices first.
+    again (``trials.RetryStaleTrial``), by whichever worker notices first.
     """
 
     target: str
@@ -136,7 +137,7 @@ class StudyLocation:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 storage = kind(url.render_as_string(hide_password=False), engine_kwargs=engine_kwargs,
                                heartbeat_interval=self.heartbeat, grace_period=3 * self.heartbeat,
-                               heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(MAX_RETRIES))
+                               heartbeat_stale_trial_callback=RetryStaleTrial(MAX_RETRIES))
             if isinstance(storage, RetryingRDBStorage):
                 storage.shown = self.shown
             return storage

@@ -49,16 +49,16 @@ Bookkeeping rules:
   creates it and records its config, and a worker with another model, graph, space, data, seed, budget or
   search setting is refused. The rest of setup (queuing the seeds, calibration) and the wrap-up
   (confirmation) are leased steps any worker takes (precsearch.search.ledger). A worker that dies stops
-  heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again (Optuna's
-  ``RetryHeartbeatStaleTrialCallback``), and its setup step or calibration or confirmation run is taken
+  heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again (its origin only:
+  ``trials.RetryStaleTrial``), and its setup step or calibration or confirmation run is taken
   over by another worker from what it recorded, so only that run's work is lost, whichever worker died. A
   run keeps a checkpoint in ``checkpoints/`` of its run directory while it trains (removed once recorded):
   --resume, or a worker of the same run directory, continues it from there; a worker on another host
   trains it again, to the same numbers. A PostgreSQL restart is ridden out
   (precsearch.search.storage.RetryingRDBStorage).
-* After every trial the outputs are rewritten atomically from the storage (precsearch.search.export);
-  the policy each proxy trained under is in ``trials/`` of the worker that ran it. ``export_study`` rebuilds
-  all of it from the storage alone.
+* The outputs are written atomically from the storage once the search ends or stops
+  (precsearch.search.export); the policy each proxy trained under is in ``trials/`` of the worker that ran it.
+  ``export_study`` rebuilds all of it from the storage alone, any time.
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ from precsearch.search.confirmation import (
     reference_divergence,
 )
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
-from precsearch.search.export import Exported, decide, export, pick_policy
+from precsearch.search.export import Decision, SearchResult, decide, export, pick_policy
 from precsearch.search.ledger import Ledger, pause_point
-from precsearch.search.noise import Noise, pooled_noise, seeds_for
+from precsearch.search.noise import pooled_noise, seeds_for
 from precsearch.search.objective import FINISHED, WORKER, Objective
 from precsearch.search.peaks import PICK_PEAK, measure_step_peaks
 from precsearch.search.reference import Reference
@@ -125,10 +125,10 @@ from precsearch.search.rundir import (
     write_run_file,
 )
 from precsearch.search.seeding import Seeding, seed_candidates
-from precsearch.search.selection import confirmation_verdict, pareto_front
+from precsearch.search.selection import confirmable_front, confirmation_rule, pareto_front
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
-from precsearch.search.trials import params_of, policy_of, trials_frame
+from precsearch.search.trials import TrialRecord, params_of, policy_of, retry_trial, trials_frame
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
     TRIALS,
@@ -243,7 +243,6 @@ def study_config(context: SearchContext) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- trial upkeep
 
 
-
 def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage, context: SearchContext) -> int:
     """Queue again what a dead process left unfinished; the number of trials queued.
 
@@ -257,24 +256,22 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     reopened = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     for trial in reopened:
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
-        storage.set_trial_user_attr(trial_id, "interrupted", True)
+        for name, value in TrialRecord(interrupted=True).to_attrs().items():
+            storage.set_trial_user_attr(trial_id, name, value)
         storage.set_trial_state_values(trial_id, TrialState.WAITING)
     trials = study.get_trials(deepcopy=False)
     pending = {context.key(params_of(t)) for t in trials
                if t.state in (*FINISHED, TrialState.WAITING) and len(params_of(t)) == len(context.units)}
     queued = 0
     for trial in trials:
-        params = params_of(trial)
-        if trial.state != TrialState.FAIL or not trial.user_attrs.get("interrupted"):
+        params, record = params_of(trial), TrialRecord.from_trial(trial)
+        if trial.state != TrialState.FAIL or not record.interrupted:
             continue
         if len(params) != len(context.units) or context.key(params) in pending:
             continue
         pending.add(context.key(params))
-        origin = trial.user_attrs.get("origin", [f"requeued trial {trial.number}"])
-        study.add_trial(optuna.trial.create_trial(
-            state=TrialState.WAITING, params=params,
-            distributions={unit: CategoricalDistribution(context.levels) for unit in context.units},
-            user_attrs={"origin": origin}, system_attrs={"failed_trial": trial.number}))
+        study.add_trial(retry_trial(params, {unit: CategoricalDistribution(context.levels) for unit in context.units},
+                                    record.origin or (f"requeued trial {trial.number}",), trial.number))
         queued += 1
     return len(reopened) + queued
 
@@ -292,7 +289,7 @@ def _seed_study(study: optuna.Study, context: SearchContext, seeding: Seeding, t
             if context.key(decisions) in queued:
                 continue
             with ledger.holding(name):
-                study.enqueue_trial(decisions, user_attrs={"origin": origins})
+                study.enqueue_trial(decisions, user_attrs=TrialRecord(origin=tuple(origins)).to_attrs())
                 queued.add(context.key(decisions))
                 pause_point(f"queued:{len(queued)}")
         return {"queued": len(queued)}
@@ -344,7 +341,6 @@ def _reference(study: optuna.Study, context: SearchContext, calibration: Calibra
     """The reference every trial compares with, recorded once per study (whichever worker gets here first):
     the calibrated all-high runs and the seeds per proxy (with ``proxy_seeds=None`` chosen from the noise the
     reference shows, ``noise.seeds_for``)."""
-    context.length = calibration.length
     recorded = Reference.from_study(study)
     if recorded is not None:
         return recorded
@@ -366,7 +362,7 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
         retries = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-                   if "failed_trial" in t.system_attrs]
+                   if TrialRecord.from_trial(t).retry_of is not None]
         if retries:
             optimize(study, objective, len(retries), [])
         elif not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -381,27 +377,20 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
     budget) in memory order, to the confirmation length, the points on fresh seeds
     (precsearch.search.confirmation): under an accuracy-drop rule sequentially, as
     ``selection.confirmation_verdict`` decides. A front point whose proxy
-    diverged or stayed at chance cannot be picked whatever its confirmation says, so it is not trained again."""
-    frame = trials_frame(study, context)
-    front = pareto_front(frame, context.space.accuracy_objective)
+    diverged or stayed at chance cannot be picked whatever its confirmation says, so it is not trained again
+    (``selection.confirmable_front``)."""
     budget = context.budget
-    if budget.max_memory is not None and not front.empty:
-        front = front[front["memory"] <= budget.max_memory + 1e-12]
-    if not front.empty:
-        front = front[(front["val_accuracy"] > context.chance) & ~front["diverged"].astype(bool)]
+    front = confirmable_front(trials_frame(study, context), budget, context.space.accuracy_objective, context.chance)
     trials = study.get_trials(deepcopy=False)
     high = context.all_high.key
     points = {row["key"]: policy_of(trials[int(row["number"])], context, {"trial": int(row["number"])})
               for _, row in front.sort_values("memory").iterrows() if row["key"] != high}
 
-    def decide(runs: list[dict[str, Any]], high_runs: list[dict[str, Any]]) -> bool | None:
-        return confirmation_verdict(runs, high_runs, budget, context.chance)
-
     reference_seeds = [seed for seed in _reference_seeds(context) if seed not in reference.calibration.failed]
     seeds = [context.seed + CONFIRM_SEED_OFFSET + index for index in range(len(reference_seeds))]
     length = confirmation_length(reference.length, confirm_factor)
-    return confirm(context, ledger, high, reference_seeds, points, length, seeds, report,
-                   decide if budget.max_memory is None else None)
+    return confirm(context, ledger, high, reference_seeds, points, reference.length, length, seeds, report,
+                   confirmation_rule(budget, context.chance))
 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME,
@@ -435,9 +424,7 @@ def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / RUN_FILE, json.dumps(
         {**config, "storage": location.shown, "study": location.study_name}, indent=2))
-    calibration = recorded_calibration(study.user_attrs)
-    context.length = calibration.length if calibration is not None else None
-    return SearchResult.of(out_dir, export(study, context, out_dir), time.perf_counter() - start)
+    return dataclasses.replace(export(study, context, out_dir), wall_time=time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -452,28 +439,6 @@ def quiet() -> Iterator[None]:
         yield
     finally:
         optuna.logging.set_verbosity(verbosity)
-
-
-@dataclass
-class SearchResult:
-    """What a search left in its run directory, as tables."""
-
-    out_dir: Path
-    trials: pd.DataFrame
-    pareto: pd.DataFrame
-    best: pd.Series | None
-    wall_time: float
-    interrupted: bool = False
-    noise: Noise | None = None  # the pooled seed noise of the proxies
-    note: str = ""  # why best is None, or which proxy pick confirmation replaced
-    calibration: Calibration | None = None
-    confirmation: Confirmation | None = None  # the confirmation runs (``.table()``: accuracy per key)
-    budget: pd.DataFrame | None = None  # training steps per phase (precsearch.search.accounting)
-
-    @classmethod
-    def of(cls, out_dir: Path, exported: Exported, wall_time: float, interrupted: bool = False) -> SearchResult:
-        return cls(out_dir, exported.trials, exported.pareto, exported.best, wall_time, interrupted, exported.noise,
-                   exported.note, exported.calibration, exported.confirmation, exported.budget)
 
 
 PHASE_REFRESH_S = 1.0  # a run reports every few steps; the bar shows it at most once a second
@@ -514,7 +479,6 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
-
 
 
 def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> SearchResult:
@@ -569,9 +533,10 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
             run = _Run(out_dir, run_config, location, backend, signals,
                        _Progress(trials, trials_done(study), config.progress), trials, gpus, uuid.uuid4().hex[:8])
             stopped_by: int | None = None
+            decision: Decision | None = None  # none when the search stopped before its pick
             full: OSError | None = None
             try:
-                _search(study, context, config, run)
+                decision = _search(study, context, config, run)
             except KeyboardInterrupt as stop:
                 stopped_by = getattr(stop, "signum", signal.SIGINT)
             except (Exception, DiskFull) as error:
@@ -582,13 +547,13 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 with signals.held():  # a second Ctrl-C must not tear the files being written
                     run.bar.close()
                     if full is None:  # on a full disk, --resume writes them
-                        exported = export(study, context, out_dir)  # a lost storage raises its one line here
+                        exported = export(study, context, out_dir, decision)  # a lost storage raises its one line here
     if full is not None:
         raise PrecsearchError(f"{full.strerror or 'no space left'} writing {full.filename}; the search stopped and "
                               f"every finished trial is kept in {location.shown}: free some space (or raise the "
                               "file-size limit), then continue with --resume") from full
     stopped_by = stopped_by or signals.received  # a signal recorded after the last check
-    result = SearchResult.of(out_dir, exported, time.perf_counter() - start, stopped_by is not None)
+    result = dataclasses.replace(exported, wall_time=time.perf_counter() - start, interrupted=stopped_by is not None)
     if stopped_by is not None:
         raise SearchInterrupted(result, stopped_by)
     return result
@@ -614,13 +579,13 @@ class _Run:
         write_run_file(self.out_dir, self.config, self.location, study)
 
 
-def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> None:
+def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> Decision:
     """The search, top-down: calibrate the proxy length on the all-high reference and record the reference,
     seed the study, run the trials (each proxy held to the reference at the rungs), confirm the front. Every
     worker of a study runs it; the ledger runs each setup and wrap-up step once. With ``--jobs N`` the N worker
     processes train calibration's, the trials' and confirmation's runs (``_in_workers``), and this process then
-    reads what they recorded. The pick and the files follow in ``run_search``, after a stop too: ``export``
-    writes what precsearch.search.selection picks."""
+    reads what they recorded. It ends in the pick (``decide``); ``run_search`` then writes the files once, after
+    a stop too (``export``)."""
     ledger = _ledger(study, run.location, run.backend, run.run_id)
     run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
     if recorded_calibration(study.user_attrs) is None:
@@ -644,15 +609,16 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
                             _phase_progress(run.bar, "confirming"))
     if (why := reference_divergence(confirmation.runs.get(confirmation.reference, []))) is not None:
         log.warning("%s; the front's points are not trained", why)
+    decision = decide(study, context)  # precsearch.search.selection's pick, on the confirmed figures
     with torch_threads(config.threads):
-        _measure_pick(study, context)
+        _measure_pick(study, context, decision.pick.best)
     run.record(study)
+    return decision
 
 
-def _measure_pick(study: optuna.Study, context: SearchContext) -> None:
+def _measure_pick(study: optuna.Study, context: SearchContext, best: pd.Series | None) -> None:
     """The pick's step peak beside plain fp32's and torch.autocast's, measured once on the proxy's batch
     (precsearch.search.peaks), for best.json and the summary."""
-    best = decide(study, context).pick.best
     recorded = study.user_attrs.get(PICK_PEAK)
     if best is None or (recorded is not None and recorded["key"] == best["key"]):
         return
@@ -676,7 +642,6 @@ def _confirm_in_worker(run: WorkerRun) -> None:
     """A worker's share of confirmation: the runs no other worker has taken, while the race is undecided."""
     setup, study = run.setup, run.study
     reference = Reference.from_study(study)
-    run.context.length = reference.length
     _confirm(study, run.context, reference, _ledger(study, setup.location, run.storage, setup.run_id, run.index),
              setup.confirm_factor, run.report("confirming"))
 
@@ -687,12 +652,20 @@ CONFIRMATION = WorkerPhase(_confirm_in_worker, replayed=True)
 
 def _trials(study: optuna.Study, context: SearchContext, objective: Objective, config: SearchConfig,
             run: _Run) -> None:
-    """The trial budget's trials, here (``jobs=1``) or in worker processes; in a shared study, then those
-    other workers still run (``_settle``)."""
-    if config.jobs == 1:
-        _optimize_here(study, context, objective, run)
-    else:
-        _optimize_workers(study, context, config, run)
+    """The trial budget's trials, here (``jobs=1``) or in worker processes, no more than trials are wanted (each
+    worker starts a trial before any budget check); in a shared study, then those other workers still run
+    (``_settle``)."""
+    wanted = trials_wanted(study, run.trials, not run.location.shared)
+    if wanted > 0 and config.jobs == 1:
+        def after(study: optuna.Study, trial: FrozenTrial) -> None:
+            run.bar.update(trials_done(study), _front(study, context))
+
+        optimize(study, objective, SAMPLER_REPEATS * wanted,
+                 [after, budget_callback(run.trials, not run.location.shared), stop_on_signal(run.signals)])
+    elif wanted > 0:
+        if wanted < len(run.gpus):
+            log.info("starting %d of %d workers: %d trial(s) left to run", wanted, len(run.gpus), wanted)
+        _run_workers(TRIALS, study, context, _worker_setup(context, config, run), run.gpus[:wanted], run.bar)
     if run.location.shared:
         _settle(study, objective)
 
@@ -710,7 +683,6 @@ def _phase_progress(bar: _Progress, phase: str) -> Callable[[int, float], None]:
         bar.phase(f"{phase}: step {step}, loss {loss:.3f}")
 
     return show
-
 
 
 class SearchInterrupted(SignalStop):
@@ -752,27 +724,9 @@ def _create_study(context: SearchContext, location: StudyLocation, backend: optu
     return study
 
 
-
-def _optimize_here(study: optuna.Study, context: SearchContext, objective: Objective, run: _Run) -> None:
-    def after(study: optuna.Study, trial: FrozenTrial) -> None:
-        run.bar.update(trials_done(study), export(study, context, run.out_dir).pareto)
-
-    wanted = trials_wanted(study, run.trials, not run.location.shared)
-    if wanted <= 0:
-        return
-    optimize(study, objective, SAMPLER_REPEATS * wanted,
-             [after, budget_callback(run.trials, not run.location.shared), stop_on_signal(run.signals)])
-
-
-def _optimize_workers(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> None:
-    wanted = trials_wanted(study, run.trials, not run.location.shared)
-    if wanted <= 0:
-        return
-    gpus = run.gpus
-    if wanted < len(gpus):  # each worker starts a trial before any budget check: start no more than are wanted
-        log.info("starting %d of %d workers: %d trial(s) left to run", wanted, len(gpus), wanted)
-        gpus = gpus[:wanted]
-    _run_workers(TRIALS, study, context, _worker_setup(context, config, run), gpus, run.bar)
+def _front(study: optuna.Study, context: SearchContext) -> pd.DataFrame:
+    """The proxies' Pareto front so far, for the bar: read from the storage, nothing written."""
+    return pareto_front(trials_frame(study, context), context.space.accuracy_objective)
 
 
 def _in_workers(phase: WorkerPhase, study: optuna.Study, context: SearchContext, config: SearchConfig,
@@ -799,7 +753,7 @@ def _run_workers(phase: WorkerPhase, study: optuna.Study, context: SearchContext
             done = trials_done(study)
             if phase is TRIALS and done != seen:
                 seen = done
-                bar.update(done, export(study, context, setup.out_dir).pareto)
+                bar.update(done, _front(study, context))
             bar.phase(steps.shown())
     except KeyboardInterrupt:
         for worker in workers:  # SIGTERM reaches this process only; Ctrl-C reached them all (once is enough)

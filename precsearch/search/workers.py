@@ -38,6 +38,7 @@ from precsearch.search.rundir import (
 )
 from precsearch.search.samplers import make_sampler
 from precsearch.search.storage import StudyLocation
+from precsearch.search.trials import TrialRecord
 from precsearch.stopping import StopSignals, stop_signals
 
 __all__ = [
@@ -80,9 +81,10 @@ def _counted(trial: FrozenTrial) -> bool:
     """A trial that used up budget: a distinct assignment finished (a copy of another trial's results does
     not count), or a trial failed by its own error (not by an interruption or a dead worker's missing
     heartbeat: those are queued again)."""
+    record = TrialRecord.from_trial(trial)
     if trial.state in FINISHED:
-        return not isinstance(trial.user_attrs.get("duplicate_of"), int)
-    return trial.state == TrialState.FAIL and "error" in trial.user_attrs
+        return record.duplicate_of is None
+    return trial.state == TrialState.FAIL and record.error != ""
 
 
 def trials_done(study: optuna.Study) -> int:
@@ -116,7 +118,7 @@ def trials_wanted(study: optuna.Study, trials: int, count_running: bool) -> int:
     times out, so there they do not count."""
     queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if count_running else []
-    retries = sum("failed_trial" in t.system_attrs for t in queued)
+    retries = sum(TrialRecord.from_trial(t).retry_of is not None for t in queued)
     return max(retries, trials - trials_done(study) - len(running))
 
 
@@ -235,7 +237,6 @@ def _optimize_trials(run: WorkerRun) -> None:
     """The trials phase: optimize with this worker's own sampler until the trial budget is used up."""
     setup, context = run.setup, run.context
     reference = Reference.from_study(run.study)  # the parent recorded it before starting the workers
-    context.length = reference.length
     objective = Objective(context, reference, setup.location, run.storage, setup.out_dir,
                           functools.partial(run.steps.record, run.index))
     optimize(run.study, objective,
