@@ -51,10 +51,10 @@ themselves:
 ``RoundingGraph`` is built, and compiled (``torch.compile(fullgraph=True)``), once per traced structure, the
 roundings of its tensor kinds (constants of the graph: nearest rounding computes no hash) and the code width of
 each weight and activation row (a dtype is a constant of a graph), and shared by every model of that structure
-trained with the same ``CompileOptions`` (``options.built``): trials change only the table and the parameters
-(passed through ``functional_call``). A promotion is a row update, and a new graph where it widens a code
-(compiled on its first step). A search's proxies save float32 (``saves_codes=False``), so that one graph serves
-every assignment and a search compiles its step once per worker.
+trained in the same runtime (``Runtime.graphs``, precsearch.formats.runner): trials change only the table and
+the parameters (passed through ``functional_call``). A promotion is a row update, and a new graph where it widens
+a code (compiled on its first step). A search's proxies save float32 (``saves_codes=False``), so that one graph
+serves every assignment and a search compiles its step once per worker.
 
 What the compiled step does not do: gather underflow statistics (a step that gathers them, every
 ``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``), chunked accumulation, adaptive
@@ -100,6 +100,7 @@ from precsearch.formats.as_data import (
     patterns_of,
 )
 from precsearch.formats.kernels import storage_dtype
+from precsearch.formats.runner import CompiledGraphs
 from precsearch.formats.scaled import ScaledFormat, e8m0_decode, e8m0_encode, expand_scales, recorded
 from precsearch.graph.raw_ops import output_leaves, with_leaves
 from precsearch.graph.types import TensorGraph
@@ -865,18 +866,18 @@ class CompiledStep:
 
 
 def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: TensorState,
-                  options: CompileOptions, may_hold: Callable[[], bool]) -> CompiledStep | None:
-    """The compiled step of ``graph`` under ``policy``, or None (with one WARNING per ``options`` saying why)
-    where it cannot train it; ``may_hold``: whether weight gradients may be held as codes during the backward
-    (precsearch.runtime.gradients)."""
+                  options: CompileOptions, built: CompiledGraphs, may_hold: Callable[[], bool]) -> CompiledStep | None:
+    """The compiled step of ``graph`` under ``policy``, or None (with one WARNING per model and reason in
+    ``built``, a runtime's graphs, saying why) where it cannot train it; ``may_hold``: whether weight gradients may
+    be held as codes during the backward (precsearch.runtime.gradients)."""
     reason = unsupported(policy, graph, state)
     if reason is not None:
-        if (graph.model_name, reason) not in options.built.warned:  # once: a search wraps many policies
-            options.built.warned.add((graph.model_name, reason))
+        if (graph.model_name, reason) not in built.warned:  # once: a search wraps many policies
+            built.warned.add((graph.model_name, reason))
             log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
                         graph.model_name, reason)
         return None
-    return CompiledStep(lambda holds: rounding_graph(graph, plan, state, options, holds), state, may_hold)
+    return CompiledStep(lambda holds: rounding_graph(graph, plan, state, options, built, holds), state, may_hold)
 
 
 def _code_width(slot: Slot, options: CompileOptions, holds: bool) -> int | None:
@@ -891,11 +892,11 @@ def _code_width(slot: Slot, options: CompileOptions, holds: bool) -> int | None:
 
 
 def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState, options: CompileOptions,
-                   holds: bool) -> RoundingGraph:
+                   built: CompiledGraphs, holds: bool) -> RoundingGraph:
     """The ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per tensor kind and (with
     ``options.saves_codes``) the code width of each row's format now (``_code_width``), and the outputs whose
-    gradients arrive rounded alike now, built (and its step compiled, on first use) once for the runs that share
-    ``options``."""
+    gradients arrive rounded alike now, built (and its step compiled, on first use) once in ``built`` for the runs
+    that share it."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
@@ -911,10 +912,9 @@ def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState, optio
             state.slots[plan.of_op(sites.gradient_from).outputs[0].gradient]))
     key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, scaled, options.backend,
            per_use, arrive_rounded)
-    built = options.built.graphs
-    if key not in built:
-        built[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend, arrive_rounded)
-    return built[key]
+    if key not in built.graphs:
+        built.graphs[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend, arrive_rounded)
+    return built.graphs[key]
 
 
 def rows_table(state: TensorState, device: torch.device) -> torch.Tensor:
