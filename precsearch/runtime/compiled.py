@@ -10,7 +10,7 @@ themselves:
 * a weight is rounded before the forward, its gradient in the backward by the weight gradient's row; where the
   eager runtime would hold that gradient as codes to the end of the backward (precsearch.runtime.gradients),
   the backward hands it out as those codes, the gradient of a leaf of no storage standing for the weight
-  (``_gradient_carrier``), whose hook decodes it into ``.grad``; a post-grad pass (``_HoldGradientsEarly``)
+  (``gradient_carrier``), whose hook decodes it into ``.grad``; a post-grad pass (``_HoldGradientsEarly``)
   rounds it right after the op that makes it, where autograd's order would leave it float32 to the end;
 * an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
   a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output, and the ReLU itself
@@ -116,7 +116,7 @@ from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.sliced import ConvGeometry, Slicing
 from precsearch.runtime.state import Slot, TensorState
 
-__all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "unsupported"]
+__all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "gradient_carrier", "unsupported"]
 
 log = logging.getLogger(__name__)
 
@@ -703,7 +703,7 @@ class RoundingGraph:
         self.graph_module.train(model.training)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
-        carriers = {name: _gradient_carrier(params[name], site.grad_code, slots[site.grad])
+        carriers = {name: gradient_carrier(params[name], site.grad_code, slots[site.grad])
                     for name, (site, _counter) in self.weight_sites.items() if site.grad_code is not None}
         histories = [_history_input(slots[row], index in self._gradient_histories, training, x.device)
                      for index, row in enumerate(self._delayed)]
@@ -750,7 +750,7 @@ class RoundingGraph:
 
 def _held_bytes(g: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, site: Site, scaled: ScaledFormat | None,
                 history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A weight gradient rounded by ``row`` as the bytes its carrier receives (``_gradient_carrier``), its
+    """A weight gradient rounded by ``row`` as the bytes its carrier receives (``gradient_carrier``), its
     counts, and a delayed format's ``history`` with its amax recorded: its codes as the eager runtime holds them
     (uint8, or int16 for 2 bytes), in the weight's element order, then a scaled format's scales as e8m0 bytes."""
     kept = None
@@ -785,7 +785,7 @@ def _history_input(slot: Slot, gradient: bool, training: bool, device: torch.dev
     return leaf
 
 
-def _gradient_carrier(param: torch.Tensor, nbytes: int, slot: Slot) -> torch.Tensor:
+def gradient_carrier(param: torch.Tensor, nbytes: int, slot: Slot) -> torch.Tensor:
     """A leaf of no storage (stride 0) whose gradient in the compiled backward is the bytes of ``param``'s rounded
     gradient (``_held_bytes``: ``nbytes`` a value, and the scales of ``slot``'s format), which its hook decodes
     into ``param.grad`` (the same values: rounded values are exactly the format's): the backward holds each
