@@ -38,7 +38,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spaces import paper_space
 from precsearch.config.spec import ProxyConfig
 from precsearch.cost.measured import measure_peak, sgd_step
-from precsearch.formats.runner import RUNNER
+from precsearch.formats.runner import default_runtime
 from precsearch.runtime.model import apply_policy
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.strategies import ACCEPTANCE_WINDOW, baseline_policies, sweep
@@ -193,7 +193,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    with RUNNER.configured(enabled=not args.eager_kernels):
+    with default_runtime().kernels.configured(enabled=not args.eager_kernels):
         table = run(args)
     wall = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)

@@ -42,13 +42,14 @@ def test_bad_format_exits_2_with_one_line_and_no_traceback():
 
 @pytest.mark.parametrize("flag", [[], ["--eager-kernels"]])
 def test_eager_kernels_hold_for_the_command_alone(monkeypatch, flag):
-    """``--eager-kernels`` is read by the kernels' runner while the command runs (a search hands it to its
-    workers with the rest of their setup), and the caller's own setting is back afterwards."""
+    """``--eager-kernels`` is read by the default runtime's kernel runner while the command runs (a search hands
+    its settings to its workers with the rest of their setup), and the caller's own setting is back afterwards."""
     import precsearch.cli.formats as formats_command
-    from precsearch.formats.runner import RUNNER
+    from precsearch.formats.runner import default_runtime
 
+    kernels = default_runtime().kernels
     seen = []
-    monkeypatch.setattr(formats_command, "run", lambda args: seen.append(RUNNER.enabled) or 0)
-    with RUNNER.configured(enabled="the caller's"):
+    monkeypatch.setattr(formats_command, "run", lambda args: seen.append(default_runtime().kernels.enabled) or 0)
+    with kernels.configured(enabled="the caller's"):
         assert main([*flag, "formats"]) == 0
-        assert seen == [not flag] and RUNNER.enabled == "the caller's"
+        assert seen == [not flag] and kernels.enabled == "the caller's"

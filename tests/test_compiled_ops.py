@@ -60,12 +60,13 @@ def test_round_site_rounds_encodes_and_counts_as_torch_casts(name: str, layout: 
 
 def test_round_site_is_one_compiled_pass_at_the_size_a_step_compiles() -> None:
     """At the size the runner compiles (``COMPILE_MIN_NUMEL``), the compiled kernel gives the eager one's bits."""
-    from precsearch.formats.runner import RUNNER
+    from precsearch.formats.runner import KernelRunner, KernelSettings, Runtime, default_runtime
 
     x = torch.randn(COMPILE_MIN_NUMEL * 2) * 1e3
     row, seed = format_row("fp8_e5m2", "stochastic"), torch.tensor(7)
     compiled = round_site(x, row, seed, "stochastic", 1)
-    assert any(label.startswith("site rounded to 1-byte codes (stochastic)") for label in RUNNER.ready)
-    with RUNNER.configured(enabled=False):
+    ready = default_runtime().kernels.ready
+    assert any(label.startswith("site rounded to 1-byte codes (stochastic)") for label in ready)
+    with Runtime(KernelRunner(KernelSettings(enabled=False))).as_default():
         eager = round_site(x, row, seed, "stochastic", 1)
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])

@@ -27,6 +27,7 @@ from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import sgd_step, trace_step
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.formats.kernels import quantize
+from precsearch.formats.runner import Runtime, default_runtime
 from precsearch.graph.tracing import trace
 from precsearch.models import build
 from precsearch.runtime.model import apply_policy
@@ -122,6 +123,12 @@ def _train(model: nn.Module, policy, batches, device: str = "cpu", **options) ->
         wrapped(batches[0][0])
         wrapped.train()
     return wrapped, losses
+
+
+def _own_graphs() -> Runtime:
+    """A runtime whose compiled graphs (and warnings) are these runs' alone, running the format kernels on the
+    default runtime's runner (compiled already)."""
+    return Runtime(default_runtime().kernels)
 
 
 def _assert_same_module(eager, compiled_model) -> None:
@@ -317,11 +324,12 @@ def test_a_graph_saving_float32_serves_assignments_that_part_an_add_gradient_fro
     torch.manual_seed(0)
     model, batches = _Residual(), _batches(3, 8, 8)
     options = CompileOptions(backend="aot_eager", saves_codes=False)
+    runtime = _own_graphs()
     graphs = []
     for add_gradient in (ALL_LOW["activation_grad"], "e4m3b4s"):
         policy = _residual_policy(model, batches[0][0], add_gradient)
         eager, eager_losses = _train(model, policy, batches)
-        done, done_losses = _train(model, policy, batches, compile=options)
+        done, done_losses = _train(model, policy, batches, compile=options, runtime=runtime)
         _assert_same_training(eager, done, eager_losses, done_losses)
         graphs.append(done.compiled_step.graph)
     assert graphs[0] is graphs[1] and graphs[0].compiles == 1
@@ -341,12 +349,13 @@ def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_co
     kinds = ("weight", "activation", "activation_grad", "weight_grad")
     assignments = [ALL_LOW, dict.fromkeys(kinds, "fp16"), dict.fromkeys(kinds, "fp32"),
                    {"weight": "e4m3", "activation": "e4m3", "activation_grad": "e5m2", "weight_grad": "e6m9s"}]
-    options = CompileOptions(backend="aot_eager", saves_codes=saves_codes)  # one set of runs: their graphs shared
+    options = CompileOptions(backend="aot_eager", saves_codes=saves_codes)
+    runtime = _own_graphs()  # one set of runs: their graphs shared
     graphs = []
     for formats in assignments:
         policy = _policy(model, batches[0][0], formats)
         eager, eager_losses = _train(model, policy, batches)
-        done, done_losses = _train(model, policy, batches, compile=options)
+        done, done_losses = _train(model, policy, batches, compile=options, runtime=runtime)
         _assert_same_training(eager, done, eager_losses, done_losses)
         graphs.append(done.compiled_step.graph)
     if saves_codes:
@@ -356,28 +365,33 @@ def test_compiled_graphs_are_shared_by_assignments_of_equal_code_widths(saves_co
     assert all(graph.compiles == 1 for graph in graphs)
 
 
-def test_options_carry_their_compiled_graphs_but_a_copy_for_a_worker_starts_empty() -> None:
-    """Runs given one ``CompileOptions`` (and options replaced from it) share its graphs; equal options made apart
-    are equal values with graphs of their own; a pickled copy (a spawned worker's) starts with none."""
-    import dataclasses
+def test_runs_given_one_runtime_share_its_graphs_and_options_are_plain_values() -> None:
+    """``CompileOptions`` is a plain value (a pickled copy, a spawned worker's, is equal); the compiled graphs
+    belong to the runtime the runs are handed: models wrapped in one runtime share a graph, under equal options
+    made apart too, another runtime builds its own, and ``apply_policy`` without one uses the default runtime's."""
     import pickle
 
+    model = _model("tiny_cnn")
+    x = torch.randn(8, 3, 16, 16)
+    policy = _policy(model, x, ALL_LOW)
     options = CompileOptions(backend="aot_eager")
-    options.built.graphs["key"] = "a graph"
-    options.built.warned.add(("tiny_cnn", "a reason"))
-    assert dataclasses.replace(options, saves_codes=False).built is options.built
-    assert CompileOptions(backend="aot_eager") == options and not CompileOptions(backend="aot_eager").built.graphs
-    copied = pickle.loads(pickle.dumps(options))
-    assert copied == options and not copied.built.graphs and not copied.built.warned
+    assert pickle.loads(pickle.dumps(options)) == options
+    shared, other = _own_graphs(), _own_graphs()
+    graphs = [apply_policy(copy.deepcopy(model), policy, x[:2], compile=CompileOptions(backend="aot_eager"),
+                           runtime=runtime).compiled_step.graph for runtime in (shared, shared, other)]
+    assert graphs[0] is graphs[1] and graphs[2] is not graphs[0]
+    assert list(shared.graphs.graphs.values()) == [graphs[0]] and list(other.graphs.graphs.values()) == [graphs[2]]
+    with shared.as_default():
+        assert apply_policy(copy.deepcopy(model), policy, x[:2], compile=options).compiled_step.graph is graphs[0]
 
 
 def test_a_policy_the_compiled_step_cannot_train_runs_eagerly_with_one_warning(caplog) -> None:
     model = _model("tiny_cnn")
     x = torch.randn(8, 3, 16, 16)
     policy = _policy(model, x, ALL_LOW, loss_scaling={"mode": "adaptive"})
-    options = CompileOptions()  # the runs given these options: one WARNING for all
+    runtime = _own_graphs()  # the runs given this runtime: one WARNING for all
     with caplog.at_level(logging.WARNING, logger="precsearch.runtime.model"):
-        wrapped = [apply_policy(copy.deepcopy(model), policy, x[:2], compile=options) for _ in range(2)]
+        wrapped = [apply_policy(copy.deepcopy(model), policy, x[:2], compile=True, runtime=runtime) for _ in range(2)]
     assert [one.compiled_step for one in wrapped] == [None, None]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "adaptive loss scaling" in warnings[0] and "eagerly" in warnings[0]
@@ -494,13 +508,14 @@ def test_a_search_of_40_trials_compiles_its_training_step_once(tmp_path) -> None
     from precsearch.search.settings import SearchConfig
     from precsearch.search.study import run_search
 
-    options = CompileOptions()
     space = paper_space(proxy={"batch_size": 16, "image_size": 8, "eval_batch_size": 64})
-    result = run_search(SearchConfig("narrow_cnn", space, "digits", trials=40, out_dir=tmp_path / "run", device="cpu",
-                                     progress=False, proxy_steps=2, threads=1, compile=options))
+    with _own_graphs().as_default() as runtime:
+        result = run_search(SearchConfig("narrow_cnn", space, "digits", trials=40, out_dir=tmp_path / "run",
+                                         device="cpu", progress=False, proxy_steps=2, threads=1,
+                                         compile=CompileOptions()))
     trained = result.trials[result.trials["state"] == "COMPLETE"]
     assert len(trained) >= 40
-    graphs = list(options.built.graphs.values())  # the proxies' options are replaced from these
+    graphs = list(runtime.graphs.graphs.values())  # the search's runtime: the default while it ran
     assert len(graphs) == 1 and graphs[0].compiles == 1
 
 

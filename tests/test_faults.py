@@ -30,7 +30,7 @@ from optuna.storages.journal._storage import JournalOperation
 from precsearch.cli import main
 from precsearch.cli.search import summarize
 from precsearch.files import TEMP_SUFFIX
-from precsearch.formats.runner import RUNNER
+from precsearch.formats.runner import KernelRunner, KernelSettings, Runtime
 
 # 3 trials out of the 4 distinct seeds the paper's sweep queues: the budget ends with a seed still waiting, so a
 # retry queued behind it would never run
@@ -61,7 +61,7 @@ class Finished:
 def eager_kernels():
     """Rounding kernels run eagerly here (``--eager-kernels`` in the subprocesses): these tests are about files,
     and compiling costs more than the tiny proxies."""
-    with RUNNER.configured(enabled=False):
+    with Runtime(KernelRunner(KernelSettings(enabled=False))).as_default():
         yield
 
 

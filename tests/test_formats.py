@@ -21,7 +21,15 @@ from precsearch.formats import as_data, kernels
 from precsearch.formats.as_data import format_row
 from precsearch.formats.format import NAMED_FORMATS, get_format, spec_name
 from precsearch.formats.kernels import decode, encode, quantize, stats, storage_dtype
-from precsearch.formats.runner import COMPILE_MIN_NUMEL, RUNNER, Compiled, KernelRunner, labelled
+from precsearch.formats.runner import (
+    COMPILE_MIN_NUMEL,
+    Compiled,
+    KernelRunner,
+    KernelSettings,
+    Runtime,
+    default_runtime,
+    labelled,
+)
 
 # ------------------------------------------------------------------------------------------ test values
 
@@ -29,6 +37,11 @@ from precsearch.formats.runner import COMPILE_MIN_NUMEL, RUNNER, Compiled, Kerne
 def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Element-wise: equal values with equal signs (so -0 != +0), or both NaN."""
     return ((a == b) & (a.signbit() == b.signbit())) | (a.isnan() & b.isnan())
+
+
+def _eagerly():
+    """A runtime of its own whose kernels run eagerly, the default for a ``with`` block."""
+    return Runtime(KernelRunner(KernelSettings(enabled=False))).as_default()
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -308,7 +321,7 @@ def test_compiled_round_and_count_counts_nan_without_a_code(in_place):
     fn = kernels.round_and_count_fn("e4m3b4s", "nearest", "saturate", with_codes=True, in_place=in_place)
     counts = fn(x, None)[2]
     what = "round and count, uint8 codes" + (" in place" if in_place else "")
-    assert f"{what} (nearest, in floats)" in RUNNER.ready, "the compiled path went untested"
+    assert f"{what} (nearest, in floats)" in default_runtime().kernels.ready, "the compiled path went untested"
     assert counts.tolist() == [3 * x.numel() // 6, x.numel() // 6]
 
 
@@ -322,8 +335,8 @@ def test_compiled_path_matches_eager_bit_for_bit():
         compiled_codes = encode(x, spec)
         compiled_back = decode(compiled_codes, spec)
         compiled_fused = kernels.round_and_count(x, spec, rounding, seed=torch.tensor(5), with_codes=True)
-        assert not RUNNER.failed, "torch.compile failed here, so the compiled path went untested"
-        with RUNNER.configured(enabled=False):
+        assert not default_runtime().kernels.failed, "torch.compile failed here, so the compiled path went untested"
+        with _eagerly():
             eager = quantize(x, spec, rounding, generator=torch.Generator().manual_seed(3))
             eager_codes = encode(x, spec)
             eager_fused = kernels.round_and_count(x, spec, rounding, seed=torch.tensor(5), with_codes=True)
@@ -336,7 +349,7 @@ def test_compiled_path_matches_eager_bit_for_bit():
 
 @pytest.fixture
 def every_call_compiled():
-    with RUNNER.configured(enabled=True, min_numel=0):
+    with default_runtime().kernels.configured(enabled=True, min_numel=0):
         yield
 
 
@@ -350,7 +363,7 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
     seed = torch.tensor(11)
     with caplog.at_level("WARNING", logger="precsearch.formats.runner"):
         fn(torch.randn(5000), seed)
-    compiled = RUNNER.compiled(kernel)
+    compiled = default_runtime().kernels.compiled(kernel)
     (_, (inductors_own, _aot_entry)), = compiled._captured
     assert compiled._direct[torch.device("cpu")][0] is inductors_own  # not AOTAutograd's wrappers (about 5 us)
     dynamo_calls = []
@@ -360,7 +373,7 @@ def test_a_compiled_kernel_is_called_without_dynamo_after_its_first_call(monkeyp
         x = torch.randn(n) * 2.0**14
         x[0] = 1e6  # overflows e5m2 (max 57344)
         rounded, codes, counts = fn(x, seed)
-        with RUNNER.configured(enabled=False):
+        with _eagerly():
             eager = fn(x, seed)
         assert mismatches(rounded, eager[0]) == 0 and torch.equal(codes, eager[1])
         assert torch.equal(counts, eager[2]) and counts[0] > 0
@@ -425,6 +438,37 @@ def test_a_kernel_whose_generated_code_disagrees_is_called_through_aotautograd_w
     assert len(warnings) == 1 and "test kernel" in warnings[0] and "AOTAutograd" in warnings[0]
     assert compiled._direct[torch.device("cpu")][0] is compiled._captured[0][1][1]
     assert all(torch.equal(doubled, torch.arange(8.0) * 2) and float(total) == 28.0 for doubled, total in results)
+
+
+def test_the_format_kernels_run_on_the_default_runtimes_runner():
+    """A runtime is the default for its ``with`` block (nested blocks too), and the format kernels called there
+    run on its runner; after the blocks the process's own runtime is the default again."""
+    own = default_runtime()
+    x = torch.randn(64)
+    eager = Runtime(KernelRunner(KernelSettings(enabled=False)))
+    compiled = Runtime(KernelRunner(KernelSettings(min_numel=0), compile=lambda kernel: kernel))  # kernels as is
+    with compiled.as_default():
+        assert default_runtime() is compiled
+        quantize(x, "e4m3b4s")
+        with eager.as_default():
+            assert default_runtime() is eager
+            quantize(x, "e5m2", "stochastic")
+        assert default_runtime() is compiled
+    assert default_runtime() is own
+    assert compiled.kernels.ready == {"round and count (nearest, in floats)"} and not eager.kernels.ready
+
+
+def test_a_runners_settings_cross_into_another_process_as_a_value():
+    """What a search hands its workers (precsearch.search.workers): the parent runner's settings now, a value that
+    pickles, from which a worker's runner runs as the parent's does."""
+    import pickle
+
+    parent = KernelRunner(KernelSettings(enabled=False, min_numel=7))
+    with parent.configured(min_numel=9):
+        settings = pickle.loads(pickle.dumps(parent.settings))
+    assert settings == KernelSettings(enabled=False, min_numel=9)
+    worker = KernelRunner(settings)
+    assert (worker.enabled, worker.min_numel) == (False, 9) and worker.settings == settings
 
 
 def test_a_kernel_that_fails_to_compile_runs_eagerly_alone_with_one_warning(caplog):

@@ -165,14 +165,14 @@ def _carried(monkeypatch) -> list[tuple[tuple[int, ...], int]]:
     """(the weight's shape, bytes) of each gradient the compiled backward hands a weight's carrier, as it
     arrives."""
     carried = []
-    make = compiled._gradient_carrier
+    make = compiled.gradient_carrier
 
     def recording(param, *args):
         carrier = make(param, *args)
         carrier.register_hook(lambda g: carried.append((tuple(param.shape), g.numel() * g.element_size())))
         return carrier
 
-    monkeypatch.setattr(compiled, "_gradient_carrier", recording)
+    monkeypatch.setattr(compiled, "gradient_carrier", recording)
     return carried
 
 
@@ -213,13 +213,17 @@ def test_compiled_held_gradients_accumulate_as_the_compiled_step_that_keeps_floa
 @pytest.mark.parametrize(("weight_grad", "code"), [("fp16", 2), ("fp8_e5m2", 1), ("e6m9s", 2), ("e4m3b4s", 1)])
 def test_the_eager_backward_holds_each_weight_gradient_as_codes_of_its_width(monkeypatch, weight_grad, code):
     """Each low weight gradient is held in the backward as ``code`` bytes a value (counted where the runtime
-    hands them to ``_hold``), not float32's 4, e6m9s (no inf or NaN code) and e4m3b4s too."""
+    hands them to ``hold_as_codes``), not float32's 4, e6m9s (no inf or NaN code) and e4m3b4s too."""
     from precsearch.runtime import gradients
 
     held = []
-    hold = gradients._hold
-    monkeypatch.setattr(gradients, "_hold", lambda param, codes: (held.append((tuple(param.shape), codes.nbytes)),
-                                                                  hold(param, codes)))
+    hold = gradients.hold_as_codes
+
+    def recording(param, codes):
+        held.append((tuple(param.shape), codes.nbytes))
+        hold(param, codes)
+
+    monkeypatch.setattr(gradients, "hold_as_codes", recording)
     wrapped = _wrapped(weight_grad)
     _train(wrapped, steps=1)
     assert sorted(held) == sorted((tuple(p.shape), code * p.numel()) for p in wrapped.module.parameters())

@@ -26,7 +26,7 @@ import pytest
 from optuna.storages.journal._storage import JournalOperation
 
 from precsearch.cli import main
-from precsearch.formats.runner import RUNNER
+from precsearch.formats.runner import KernelRunner, KernelSettings, Runtime
 from precsearch.search.rundir import LOCK_FILES
 from precsearch.search.storage import CHECKSUM, JournalFile
 
@@ -41,7 +41,7 @@ ONE_SEED_WARNING = "one seed per proxy"  # the warning a search with --proxy-see
 @contextlib.contextmanager
 def _eager() -> Iterator[None]:
     """Rounding kernels run eagerly: compiling costs more than these tiny proxies."""
-    with RUNNER.configured(enabled=False):
+    with Runtime(KernelRunner(KernelSettings(enabled=False))).as_default():
         yield
 
 

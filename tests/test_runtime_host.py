@@ -22,7 +22,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spec import PAPER_OVERFLOW
 from precsearch.cost.measured import sgd_step
 from precsearch.cost.policies import policy_from_assignment
-from precsearch.formats.runner import RUNNER
+from precsearch.formats.runner import KernelRunner, KernelSettings, Runtime
 from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from
 from precsearch.graph.tracing import trace
 from precsearch.graph.types import grad_id
@@ -171,11 +171,12 @@ def test_compiled_kernels_train_bit_identically_to_eager_ones(name):
         losses = [step() for _ in range(3)]
         return losses, [p.detach().clone() for p in model.parameters()]
 
-    with RUNNER.configured(enabled=False):
+    with Runtime(KernelRunner(KernelSettings(enabled=False))).as_default():
         eager_losses, eager_weights = three_steps()
-    with RUNNER.configured(enabled=True, min_numel=0):  # every kernel call compiled
+    with Runtime(KernelRunner(KernelSettings(min_numel=0))).as_default() as compiled:  # every kernel call compiled
         compiled_losses, compiled_weights = three_steps()
-    assert not RUNNER.failed, f"torch.compile failed for {RUNNER.failed}: the compiled path went untested"
+    failed = compiled.kernels.failed
+    assert compiled.kernels.ready and not failed, f"torch.compile failed for {failed}: the compiled path went untested"
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(eager_weights, [p.detach() for p in plain.parameters()],

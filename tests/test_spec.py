@@ -63,9 +63,9 @@ def test_a_policys_optimizer_settings_are_the_update_configs_less_the_policys_ow
 
 def test_every_loss_scaling_mode_has_one_scaler_that_takes_exactly_its_options():
     assert loss_scaling.LOSS_SCALING_MODES == ("none", "static", "dynamic", "adaptive")
-    assert set(scaling._SCALERS) == set(loss_scaling.LOSS_SCALING_MODES)
+    assert set(scaling.SCALERS) == set(loss_scaling.LOSS_SCALING_MODES)
     for mode, options in loss_scaling.OPTIONS.items():
-        parameters = inspect.signature(scaling._SCALERS[mode]).parameters
+        parameters = inspect.signature(scaling.SCALERS[mode]).parameters
         assert set(parameters) - {"overflow_check"} == set(options), mode
         defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
         assert {k: v for k, v in options.items() if v is not loss_scaling.REQUIRED} == {

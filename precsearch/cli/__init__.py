@@ -23,7 +23,7 @@ from precsearch import __version__
 from precsearch.cli._arguments import OneLineParser, read_negative_numbers
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, full_disk
-from precsearch.formats.runner import RUNNER
+from precsearch.formats.runner import default_runtime
 from precsearch.stopping import stop_signals
 
 
@@ -67,7 +67,7 @@ def _command(argv: list[str] | None) -> int:
         # keeps it so when the CLI is entered from a host that restored the default.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        with RUNNER.configured(enabled=not args.eager_kernels):  # a search hands it to its workers
+        with default_runtime().kernels.configured(enabled=not args.eager_kernels):  # a search hands it to its workers
             return int(args.func(args) or 0)
     except PrecsearchError as error:
         if args.verbose and error.__cause__ is not None:  # user code raised it: show where

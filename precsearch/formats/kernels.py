@@ -8,8 +8,9 @@ result (for packed storage), all on the device, so that a training step needs no
 tensor.
 
 The arithmetic is precsearch.formats.as_data's, the format a row of data; each kernel here is one pass over a
-flat tensor for any format, compiled by precsearch.formats.runner's ``RUNNER``. Codes are stored one per element
-in ``storage_dtype`` (uint8, int16 or int32 two's complement): the public layout, and the eager runtime's.
+flat tensor for any format, run by precsearch.formats.runner's ``run_kernel`` (compiled by the default runtime's
+runner). Codes are stored one per element in ``storage_dtype`` (uint8, int16 or int32 two's complement): the
+public layout, and the eager runtime's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from precsearch.errors import PrecsearchError
 from precsearch.formats.as_data import decode_patterns, encode_patterns, format_row, nearest_in_floats, round_values
 from precsearch.formats.format import FloatFormat, check_modes, get_format, overflow_threshold
-from precsearch.formats.runner import RUNNER, labelled
+from precsearch.formats.runner import labelled, run_kernel
 
 __all__ = [
     "decode",
@@ -141,7 +142,7 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
                 _round_kernel(rounding, in_floats, _kernel_dtype(dtype, device), written),
                 _row(spec, rounding, overflow, device))
         kernel, row = kernel_row
-        rounded, codes = RUNNER.run(kernel, x.view(-1) if written else x.reshape(-1), row, seed, counts)
+        rounded, codes = run_kernel(kernel, x.view(-1) if written else x.reshape(-1), row, seed, counts)
         if codes is not None:
             # shaped as x without being views of the flat outputs: a caller may modify them in place
             # (ReLU(inplace) on a view of an autograd Function's output is refused)
@@ -208,7 +209,7 @@ def encode(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     row = _row(fmt, "nearest", fmt.default_overflow, device)
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     kernel = _round_kernel("nearest", nearest_in_floats(fmt), _kernel_dtype(dtype, device), False)
-    _, codes = RUNNER.run(kernel, x.reshape(-1), row, _zero_seed(device), counts)
+    _, codes = run_kernel(kernel, x.reshape(-1), row, _zero_seed(device), counts)
     if counts[1].item():
         raise PrecsearchError(
             f"cannot encode inf/NaN in {fmt.name}, which has no such code: clamp or quantize the values first"
@@ -224,7 +225,7 @@ def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     flat = codes.reshape(-1)
     flat = flat.to(torch.int32) if _kernel_dtype(codes.dtype, flat.device) != codes.dtype else flat
     row = _row(fmt, "nearest", fmt.default_overflow, flat.device)
-    return RUNNER.run(_decode_kernel(flat.dtype), flat, row).view(codes.shape)
+    return run_kernel(_decode_kernel(flat.dtype), flat, row).view(codes.shape)
 
 
 # ------------------------------------------------------------------------------------------- statistics

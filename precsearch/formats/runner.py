@@ -2,12 +2,14 @@
 
 A ``KernelRunner`` runs a kernel compiled for tensors of at least ``min_numel`` elements on CPU and for every
 tensor on an accelerator. A kernel whose compilation fails runs eagerly from then on, that kernel alone,
-with one WARNING naming it and the reason. ``RUNNER`` is the process's runner, a cache of compiled kernels like
-torch.compile's own; ``with RUNNER.configured(enabled=False):`` (the CLI's ``--eager-kernels``) runs every kernel
-eagerly for that scope, and the caller's setting is back after it. The
-kernels hold no integer constant outside int32 (Triton types scalar literals as int32). After the call that
-compiles a kernel, later calls run Inductor's code directly, without TorchDynamo's per-call frame evaluation
-(``Compiled``): a training step makes hundreds of calls, most on small tensors.
+with one WARNING naming it and the reason. ``with runner.configured(enabled=False):`` (the CLI's
+``--eager-kernels``) runs every kernel eagerly for that scope, and the caller's setting is back after it;
+``runner.settings`` is that setting as a value, which a worker process is handed. A ``Runtime`` holds a runner
+and the compiled training steps (``CompiledGraphs``): what ``apply_policy``, ``train`` and a search's workers are
+handed; ``default_runtime()`` is the process's. The kernels hold no integer constant outside int32 (Triton
+types scalar literals as int32). After the call that compiles a kernel, later calls run Inductor's code
+directly, without TorchDynamo's per-call frame evaluation (``Compiled``): a training step makes hundreds of
+calls, most on small tensors.
 
 A kernel is a function of a flat float32 tensor and further tensors, with a ``label`` (``labelled``) that names
 it in warnings; precsearch.formats.kernels builds them.
@@ -20,6 +22,8 @@ import functools
 import logging
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -27,7 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from precsearch.errors import first_line
 
-__all__ = ["COMPILE_MIN_NUMEL", "INT32_LENGTHS", "RUNNER", "Compiled", "KernelRunner", "labelled"]
+__all__ = ["COMPILE_MIN_NUMEL", "INT32_LENGTHS", "Compiled", "CompiledGraphs", "KernelRunner", "KernelSettings",
+           "Runtime", "default_runtime", "labelled", "run_kernel"]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +190,15 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+@dataclass(frozen=True)
+class KernelSettings:
+    """Whether a ``KernelRunner`` compiles its kernels (``enabled``) and from how many elements on a CPU
+    (``min_numel``): a value, which a search hands its worker processes so that they run as the parent does."""
+
+    enabled: bool = True
+    min_numel: int = COMPILE_MIN_NUMEL
+
+
 class KernelRunner:
     """Runs kernels on flat tensors: compiled (``compile(kernel)``, a ``Compiled`` by default, made once per
     kernel), or eagerly when compiling is off, the tensor is small, or the kernel's compilation failed.
@@ -194,18 +208,23 @@ class KernelRunner:
     costs a fifth of the eager one), sizes 0 and 1 excepted (they would need a compilation of their own).
     ``ready`` and ``failed`` hold the labels of the kernels compiled and of those whose compilation failed."""
 
-    def __init__(self, enabled: bool = True, min_numel: int = COMPILE_MIN_NUMEL,
+    def __init__(self, settings: KernelSettings = KernelSettings(),
                  compile: Callable[[Callable], Callable] = Compiled) -> None:
-        self.enabled = enabled
-        self.min_numel = min_numel
+        self.enabled = settings.enabled
+        self.min_numel = settings.min_numel
         self.ready: set[str] = set()
         self.failed: set[str] = set()
         self.compiled = functools.lru_cache(maxsize=192)(compile)
 
+    @property
+    def settings(self) -> KernelSettings:
+        """``enabled`` and ``min_numel`` now, as a value."""
+        return KernelSettings(self.enabled, self.min_numel)
+
     @contextlib.contextmanager
     def configured(self, enabled: bool | None = None, min_numel: int | None = None) -> Iterator[KernelRunner]:
         """This runner with ``enabled`` and ``min_numel`` (where given) for the ``with`` block, the previous
-        settings restored after it however the block ends: the one way a command, a worker or a test sets them."""
+        settings restored after it however the block ends: the one way a command or a test changes them."""
         before = self.enabled, self.min_numel
         self.enabled = before[0] if enabled is None else enabled
         self.min_numel = before[1] if min_numel is None else min_numel
@@ -231,4 +250,53 @@ class KernelRunner:
             return kernel(flat, *args)
 
 
-RUNNER = KernelRunner()
+class CompiledGraphs:
+    """The training steps a runtime has compiled (precsearch.runtime.compiled builds them, by model structure,
+    sites and code widths, so that a search's trials share one) and the reasons already logged for training
+    eagerly instead (one WARNING each)."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple[Any, ...], Any] = {}
+        self.warned: set[tuple[str, str]] = set()  # (model, reason)
+
+
+class Runtime:
+    """What the runs of a process share: the runner of the format kernels (``kernels``: their compiled code and
+    its settings) and the compiled training steps (``graphs``). ``apply_policy``, ``train`` and a search's
+    workers are handed one; ``default_runtime()`` is the process's unless a ``with runtime.as_default():`` block
+    makes another one the default.
+
+    The format kernels run on the default runtime's runner wherever they are called: inside torch ops, whose
+    arguments are tensors, numbers and strings, not a runner, and in autograd's backward threads, which a
+    thread-local default would not reach; so the default is one per process (as torch.compile's own caches are),
+    not one per thread, and ``train`` makes the runtime it is given the default while it runs."""
+
+    def __init__(self, kernels: KernelRunner | None = None) -> None:
+        self.kernels = KernelRunner() if kernels is None else kernels
+        self.graphs = CompiledGraphs()
+
+    @contextlib.contextmanager
+    def as_default(self) -> Iterator[Runtime]:
+        """This runtime as the process's default (``default_runtime``) for the ``with`` block; the previous
+        default is back after it however the block ends."""
+        _DEFAULTS.append(self)
+        try:
+            yield self
+        finally:
+            _DEFAULTS.pop()
+
+
+_DEFAULTS: list[Runtime] = []  # the process's own runtime (made at first use), then those of open as_default blocks
+
+
+def default_runtime() -> Runtime:
+    """The runtime the format kernels run on and that ``apply_policy`` and ``train`` use when given none: the
+    innermost ``as_default`` block's, else the process's own (made at first use)."""
+    if not _DEFAULTS:
+        _DEFAULTS.append(Runtime())
+    return _DEFAULTS[-1]
+
+
+def run_kernel(kernel, flat: torch.Tensor, *args):
+    """``kernel`` on ``flat`` and ``args``, run by the default runtime's runner: how the format kernels are called."""
+    return default_runtime().kernels.run(kernel, flat, *args)

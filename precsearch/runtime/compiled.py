@@ -10,7 +10,7 @@ themselves:
 * a weight is rounded before the forward, its gradient in the backward by the weight gradient's row; where the
   eager runtime would hold that gradient as codes to the end of the backward (precsearch.runtime.gradients),
   the backward hands it out as those codes, the gradient of a leaf of no storage standing for the weight
-  (``_gradient_carrier``), whose hook decodes it into ``.grad``; a post-grad pass (``_HoldGradientsEarly``)
+  (``gradient_carrier``), whose hook decodes it into ``.grad``; a post-grad pass (``_HoldGradientsEarly``)
   rounds it right after the op that makes it, where autograd's order would leave it float32 to the end;
 * an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
   a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output, and the ReLU itself
@@ -51,10 +51,10 @@ themselves:
 ``RoundingGraph`` is built, and compiled (``torch.compile(fullgraph=True)``), once per traced structure, the
 roundings of its tensor kinds (constants of the graph: nearest rounding computes no hash) and the code width of
 each weight and activation row (a dtype is a constant of a graph), and shared by every model of that structure
-trained with the same ``CompileOptions`` (``options.built``): trials change only the table and the parameters
-(passed through ``functional_call``). A promotion is a row update, and a new graph where it widens a code
-(compiled on its first step). A search's proxies save float32 (``saves_codes=False``), so that one graph serves
-every assignment and a search compiles its step once per worker.
+trained in the same runtime (``Runtime.graphs``, precsearch.formats.runner): trials change only the table and
+the parameters (passed through ``functional_call``). A promotion is a row update, and a new graph where it widens
+a code (compiled on its first step). A search's proxies save float32 (``saves_codes=False``), so that one graph
+serves every assignment and a search compiles its step once per worker.
 
 What the compiled step does not do: gather underflow statistics (a step that gathers them, every
 ``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``), chunked accumulation, adaptive
@@ -100,6 +100,7 @@ from precsearch.formats.as_data import (
     patterns_of,
 )
 from precsearch.formats.kernels import storage_dtype
+from precsearch.formats.runner import CompiledGraphs
 from precsearch.formats.scaled import ScaledFormat, e8m0_decode, e8m0_encode, expand_scales, recorded
 from precsearch.graph.raw_ops import output_leaves, with_leaves
 from precsearch.graph.types import TensorGraph
@@ -115,7 +116,7 @@ from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.sliced import ConvGeometry, Slicing
 from precsearch.runtime.state import Slot, TensorState
 
-__all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "unsupported"]
+__all__ = ["CompiledStep", "RoundingGraph", "compiled_step", "gradient_carrier", "unsupported"]
 
 log = logging.getLogger(__name__)
 
@@ -702,7 +703,7 @@ class RoundingGraph:
         self.graph_module.train(model.training)
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
-        carriers = {name: _gradient_carrier(params[name], site.grad_code, slots[site.grad])
+        carriers = {name: gradient_carrier(params[name], site.grad_code, slots[site.grad])
                     for name, (site, _counter) in self.weight_sites.items() if site.grad_code is not None}
         histories = [_history_input(slots[row], index in self._gradient_histories, training, x.device)
                      for index, row in enumerate(self._delayed)]
@@ -749,7 +750,7 @@ class RoundingGraph:
 
 def _held_bytes(g: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, site: Site, scaled: ScaledFormat | None,
                 history: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A weight gradient rounded by ``row`` as the bytes its carrier receives (``_gradient_carrier``), its
+    """A weight gradient rounded by ``row`` as the bytes its carrier receives (``gradient_carrier``), its
     counts, and a delayed format's ``history`` with its amax recorded: its codes as the eager runtime holds them
     (uint8, or int16 for 2 bytes), in the weight's element order, then a scaled format's scales as e8m0 bytes."""
     kept = None
@@ -784,7 +785,7 @@ def _history_input(slot: Slot, gradient: bool, training: bool, device: torch.dev
     return leaf
 
 
-def _gradient_carrier(param: torch.Tensor, nbytes: int, slot: Slot) -> torch.Tensor:
+def gradient_carrier(param: torch.Tensor, nbytes: int, slot: Slot) -> torch.Tensor:
     """A leaf of no storage (stride 0) whose gradient in the compiled backward is the bytes of ``param``'s rounded
     gradient (``_held_bytes``: ``nbytes`` a value, and the scales of ``slot``'s format), which its hook decodes
     into ``param.grad`` (the same values: rounded values are exactly the format's): the backward holds each
@@ -865,18 +866,18 @@ class CompiledStep:
 
 
 def compiled_step(policy: Policy, graph: TensorGraph, plan: SitePlan, state: TensorState,
-                  options: CompileOptions, may_hold: Callable[[], bool]) -> CompiledStep | None:
-    """The compiled step of ``graph`` under ``policy``, or None (with one WARNING per ``options`` saying why)
-    where it cannot train it; ``may_hold``: whether weight gradients may be held as codes during the backward
-    (precsearch.runtime.gradients)."""
+                  options: CompileOptions, built: CompiledGraphs, may_hold: Callable[[], bool]) -> CompiledStep | None:
+    """The compiled step of ``graph`` under ``policy``, or None (with one WARNING per model and reason in
+    ``built``, a runtime's graphs, saying why) where it cannot train it; ``may_hold``: whether weight gradients may
+    be held as codes during the backward (precsearch.runtime.gradients)."""
     reason = unsupported(policy, graph, state)
     if reason is not None:
-        if (graph.model_name, reason) not in options.built.warned:  # once: a search wraps many policies
-            options.built.warned.add((graph.model_name, reason))
+        if (graph.model_name, reason) not in built.warned:  # once: a search wraps many policies
+            built.warned.add((graph.model_name, reason))
             log.warning("training %s eagerly, not compiled: %s (pass compile=False, or --no-compile, to say so)",
                         graph.model_name, reason)
         return None
-    return CompiledStep(lambda holds: rounding_graph(graph, plan, state, options, holds), state, may_hold)
+    return CompiledStep(lambda holds: rounding_graph(graph, plan, state, options, built, holds), state, may_hold)
 
 
 def _code_width(slot: Slot, options: CompileOptions, holds: bool) -> int | None:
@@ -891,11 +892,11 @@ def _code_width(slot: Slot, options: CompileOptions, holds: bool) -> int | None:
 
 
 def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState, options: CompileOptions,
-                   holds: bool) -> RoundingGraph:
+                   built: CompiledGraphs, holds: bool) -> RoundingGraph:
     """The ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per tensor kind and (with
     ``options.saves_codes``) the code width of each row's format now (``_code_width``), and the outputs whose
-    gradients arrive rounded alike now, built (and its step compiled, on first use) once for the runs that share
-    ``options``."""
+    gradients arrive rounded alike now, built (and its step compiled, on first use) once in ``built`` for the runs
+    that share it."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)
@@ -911,10 +912,9 @@ def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState, optio
             state.slots[plan.of_op(sites.gradient_from).outputs[0].gradient]))
     key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, scaled, options.backend,
            per_use, arrive_rounded)
-    built = options.built.graphs
-    if key not in built:
-        built[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend, arrive_rounded)
-    return built[key]
+    if key not in built.graphs:
+        built.graphs[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend, arrive_rounded)
+    return built.graphs[key]
 
 
 def rows_table(state: TensorState, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from precsearch.formats.as_data import decode_patterns, encode_codes, patterns_of, round_nearest, round_values
 from precsearch.formats.format import ROUNDINGS
-from precsearch.formats.runner import RUNNER, labelled
+from precsearch.formats.runner import labelled, run_kernel
 from precsearch.formats.scaled import ScaledFormat, e8m0_decode, expand_scales, get_scaled_format, scaled_values
 from precsearch.runtime.packing import Stored, batch_passes
 from precsearch.runtime.sliced import ConvGeometry, batch_norm_backward_in_slices, conv_backward_in_slices
@@ -58,7 +58,7 @@ class _CodesInSlices:
 
         def decode(start: int, length: int) -> torch.Tensor:
             part = self.codes.narrow(axis, start, length)
-            values = RUNNER.run(_DECODERS[self.nbytes], part.reshape(-1), self.row).view(part.shape[axis - dim:])
+            values = run_kernel(_DECODERS[self.nbytes], part.reshape(-1), self.row).view(part.shape[axis - dim:])
             return values if self.scaled is None else values * self._scales(dim, start, length, values.shape)
 
         return decode
@@ -133,7 +133,7 @@ def round_site(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, rounding:
     [overflowed, unencodable] counts. Opaque to Inductor: fused with the model's own kernels, the counts made it
     write the rounded values, and the values before and after each op, as float32 buffers of their own."""
     x = _in_memory_order(x)
-    values, counts = RUNNER.run(_SITE_KERNELS[rounding, nbytes], _flat(x), row, seed)
+    values, counts = run_kernel(_SITE_KERNELS[rounding, nbytes], _flat(x), row, seed)
     shape, stride = _laid_out(x, nbytes)
     return values.as_strided(shape, stride), counts
 
@@ -193,7 +193,7 @@ def round_scaled_site(x: torch.Tensor, row: torch.Tensor, scaled: str, nbytes: i
     x, rows, padded = _in_groups(x, fmt)
     kernel = _scaled_site_kernel(scaled, nbytes, rows, padded)
     # (a gradient's history arrives as the leaf the backward's step passed in: its values alone)
-    values, scales, counts, amax = RUNNER.run(kernel, _flat(x), row, *([] if history is None else [history.detach()]))
+    values, scales, counts, amax = run_kernel(kernel, _flat(x), row, *([] if history is None else [history.detach()]))
     shape, stride = _laid_out(x, nbytes)
     scales_shape = fmt.scales_shape(x.shape)
     return values.as_strided(shape, stride), scales.reshape(scales_shape), counts, amax.reshape(scales_shape)
@@ -235,7 +235,7 @@ def count_overflows(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, roun
     for a gradient that arrives rounded alike (``OpSites.gradient_from``), which rounding again leaves as it
     is but counts again, as the eager runtime does (int32, 1 element)."""
     x, rows, padded = (_in_memory_order(x), 1, False) if scaled is None else _in_groups(x, get_scaled_format(scaled))
-    return RUNNER.run(_overflow_kernel(rounding, scaled, rows, padded), _flat(x), row, seed)
+    return run_kernel(_overflow_kernel(rounding, scaled, rows, padded), _flat(x), row, seed)
 
 
 @count_overflows.register_fake

@@ -21,7 +21,7 @@ from precsearch.runtime import ops
 from precsearch.runtime.sites import SitePlan
 from precsearch.runtime.state import Slot, TensorState
 
-__all__ = ["hook_weight_gradients", "no_process_group"]
+__all__ = ["hold_as_codes", "hook_weight_gradients", "no_process_group"]
 
 
 def no_process_group() -> bool:
@@ -45,7 +45,7 @@ def hook_weight_gradients(module: nn.Module, plan: SitePlan, state: TensorState,
 
 def _rounding_hook(state: TensorState, slot: Slot, may_hold: Callable[[], bool]) -> Callable[[torch.Tensor], None]:
     """Round ``param.grad`` in place and, where its format fits 16 bits, hold only its codes until the end of the
-    backward (``_hold``)."""
+    backward (``hold_as_codes``)."""
 
     def hook(param: torch.Tensor) -> None:
         if not slot.is_low or state.graph_rounds:  # a compiled step's backward rounded it already
@@ -53,12 +53,12 @@ def _rounding_hook(state: TensorState, slot: Slot, may_hold: Callable[[], bool])
         hold = slot.holds_codes and may_hold()
         codes = state.round_(param.grad, slot, with_codes=hold, count=state.counting)
         if codes is not None:
-            _hold(param, codes)
+            hold_as_codes(param, codes)
 
     return hook
 
 
-def _hold(param: torch.Tensor, codes: ops.Codes) -> None:
+def hold_as_codes(param: torch.Tensor, codes: ops.Codes) -> None:
     """Drop ``param.grad`` (already rounded) for its codes, and set it back, decoded, at the end of the backward:
     the same values, since rounded values are exactly the format's. Inside the backward ``.grad`` is None; a
     backward that raises leaves it None. A later backward accumulates into the restored ``.grad`` as usual."""

@@ -53,9 +53,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from precsearch.config.compiling import DEFAULT_COMPILE, CompileOptions
+from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.errors import PrecsearchError
+from precsearch.formats.runner import CompiledGraphs, Runtime, default_runtime
 from precsearch.graph.op_rules import OP_RULES, OpRules
 from precsearch.graph.policy_check import policy_example_input, verify_policy
 from precsearch.graph.tracing import trace
@@ -85,7 +86,7 @@ class PrecisionModel(nn.Module):
     def __init__(self, model: nn.Module, policy: Policy, graph: TensorGraph, seed: int = 0,
                  stats_every: int | None = None, steps_per_epoch: int | None = None,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 compile: CompileOptions | None = None) -> None:
+                 compile: CompileOptions | None = None, graphs: CompiledGraphs | None = None) -> None:
         super().__init__()
         self.module, self.policy, self.graph = model, policy, graph
         self.stats_every, self.steps_per_epoch = stats_every, steps_per_epoch
@@ -101,7 +102,8 @@ class PrecisionModel(nn.Module):
         if not policy.master_weights:
             self.state.on_promote.append(self._optimizers.promote)
         self.clipped_at_start = [] if policy.master_weights else round_pure_weights(weights, self.state)
-        self.compiled_step = compile and compiled_step(policy, graph, self.sites, self.state, compile, hold_gradients)
+        self.compiled_step = compile and compiled_step(policy, graph, self.sites, self.state, compile, graphs,
+                                                       hold_gradients)
         self._handles += hook_weight_gradients(model, self.sites, self.state, hold_gradients)
         self._rounding = Rounding(self.state, self._packer, weights)
         self._hooks: HookInstrument | None = None
@@ -297,7 +299,7 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                  strict: bool = True, seed: int = 0, stats_every: int | None = None,
                  steps_per_epoch: int | None = None, rules: OpRules = OP_RULES,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 compile: bool | CompileOptions = False) -> PrecisionModel:
+                 compile: bool | CompileOptions = False, runtime: Runtime | None = None) -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
     ``example_input`` (default: zeros of the policy's input shape) is used to trace the model at the
@@ -313,9 +315,12 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
 
     ``compile=True`` (or a ``CompileOptions``: the backend, whether saved tensors are held as codes) trains
     with the compiled step (precsearch.runtime.compiled: the rounding fused into the model's own kernels by
-    ``torch.compile``, compiled once per model structure and code widths for the runs given the same options;
-    ``True`` is ``DEFAULT_COMPILE``, the process's), where the policy allows it (else one WARNING says why, and
-    the step runs eagerly). Forwards without gradients (evaluation) run eagerly.
+    ``torch.compile``, compiled once per model structure and code widths in ``runtime``; ``True`` is
+    ``CompileOptions()``), where the policy allows it (else one WARNING per runtime says why, and the step runs
+    eagerly). Forwards without gradients (evaluation) run eagerly. ``runtime``
+    (precsearch.formats.runner.Runtime; default: ``default_runtime()``) holds the compiled steps that models
+    wrapped in it share; the format kernels run on the default runtime's runner (``train`` makes its runtime the
+    default while it runs).
     """
     if not isinstance(policy, Policy):
         raise PrecsearchError(f"apply_policy needs a precsearch Policy, got {type(policy).__name__}")
@@ -330,4 +335,5 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     verify_policy(policy, graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
                           hold_gradients=hold_gradients, round_in_place=round_in_place,
-                          compile=DEFAULT_COMPILE if compile is True else compile or None)
+                          compile=CompileOptions() if compile is True else compile or None,
+                          graphs=(runtime or default_runtime()).graphs)

@@ -29,6 +29,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "DynamicLossScaler",
     "AdaptiveLossScaler",
     "LayerScale",
+    "SCALERS",
     "epoch_growth",
     "make_scaler",
 ]
@@ -553,10 +555,11 @@ class AdaptiveLossScaler(LossScaler):
         self._max_scale = check_option("max_scale", state["max_scale"], "loss scaler state's max_scale")
 
 
-# The scaler of each mode of precsearch.config.loss_scaling (the modes are named there, and by each ``_kind``).
-_SCALERS: dict[str, type[LossScaler]] = {
+# The scaler of each mode of precsearch.config.loss_scaling (the modes are named there, and by each ``_kind``): a
+# read-only table, fixed by the classes above.
+SCALERS: MappingProxyType[str, type[LossScaler]] = MappingProxyType({
     scaler._kind: scaler for scaler in (NoLossScaler, StaticLossScaler, DynamicLossScaler, AdaptiveLossScaler)
-}
+})
 
 
 def epoch_growth(options: dict[str, Any], steps_per_epoch: int | None) -> dict[str, Any]:
@@ -575,4 +578,4 @@ def make_scaler(mode: str, **options: Any) -> LossScaler:
     """A scaler from a policy's loss-scaling entry: a mode of precsearch.config.loss_scaling plus the options that
     mode takes (checked there first, so a bad entry is refused in the file's words)."""
     settings = loss_scaling({"mode": mode, **options}, "loss_scaling", mode)
-    return _SCALERS[mode](**{key: value for key, value in settings.items() if key != "mode"})
+    return SCALERS[mode](**{key: value for key, value in settings.items() if key != "mode"})

@@ -89,7 +89,7 @@ from tqdm.auto import tqdm
 from precsearch.config.spaces import parse_space
 from precsearch.errors import PrecsearchError
 from precsearch.files import DiskFull, atomic_write_text, full_disk
-from precsearch.formats.runner import RUNNER
+from precsearch.formats.runner import default_runtime
 from precsearch.models import check_trusted
 from precsearch.search.calibration import Calibration, calibrate, recorded_calibration
 from precsearch.search.confirmation import (
@@ -673,8 +673,9 @@ def _trials(study: optuna.Study, context: SearchContext, objective: Objective, c
 def _worker_setup(context: SearchContext, config: SearchConfig, run: _Run) -> WorkerSetup:
     created = (context.model, context.space, context.data_spec, context.budget, context.seed)
     return WorkerSetup(created, context.settings, context.device, run.location, run.out_dir, run.trials,
-                       config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile, RUNNER.enabled,
-                       config.proxy_seeds, config.calibration, config.confirm_factor, run.run_id)
+                       config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile,
+                       default_runtime().kernels.settings, config.proxy_seeds, config.calibration,
+                       config.confirm_factor, run.run_id)
 
 
 def _phase_progress(bar: _Progress, phase: str) -> Callable[[int, float], None]:

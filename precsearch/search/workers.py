@@ -26,7 +26,7 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.config.spaces import SearchSpace
 from precsearch.errors import PrecsearchError
 from precsearch.files import FULL_ERRNOS, DiskFull, full_disk
-from precsearch.formats.runner import RUNNER
+from precsearch.formats.runner import KernelRunner, KernelSettings, Runtime
 from precsearch.search.calibration import CalibrationSettings
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective, TrialStep
@@ -169,7 +169,7 @@ class WorkerSetup:
     trials: int
     threads: int
     compile: CompileOptions | None
-    compiled_kernels: bool  # the parent's ``RUNNER.enabled``
+    kernels: KernelSettings  # the parent's runtime's: the worker's runtime runs the format kernels alike
     proxy_seeds: int | None
     calibration: CalibrationSettings
     confirm_factor: float
@@ -261,7 +261,7 @@ def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int, ste
     hold_worker_lock(setup.out_dir)
     _stop_when_orphaned(parent)
     # the parent reports the interruption
-    with (RUNNER.configured(enabled=setup.compiled_kernels), stop_signals() as signals, quiet_optuna_interrupts(),
+    with (Runtime(KernelRunner(setup.kernels)).as_default(), stop_signals() as signals, quiet_optuna_interrupts(),
           contextlib.suppress(KeyboardInterrupt)):
         context = SearchContext.create(*setup.context, device, proxy_seeds=setup.proxy_seeds, compile=setup.compile)
         context.settings = setup.settings

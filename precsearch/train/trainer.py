@@ -39,6 +39,7 @@ from precsearch.config.policy import Policy
 from precsearch.config.spec import ProxyConfig
 from precsearch.errors import PrecsearchError, run_user_code
 from precsearch.files import atomic_write_text
+from precsearch.formats.runner import Runtime, default_runtime
 from precsearch.runtime.model import apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
 from precsearch.stopping import raise_recorded_stop
@@ -316,6 +317,7 @@ def train(
     recipe: Recipe | None = None,
     deterministic: bool = True,
     compile: CompileOptions | None = None,
+    runtime: Runtime | None = None,
     on_start: Callable[[], None] | None = None,
     continuing: bool = False,
     checkpoint: Path | None = None,
@@ -336,7 +338,9 @@ def train(
     ``on_eval`` raises there propagates). ``stop_on_divergence=False``
     keeps training after a divergence was detected and records it all the same. ``deterministic``
     runs it under ``determinism`` (the search relies on a seed giving the same numbers). ``compile`` trains
-    with the compiled step (precsearch.runtime.compiled; None: eagerly). The result's ``wall_time`` counts from
+    with the compiled step (precsearch.runtime.compiled; None: eagerly), ``runtime`` (default: the process's,
+    ``default_runtime()``) holds its compiled graphs, and runs the format kernels as the default runtime for the
+    call. The result's ``wall_time`` counts from
     when the model is built (a user factory's own time is not training time); ``on_start()`` is called then.
 
     ``continuing`` trains at a constant rate and reads every evaluation off a short decay branch, so that the
@@ -349,10 +353,11 @@ def train(
     _check_request(policy, data[0], steps, config, continuing, checkpoint, decay_from, autocast)
     torch_device = resolve_device(device)
     checked = determinism(torch_device) if deterministic else contextlib.nullcontext()
-    with checked, seeded(seed, torch_device):
+    runtime = runtime or default_runtime()
+    with runtime.as_default(), checked, seeded(seed, torch_device):
         run = _TrainingRun(model_spec, policy, data, steps, seed, torch_device, config, recipe=recipe, compile=compile,
-                   on_start=on_start, continuing=continuing, checkpoint=checkpoint, decay_from=decay_from,
-                   autocast=autocast, evaluate_at=evaluate_at)
+                           runtime=runtime, on_start=on_start, continuing=continuing, checkpoint=checkpoint,
+                           decay_from=decay_from, autocast=autocast, evaluate_at=evaluate_at)
         run.loop(stop_on_divergence, report, eval_every, on_eval)
         reading = run.evaluate(run.steps_run, final=True, on_eval=on_eval)
     return run.result(reading)
@@ -381,7 +386,8 @@ class _TrainingRun:
 
     def __init__(self, model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,
                  seed: int, device: torch.device, config: ProxyConfig, *, recipe: Recipe | None,
-                 compile: CompileOptions | None, on_start: Callable[[], None] | None, continuing: bool,
+                 compile: CompileOptions | None, runtime: Runtime, on_start: Callable[[], None] | None,
+                 continuing: bool,
                  checkpoint: Path | None, decay_from: int | None, autocast: torch.dtype | None,
                  evaluate_at: Collection[int]) -> None:
         self.policy, self.data, self.train_set, self.steps, self.seed = policy, data, data[0], steps, seed
@@ -398,7 +404,7 @@ class _TrainingRun:
         if policy is not None:  # traced on real images, as the search traced it: a branch zeros skip is kept
             self.model = apply_policy(self.model, policy, self.train_set.images[:2].to(device), seed=seed,
                                       stats_every=config.stats_every, steps_per_epoch=self.per_epoch,
-                                      compile=compile or False)
+                                      compile=compile or False, runtime=runtime)
         self.model.train()
         self._set_up_optimizer(recipe)
         self._continue_from_checkpoint()
