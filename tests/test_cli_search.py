@@ -244,6 +244,19 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, needle, space_fi
     assert not out.exists()
 
 
+@pytest.mark.parametrize("measure", [None, "bytes"])
+def test_baselines_outside_a_search_price_memory_by_the_peak_unless_told(measure, tmp_path, capsys):
+    """Outside a search's run directory the table's memory is the default measure, the step's peak; --memory
+    bytes gives the paper's. Both ratios are columns either way."""
+    out = tmp_path / "b"
+    chosen = [] if measure is None else ["--memory", measure]
+    assert main(["baselines", "tiny_cnn", "--names", "fp8", "--out", str(out), "--no-progress", *chosen, *TINY]) == 0
+    row = pd.read_csv(out / "baselines.csv").set_index("name").loc["fp8"]
+    assert row["memory"] == row[f"memory_{measure or 'peak'}"]
+    assert row["memory_peak"] != row["memory_bytes"]
+    assert f"memory {row['memory']:.3f} of all-high" in capsys.readouterr().out
+
+
 def test_other_commands_reject_bad_input(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no trials.csv" in capsys.readouterr().err
