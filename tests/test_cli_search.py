@@ -198,7 +198,7 @@ def test_baselines_reuse_the_sweep_and_report_draws_everything(searched, space_f
     text = (searched / "report.md").read_text()
     assert "| baseline | fp8 |" in text and "| paper sweep | r=0.5 |" in text and "| pareto |" in text
     assert "- proxy length: 4 steps (fixed)" in text and "plain fp32" in text and "## Training steps" in text
-    assert "| peak MiB | x autocast | bytes MiB |" in text and "- the pick's step peak " in text
+    assert "| peak MiB | x plain fp32 | x autocast | bytes MiB |" in text and "- the pick's step peak " in text
 
 
 def _bad_space(tmp_path, **changes):

@@ -41,8 +41,8 @@ def run_dir(tmp_path):
          "val_accuracy": 0.95, "val_loss": 0.05, "diverged": False, "reason": "", "promotions": 0, "key": "k0",
          "reused": "trial 0"},
         {"source": "torch", "name": "autocast_bf16", "r": None, "memory": None, "bytes": None, "peak_predicted": None,
-         "peak_bytes": 2**21, "val_accuracy": 0.95, "val_loss": 0.05, "diverged": False, "reason": "",
-         "promotions": 0, "key": "", "reused": ""},
+         "peak_bytes": 2**21, "peak_x_fp32": 0.5, "val_accuracy": 0.95, "val_loss": 0.05, "diverged": False,
+         "reason": "", "promotions": 0, "key": "", "reused": ""},
     ]).to_csv(tmp_path / "baselines.csv", index=False)
     (tmp_path / "run.json").write_text(json.dumps({"model": "tiny_cnn", "seed": 0, "data": {"name": "digits"},
                                                    "space": {"name": "hfp8", "proxy": {"steps": 5}}}))
@@ -63,9 +63,10 @@ def test_summary_table_puts_front_sweep_and_baselines_side_by_side(run_dir):
     fp8 = table[table["name"] == "fp8"].iloc[0]
     assert fp8["diverged"] and fp8["memory"] == 0.5 and fp8["bytes MiB"] == 0.5
     # a policy's peak is the cost model's prediction; autocast's is measured, and every row is set beside it
-    assert fp8["peak MiB"] == 1.5 and fp8["x autocast"] == 0.75
+    assert fp8["peak MiB"] == 1.5 and fp8["x autocast"] == 0.75 and fp8["x plain fp32"] == 0.375
     autocast = table[table["name"] == "autocast_bf16"].iloc[0]
-    assert autocast["peak MiB"] == 2.0 and autocast["x autocast"] == 1.0 and pd.isna(autocast["memory"])
+    assert autocast["peak MiB"] == 2.0 and autocast["x autocast"] == 1.0 and autocast["x plain fp32"] == 0.5
+    assert pd.isna(autocast["memory"])
     assert table[table["name"] == "r=0.1"].iloc[0]["val_accuracy"] == 0.96
 
 

@@ -159,11 +159,12 @@ def _mib(row: pd.Series, column: str) -> float:
     return float(row.get(column, math.nan)) / 2**20
 
 
-def _entry(source: str, name: str, row: pd.Series, autocast_peak: float) -> dict[str, Any]:
+def _entry(source: str, name: str, row: pd.Series, yardsticks: tuple[float, float]) -> dict[str, Any]:
     """One row of the summary: ``peak MiB`` is the step's peak, predicted by the cost model for a policy and
-    measured for a torch.autocast row (which assigns no formats), and ``x autocast`` its ratio to autocast bf16's
-    measured peak; ``bytes MiB`` is the paper's bytes."""
+    measured for a torch.autocast row (which assigns no formats), beside plain fp32's and autocast bf16's measured
+    peaks (``yardstick_peaks``); ``bytes MiB`` is the paper's bytes."""
     peak = _mib(row, "peak_bytes") if source == _SOURCES["torch"] else _mib(row, "peak_predicted")
+    plain_fp32, autocast = yardsticks
     return {
         "source": source,
         "name": name,
@@ -171,7 +172,8 @@ def _entry(source: str, name: str, row: pd.Series, autocast_peak: float) -> dict
         "memory_bytes": float(row.get("memory_bytes", math.nan)),
         "memory_peak": float(row.get("memory_peak", math.nan)),
         "peak MiB": peak,
-        "x autocast": peak / autocast_peak,
+        "x plain fp32": peak / plain_fp32,
+        "x autocast": peak / autocast,
         "bytes MiB": _mib(row, "bytes"),
         "val_accuracy": float(row["val_accuracy"]),
         "val_accuracy_sd": float(row.get("val_accuracy_sd", math.nan)),
@@ -189,29 +191,32 @@ _SOURCES = {"baseline": "baseline", "torch": "torch.autocast"}  # baselines.csv'
 def summary_table(tables: RunTables) -> pd.DataFrame:
     """Pareto front, the paper's sweep and the baselines in one table (memory relative to all-high, the step's
     peak in MiB and beside torch.autocast bf16's)."""
-    autocast = autocast_peak(tables)
-    entries = [_entry("pareto", f"trial {int(row['number'])}", row, autocast) for _, row in tables.pareto.iterrows()]
+    yardsticks = yardstick_peaks(tables)
+    entries = [_entry("pareto", f"trial {int(row['number'])}", row, yardsticks)
+               for _, row in tables.pareto.iterrows()]
     sweep = sweep_points(tables.trials)
     if sweep.empty and not tables.baselines.empty:
         sweep = tables.baselines[tables.baselines["source"] == "paper"]
-    entries += [_entry("paper sweep", f"r={row['r']:.1f}", row, autocast) for _, row in sweep.iterrows()]
+    entries += [_entry("paper sweep", f"r={row['r']:.1f}", row, yardsticks) for _, row in sweep.iterrows()]
     if not tables.baselines.empty:
         for _, row in tables.baselines[tables.baselines["source"] != "paper"].iterrows():
             source = _SOURCES.get(row["source"], f"ablation ({row['source']})")
-            entries.append(_entry(source, str(row["name"]), row, autocast))
+            entries.append(_entry(source, str(row["name"]), row, yardsticks))
     return pd.DataFrame(entries)
 
 
-def autocast_peak(tables: RunTables) -> float:
-    """torch.autocast(bf16)'s measured step peak in MiB: its baselines row, else the pick's measurement in best.json
-    (``StepPeaks``); NaN when neither ran."""
+def yardstick_peaks(tables: RunTables) -> tuple[float, float]:
+    """The measured step peaks of plain fp32 and torch.autocast(bf16), in MiB: autocast's baselines row (which
+    measured plain fp32's beside it, ``peak_x_fp32``), else the pick's measurements in best.json (``StepPeaks``);
+    NaN where neither ran."""
     baselines = tables.baselines
     if not baselines.empty and "peak_bytes" in baselines:
         row = baselines[(baselines["source"] == "torch") & (baselines["name"] == "autocast_bf16")]
         if not row.empty:
-            return _mib(row.iloc[0], "peak_bytes")
+            autocast = _mib(row.iloc[0], "peak_bytes")
+            return autocast / float(row.iloc[0]["peak_x_fp32"]), autocast
     peak = (tables.best or {}).get("peak")
-    return peak["autocast_bf16"] / 2**20 if peak else math.nan
+    return (peak["plain_fp32"] / 2**20, peak["autocast_bf16"] / 2**20) if peak else (math.nan, math.nan)
 
 
 def _by_point(frame: pd.DataFrame, column: str) -> dict[tuple[float, float], list[Any]]:
@@ -399,8 +404,9 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
               "assignment (promoted tensors counted high): `memory_peak` the cost model's step peak, "
               "`memory_bytes` the paper's bytes of weights, activations and their gradients. `peak MiB` is a "
               "step's peak, predicted by the cost model for a policy and measured for a torch.autocast row (which "
-              "assigns no formats and has no memory ratio), and `x autocast` its ratio to torch.autocast(bf16)'s "
-              "measured peak; `bytes MiB` the paper's bytes. Accuracy is the proxy's validation accuracy.",
+              "assigns no formats and has no memory ratio), and `x plain fp32` and `x autocast` its ratios to the "
+              "measured peaks of plain fp32 and torch.autocast(bf16); `bytes MiB` the paper's bytes. Accuracy is the "
+              "proxy's validation accuracy.",
               "", "![tradeoff](report.png)", "", markdown_table(table)]
     if not tables.calibration.empty:
         lines += ["## Calibration: the all-high reference's learning curve", "",
