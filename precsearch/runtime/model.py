@@ -264,7 +264,7 @@ def _scaler_of(wrapper: PrecisionModel, policy: Policy, graph: TensorGraph, stat
     scaler = make_scaler(mode, **options)
     grad_formats = {}
     for op in graph.ops:
-        if op.role != "gemm" or "#" in op.name or not is_module_call(wrapper.module, op):
+        if op.role != "gemm" or op.call > 0 or not is_module_call(wrapper.module, op):
             continue
         slots = [state.slots.get(grad_id(t)) for t in op.input_tensors]
         fmts = [s.fmt for s in slots if s is not None]
