@@ -95,7 +95,7 @@ class PrecisionModel(nn.Module):
         self.state = make_state(graph, policy, seed)
         self._packer = Packer(model)
         self.scaler, self._handles = _policy_scaler(self, policy, graph, self.state, steps_per_epoch)
-        self.sites = plan_sites(graph, per_use=policy.gradient_rounding == "per_use")
+        self.sites = plan_sites(graph, policy.gradient_rounding == "per_use", chunked=self.accumulation_layers)
         weights = low_weights(model, self.sites, self.state)
         self._optimizers = Optimizers(policy, weights, self._generator)
         if not policy.master_weights:
