@@ -13,7 +13,6 @@ import operator
 
 from torch import fx, nn
 
-from precsearch.graph.in_place import gradient_arrives_fresh, makes_fresh_output
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime.rounding import (
     Alias,
@@ -38,9 +37,9 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
     reshape, ...) that may copy a rounded activation, and every call of a submodule or read of a parameter that
     uses low weights, or a layer with a sliced backward, replaced (``_layer_call``): torch.ao's prepare_fx, with
     rounding modules for observers, at the sites of ``plan``: an output whose gradient the plan rounds per use
-    gets a ``GradUse`` before each consumer, which rounds that consumer's gradient instead. Where the
-    op rules the graph was traced with (``graph.rules``) allow it, a rounding writes over the op's output and
-    over the gradient it receives (precsearch.graph.in_place); without ``in_place``, never."""
+    gets a ``GradUse`` before each consumer, which rounds that consumer's gradient instead. Where the plan
+    allows it (``OpSites.fresh_output``, ``OpSites.fresh_gradient``), a rounding writes over the op's output and
+    over the gradient it receives; without ``in_place``, never."""
     source = graph.graph_module
     gm = fx.GraphModule(source, copy.deepcopy(source.graph), type(module).__name__)
     traced = dict(gm.named_modules())
@@ -78,7 +77,6 @@ def _insert_rounders(gm: fx.GraphModule, graph: TensorGraph, plan: SitePlan, rou
     and module, and, by node, the rounded activation slot of each output it carries."""
     nodes = {node.name: node for node in gm.graph.nodes}
     last_placeholder = [node for node in gm.graph.nodes if node.op == "placeholder"][-1]
-    fresh_gradients = gradient_arrives_fresh(graph) if in_place else frozenset()
     rounders: dict[str, tuple[fx.Node, Rounder]] = {}
     carried: dict[fx.Node, dict[int, Slot]] = {}
     for index, op in enumerate(graph.ops):
@@ -87,8 +85,8 @@ def _insert_rounders(gm: fx.GraphModule, graph: TensorGraph, plan: SitePlan, rou
         if inserted is None:
             continue
         # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
-        inserted.in_place = in_place and makes_fresh_output(op, graph.rules)
-        inserted.grad_in_place = op.name in fresh_gradients and set(inserted.slots) == {0}
+        inserted.in_place = in_place and sites.fresh_output
+        inserted.grad_in_place = in_place and sites.fresh_gradient and set(inserted.slots) == {0}
         node = nodes[op.node]
         after = last_placeholder if node.op == "placeholder" else node
         new = _insert(gm, after, node, f"precsearch_round_{index}", inserted)

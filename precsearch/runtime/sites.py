@@ -10,6 +10,9 @@ op rules it was traced with, and read by every lowering (``instrument_fx``, ``in
 * a Conv2d or BatchNorm2d called on one value, whose rule slices its backward over its input
   (``OpSites.reads_codes``: ``reads_packed_input``), runs its backward over that input's codes, a slice at a time,
   where the input is a rounded value held as codes; a layer swapped for chunked accumulation does not;
+* a rounding may write over an op's output where the op makes it new and its backward does not read it
+  (``OpSites.fresh_output``), and over the output's gradient where that reaches it as a new tensor nothing else
+  holds (``OpSites.fresh_gradient``; precsearch.graph.in_place): the eager lowering does, unless told not to;
 * an output an add alone reads (``OpSites.gradient_from``) receives the add's output gradient itself: where the
   add's rounding rounded it as this output's gradient rounds (``Slot.rounds_again_as``), rounding it again
   changes no value, so a lowering may round it over itself (eager) or only count it (compiled).
@@ -29,7 +32,7 @@ from typing import NamedTuple
 from torch import nn
 
 from precsearch.config.spec import WEIGHT, TensorId
-from precsearch.graph.in_place import gradient_passes_from
+from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
 from precsearch.graph.op_rules import OpRules
 from precsearch.graph.types import TensorGraph, grad_id
 
@@ -55,7 +58,9 @@ class OpSites:
     outputs: tuple[OutputSite, ...]
     per_use: bool  # the gradient is rounded before each consumer, not at the value (one output, several readers)
     relu_output: bool  # a ReLU whose backward reads its rounded output
-    reads_codes: bool = False  # a layer whose backward reads its one input's codes, where that input has them
+    reads_codes: bool  # a layer whose backward reads its one input's codes, where that input has them
+    fresh_output: bool  # its outputs are new tensors its backward does not read: a rounding may write over them
+    fresh_gradient: bool  # its one output's gradient arrives as a new tensor nothing else holds: likewise
     gradient_from: str | None = None  # the add whose rounded output gradient this one output's gradient is
 
 
@@ -94,6 +99,7 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -
         return grad_id(tensor_id) if grad_id(tensor_id) in assignable else None
 
     nodes = _fx_nodes(graph, frozenset(chunked))
+    fresh_gradients = gradient_arrives_fresh(graph)
     ops = {}
     for op in graph.ops:
         outputs = tuple(OutputSite(TensorId.parse(tensor_id).index, tensor_id, gradient_of(tensor_id))
@@ -101,7 +107,8 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -
         if outputs:
             single = len(outputs) == 1 and outputs[0].position == 0 and outputs[0].gradient is not None
             ops[op.name] = OpSites(op.name, op.node, outputs, per_use and single and nodes.readers.get(op.node, 0) > 1,
-                                   op.node in nodes.relus, op.node in nodes.read_codes)
+                                   op.node in nodes.relus, op.node in nodes.read_codes,
+                                   makes_fresh_output(op, graph.rules), op.name in fresh_gradients)
     for name, add in gradient_passes_from(graph).items():
         if name in ops and add in ops and _one_rounded_gradient(ops[name]) and _one_rounded_gradient(ops[add]):
             ops[name] = replace(ops[name], gradient_from=add)
