@@ -46,9 +46,8 @@ def _check_module_shapes(graph: TensorGraph, model: nn.Module, batch: int) -> No
     model.eval()
     observed = _module_output_shapes(model, _example(batch, graph.input_shape))
     for op in graph.ops:
-        qualname, _, call = op.name.partition("#")
-        if qualname in observed:
-            assert graph.tensors[op.outputs[0]].shape == observed[qualname][int(call or 0)], op.name
+        if op.module in observed:
+            assert graph.tensors[op.outputs[0]].shape == observed[op.module][op.call], op.name
 
 
 def _assignable_by_group(graph: TensorGraph) -> list[set[str]]:

@@ -8,6 +8,7 @@ unchanged."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -60,6 +61,9 @@ class TraceableNet(Net):
 
 PASS_THROUGH = OP_RULES.with_modules({Shift: OpRule(pass_through=True)})
 SAVES_OUTPUT = OP_RULES.with_modules({Shift: OpRule(saves=("output",))})
+# the conv's and the ReLU's backward not sliced over their saved tensor: neither reads codes
+NOT_SLICED = OP_RULES.with_modules({kind: dataclasses.replace(OP_RULES.modules[kind], sliced=None)
+                                    for kind in (nn.ReLU, nn.Conv2d)})
 
 
 def _trace(rules: OpRules) -> tuple[Net, torch.Tensor, object]:
@@ -147,3 +151,36 @@ def test_an_injected_rule_reaches_every_lowering(lowering, rules):
         shifted = q(conv + 1) if rules is SAVES_OUTPUT else conv + 1
         expected = q(model.fc(torch.flatten(q(torch.relu(shifted)), 1)))
     assert torch.equal(output.detach(), expected)
+
+
+@pytest.mark.parametrize("rules", [OP_RULES, NOT_SLICED])
+def test_an_injected_plan_decision_reaches_every_lowering(rules):
+    """Which layers run their backward over codes is the site plan's (``OpSites.reads_codes``: the conv reading
+    the rounded input; ``OpSites.relu_output``: the ReLU reading its rounded output), from the op rules: with
+    their sliced backward taken off in an injected table, the plan says neither, and with no edit of its own
+    the FX lowering calls both layers as themselves and the compiled step (aot_eager) leaves its convolution to
+    autograd and its ReLU unmasked; with the table's rules, both lowerings take the plan's packed calls. Either
+    way the two agree bit for bit on the output and every gradient. (The module-hook lowering runs no backward
+    over codes: it rounds at the sites alone, ``test_an_injected_rule_reaches_every_lowering``.)"""
+    torch.manual_seed(0)
+    model, x = TraceableNet(), torch.randn(BATCH, 3, 4, 4)
+    graph = trace(model, x, rules=rules)
+    policy = policy_from_assignment(graph, {tid: LOW for tid in graph.assignable_ids()
+                                            if graph.tensors[tid].kind == "activation"})
+    sliced = rules is OP_RULES
+    results = []
+    for options in (False, CompileOptions("aot_eager")):
+        wrapped = apply_policy(copy.deepcopy(model), policy, x, rules=rules, compile=options)
+        sites = {op_sites.op: op_sites for op_sites in wrapped.sites.ops}
+        assert (sites["conv"].reads_codes, sites["relu"].relu_output) == (sliced, sliced)
+        if options:
+            code = wrapped.compiled_step.graph.graph_module.code
+            assert ("_conv_of_codes" in code, "_relu_masked_by_its_site" in code) == (sliced, sliced)
+        else:
+            calls = {type(module).__name__ for module in vars(wrapped)["_target"].modules()}
+            assert ("PackedInputCall" in calls, "PackedOutputRelu" in calls) == (sliced, sliced)
+        output = wrapped(x)
+        output.square().sum().backward()
+        results.append([output.detach(), *(param.grad for param in wrapped.module.parameters())])
+    eager, compiled = results
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))

@@ -161,7 +161,7 @@ def _fx_ops(gm: torch.fx.GraphModule, run: _ShapeRecorder, rules: OpRules) -> li
             continue
         activations, params = split_sources(arg_sources)
         if node.op == "call_module":
-            op = RawOp.of_module(namer.module(node.target), node.name, module, node.target, rule, activations, out)
+            op = RawOp.of_module(*namer.module(node.target), node.name, module, node.target, rule, activations, out)
         else:
             op = RawOp.of_function(namer.function(node.name), node.name, module_type, in_place, rule, activations,
                                    params, out, node.args, node.kwargs)

@@ -75,7 +75,7 @@ def assemble(raw_ops: list[RawOp], model_name: str, batch_size: int, input_shape
                                               math.prod(shape), own, op.name, tuple(consumers.get(tensor_id, ())))
         ops.append(OpInfo(op.name, op.node, op.role, op.module_type, own,
                           tuple(dict.fromkeys(producer[t] for t in op.inputs)), tuple(outputs), tuple(op.inputs),
-                          tuple(param_ids), dict(op.attrs)))
+                          tuple(param_ids), dict(op.attrs), op.module, op.call))
     groups = [Group(index, tuple(o.name for o in ops if o.group == index),
                     tuple(tid for tid, info in tensors.items() if info.group == index))
               for index in range(group + 1)]

@@ -98,8 +98,8 @@ class _HookRecorder(TorchFunctionMode):
             if all(shape is None for shape in shapes):
                 return
             activations, _ = self._inputs(args)
-            name = self.namer.module(qualname)
-            op = RawOp.of_module(name, name, module, qualname, rule, activations, shapes)
+            name, call = self.namer.module(qualname)
+            op = RawOp.of_module(name, call, name, module, qualname, rule, activations, shapes)
             self.ops.append(op)
             self._bind(output, op)
 

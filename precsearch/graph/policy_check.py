@@ -81,7 +81,7 @@ def check_policy(policy: Policy, graph: TensorGraph, untraced: Sequence[str] = (
     types = {info.module_type for info in graph.tensors.values()}
     missing += [f"module type {echo(name)}" for name in sorted(policy.module_types) if name not in types]
     if policy.accumulation is not None:
-        layers = {op.name.partition("#")[0] for op in graph.ops if op.module_type in ACCUMULATION_LAYER_TYPES}
+        layers = {op.module for op in graph.ops if op.module is not None and op.module_type in ACCUMULATION_LAYER_TYPES}
         missing += [f"accumulation layers {echo(pattern)}" for pattern in policy.accumulation.layers
                     if not fnmatch.filter(layers, pattern)]
     missing += [f"module type {echo(name)} {kind}" for name, rules in sorted(policy.module_types.items())

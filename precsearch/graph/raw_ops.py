@@ -38,13 +38,15 @@ class RawOp:
     params: list[ParamRef]
     shapes: list[tuple[int, ...] | None]
     attrs: dict[str, Any]
+    module: str | None = None  # the qualified name of the module it calls (None: a function call or the input)
+    call: int = 0  # which call of that module (0: the first)
 
     @classmethod
-    def of_module(cls, name: str, node: str, module: nn.Module, qualname: str, rule: OpRule, inputs: list[str],
-                  shapes: list[tuple[int, ...] | None]) -> RawOp:
-        """A call of leaf module ``module`` (at ``qualname``), whose rule is ``rule``."""
+    def of_module(cls, name: str, call: int, node: str, module: nn.Module, qualname: str, rule: OpRule,
+                  inputs: list[str], shapes: list[tuple[int, ...] | None]) -> RawOp:
+        """The ``call``-th call of leaf module ``module`` (at ``qualname``), whose rule is ``rule``."""
         return cls(name, node, _role(rule), type(module).__name__, inputs, _module_params(module, qualname), shapes,
-                   _module_attrs(module, rule))
+                   _module_attrs(module, rule), qualname, call)
 
     @classmethod
     def of_function(cls, name: str, node: str, module_type: str, in_place: bool, rule: OpRule, inputs: list[str],
@@ -183,21 +185,22 @@ class LeafSpec:
 
 
 class OpNamer:
-    """Unique op names: a module call is named by its qualified name (`#k` added on its k-th later call); a
-    function call by an FX-style name (`add`, `add_1`, ...) that is never a module's qualified name or an
-    earlier op's name."""
+    """Unique op names: a module call is named by its qualified name (`#k` added on its k-th later call, which
+    the op also carries as fields: ``RawOp.module``, ``RawOp.call``); a function call by an FX-style name (`add`,
+    `add_1`, ...) that is never a module's qualified name or an earlier op's name."""
 
     def __init__(self, model: nn.Module) -> None:
         self.modules = {qualname for qualname, _ in model.named_modules()}
         self.used: set[str] = set()
         self.calls: Counter[str] = Counter()
 
-    def module(self, qualname: str) -> str:
-        count = self.calls[qualname]
+    def module(self, qualname: str) -> tuple[str, int]:
+        """The name of this call of module ``qualname``, and which call it is (0: the first)."""
+        call = self.calls[qualname]
         self.calls[qualname] += 1
-        name = qualname if count == 0 else f"{qualname}#{count}"
+        name = qualname if call == 0 else f"{qualname}#{call}"
         self.used.add(name)
-        return name
+        return name, call
 
     def function(self, candidate: str) -> str:
         name, suffix = candidate, 0

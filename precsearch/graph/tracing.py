@@ -115,7 +115,7 @@ def untraced_modules(model: nn.Module, graph: TensorGraph, leaf_modules: Iterabl
     the example input did not take, or a module the forward never calls). Code that runs but is not in the
     graph is covered by no policy rule and counted by no memory prediction. Layout-only modules make no op."""
     leaf = LeafSpec(model, list(leaf_modules), graph.rules)
-    traced = {op.name.partition("#")[0] for op in graph.ops}
+    traced = {op.module for op in graph.ops}
     leaves: list[str] = []
     missed = []
     for qualname, module in model.named_modules():

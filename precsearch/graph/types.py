@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # The JSON file format's name (kept from the module that first wrote it, so saved graphs stay readable).
 JSON_FORMAT = "precsearch.graph.tracing"
-JSON_VERSION = 1
+JSON_VERSION = 2  # 2: ops carry `module` and `call`
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -54,7 +54,9 @@ class TensorInfo:
 class OpInfo:
     """One operation. `inputs` are the producing ops; `input_tensors` the activations it reads (in order),
     `params` the weight tensors it uses, `outputs` the activations it makes. `attrs` holds what the cost
-    model's autograd rules need (`inplace`, `running_stats` for BN, `p` for dropout)."""
+    model's autograd rules need (`inplace`, `running_stats` for BN, `p` for dropout). A module call's `module` is
+    the module's qualified name and `call` which of its calls it is (0: the first; `name` is `module#call` after
+    it); a function call's (and the input's) `module` is None."""
 
     name: str
     node: str
@@ -66,6 +68,8 @@ class OpInfo:
     input_tensors: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    module: str | None = None
+    call: int = 0
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ themselves:
   format's codes (1 byte up to 8 bits, 2 up to 16), decoded (``decode_codes``, exact) for the forward's use,
   the decode marked for recomputation (``_RecomputeDecodes``): AOTAutograd's partitioner then saves the codes
   for the backward, where the decode runs again, as the eager runtime saves packed codes; a convolution or
-  training batch norm whose backward the op rules slice (``Slicing.input_function``) and whose input has codes
-  is called through ``_ConvOfCodes`` or ``_batch_norm_of_codes``: its backward is an opaque op
+  training batch norm whose backward the site plan says reads its input's codes (``OpSites.reads_codes``) and
+  whose input has codes is called through ``_ConvOfCodes`` or ``_batch_norm_of_codes``: its backward is an opaque op
   (``conv_backward_of_codes``, ``batch_norm_backward_of_codes``) that runs the eager runtime's sliced backward
   (precsearch.runtime.sliced) over the codes, a slice at a time;
 * a scaled format (precsearch.formats.scaled: a power-of-two scale per tensor, row or MX block, from this
@@ -491,21 +491,20 @@ class _HeldByGraph(nn.Module):
 _OF_CODES = {nn.Conv2d: _conv_of_codes, nn.BatchNorm2d: _batch_norm_of_codes}
 
 
-def _read_codes_in_backward(gm: fx.GraphModule, coded: dict[fx.Node, tuple[fx.Node, Site]], rows: fx.Node,
-                            seed: fx.Node, masters: fx.Node, histories: fx.Node, slicing: Slicing,
+def _read_codes_in_backward(gm: fx.GraphModule, plan: SitePlan, coded: dict[fx.Node, tuple[fx.Node, Site]],
+                            rows: fx.Node, seed: fx.Node, masters: fx.Node, histories: fx.Node, slicing: Slicing,
                             weights: _HeldByGraph) -> None:
-    """Each layer of ``gm`` whose backward slices over its input (``Slicing.input_function``) and reads a value
-    with codes (``coded``) called through ``_OF_CODES``, so that its backward decodes the codes a slice at a time,
-    as the eager runtime's does; a convolution's also rounds its weight again from its master (``masters``, by
-    the weight's site: ``weights``)."""
+    """Each layer of ``gm`` whose backward the plan says reads its input's codes (``OpSites.reads_codes``), where
+    that input has codes (``coded``), called through ``_OF_CODES``, so that its backward decodes the codes a slice
+    at a time, as the eager runtime's does; a convolution's also rounds its weight again from its master
+    (``masters``, by the weight's site: ``weights``)."""
     gm.add_submodule("precsearch_slicing", _HeldByGraph(slicing))
     gm.add_submodule("precsearch_weights", weights)
     for node in list(gm.graph.nodes):
-        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or node.args[0] not in coded:
+        sites = plan.of_node(node.name) if node.op == "call_module" else None
+        if sites is None or not sites.reads_codes or node.args[0] not in coded:
             continue
         layer = gm.get_submodule(node.target)
-        if slicing.input_function(layer) is None or type(layer) not in _OF_CODES:
-            continue
         pair, site = coded[node.args[0]]
         with gm.graph.inserting_before(node):
             codes = gm.graph.call_function(operator.getitem, (pair, 2))
@@ -643,7 +642,7 @@ class RoundingGraph:
         numbering = _SiteNumbering(graph, rows, roundings, codes, scaled, delayed)
         forward_counts, kept, coded = _round_at_sites(gm.graph, plan, numbering, inputs, arrive_rounded)
         weight_sites: dict[str, tuple[Site, int | None]] = {}  # made last, as before: the seeds follow site order
-        _read_codes_in_backward(gm, coded, inputs.rows, inputs.seed, inputs.masters, inputs.histories,
+        _read_codes_in_backward(gm, plan, coded, inputs.rows, inputs.seed, inputs.masters, inputs.histories,
                                 Slicing(graph.rules), _HeldByGraph((weight_sites, formats)))
         output = next(node for node in gm.graph.nodes if node.op == "output")
         output.args = ((output.args[0], tuple(forward_counts), tuple(kept)),)

@@ -13,7 +13,6 @@ import operator
 
 from torch import fx, nn
 
-from precsearch.graph.in_place import gradient_arrives_fresh, makes_fresh_output
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime.rounding import (
     Alias,
@@ -25,7 +24,7 @@ from precsearch.runtime.rounding import (
     rounder_for,
 )
 from precsearch.runtime.sites import SitePlan
-from precsearch.runtime.sliced import PackedInputCall, PackedOutputRelu, Slicing
+from precsearch.runtime.sliced import PACKED_INPUT, PackedInputCall, PackedOutputRelu, Slicing
 from precsearch.runtime.state import Slot
 
 __all__ = ["instrument_fx"]
@@ -38,9 +37,9 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
     reshape, ...) that may copy a rounded activation, and every call of a submodule or read of a parameter that
     uses low weights, or a layer with a sliced backward, replaced (``_layer_call``): torch.ao's prepare_fx, with
     rounding modules for observers, at the sites of ``plan``: an output whose gradient the plan rounds per use
-    gets a ``GradUse`` before each consumer, which rounds that consumer's gradient instead. Where the
-    op rules the graph was traced with (``graph.rules``) allow it, a rounding writes over the op's output and
-    over the gradient it receives (precsearch.graph.in_place); without ``in_place``, never."""
+    gets a ``GradUse`` before each consumer, which rounds that consumer's gradient instead. Where the plan
+    allows it (``OpSites.fresh_output``, ``OpSites.fresh_gradient``), a rounding writes over the op's output and
+    over the gradient it receives; without ``in_place``, never."""
     source = graph.graph_module
     gm = fx.GraphModule(source, copy.deepcopy(source.graph), type(module).__name__)
     traced = dict(gm.named_modules())
@@ -56,7 +55,8 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
         add = plan.of_op(name).gradient_from
         if in_place and add in rounders and set(inserted.slots) == {0}:
             inserted.grad_source = rounders[add][1].slots.get(0, (None, None))[1]
-    _replace_layer_calls(gm, module, rounding, Slicing(graph.rules), traced, carried)
+    low = {sites.node for sites in plan.ops if sites.op in rounders and 0 in carried[rounders[sites.op][0]]}
+    _replace_layer_calls(gm, plan, module, rounding, Slicing(graph.rules), traced, carried, low)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -77,7 +77,6 @@ def _insert_rounders(gm: fx.GraphModule, graph: TensorGraph, plan: SitePlan, rou
     and module, and, by node, the rounded activation slot of each output it carries."""
     nodes = {node.name: node for node in gm.graph.nodes}
     last_placeholder = [node for node in gm.graph.nodes if node.op == "placeholder"][-1]
-    fresh_gradients = gradient_arrives_fresh(graph) if in_place else frozenset()
     rounders: dict[str, tuple[fx.Node, Rounder]] = {}
     carried: dict[fx.Node, dict[int, Slot]] = {}
     for index, op in enumerate(graph.ops):
@@ -86,8 +85,8 @@ def _insert_rounders(gm: fx.GraphModule, graph: TensorGraph, plan: SitePlan, rou
         if inserted is None:
             continue
         # every use of the op's output now reads the rounding's: it may overwrite an output nothing saved
-        inserted.in_place = in_place and makes_fresh_output(op, graph.rules)
-        inserted.grad_in_place = op.name in fresh_gradients and set(inserted.slots) == {0}
+        inserted.in_place = in_place and sites.fresh_output
+        inserted.grad_in_place = in_place and sites.fresh_gradient and set(inserted.slots) == {0}
         node = nodes[op.node]
         after = last_placeholder if node.op == "placeholder" else node
         new = _insert(gm, after, node, f"precsearch_round_{index}", inserted)
@@ -122,16 +121,19 @@ def _insert_aliases(gm: fx.GraphModule, graph: TensorGraph, rounding: Rounding,
             carried[node] = source_slots
 
 
-def _replace_layer_calls(gm: fx.GraphModule, module: nn.Module, rounding: Rounding, slicing: Slicing,
-                         traced: dict[str, nn.Module], carried: dict[fx.Node, dict[int, Slot]]) -> None:
+def _replace_layer_calls(gm: fx.GraphModule, plan: SitePlan, module: nn.Module, rounding: Rounding,
+                         slicing: Slicing, traced: dict[str, nn.Module], carried: dict[fx.Node, dict[int, Slot]],
+                         low: set[str]) -> None:
     """Every call of one of the user's modules (``traced``) and every parameter read replaced where
-    ``_layer_call`` says."""
+    ``_layer_call`` says: a layer whose backward the plan says reads its input's codes (``OpSites.reads_codes``)
+    reading a low value (``carried``: a rounding or its alias), or a ReLU whose backward reads its rounded output
+    (``OpSites.relu_output``) making one (its node in ``low``: its output rounded low)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target in traced:  # the user's modules, not those inserted
             names = [name for name, _ in gm.get_submodule(node.target).named_parameters()]
-            low_input = len(node.args) == 1 and bool(carried.get(node.args[0])) and not node.kwargs  # a low value
-            consumer = next(iter(node.users)) if len(node.users) == 1 else None
-            low_output = 0 in carried.get(consumer, {})
+            sites = plan.of_node(node.name)
+            low_input = sites is not None and sites.reads_codes and bool(carried.get(node.args[0]))
+            low_output = sites is not None and sites.relu_output and node.name in low
             inserted = _layer_call(module, rounding, slicing, node.target, names, low_input, low_output)
             if inserted is not None:
                 name = f"precsearch_weights_{node.target.replace('.', '_')}"
@@ -163,18 +165,18 @@ def _round_per_use(gm: fx.GraphModule, node: fx.Node, inserted: Rounder, roundin
 def _layer_call(module: nn.Module, rounding: Rounding, slicing: Slicing, target: str,
                 names: list[str] | None, low_input: bool, low_output: bool) -> nn.Module | None:
     """What replaces a layer call (``names``: its parameters) or a parameter read (``names`` None): a read of a
-    low weight becomes its rounding; a Conv2d or BatchNorm2d call of a low activation (``low_input``) a
-    ``PackedInputCall``, a ReLU making one (``low_output``) a ``PackedOutputRelu``, and another call with low
-    weights a ``RoundedWeightsCall``; None when none applies."""
+    low weight becomes its rounding; a layer whose backward reads the codes of the low activation it reads
+    (``low_input``) a ``PackedInputCall``, a ReLU whose backward reads the low activation it makes
+    (``low_output``) a ``PackedOutputRelu``, and another call with low weights a ``RoundedWeightsCall``; None when
+    none applies."""
     if names is None:
         rounding.at_use.add(target)
         return RoundedWeight(rounding, target) if target in rounding.weights else None
     layer = module.get_submodule(target)
-    if low_output and slicing.output_function(layer) is not None:
+    if low_output:
         return PackedOutputRelu(rounding.packer, slicing, layer, target)
     params = {name: f"{target}.{name}" for name in names if f"{target}.{name}" in rounding.weights}
     rounding.at_use.update(params.values())
-    function = slicing.input_function(layer) if low_input else None
-    if function is not None:
-        return PackedInputCall(rounding, slicing, layer, target, params, function)
+    if low_input:
+        return PackedInputCall(rounding, slicing, layer, target, params, PACKED_INPUT[type(layer)])
     return RoundedWeightsCall(rounding, layer, params) if params else None

@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 
 def is_module_call(model: nn.Module, op: Any) -> bool:
     """Whether ``op`` is a call of one of the model's submodules (not a function call)."""
-    base = op.name.partition("#")[0]
+    if op.module is None:
+        return False
     try:
-        module = model.get_submodule(base)
-    except AttributeError:
+        module = model.get_submodule(op.module)
+    except AttributeError:  # not a module of ``model``
         return False
     return op.module_type in {cls.__name__ for cls in type(module).__mro__}  # a chunked Conv2d is a Conv2d
 
@@ -54,8 +55,7 @@ class HookInstrument:
             if op.role == "input":
                 self._input_rounder = rounder
             elif is_module_call(module, op):
-                base, _, call = op.name.partition("#")
-                self._module_rounders.setdefault(base, {})[int(call or 0)] = rounder
+                self._module_rounders.setdefault(op.module, {})[op.call] = rounder
             else:
                 self.unenforced.append(op.name)
         for base in self._module_rounders:

@@ -96,7 +96,7 @@ class PrecisionModel(nn.Module):
         self.state = make_state(graph, policy, seed)
         self._packer = Packer(model)
         self.scaler, self._handles = _policy_scaler(self, policy, graph, self.state, steps_per_epoch)
-        self.sites = plan_sites(graph, per_use=policy.gradient_rounding == "per_use")
+        self.sites = plan_sites(graph, policy.gradient_rounding == "per_use", chunked=self.accumulation_layers)
         weights = low_weights(model, self.sites, self.state)
         self._optimizers = Optimizers(policy, weights, self._generator)
         if not policy.master_weights:
@@ -266,7 +266,7 @@ def _scaler_of(wrapper: PrecisionModel, policy: Policy, graph: TensorGraph, stat
     scaler = make_scaler(mode, **options)
     grad_formats = {}
     for op in graph.ops:
-        if op.role != "gemm" or "#" in op.name or not is_module_call(wrapper.module, op):
+        if op.role != "gemm" or op.call > 0 or not is_module_call(wrapper.module, op):
             continue
         slots = [state.slots.get(grad_id(t)) for t in op.input_tensors]
         fmts = [s.fmt for s in slots if s is not None]

@@ -111,7 +111,7 @@ def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: Slot, wi
 class RoundActivation(torch.autograd.Function):
     """Forward: the activation rounded to its format (and its codes), over the op's own output with
     ``in_place``. Backward: its gradient rounded, over the gradient itself with ``grad_in_place`` (a new
-    tensor only this rounding reads, ``graph.in_place.gradient_arrives_fresh``)."""
+    tensor only this rounding reads: the site plan's ``OpSites.fresh_gradient``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: TensorState, act: Slot, grad: Slot | None,
@@ -147,10 +147,10 @@ class RoundWeight(torch.autograd.Function):
 
 class Rounder(nn.Module):
     """The module inserted after an op: rounds each output position that has a slot (act, grad). With
-    ``in_place`` (set by ``instrument_fx`` after ops that make fresh outputs read by nothing else) it may write
+    ``in_place`` (set by ``instrument_fx`` where the plan says ``OpSites.fresh_output``) it may write
     the rounded values over the op's output (``Packer.fresh`` says when). It rounds the output's gradient over
     itself, unless a backward hook of the reading module may keep it, with ``grad_in_place`` (the gradient
-    arrives as a new tensor, ``graph.in_place.gradient_arrives_fresh``) and where the gradient is an add's output
+    arrives as a new tensor, ``OpSites.fresh_gradient``) and where the gradient is an add's output
     gradient that ``grad_source`` rounded exactly as this one rounds (``OpSites.gradient_from``): the values do
     not change then, so the add's other input, which holds the same tensor, sees no difference."""
 

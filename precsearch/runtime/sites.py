@@ -7,26 +7,37 @@ op rules it was traced with, and read by every lowering (``instrument_fx``, ``in
   (the paper's reference: each consumer's gradient rounded, their sum not);
 * after a ReLU whose rule slices its backward over its output (``OpSites.relu_output``), the ReLU's backward
   reads the rounded output (its mask lies inside the ReLU's own);
+* a Conv2d or BatchNorm2d called on one value, whose rule slices its backward over its input
+  (``OpSites.reads_codes``: ``reads_packed_input``), runs its backward over that input's codes, a slice at a time,
+  where the input is a rounded value held as codes; a layer swapped for chunked accumulation does not;
+* a rounding may write over an op's output where the op makes it new and its backward does not read it
+  (``OpSites.fresh_output``), and over the output's gradient where that reaches it as a new tensor nothing else
+  holds (``OpSites.fresh_gradient``; precsearch.graph.in_place): the eager lowering does, unless told not to;
 * an output an add alone reads (``OpSites.gradient_from``) receives the add's output gradient itself: where the
   add's rounding rounded it as this output's gradient rounds (``Slot.rounds_again_as``), rounding it again
   changes no value, so a lowering may round it over itself (eager) or only count it (compiled).
 
 The plan is structural: which formats are low is the state's (``TensorState``), read by each lowering as it
-rounds. A new op rule, tensor kind or rounding position is a change here or in the op rules, not in a lowering.
+rounds; so is which weight gradients are held as codes to the end of the backward (``Slot.holds_codes``, a
+format's width: the plan's weight sites are where they are rounded). A new op rule, tensor kind or rounding
+position is a change here or in the op rules, not in a lowering.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from torch import nn
 
 from precsearch.config.spec import WEIGHT, TensorId
-from precsearch.graph.in_place import gradient_passes_from
+from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
 from precsearch.graph.op_rules import OpRules
 from precsearch.graph.types import TensorGraph, grad_id
 
-__all__ = ["OpSites", "OutputSite", "SitePlan", "WeightSite", "plan_sites", "reads_rounded_output"]
+__all__ = ["OpSites", "OutputSite", "SitePlan", "WeightSite", "plan_sites", "reads_packed_input",
+           "reads_rounded_output"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,9 @@ class OpSites:
     outputs: tuple[OutputSite, ...]
     per_use: bool  # the gradient is rounded before each consumer, not at the value (one output, several readers)
     relu_output: bool  # a ReLU whose backward reads its rounded output
+    reads_codes: bool  # a layer whose backward reads its one input's codes, where that input has them
+    fresh_output: bool  # its outputs are new tensors its backward does not read: a rounding may write over them
+    fresh_gradient: bool  # its one output's gradient arrives as a new tensor nothing else holds: likewise
     gradient_from: str | None = None  # the add whose rounded output gradient this one output's gradient is
 
 
@@ -65,28 +79,36 @@ class SitePlan:
     def __init__(self, ops: tuple[OpSites, ...], weights: tuple[WeightSite, ...]) -> None:
         self.ops, self.weights = ops, weights
         self._by_op = {sites.op: sites for sites in ops}
+        self._by_node = {sites.node: sites for sites in ops}
 
     def of_op(self, op: str) -> OpSites | None:
         """The sites of op ``op`` (None: it makes no assignable tensor)."""
         return self._by_op.get(op)
 
+    def of_node(self, node: str) -> OpSites | None:
+        """The sites of the op FX node ``node`` runs (None: none, or an op that makes no assignable tensor)."""
+        return self._by_node.get(node)
 
-def plan_sites(graph: TensorGraph, per_use: bool) -> SitePlan:
-    """The rounding sites of ``graph``; ``per_use``: the policy's ``gradient_rounding == "per_use"``."""
+
+def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -> SitePlan:
+    """The rounding sites of ``graph``; ``per_use``: the policy's ``gradient_rounding == "per_use"``; ``chunked``:
+    the layers swapped for chunked accumulation (precsearch.runtime.accumulate), whose backward is their own."""
     assignable = set(graph.assignable_ids())
 
     def gradient_of(tensor_id: str) -> str | None:
         return grad_id(tensor_id) if grad_id(tensor_id) in assignable else None
 
-    readers, relus = _fx_nodes(graph)
+    nodes = _fx_nodes(graph, frozenset(chunked))
+    fresh_gradients = gradient_arrives_fresh(graph)
     ops = {}
     for op in graph.ops:
         outputs = tuple(OutputSite(TensorId.parse(tensor_id).index, tensor_id, gradient_of(tensor_id))
                         for tensor_id in op.outputs if tensor_id in assignable)
         if outputs:
             single = len(outputs) == 1 and outputs[0].position == 0 and outputs[0].gradient is not None
-            ops[op.name] = OpSites(op.name, op.node, outputs, per_use and single and readers.get(op.node, 0) > 1,
-                                   op.node in relus)
+            ops[op.name] = OpSites(op.name, op.node, outputs, per_use and single and nodes.readers.get(op.node, 0) > 1,
+                                   op.node in nodes.relus, op.node in nodes.read_codes,
+                                   makes_fresh_output(op, graph.rules), op.name in fresh_gradients)
     for name, add in gradient_passes_from(graph).items():
         if name in ops and add in ops and _one_rounded_gradient(ops[name]) and _one_rounded_gradient(ops[add]):
             ops[name] = replace(ops[name], gradient_from=add)
@@ -109,12 +131,36 @@ def reads_rounded_output(rules: OpRules, layer: nn.Module) -> bool:
     return type(layer) is nn.ReLU and sliced is not None and sliced.reads == "output"
 
 
-def _fx_nodes(graph: TensorGraph) -> tuple[dict[str, int], set[str]]:
-    """FX node name -> how many nodes read it, and the nodes that call a ReLU whose backward reads its rounded
-    output; both empty for a hook trace."""
+def reads_packed_input(rules: OpRules, layer: nn.Module) -> bool:
+    """Whether ``layer``'s backward may read its input's codes a slice at a time: its rule slices the backward over
+    its input, and it is a plain ``nn.Conv2d`` with zero padding given as numbers (``padding="same"`` may pad
+    unevenly, which ``aten.convolution_backward`` cannot) or a plain ``nn.BatchNorm2d`` with running statistics
+    and a set momentum."""
+    sliced = rules.module(layer).sliced
+    if sliced is None or sliced.reads != "input":
+        return False
+    if type(layer) is nn.Conv2d:
+        return layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+    return type(layer) is nn.BatchNorm2d and layer.track_running_stats and layer.momentum is not None
+
+
+class _FxNodes(NamedTuple):
+    """What the plan reads off the FX graph's nodes (all empty for a hook trace)."""
+
+    readers: dict[str, int]  # node name -> how many nodes read it
+    relus: frozenset[str]  # the calls of a ReLU whose backward reads its rounded output
+    read_codes: frozenset[str]  # the calls of a layer, on one value, whose backward may read that value's codes
+
+
+def _fx_nodes(graph: TensorGraph, chunked: frozenset[str]) -> _FxNodes:
+    """The readers of each FX node of ``graph``, its ReLUs that read their rounded output, and its calls of a
+    layer (not ``chunked``) that may read their one input's codes."""
     if graph.graph_module is None:
-        return {}, set()
-    nodes = graph.graph_module.graph.nodes
-    relus = {node.name for node in nodes if node.op == "call_module"
-             and reads_rounded_output(graph.rules, graph.graph_module.get_submodule(node.target))}
-    return {node.name: len(node.users) for node in nodes}, relus
+        return _FxNodes({}, frozenset(), frozenset())
+    calls = {node: graph.graph_module.get_submodule(node.target)
+             for node in graph.graph_module.graph.nodes if node.op == "call_module"}
+    return _FxNodes({node.name: len(node.users) for node in graph.graph_module.graph.nodes},
+                    frozenset(node.name for node, layer in calls.items() if reads_rounded_output(graph.rules, layer)),
+                    frozenset(node.name for node, layer in calls.items()
+                              if len(node.args) == 1 and not node.kwargs and node.target not in chunked
+                              and reads_packed_input(graph.rules, layer)))

@@ -5,8 +5,9 @@ through autograd Functions (``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``,
 backward decodes the codes a slice of samples at a time (``SlicedBackward.rows``), so the step never holds a
 float32 copy of a whole saved tensor; a conv whose weight outsizes its input decodes its input, and rounds its
 weight again from the master, a group of input channels at a time instead (``SlicedBackward.channels_per_group``).
-Which layers have such a backward, and the sizes of its slices, are the op rules' (precsearch.graph.op_rules: a
-layer's ``OpRule.sliced``): ``Slicing.input_function`` and ``Slicing.output_function`` say which.
+Which layers have such a backward is the site plan's (precsearch.runtime.sites: ``OpSites.reads_codes``,
+``OpSites.relu_output``), from the op rules (precsearch.graph.op_rules: a layer's ``OpRule.sliced``), which also
+size its slices; ``PACKED_INPUT`` names each layer type's Function.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph.op_rules import OpRules
 from precsearch.runtime.packing import Packer, Stored
 from precsearch.runtime.rounding import RoundedWeightsCall, Rounding
-from precsearch.runtime.sites import reads_rounded_output
 
-__all__ = ["ConvGeometry", "PackedInputCall", "PackedOutputRelu", "Slices", "Slicing", "batch_norm_backward_in_slices",
-           "conv_backward_in_slices"]
+__all__ = ["PACKED_INPUT", "ConvGeometry", "PackedInputCall", "PackedOutputRelu", "Slices", "Slicing",
+           "batch_norm_backward_in_slices", "conv_backward_in_slices"]
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +47,6 @@ class Slicing:
     def __init__(self, rules: OpRules) -> None:
         self.rules = rules
         self._warned: set[str] = set()
-
-    def input_function(self, layer: nn.Module) -> type[torch.autograd.Function] | None:
-        """The Function that computes ``layer``'s backward from its packed input a slice at a time, or None: where
-        its rule slices the backward over its input, a plain ``nn.Conv2d`` with zero padding given as numbers
-        (``padding="same"`` may pad unevenly, which ``aten.convolution_backward`` cannot), or a plain
-        ``nn.BatchNorm2d`` with running statistics and a set momentum."""
-        sliced = self.rules.module(layer).sliced
-        if sliced is None or sliced.reads != "input":
-            return None
-        if type(layer) is nn.Conv2d and layer.padding_mode == "zeros" and not isinstance(layer.padding, str):
-            return _ConvOfPackedInput
-        if type(layer) is nn.BatchNorm2d and layer.track_running_stats and layer.momentum is not None:
-            return _BatchNormOfPackedInput
-        return None
-
-    def output_function(self, layer: nn.Module) -> type[torch.autograd.Function] | None:
-        """The Function that computes ``layer``'s backward from its packed output a slice at a time (a plain
-        ``nn.ReLU`` whose rule slices the backward over its output), or None."""
-        return _ReluOfPackedOutput if reads_rounded_output(self.rules, layer) else None
 
     def rows(self, shape: Sequence[int], device: torch.device, module_type: str, weight_numel: int = 0) -> int:
         """``SlicedBackward.rows`` of ``module_type``'s rule over a saved tensor of ``shape`` on CPU; the whole
@@ -301,6 +282,12 @@ class _ReluOfPackedOutput(torch.autograd.Function):
         return grad_input, None, None, None
 
 
+# the Function that computes the backward of a layer the site plan says reads its input's codes
+# (``OpSites.reads_codes``, ``sites.reads_packed_input``) from them, a slice at a time, by the layer's type
+PACKED_INPUT: dict[type[nn.Module], type[torch.autograd.Function]] = {
+    nn.Conv2d: _ConvOfPackedInput, nn.BatchNorm2d: _BatchNormOfPackedInput}
+
+
 class PackedOutputRelu(nn.Module):
     """Calls an ``nn.ReLU`` whose output is a low activation through ``_ReluOfPackedOutput`` in a training
     forward, else as the module itself (and with hooks other than forward hooks, one WARNING)."""
@@ -324,7 +311,7 @@ class PackedOutputRelu(nn.Module):
 
 
 class PackedInputCall(RoundedWeightsCall):
-    """Calls a layer whose input is a low activation (``Slicing.input_function``): through that Function when
+    """Calls a layer whose input is a low activation (``PACKED_INPUT``): through that Function when
     the packer holds the input as codes (a training forward), else as the layer itself; low weights rounded
     as ``RoundedWeightsCall`` rounds them. Its forward hooks run after the Function; a layer with other hooks is
     called as itself (one WARNING)."""
