@@ -19,6 +19,7 @@ from precsearch.config.compiling import CompileOptions
 from precsearch.cost.model import CostModel, measure_saved_bytes
 from precsearch.cost.policies import policy_from_assignment
 from precsearch.formats.kernels import quantize
+from precsearch.formats.runner import Runtime, default_runtime
 from precsearch.graph.op_rules import OP_RULES, OpRule, OpRules
 from precsearch.graph.tracing import trace
 from precsearch.runtime.model import apply_policy
@@ -184,3 +185,24 @@ def test_an_injected_plan_decision_reaches_every_lowering(rules):
         results.append([output.detach(), *(param.grad for param in wrapped.module.parameters())])
     eager, compiled = results
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+def test_one_runtime_compiles_a_step_of_its_own_for_each_rule_table():
+    """The compiled graphs one runtime keeps are keyed by the op rules and the site plan too, not by the tensors
+    alone: after a step compiled under the table's rules, the same model under a table without sliced backwards
+    gets its own step, whose convolution reads no codes (the case the parametrized test above meets only when
+    its cases run in this order)."""
+    torch.manual_seed(0)
+    model, x = TraceableNet(), torch.randn(BATCH, 3, 4, 4)
+    runtime = Runtime(default_runtime().kernels)
+    steps = []
+    for rules in (OP_RULES, NOT_SLICED):
+        graph = trace(model, x, rules=rules)
+        policy = policy_from_assignment(graph, {tid: LOW for tid in graph.assignable_ids()
+                                                if graph.tensors[tid].kind == "activation"})
+        wrapped = apply_policy(copy.deepcopy(model), policy, x, rules=rules, compile=CompileOptions("aot_eager"),
+                               runtime=runtime)
+        wrapped(x).sum().backward()
+        steps.append(wrapped.compiled_step.graph)
+    assert steps[0] is not steps[1]
+    assert ["_conv_of_codes" in step.graph_module.code for step in steps] == [True, False]

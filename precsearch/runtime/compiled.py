@@ -902,15 +902,16 @@ def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState, optio
     slots = sorted(state.slots.values(), key=lambda slot: slot.row)
     codes = tuple(_code_width(slot, options, holds) for slot in slots)
     scaled = tuple(slot.scaled for slot in slots)
-    per_use = tuple(sites.per_use for sites in plan.ops)
     # rounding such a gradient again or only counting it gives the same values and counts, so a graph that saves
     # float32 (a search's proxies, one graph for every assignment) rounds it; a promotion may part the formats
     arrive_rounded = frozenset(
         sites.op for sites in plan.ops if options.saves_codes and sites.gradient_from is not None
         and state.slots[sites.outputs[0].gradient].rounds_again_as(
             state.slots[plan.of_op(sites.gradient_from).outputs[0].gradient]))
-    key = (graph.fingerprint(), graph.model_name, tuple(sorted(roundings.items())), codes, scaled, options.backend,
-           per_use, arrive_rounded)
+    # the plan's decisions and the op rules (their slices; a table is its own key, held alive by the graph built
+    # from it) shape the graph as much as the tensors do
+    key = (graph.fingerprint(), graph.model_name, graph.rules, plan.ops, plan.weights,
+           tuple(sorted(roundings.items())), codes, scaled, options.backend, arrive_rounded)
     if key not in built.graphs:
         built.graphs[key] = RoundingGraph(graph, plan, roundings, codes, scaled, options.backend, arrive_rounded)
     return built.graphs[key]
