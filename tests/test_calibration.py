@@ -318,7 +318,7 @@ class PausedPastItsLease(ScriptedTrainer):
         if running and self.taken_over is None:
             trial = running[0]
             self.taken_over = trial.number
-            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            study.tell(trial.number, state=TrialState.FAIL)
             RetryHeartbeatStaleTrialCallback()(study, study.trials[trial.number])  # what the heartbeat does
         return super().__call__(policy, steps, seed, **kwargs)
 

@@ -20,7 +20,6 @@ from precsearch.cost.model import CostModel
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import get_format
 from precsearch.graph.tracing import trace
-from precsearch.search import study as study_module
 from precsearch.search.calibration import CalibrationSettings, reference_policy
 from precsearch.search.context import Budget, DataSpec, SearchContext, torch_threads
 from precsearch.search.ledger import recorded
@@ -30,7 +29,7 @@ from precsearch.search.seeding import AllHigh, Seedings
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import StudyLocation
 from precsearch.search.strategies import R_GRID
-from precsearch.search.study import SearchInterrupted, run_search
+from precsearch.search.study import SearchInterrupted, run_search, study_ledger
 from precsearch.search.trials import copies
 from precsearch.search.workers import WorkerSteps, worker_gpus
 from precsearch.train.proxy import ProxyTrainer, build_model
@@ -408,7 +407,7 @@ def test_a_runs_workers_share_out_its_steps_and_a_later_run_takes_a_dead_ones_cl
     location = StudyLocation.of(None, tmp_path)
     storage = location.open()
     study = optuna.create_study(study_name="precsearch", storage=storage)
-    first, second = (study_module._ledger(study, location, storage, "r1", index) for index in (1, 2))
+    first, second = (study_ledger(study, location, storage, "r1", index) for index in (1, 2))
     ran = []
 
     def work(name):
@@ -419,8 +418,8 @@ def test_a_runs_workers_share_out_its_steps_and_a_later_run_takes_a_dead_ones_cl
         study.set_user_attr("claim:a", {"worker": first.worker, "since": time.time(), "time": time.time()})
     assert second.run(["a", "b"], work, wait=False) == {"b": {"done": "b"}}  # "a" is left to worker 1
     assert ran == ["b"]
-    parent = study_module._ledger(study, location, storage, "r1", 0)
-    resumed = study_module._ledger(study, location, storage, "r2", 1)
+    parent = study_ledger(study, location, storage, "r1", 0)
+    resumed = study_ledger(study, location, storage, "r2", 1)
     for ledger, name in ((parent, "a"), (resumed, "c")):
         with ledger.lock():
             study.set_user_attr(f"claim:{name}", {"worker": first.worker, "since": time.time(), "time": time.time()})

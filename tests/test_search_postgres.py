@@ -28,14 +28,15 @@ import pytest
 from optuna.trial import TrialState
 
 from precsearch.cli import main
+from precsearch.cli.search import PAUSE_AT
 from precsearch.config.spaces import paper_space
 from precsearch.errors import PrecsearchError
 from precsearch.search import storage as storage_module
 from precsearch.search import study as search
 from precsearch.search.context import Budget, DataSpec
-from precsearch.search.ledger import CLAIM, PAUSE_AT
+from precsearch.search.ledger import CLAIM
 from precsearch.search.reference import Reference
-from precsearch.search.seeding import PAPER_SEEDING, seed_candidates
+from precsearch.search.seeding import PAPER_SEEDING, seed_candidates, seed_queue, seed_study
 from precsearch.search.storage import StudyLocation
 from precsearch.search.trials import TrialRecord
 
@@ -78,7 +79,8 @@ def _worker(url: str, study: str, out: Path, trials: int, steps: int, heartbeat:
     """`precsearch -v search` as a separate process joining ``study``, logging to ``_log(out)``; eager rounding
     (no torch.compile warm-up); one seed per proxy, so that every assignment, all-high included, is trained by
     a trial (with seeds the all-high trial copies the reference the study's creator trained). ``pause_at``:
-    the setup point where the worker stops itself (precsearch.search.ledger.pause_point)."""
+    the setup point where the worker stops itself, handed to it in the variable the CLI reads into
+    ``SearchConfig.pause_at`` (precsearch.search.ledger.pause_point)."""
     command = [sys.executable, "-m", "precsearch", "-v", "--eager-kernels", "search", "tiny_cnn", "--storage", url,
                "--study-name", study, "--out", str(out), "--trials", str(trials), "--proxy-steps", str(steps),
                "--heartbeat", str(heartbeat), "--proxy-seeds", "1", *TINY]
@@ -210,8 +212,8 @@ def _race(url: str, name: str, barrier) -> None:
     location = StudyLocation.of(url, Path("."), name, 1)
     storage = location.open()
     barrier.wait()
-    study = search._join_study(context, storage, location)
-    search._seed_study(study, context, PAPER_SEEDING, 10, search._ledger(study, location, storage))
+    study = search.join_study(context, storage, location)
+    seed_study(study, context, PAPER_SEEDING, 10, search.study_ledger(study, location, storage))
 
 
 @pytest.mark.slow  # processes started at once, half a minute: with the slow tests, which CI runs too
@@ -289,7 +291,7 @@ def _pause_point(kind: str) -> str:
         return "claimed:calibration:8:0"  # --proxy-steps 8, one reference seed: the search seed 0
     context = search.SearchContext.create("tiny_cnn", paper_space(proxy={"image_size": 8, "batch_size": 16}),
                                           DataSpec(), Budget(), 0, "cpu")
-    seeds = len(search._seed_queue(context, 10, PAPER_SEEDING))
+    seeds = len(seed_queue(context, 10, PAPER_SEEDING))
     draw = random.Random(f"issue 31 {kind}")
     return f"queued:{draw.randint(1, seeds // 2) if kind == 'queued-early' else draw.randint(seeds // 2 + 1, seeds)}"
 

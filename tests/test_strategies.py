@@ -19,8 +19,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.graph.policy_check import check_policy
 from precsearch.graph.tracing import trace
 from precsearch.models import build
-from precsearch.search import study as search
-from precsearch.search.seeding import PAPER_SEEDING, Seeding, Seedings, seed_candidates
+from precsearch.search.seeding import PAPER_SEEDING, Seeding, Seedings, seed_candidates, seed_queue
 from precsearch.search.strategies import (
     ACCEPTANCE_WINDOW,
     R_GRID,
@@ -195,7 +194,7 @@ def test_a_seeding_in_the_config_is_enqueued_by_the_search_without_editing_it(gr
                                low_share(graph, space, decisions)), "alternate")]
 
     seeding = Seedings("paper-then-alternate", [*PAPER_SEEDING.parts, Alternate()])
-    enqueued = search._seed_queue(SimpleNamespace(graph=graph, space=SPACE, assignments=2**20), 1, seeding)
+    enqueued = seed_queue(SimpleNamespace(graph=graph, space=SPACE, assignments=2**20), 1, seeding)
     origins = [origins for _, origins in enqueued]
     assert origins[0] == ["all-high", "paper r=0.0"] and origins[-1] == ["alternate"]
     assert enqueued[-1][0] == {unit: ("low" if i % 2 else "high") for i, unit in enumerate(units(graph, SPACE))}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import signal
 import sys
@@ -27,6 +28,7 @@ from precsearch.cli._arguments import (
 from precsearch.config.spec import DEFAULT_MEMORY_MEASURE, MEMORY_MEASURES, SAMPLERS
 
 NO_PICK = 3  # the exit status of a search that ended without a pick (README, "Command line")
+PAUSE_AT = "PRECSEARCH_PAUSE_AT"  # test hook: a setup point where the search stops itself (SearchConfig.pause_at)
 HELP = "search precision assignments (Optuna + proxy training)"
 DESCRIPTION = ("Search mixed-precision assignments of MODEL: memory from the cost model, accuracy from "
                "short proxy trainings. Writes trials.csv, pareto.csv, policies/ and best.json into --out. "
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         storage=args.storage, jobs=args.jobs, resume=args.resume, budget=budget, seed=args.seed, device=args.device,
         batch_size=args.batch_size, image_size=args.image_size, threads=args.threads, progress=not args.no_progress,
         study_name=args.study_name, heartbeat=args.heartbeat, proxy_seeds=args.proxy_seeds, sampler=args.sampler,
-        seeding=seedings()[args.seeding], compile=compile)
+        seeding=seedings()[args.seeding], compile=compile, pause_at=os.environ.get(PAUSE_AT))
     try:
         result = run_search(config)
     except SearchInterrupted as stop:

@@ -26,14 +26,13 @@ import optuna
 
 from precsearch.errors import PrecsearchError
 
-__all__ = ["PAUSE_AT", "Ledger", "LeaseLost", "pause_point", "recorded"]
+__all__ = ["Ledger", "LeaseLost", "pause_point", "recorded"]
 
 log = logging.getLogger(__name__)
 
 RESULT = "step:"
 CLAIM = "claim:"
 POLL = 0.5  # seconds between looks at steps other workers run
-PAUSE_AT = "PRECSEARCH_PAUSE_AT"  # test hook: the setup point where this process stops itself (pause_point)
 
 
 def recorded(attrs: Mapping[str, Any], name: str) -> dict[str, Any] | None:
@@ -41,10 +40,10 @@ def recorded(attrs: Mapping[str, Any], name: str) -> dict[str, Any] | None:
     return attrs.get(RESULT + name)
 
 
-def pause_point(name: str) -> None:
-    """A named point of a study's setup. Tests kill a worker at a known point: with ``PRECSEARCH_PAUSE_AT``
-    naming this point the process stops itself here (SIGSTOP) until the test kills it; unset, nothing happens."""
-    if os.environ.get(PAUSE_AT) == name:
+def pause_point(pause_at: str | None, name: str) -> None:
+    """A test hook at ``name``, a point of a study's setup: when ``pause_at`` (``SearchConfig.pause_at``) names
+    it, the process stops itself here (SIGSTOP) until the test kills it; None, as in every real search, never."""
+    if pause_at == name:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -55,15 +54,18 @@ class LeaseLost(Exception):
 class Ledger:
     """Named steps of one study; ``lock()`` is the study's cross-process lock, ``worker`` this process's name,
     ``alive(other)`` whether the worker named ``other`` may still be running (if so, its claim is a lease that
-    lapses after ``stale`` seconds unrenewed; if not, its claim is taken over at once)."""
+    lapses after ``stale`` seconds unrenewed; if not, its claim is taken over at once); ``pause_at`` the test
+    hook's setup point (``pause_point``): a step is ``claimed:<name>`` once claimed."""
 
     def __init__(self, study: optuna.Study, lock: Callable[[], contextlib.AbstractContextManager[Any]],
-                 worker: str, stale: float, alive: Callable[[str], bool] = lambda other: True) -> None:
+                 worker: str, stale: float, alive: Callable[[str], bool] = lambda other: True,
+                 pause_at: str | None = None) -> None:
         self.study = study
         self.lock = lock
         self.worker = worker
         self.stale = stale
         self.alive = alive
+        self.pause_at = pause_at
         self._waiting_for: dict[str, str] = {}  # step -> the worker it was last seen held by
 
     def result(self, name: str) -> dict[str, Any] | None:
@@ -83,7 +85,7 @@ class Ledger:
             for name in missing:
                 if not self._claim(name, wait):
                     continue
-                pause_point(f"claimed:{name}")
+                pause_point(self.pause_at, f"claimed:{name}")
                 try:
                     with self._renewed(name):
                         result = work(name)

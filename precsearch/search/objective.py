@@ -43,13 +43,19 @@ from precsearch.search.trials import TrialRecord, set_attrs, set_constraints, tr
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["FINISHED", "WORKER", "Objective", "TrialStep"]
+__all__ = ["FINISHED", "Objective", "TrialStep", "worker_name"]
 
 log = logging.getLogger(__name__)
 
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
-WORKER = f"{socket.gethostname()}:{os.getpid()}"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def worker_name() -> str:
+    """This process's name among a study's workers, ``host:pid``: asked when needed, so a forked or spawned
+    process names itself."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
 
 @dataclass(frozen=True)
 class TrialStep:
@@ -104,7 +110,7 @@ class Objective:
         assignment = assign(context.graph, context.space, decisions)
         key = assignment_key(assignment)
         planned, _ = context.memory(assignment)
-        set_attrs(trial, TrialRecord(key=key, memory_planned=planned, worker=WORKER,
+        set_attrs(trial, TrialRecord(key=key, memory_planned=planned, worker=worker_name(),
                                      low_share=low_share(context.graph, context.space, decisions)))
         study = trial.study
         previous = self._claim(trial, key)
@@ -139,7 +145,7 @@ class Objective:
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
         path.parent.mkdir(exist_ok=True)
         proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
-        policy.replace(provenance={**policy.provenance, "worker": WORKER, "proxy": proxy}).save(path)
+        policy.replace(provenance={**policy.provenance, "worker": worker_name(), "proxy": proxy}).save(path)
         set_attrs(trial, TrialRecord.from_result(
             result, memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **measures,
             **seed_record(accuracies), seed_steps=tuple(seed_steps), branch_steps=branches,

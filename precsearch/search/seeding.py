@@ -2,10 +2,12 @@
 each, and ``SearchConfig.seeding`` holds the one a search queues first. ``PAPER_SEEDING`` (the default) is
 all-high, the paper's sweep (precsearch.search.strategies) and all-low; a new kind of starting point is one
 subclass, passed in the config (precsearch.search.sensitivity's ``SENSITIVITY_SEEDING`` is one).
+``seed_study`` queues them in a study, once, whichever worker takes the step (``seed_queue``: in what order).
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -14,9 +16,12 @@ import optuna
 
 from precsearch.config.spaces import SearchSpace
 from precsearch.search.context import SearchContext
+from precsearch.search.ledger import Ledger, pause_point
 from precsearch.search.strategies import Candidate, sweep, uniform
+from precsearch.search.trials import TrialRecord, params_of
 
-__all__ = ["PAPER_SEEDING", "AllHigh", "AllLow", "PaperSweep", "Seeding", "Seedings", "seed_candidates"]
+__all__ = ["PAPER_SEEDING", "AllHigh", "AllLow", "PaperSweep", "Seeding", "Seedings", "seed_candidates", "seed_queue",
+           "seed_study"]
 
 
 class Seeding(ABC):
@@ -91,3 +96,40 @@ def seed_candidates(graph: Any, space: SearchSpace, seeding: Seeding = PAPER_SEE
     for candidate, origin in seeding.candidates(graph, space):
         seen.setdefault(candidate.key, (candidate, []))[1].append(origin)
     return list(seen.values())
+
+
+def seed_study(study: optuna.Study, context: SearchContext, seeding: Seeding, trials: int, ledger: Ledger) -> None:
+    """Queue ``seeding``'s candidates (``seed_queue``) as the study's ``seeds`` step: a worker that takes the step
+    over from a dead one reuses what the seeding measured (``Seeding.prepared``) and queues only what is not
+    queued yet, each under the lease (``Ledger.holding``), so no assignment is queued twice."""
+
+    def work(name: str) -> dict[str, Any]:
+        prepared = seeding.prepared(context, study)
+        queued = {context.key(params_of(trial)) for trial in study.get_trials(deepcopy=False)
+                  if len(params_of(trial)) == len(context.units)}
+        for decisions, origins in seed_queue(context, trials, prepared):
+            if context.key(decisions) in queued:
+                continue
+            with ledger.holding(name):
+                study.enqueue_trial(decisions, user_attrs=TrialRecord(origin=tuple(origins)).to_attrs())
+                queued.add(context.key(decisions))
+                pause_point(ledger.pause_at, f"queued:{len(queued)}")  # the test hook
+        return {"queued": len(queued)}
+
+    ledger.run(["seeds"], work)
+
+
+def seed_queue(context: SearchContext, trials: int, seeding: Seeding) -> list[tuple[dict[str, str], list[str]]]:
+    """What a new study queues, in order, as (decisions, origins): ``seeding``'s candidates, then, when the
+    space holds no more than ``trials`` assignments, every other one (a sampler would only propose them again
+    and again)."""
+    seeded = seed_candidates(context.graph, context.space, seeding)
+    queue = [(dict(candidate.decisions), list(origins)) for candidate, origins in seeded]
+    if context.assignments > trials:
+        return queue
+    known = {candidate.key for candidate, _ in seeded}
+    for levels in itertools.product(context.levels, repeat=len(context.units)):
+        decisions = dict(zip(context.units, levels, strict=True))
+        if context.key(decisions) not in known:
+            queue.append((decisions, ["enumerated"]))
+    return queue

@@ -39,6 +39,8 @@ class SearchConfig:
     ``seeding``: the search's first trials (precsearch.search.strategies.Seeding): ``PAPER_SEEDING`` queues
     all-high, the paper's sweep and all-low; precsearch.search.sensitivity's ``SENSITIVITY_SEEDING`` measures
     each unit's sensitivity before the first trial and queues the knapsack's points ahead of those.
+    ``pause_at`` is a test hook, None in every real search: the named setup point where the process (and each of
+    its workers) stops itself, so that a test can kill it there (precsearch.search.ledger.pause_point).
     """
 
     model: str
@@ -66,6 +68,7 @@ class SearchConfig:
     sampler: str | None = None
     seeding: Seeding = PAPER_SEEDING
     compile: CompileOptions | None = None  # how its runs compile their step (None: eagerly)
+    pause_at: str | None = None  # test hook: where this search stops itself (ledger.pause_point)
 
     SETTINGS: ClassVar[tuple[str, ...]] = ("proxy_steps", "max_proxy_steps", "calibration_start", "confirm_factor",
                                            "seeding")

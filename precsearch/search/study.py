@@ -66,7 +66,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import json
 import logging
 import multiprocessing
@@ -104,7 +103,7 @@ from precsearch.search.context import Budget, DataSpec, SearchContext, torch_thr
 from precsearch.search.export import Decision, SearchResult, decide, export, pick_policy
 from precsearch.search.ledger import Ledger, pause_point
 from precsearch.search.noise import pooled_noise, seeds_for
-from precsearch.search.objective import FINISHED, WORKER, Objective
+from precsearch.search.objective import FINISHED, Objective, worker_name
 from precsearch.search.peaks import PICK_PEAK, measure_step_peaks
 from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
@@ -124,7 +123,7 @@ from precsearch.search.rundir import (
     remove_temporaries,
     write_run_file,
 )
-from precsearch.search.seeding import Seeding, seed_candidates
+from precsearch.search.seeding import seed_study
 from precsearch.search.selection import confirmable_front, confirmation_rule, pareto_front
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
@@ -156,9 +155,11 @@ __all__ = [
     "SearchInterrupted",
     "SearchResult",
     "export_study",
+    "join_study",
     "quiet",
     "run_search",
     "study_config",
+    "study_ledger",
 ]
 
 log = logging.getLogger(__name__)
@@ -189,8 +190,8 @@ def _check_same_config(study: optuna.Study, context: SearchContext, location: St
             f"{(theirs.get('space') or {}).get('name')}); {fix}")
 
 
-def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation
-                ) -> optuna.Study:
+def join_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation,
+               pause_at: str | None = None) -> optuna.Study:
     """Create a shared study or join it; refuse one made for another model, graph, space, data, seed, budget
     or search setting, or one that is not a precsearch study.
 
@@ -198,18 +199,19 @@ def _join_study(context: SearchContext, storage: optuna.storages.BaseStorage, lo
     once exactly one ``create_study`` succeeds, and it records the config under the study's lock, so a worker
     that gets the lock next sees either the config or a creator that died before writing it (then the
     empty study is taken over). The rest of setup is leased steps any worker takes (``calibrate``,
-    ``_seed_study``): no worker's death loses the study.
+    ``seed_study``): no worker's death loses the study. ``pause_at``: the test hook's setup point
+    (``ledger.pause_point``): ``join``, ``created`` or ``config``.
     """
-    pause_point("join")
+    pause_point(pause_at, "join")
     with location.lock(storage):
         try:
             study = _new_study(context, storage, location)
         except optuna.exceptions.DuplicatedStudyError:
             study = load_study(context, storage, location, 0)
-        pause_point("created")
+        pause_point(pause_at, "created")
         if CONFIG not in study.user_attrs:
             _adopt(study, context, location)
-        pause_point("config")
+        pause_point(pause_at, "config")
     _check_same_config(study, context, location,
                        "join it with the same model and settings, or choose another --study-name")
     return study
@@ -276,61 +278,26 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     return len(reopened) + queued
 
 
-def _seed_study(study: optuna.Study, context: SearchContext, seeding: Seeding, trials: int, ledger: Ledger) -> None:
-    """Queue ``seeding``'s candidates (``_seed_queue``) as the study's ``seeds`` step: a worker that takes the step
-    over from a dead one reuses what the seeding measured (``Seeding.prepared``) and queues only what is not
-    queued yet, each under the lease (``Ledger.holding``), so no assignment is queued twice."""
-
-    def work(name: str) -> dict[str, Any]:
-        prepared = seeding.prepared(context, study)
-        queued = {context.key(params_of(trial)) for trial in study.get_trials(deepcopy=False)
-                  if len(params_of(trial)) == len(context.units)}
-        for decisions, origins in _seed_queue(context, trials, prepared):
-            if context.key(decisions) in queued:
-                continue
-            with ledger.holding(name):
-                study.enqueue_trial(decisions, user_attrs=TrialRecord(origin=tuple(origins)).to_attrs())
-                queued.add(context.key(decisions))
-                pause_point(f"queued:{len(queued)}")
-        return {"queued": len(queued)}
-
-    ledger.run(["seeds"], work)
-
-
-def _seed_queue(context: SearchContext, trials: int, seeding: Seeding) -> list[tuple[dict[str, str], list[str]]]:
-    """What a new study queues, in order, as (decisions, origins): ``seeding``'s candidates, then, when the
-    space holds no more than ``trials`` assignments, every other one (a sampler would only propose them again
-    and again)."""
-    seeded = seed_candidates(context.graph, context.space, seeding)
-    queue = [(dict(candidate.decisions), list(origins)) for candidate, origins in seeded]
-    if context.assignments > trials:
-        return queue
-    known = {candidate.key for candidate, _ in seeded}
-    for levels in itertools.product(context.levels, repeat=len(context.units)):
-        decisions = dict(zip(context.units, levels, strict=True))
-        if context.key(decisions) not in known:
-            queue.append((decisions, ["enumerated"]))
-    return queue
-
-
 def _trial_budget(context: SearchContext, trials: int) -> int:
     """Distinct assignments the study trains or judges: ``trials``, or every assignment of a smaller space."""
     return min(trials, context.assignments)
 
 
-def _ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage, run_id: str = "",
-            index: int = 0) -> Ledger:
-    """Workers of a shared study are told apart: a dead one's claim on a step is taken over after the heartbeat
-    timeout. A study of one run is used by the processes of the run that holds its run lock: the parent
-    (``index`` 0) takes steps only while none of its ``--jobs`` workers (1, 2, ...) runs, and the workers honour
-    each other's claims as leases. So a step that a killed (or stopped by a full disk) process of an earlier run
-    claimed is taken up at once by --resume, and the parent takes up at once what a worker of its own left."""
+def study_ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage,
+                 run_id: str = "", index: int = 0, pause_at: str | None = None) -> Ledger:
+    """This process's ledger of ``study``'s steps. Workers of a shared study are told apart by ``worker_name``: a
+    dead one's claim on a step is taken over after the heartbeat timeout. A study of one run is used by the
+    processes of the run ``run_id`` that holds its run lock: the parent (``index`` 0) takes steps only while none
+    of its ``--jobs`` workers (1, 2, ...) runs, and the workers honour each other's claims as leases. So a step
+    that a killed (or stopped by a full disk) process of an earlier run claimed is taken up at once by --resume,
+    and the parent takes up at once what a worker of its own left. ``pause_at``: the test hook's setup point
+    (``ledger.pause_point``)."""
     lock = functools.partial(location.lock, storage)
     if location.shared:
-        return Ledger(study, lock, WORKER, stale=3.0 * location.heartbeat)
+        return Ledger(study, lock, worker_name(), stale=3.0 * location.heartbeat, pause_at=pause_at)
     ours = f"run {run_id}/"
     return Ledger(study, lock, f"{ours}{index}", stale=3.0 * location.heartbeat,
-                  alive=lambda other: index > 0 and other.startswith(ours))
+                  alive=lambda other: index > 0 and other.startswith(ours), pause_at=pause_at)
 
 
 def _reference_seeds(context: SearchContext) -> list[int]:
@@ -521,7 +488,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 if location.target == str(out_dir / JOURNAL_NAME):  # this run's own journal
                     remove_stale_journal_lock(Path(location.target))
                 backend = backend or location.open()
-                study = _create_study(context, location, backend, config.resume, out_dir)
+                study = _create_study(context, location, backend, config.resume, out_dir, config.pause_at)
                 write_run_file(out_dir, run_config, location, study)
             except BaseException:
                 if created:
@@ -572,7 +539,7 @@ class _Run:
     bar: _Progress
     trials: int
     gpus: list[str | None]
-    run_id: str  # tells this run's processes from an earlier run's in the ledger (``_ledger``)
+    run_id: str  # tells this run's processes from an earlier run's in the ledger (``study_ledger``)
 
     def record(self, study: optuna.Study) -> None:
         """run.json, with the calibration and confirmation the study has recorded so far."""
@@ -586,7 +553,7 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     processes train calibration's, the trials' and confirmation's runs (``_in_workers``), and this process then
     reads what they recorded. It ends in the pick (``decide``); ``run_search`` then writes the files once, after
     a stop too (``export``)."""
-    ledger = _ledger(study, run.location, run.backend, run.run_id)
+    ledger = study_ledger(study, run.location, run.backend, run.run_id, pause_at=config.pause_at)
     run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
     if recorded_calibration(study.user_attrs) is None:
         _in_workers(CALIBRATION, study, context, config, run)
@@ -597,7 +564,7 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
     reference = _reference(study, context, calibration)
     log.info("proxy length %d steps (%s)", reference.length, "fixed" if calibration.fixed else "calibrated")
     run.record(study)
-    _seed_study(study, context, config.seeding, run.trials, ledger)
+    seed_study(study, context, config.seeding, run.trials, ledger)
     objective = Objective(context, reference, run.location, run.backend, run.out_dir,
                           lambda where: run.bar.phase(str(where)))
     run.signals.check()
@@ -634,16 +601,16 @@ def _measure_pick(study: optuna.Study, context: SearchContext, best: pd.Series |
 def _calibrate_in_worker(run: WorkerRun) -> None:
     """A worker's share of calibration: the runs no other worker has taken, at each length until it decides."""
     setup = run.setup
-    calibrate(run.context, _ledger(run.study, setup.location, run.storage, setup.run_id, run.index), setup.calibration,
-              _reference_seeds(run.context), run.report("calibrating"))
+    ledger = study_ledger(run.study, setup.location, run.storage, setup.run_id, run.index, setup.pause_at)
+    calibrate(run.context, ledger, setup.calibration, _reference_seeds(run.context), run.report("calibrating"))
 
 
 def _confirm_in_worker(run: WorkerRun) -> None:
     """A worker's share of confirmation: the runs no other worker has taken, while the race is undecided."""
     setup, study = run.setup, run.study
     reference = Reference.from_study(study)
-    _confirm(study, run.context, reference, _ledger(study, setup.location, run.storage, setup.run_id, run.index),
-             setup.confirm_factor, run.report("confirming"))
+    ledger = study_ledger(study, setup.location, run.storage, setup.run_id, run.index, setup.pause_at)
+    _confirm(study, run.context, reference, ledger, setup.confirm_factor, run.report("confirming"))
 
 
 CALIBRATION = WorkerPhase(_calibrate_in_worker, replayed=True)
@@ -675,7 +642,7 @@ def _worker_setup(context: SearchContext, config: SearchConfig, run: _Run) -> Wo
     return WorkerSetup(created, context.settings, context.device, run.location, run.out_dir, run.trials,
                        config.threads or max(1, (os.cpu_count() or 1) // config.jobs), config.compile,
                        default_runtime().kernels.settings, config.proxy_seeds, config.calibration,
-                       config.confirm_factor, run.run_id)
+                       config.confirm_factor, run.run_id, config.pause_at)
 
 
 def _phase_progress(bar: _Progress, phase: str) -> Callable[[int, float], None]:
@@ -695,12 +662,13 @@ class SearchInterrupted(SignalStop):
 
 
 def _create_study(context: SearchContext, location: StudyLocation, backend: optuna.storages.BaseStorage,
-                  resume: bool, out_dir: Path) -> optuna.Study:
-    """A shared study is joined (``_join_study``); a study of one run is created, or loaded with --resume
-    after failing and queueing again what a killed process left RUNNING. --resume never starts a new study:
-    one that is missing (a deleted, emptied or cut journal) would overwrite the results left of the old one."""
+                  resume: bool, out_dir: Path, pause_at: str | None) -> optuna.Study:
+    """A shared study is joined (``join_study``, ``pause_at`` its test hook); a study of one run is created, or
+    loaded with --resume after failing and queueing again what a killed process left RUNNING. --resume never
+    starts a new study: one that is missing (a deleted, emptied or cut journal) would overwrite the results left
+    of the old one."""
     if location.shared:
-        return _join_study(context, backend, location)
+        return join_study(context, backend, location, pause_at)
     names = {summary.study_name for summary in optuna.get_all_study_summaries(backend)}
     taken = PrecsearchError(f"storage {location.shown} already holds a precsearch study; pass --resume, give "
                             "another --storage, or join it with --study-name")

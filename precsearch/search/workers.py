@@ -159,7 +159,8 @@ def _parent_watch(parent: int) -> Callable[[optuna.Study, FrozenTrial], None]:
 class WorkerSetup:
     """What a worker process rebuilds its context from (``SearchContext.create``'s model, space, data spec,
     budget and seed; the device is the worker's own), where it runs, and the search's settings its phases read;
-    ``run_id`` tells this run's processes from an earlier run's in the ledger's claims."""
+    ``run_id`` tells this run's processes from an earlier run's in the ledger's claims; ``pause_at`` is the
+    search's test hook (``SearchConfig.pause_at``)."""
 
     context: tuple[str, SearchSpace, DataSpec, Budget, int]
     settings: dict[str, Any]
@@ -174,6 +175,7 @@ class WorkerSetup:
     calibration: CalibrationSettings
     confirm_factor: float
     run_id: str
+    pause_at: str | None
 
 
 @dataclass(frozen=True)
