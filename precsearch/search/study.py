@@ -28,11 +28,12 @@ and worth are measured, not assumed.
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
    with every trial at full length and the paper's one run per sweep point (budget.csv).
 
-Objectives. By default two, both minimized: memory (bytes of the assignable tensors relative to all-high,
-counting tensors the divergence guard promoted as high) and the proxy's validation error (or loss, per the
-space). Under a budget the study has one objective: ``max_memory=R`` maximizes accuracy among assignments
-within R of the all-high memory (an assignment over R is not trained at all), ``max_accuracy_drop=D``
-minimizes memory among assignments whose accuracy is within D (a fraction: 0.01 = 1 point) of all-high.
+Objectives. By default two, both minimized: memory (the budget's measure relative to all-high: the predicted
+peak of a training step by default, or the bytes of the assignable tensors; tensors the divergence guard
+promoted count as high) and the proxy's validation error (or loss, per the space). Under a budget the study
+has one objective: ``max_memory=R`` maximizes accuracy among assignments within R of the all-high memory (an
+assignment over R is not trained at all), ``max_accuracy_drop=D`` minimizes memory among assignments whose
+accuracy is within D (a fraction: 0.01 = 1 point) of all-high.
 
 Bookkeeping rules:
 
