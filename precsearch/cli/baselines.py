@@ -57,9 +57,6 @@ def run(args: argparse.Namespace) -> int:
     for _, row in table.iterrows():
         state = f"diverged: {row['reason']}" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
         reused = f" (reused {row['reused']})" if row["reused"] else ""
-        memory = (f"peak {row['peak_bytes'] / 2**20:.2f} MiB measured ({row['peak_x_fp32']:.3f}x plain fp32's, "
-                  f"step time {row['step_time_x_fp32']:.2f}x)" if row["source"] == "torch" else
-                  memory_text(row))
-        print(f"{row['source']:>9} {row['name']:<9} {memory}  {state}{reused}")
+        print(f"{row['source']:>9} {row['name']:<9} {memory_text(row)}  {state}{reused}")
     print(f"table: {args.out}/baselines.csv; policies: {args.out}/baselines/")
     return 0

@@ -205,10 +205,7 @@ def run(args: argparse.Namespace) -> int:
     print("baselines (same proxies):")
     for _, row in baselines[baselines["source"].isin(("baseline", "torch"))].iterrows():
         state = "diverged" if row["diverged"] else f"accuracy {row['val_accuracy']:.4f}"
-        memory = (f"step peak {row['peak_bytes'] / 2**20:.2f} MiB measured ({row['peak_x_fp32']:.3f}x plain fp32, "
-                  f"step time {row['step_time_x_fp32']:.2f}x)" if row["source"] == "torch" else
-                  memory_text(row))
-        print(f"  {row['name']:<9} {memory}  {state}")
+        print(f"  {row['name']:<9} {memory_text(row)}  {state}")
     if result.best is not None:
         best = result.best
         print(f"best.json: trial {int(best['number'])}, {memory_text(best)}, confirmed accuracy "

@@ -184,8 +184,12 @@ def yardsticks_text(result: Any) -> str:
 
 
 def memory_text(row: Any) -> str:
-    """A policy row's memory as the summaries print it: the step's peak the cost model predicts, in MiB, then the
-    ratio to all-high of the measure the search minimized."""
+    """A row's memory as the summaries print it. A policy's: the step's peak the cost model predicts, in MiB, then
+    the ratio to all-high of the measure the search minimized; a torch.autocast row's (``source`` torch, no
+    formats): its step's measured peak and time beside plain fp32's."""
+    if row.get("source") == "torch":
+        return (f"step peak {row['peak_bytes'] / 2**20:.2f} MiB measured ({row['peak_x_fp32']:.3f}x plain fp32, "
+                f"step time {row['step_time_x_fp32']:.2f}x)")
     peak = float(row.get("peak_predicted", math.nan))
     lead = "" if math.isnan(peak) else f"step peak {peak / 2**20:.2f} MiB predicted, "
     return f"{lead}memory {row['memory']:.3f} of all-high"
