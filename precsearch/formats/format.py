@@ -34,9 +34,13 @@ import functools
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from precsearch.errors import PrecsearchError, echo
+
+T = TypeVar("T")
 
 __all__ = [
     "FloatFormat",
@@ -49,6 +53,7 @@ __all__ = [
     "float32_bits",
     "get_format",
     "overflow_threshold",
+    "parsed",
     "spec_name",
 ]
 
@@ -232,11 +237,17 @@ def _parse(spec: str) -> FloatFormat:
 
 def get_format(spec: str | FloatFormat) -> FloatFormat:
     """A ``FloatFormat`` from a name (``fp8_e5m2``), a spec string (``e4m3b4s``) or a ``FloatFormat``."""
-    if isinstance(spec, FloatFormat):
+    return parsed(spec, FloatFormat, _parse, "float format must be a name, a spec string or a FloatFormat")
+
+
+def parsed(spec: object, kind: type[T], parse: Callable[[str], T], what: str) -> T:
+    """``spec`` itself where it is a ``kind``, a string's ``parse``, else refused as ``what``: one rule for every
+    format a user may give by name or by value."""
+    if isinstance(spec, kind):
         return spec
     if not isinstance(spec, str):
-        raise PrecsearchError(f"float format must be a name, a spec string or a FloatFormat, not {echo(spec)}")
-    return _parse(spec)
+        raise PrecsearchError(f"{what}, not {echo(spec)}")
+    return parse(spec)
 
 
 def spec_name(value: object, where: str) -> str:

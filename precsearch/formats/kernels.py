@@ -173,13 +173,8 @@ def round_and_count(x: torch.Tensor, fmt: str | FloatFormat, rounding: str = "ne
     return round_and_count_fn(fmt.name, rounding, overflow or fmt.default_overflow, with_codes)(x, seed)
 
 
-def quantize(
-    x: torch.Tensor,
-    fmt: str | FloatFormat,
-    rounding: str = "nearest",
-    overflow: str | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
+def quantize(x: torch.Tensor, fmt: str | FloatFormat, rounding: str = "nearest", overflow: str | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
     """Round ``x`` to the nearest value of ``fmt`` (or stochastically, the seed drawn from ``generator``),
     returned as float32. fp32 returns ``x`` itself (float32 input) so that high-precision tensors are untouched.
     """

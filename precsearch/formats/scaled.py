@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from precsearch.errors import PrecsearchError, clip, echo
-from precsearch.formats.format import FloatFormat, get_format, spec_name
+from precsearch.formats.format import FloatFormat, get_format, parsed, spec_name
 
 if TYPE_CHECKING:
     import torch
@@ -149,11 +149,7 @@ def _check_bound(spec: str, digits: str | None, bound: int, what: str, grammar: 
 
 def get_scaled_format(spec: str | ScaledFormat) -> ScaledFormat:
     """A ``ScaledFormat`` from a spec string (``e4m3fn@tensor:delayed16``) or a ``ScaledFormat``."""
-    if isinstance(spec, ScaledFormat):
-        return spec
-    if not isinstance(spec, str):
-        raise PrecsearchError(f"scaled format must be a spec string or a ScaledFormat, not {spec!r}")
-    return _parse(spec)
+    return parsed(spec, ScaledFormat, _parse, "scaled format must be a spec string or a ScaledFormat")
 
 
 def is_scaled(spec: object) -> bool:
@@ -312,13 +308,9 @@ def scaled_values(x: torch.Tensor, fmt: ScaledFormat, history: torch.Tensor | No
     return scaled, scales.reshape(shape), amax.reshape(shape)
 
 
-def quantize_scaled(
-    x: torch.Tensor,
-    spec: str | ScaledFormat,
-    rounding: str = "nearest",
-    history: AmaxHistory | None = None,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_scaled(x: torch.Tensor, spec: str | ScaledFormat, rounding: str = "nearest",
+                    history: AmaxHistory | None = None, generator: torch.Generator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` rounded to ``spec`` (float32, shaped as ``x``), its scales (float32 powers of two, shaped by
     ``ScaledFormat.scales_shape``) and how many finite values rounded past the element's max after scaling and
     were saturated (an int64 0-d tensor on ``x``'s device: no host synchronisation).

@@ -277,16 +277,11 @@ class DynamicLossScaler(LossScaler):
 
     _kind = "dynamic"
 
-    def __init__(
-        self,
-        init_scale: float = OPTIONS["dynamic"]["init_scale"],
-        growth_factor: float = OPTIONS["dynamic"]["growth_factor"],
-        backoff_factor: float = OPTIONS["dynamic"]["backoff_factor"],
-        growth_interval: int = OPTIONS["dynamic"]["growth_interval"],
-        *,
-        overflow_format: str | FloatFormat | None = None,
-        overflow_check: OverflowCheck | None = None,
-    ) -> None:
+    def __init__(self, init_scale: float = OPTIONS["dynamic"]["init_scale"],
+                 growth_factor: float = OPTIONS["dynamic"]["growth_factor"],
+                 backoff_factor: float = OPTIONS["dynamic"]["backoff_factor"],
+                 growth_interval: int = OPTIONS["dynamic"]["growth_interval"], *,
+                 overflow_format: str | FloatFormat | None = None, overflow_check: OverflowCheck | None = None) -> None:
         super().__init__(init_scale, overflow_format=overflow_format, overflow_check=overflow_check)
         self._schedule = _Schedule(growth_factor, backoff_factor, growth_interval)
 

@@ -350,22 +350,11 @@ def _epochs(dataset: ImageDataset, batch_size: int, seed: int) -> Iterator[tuple
         yield from make_loader(dataset, batch_size, shuffle=True, seed=seed + epoch, drop_last=True)
 
 
-def train_data_parallel(
-    model_spec: str,
-    policy: Policy | None,
-    data: tuple[ImageDataset, ImageDataset],
-    steps: int,
-    nproc: int = 2,
-    compress: str | None = None,
-    seed: int = 0,
-    device: str = "cpu",
-    config: ProxyConfig | None = None,
-    *,
-    comm_options: dict[str, Any] | None = None,
-    eval_every: int | None = None,
-    metrics: str | Path | None = None,
-    threads: int | None = None,
-) -> DataParallelResult:
+def train_data_parallel(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,
+                        nproc: int = 2, compress: str | None = None, seed: int = 0, device: str = "cpu",
+                        config: ProxyConfig | None = None, *, comm_options: dict[str, Any] | None = None,
+                        eval_every: int | None = None, metrics: str | Path | None = None, threads: int | None = None
+                        ) -> DataParallelResult:
     """Train ``model_spec`` (under ``policy``, or plain fp32) in ``nproc`` DDP processes on this machine.
 
     The proxy recipe (``config``: SGD, momentum, weight decay, cosine schedule) with ``config.batch_size`` as
