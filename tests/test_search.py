@@ -268,6 +268,18 @@ def test_a_trial_left_running_by_a_killed_process_is_requeued(tmp_path):
     assert study.trials[orphan.number].params == orphan_params
 
 
+def test_a_requeued_trial_keeps_nothing_its_dead_run_recorded(tmp_path):
+    out = tmp_path / "run"
+    _search(out, 2)
+    study = _study(out)
+    orphan = study.ask()
+    for name, value in {"error": "RuntimeError: stale", "diverged": True, "reason": "stale", "wall_time": -1.0}.items():
+        orphan.set_user_attr(name, value)  # what a run killed after recording part of its end leaves
+    row = _search(out, 3, resume=True).trials.set_index("number").loc[orphan.number]
+    assert row["state"] == "COMPLETE" and row["interrupted"]
+    assert row["error"] == "" and row["reason"] == "" and not row["diverged"] and row["wall_time"] > 0
+
+
 def test_max_memory_budget(tmp_path):
     result = _search(tmp_path / "run", 8, budget=Budget(max_memory=0.6, memory="bytes"))
     trials = result.trials

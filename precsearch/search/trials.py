@@ -31,8 +31,8 @@ from precsearch.search.strategies import assign
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "params_of", "policy_of", "retry_trial", "set_attrs",
-           "set_constraints", "trials_frame"]
+__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "params_of", "policy_of", "reopened_attrs", "retry_trial",
+           "set_attrs", "set_constraints", "trials_frame"]
 
 RETRY_OF = "failed_trial"  # Optuna's system attr of a retried trial (its RetryFailedTrialCallback's name)
 OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
@@ -173,6 +173,16 @@ def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> No
             trial.storage.set_trial_system_attr(trial._trial_id, key, float(value))
         else:
             trial.set_constraint(name, value)
+
+
+def reopened_attrs(trial: FrozenTrial) -> dict[str, Any]:
+    """The user attrs a trial reopened by --resume writes over its own: every attr its dead run recorded back to
+    its default, its origin kept, marked interrupted. What it records when it runs again is then its own, even
+    where that is a default ``to_attrs`` does not write (an untrained rerun of a trial that had trained)."""
+    defaults = {item.name: list(item.default) if isinstance(item.default, tuple) else item.default
+                for item in _fields(TrialRecord, ("own", "result")) if item.name in trial.user_attrs}
+    kept = TrialRecord(origin=TrialRecord.from_trial(trial).origin, interrupted=True)
+    return defaults | kept.to_attrs()
 
 
 def retry_trial(params: Mapping[str, Any], distributions: dict[str, BaseDistribution], origin: tuple[str, ...],
