@@ -41,21 +41,8 @@ from precsearch.train.trainer import (
     train_policy,
 )
 
-__all__ = [
-    "PAPER_LR",
-    "PAPER_RECIPE",
-    "ProxyConfig",
-    "ProxyResult",
-    "ProxyTrainer",
-    "Recipe",
-    "build_model",
-    "evaluate",
-    "resolve_device",
-    "run_proxy",
-    "train",
-    "train_policy",
-    "Trainer",
-]
+__all__ = ["PAPER_LR", "PAPER_RECIPE", "ProxyConfig", "ProxyResult", "ProxyTrainer", "Recipe", "build_model",
+           "evaluate", "resolve_device", "run_proxy", "train", "train_policy", "Trainer"]
 
 
 def run_proxy(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,
