@@ -75,10 +75,8 @@ from precsearch.files import atomic_write_text
 from precsearch.formats.format import OVERFLOWS, FloatFormat, spec_name
 from precsearch.formats.scaled import ScaledFormat, any_format, format_name, is_scaled
 
-__all__ = [
-    "ACCUMULATION_CHUNK", "ACCUMULATION_FORMAT", "ACCUMULATION_LAYER_TYPES", "Accumulation", "SCALED_SCHEMA_VERSION",
-    "SCHEMA_VERSION", "Policy", "is_glob",
-]
+__all__ = ["ACCUMULATION_CHUNK", "ACCUMULATION_FORMAT", "ACCUMULATION_LAYER_TYPES", "Accumulation",
+           "SCALED_SCHEMA_VERSION", "SCHEMA_VERSION", "Policy", "is_glob"]
 
 SCHEMA_VERSION = 2  # the newest this precsearch reads; it writes 1 unless a tensor's format is scaled
 SCALED_SCHEMA_VERSION = 2  # the first that holds scaled formats

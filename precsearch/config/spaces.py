@@ -43,15 +43,7 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats.format import OVERFLOWS, FloatFormat
 from precsearch.formats.scaled import ScaledFormat, any_format, format_name
 
-__all__ = [
-    "GRANULARITIES",
-    "OBJECTIVES",
-    "SearchSpace",
-    "PAPER_SPACE",
-    "load_space",
-    "paper_space",
-    "parse_space",
-]
+__all__ = ["GRANULARITIES", "OBJECTIVES", "SearchSpace", "PAPER_SPACE", "load_space", "paper_space", "parse_space"]
 
 GRANULARITIES: tuple[str, ...] = ("group", "tensor", "categorical")
 OBJECTIVES: tuple[str, ...] = ("val_error", "val_loss")

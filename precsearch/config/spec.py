@@ -21,36 +21,11 @@ from precsearch.config.checks import number
 from precsearch.config.loss_scaling import PAPER_LOSS_SCALING
 from precsearch.errors import PrecsearchError, echo
 
-__all__ = [
-    "ACTIVATION",
-    "ACTIVATION_GRAD",
-    "ASSIGNABLE_KINDS",
-    "BASELINES",
-    "COMPRESSIONS",
-    "EXTRA_KINDS",
-    "GRADIENT_ROUNDINGS",
-    "GRAD_KINDS",
-    "KINDS",
-    "MEMORY_MEASURES",
-    "PAPER_HIGH",
-    "PAPER_LOW",
-    "PAPER_OVERFLOW",
-    "PAPER_PROMOTION_KINDS",
-    "POLICY_DEFAULTS",
-    "POLICY_ROUNDINGS",
-    "ProxyConfig",
-    "SAMPLERS",
-    "SPACE_DEFAULTS",
-    "TIES",
-    "TORCH_BASELINES",
-    "TensorId",
-    "WEIGHT",
-    "WEIGHT_GRAD",
-    "Defaults",
-    "kinds_list",
-    "promotion_threshold",
-    "proxy_value",
-]
+__all__ = ["ACTIVATION", "ACTIVATION_GRAD", "ASSIGNABLE_KINDS", "BASELINES", "COMPRESSIONS", "EXTRA_KINDS",
+           "GRADIENT_ROUNDINGS", "GRAD_KINDS", "KINDS", "MEMORY_MEASURES", "PAPER_HIGH", "PAPER_LOW", "PAPER_OVERFLOW",
+           "PAPER_PROMOTION_KINDS", "POLICY_DEFAULTS", "POLICY_ROUNDINGS", "ProxyConfig", "SAMPLERS", "SPACE_DEFAULTS",
+           "TIES", "TORCH_BASELINES", "TensorId", "WEIGHT", "WEIGHT_GRAD", "Defaults", "kinds_list",
+           "promotion_threshold", "proxy_value"]
 
 # Tensor kinds. An assignment gives a format to the four assignable kinds (the paper's P, Y, GP, GY); the
 # optimizer's master copy and state are training memory too, always fp32 unless the optimizer says otherwise.
