@@ -50,9 +50,7 @@ class SqueezeNet(nn.Module):
         in_ch = scale_channels(STEM_CHANNELS, width)
         layers: list[tuple[str, nn.Module]] = [
             ("conv1", nn.Conv2d(3, in_ch, kernel_size=3, stride=1, padding=1, bias=False)),
-            ("bn1", nn.BatchNorm2d(in_ch)),
-            ("relu1", nn.ReLU()),
-        ]
+            ("bn1", nn.BatchNorm2d(in_ch)), ("relu1", nn.ReLU())]
         for index, (squeeze, expand) in enumerate(FIRE_CONFIG, start=2):
             name = f"fire{index}"
             fire = Fire(in_ch, scale_channels(squeeze, width), scale_channels(expand, width))
