@@ -265,13 +265,8 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     rounding = _per_kind(raw.get("rounding"), f"{where}: rounding", _allowed(POLICY_ROUNDINGS), defaults.rounding)
     _check_scaled_rounding([low, *choices.values()], rounding, where)
     return SearchSpace(
-        name=name,
-        description=_description(raw.get("description"), where),
-        high=high,
-        low=low,
-        granularity=granularity,
-        choices=choices,
-        rounding=rounding,
+        name=name, description=_description(raw.get("description"), where), high=high, low=low,
+        granularity=granularity, choices=choices, rounding=rounding,
         overflow=_per_kind(raw.get("overflow"), f"{where}: overflow", _allowed(OVERFLOWS), defaults.overflow),
         loss_scaling=loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), f"{where}: loss_scaling",
                                   SPACE_DEFAULTS.loss_scaling_mode, canonical=True),
