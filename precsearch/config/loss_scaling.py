@@ -22,7 +22,6 @@ __all__ = ["EPOCH", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OPTIONS", "PAPER
            "check_option", "loss_scaling"]
 
 
-
 class _Required:
     """The default of an option that has none: the entry must give it."""
 

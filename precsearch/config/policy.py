@@ -87,12 +87,10 @@ ACCUMULATION_CHUNK = 64
 # The module types whose GEMM sums ``accumulation`` may make low (precsearch.runtime.accumulate has their twins).
 ACCUMULATION_LAYER_TYPES: tuple[str, ...] = ("Linear", "Conv2d")
 _GLOB_CHARS = frozenset("*?[")
-_FIELDS = (
-    "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
-    "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
-    "accumulation", "compression", "predicted", "provenance", "promotion_kinds", "gradient_rounding", "ties",
-    "allow_unmatched_rules",
-)
+_FIELDS = ("model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
+           "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
+           "accumulation", "compression", "predicted", "provenance", "promotion_kinds", "gradient_rounding", "ties",
+           "allow_unmatched_rules")
 # Written only when they differ from these, so files without them read as before (in older precsearch too).
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "compression": "none", "promotion_kinds": list(PAPER_PROMOTION_KINDS), "gradient_rounding": "sum",
@@ -261,9 +259,8 @@ class Policy:
             raise PrecsearchError(f"{where}: graph_fingerprint must be a string or null")
         if self.input_shape is not None:
             shape = self.input_shape
-            if not isinstance(shape, list | tuple) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape
-            ):
+            if not isinstance(shape, list | tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                              for n in shape):
                 raise PrecsearchError(f"{where}: input_shape must be a list of positive integers, not {echo(shape)}")
             normal["input_shape"] = tuple(shape)
         normal["batch_size"] = _optional_int(self.batch_size, f"{where}: batch_size")
@@ -271,11 +268,9 @@ class Policy:
                               for k, v in _kinds(self.defaults, f"{where}: defaults").items()}
         normal["overrides"] = {k: format_name(v, f"{where}: overrides[{echo(k)}]")
                                for k, v in _mapping(self.overrides, f"{where}: overrides").items()}
-        normal["module_types"] = {
-            name: {k: format_name(v, f"{where}: module_types.{name}.{k}")
-                   for k, v in _kinds(rules, f"{where}: module_types.{name}").items()}
-            for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
-        }
+        normal["module_types"] = {name: {k: format_name(v, f"{where}: module_types.{name}.{k}")
+                                         for k, v in _kinds(rules, f"{where}: module_types.{name}").items()}
+                                  for name, rules in _mapping(self.module_types, f"{where}: module_types").items()}
         normal["high_format"] = format_name(self.high_format, f"{where}: high_format", scaled=False)
         not_wider(normal["high_format"], _rule_formats(normal), where, "high_format")
         normal["rounding"] = {k: choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")

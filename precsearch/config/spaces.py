@@ -47,11 +47,9 @@ __all__ = ["GRANULARITIES", "OBJECTIVES", "SearchSpace", "PAPER_SPACE", "load_sp
 
 GRANULARITIES: tuple[str, ...] = ("group", "tensor", "categorical")
 OBJECTIVES: tuple[str, ...] = ("val_error", "val_loss")
-TOP_KEYS: tuple[str, ...] = (
-    "name", "description", "high", "low", "granularity", "choices", "rounding", "overflow", "loss_scaling",
-    "promotion_threshold", "master_weights", "optimizer", "proxy", "objectives", "promotion_kinds",
-    "gradient_rounding", "ties", "sampler",
-)
+TOP_KEYS: tuple[str, ...] = ("name", "description", "high", "low", "granularity", "choices", "rounding", "overflow",
+                             "loss_scaling", "promotion_threshold", "master_weights", "optimizer", "proxy",
+                             "objectives", "promotion_kinds", "gradient_rounding", "ties", "sampler")
 RESERVED_LEVELS: tuple[str, ...] = ("high", "low")
 
 # The paper's space (Lee, Sharma, Aiken 2023) as plain data; search_spaces/hfp8.yaml says the same in YAML

@@ -136,10 +136,9 @@ class TensorId:
 class ProxyConfig:
     """The proxy training recipe and its divergence tests (keys of a space file's ``proxy:`` section)."""
 
-    KEYS: ClassVar[tuple[str, ...]] = (
-        "steps", "batch_size", "image_size", "lr", "momentum", "weight_decay", "eval_batch_size",
-        "blowup_factor", "min_loss_scale", "max_skipped_fraction", "report_every", "stats_every", "bn_images",
-    )
+    KEYS: ClassVar[tuple[str, ...]] = ("steps", "batch_size", "image_size", "lr", "momentum", "weight_decay",
+                                       "eval_batch_size", "blowup_factor", "min_loss_scale", "max_skipped_fraction",
+                                       "report_every", "stats_every", "bn_images")
     steps: int = 150
     batch_size: int = 64
     image_size: int = 16
