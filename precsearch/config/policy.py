@@ -434,5 +434,3 @@ def _check_listed_formats(listed: Any, where: str) -> None:
                 raise PrecsearchError(f"{where}: formats.{spec}.{key} is {value!r} but this precsearch reads "
                                       f"{spec} as {key}={expected[key]!r}; the file was written by an "
                                       "incompatible precsearch")
-
-

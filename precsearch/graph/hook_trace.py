@@ -148,5 +148,3 @@ def trace_hooks(model: nn.Module, leaf: LeafSpec, name: str, x: torch.Tensor, fx
                               "at the training batch cannot be inferred; pass an example input at the training "
                               "batch size")
     return runs[0], {op.name: op.shapes for op in runs[1]}
-
-
