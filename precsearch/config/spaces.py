@@ -175,8 +175,7 @@ def _optimizer_for_weights(raw: Any, weight_format: str, master_weights: bool, w
 
 def _objectives(raw: Any, where: str) -> tuple[str, ...]:
     allowed = ", ".join(f"[memory, {name}]" for name in OBJECTIVES)
-    if (not isinstance(raw, list | tuple) or len(raw) != 2 or raw[0] != "memory"
-            or raw[1] not in OBJECTIVES):
+    if not isinstance(raw, list | tuple) or len(raw) != 2 or raw[0] != "memory" or raw[1] not in OBJECTIVES:
         raise PrecsearchError(f"{where}: objectives {raw!r} are not supported; use one of {allowed}")
     return tuple(raw)
 
