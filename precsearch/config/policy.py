@@ -92,10 +92,8 @@ _FIELDS = ("model", "graph_fingerprint", "input_shape", "batch_size", "defaults"
            "accumulation", "compression", "predicted", "provenance", "promotion_kinds", "gradient_rounding", "ties",
            "allow_unmatched_rules")
 # Written only when they differ from these, so files without them read as before (in older precsearch too).
-_OPTIONAL_DEFAULTS: dict[str, Any] = {
-    "compression": "none", "promotion_kinds": list(PAPER_PROMOTION_KINDS), "gradient_rounding": "sum",
-    "ties": "even", "allow_unmatched_rules": False,
-}
+_OPTIONAL_DEFAULTS: dict[str, Any] = {"compression": "none", "promotion_kinds": list(PAPER_PROMOTION_KINDS),
+                                      "gradient_rounding": "sum", "ties": "even", "allow_unmatched_rules": False}
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
 # What every file Policy.save writes holds, so what a file read back must hold.
 _SAVED_FIELDS = tuple(name for name in _FIELDS if name != "accumulation" and name not in _OPTIONAL_DEFAULTS)

@@ -61,12 +61,10 @@ DEFAULT_MEMORY_MEASURE = "peak"
 # The paper (Lee, Sharma, Aiken 2023): its high format and per-kind low formats, forward tensors saturating
 # and gradients overflowing to inf (so the loss scaler sees them), promotion of weights and activations only.
 PAPER_HIGH = "e6m9s"
-PAPER_LOW: dict[str, str] = {
-    "weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s",
-}
-PAPER_OVERFLOW: dict[str, str] = {
-    "weight": "saturate", "activation": "saturate", "weight_grad": "inf", "activation_grad": "inf",
-}
+PAPER_LOW: dict[str, str] = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s",
+                             "weight_grad": "e6m9s"}
+PAPER_OVERFLOW: dict[str, str] = {"weight": "saturate", "activation": "saturate", "weight_grad": "inf",
+                                  "activation_grad": "inf"}
 PAPER_PROMOTION_KINDS: tuple[str, ...] = ("weight", "activation")
 
 

@@ -99,9 +99,8 @@ class State:
     def capture(cls, model: torch.nn.Module, optimizer: Any, device: torch.device, scaler: Any = None) -> State:
         buffer = io.BytesIO()
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "rng": torch.get_rng_state(), "cuda_rng": cuda,
-                    "scaler": None if scaler is None else scaler.state_dict()}, buffer)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                    "cuda_rng": cuda, "scaler": None if scaler is None else scaler.state_dict()}, buffer)
         return cls(buffer.getvalue())
 
     def restore(self, model: torch.nn.Module, optimizer: Any, device: torch.device, scaler: Any = None) -> None:

@@ -471,16 +471,9 @@ class _TrainingRun:
         write_checkpoint(self.checkpoint, self.tag, self._capture(), self.progress)
 
     def evaluate(self, step: int, final: bool, on_eval: Evaluate | None) -> Reading:
-        """The reading at ``step``, handed to ``on_eval``."""
-        reading = self._read(step, final)
-        if on_eval is not None:
-            on_eval(step, reading)
-        return reading
-
-    def _read(self, step: int, final: bool) -> Reading:
-        """The reading at ``step`` (precsearch.train.reading: batch norm's statistics recomputed first): of
-        the model as it is, or, continuing, off a decay branch (precsearch.train.continuing), the state at
-        ``step`` checkpointed and, unless ``final``, restored after it."""
+        """The reading at ``step`` (precsearch.train.reading: batch norm's statistics recomputed first), handed to
+        ``on_eval``: of the model as it is, or, continuing, off a decay branch (precsearch.train.continuing), the
+        state at ``step`` checkpointed and, unless ``final``, restored after it."""
         progress, config = self.progress, self.config
         branched = self.continuing and not progress.reason and not progress.decay  # a run in its decay is read as is
         state = self._capture() if branched else None
@@ -505,6 +498,8 @@ class _TrainingRun:
             if not final:
                 state.restore(self.model, self.optimizer, self.device, self.own_scaler)
                 self._set_lr(config.lr)
+        if on_eval is not None:
+            on_eval(step, reading)
         return reading
 
     def result(self, reading: Reading) -> ProxyResult:
