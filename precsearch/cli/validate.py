@@ -16,11 +16,10 @@ from precsearch.cli._arguments import (
 )
 
 HELP = "retrain a search's front and references at full length; write fidelity.csv and a plot"
-DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of "
-               "the run directory RUN for --steps steps, then write fidelity.csv (proxy vs long-run "
-               "accuracy, memory with the long run's promotions), fidelity.json (Spearman and Kendall rank "
-               "correlations with bootstrap intervals; whether best.json still meets its budget) and "
-               "fidelity.png.")
+DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of the run "
+               "directory RUN for --steps steps, then write fidelity.csv (proxy vs long-run accuracy, memory with the "
+               "long run's promotions), fidelity.json (Spearman and Kendall rank correlations with bootstrap "
+               "intervals; whether best.json still meets its budget) and fidelity.png.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

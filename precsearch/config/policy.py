@@ -429,6 +429,5 @@ def _check_listed_formats(listed: Any, where: str) -> None:
             if key not in expected:
                 raise PrecsearchError(f"{where}: formats.{spec}: unknown key {key!r}; allowed: {', '.join(expected)}")
             if value != expected[key]:
-                raise PrecsearchError(f"{where}: formats.{spec}.{key} is {value!r} but this precsearch reads "
-                                      f"{spec} as {key}={expected[key]!r}; the file was written by an "
-                                      "incompatible precsearch")
+                raise PrecsearchError(f"{where}: formats.{spec}.{key} is {value!r} but this precsearch reads {spec} as "
+                                      f"{key}={expected[key]!r}; the file was written by an incompatible precsearch")

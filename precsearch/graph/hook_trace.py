@@ -144,7 +144,6 @@ def trace_hooks(model: nn.Module, leaf: LeafSpec, name: str, x: torch.Tensor, fx
     if not grow:
         return runs[0], {}
     if [op.name for op in runs[0]] != [op.name for op in runs[1]]:
-        raise PrecsearchError(f"{name} runs different ops at batch {x.shape[0]} and {x.shape[0] + 1}, so shapes "
-                              "at the training batch cannot be inferred; pass an example input at the training "
-                              "batch size")
+        raise PrecsearchError(f"{name} runs different ops at batch {x.shape[0]} and {x.shape[0] + 1}, so shapes at the "
+                              "training batch cannot be inferred; pass an example input at the training batch size")
     return runs[0], {op.name: op.shapes for op in runs[1]}

@@ -290,9 +290,8 @@ def _image_pixels(image: Any, image_size: int, file: Path) -> np.ndarray:
         grey = image.convert("F").resize((image_size, image_size), Image.Resampling.BILINEAR)
         return np.repeat((np.asarray(grey, dtype=np.float32) / np.float32(65535))[None], 3, axis=0)
     if image.mode in ("I", "F"):
-        raise PrecsearchError(f"image {file} has 32-bit {'integer' if image.mode == 'I' else 'float'} pixels "
-                              f"(mode {image.mode}), whose range precsearch cannot know; save it as an 8- or "
-                              "16-bit image")
+        raise PrecsearchError(f"image {file} has 32-bit {'integer' if image.mode == 'I' else 'float'} pixels (mode "
+                              f"{image.mode}), whose range precsearch cannot know; save it as an 8- or 16-bit image")
     rgb = image.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
     return np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / np.float32(255)
 

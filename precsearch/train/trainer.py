@@ -146,8 +146,7 @@ def check_policy_inputs(policy: Policy | None, train_set: ImageDataset) -> None:
     if made[0] != data[0]:
         raise PrecsearchError(f"the policy was made for {made[0]}-channel inputs {made}, the data has {data[0]} "
                               f"channels {data}; make a policy for this data (precsearch search --data ...)")
-    raise PrecsearchError(f"the policy was made for inputs {made}, the data has {data}; pass --image-size "
-                          f"{made[-1]}")
+    raise PrecsearchError(f"the policy was made for inputs {made}, the data has {data}; pass --image-size {made[-1]}")
 
 
 def eval_interval(eval_every: int | None, per_epoch: int) -> int:
