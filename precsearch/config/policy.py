@@ -298,7 +298,7 @@ class Policy:
         """(format spec, the rule that chose it) for a ``TensorInfo``, by the documented precedence."""
         if tensor.id in self.overrides:
             return self.overrides[tensor.id], f"override {tensor.id!r}"
-        for pattern in self._globs():
+        for pattern in sorted((key for key in self.overrides if is_glob(key)), key=lambda key: (-len(key), key)):
             if fnmatch.fnmatchcase(tensor.id, pattern):
                 return self.overrides[pattern], f"override {pattern!r}"
         rule = self.module_types.get(tensor.module_type, {})
@@ -329,9 +329,6 @@ class Policy:
         if self.accumulation is not None:
             specs.add(self.accumulation.format)
         return {spec: any_format(spec) for spec in sorted(specs)}
-
-    def _globs(self) -> list[str]:
-        return sorted((key for key in self.overrides if is_glob(key)), key=lambda key: (-len(key), key))
 
     # -- files --------------------------------------------------------------------------------------------
 

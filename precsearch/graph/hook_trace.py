@@ -29,9 +29,8 @@ from precsearch.graph.runs import record_runs
 
 
 class _HookRecorder(TorchFunctionMode):
-    """The fallback tracer: forward hooks on leaf modules record module calls, and a TorchFunctionMode records
-    the torch functions and tensor methods called outside leaf modules. Data flow follows tensor identity
-    (every tensor seen is kept alive, so ids are never reused while tracing)."""
+    """The fallback tracer (see the module docstring). Data flow follows tensor identity (every tensor seen is kept
+    alive, so ids are never reused while tracing)."""
 
     def __init__(self, model: nn.Module, leaf: LeafSpec, input_name: str) -> None:
         super().__init__()

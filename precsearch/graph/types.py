@@ -152,10 +152,8 @@ class TensorGraph:
             "format": JSON_FORMAT, "version": JSON_VERSION, "model_name": self.model_name,
             "batch_size": self.batch_size, "input_shape": list(self.input_shape), "tracer": self.tracer,
             "opaque_modules": list(self.opaque_modules), "fingerprint": self.fingerprint(),
-            "ops": [asdict(op) for op in self.ops],
-            "tensors": [asdict(info) for info in self.tensors.values()],
-            "groups": [asdict(group) for group in self.groups],
-        }, indent=1)
+            "ops": [asdict(op) for op in self.ops], "tensors": [asdict(info) for info in self.tensors.values()],
+            "groups": [asdict(group) for group in self.groups]}, indent=1)
 
     @classmethod
     def from_json(cls, text: str, rules: OpRules = OP_RULES) -> TensorGraph:
