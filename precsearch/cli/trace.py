@@ -92,6 +92,5 @@ def run(args: argparse.Namespace) -> int:
 
     batch = torch.randn((args.batch_size, *shape), generator=torch.Generator().manual_seed(1))
     result = check_model(model, batch, leaf_modules=args.leaf, name=args.model)
-    print()
-    print(result.summary())
+    print(f"\n{result.summary()}")
     return 0 if result.ok else 1

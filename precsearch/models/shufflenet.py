@@ -1,7 +1,6 @@
 """ShuffleNetV2 (1.0x stage widths 116-232-464, head 1024) in its CIFAR form: 3x3 stride-1 stem, no max-pool.
 Written in functional style: `x.chunk` for the channel split, `torch.cat`, `F.relu`, and a channel
-shuffle through `view` / `transpose` / `reshape` on sizes read from the tensor, as torchvision does.
-"""
+shuffle through `view` / `transpose` / `reshape` on sizes read from the tensor, as torchvision does."""
 
 from __future__ import annotations
 

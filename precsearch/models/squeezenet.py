@@ -1,9 +1,7 @@
 """SqueezeNet 1.0 with BatchNorm after every hidden conv, in a CIFAR form: 3x3 stride-1 stem, no stem
 max-pool, 2x2 max-pools after fire4 and fire8 (32 -> 16 -> 8), a 1x1 conv classifier, global average pool.
-
-Written in module style (nn.ReLU modules, nn.MaxPool2d) with `torch.cat` joining the two expand branches.
-No dropout, so a seeded proxy run depends only on the seed and the data order.
-"""
+Written in module style (nn.ReLU modules, nn.MaxPool2d) with `torch.cat` joining the two expand branches. No
+dropout, so a seeded proxy run depends only on the seed and the data order."""
 
 from __future__ import annotations
 
