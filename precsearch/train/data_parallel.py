@@ -133,10 +133,7 @@ class AdaCompState:
         self.bins = {"conv": _bin_length(conv_bin, "conv_bin"), "fc": _bin_length(fc_bin, "fc_bin"),
                      "other": _bin_length(other_bin, "other_bin")}
         self.residual_format = get_format(residual_format)
-        self.enabled = bool(enabled)
-        self.loss_scale = 1.0
-        self.step = 0
-        self.wire_bytes = 0
+        self.enabled, self.loss_scale, self.step, self.wire_bytes = bool(enabled), 1.0, 0, 0
         self.residuals: dict[nn.Parameter, torch.Tensor] = {}
         self._layers: dict[nn.Parameter, _Layer] = {}
         if model is not None:
