@@ -10,9 +10,9 @@ length; give the real training length for a real check), and writes:
 * ``fidelity.json``: Spearman's and Kendall's rank correlations of proxy mean against long-run accuracy with
   bootstrap intervals (``noise.rank_correlations``), whether ``best.json`` still meets its budget after
   full training (memory including the long run's promotions; accuracy against the long all-high run), and
-  plain fp32's accuracy over the same steps (the yardstick next to all-high), and how often the proxy
-  foretold the long run: assignments whose divergence the proxy got right
-  (``divergence_predicted``) and those where the long run promoted more tensors (``promotions_under_counted``).
+  plain fp32's accuracy over the same steps (the yardstick next to all-high), and how often the proxy foretold
+  the long run: assignments whose divergence the proxy got right (``divergence_predicted``) and those where the
+  long run promoted more tensors (``promotions_under_counted``).
 * ``fidelity.png``: proxy accuracy (with seed error bars) against long-run accuracy per assignment.
 """
 
@@ -116,8 +116,8 @@ def _policy_file(run_dir: Path, row: pd.Series) -> Path:
 
 
 def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None = None, device: str = "cpu",
-                 threads: int | None = None, progress: bool = True,
-                 compile: CompileOptions | None = None, trust_model: str | None = None) -> FidelityResult:
+                 threads: int | None = None, progress: bool = True, compile: CompileOptions | None = None,
+                 trust_model: str | None = None) -> FidelityResult:
     """Retrain the run's front, all-high, sweep and best assignments for ``steps`` steps (see the module
     docstring); ``seed`` defaults to the search's seed; ``compile``: how the runs compile (None: eagerly).
     A run.json naming a model factory is refused unless ``trust_model`` is that spec (``check_trusted``)."""
@@ -142,18 +142,15 @@ def validate_run(run_dir: str | Path, steps: int | None = None, seed: int | None
             memories, _ = context.memories(policy.assignment(context.graph), result.promotions)
             rows.append({
                 "trial": int(row["number"]), "roles": "; ".join(roles[key]), "key": key,
-                "proxy_accuracy": float(row["val_accuracy"]),
-                "proxy_sd": float(row.get("val_accuracy_sd", math.nan)),
+                "proxy_accuracy": float(row["val_accuracy"]), "proxy_sd": float(row.get("val_accuracy_sd", math.nan)),
                 "proxy_seeds": int(row.get("seeds", 1)) if row.get("seeds", 1) == row.get("seeds", 1) else 1,
                 "proxy_promotions": int(row["promotions"]), "proxy_memory": float(row["memory"]),
                 "proxy_diverged": str(row["diverged"]) == "True",
                 "long_steps": steps, "long_accuracy": result.val_accuracy, "long_loss": result.val_loss,
                 "long_batch_stats_accuracy": result.batch_stats_accuracy,
-                "long_reading_flagged": flagged(result.val_accuracy, result.batch_stats_accuracy,
-                                                context.budget.drop),
+                "long_reading_flagged": flagged(result.val_accuracy, result.batch_stats_accuracy, context.budget.drop),
                 "long_diverged": result.diverged, "long_reason": result.reason,
-                "long_promotions": len(result.promotions),
-                "long_memory": memories[f"memory_{context.budget.memory}"],
+                "long_promotions": len(result.promotions), "long_memory": memories[f"memory_{context.budget.memory}"],
             })
         plain = long_run(context, None, steps, seed)
     table = pd.DataFrame(rows)
@@ -201,11 +198,8 @@ def _best_verdict(table: pd.DataFrame, budget: Budget) -> dict[str, Any] | None:
 
 def plot_fidelity(table: pd.DataFrame, summary: dict[str, Any], ax: Any = None) -> Figure:
     """Proxy mean accuracy (x, +- seed sd) against long-run accuracy (y), one point per assignment."""
-    if ax is None:
-        figure = Figure(figsize=(6, 4.5))
-        ax = figure.subplots()
-    else:
-        figure = ax.figure
+    figure = Figure(figsize=(6, 4.5)) if ax is None else ax.figure
+    ax = figure.subplots() if ax is None else ax
     ok = table[~table["long_diverged"]]
     ax.errorbar(ok["proxy_accuracy"], ok["long_accuracy"], xerr=ok["proxy_sd"].fillna(0), fmt="o", ms=5,
                 capsize=3, color="tab:blue", label="assignments")

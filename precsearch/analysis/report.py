@@ -1,17 +1,17 @@
 """Reports of a run directory: the memory-accuracy tradeoff as a PNG and a markdown table.
 
-Everything comes from the files a search and ``precsearch baselines`` leave in the run directory
-(``trials.csv``, ``pareto.csv``, ``baselines.csv``, ``run.json``, ``calibration.csv``, ``budget.csv``,
-``best.json``, ``sensitivity.csv``), so the Pareto front, the paper's sweep and the prior-work baselines are shown
-side by side with numbers from the same proxies, the front's confirmed accuracies next to its proxy accuracies, the pick
-next to the confirmed all-high and plain fp32 runs, the reference's learning curve that set the proxy
-length, the training steps each phase spent, and the measured sensitivity of each unit against the bytes its
-demotion saves (``precsearch sensitivity``). Memory is the measure the search minimized (a step's predicted peak
-by default, or the paper's bytes of the assignable tensors) relative to the space's all-high assignment, beside the
-step's peak in MiB and its ratio to torch.autocast(bf16)'s.
+Everything comes from the files a search and ``precsearch baselines`` leave in the run directory (``trials.csv``,
+``pareto.csv``, ``baselines.csv``, ``run.json``, ``calibration.csv``, ``budget.csv``, ``best.json``,
+``sensitivity.csv``), so the Pareto front, the paper's sweep and the prior-work baselines are shown side by side with
+numbers from the same proxies, the front's confirmed accuracies next to its proxy accuracies, the pick next to the
+confirmed all-high and plain fp32 runs, the reference's learning curve that set the proxy length, the training steps
+each phase spent, and the measured sensitivity of each unit against the bytes its demotion saves (``precsearch
+sensitivity``). Memory is the measure the search minimized (a step's predicted peak by default, or the paper's bytes of
+the assignable tensors) relative to the space's all-high assignment, beside the step's peak in MiB and its ratio to
+torch.autocast(bf16)'s.
 
-Figures are made with ``matplotlib.figure.Figure`` (rendered by the Agg canvas), never through pyplot, so
-a headless CLI needs no display and a notebook keeps its own backend (pass ``ax`` to draw into it).
+Figures are made with ``matplotlib.figure.Figure`` (rendered by the Agg canvas), never through pyplot, so a headless CLI
+needs no display and a notebook keeps its own backend (pass ``ax`` to draw into it).
 """
 
 from __future__ import annotations
@@ -166,21 +166,13 @@ def _entry(source: str, name: str, row: pd.Series, yardsticks: tuple[float, floa
     peak = _mib(row, "peak_bytes") if source == _SOURCES["torch"] else _mib(row, "peak_predicted")
     plain_fp32, autocast = yardsticks
     return {
-        "source": source,
-        "name": name,
-        "memory": float(row["memory"]),
+        "source": source, "name": name, "memory": float(row["memory"]),
         "memory_bytes": float(row.get("memory_bytes", math.nan)),
-        "memory_peak": float(row.get("memory_peak", math.nan)),
-        "peak MiB": peak,
-        "x plain fp32": peak / plain_fp32,
-        "x autocast": peak / autocast,
-        "bytes MiB": _mib(row, "bytes"),
-        "val_accuracy": float(row["val_accuracy"]),
-        "val_accuracy_sd": float(row.get("val_accuracy_sd", math.nan)),
-        "val_loss": float(row["val_loss"]),
-        "confirmed_accuracy": float(row.get("confirmed_accuracy", math.nan)),
-        "confirmed_sd": float(row.get("confirmed_sd", math.nan)),
-        "diverged": bool(row["diverged"]),
+        "memory_peak": float(row.get("memory_peak", math.nan)), "peak MiB": peak, "x plain fp32": peak / plain_fp32,
+        "x autocast": peak / autocast, "bytes MiB": _mib(row, "bytes"),
+        "val_accuracy": float(row["val_accuracy"]), "val_accuracy_sd": float(row.get("val_accuracy_sd", math.nan)),
+        "val_loss": float(row["val_loss"]), "confirmed_accuracy": float(row.get("confirmed_accuracy", math.nan)),
+        "confirmed_sd": float(row.get("confirmed_sd", math.nan)), "diverged": bool(row["diverged"]),
         "promotions": int(row["promotions"]) if not pd.isna(row.get("promotions", math.nan)) else 0,
     }
 
@@ -230,11 +222,8 @@ def _by_point(frame: pd.DataFrame, column: str) -> dict[tuple[float, float], lis
 def plot_tradeoff(tables: RunTables, ax: Any = None) -> Figure:
     """Memory (x, ratio to all-high) against proxy validation accuracy (y): every trial, the Pareto front,
     the paper's sweep and the baselines; diverged proxies are drawn at their accuracy with an x."""
-    if ax is None:
-        fig = Figure(figsize=(7.5, 5))
-        ax = fig.subplots()
-    else:
-        fig = ax.figure
+    fig = Figure(figsize=(7.5, 5)) if ax is None else ax.figure
+    ax = fig.subplots() if ax is None else ax
     trials = tables.trials
     if not trials.empty:
         trained = trials[trials["trained"].astype(bool)]
@@ -283,11 +272,8 @@ def plot_tradeoff(tables: RunTables, ax: Any = None) -> Figure:
 def plot_sensitivity(table: pd.DataFrame, ax: Any = None) -> Figure:
     """Each unit of a sensitivity table (``SENSITIVITY_CSV``) as its summed score against its bytes saved."""
     units = unit_table(table)
-    if ax is None:
-        fig = Figure(figsize=(6.5, 4.5))
-        ax = fig.add_subplot()
-    else:
-        fig = ax.figure
+    fig = Figure(figsize=(6.5, 4.5)) if ax is None else ax.figure
+    ax = fig.add_subplot() if ax is None else ax
     ax.scatter(units["bytes_saved"], units["score"].clip(lower=1e-30), color="tab:purple")
     for row in units.itertuples():
         ax.annotate(str(row.unit), (row.bytes_saved, max(row.score, 1e-30)), fontsize=7,

@@ -28,10 +28,8 @@ from precsearch.stopping import stop_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="precsearch",
-        description="Search mixed low-precision float assignments for training CNNs, and train under them.",
-    )
+    parser = OneLineParser(prog="precsearch", description="Search mixed low-precision float assignments for "
+                           "training CNNs, and train under them.")
     parser.add_argument("--version", action="version", version=f"precsearch {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     parser.add_argument("--eager-kernels", action="store_true",

@@ -195,10 +195,9 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def choose_compile(args: argparse.Namespace, steps: int | None) -> CompileOptions | None:
-    """How this command's runs compile their step (None: eagerly): as ``--compile`` or ``--no-compile`` says,
-    else on CUDA when each of its processes trains ``steps`` (all its runs together; None: long runs) of at
-    least ``COMPILE_MIN_STEPS``, and never on a CPU (``args.device``, resolved). The command hands it to its
-    runs and the workers it starts, with the rest of their configuration."""
+    """How this command's runs (and the workers it starts) compile their step (None: eagerly): as ``--compile`` or
+    ``--no-compile`` says, else on CUDA when each of its processes trains ``steps`` (all its runs together; None:
+    long runs) of at least ``COMPILE_MIN_STEPS``, and never on a CPU (``args.device``, resolved)."""
     from precsearch.train.trainer import resolve_device
 
     if args.compile is not None:

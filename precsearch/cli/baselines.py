@@ -17,11 +17,10 @@ from precsearch.config.spec import BASELINES, MEMORY_MEASURES, TORCH_BASELINES
 HELP = "train prior-work baselines and the paper's sweep into one table"
 DESCRIPTION = ("Proxy-train the prior-work policies, the plain model under torch.autocast (autocast_bf16; "
                "autocast_fp16 on CUDA) and the paper's technique at r = 0, 0.1, ..., 1 with the space's proxy budget "
-               "(in a search run directory: the search's proxy length); writes baselines.csv and baselines/*.json "
-               "into --out. The autocast rows have no policy file and no cost-model memory: their step's measured "
-               "peak and time, beside plain fp32's, are in peak_bytes, peak_x_fp32, step_time and "
-               "step_time_x_fp32. In a search run directory with the same settings, sweep points the search trained "
-               "are reused.")
+               "(in a search run directory: the search's proxy length); writes baselines.csv and baselines/*.json into "
+               "--out. The autocast rows have no policy file and no cost-model memory: their step's measured peak and "
+               "time, beside plain fp32's, are in peak_bytes, peak_x_fp32, step_time and step_time_x_fp32. In a search "
+               "run directory with the same settings, sweep points the search trained are reused.")
 NAMES = (*BASELINES, *TORCH_BASELINES)
 
 

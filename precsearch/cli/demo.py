@@ -1,17 +1,15 @@
 """`precsearch demo`: a real small search on a task where assignments differ, the baselines, and the report.
 
-The configuration is fixed so the run is comparable across machines (every process trains on one thread: a
-CPU's float sums depend on how many threads share them, and the calibration in the main process took the
-machine's core count, so a 2-core machine read another curve than a 1-thread one): narrow_cnn (a 2x2 patch stem and four
-3x3 conv layers: seven groups), the paper's HFP8 space (per group: (1,6,9) high, (1,4,3)+bias 4 / (1,5,2)
-low), the generated ``gratings`` task at 16x16 (faint gratings on a bright level: an 8-bit input rounds the
-class signal away, so the group holding the input, 2% of the bytes, must stay high while the rest can go
-low), batch 32, proxies whose length is calibrated on the all-high reference with seeds chosen from the
-measured noise (``--proxy-seeds auto``), 24 trials on two worker processes, confirmation of the front, then
-the eight prior-work baselines under the same proxies and the report. It prints the calibrated length, the
-noise level, the confirmed pick and its confidence, the baselines within 10% of the pick's memory held to
-all-high as the pick was (``held_baselines``), the training steps per phase, its own wall time and the policy
-it would hand to training.
+The configuration (the constants below) is fixed so the run is comparable across machines, and every process
+trains on one thread: a CPU's float sums depend on how many threads share them (a calibration that took the
+machine's core count read another curve on 2 cores than on 1 thread). The task is one where assignments
+differ: on the generated ``gratings`` an 8-bit input rounds the class signal away, so narrow_cnn's group holding
+the input (2% of the bytes) must stay high in the paper's HFP8 space while the rest can go low. Proxies are
+calibrated on the all-high reference with seeds chosen from the measured noise (``--proxy-seeds auto``); the
+front is confirmed, then the prior-work baselines run under the same proxies. It prints the calibrated length,
+the noise, the confirmed pick and its confidence, the baselines within 10% of the pick's memory held to all-high
+as the pick was (``held_baselines``), the steps per phase, its wall time and the policy it would hand to
+training.
 """
 
 from __future__ import annotations
@@ -184,11 +182,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"precsearch demo: {MODEL} on {DATA} ({space.proxy.image_size}x{space.proxy.image_size}), space "
           f"{space.name}, {args.trials} trials of calibrated proxies on {jobs} worker(s)")
     result = run_search(SearchConfig(MODEL, space, DATA, trials=args.trials, out_dir=out, jobs=args.jobs, seed=0,
-                                     device=args.device, threads=1, proxy_seeds=None,
-                                     compile=compile))
+                                     device=args.device, threads=1, proxy_seeds=None, compile=compile))
     search_time = time.perf_counter() - start
-    baselines = run_baselines(MODEL, space, DATA, out_dir=out, seed=0, device=args.device, threads=1,
-                              compile=compile)
+    baselines = run_baselines(MODEL, space, DATA, out_dir=out, seed=0, device=args.device, threads=1, compile=compile)
     png, md = write_report(out)
     trials = result.trials
     high = trials[trials["decisions"].str.fullmatch("H+")]
@@ -208,10 +204,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {row['name']:<9} {memory_text(row)}  {state}")
     if result.best is not None:
         best = result.best
-        print(f"best.json: trial {int(best['number'])}, {memory_text(best)}, confirmed accuracy "
-              f"{accuracy_text(best)} (least memory "
-              f"within {100 * MAX_DROP:g} point of all-high at {100 * result.noise.confidence:g}% confidence)"
-              f"{confidence_text(best)}")
+        print(f"best.json: trial {int(best['number'])}, {memory_text(best)}, confirmed accuracy {accuracy_text(best)} "
+              f"(least memory within {100 * MAX_DROP:g} point of all-high at {100 * result.noise.confidence:g}% "
+              f"confidence){confidence_text(best)}")
         print(f"  {json.loads((out / 'best.json').read_text())['provenance']['noise']['statement']}")
         print(peak_text(out))
         context = SearchContext.create(MODEL, space, DataSpec(DATA), Budget(max_accuracy_drop=MAX_DROP), 0,

@@ -1,7 +1,5 @@
-"""`precsearch search MODEL ...`: search precision assignments with Optuna and short proxies.
-
-Also holds the summary texts demo shares.
-"""
+"""`precsearch search MODEL ...`: search precision assignments with Optuna and short proxies; also holds the
+summary texts demo shares."""
 
 from __future__ import annotations
 
@@ -40,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compile_argument(parser)
     from precsearch.search.calibration import CalibrationSettings
     from precsearch.search.confirmation import DEFAULT_CONFIRM_FACTOR, MAX_CONFIRM_FACTOR
+    from precsearch.search.noise import MAX_PROXY_SEEDS
 
     add_space_arguments(parser, calibrated=True)
     parser.add_argument("--max-proxy-steps", type=count, default=CalibrationSettings.max_steps, metavar="S",
@@ -72,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", choices=MEMORY_MEASURES, default=DEFAULT_MEMORY_MEASURE,
                         help="memory measure to minimize: the predicted peak of a training step (default; what "
                              "the device runs out of) or the bytes of the tensors training keeps (the paper's)")
-    add_noise_arguments(parser)
+    parser.add_argument("--proxy-seeds", type=count_or_auto("seeds", None, MAX_PROXY_SEEDS), default=None,
+                        metavar="K", help=f"seeds per proxy (and for the all-high reference), at most "
+                                          f"{MAX_PROXY_SEEDS}; auto (default): the reference trains 3, and each "
+                                          "proxy as many (2-4) as the noise they show needs")
+    parser.add_argument("--confidence", type=real(0.5, 1, open_high=True), default=0.9, metavar="C",
+                        help="one-sided confidence of accuracy decisions against the seed noise (default 0.9)")
     parser.add_argument("--seeding", choices=list(seedings()), default="paper",
                         help="first trials: the paper's sweep with all-high and all-low (paper, the default), or the "
                              "knapsack's points over measured sensitivity ahead of them (sensitivity)")
@@ -89,18 +93,6 @@ def seedings() -> dict[str, Any]:
     from precsearch.search.sensitivity import SENSITIVITY_SEEDING
 
     return {seeding.name: seeding for seeding in (PAPER_SEEDING, SENSITIVITY_SEEDING)}
-
-
-def add_noise_arguments(parser: argparse.ArgumentParser) -> None:
-    """--proxy-seeds, --confidence."""
-    from precsearch.search.noise import MAX_PROXY_SEEDS
-
-    parser.add_argument("--proxy-seeds", type=count_or_auto("seeds", None, MAX_PROXY_SEEDS), default=None,
-                        metavar="K", help=f"seeds per proxy (and for the all-high reference), at most "
-                                          f"{MAX_PROXY_SEEDS}; auto (default): the reference trains 3, and each "
-                                          "proxy as many (2-4) as the noise they show needs")
-    parser.add_argument("--confidence", type=real(0.5, 1, open_high=True), default=0.9, metavar="C",
-                        help="one-sided confidence of accuracy decisions against the seed noise (default 0.9)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -229,8 +221,7 @@ def summarize(result: Any) -> str:
                      f"proxy accuracy {accuracy_text(row)}{confirmed_text(row)}  [{row['origin']}]{tie_text(row)}")
     if result.noise is not None:
         lines.append(result.noise.describe())
-    yardsticks = yardsticks_text(result)
-    if yardsticks:
+    if yardsticks := yardsticks_text(result):
         lines.append(yardsticks)
     if result.best is not None:
         lines.append(f"best.json: trial {int(result.best['number'])} ({memory_text(result.best)}, "

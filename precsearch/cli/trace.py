@@ -49,9 +49,8 @@ def report(graph: Any, cost: Any) -> str:
     fp32_saved = cost.saved_activation_bytes() / MIB
     paper = cost.group_assignment([True] * cost.n_groups)
     lines = [
-        f"{graph.model_name}: {len(graph.ops)} ops, {len(graph.groups)} groups, {len(graph.tensors)} tensors, "
-        f"batch {graph.batch_size}, input {graph.input_shape}, traced with {graph.tracer}, "
-        f"fingerprint {graph.fingerprint()}",
+        f"{graph.model_name}: {len(graph.ops)} ops, {len(graph.groups)} groups, {len(graph.tensors)} tensors, batch "
+        f"{graph.batch_size}, input {graph.input_shape}, traced with {graph.tracer}, fingerprint {graph.fingerprint()}",
         "",
         "Weights and activations by group (fp32; each has a gradient of the same shape):",
         tensors.to_string(index=False, float_format=lambda v: f"{v:.3f}"),
@@ -93,6 +92,5 @@ def run(args: argparse.Namespace) -> int:
 
     batch = torch.randn((args.batch_size, *shape), generator=torch.Generator().manual_seed(1))
     result = check_model(model, batch, leaf_modules=args.leaf, name=args.model)
-    print()
-    print(result.summary())
+    print(f"\n{result.summary()}")
     return 0 if result.ok else 1

@@ -1,9 +1,8 @@
 """`precsearch train MODEL [--policy FILE] ...`: full training under a policy (without one: plain fp32, the
 yardstick a pick is held against), metrics to a CSV.
 
-With ``--nproc N`` it trains data-parallel in N processes
-(precsearch.train.data_parallel), with or without a policy, and
-``--compress adacomp`` (or a policy's ``compression``) compresses their gradient exchange.
+With ``--nproc N`` it trains data-parallel in N processes (precsearch.train.data_parallel), with or without a
+policy, and ``--compress adacomp`` (or a policy's ``compression``) compresses their gradient exchange.
 """
 
 from __future__ import annotations
@@ -87,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _run_data_parallel(args, policy, data, steps, config)
     result = train_policy(args.model, policy, data, steps, seed=args.seed, device=args.device, config=config,
-                          compile=choose_compile(args, steps),
-                          eval_every=args.eval_every, metrics=args.metrics,
+                          compile=choose_compile(args, steps), eval_every=args.eval_every, metrics=args.metrics,
                           recipe=PAPER_RECIPE if args.recipe == "paper" else None)
     status = f"diverged ({result.reason})" if result.diverged else "trained"
     status += "" if policy is not None else " in plain fp32 (no policy)"

@@ -16,11 +16,10 @@ from precsearch.cli._arguments import (
 )
 
 HELP = "retrain a search's front and references at full length; write fidelity.csv and a plot"
-DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of "
-               "the run directory RUN for --steps steps, then write fidelity.csv (proxy vs long-run "
-               "accuracy, memory with the long run's promotions), fidelity.json (Spearman and Kendall rank "
-               "correlations with bootstrap intervals; whether best.json still meets its budget) and "
-               "fidelity.png.")
+DESCRIPTION = ("Retrain the Pareto front, the all-high reference, the paper's sweep points and best.json of the run "
+               "directory RUN for --steps steps, then write fidelity.csv (proxy vs long-run accuracy, memory with the "
+               "long run's promotions), fidelity.json (Spearman and Kendall rank correlations with bootstrap "
+               "intervals; whether best.json still meets its budget) and fidelity.png.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if not high.empty:
         print(f"after {summary['long_steps']} steps: all-high {high.iloc[0]['long_accuracy']:.4f}, plain fp32 "
               f"{summary['plain_fp32_accuracy']:.4f}")
-    best = summary.get("best")
-    if best is not None:
+    if (best := summary.get("best")) is not None:
         state = "still meets" if best["meets_budget"] else "no longer meets"
         print(f"best.json (trial {best['trial']}) {state} its budget after {summary['long_steps']} steps: accuracy "
               f"{best['long_accuracy']:.4f}, memory {best['long_memory']:.3f} (proxy {best['proxy_memory']:.3f})")

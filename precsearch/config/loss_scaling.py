@@ -18,17 +18,8 @@ from precsearch.config.checks import check_keys, choice, number
 from precsearch.errors import PrecsearchError
 from precsearch.formats.format import spec_name
 
-__all__ = [
-    "EPOCH",
-    "LOSS_SCALING_KEYS",
-    "LOSS_SCALING_MODES",
-    "OPTIONS",
-    "PAPER_LOSS_SCALING",
-    "REQUIRED",
-    "check_option",
-    "loss_scaling",
-]
-
+__all__ = ["EPOCH", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OPTIONS", "PAPER_LOSS_SCALING", "REQUIRED",
+           "check_option", "loss_scaling"]
 
 
 class _Required:

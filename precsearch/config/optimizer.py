@@ -28,9 +28,8 @@ def state_specs(state_format: str | FloatFormat | Mapping[str, str] | None) -> d
         return dict.fromkeys(STATE_MIN_EXP, str(state_format))
     unknown = sorted(set(state_format) - set(STATE_MIN_EXP))
     if unknown:
-        raise PrecsearchError(
-            f"unknown optimizer state {', '.join(unknown)} in state_format: use {', '.join(STATE_MIN_EXP)}"
-        )
+        raise PrecsearchError(f"unknown optimizer state {', '.join(unknown)} in state_format: use "
+                              f"{', '.join(STATE_MIN_EXP)}")
     return {name: str(spec) for name, spec in state_format.items()}
 
 
@@ -49,20 +48,16 @@ class UpdateConfig:
         if self.update not in UPDATES:
             raise PrecsearchError(f"unknown weight update {self.update!r}: use one of {', '.join(UPDATES)}")
         if self.update == "kahan" and self.master_weights:
-            raise PrecsearchError(
-                "update 'kahan' compensates low-precision weights; with master_weights=True the fp32 master needs "
-                "none: set master_weights=False or update='nearest'"
-            )
+            raise PrecsearchError("update 'kahan' compensates low-precision weights; with master_weights=True the fp32 "
+                                  "master needs none: set master_weights=False or update='nearest'")
         weight = get_format(self.weight_format)
         if self.compensation_format is not None:
             if self.update != "kahan":
                 raise PrecsearchError("compensation_format is only used by update='kahan': drop it or use kahan")
             comp = get_format(self.compensation_format)
             if comp.bits > weight.bits:
-                raise PrecsearchError(
-                    f"Kahan buffer format {comp} ({comp.bits} bits) is wider than the weight format {weight} "
-                    f"({weight.bits} bits): use the weight's format or a narrower one"
-                )
+                raise PrecsearchError(f"Kahan buffer format {comp} ({comp.bits} bits) is wider than the weight format "
+                                      f"{weight} ({weight.bits} bits): use the weight's format or a narrower one")
         for spec in state_specs(self.state_format).values():
             get_format(spec)
 
@@ -71,9 +66,7 @@ class UpdateConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
-            raise PrecsearchError(
-                f"unknown optimizer setting(s) {', '.join(unknown)}: use {', '.join(sorted(known))}"
-            )
+            raise PrecsearchError(f"unknown optimizer setting(s) {', '.join(unknown)}: use {', '.join(sorted(known))}")
         return cls(**dict(config))
 
 

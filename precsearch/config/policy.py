@@ -75,10 +75,8 @@ from precsearch.files import atomic_write_text
 from precsearch.formats.format import OVERFLOWS, FloatFormat, spec_name
 from precsearch.formats.scaled import ScaledFormat, any_format, format_name, is_scaled
 
-__all__ = [
-    "ACCUMULATION_CHUNK", "ACCUMULATION_FORMAT", "ACCUMULATION_LAYER_TYPES", "Accumulation", "SCALED_SCHEMA_VERSION",
-    "SCHEMA_VERSION", "Policy", "is_glob",
-]
+__all__ = ["ACCUMULATION_CHUNK", "ACCUMULATION_FORMAT", "ACCUMULATION_LAYER_TYPES", "Accumulation",
+           "SCALED_SCHEMA_VERSION", "SCHEMA_VERSION", "Policy", "is_glob"]
 
 SCHEMA_VERSION = 2  # the newest this precsearch reads; it writes 1 unless a tensor's format is scaled
 SCALED_SCHEMA_VERSION = 2  # the first that holds scaled formats
@@ -89,17 +87,13 @@ ACCUMULATION_CHUNK = 64
 # The module types whose GEMM sums ``accumulation`` may make low (precsearch.runtime.accumulate has their twins).
 ACCUMULATION_LAYER_TYPES: tuple[str, ...] = ("Linear", "Conv2d")
 _GLOB_CHARS = frozenset("*?[")
-_FIELDS = (
-    "model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
-    "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
-    "accumulation", "compression", "predicted", "provenance", "promotion_kinds", "gradient_rounding", "ties",
-    "allow_unmatched_rules",
-)
+_FIELDS = ("model", "graph_fingerprint", "input_shape", "batch_size", "defaults", "overrides", "module_types",
+           "high_format", "rounding", "overflow", "loss_scaling", "promotion_threshold", "master_weights", "optimizer",
+           "accumulation", "compression", "predicted", "provenance", "promotion_kinds", "gradient_rounding", "ties",
+           "allow_unmatched_rules")
 # Written only when they differ from these, so files without them read as before (in older precsearch too).
-_OPTIONAL_DEFAULTS: dict[str, Any] = {
-    "compression": "none", "promotion_kinds": list(PAPER_PROMOTION_KINDS), "gradient_rounding": "sum",
-    "ties": "even", "allow_unmatched_rules": False,
-}
+_OPTIONAL_DEFAULTS: dict[str, Any] = {"compression": "none", "promotion_kinds": list(PAPER_PROMOTION_KINDS),
+                                      "gradient_rounding": "sum", "ties": "even", "allow_unmatched_rules": False}
 _FILE_KEYS = (*_FIELDS, "schema_version", "formats")
 # What every file Policy.save writes holds, so what a file read back must hold.
 _SAVED_FIELDS = tuple(name for name in _FIELDS if name != "accumulation" and name not in _OPTIONAL_DEFAULTS)
@@ -263,9 +257,8 @@ class Policy:
             raise PrecsearchError(f"{where}: graph_fingerprint must be a string or null")
         if self.input_shape is not None:
             shape = self.input_shape
-            if not isinstance(shape, list | tuple) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape
-            ):
+            if not isinstance(shape, list | tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                              for n in shape):
                 raise PrecsearchError(f"{where}: input_shape must be a list of positive integers, not {echo(shape)}")
             normal["input_shape"] = tuple(shape)
         normal["batch_size"] = _optional_int(self.batch_size, f"{where}: batch_size")
@@ -273,11 +266,9 @@ class Policy:
                               for k, v in _kinds(self.defaults, f"{where}: defaults").items()}
         normal["overrides"] = {k: format_name(v, f"{where}: overrides[{echo(k)}]")
                                for k, v in _mapping(self.overrides, f"{where}: overrides").items()}
-        normal["module_types"] = {
-            name: {k: format_name(v, f"{where}: module_types.{name}.{k}")
-                   for k, v in _kinds(rules, f"{where}: module_types.{name}").items()}
-            for name, rules in _mapping(self.module_types, f"{where}: module_types").items()
-        }
+        normal["module_types"] = {name: {k: format_name(v, f"{where}: module_types.{name}.{k}")
+                                         for k, v in _kinds(rules, f"{where}: module_types.{name}").items()}
+                                  for name, rules in _mapping(self.module_types, f"{where}: module_types").items()}
         normal["high_format"] = format_name(self.high_format, f"{where}: high_format", scaled=False)
         not_wider(normal["high_format"], _rule_formats(normal), where, "high_format")
         normal["rounding"] = {k: choice(v, POLICY_ROUNDINGS, f"{where}: rounding.{k}")
@@ -307,7 +298,7 @@ class Policy:
         """(format spec, the rule that chose it) for a ``TensorInfo``, by the documented precedence."""
         if tensor.id in self.overrides:
             return self.overrides[tensor.id], f"override {tensor.id!r}"
-        for pattern in self._globs():
+        for pattern in sorted((key for key in self.overrides if is_glob(key)), key=lambda key: (-len(key), key)):
             if fnmatch.fnmatchcase(tensor.id, pattern):
                 return self.overrides[pattern], f"override {pattern!r}"
         rule = self.module_types.get(tensor.module_type, {})
@@ -338,9 +329,6 @@ class Policy:
         if self.accumulation is not None:
             specs.add(self.accumulation.format)
         return {spec: any_format(spec) for spec in sorted(specs)}
-
-    def _globs(self) -> list[str]:
-        return sorted((key for key in self.overrides if is_glob(key)), key=lambda key: (-len(key), key))
 
     # -- files --------------------------------------------------------------------------------------------
 
@@ -438,8 +426,5 @@ def _check_listed_formats(listed: Any, where: str) -> None:
             if key not in expected:
                 raise PrecsearchError(f"{where}: formats.{spec}: unknown key {key!r}; allowed: {', '.join(expected)}")
             if value != expected[key]:
-                raise PrecsearchError(f"{where}: formats.{spec}.{key} is {value!r} but this precsearch reads "
-                                      f"{spec} as {key}={expected[key]!r}; the file was written by an "
-                                      "incompatible precsearch")
-
-
+                raise PrecsearchError(f"{where}: formats.{spec}.{key} is {value!r} but this precsearch reads {spec} as "
+                                      f"{key}={expected[key]!r}; the file was written by an incompatible precsearch")

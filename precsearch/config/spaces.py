@@ -43,23 +43,13 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats.format import OVERFLOWS, FloatFormat
 from precsearch.formats.scaled import ScaledFormat, any_format, format_name
 
-__all__ = [
-    "GRANULARITIES",
-    "OBJECTIVES",
-    "SearchSpace",
-    "PAPER_SPACE",
-    "load_space",
-    "paper_space",
-    "parse_space",
-]
+__all__ = ["GRANULARITIES", "OBJECTIVES", "SearchSpace", "PAPER_SPACE", "load_space", "paper_space", "parse_space"]
 
 GRANULARITIES: tuple[str, ...] = ("group", "tensor", "categorical")
 OBJECTIVES: tuple[str, ...] = ("val_error", "val_loss")
-TOP_KEYS: tuple[str, ...] = (
-    "name", "description", "high", "low", "granularity", "choices", "rounding", "overflow", "loss_scaling",
-    "promotion_threshold", "master_weights", "optimizer", "proxy", "objectives", "promotion_kinds",
-    "gradient_rounding", "ties", "sampler",
-)
+TOP_KEYS: tuple[str, ...] = ("name", "description", "high", "low", "granularity", "choices", "rounding", "overflow",
+                             "loss_scaling", "promotion_threshold", "master_weights", "optimizer", "proxy",
+                             "objectives", "promotion_kinds", "gradient_rounding", "ties", "sampler")
 RESERVED_LEVELS: tuple[str, ...] = ("high", "low")
 
 # The paper's space (Lee, Sharma, Aiken 2023) as plain data; search_spaces/hfp8.yaml says the same in YAML
@@ -185,8 +175,7 @@ def _optimizer_for_weights(raw: Any, weight_format: str, master_weights: bool, w
 
 def _objectives(raw: Any, where: str) -> tuple[str, ...]:
     allowed = ", ".join(f"[memory, {name}]" for name in OBJECTIVES)
-    if (not isinstance(raw, list | tuple) or len(raw) != 2 or raw[0] != "memory"
-            or raw[1] not in OBJECTIVES):
+    if not isinstance(raw, list | tuple) or len(raw) != 2 or raw[0] != "memory" or raw[1] not in OBJECTIVES:
         raise PrecsearchError(f"{where}: objectives {raw!r} are not supported; use one of {allowed}")
     return tuple(raw)
 
@@ -273,13 +262,8 @@ def parse_space(raw: Any, where: str = "search space") -> SearchSpace:
     rounding = _per_kind(raw.get("rounding"), f"{where}: rounding", _allowed(POLICY_ROUNDINGS), defaults.rounding)
     _check_scaled_rounding([low, *choices.values()], rounding, where)
     return SearchSpace(
-        name=name,
-        description=_description(raw.get("description"), where),
-        high=high,
-        low=low,
-        granularity=granularity,
-        choices=choices,
-        rounding=rounding,
+        name=name, description=_description(raw.get("description"), where), high=high, low=low,
+        granularity=granularity, choices=choices, rounding=rounding,
         overflow=_per_kind(raw.get("overflow"), f"{where}: overflow", _allowed(OVERFLOWS), defaults.overflow),
         loss_scaling=loss_scaling(raw.get("loss_scaling", defaults.loss_scaling), f"{where}: loss_scaling",
                                   SPACE_DEFAULTS.loss_scaling_mode, canonical=True),

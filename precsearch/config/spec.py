@@ -21,36 +21,11 @@ from precsearch.config.checks import number
 from precsearch.config.loss_scaling import PAPER_LOSS_SCALING
 from precsearch.errors import PrecsearchError, echo
 
-__all__ = [
-    "ACTIVATION",
-    "ACTIVATION_GRAD",
-    "ASSIGNABLE_KINDS",
-    "BASELINES",
-    "COMPRESSIONS",
-    "EXTRA_KINDS",
-    "GRADIENT_ROUNDINGS",
-    "GRAD_KINDS",
-    "KINDS",
-    "MEMORY_MEASURES",
-    "PAPER_HIGH",
-    "PAPER_LOW",
-    "PAPER_OVERFLOW",
-    "PAPER_PROMOTION_KINDS",
-    "POLICY_DEFAULTS",
-    "POLICY_ROUNDINGS",
-    "ProxyConfig",
-    "SAMPLERS",
-    "SPACE_DEFAULTS",
-    "TIES",
-    "TORCH_BASELINES",
-    "TensorId",
-    "WEIGHT",
-    "WEIGHT_GRAD",
-    "Defaults",
-    "kinds_list",
-    "promotion_threshold",
-    "proxy_value",
-]
+__all__ = ["ACTIVATION", "ACTIVATION_GRAD", "ASSIGNABLE_KINDS", "BASELINES", "COMPRESSIONS", "EXTRA_KINDS",
+           "GRADIENT_ROUNDINGS", "GRAD_KINDS", "KINDS", "MEMORY_MEASURES", "PAPER_HIGH", "PAPER_LOW", "PAPER_OVERFLOW",
+           "PAPER_PROMOTION_KINDS", "POLICY_DEFAULTS", "POLICY_ROUNDINGS", "ProxyConfig", "SAMPLERS", "SPACE_DEFAULTS",
+           "TIES", "TORCH_BASELINES", "TensorId", "WEIGHT", "WEIGHT_GRAD", "Defaults", "kinds_list",
+           "promotion_threshold", "proxy_value"]
 
 # Tensor kinds. An assignment gives a format to the four assignable kinds (the paper's P, Y, GP, GY); the
 # optimizer's master copy and state are training memory too, always fp32 unless the optimizer says otherwise.
@@ -86,12 +61,10 @@ DEFAULT_MEMORY_MEASURE = "peak"
 # The paper (Lee, Sharma, Aiken 2023): its high format and per-kind low formats, forward tensors saturating
 # and gradients overflowing to inf (so the loss scaler sees them), promotion of weights and activations only.
 PAPER_HIGH = "e6m9s"
-PAPER_LOW: dict[str, str] = {
-    "weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s", "weight_grad": "e6m9s",
-}
-PAPER_OVERFLOW: dict[str, str] = {
-    "weight": "saturate", "activation": "saturate", "weight_grad": "inf", "activation_grad": "inf",
-}
+PAPER_LOW: dict[str, str] = {"weight": "e4m3b4s", "activation": "e4m3b4s", "activation_grad": "e5m2s",
+                             "weight_grad": "e6m9s"}
+PAPER_OVERFLOW: dict[str, str] = {"weight": "saturate", "activation": "saturate", "weight_grad": "inf",
+                                  "activation_grad": "inf"}
 PAPER_PROMOTION_KINDS: tuple[str, ...] = ("weight", "activation")
 
 
@@ -161,10 +134,9 @@ class TensorId:
 class ProxyConfig:
     """The proxy training recipe and its divergence tests (keys of a space file's ``proxy:`` section)."""
 
-    KEYS: ClassVar[tuple[str, ...]] = (
-        "steps", "batch_size", "image_size", "lr", "momentum", "weight_decay", "eval_batch_size",
-        "blowup_factor", "min_loss_scale", "max_skipped_fraction", "report_every", "stats_every", "bn_images",
-    )
+    KEYS: ClassVar[tuple[str, ...]] = ("steps", "batch_size", "image_size", "lr", "momentum", "weight_decay",
+                                       "eval_batch_size", "blowup_factor", "min_loss_scale", "max_skipped_fraction",
+                                       "report_every", "stats_every", "bn_images")
     steps: int = 150
     batch_size: int = 64
     image_size: int = 16

@@ -230,5 +230,3 @@ def _grow_saves(op: RawOp, grown: RawOp | None, b0: int) -> list[list[Any]]:
                               "at the training batch size")
     return [[item[0], [item[1], more[1]], item[2]] if item[0] == "new" else item
             for item, more in zip(saves, other, strict=True)]
-
-

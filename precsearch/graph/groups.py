@@ -80,4 +80,3 @@ def assemble(raw_ops: list[RawOp], model_name: str, batch_size: int, input_shape
                     tuple(tid for tid, info in tensors.items() if info.group == index))
               for index in range(group + 1)]
     return TensorGraph(model_name, batch_size, input_shape, tensors, ops, groups, tracer, gm, rules, opaque_modules)
-

@@ -29,9 +29,8 @@ from precsearch.graph.runs import record_runs
 
 
 class _HookRecorder(TorchFunctionMode):
-    """The fallback tracer: forward hooks on leaf modules record module calls, and a TorchFunctionMode records
-    the torch functions and tensor methods called outside leaf modules. Data flow follows tensor identity
-    (every tensor seen is kept alive, so ids are never reused while tracing)."""
+    """The fallback tracer (see the module docstring). Data flow follows tensor identity (every tensor seen is kept
+    alive, so ids are never reused while tracing)."""
 
     def __init__(self, model: nn.Module, leaf: LeafSpec, input_name: str) -> None:
         super().__init__()
@@ -144,9 +143,6 @@ def trace_hooks(model: nn.Module, leaf: LeafSpec, name: str, x: torch.Tensor, fx
     if not grow:
         return runs[0], {}
     if [op.name for op in runs[0]] != [op.name for op in runs[1]]:
-        raise PrecsearchError(f"{name} runs different ops at batch {x.shape[0]} and {x.shape[0] + 1}, so shapes "
-                              "at the training batch cannot be inferred; pass an example input at the training "
-                              "batch size")
+        raise PrecsearchError(f"{name} runs different ops at batch {x.shape[0]} and {x.shape[0] + 1}, so shapes at the "
+                              "training batch cannot be inferred; pass an example input at the training batch size")
     return runs[0], {op.name: op.shapes for op in runs[1]}
-
-

@@ -53,4 +53,3 @@ def gradient_passes_from(graph: TensorGraph) -> dict[str, str]:
         return {}
     return {op.name: reader.name for op, reader, reads in _sole_readers(graph)
             if reads == 1 and graph.rules.op_type(reader.module_type).passes_gradient}
-

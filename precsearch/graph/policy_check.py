@@ -102,11 +102,10 @@ def verify_policy(policy: Policy, graph: TensorGraph, strict: bool = True) -> Po
     if strict and not report.fingerprint_matches:
         lacking = [item for item in report.missing if item.startswith("override")]
         detail = f"; {len(lacking)} override(s) name nothing here, e.g. {lacking[0]}" if lacking else ""
-        raise PrecsearchError(
-            f"policy was made for {policy.model or 'another model'} (graph {policy.graph_fingerprint}), "
-            f"but this model's graph is {report.graph_fingerprint}{detail}; make a policy for this model "
-            "(or pass strict=False to apply_policy, in Python, to apply it anyway)"
-        )
+        raise PrecsearchError(f"policy was made for {policy.model or 'another model'} (graph "
+                              f"{policy.graph_fingerprint}), but this model's graph is {report.graph_fingerprint}"
+                              f"{detail}; make a policy for this model (or pass strict=False to apply_policy, in "
+                              "Python, to apply it anyway)")
     if report.missing:
         named = "; ".join(report.named(item) for item in report.missing[:3])
         if policy.allow_unmatched_rules or not strict:

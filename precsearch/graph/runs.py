@@ -74,20 +74,6 @@ def forward_error(name: str, model: nn.Module, x: torch.Tensor, error: BaseExcep
     return PrecsearchError(message.replace("\n", " "))
 
 
-def no_tensor(name: str, output: Any) -> PrecsearchError:
-    return PrecsearchError(f"{name} returns {type(output).__name__}, not a float tensor; trace needs a model "
-                           "whose forward returns a tensor (or a tuple of tensors)")
-
-
-def returns_float(output: Any) -> bool:
-    return any(t.is_floating_point() for t in tensors_in(output))
-
-
-def grow_batch(x: torch.Tensor) -> torch.Tensor:
-    """The example plus one more sample (its first), for the second point of the shape extrapolation."""
-    return torch.cat([x, x[:1]])
-
-
 def extrapolate(shape0: tuple[int, ...] | None, shape1: tuple[int, ...] | None, b0: int, target: int,
                  op: str) -> tuple[int, ...] | None:
     """Shape at batch `target` from shapes at b0 and b0 + 1, assuming each dimension is linear in the batch."""
@@ -103,16 +89,18 @@ def extrapolate(shape0: tuple[int, ...] | None, shape1: tuple[int, ...] | None, 
 
 def record_runs(make_recorder: Callable[[], Any], name: str, model: nn.Module, x: torch.Tensor, grow: bool,
                 fx_error: BaseException | None) -> list[Any]:
-    """Run a fresh recorder on the example, and on one more sample if `grow`; the recorders, in that order."""
+    """Run a fresh recorder on the example, and if `grow` on the example plus one more sample (its first: the second
+    point of the shape extrapolation); the recorders, in that order."""
     recorders = []
-    for sample in (x, grow_batch(x)) if grow else (x,):
+    for sample in (x, torch.cat([x, x[:1]])) if grow else (x,):
         recorder = make_recorder()
         try:
             output = recorder.run(sample)
         except Exception as error:  # whatever the model raises becomes one clear line
             raise forward_error(name, model, sample, error, fx_error) from error
-        if not returns_float(output):
-            raise no_tensor(name, output)
+        if not any(t.is_floating_point() for t in tensors_in(output)):
+            raise PrecsearchError(f"{name} returns {type(output).__name__}, not a float tensor; trace needs a model "
+                                  "whose forward returns a tensor (or a tuple of tensors)")
         recorders.append(recorder)
     return recorders
 

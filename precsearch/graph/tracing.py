@@ -125,5 +125,3 @@ def untraced_modules(model: nn.Module, graph: TensorGraph, leaf_modules: Iterabl
         if qualname not in traced and not graph.rules.module(module).pass_through:
             missed.append(qualname)
     return missed
-
-

@@ -151,11 +151,9 @@ class TensorGraph:
         return json.dumps({
             "format": JSON_FORMAT, "version": JSON_VERSION, "model_name": self.model_name,
             "batch_size": self.batch_size, "input_shape": list(self.input_shape), "tracer": self.tracer,
-            "opaque_modules": list(self.opaque_modules),
-            "fingerprint": self.fingerprint(), "ops": [asdict(op) for op in self.ops],
-            "tensors": [asdict(info) for info in self.tensors.values()],
-            "groups": [asdict(group) for group in self.groups],
-        }, indent=1)
+            "opaque_modules": list(self.opaque_modules), "fingerprint": self.fingerprint(),
+            "ops": [asdict(op) for op in self.ops], "tensors": [asdict(info) for info in self.tensors.values()],
+            "groups": [asdict(group) for group in self.groups]}, indent=1)
 
     @classmethod
     def from_json(cls, text: str, rules: OpRules = OP_RULES) -> TensorGraph:
@@ -182,7 +180,6 @@ class TensorGraph:
         if not target.parent.is_dir():
             raise PrecsearchError(f"cannot write {target}: folder {target.parent} does not exist; create it first")
         atomic_write_text(target, self.to_json())
-
 
 
 def grad_id(tensor_id: str) -> str:

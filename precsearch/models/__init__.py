@@ -35,14 +35,9 @@ from precsearch.models.tiny import tiny_cnn
 __all__ = ["INPUT_SHAPE", "NAMES", "OPTIONS", "build", "check_fits", "check_trusted", "machine_memory",
            "is_spec", "names_code", "parse_model_spec", "same_model"]
 
-_ZOO: dict[str, Callable[..., nn.Module]] = {
-    "resnet18": resnet18,
-    "mobilenet_v2": mobilenet_v2,
-    "shufflenet_v2": shufflenet_v2,
-    "squeezenet": squeezenet,
-    "tiny_cnn": tiny_cnn,
-    "narrow_cnn": narrow_cnn,
-}
+_ZOO: dict[str, Callable[..., nn.Module]] = {"resnet18": resnet18, "mobilenet_v2": mobilenet_v2,
+                                              "shufflenet_v2": shufflenet_v2, "squeezenet": squeezenet,
+                                              "tiny_cnn": tiny_cnn, "narrow_cnn": narrow_cnn}
 NAMES: tuple[str, ...] = tuple(_ZOO)
 OPTIONS: tuple[str, ...] = ("width", "num_classes")
 INPUT_SHAPE: tuple[int, int, int] = (3, 32, 32)
@@ -83,12 +78,10 @@ def _parse_options(text: str, spec: str) -> dict[str, Any]:
 
 
 def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """Split `name[:key=value,...]` or `package.module:factory[:key=value,...]` into (name, options).
-
-    A zoo name has no dot; a factory path is `module:attribute`, where a module without a dot is
-    accepted when it is not a zoo name and the part after the first colon is a name, not options.
-    Numbers become int or float; `classes=` is read as `num_classes=`.
-    """
+    """Split `name[:key=value,...]` or `package.module:factory[:key=value,...]` into (name, options). A zoo name
+    has no dot; a factory path is `module:attribute`, where a module without a dot is accepted when it is not a
+    zoo name and the part after the first colon is a name, not options. Numbers become int or float; `classes=`
+    is read as `num_classes=`."""
     parts = spec.strip().split(":")
     head = parts[0].strip()
     if not head:
@@ -328,12 +321,10 @@ def _smallest_image(model: nn.Module, batch_size: int, too_small: int) -> int:
 
 
 def build(name: str, **options: Any) -> nn.Module:
-    """Build a zoo model or call a user factory; `name` may carry options (`resnet18:width=0.5`).
-
-    Keyword options override those in `name`. Zoo options: `width` (channel multiplier, default 1.0)
-    and `num_classes` (default 10; `classes` is accepted too). Initialization draws from torch's global
-    RNG, so `torch.manual_seed(s)` before `build` makes it deterministic.
-    """
+    """Build a zoo model or call a user factory; `name` may carry options (`resnet18:width=0.5`), which keyword
+    options override. Zoo options: `width` (channel multiplier, default 1.0) and `num_classes` (default 10;
+    `classes` is accepted too). Initialization draws from torch's global RNG, so `torch.manual_seed(s)` before
+    `build` makes it deterministic."""
     model_name, spec_options = parse_model_spec(name)
     for alias, target in _ALIASES.items():
         if alias in options:
@@ -351,6 +342,5 @@ def build(name: str, **options: Any) -> nn.Module:
         return model
     checked = _check_zoo_options(model_name, merged)
     meta = _zoo_on_meta(model_name, checked)  # refused here, before a layer allocates its weights
-    _refuse_past_memory(f"model {name}", {"weights": _weight_bytes(meta)},
-                        "lower its width or classes")
+    _refuse_past_memory(f"model {name}", {"weights": _weight_bytes(meta)}, "lower its width or classes")
     return _ZOO[model_name](**checked)

@@ -25,10 +25,8 @@ def _multiples(channels: int, width: float, divisor: int) -> int:
 
 def scale_channels(channels: int, width: float, divisor: int = 1) -> int:
     """Channels at a width multiplier: nearest multiple of `divisor` (halves round up); a width that rounds a
-    layer to no channels is refused (``TooNarrow``), not widened behind the user's back.
-
-    `divisor` > 1 keeps counts splittable: ShuffleNetV2 halves its channels and shuffles them in 2 groups.
-    """
+    layer to no channels is refused (``TooNarrow``), not widened behind the user's back. `divisor` > 1 keeps
+    counts splittable: ShuffleNetV2 halves its channels and shuffles them in 2 groups."""
     multiples = _multiples(channels, width, divisor)
     if multiples < 1:
         raise TooNarrow(channels, width, divisor)

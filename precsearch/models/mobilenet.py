@@ -1,9 +1,6 @@
-"""MobileNetV2 in its CIFAR form (kuangliu/pytorch-cifar): stride 1 in the stem and in the first
-stride-2 stage, so a 32x32 input ends at 4x4.
-
-Written in functional style (`F.relu`, `F.adaptive_avg_pool2d`, residual `out + shortcut`) with
-depthwise convolutions (groups == channels).
-"""
+"""MobileNetV2 in its CIFAR form (kuangliu/pytorch-cifar): stride 1 in the stem and in the first stride-2 stage,
+so a 32x32 input ends at 4x4. Written in functional style (`F.relu`, `F.adaptive_avg_pool2d`, residual
+`out + shortcut`) with depthwise convolutions (groups == channels)."""
 
 from __future__ import annotations
 
@@ -14,9 +11,7 @@ from torch import nn
 from precsearch.models.common import scale_channels
 
 # (expansion, out_channels, num_blocks, stride); the second row's stride is 1 instead of ImageNet's 2.
-CONFIG = (
-    (1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1),
-)
+CONFIG = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
 
 
 class InvertedResidual(nn.Module):
@@ -28,18 +23,14 @@ class InvertedResidual(nn.Module):
         self.stride = stride
         self.conv1 = nn.Conv2d(in_planes, planes, kernel_size=1, bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(
-            planes, planes, kernel_size=3, stride=stride, padding=1, groups=planes, bias=False
-        )
+        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, stride=stride, padding=1, groups=planes, bias=False)
         self.bn2 = nn.BatchNorm2d(planes)
         self.conv3 = nn.Conv2d(planes, out_planes, kernel_size=1, bias=False)
         self.bn3 = nn.BatchNorm2d(out_planes)
         self.shortcut: nn.Sequential | None = None
         if stride == 1 and in_planes != out_planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, out_planes, kernel_size=1, bias=False),
-                nn.BatchNorm2d(out_planes),
-            )
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, out_planes, kernel_size=1, bias=False),
+                                          nn.BatchNorm2d(out_planes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))

@@ -1,7 +1,5 @@
-"""ResNet-18 in its CIFAR form (3x3 stem, stride 1, no stem max-pool), as in kuangliu/pytorch-cifar.
-
-Written in module style (nn.ReLU modules, one per use) with a functional residual `out + shortcut`.
-"""
+"""ResNet-18 in its CIFAR form (3x3 stem, stride 1, no stem max-pool), as in kuangliu/pytorch-cifar. Written in
+module style (nn.ReLU modules, one per use) with a functional residual `out + shortcut`."""
 
 from __future__ import annotations
 
@@ -23,10 +21,8 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(planes)
         self.shortcut: nn.Sequential | None = None
         if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_planes, planes, kernel_size=1, stride=stride, bias=False),
-                nn.BatchNorm2d(planes),
-            )
+            self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, kernel_size=1, stride=stride, bias=False),
+                                          nn.BatchNorm2d(planes))
         self.relu2 = nn.ReLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,6 @@
 """ShuffleNetV2 (1.0x stage widths 116-232-464, head 1024) in its CIFAR form: 3x3 stride-1 stem, no max-pool.
-
 Written in functional style: `x.chunk` for the channel split, `torch.cat`, `F.relu`, and a channel
-shuffle through `view` / `transpose` / `reshape` on sizes read from the tensor, as torchvision does.
-"""
+shuffle through `view` / `transpose` / `reshape` on sizes read from the tensor, as torchvision does."""
 
 from __future__ import annotations
 
@@ -24,14 +22,10 @@ def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.view(n, groups, c // groups, h, w).transpose(1, 2).reshape(n, c, h, w)
 
 
-def _conv_bn(
-    in_ch: int, out_ch: int, kernel_size: int, stride: int = 1, depthwise: bool = False
-) -> nn.Sequential:
+def _conv_bn(in_ch: int, out_ch: int, kernel_size: int, stride: int = 1, depthwise: bool = False) -> nn.Sequential:
     """Conv (no bias) + BN; `depthwise` makes a per-channel 3x3 conv (groups == channels)."""
-    conv = nn.Conv2d(
-        in_ch, out_ch, kernel_size, stride=stride, padding=kernel_size // 2,
-        groups=in_ch if depthwise else 1, bias=False,
-    )
+    conv = nn.Conv2d(in_ch, out_ch, kernel_size, stride=stride, padding=kernel_size // 2,
+                     groups=in_ch if depthwise else 1, bias=False)
     return nn.Sequential(conv, nn.BatchNorm2d(out_ch))
 
 
@@ -73,9 +67,7 @@ class DownUnit(nn.Module):
 
 class ShuffleNetV2(nn.Module):
     """Stem, three stages (one DownUnit then BasicUnits), 1x1 conv head, pool, Linear; channels times `width`.
-
-    Stage channels are kept even (at least 2) so they split in half and shuffle in 2 groups.
-    """
+    Stage channels are kept even (at least 2) so they split in half and shuffle in 2 groups."""
 
     def __init__(self, width: float = 1.0, num_classes: int = 10) -> None:
         super().__init__()

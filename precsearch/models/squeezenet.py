@@ -1,9 +1,7 @@
 """SqueezeNet 1.0 with BatchNorm after every hidden conv, in a CIFAR form: 3x3 stride-1 stem, no stem
 max-pool, 2x2 max-pools after fire4 and fire8 (32 -> 16 -> 8), a 1x1 conv classifier, global average pool.
-
-Written in module style (nn.ReLU modules, nn.MaxPool2d) with `torch.cat` joining the two expand branches.
-No dropout, so a seeded proxy run depends only on the seed and the data order.
-"""
+Written in module style (nn.ReLU modules, nn.MaxPool2d) with `torch.cat` joining the two expand branches. No
+dropout, so a seeded proxy run depends only on the seed and the data order."""
 
 from __future__ import annotations
 
@@ -50,9 +48,7 @@ class SqueezeNet(nn.Module):
         in_ch = scale_channels(STEM_CHANNELS, width)
         layers: list[tuple[str, nn.Module]] = [
             ("conv1", nn.Conv2d(3, in_ch, kernel_size=3, stride=1, padding=1, bias=False)),
-            ("bn1", nn.BatchNorm2d(in_ch)),
-            ("relu1", nn.ReLU()),
-        ]
+            ("bn1", nn.BatchNorm2d(in_ch)), ("relu1", nn.ReLU())]
         for index, (squeeze, expand) in enumerate(FIRE_CONFIG, start=2):
             name = f"fire{index}"
             fire = Fire(in_ch, scale_channels(squeeze, width), scale_channels(expand, width))

@@ -18,10 +18,10 @@ trains at L can blow up at 3L whatever the precision (mobilenet_v2's, plain fp32
 The state at every evaluation (model and optimizer state dicts, which carry precsearch's training state:
 promotions, loss scale, rounding counters; the global generators; the loop's own ``Progress``) is kept for
 the branch's return and, given a checkpoint path, written there atomically (and so is the state every
-``CHECKPOINT_EVERY`` steps); a run asked for a length at or
-past the checkpoint's step continues from it, bit for bit the run that was not stopped. A checkpoint is data:
-it is read with ``torch.load(weights_only=True)`` (tensors and plain values only), since a run directory may
-come from someone else and an unrestricted unpickler would run whatever code the file names.
+``CHECKPOINT_EVERY`` steps); a run asked for a length at or past the checkpoint's step continues from it, bit
+for bit the run that was not stopped. A checkpoint is data: it is read with ``torch.load(weights_only=True)``
+(tensors and plain values only), since a run directory may come from someone else and an unrestricted
+unpickler would run whatever code the file names.
 """
 
 from __future__ import annotations
@@ -99,9 +99,8 @@ class State:
     def capture(cls, model: torch.nn.Module, optimizer: Any, device: torch.device, scaler: Any = None) -> State:
         buffer = io.BytesIO()
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "rng": torch.get_rng_state(), "cuda_rng": cuda,
-                    "scaler": None if scaler is None else scaler.state_dict()}, buffer)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                    "cuda_rng": cuda, "scaler": None if scaler is None else scaler.state_dict()}, buffer)
         return cls(buffer.getvalue())
 
     def restore(self, model: torch.nn.Module, optimizer: Any, device: torch.device, scaler: Any = None) -> None:

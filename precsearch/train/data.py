@@ -11,6 +11,7 @@ channel with the training split's mean and std, and int64 labels. Names:
 - `imagefolder`: `root/train/<class>/*.png|jpg|...` and `root/val/<class>/...`, read with Pillow; every class
   needs val images, and an image over Pillow's pixel limit is refused from its header.
 - `synthetic`: seeded Gaussian images with a per-class pattern added (so it is learnable), for speed tests.
+- `gratings`: seeded faint gratings on a bright background, where low precision hurts (the demo's task).
 
 Nothing is downloaded and nothing is cached on disk. `make_loader` wraps a dataset in a DataLoader whose
 shuffling comes from an explicit seed; `random_crop_flip` is full training's augmentation (padded random crop
@@ -59,11 +60,7 @@ class ImageDataset(TensorDataset):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes: Sequence[str],
                  mean: torch.Tensor, std: torch.Tensor) -> None:
         super().__init__(images, labels)
-        self.images = images
-        self.labels = labels
-        self.classes = tuple(classes)
-        self.mean = mean
-        self.std = std
+        self.images, self.labels, self.classes, self.mean, self.std = images, labels, tuple(classes), mean, std
 
     @property
     def num_classes(self) -> int:
@@ -175,8 +172,7 @@ def _cifar_labels(value: Any, path: Path, count: int) -> np.ndarray:
 
 
 def _read_cifar_file(path: Path, label_key: str, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR pickle -> (N, 3, 32, 32) uint8 images and int64 labels in [0, count); one-line errors naming
-    the file."""
+    """One CIFAR pickle -> (N, 3, 32, 32) uint8 images and int64 labels in [0, count); errors name the file."""
     expected = f"a CIFAR python pickle dict with 'data' (N x 3072 uint8) and '{label_key}'"
     try:
         with path.open("rb") as handle:
@@ -235,8 +231,7 @@ def _require_directory(root: str | os.PathLike[str] | None, name: str, expected:
     return path
 
 
-def _load_cifar(name: str, root: str | os.PathLike[str] | None,
-                image_size: int) -> tuple[ImageDataset, ImageDataset]:
+def _load_cifar(name: str, root: str | os.PathLike[str] | None, image_size: int) -> tuple[ImageDataset, ImageDataset]:
     folder, train_files, test_file, label_key, meta_file, names_key, count = _CIFAR_LAYOUT[name]
     expected = f"{folder}/ with {', '.join(train_files)} and {test_file}"
     path = _require_directory(root, name, expected)
@@ -261,11 +256,9 @@ def _image_files(split_dir: Path, classes: Sequence[str]) -> list[list[Path]]:
 
 def _read_image_folder(files_of: list[list[Path]], image_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Every image of ``files_of`` (a list of files per class) as (N, 3, size, size) float32 in [0, 1] and its class
-    index.
-
-    An image over Pillow's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``, 89M pixels) is refused from
-    its header, before it is decoded: Pillow raises past twice the limit and only warns below, so its warning
-    is made an error here."""
+    index. An image over Pillow's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``, 89M pixels) is refused from its
+    header, before it is decoded: Pillow raises past twice the limit and only warns below, so its warning is made an
+    error here."""
     from PIL import Image, UnidentifiedImageError
 
     images, labels = [], []
@@ -297,9 +290,8 @@ def _image_pixels(image: Any, image_size: int, file: Path) -> np.ndarray:
         grey = image.convert("F").resize((image_size, image_size), Image.Resampling.BILINEAR)
         return np.repeat((np.asarray(grey, dtype=np.float32) / np.float32(65535))[None], 3, axis=0)
     if image.mode in ("I", "F"):
-        raise PrecsearchError(f"image {file} has 32-bit {'integer' if image.mode == 'I' else 'float'} pixels "
-                              f"(mode {image.mode}), whose range precsearch cannot know; save it as an 8- or "
-                              "16-bit image")
+        raise PrecsearchError(f"image {file} has 32-bit {'integer' if image.mode == 'I' else 'float'} pixels (mode "
+                              f"{image.mode}), whose range precsearch cannot know; save it as an 8- or 16-bit image")
     rgb = image.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
     return np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / np.float32(255)
 
@@ -310,8 +302,7 @@ def _image_classes(split_dir: Path) -> list[str]:
                   if d.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in d.iterdir()))
 
 
-def _load_image_folder(root: str | os.PathLike[str] | None,
-                       image_size: int) -> tuple[ImageDataset, ImageDataset]:
+def _load_image_folder(root: str | os.PathLike[str] | None, image_size: int) -> tuple[ImageDataset, ImageDataset]:
     expected = "train/<class>/*.png and val/<class>/*.png"
     path = _require_directory(root, "imagefolder", expected)
     for split in ("train", "val"):
@@ -410,24 +401,15 @@ def _fraction(value: float | None) -> float:
     return float(fraction)
 
 
-def load_dataset(
-    name: str = "digits",
-    root: str | os.PathLike[str] | None = None,
-    image_size: int = 32,
-    *,
-    seed: int = 0,
-    val_fraction: float | None = None,
-    num_classes: int | None = None,
-    train_size: int | None = None,
-    val_size: int | None = None,
-    contrast: float | None = None,
-) -> tuple[ImageDataset, ImageDataset]:
-    """Train and validation datasets by name; see the module docstring for the names.
-
-    `root` is the data folder (cifar10, cifar100, imagefolder only). `seed` fixes the digits split and the
-    synthetic draw. `val_fraction` (digits, default 0.2) is the stratified validation share.
-    `num_classes`, `train_size`, `val_size` (synthetic only; defaults 10, 1024, 256) size the synthetic data.
-    `gratings` takes `train_size`, `val_size` (defaults 2048, 1024) and `contrast` (its difficulty knob).
+def load_dataset(name: str = "digits", root: str | os.PathLike[str] | None = None, image_size: int = 32, *,
+                 seed: int = 0, val_fraction: float | None = None, num_classes: int | None = None,
+                 train_size: int | None = None, val_size: int | None = None, contrast: float | None = None
+                 ) -> tuple[ImageDataset, ImageDataset]:
+    """Train and validation datasets by name; see the module docstring for the names. `root` is the data folder
+    (cifar10, cifar100, imagefolder only). `seed` fixes the digits split and the synthetic draw. `val_fraction` (digits,
+    default 0.2) is the stratified validation share. `num_classes`, `train_size`, `val_size` (synthetic only; defaults
+    10, 1024, 256) size the synthetic data. `gratings` takes `train_size`, `val_size` (defaults 2048, 1024) and
+    `contrast` (its difficulty knob).
     """
     if name not in DATASETS:
         raise PrecsearchError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
@@ -488,10 +470,8 @@ def random_crop_flip(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
 
 def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = False) -> DataLoader:
-    """A single-process DataLoader whose shuffling is drawn from `torch.Generator().manual_seed(seed)`.
-
-    The same seed gives the same batch order in every run, independent of torch's global RNG.
-    """
+    """A single-process DataLoader whose shuffling is drawn from `torch.Generator().manual_seed(seed)`: the same
+    seed gives the same batch order in every run, independent of torch's global RNG."""
     batch_size = _positive_int(batch_size, "batch_size")
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,

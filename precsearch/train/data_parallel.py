@@ -80,16 +80,8 @@ from precsearch.train.trainer import (
     resolve_device,
 )
 
-__all__ = [
-    "LAYER_TYPES",
-    "AdaCompState",
-    "DataParallelResult",
-    "adacomp_hook",
-    "compression_by_type",
-    "layer_type",
-    "register_adacomp",
-    "train_data_parallel",
-]
+__all__ = ["LAYER_TYPES", "AdaCompState", "DataParallelResult", "adacomp_hook", "compression_by_type", "layer_type",
+           "register_adacomp", "train_data_parallel"]
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +92,7 @@ _INDEX_BYTES = 4  # per sent element: its index with the sign folded in, int32
 
 def layer_type(module: nn.Module) -> str:
     """``conv`` for any convolution, ``fc`` for Linear, ``other`` for the rest: picks the paper's bin length."""
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return "conv"
-    if isinstance(module, nn.Linear):
-        return "fc"
-    return "other"
+    return "conv" if isinstance(module, nn.modules.conv._ConvNd) else "fc" if isinstance(module, nn.Linear) else "other"
 
 
 def _bin_length(value: Any, name: str) -> int:
@@ -145,10 +133,7 @@ class AdaCompState:
         self.bins = {"conv": _bin_length(conv_bin, "conv_bin"), "fc": _bin_length(fc_bin, "fc_bin"),
                      "other": _bin_length(other_bin, "other_bin")}
         self.residual_format = get_format(residual_format)
-        self.enabled = bool(enabled)
-        self.loss_scale = 1.0
-        self.step = 0
-        self.wire_bytes = 0
+        self.enabled, self.loss_scale, self.step, self.wire_bytes = bool(enabled), 1.0, 0, 0
         self.residuals: dict[nn.Parameter, torch.Tensor] = {}
         self._layers: dict[nn.Parameter, _Layer] = {}
         if model is not None:
@@ -427,8 +412,7 @@ def _train_rank(rank: int, world: int, device: torch.device, job: _Job) -> DataP
                              steps_per_epoch=len(train_set) // config.batch_size)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     state = register_adacomp(ddp, **job.comm_options) if job.compress == "adacomp" else None
-    sgd = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum,
-                          weight_decay=config.weight_decay)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     optimizer = model.wrap_optimizer(sgd) if job.policy is not None else sgd
     scaler = model.scaler if job.policy is not None else NoLossScaler()
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, T_max=job.steps)

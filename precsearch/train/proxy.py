@@ -1,14 +1,11 @@
 """Short, seeded proxy training under a policy: the search's measure of whether an assignment trains.
 
-A proxy is the full training recipe scaled down (SGD with momentum and weight decay, a few hundred steps on
-small images) with a schedule whose every point is a result: a constant rate, read off a short cosine decay
-branch wherever it is evaluated (precsearch.train.continuing). It runs through ``runtime.apply_policy``, so the
-low-precision numerics, loss scaling and promotion guard are the ones the final training will use. It is
-deterministic: the model init, the batch order and every rounding draw come from ``seed``, so one assignment
-and seed always give the same numbers (the search relies on that to never train an assignment twice).
-
-A proxy stops at the first sign of divergence (precsearch.train.trainer.Divergence) and says why. The trainer itself
-(model, optimizer, schedule, loop, evaluation) is precsearch.train.trainer; its names are re-exported here.
+A proxy is the full training recipe scaled down (a few hundred steps on small images) with a schedule whose every
+point is a result: a constant rate, read off a short cosine decay branch wherever it is evaluated
+(precsearch.train.continuing). It runs through ``runtime.apply_policy``, so its numerics, loss scaling and
+promotion guard are the final training's; it is deterministic in ``seed`` (the search relies on that never to
+train an assignment twice), and it stops at the first sign of divergence (precsearch.train.trainer.Divergence),
+saying why. The trainer itself is precsearch.train.trainer; its names are re-exported here.
 
 The default recipe (``ProxyConfig``) is the paper's (SGD, momentum 0.9, weight decay 5e-4, decaying to zero)
 shrunk to 150 steps of batch 64 on 16x16 images, with lr 0.2: a sweep of lr {0.05, 0.1, 0.2} x steps
@@ -41,21 +38,8 @@ from precsearch.train.trainer import (
     train_policy,
 )
 
-__all__ = [
-    "PAPER_LR",
-    "PAPER_RECIPE",
-    "ProxyConfig",
-    "ProxyResult",
-    "ProxyTrainer",
-    "Recipe",
-    "build_model",
-    "evaluate",
-    "resolve_device",
-    "run_proxy",
-    "train",
-    "train_policy",
-    "Trainer",
-]
+__all__ = ["PAPER_LR", "PAPER_RECIPE", "ProxyConfig", "ProxyResult", "ProxyTrainer", "Recipe", "build_model",
+           "evaluate", "resolve_device", "run_proxy", "train", "train_policy", "Trainer"]
 
 
 def run_proxy(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,

@@ -57,25 +57,9 @@ from precsearch.train.continuing import (
 from precsearch.train.data import ImageDataset, make_loader, random_crop_flip
 from precsearch.train.reading import Reading, evaluate, read_model
 
-__all__ = [
-    "METRICS_COLUMNS",
-    "PAPER_LR",
-    "PAPER_RECIPE",
-    "Divergence",
-    "ProxyResult",
-    "Recipe",
-    "build_model",
-    "check_policy_inputs",
-    "eval_interval",
-    "determinism",
-    "evaluate",
-    "kaiming_fan_out_",
-    "metrics_row",
-    "resolve_device",
-    "seeded",
-    "train",
-    "train_policy",
-]
+__all__ = ["METRICS_COLUMNS", "PAPER_LR", "PAPER_RECIPE", "Divergence", "ProxyResult", "Recipe", "build_model",
+           "check_policy_inputs", "eval_interval", "determinism", "evaluate", "kaiming_fan_out_", "metrics_row",
+           "resolve_device", "seeded", "train", "train_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +146,7 @@ def check_policy_inputs(policy: Policy | None, train_set: ImageDataset) -> None:
     if made[0] != data[0]:
         raise PrecsearchError(f"the policy was made for {made[0]}-channel inputs {made}, the data has {data[0]} "
                               f"channels {data}; make a policy for this data (precsearch search --data ...)")
-    raise PrecsearchError(f"the policy was made for inputs {made}, the data has {data}; pass --image-size "
-                          f"{made[-1]}")
+    raise PrecsearchError(f"the policy was made for inputs {made}, the data has {data}; pass --image-size {made[-1]}")
 
 
 def eval_interval(eval_every: int | None, per_epoch: int) -> int:
@@ -300,30 +283,13 @@ Report = Callable[[int, float], None]
 Evaluate = Callable[[int, Reading], None]
 
 
-def train(
-    model_spec: str,
-    policy: Policy | None,
-    data: tuple[ImageDataset, ImageDataset],
-    steps: int,
-    seed: int = 0,
-    device: str = "auto",
-    config: ProxyConfig | None = None,
-    *,
-    stop_on_divergence: bool = True,
-    report: Report | None = None,
-    eval_every: int | None = None,
-    on_eval: Evaluate | None = None,
-    evaluate_at: Collection[int] = (),
-    recipe: Recipe | None = None,
-    deterministic: bool = True,
-    compile: CompileOptions | None = None,
-    runtime: Runtime | None = None,
-    on_start: Callable[[], None] | None = None,
-    continuing: bool = False,
-    checkpoint: Path | None = None,
-    decay_from: int | None = None,
-    autocast: torch.dtype | None = None,
-) -> ProxyResult:
+def train(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int, seed: int = 0,
+          device: str = "auto", config: ProxyConfig | None = None, *, stop_on_divergence: bool = True,
+          report: Report | None = None, eval_every: int | None = None, on_eval: Evaluate | None = None,
+          evaluate_at: Collection[int] = (), recipe: Recipe | None = None, deterministic: bool = True,
+          compile: CompileOptions | None = None, runtime: Runtime | None = None,
+          on_start: Callable[[], None] | None = None, continuing: bool = False, checkpoint: Path | None = None,
+          decay_from: int | None = None, autocast: torch.dtype | None = None) -> ProxyResult:
     """Train ``model_spec`` under ``policy`` (None: plain fp32, no wrapper and no loss scaling) for ``steps``
     SGD steps and evaluate on the validation split. ``autocast`` (with no policy): the plain model's forward,
     loss and readings under ``torch.autocast(dtype)``, float16 through a GradScaler (precsearch.train.autocast).
@@ -332,16 +298,15 @@ def train(
     has none. The loss scaler learns the steps per epoch (a ``growth_interval`` of ``"epoch"``).
 
     ``report(step, loss)`` is called every ``config.report_every`` steps with the running mean loss (the
-    search passes Optuna's pruning hook; whatever it raises propagates). ``on_eval(step, acc, loss)`` gets
-    a validation result every ``eval_every`` steps (full training's metrics) and at each step of
-    ``evaluate_at`` (the search's rungs; those accuracies are the result's ``val_curve``, and whatever
-    ``on_eval`` raises there propagates). ``stop_on_divergence=False``
-    keeps training after a divergence was detected and records it all the same. ``deterministic``
-    runs it under ``determinism`` (the search relies on a seed giving the same numbers). ``compile`` trains
-    with the compiled step (precsearch.runtime.compiled; None: eagerly), ``runtime`` (default: the process's,
-    ``default_runtime()``) holds its compiled graphs, and runs the format kernels as the default runtime for the
-    call. The result's ``wall_time`` counts from
-    when the model is built (a user factory's own time is not training time); ``on_start()`` is called then.
+    search passes Optuna's pruning hook; whatever it raises propagates). ``on_eval(step, reading)`` gets a
+    validation reading every ``eval_every`` steps (full training's metrics) and at each step of ``evaluate_at``
+    (the search's rungs; those accuracies are the result's ``val_curve``, and whatever ``on_eval`` raises there
+    propagates). ``stop_on_divergence=False`` keeps training after a divergence and records it all the same.
+    ``deterministic`` runs it under ``determinism`` (the search relies on a seed giving the same numbers).
+    ``compile`` trains with the compiled step (precsearch.runtime.compiled; None: eagerly); ``runtime`` (default:
+    ``default_runtime()``) holds its compiled graphs and is the default runtime for the call. The result's
+    ``wall_time`` counts from when the model is built (a user factory's own time is not training time);
+    ``on_start()`` is called then.
 
     ``continuing`` trains at a constant rate and reads every evaluation off a short decay branch, so that the
     run's result at any step is that of a run of that length (precsearch.train.continuing); ``checkpoint``
@@ -387,8 +352,7 @@ class _TrainingRun:
     def __init__(self, model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int,
                  seed: int, device: torch.device, config: ProxyConfig, *, recipe: Recipe | None,
                  compile: CompileOptions | None, runtime: Runtime, on_start: Callable[[], None] | None,
-                 continuing: bool,
-                 checkpoint: Path | None, decay_from: int | None, autocast: torch.dtype | None,
+                 continuing: bool, checkpoint: Path | None, decay_from: int | None, autocast: torch.dtype | None,
                  evaluate_at: Collection[int]) -> None:
         self.policy, self.data, self.train_set, self.steps, self.seed = policy, data, data[0], steps, seed
         self.device, self.config, self.autocast = device, config, autocast
@@ -506,16 +470,9 @@ class _TrainingRun:
         write_checkpoint(self.checkpoint, self.tag, self._capture(), self.progress)
 
     def evaluate(self, step: int, final: bool, on_eval: Evaluate | None) -> Reading:
-        """The reading at ``step``, handed to ``on_eval``."""
-        reading = self._read(step, final)
-        if on_eval is not None:
-            on_eval(step, reading)
-        return reading
-
-    def _read(self, step: int, final: bool) -> Reading:
-        """The reading at ``step`` (precsearch.train.reading: batch norm's statistics recomputed first): of
-        the model as it is, or, continuing, off a decay branch (precsearch.train.continuing), the state at
-        ``step`` checkpointed and, unless ``final``, restored after it."""
+        """The reading at ``step`` (precsearch.train.reading: batch norm's statistics recomputed first), handed to
+        ``on_eval``: of the model as it is, or, continuing, off a decay branch (precsearch.train.continuing), the
+        state at ``step`` checkpointed and, unless ``final``, restored after it."""
         progress, config = self.progress, self.config
         branched = self.continuing and not progress.reason and not progress.decay  # a run in its decay is read as is
         state = self._capture() if branched else None
@@ -540,6 +497,8 @@ class _TrainingRun:
             if not final:
                 state.restore(self.model, self.optimizer, self.device, self.own_scaler)
                 self._set_lr(config.lr)
+        if on_eval is not None:
+            on_eval(step, reading)
         return reading
 
     def result(self, reading: Reading) -> ProxyResult:
@@ -551,25 +510,14 @@ class _TrainingRun:
         stats = self.model.tensor_stats() if self.policy is not None else {}
         overflow_max, underflow_max, underflow_mean = _stat_summary(stats)
         result = ProxyResult(
-            val_accuracy=accuracy,
-            val_loss=val_loss if math.isfinite(val_loss) else float("inf"),
-            batch_stats_accuracy=reading.batch_stats_accuracy,
-            diverged=bool(reason),
-            reason=reason,
-            steps_run=self.steps_run,
-            loss_curve=self.progress.losses,
-            skipped_steps=self.scaler.skipped_steps,
+            val_accuracy=accuracy, val_loss=val_loss if math.isfinite(val_loss) else float("inf"),
+            batch_stats_accuracy=reading.batch_stats_accuracy, diverged=bool(reason), reason=reason,
+            steps_run=self.steps_run, loss_curve=self.progress.losses, skipped_steps=self.scaler.skipped_steps,
             final_loss_scale=float(self.scaler.get_scale()),
             promotions=[promotion.id for promotion in self.model.promotions] if self.policy is not None else [],
-            overflow_max=overflow_max,
-            underflow_max=underflow_max,
-            underflow_mean=underflow_mean,
-            wall_time=self.elapsed(),
-            device=str(self.device),
-            val_curve=self.progress.val_curve,
-            steps_spent=self.spent,
-            branch_steps=self.progress.branch_steps,
-        )
+            overflow_max=overflow_max, underflow_max=underflow_max, underflow_mean=underflow_mean,
+            wall_time=self.elapsed(), device=str(self.device), val_curve=self.progress.val_curve,
+            steps_spent=self.spent, branch_steps=self.progress.branch_steps)
         log.info("proxy: acc %.4f loss %.4f%s in %.1fs", accuracy, result.val_loss,
                  f" (diverged: {reason})" if reason else "", result.wall_time)
         return result
@@ -588,19 +536,14 @@ def metrics_row(step: int, per_epoch: int, losses: list[float], reading: Reading
             f"{reading.batch_stats_accuracy:.8g},{wall_time:.3f}")
 
 
-def train_policy(
-    model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int, *,
-    config: ProxyConfig | None = None,
-    eval_every: int | None = None,
-    metrics: str | Path | None = None,
-    recipe: Recipe | None = PAPER_RECIPE,
-    **options: Any,
-) -> ProxyResult:
+def train_policy(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, ImageDataset], steps: int, *,
+                 config: ProxyConfig | None = None, eval_every: int | None = None, metrics: str | Path | None = None,
+                 recipe: Recipe | None = PAPER_RECIPE, **options: Any) -> ProxyResult:
     """Full training under a policy file (None: plain fp32, the yardstick a pick is held against): checks
-    the policy was made for this model (graph fingerprint),
-    trains without stopping at divergence with the paper's ``recipe`` (augmentation, Kaiming fan-out init,
-    cosine per epoch; None: a proxy's), and rewrites the ``metrics`` CSV after every evaluation
-    (``METRICS_COLUMNS``). ``options`` are ``train``'s (``seed``, ``device``, ``deterministic``)."""
+    the policy was made for this model (graph fingerprint), trains without stopping at divergence with the
+    paper's ``recipe`` (augmentation, Kaiming fan-out init, cosine per epoch; None: a proxy's), and rewrites the
+    ``metrics`` CSV after every evaluation (``METRICS_COLUMNS``). ``options`` are ``train``'s (``seed``, ``device``,
+    ``deterministic``)."""
     config = config or ProxyConfig()
     train_set = data[0]
     check_policy_inputs(policy, train_set)
@@ -614,14 +557,11 @@ def train_policy(
         if metrics is not None:
             atomic_write_text(metrics, "\n".join(rows) + "\n")
 
-    def remember(step: int, loss: float) -> None:
-        losses.append(loss)
-
     def started() -> None:
         nonlocal start
         start = time.perf_counter()
 
     eval_every = eval_interval(eval_every, per_epoch)
     return train(model_spec, policy, data, steps, config=dataclasses.replace(config, report_every=1),
-                 stop_on_divergence=False, report=remember, eval_every=eval_every, on_eval=record, recipe=recipe,
-                 on_start=started, **options)
+                 stop_on_divergence=False, report=lambda step, loss: losses.append(loss), eval_every=eval_every,
+                 on_eval=record, recipe=recipe, on_start=started, **options)
