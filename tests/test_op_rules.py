@@ -22,7 +22,9 @@ from precsearch.formats.kernels import quantize
 from precsearch.formats.runner import Runtime, default_runtime
 from precsearch.graph.op_rules import OP_RULES, OpRule, OpRules
 from precsearch.graph.tracing import trace
+from precsearch.runtime import model as runtime_model
 from precsearch.runtime.model import apply_policy
+from precsearch.runtime.sites import AliasSite, SitePlan
 
 LOW = "e4m3b4s"
 BATCH = 2
@@ -185,6 +187,44 @@ def test_an_injected_plan_decision_reaches_every_lowering(rules):
         results.append([output.detach(), *(param.grad for param in wrapped.module.parameters())])
     eager, compiled = results
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+class TransposedNet(Net):
+    """Net reading the ReLU's output transposed: its flatten copies the rounded values, which fc saves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.relu(self.shift(self.conv(x))).transpose(2, 3).flatten(1))
+
+
+def test_an_injected_alias_decision_reaches_the_eager_lowering(monkeypatch):
+    """Which layout ops hold a rounded value as it is is the site plan's (``SitePlan.aliases``): the transpose
+    and the flatten after the ReLU. With them taken off in an injected plan, the FX lowering, with no edit of
+    its own, puts no ``Alias`` after them and saves fc's input, the flatten's copy, as float32 (four bytes a
+    value, not one); with them, as the ReLU's codes. The output and every gradient agree bit for bit."""
+    torch.manual_seed(0)
+    model, x = TransposedNet(), torch.randn(BATCH, 3, 4, 4)
+    graph = trace(model, x)
+    policy = policy_from_assignment(graph, {tid: LOW for tid in graph.assignable_ids()
+                                            if graph.tensors[tid].kind == "activation"})
+    planned, results = runtime_model.plan_sites, []
+    for keep in (True, False):
+        def injected(*args, keep=keep, **kwargs):
+            plan = planned(*args, **kwargs)
+            return SitePlan(plan.ops, plan.weights, plan.aliases if keep else ())
+
+        monkeypatch.setattr(runtime_model, "plan_sites", injected)
+        wrapped = apply_policy(copy.deepcopy(model), policy, x)
+        aliases = [AliasSite("transpose", "relu", ((0, 0),)), AliasSite("flatten", "relu", ((0, 0),))]
+        assert list(wrapped.sites.aliases) == (aliases if keep else [])
+        calls = [type(module).__name__ for module in vars(wrapped)["_target"].modules()]
+        assert calls.count("Alias") == (2 if keep else 0)
+        output = wrapped(x)
+        results.append([wrapped.saved_bytes().activation, output.detach()])
+        output.square().sum().backward()
+        results[-1] += [param.grad for param in wrapped.module.parameters()]
+    (kept_bytes, *kept), (float_bytes, *floats) = results
+    assert float_bytes - kept_bytes == 3 * SHIFT_NUMEL
+    assert all(torch.equal(a, b) for a, b in zip(kept, floats, strict=True))
 
 
 def test_one_runtime_compiles_a_step_of_its_own_for_each_rule_table():

@@ -219,3 +219,46 @@ def test_gemms_inside_a_leaf_function_are_listed_as_unenforced_with_a_warning(ca
     report = check_policy(policy, graph)
     assert report.unenforced == [f"attention ({graph.unenforced()['attention']})"]
     assert "WARNING: 1 op(s) not enforced inside" in report.summary()
+
+
+class SecondInput(nn.Module):
+    """``a * other``, mul saving both factors: ``other`` is conv_b's output as it is (``plain``), the same through
+    ``type_as(a)`` (a's dtype, not its values), or ``(a > 0).float()`` (a mask, not a's values)."""
+
+    def __init__(self, other: str) -> None:
+        super().__init__()
+        self.other = other
+        self.conv_a = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv_b = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 16 * 16, 5)
+
+    def forward(self, x):
+        a = self.conv_a(x)
+        other = {"plain": lambda: self.conv_b(x), "type_as": lambda: self.conv_b(x).type_as(a),
+                 "mask": lambda: (a > 0).float()}[self.other]()
+        return self.fc(torch.flatten(a * other, 1))
+
+
+def test_a_layout_op_carries_the_rounded_values_of_its_first_input_alone():
+    """Every activation e4m3b4s but conv_b's output: ``type_as(a)`` and ``(a > 0).float()`` read the low ``a``
+    yet hold none of its values, so they are no alias of it (precsearch.runtime.sites ``AliasSite``): the
+    runtime keeps the factor as float32, as the cost model prices it, and the gradients are those of the model
+    without ``type_as`` (taken for an alias of ``a``, the factor was packed as a's codes: conv_a's gradient read
+    conv_b's output rounded to a's format)."""
+    x = _example(BATCH, seed=1)
+    results = {}
+    for other in ("plain", "type_as", "mask"):
+        torch.manual_seed(0)
+        model = SecondInput(other)
+        graph = trace(model, x)
+        policy = policy_from_assignment(graph, {tid: "e4m3b4s" for tid in graph.assignable_ids()
+                                                if graph.tensors[tid].kind == "activation"
+                                                and not tid.startswith("conv_b")})
+        wrapped = apply_policy(model, policy, x)
+        output = wrapped(x)
+        saved = wrapped.saved_bytes()
+        assert saved.activation + saved.other == CostModel(graph).saved_activation_bytes(policy.assignment(graph))
+        assert "conv_a" not in {site.op for site in wrapped.sites.aliases}  # only flatten (mul), type_as (conv_b)
+        output.square().sum().backward()
+        results[other] = [output.detach(), *(param.grad for param in model.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(results["plain"], results["type_as"], strict=True))

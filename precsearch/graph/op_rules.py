@@ -167,10 +167,6 @@ class OpRules:
         """The rule of a graph op of ``module_type`` (``OpInfo.module_type``)."""
         return self._by_class_name.get(module_type) or self.function(module_type)
 
-    def returns_no_tensor(self, target: Any) -> bool:
-        """Whether a call of ``target`` (an FX node's target: a method name, a function) returns no tensor."""
-        return isinstance(target, str) and self.function(target).no_tensor
-
     def aten_gemm(self, name: str) -> bool:
         """Whether an aten op (by its overload packet's name) multiplies matrices, as the dispatcher sees it
         below FX: the rounding points of a GEMM."""

@@ -9,7 +9,6 @@ an FX leaf function or module are rounded at their boundary only (``TensorGraph.
 from __future__ import annotations
 
 import copy
-import operator
 
 from torch import fx, nn
 
@@ -47,7 +46,7 @@ def instrument_fx(graph: TensorGraph, plan: SitePlan, module: nn.Module, roundin
         if name in traced:
             gm.set_submodule(name, layer)
     rounders, carried = _insert_rounders(gm, graph, plan, rounding, in_place)
-    _insert_aliases(gm, graph, rounding, carried)
+    _insert_aliases(gm, plan, rounding, rounders, carried)
     for name, (node, inserted) in rounders.items():
         if plan.of_op(name).per_use:
             _round_per_use(gm, node, inserted, rounding)
@@ -99,26 +98,19 @@ def _insert_rounders(gm: fx.GraphModule, graph: TensorGraph, plan: SitePlan, rou
     return rounders, carried
 
 
-def _insert_aliases(gm: fx.GraphModule, graph: TensorGraph, rounding: Rounding,
-                    carried: dict[fx.Node, dict[int, Slot]]) -> None:
-    """An ``Alias`` after every layout op that may copy a rounded activation (a ``getitem`` picks its output's
-    slot); ``carried`` gains the nodes that carry a rounded activation on."""
-    op_nodes = {op.node for op in graph.ops}
-    for node in list(gm.graph.nodes):
-        if (node.name in op_nodes or node in carried or not node.op.startswith("call_")
-                or graph.rules.returns_no_tensor(node.target) or node.target is getattr):
-            continue
-        source_slots = next((carried[arg] for arg in node.all_input_nodes if arg in carried), None)
-        if not source_slots:
-            continue
-        if node.target is operator.getitem and isinstance(node.args[1], int):
-            picked = source_slots.get(node.args[1])
-            source_slots = {0: picked} if picked is not None else {}
-        if 0 in source_slots:
-            alias = Alias(rounding, source_slots[0])
-            carried[_insert(gm, node, node, f"precsearch_alias_{len(carried)}", alias)] = source_slots
-        elif source_slots:
-            carried[node] = source_slots
+def _insert_aliases(gm: fx.GraphModule, plan: SitePlan, rounding: Rounding,
+                    rounders: dict[str, tuple[fx.Node, Rounder]], carried: dict[fx.Node, dict[int, Slot]]) -> None:
+    """An ``Alias`` after every layout op of the plan (``SitePlan.aliases``) whose value holds a low rounded
+    activation at position 0; ``carried`` gains the nodes that carry one on."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    for index, site in enumerate(plan.aliases):
+        made = carried.get(rounders[site.op][0], {}) if site.op in rounders else {}
+        slots = {position: made[source] for position, source in site.carries if source in made}
+        node = nodes[site.node]
+        if 0 in slots:
+            carried[_insert(gm, node, node, f"precsearch_alias_{index}", Alias(rounding, slots[0]))] = slots
+        elif slots:
+            carried[node] = slots
 
 
 def _replace_layer_calls(gm: fx.GraphModule, plan: SitePlan, module: nn.Module, rounding: Rounding,

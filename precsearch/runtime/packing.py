@@ -281,7 +281,8 @@ class Packer:
             return
         known = self._live.get(_storage(t))
         if known is None or known.storage.expired():  # a view of a known storage is no copy
-            _, codes = state.round(t, slot, with_codes=True, count=False)
+            with torch.no_grad():  # no graph: its saves would be held to the forward's end
+                _, codes = state.round(t, slot, with_codes=True, count=False)
             self.register(t, t, codes, slot.kind)
 
     def pack(self, t: torch.Tensor) -> Stored:

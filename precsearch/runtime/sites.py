@@ -15,7 +15,9 @@ op rules it was traced with, and read by every lowering (``instrument_fx``, ``in
   holds (``OpSites.fresh_gradient``; precsearch.graph.in_place): the eager lowering does, unless told not to;
 * an output an add alone reads (``OpSites.gradient_from``) receives the add's output gradient itself: where the
   add's rounding rounded it as this output's gradient rounds (``Slot.rounds_again_as``), rounding it again
-  changes no value, so a lowering may round it over itself (eager) or only count it (compiled).
+  changes no value, so a lowering may round it over itself (eager) or only count it (compiled);
+* a layout op holding an op's rounded output as it is, from its first input (``AliasSite``), may copy it: the
+  eager lowering packs the copy as that output's codes (``Alias``).
 
 The plan is structural: which formats are low is the state's (``TensorState``), read by each lowering as it
 rounds; so is which weight gradients are held as codes to the end of the backward (``Slot.holds_codes``, a
@@ -25,6 +27,7 @@ position is a change here or in the op rules, not in a lowering.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -33,10 +36,10 @@ from torch import nn
 
 from precsearch.config.spec import WEIGHT, TensorId
 from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
-from precsearch.graph.op_rules import OpRules
+from precsearch.graph.op_rules import OpRules, call_name
 from precsearch.graph.types import TensorGraph, grad_id
 
-__all__ = ["OpSites", "OutputSite", "SitePlan", "WeightSite", "plan_sites", "reads_packed_input",
+__all__ = ["AliasSite", "OpSites", "OutputSite", "SitePlan", "WeightSite", "plan_sites", "reads_packed_input",
            "reads_rounded_output"]
 
 
@@ -73,11 +76,21 @@ class WeightSite:
     gradient: str | None
 
 
-class SitePlan:
-    """Every rounding site of a graph: per op that makes assignable tensors, and per weight."""
+@dataclass(frozen=True)
+class AliasSite:
+    """A layout op's FX node holding rounded outputs of ``op`` as they are: ``carries`` (its position, op's)."""
 
-    def __init__(self, ops: tuple[OpSites, ...], weights: tuple[WeightSite, ...]) -> None:
-        self.ops, self.weights = ops, weights
+    node: str
+    op: str
+    carries: tuple[tuple[int, int], ...]
+
+
+class SitePlan:
+    """Every rounding site of a graph: per op that makes assignable tensors, per weight; the layout ops after them."""
+
+    def __init__(self, ops: tuple[OpSites, ...], weights: tuple[WeightSite, ...],
+                 aliases: tuple[AliasSite, ...] = ()) -> None:
+        self.ops, self.weights, self.aliases = ops, weights, aliases
         self._by_op = {sites.op: sites for sites in ops}
         self._by_node = {sites.node: sites for sites in ops}
 
@@ -115,13 +128,33 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -
     weights = tuple(WeightSite(info.param, tensor_id, gradient_of(tensor_id))
                     for tensor_id, info in graph.tensors.items()
                     if tensor_id in assignable and info.kind == WEIGHT)
-    return SitePlan(tuple(ops.values()), weights)
+    return SitePlan(tuple(ops.values()), weights, _aliases(graph, ops.values()))
 
 
 def _one_rounded_gradient(sites: OpSites) -> bool:
     """Whether ``sites`` round one output, at position 0, and its gradient at the value (not per use)."""
     return ([out.position for out in sites.outputs] == [0] and sites.outputs[0].gradient is not None
             and not sites.per_use)
+
+
+def _aliases(graph: TensorGraph, ops: Iterable[OpSites]) -> tuple[AliasSite, ...]:
+    """The layout ops (the rules' pass-throughs) carrying a rounded output on from their first input, whose values
+    they hold: not ``y``'s in ``x.type_as(y)``, nor ``y``'s through an op the tracer keeps none of (``y > 0``)."""
+    gm, aliases = graph.graph_module, []
+    carried = {sites.node: (sites.op, {out.position: out.position for out in sites.outputs}) for sites in ops}
+    for node in gm.graph.nodes if gm is not None else ():
+        source = carried.get(node.all_input_nodes[0].name) if node.all_input_nodes else None
+        rule = (graph.rules.module(gm.get_submodule(node.target)) if node.op == "call_module"
+                else graph.rules.function(call_name(node.target)[0]))
+        if source is None or node.target is getattr or not rule.pass_through or rule.no_tensor:
+            continue  # getattr: x.shape, no tensor
+        op, positions = source
+        if node.target is operator.getitem and isinstance(node.args[1], int):  # it picks one position
+            positions = {0: positions[node.args[1]]} if node.args[1] in positions else {}
+        if positions:
+            carried[node.name] = op, positions
+            aliases.append(AliasSite(node.name, op, tuple(positions.items())))
+    return tuple(aliases)
 
 
 def reads_rounded_output(rules: OpRules, layer: nn.Module) -> bool:
