@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -37,24 +35,18 @@ from precsearch.search.context import SearchContext, combine_seeds, seed_record
 from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.rungs import RungStop
 from precsearch.search.selection import race_settled, untrained_reason
-from precsearch.search.storage import StudyLocation
+from precsearch.search.storage import StudyLocation, owner_id
 from precsearch.search.strategies import assign, assignment_key, low_share
 from precsearch.search.trials import TrialRecord, set_attrs, set_constraints, trials_frame
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["FINISHED", "Objective", "TrialStep", "worker_name"]
+__all__ = ["FINISHED", "Objective", "TrialStep"]
 
 log = logging.getLogger(__name__)
 
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-
-
-def worker_name() -> str:
-    """This process's name among a study's workers, ``host:pid``: asked when needed, so a forked or spawned
-    process names itself."""
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -110,7 +102,7 @@ class Objective:
         assignment = assign(context.graph, context.space, decisions)
         key = assignment_key(assignment)
         planned, _ = context.memory(assignment)
-        set_attrs(trial, TrialRecord(key=key, memory_planned=planned, worker=worker_name(),
+        set_attrs(trial, TrialRecord(key=key, memory_planned=planned, worker=owner_id(),
                                      low_share=low_share(context.graph, context.space, decisions)))
         study = trial.study
         previous = self._claim(trial, key)
@@ -145,7 +137,7 @@ class Objective:
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
         path.parent.mkdir(exist_ok=True)
         proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
-        policy.replace(provenance={**policy.provenance, "worker": worker_name(), "proxy": proxy}).save(path)
+        policy.replace(provenance={**policy.provenance, "worker": owner_id(), "proxy": proxy}).save(path)
         set_attrs(trial, TrialRecord.from_result(
             result, memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **measures,
             **seed_record(accuracies), seed_steps=tuple(seed_steps), branch_steps=branches,

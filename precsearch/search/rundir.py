@@ -37,7 +37,7 @@ from precsearch.search.confirmation import recorded_confirmation
 from precsearch.search.storage import StudyLocation, owner_id
 
 __all__ = ["CHECKPOINTS", "LOCK_FILES", "RUN_FILE", "SEARCH_FORMAT", "RunLock", "check_journal_kept", "check_resume",
-           "earlier_search", "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files", "owned",
+           "earlier_search", "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files",
            "quiet_optuna_interrupts", "remove_new_run_dir", "remove_stale_journal_lock", "remove_temporaries",
            "write_run_file"]
 
@@ -68,7 +68,8 @@ def _try_flock(fd: int, mode: int) -> bool:
 
 
 class RunLock:
-    """Exclusive ownership of a run directory by this process (see the module docstring)."""
+    """Exclusive ownership of a run directory by this process (see the module docstring). A process refused the
+    lock removes nothing, not even a folder it created a moment ago: the owner got in first and writes there."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
@@ -191,18 +192,6 @@ def make_run_dir(out_dir: Path) -> bool:
             raise PrecsearchError(f"--out {out_dir} is not a directory; give a folder") from None
         return False
     return True
-
-
-@contextlib.contextmanager
-def owned(out_dir: Path) -> Iterator[None]:
-    """The run directory's lock for the block. A process refused the lock removes nothing, not even a
-    folder it created a moment ago: the owner got in first and writes there."""
-    lock = RunLock(out_dir)
-    lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def missing_lock_files(out_dir: Path) -> list[Path]:

@@ -104,20 +104,20 @@ from precsearch.search.context import Budget, DataSpec, SearchContext, torch_thr
 from precsearch.search.export import Decision, SearchResult, decide, export, pick_policy
 from precsearch.search.ledger import Ledger, pause_point
 from precsearch.search.noise import pooled_noise, seeds_for
-from precsearch.search.objective import FINISHED, Objective, worker_name
+from precsearch.search.objective import FINISHED, Objective
 from precsearch.search.peaks import PICK_PEAK, measure_step_peaks
 from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
     CHECKPOINTS,
     RUN_FILE,
     SEARCH_FORMAT,
+    RunLock,
     check_journal_kept,
     check_resume,
     earlier_search,
     lost_study,
     make_run_dir,
     missing_lock_files,
-    owned,
     quiet_optuna_interrupts,
     remove_new_run_dir,
     remove_stale_journal_lock,
@@ -127,7 +127,7 @@ from precsearch.search.rundir import (
 from precsearch.search.seeding import seed_study
 from precsearch.search.selection import confirmable_front, confirmation_rule, pareto_front
 from precsearch.search.settings import SearchConfig
-from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
+from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation, owner_id
 from precsearch.search.trials import TrialRecord, params_of, policy_of, retry_trial, trials_frame
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
@@ -152,16 +152,8 @@ from precsearch.train.continuing import check_checkpoints
 from precsearch.train.proxy import Trainer
 from precsearch.train.trainer import resolve_device
 
-__all__ = [
-    "SearchInterrupted",
-    "SearchResult",
-    "export_study",
-    "join_study",
-    "quiet",
-    "run_search",
-    "study_config",
-    "study_ledger",
-]
+__all__ = ["SearchInterrupted", "SearchResult", "export_study", "join_study", "quiet", "run_search", "study_config",
+           "study_ledger"]
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +278,7 @@ def _trial_budget(context: SearchContext, trials: int) -> int:
 
 def study_ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage,
                  run_id: str = "", index: int = 0, pause_at: str | None = None) -> Ledger:
-    """This process's ledger of ``study``'s steps. Workers of a shared study are told apart by ``worker_name``: a
+    """This process's ledger of ``study``'s steps. Workers of a shared study are told apart by ``owner_id``: a
     dead one's claim on a step is taken over after the heartbeat timeout. A study of one run is used by the
     processes of the run ``run_id`` that holds its run lock: the parent (``index`` 0) takes steps only while none
     of its ``--jobs`` workers (1, 2, ...) runs, and the workers honour each other's claims as leases. So a step
@@ -295,7 +287,7 @@ def study_ledger(study: optuna.Study, location: StudyLocation, storage: optuna.s
     (``ledger.pause_point``)."""
     lock = functools.partial(location.lock, storage)
     if location.shared:
-        return Ledger(study, lock, worker_name(), stale=3.0 * location.heartbeat, pause_at=pause_at)
+        return Ledger(study, lock, owner_id(), stale=3.0 * location.heartbeat, pause_at=pause_at)
     ours = f"run {run_id}/"
     return Ledger(study, lock, f"{ours}{index}", stale=3.0 * location.heartbeat,
                   alive=lambda other: index > 0 and other.startswith(ours), pause_at=pause_at)
@@ -480,7 +472,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
         backend = location.open() if config.storage is not None else None  # fail on a bad URL before writing
         created = make_run_dir(out_dir)
         new_locks = missing_lock_files(out_dir)
-        with quiet(), torch_threads(config.threads), owned(out_dir):
+        with quiet(), torch_threads(config.threads), RunLock(out_dir):
             try:
                 check_resume(out_dir, config.resume, run_config, location.shared)
                 check_journal_kept(out_dir, location, config.resume)
