@@ -37,11 +37,7 @@ from precsearch.files import atomic_write_text
 from precsearch.search.context import Budget, DataSpec, SearchContext, proxy_compile, torch_threads
 from precsearch.search.rundir import RUN_FILE
 from precsearch.search.settings import SearchConfig
-from precsearch.search.strategies import (
-    BASELINES,
-    baseline_policies,
-    sweep,
-)
+from precsearch.search.strategies import BASELINES, baseline_policies, sweep
 from precsearch.search.study import quiet, study_config
 from precsearch.train.autocast import AUTOCAST_DTYPES, autocast_scaler
 from precsearch.train.data import ImageDataset
@@ -157,24 +153,12 @@ def _policy_row(source: str, name: str, policy: Policy, key: str, known: dict[st
     return row, str(path.relative_to(out_dir))
 
 
-def run_baselines(
-    model_spec: str,
-    space: SearchSpace | str | Path,
-    data: DataSpec | str = "digits",
-    out_dir: str | Path = "runs/baselines",
-    proxy_steps: int | None = None,
-    seed: int = 0,
-    device: str = "auto",
-    *,
-    names: tuple[str, ...] | list[str] = (*BASELINES, *TORCH_BASELINES),
-    ablations: bool = False,
-    batch_size: int | None = None,
-    image_size: int | None = None,
-    threads: int | None = None,
-    progress: bool = True,
-    compile: CompileOptions | None = None,
-    memory: str | None = None,
-) -> pd.DataFrame:
+def run_baselines(model_spec: str, space: SearchSpace | str | Path, data: DataSpec | str = "digits",
+                  out_dir: str | Path = "runs/baselines", proxy_steps: int | None = None, seed: int = 0,
+                  device: str = "auto", *, names: tuple[str, ...] | list[str] = (*BASELINES, *TORCH_BASELINES),
+                  ablations: bool = False, batch_size: int | None = None, image_size: int | None = None,
+                  threads: int | None = None, progress: bool = True, compile: CompileOptions | None = None,
+                  memory: str | None = None) -> pd.DataFrame:
     """Train the prior-work baselines, torch's autocast and the paper's sweep (plus its ablations) under the
     same proxies.
 

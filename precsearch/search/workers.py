@@ -31,33 +31,15 @@ from precsearch.search.calibration import CalibrationSettings
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective, TrialStep
 from precsearch.search.reference import Reference
-from precsearch.search.rundir import (
-    CHECKPOINTS,
-    hold_worker_lock,
-    quiet_optuna_interrupts,
-)
+from precsearch.search.rundir import CHECKPOINTS, hold_worker_lock, quiet_optuna_interrupts
 from precsearch.search.samplers import make_sampler
 from precsearch.search.storage import StudyLocation
 from precsearch.search.trials import TrialRecord
 from precsearch.stopping import StopSignals, stop_signals
 
-__all__ = [
-    "SAMPLER_REPEATS",
-    "TRIALS",
-    "WorkerPhase",
-    "WorkerRun",
-    "WorkerSetup",
-    "WorkerSteps",
-    "budget_callback",
-    "load_study",
-    "optimize",
-    "run_worker",
-    "sampler",
-    "stop_on_signal",
-    "trials_done",
-    "worker_disk_full",
-    "worker_gpus",
-]
+__all__ = ["SAMPLER_REPEATS", "TRIALS", "WorkerPhase", "WorkerRun", "WorkerSetup", "WorkerSteps", "budget_callback",
+           "load_study", "optimize", "run_worker", "sampler", "stop_on_signal", "trials_done", "worker_disk_full",
+           "worker_gpus"]
 
 log = logging.getLogger(__name__)
 
