@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,20 +196,11 @@ class SearchContext:
         policy's ``predicted`` comes from the cost model (``policy_from_assignment``)."""
         space = self.space
         return policy_from_assignment(
-            self.graph, dict(assignment),
-            model=self.model,
-            high_format=space.high,
-            rounding=dict(space.rounding),
-            overflow=dict(space.overflow),
-            loss_scaling=dict(space.loss_scaling),
-            promotion_threshold=space.promotion_threshold,
-            promotion_kinds=space.promotion_kinds,
-            gradient_rounding=space.gradient_rounding,
-            ties=space.ties,
-            master_weights=space.master_weights,
-            optimizer=dict(space.optimizer),
-            provenance=dict(provenance),
-        )
+            self.graph, dict(assignment), model=self.model, high_format=space.high, rounding=dict(space.rounding),
+            overflow=dict(space.overflow), loss_scaling=dict(space.loss_scaling),
+            promotion_threshold=space.promotion_threshold, promotion_kinds=space.promotion_kinds,
+            gradient_rounding=space.gradient_rounding, ties=space.ties, master_weights=space.master_weights,
+            optimizer=dict(space.optimizer), provenance=dict(provenance))
 
     def constraints(self, result: ProxyResult | None, memory: float, reference: float | None,
                     margin: float = 0.0) -> dict[str, float]:
@@ -278,28 +269,22 @@ def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
     if len(results) == 1:
         return first
     diverged = [result for result in results if result.diverged]
+
+    def mean(name: str) -> float | None:  # None where a seed has none (a run read before batch-statistics readings)
+        values = [getattr(result, name) for result in results]
+        return None if None in values else sum(values) / len(values)
+
+    def total(name: str, combine: Callable[[Iterable[Any]], Any] = sum) -> Any:
+        return combine(getattr(result, name) for result in results)
+
     return dataclasses.replace(
-        first,
-        val_accuracy=sum(result.val_accuracy for result in results) / len(results),
-        val_loss=sum(result.val_loss for result in results) / len(results),
-        batch_stats_accuracy=_mean_or_none([result.batch_stats_accuracy for result in results]),
-        diverged=bool(diverged),
-        reason=diverged[0].reason if diverged else "",
-        steps_run=min(result.steps_run for result in results),
-        skipped_steps=max(result.skipped_steps for result in results),
-        promotions=sorted({tensor for result in results for tensor in result.promotions}),
-        overflow_max=max(result.overflow_max for result in results),
-        underflow_max=max(result.underflow_max for result in results),
-        underflow_mean=sum(result.underflow_mean for result in results) / len(results),
-        wall_time=sum(result.wall_time for result in results),
-        steps_spent=sum(result.steps_spent for result in results),
-        branch_steps=sum(result.branch_steps for result in results),
-    )
-
-
-def _mean_or_none(values: Sequence[float | None]) -> float | None:
-    """The mean of values every seed has, else None (a run read before batch-statistics readings existed)."""
-    return None if any(value is None for value in values) else sum(values) / len(values)
+        first, val_accuracy=mean("val_accuracy"), val_loss=mean("val_loss"),
+        batch_stats_accuracy=mean("batch_stats_accuracy"), diverged=bool(diverged),
+        reason=diverged[0].reason if diverged else "", steps_run=total("steps_run", min),
+        skipped_steps=total("skipped_steps", max), promotions=sorted({t for r in results for t in r.promotions}),
+        overflow_max=total("overflow_max", max), underflow_max=total("underflow_max", max),
+        underflow_mean=mean("underflow_mean"), wall_time=total("wall_time"), steps_spent=total("steps_spent"),
+        branch_steps=total("branch_steps"))
 
 
 def seed_record(accuracies: Sequence[float]) -> dict[str, Any]:
