@@ -259,16 +259,11 @@ def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSett
 def _advance(context: SearchContext, ledger: Ledger, policy: Policy, point: int, seeds: Sequence[int],
              report: Callable[[int, float], None]) -> list[dict[str, Any]]:
     """Every seed's run continued to ``point`` (each a ledger step)."""
-    names = {_step(point, seed): seed for seed in seeds}
+    def work(seed: int) -> dict[str, Any]:
+        return run_record(context.trainer(policy, point, seed, report=report,
+                                          checkpoint=context.checkpoint(REFERENCE_RUN, seed)), seed)
 
-    def work(name: str) -> dict[str, Any]:
-        seed = names[name]
-        result = context.trainer(policy, point, seed, report=report,
-                                 checkpoint=context.checkpoint(REFERENCE_RUN, seed))
-        return run_record(result, seed)
-
-    results = ledger.run(list(names), work)
-    return [results[name] for name in names]
+    return ledger.run_seeds(lambda seed: _step(point, seed), seeds, work)
 
 
 def _failed(runs: dict[int, list[dict[str, Any]]], points: list[int], index: int,

@@ -181,19 +181,15 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
                 wait: bool = True) -> list[dict[str, Any]]:
         """``key``'s runs on ``chosen`` seeds, each continuing its checkpoint under ``checkpoint_key`` (default
         ``key``); with ``wait=False`` only those recorded once this worker has run what no other worker holds."""
-        names = {_step(key, seed): seed for seed in chosen}
         checkpoint_key = checkpoint_key or key
 
-        def work(name: str) -> dict[str, Any]:
-            seed = names[name]
-            checkpoint = context.checkpoint(checkpoint_key, seed)
-            result = context.trainer(policy, length, seed, report=report, checkpoint=checkpoint,
-                                     decay_from=decay_start(proxy_length, length))
+        def work(seed: int) -> dict[str, Any]:
+            result = context.trainer(policy, length, seed, report=report, decay_from=decay_start(proxy_length, length),
+                                     checkpoint=context.checkpoint(checkpoint_key, seed))
             context.drop_checkpoint(checkpoint_key, seed)
             return run_record(result, seed)
 
-        results = ledger.run(list(names), work, wait)
-        return [results[name] for name in names if name in results]
+        return ledger.run_seeds(lambda seed: _step(key, seed), chosen, work, wait)
 
     def reference(chosen: Sequence[int], wait: bool = True) -> list[dict[str, Any]]:
         return trained(high, reference_policy(context), chosen, REFERENCE_RUN, wait)

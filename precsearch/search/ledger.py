@@ -99,6 +99,13 @@ class Ledger:
             if not ran:
                 time.sleep(POLL)
 
+    def run_seeds(self, step: Callable[[int], str], seeds: Sequence[int], work: Callable[[int], dict[str, Any]],
+                  wait: bool = True) -> list[dict[str, Any]]:
+        """``run`` with one step per seed (named ``step(seed)``, run by ``work(seed)``): the results in seed order."""
+        names = {step(seed): seed for seed in seeds}
+        results = self.run(list(names), lambda name: work(names[name]), wait)
+        return [results[name] for name in names if name in results]
+
     @contextlib.contextmanager
     def holding(self, name: str) -> Iterator[None]:
         """The study's lock, taken only while this worker still holds step ``name`` (else LeaseLost): what a

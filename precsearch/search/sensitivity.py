@@ -54,7 +54,7 @@ from precsearch.graph.types import TensorGraph
 from precsearch.search.context import SearchContext
 from precsearch.search.seeding import PAPER_SEEDING, Seeding, Seedings
 from precsearch.search.sensitivity_table import COLUMNS, keep_table, recorded_table, unit_table
-from precsearch.search.strategies import R_GRID, Candidate, assign, low_share, units
+from precsearch.search.strategies import R_GRID, Candidate, candidate, units
 from precsearch.train.data import ImageDataset, make_loader
 from precsearch.train.trainer import build_model, seeded
 
@@ -62,7 +62,6 @@ __all__ = ["DEFAULT_BATCHES", "SENSITIVITY_SEEDING", "SensitivitySeeding", "leas
            "measure_model", "sensitivity_sweep"]
 
 DEFAULT_BATCHES = 4
-
 
 
 class _Tap(torch.autograd.Function):
@@ -333,9 +332,7 @@ def sensitivity_sweep(graph: TensorGraph, space: SearchSpace, table: pd.DataFram
     for r in rs:
         demoted = least_sensitive(scores, saved, r * total)
         decisions = {unit: "low" if unit in demoted else "high" for unit in units(graph, space)}
-        candidates.append(Candidate(strategy="sensitivity", decisions=decisions,
-                                    assignment=assign(graph, space, decisions),
-                                    low_share=low_share(graph, space, decisions), r=r))
+        candidates.append(candidate(graph, space, "sensitivity", decisions, r))
     return candidates
 
 

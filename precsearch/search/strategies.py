@@ -38,7 +38,8 @@ from precsearch.graph.types import OpInfo, TensorGraph
 
 __all__ = [
     "ACCEPTANCE_WINDOW", "ORDERS", "R_GRID", "TORCHAO_LOW", "WANG_LOW", "Candidate", "assign", "assignment_key",
-    "baseline", "baseline_policies", "group_sizes", "low_share", "paper_assignment", "sweep", "uniform", "units",
+    "baseline", "baseline_policies", "candidate", "group_sizes", "low_share", "paper_assignment", "sweep", "uniform",
+    "units",
 ]
 
 log = logging.getLogger(__name__)
@@ -135,8 +136,9 @@ def _unit_decisions(graph: Any, space: SearchSpace, group_levels: Mapping[int, s
     return {f"g{group}": level for group, level in group_levels.items()}
 
 
-def _candidate(graph: Any, space: SearchSpace, strategy: str, decisions: dict[str, str],
-               r: float | None = None) -> Candidate:
+def candidate(graph: Any, space: SearchSpace, strategy: str, decisions: dict[str, str],
+              r: float | None = None) -> Candidate:
+    """The candidate ``decisions`` make, with its assignment and low share."""
     return Candidate(strategy=strategy, decisions=decisions, assignment=assign(graph, space, decisions),
                      low_share=low_share(graph, space, decisions), r=r)
 
@@ -177,7 +179,7 @@ def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "lar
         levels[group] = "low"
         demoted += sizes[group]
     name = "paper" if order == "largest" else f"paper-{order}"
-    return _candidate(graph, space, name, _unit_decisions(graph, space, levels), r=r)
+    return candidate(graph, space, name, _unit_decisions(graph, space, levels), r=r)
 
 
 def sweep(graph: Any, space: SearchSpace, rs: Iterable[float] = R_GRID, order: str = "largest",
@@ -197,7 +199,7 @@ def sweep(graph: Any, space: SearchSpace, rs: Iterable[float] = R_GRID, order: s
 def uniform(graph: Any, space: SearchSpace, level: str) -> Candidate:
     """Every unit at one level: ``uniform(graph, space, "high")`` is all-high, ``"low"`` all-low."""
     decisions = dict.fromkeys(units(graph, space), level)
-    return _candidate(graph, space, f"all-{level}", decisions, r=None)
+    return candidate(graph, space, f"all-{level}", decisions, r=None)
 
 
 # ------------------------------------------------------------------------------------------- baselines

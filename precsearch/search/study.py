@@ -271,11 +271,6 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     return len(reopened) + queued
 
 
-def _trial_budget(context: SearchContext, trials: int) -> int:
-    """Distinct assignments the study trains or judges: ``trials``, or every assignment of a smaller space."""
-    return min(trials, context.assignments)
-
-
 def study_ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage,
                  run_id: str = "", index: int = 0, pause_at: str | None = None) -> Ledger:
     """This process's ledger of ``study``'s steps. Workers of a shared study are told apart by ``owner_id``: a
@@ -489,7 +484,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 for path in new_locks:  # a folder this search may not use is left as it was
                     path.unlink(missing_ok=True)
                 raise
-            trials = _trial_budget(context, config.trials)
+            trials = min(config.trials, context.assignments)  # or every assignment of a smaller space
             run = _Run(out_dir, run_config, location, backend, signals,
                        _Progress(trials, trials_done(study), config.progress), trials, gpus, uuid.uuid4().hex[:8])
             stopped_by: int | None = None
