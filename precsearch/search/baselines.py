@@ -1,18 +1,12 @@
 """Prior-work baselines and the paper's sweep trained under the same proxies as a search, reusing what the
 search in the same run directory already trained; and torch's own mixed precision beside them.
 
-The torch rows (``TORCH_BASELINES``: ``autocast_bf16``, ``autocast_fp16``) train the plain model under
-``torch.autocast`` (precsearch.train.autocast), no policy file. They assign no formats, so the cost model has no
-figure for them: their ``memory``, ``bytes`` and ``peak_predicted`` are NaN (the demo's held baselines,
-``source == "baseline"``, never read them), and what they hold is measured: ``peak_bytes``, one proxy step's
-peak (the CPU allocator's events or CUDA's, precsearch.cost.measured, gradients set to None before it), and
+The torch rows (``TORCH_BASELINES``) train the plain model under ``torch.autocast`` (precsearch.train.autocast),
+with no policy file. They assign no formats, so the cost model has no figure for them (``memory``, ``bytes`` and
+``peak_predicted`` are NaN); what they hold is measured: ``peak_bytes``, one proxy step's peak, and
 ``step_time``, the median seconds of a step, each beside the plain fp32 model's step measured in the same call
-(``peak_x_fp32``, ``step_time_x_fp32``). The policy rows leave those columns empty; they hold the cost model's
-figures: both memory measures as ratios to all-high (``memory_peak``, ``memory_bytes``), the predicted step peak
-in bytes (``peak_predicted``), and ``memory``, the measure of the search in the run directory, else the default
-(the step's peak). fp16 autocast is CUDA's: on another device ``autocast_fp16`` is skipped with one INFO line
-(torch's CPU float16 autocast exists, but it is no recipe anyone trains with there), so the default list runs
-anywhere.
+(``peak_x_fp32``, ``step_time_x_fp32``). The policy rows hold the cost model's figures instead. fp16 autocast is
+CUDA's recipe: elsewhere ``autocast_fp16`` is skipped with one INFO line, so the default list runs anywhere.
 """
 
 from __future__ import annotations
@@ -160,16 +154,10 @@ def run_baselines(model_spec: str, space: SearchSpace | str | Path, data: DataSp
                   threads: int | None = None, progress: bool = True, compile: CompileOptions | None = None,
                   memory: str | None = None) -> pd.DataFrame:
     """Train the prior-work baselines, torch's autocast and the paper's sweep (plus its ablations) under the
-    same proxies.
-
-    Writes ``baselines.csv`` (rewritten after each proxy) and ``baselines/<source>_<name>.json`` policies (none for
-    the torch rows, see the module doc). In a search's run directory made with the same model, space, data and
-    seed, the proxies are as long as the search's (unless ``proxy_steps`` says otherwise), and sweep points the
-    search already trained are reused, not trained again; so are sweep points that coincide with each other.
-    ``compile``: how the proxies of policies compile their step (None: eagerly; ``proxy_compile``). ``memory``:
-    the measure of the ``memory`` column (``MEMORY_MEASURES``; None: the run directory's search's, else the
-    default, the step's peak).
-    """
+    same proxies: ``baselines.csv`` (rewritten after each proxy) and ``baselines/<source>_<name>.json``. In a
+    search's run directory made with the same model, space, data and seed, the proxies are as long as the
+    search's, and points it already trained are reused, as are sweep points that coincide. ``memory``: the
+    measure of the ``memory`` column (None: the run directory's search's, else the step's peak)."""
     if isinstance(space, str | Path):
         space = load_space(space)
     run_file = Path(out_dir) / RUN_FILE

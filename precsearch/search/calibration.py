@@ -3,44 +3,33 @@ its learning curve says how long a proxy must be to decide anything.
 
 A fixed proxy length is either blind (an easy task: every assignment within seed noise) or pessimistic (a
 hard one: at 150 steps even all-high is at chance on some seeds, while the same assignments reach 100% at
-450-600 steps). So the length comes from the reference's own learning curve. Each reference seed trains ONE
-continuing run (precsearch.train.continuing: every point of it is the result of a proxy of that length),
-read at the points ``start``, 2 x start, ... up to ``max_steps``; all seeds reach a point before the curve
-is judged there, and the runs go on from their checkpoints. The proxy length L is the first point where
+450-600 steps). So each reference seed trains ONE continuing run (precsearch.train.continuing: every point of
+it is the result of a proxy of that length), read at ``start``, 2 x start, ... up to ``max_steps``, every seed
+reaching a point before the curve is judged there. The proxy length L is the first point where
 
 * every seed is clearly above chance (``SearchContext.chance``) and none diverged (learned),
-* the mean gained no more than the seed noise allows (the one-sided margin at the budget's confidence, and
-  at least the allowed drop) since the previous point (flat: L is one doubling past where the reference
-  levels off, even at 100%, so that an assignment learning up to twice as slowly is judged where it too has
-  levelled off; on the demo task the reference read 100% on every seed at 200 steps, and the least memory
-  that proxies of 200 steps held within the drop was 0.63 of the all-high bytes, where proxies of 400 steps
-  find 0.52, confirmed), and
+* the mean gained no more than the seed noise allows (and at least the allowed drop) since the previous point
+  (flat: L is one doubling past where the reference levels off, even at 100%, so that an assignment learning
+  up to twice as slowly is judged where it too has levelled off; on the demo task proxies of 200 steps held
+  0.63 of the all-high bytes within the drop, where proxies of 400 steps found 0.52, confirmed), and
 * the seeds agree closely enough that proxies can resolve the allowed drop (``noise.resolves``): a mean
   that stopped rising over seeds that still disagree (99.8%, 74.5%, 64.2%) would hold every proxy to noise.
 
-A seed stuck on a plateau nearer chance than the best seed (it had left chance two doublings before, has gained no
-more than the allowed drop since, and is a ``noise.failed_run``: tiny_cnn's seed 0 on gratings at 38%, 38%, 30% at
-200, 400 and 800 steps while seeds 1 and 2 read 100%), or fallen back to chance without a flagged divergence
-(mobilenet_v2's seed 1 at 90%, 100%, 9.6% at 800, 1,600 and 3,200 steps, a spike of the constant rate it never
-came back from, while seeds 0 and 2 read 100%), is a failed run, not seed noise: a minority of such seeds is
-left out of the reference (``Calibration.failed``, one WARNING line names them) when the others agree. Held to a
-mean that counts it, proxies would pass at 77% against runs at 100%, and its spread would race every candidate to
-the most seeds; its checkpoint goes, and confirmation continues the other seeds only. Seeds that have learned and
-stopped rising but still disagree, and drew no closer over two doublings (seeds that click late draw together as
-they do), are not going to agree: calibration stops there. So it does where the seeds are apart by no more than the
-validation set's own sampling noise explains (binomial, at the best seed's accuracy) and that noise alone could not
-resolve the drop, which no length changes (an easy task validated on a few hundred images, at 98%), and at the cap;
-each time with one WARNING line (kept in the calibration, shown in the summary) saying what to change. A reference
-that reached within the allowed drop of 100% only in the doubling to the cap is taken at the cap, with one WARNING
-line (it cannot rise further, but slower assignments lose their doubling). A reference that has not learned or
-is still rising at the cap is refused: a one-line PrecsearchError, never a pick of noise.
-Steps per reference seed: L plus the decay branches of its points, 1.2 x L with doubling points. The runs'
-checkpoints stay: confirmation continues the same runs to its longer length (``REFERENCE_RUN``,
-``reference_policy``) instead of training the reference again.
+A minority of seeds stuck on a plateau nearer chance than the best seed (``_failed``: tiny_cnn's seed 0 on
+gratings at 38%, 38%, 30% at 200, 400 and 800 steps beside 100%; mobilenet_v2's seed 1 fallen from 100% to 9.6%
+without a flagged divergence) are failed runs, not seed noise: they are left out of the reference
+(``Calibration.failed``, one WARNING line), since a mean that counts them would pass proxies at 77% against runs
+at 100% and race every candidate to the most seeds. Calibration also stops, with one WARNING line saying what to
+change, where seeds that learned and stopped rising drew no closer over two doublings, where they are apart by
+no more than the validation set's sampling noise explains and that noise cannot resolve the drop
+(``_sampling_floor``: no length changes it), and at the cap; a reference that reached within the drop of 100%
+only in the doubling to the cap is taken there (``_late_plateau``). One that has not learned or is still rising
+at the cap is refused: a one-line PrecsearchError, never a pick of noise.
 
-Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it. With
-a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way (the
-rungs), with no test.
+The runs' checkpoints stay: confirmation continues them (``REFERENCE_RUN``) instead of training the reference
+again. Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it.
+With a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way
+(the rungs), with no test.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The Optuna objective: decide a trial's assignment, price it, reuse a trial that already has it or train its
 proxy against the reference at the rungs, and record the result and constraints on the trial.
 
-Bookkeeping rules:
-
 * A write that finds the disk full stops the search (``files.DiskFull``) and leaves the trial RUNNING, so
   ``--resume`` runs it again; it is no failure of the trial.
 * A diverged proxy, or one stopped at a rung, is a COMPLETE trial whose constraint (``diverged``, ``stopped``)
-  is violated (``Trial.set_constraint``), so the sampler learns from it. A trial that raises is FAILED with
-  the error in its ``error`` user attr, and the study goes on.
-* Identical assignments are trained once, by every worker on every host: under a lock all workers share
-  (a PostgreSQL advisory lock, or an flock on a SQLite or journal file) a trial either copies the results of
-  a finished trial with its assignment key (``duplicate_of``), waits for the live trial that trains that
-  key, or marks itself as the one that trains it (``trains``). The trial budget counts distinct
-  assignments: a copy does not use it up.
+  is violated, so the sampler learns from it. A trial that raises is FAILED with the error in its ``error``
+  user attr, and the study goes on.
+* Identical assignments are trained once, by every worker on every host (``Objective._claim``); a copy
+  (``duplicate_of``) does not use up the trial budget.
 """
 
 from __future__ import annotations
@@ -63,13 +58,9 @@ class TrialStep:
 
 
 class Objective:
-    """Optuna objective: decide, price, reuse or train, record. One instance per worker process.
-
-    ``reference`` is the calibrated all-high reference every trial is held to (at the rungs and at its end);
-    ``location`` and ``storage`` are where the study lives (the decision lock is taken there);
-    ``out_dir`` is where this worker writes the policy of each proxy it trains; ``progress`` is told every
-    few steps where the proxy stands (a proxy of a slow model trains for most of an hour).
-    """
+    """Optuna objective: decide, price, reuse or train, record; one instance per worker process. Every trial is
+    held to ``reference``; the decision lock is taken in ``storage``; the policy of each proxy is written under
+    ``out_dir``; ``progress`` is told every few steps where the proxy stands."""
 
     def __init__(self, context: SearchContext, reference: Reference, location: StudyLocation,
                  storage: optuna.storages.BaseStorage, out_dir: Path,
@@ -155,10 +146,9 @@ class Objective:
 
     def _race(self, study: optuna.Study, policy: Policy, key: str, number: int
               ) -> tuple[RungStop | None, list[ProxyResult]]:
-        """Train a candidate seed by seed, the first through the rungs, adding a seed only while the budget's
-        decision on it depends on one (``selection.race_settled``), up to the reference's ``proxy_seeds``; each run
-        continues from its checkpoint if a stopped process left one (``_run`` removes them once the trial is
-        recorded). A rung's stop ends it."""
+        """Train a candidate seed by seed, the first through the rungs (whose stop ends it), adding a seed only
+        while the budget's decision on it depends on one (``selection.race_settled``); each run continues the
+        checkpoint a stopped process left, if any."""
         context = self.context
         results: list[ProxyResult] = []
         for seed in context.proxy_seed_list(self.reference.proxy_seeds):
@@ -177,21 +167,16 @@ class Objective:
         return None, results
 
     def _reporter(self, number: int, seed: int) -> Callable[[int, float], None] | None:
-        """The trainer's ``report`` hook for trial ``number``'s run on ``seed``: it tells ``progress``."""
         progress, steps = self.progress, self.reference.length
         if progress is None:
             return None
         return lambda step, loss: progress(TrialStep(number, seed, step, steps))
 
     def _claim(self, trial: optuna.Trial, key: str) -> TrialRecord | None:
-        """Decide, under the study's lock, whether this trial trains the assignment ``key``.
-
-        A finished trial with the key is returned for reuse. A live trial already training it is waited
-        for, then the decision is taken again (it may have finished, or failed by heartbeat: then this
-        trial trains). Otherwise this trial marks itself as the one training the key (``trains`` holds its
-        own number, so the marker a retried copy inherits from a dead trial claims nothing). Every worker
-        on every host takes the same lock, so no two trials ever train the same assignment.
-        """
+        """Decide, under the study's lock (every worker's), whether this trial trains the assignment ``key``: a
+        finished trial with the key is returned for reuse; a live one training it is waited for, then the decision
+        is taken again; else this trial claims the key (``trains`` holds its own number, so the marker a retried
+        copy inherits from a dead trial claims nothing)."""
         study = trial.study
         while True:
             with self.location.lock(self.storage):

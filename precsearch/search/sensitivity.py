@@ -2,28 +2,24 @@
 
 Inference tools score layers before they search (NVIDIA ModelOpt's auto_quantize: the gradient-weighted
 quantization error sum((dL/dY)^2 (Q(Y) - Y)^2)); ``measure`` does the same for every tensor kind a policy
-assigns, in the space's decision units, from a few seeded plain-fp32 SGD steps on the task's data:
+assigns, per unit of the space, from a few seeded plain-fp32 SGD steps on the task's data:
 
 - forward tensors (activations, the input included, and weights): ``score`` = sum(g^2 (Q_low(v) - Q_high(v))^2),
-  with g the loss gradient of the tensor (the Fisher estimate of the loss change the rounding causes), divided
-  by the share of the tensor's energy that is not its per-channel mean. A few steps into training the loss
-  does not yet depend on a signal the network has not learned, so the gradient alone misses rounding that
-  erases a faint signal on a bright level (the ``gratings`` input); measured against the spread batch norm
-  keeps, that error is as large as the signal itself.
-- gradients, measured on the update they make (lr x gradient): a weight gradient's rounding error moves the
-  weight by lr x error, scored like a weight: lr^2 sum(g^2 error^2); an activation gradient's relative error
-  is carried, in proportion, into the updates of every weight it flows back to (its op and the ops before it):
-  relative error x lr^2 sum(g^4) over those weights. Gradients are rounded at the loss scale a dynamic scaler
-  settles on (the space's initial scale, halved until nothing overflows), as the runtime rounds them.
+  g the tensor's loss gradient, divided by the share of its energy that is not its per-channel mean: early in
+  training the gradient alone misses rounding that erases a faint signal on a bright level (the ``gratings``
+  input), which against the spread batch norm keeps is as large as the signal itself.
+- gradients, on the update they make: a weight gradient's rounding error moves the weight by lr x error, scored
+  like a weight (lr^2 sum(g^2 error^2)); an activation gradient's relative error is carried into the updates of
+  every weight it flows back to (relative error x lr^2 sum(g^4) over those weights). Gradients are rounded at
+  the loss scale a dynamic scaler settles on, as the runtime rounds them.
 
-Every error is the low format's against the high one (a kind whose low format is the high one scores 0), so
-scores add up over a unit's tensors. ``error`` is the squared error relative to the tensor's spread (forward
-tensors) or its energy (gradients), ``overflow`` and ``underflow`` the
-shares of values outside the low format's range (precsearch.formats.kernels.stats). The rounding is nearest,
-per tensor, once per step; the runtime's promotion guard and stochastic rounding are not modelled.
+Every error is the low format's against the high one, so scores add up over a unit's tensors. ``error`` is the
+squared error relative to the tensor's spread (forward) or energy (gradients), ``overflow`` and ``underflow``
+the shares of values outside the low format's range. The rounding is nearest, per tensor, once per step; the
+promotion guard and stochastic rounding are not modelled.
 
 ``least_sensitive`` solves the knapsack exactly (scipy's MILP): demote the units of least summed score whose
-bytes saved reach a target; ``sensitivity_sweep`` does it for the paper's ladder of targets, and
+bytes saved reach a target; ``sensitivity_sweep`` does it along the paper's ladder of targets, and
 ``SensitivitySeeding`` hands those points to the search as seeds (``SENSITIVITY_SEEDING``: ahead of the paper's).
 """
 
@@ -189,9 +185,8 @@ def _upstream_weights(graph: TensorGraph) -> dict[str, list[str]]:
 
 def measure(graph: TensorGraph, model: nn.Module, space: SearchSpace, batches: Iterable[tuple[torch.Tensor,
             torch.Tensor]]) -> pd.DataFrame:
-    """The sensitivity table (``COLUMNS``, one row per unit and tensor kind, scores averaged over the steps)
-    of ``model`` traced as ``graph`` (by ``precsearch.graph.tracing.trace``, which shares its modules), from
-    one plain SGD step (the space's proxy recipe) per batch of ``batches``."""
+    """The sensitivity table (``COLUMNS``, one row per unit and tensor kind, scores averaged over the steps) of
+    ``model`` traced as ``graph`` (whose modules it shares), from one plain SGD step per batch of ``batches``."""
     if graph.graph_module is None:
         raise PrecsearchError(f"sensitivity runs the FX graph, and {graph.model_name} was traced with module "
                               "hooks; make the model FX-traceable")
@@ -347,8 +342,8 @@ class SensitivitySeeding(Seeding):
         self.rs = tuple(rs)
 
     def prepared(self, context: SearchContext, study: optuna.Study) -> Seeding:
-        """The table a worker of the study measured before (one taking its step over reuses it), else measured
-        here on the CPU; read back from the study, so every worker seeds from the same numbers."""
+        """The table kept in the study, measured here on the CPU first if no worker did: every worker seeds from
+        the same numbers."""
         if self.table is not None:
             return self
         if recorded_table(study.user_attrs) is None:

@@ -2,18 +2,13 @@
 
 An assignment maps every assignable tensor id (weights, activations and their gradients) to a format spec.
 Strategies speak in *decisions*: one level name ("high", "low", or a categorical choice of the space) per
-decision unit. A unit is a group (``g<index>``, the paper's granularity, also used by categorical spaces)
-or a single tensor (its id) for ``granularity: tensor``. ``assign`` turns decisions into an assignment.
+decision unit, a group (``g<index>``, the paper's granularity) or, for ``granularity: tensor``, a single tensor.
 
 The paper's technique (Lee, Sharma, Aiken, TMLR 2023) for a memory-saving target ``r`` in [0, 1]: order the
-groups by their share of tensor memory (of the assignable tensors, all at the high format), largest first
-with ties broken by execution order, and demote whole groups to the low formats until the low share reaches
-``r``; the reference code accepts the result only if its low share lies in ``[r, r + 0.1]``
-(``ACCEPTANCE_WINDOW``; r = 0 and 1 always), which ``sweep(..., window=...)`` applies. Its divergence
-guard (promote a tensor to high once its overflow fraction passes a threshold) is the policy's
-``promotion_threshold`` and stays on. The ablations order the groups smallest first or randomly.
-
-The search starts from these points (all-high, the paper's sweep, all-low): precsearch.search.seeding.
+groups by their share of tensor memory, largest first (ties in execution order), and demote whole groups to the
+low formats until the low share reaches ``r``; the reference code accepts the result only if its low share lies
+in ``[r, r + 0.1]`` (``ACCEPTANCE_WINDOW``; r = 0 and 1 always), which ``sweep(..., window=...)`` applies. Its
+divergence guard is the policy's ``promotion_threshold`` and stays on.
 """
 
 from __future__ import annotations
@@ -146,10 +141,8 @@ def candidate(graph: Any, space: SearchSpace, strategy: str, decisions: dict[str
 def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "largest",
                      seed: int = 0, scores: Mapping[int, float] | None = None) -> Candidate:
     """The paper's technique at memory-saving target ``r``: demote whole groups, in ``order``, until the low
-    share reaches ``r``. ``order`` "largest" is the paper; "smallest" and "random" (seeded) are its ablations;
-    "sensitivity" demotes the groups of least ``scores`` (group -> sensitivity per byte saved,
-    precsearch.search.sensitivity.group_order) first, ties in execution order.
-    """
+    share reaches ``r``. "largest" is the paper; "smallest" and "random" (seeded) its ablations; "sensitivity"
+    demotes the groups of least ``scores`` (``sensitivity_table.group_order``) first, ties in execution order."""
     if not 0.0 <= r <= 1.0:
         raise PrecsearchError(f"r={r} must lie in [0, 1]")
     if order not in ORDERS:
@@ -206,10 +199,8 @@ def uniform(graph: Any, space: SearchSpace, level: str) -> Candidate:
 
 
 def _gemm_operands(graph: TensorGraph, op: OpInfo) -> set[str]:
-    """The tensors a GEMM op multiplies: its weights, its input activations and its output's gradient.
-
-    Forward computes Y = X W; backward computes dX = dY W and dW = X dY, so X, W and dY are its operands.
-    """
+    """The tensors a GEMM op multiplies: Y = X W forward, dX = dY W and dW = X dY backward, so its weights, its
+    input activations and its output's gradient."""
     ids = {info.id for info in graph.tensors.values() if info.kind == "weight" and info.op == op.name}
     ids |= {str(TensorId(name, "activation")) for name in op.inputs}
     ids.add(str(TensorId(op.name, "activation_grad")))
