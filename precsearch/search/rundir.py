@@ -2,15 +2,10 @@
 
 ``RunLock`` is an exclusive ``flock`` on ``.precsearch.lock`` in the run directory, holding the owner's host
 and pid for the refusal message. The kernel drops the lock when its owner dies however it dies (kill -9
-included), so a lock left by a dead process is recognised as stale by simply being free, with no pid guess.
-The worker processes of ``--jobs`` hold a shared lock on ``.precsearch.workers.lock`` for as long as they
-live, so a new search is refused while the workers of a killed parent still train.
-
-A stopped search's Optuna records are quieted (``quiet_optuna_interrupts``); the signals themselves are
-``precsearch.stopping``'s.
-
-``check_resume`` decides whether a search may use --out (new, resumed, or a shared study's worker coming
-back); ``run.json`` records the config and where the study lives (``write_run_file``).
+included), so a stale lock is simply free, with no pid guess. The worker processes of ``--jobs`` hold a shared
+lock on ``.precsearch.workers.lock`` for as long as they live, so a new search is refused while the workers of a
+killed parent still train. ``check_resume`` decides whether a search may use --out; ``run.json`` records the
+config and where the study lives (``write_run_file``).
 """
 
 from __future__ import annotations
@@ -121,9 +116,8 @@ def hold_worker_lock(out_dir: Path) -> int:
 
 
 def remove_temporaries(out_dir: Path) -> list[Path]:
-    """Delete the ``.<name>.*.tmp`` files an atomic write left when its process was killed mid-write.
-
-    Called only under the run lock, when no other process of this run can be writing."""
+    """Delete the ``.<name>.*.tmp`` files an atomic write left when its process was killed mid-write (under the
+    run lock: no other process of this run can be writing)."""
     removed = []
     for folder in (out_dir, out_dir / "policies", out_dir / "trials", out_dir / CHECKPOINTS):
         for temp in folder.glob(f".*{TEMP_SUFFIX}") if folder.is_dir() else ():
@@ -136,9 +130,8 @@ def remove_temporaries(out_dir: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def quiet_optuna_interrupts() -> Iterator[None]:
-    """Optuna logs a trial stopped by Ctrl-C as a failure with its full traceback (and then its value); the
-    search reports the interruption in one line instead, so those records are dropped. Other failures are
-    still logged."""
+    """Drop Optuna's records of a trial stopped by Ctrl-C (a failure with its full traceback, then its value): the
+    search reports the interruption in one line."""
     logger = logging.getLogger("optuna.study._optimize")
     interrupted: set[str] = set()
 
@@ -158,9 +151,8 @@ def quiet_optuna_interrupts() -> Iterator[None]:
 
 
 def remove_stale_journal_lock(journal: Path) -> None:
-    """Optuna's journal lock (``<journal>.lock``, a symlink) left by a process killed while holding it would
-    make the next process wait 30 s and then break it. Called only under the run lock, with no worker alive,
-    so nobody can hold it."""
+    """Optuna's journal lock (``<journal>.lock``) left by a killed process would make the next one wait 30 s and
+    then break it; under the run lock, with no worker alive, nobody can hold it."""
     lock = journal.with_name(journal.name + ".lock")
     if lock.is_symlink() or lock.exists():
         lock.unlink()
