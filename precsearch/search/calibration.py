@@ -79,8 +79,7 @@ class CalibrationSettings:
                                   f"and at most half of --max-proxy-steps {self.max_steps}")
 
     def points(self) -> list[int]:
-        """Where the reference's run is read: the doubling schedule, or a fixed length and its halvings down to
-        an eighth (where rungs may stand)."""
+        """The doubling schedule, or a fixed length and its halvings down to an eighth (where rungs may stand)."""
         if self.fixed is not None:
             return sorted({self.fixed // 8, self.fixed // 4, self.fixed // 2, self.fixed} - {0})
         points = [self.start]
@@ -96,9 +95,8 @@ def run_record(result: ProxyResult, seed: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The reference's runs read at each point (per-seed ``run_record``s, the result of a proxy of that length),
-    the chosen ``length``, ``warning``: what to change when its seeds could not be made to agree, and ``failed``:
-    the seeds left out as failed runs (stuck on a plateau near chance), whose runs stay on record only."""
+    """The reference's runs read at each point (per-seed ``run_record``s), the chosen ``length``, ``warning``: what
+    to change when its seeds could not be made to agree, and ``failed``: the seeds left out as failed runs."""
 
     length: int
     fixed: bool
@@ -131,9 +129,8 @@ class Calibration:
         return _learned(self._kept(self.runs.get(point, [])), chance)
 
     def noise(self, confidence: float) -> Noise:
-        """The seed noise the reference shows, pooled over every point up to the proxy length: seeds that click
-        at different steps are the noise a rung must allow, and a reference saturated at L (every seed at
-        100%) claims none on its own."""
+        """The seed noise pooled over every point up to the proxy length: seeds that click at different steps are
+        the noise a rung must allow, and a reference saturated at L claims none on its own."""
         return pooled_noise(pd.DataFrame(), confidence, extra=[self.at(point) for point in self.runs
                                                                  if point <= self.length])
 
@@ -178,8 +175,7 @@ def recorded_calibration(attrs: Mapping[str, Any]) -> Calibration | None:
 
 def calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSettings, seeds: Sequence[int],
               report: Callable[[int, float], None]) -> Calibration:
-    """Train the all-high reference's runs until the curve decides the length (see the module docstring); the
-    study records the outcome."""
+    """Train the all-high reference's runs until the curve decides the length; the study records the outcome."""
     recorded_before = recorded_calibration(ledger.study.user_attrs)
     if recorded_before is not None:
         return recorded_before
@@ -257,8 +253,7 @@ def _advance(context: SearchContext, ledger: Ledger, policy: Policy, point: int,
 
 def _failed(runs: dict[int, list[dict[str, Any]]], points: list[int], index: int,
             context: SearchContext) -> tuple[int, ...]:
-    """The seeds stuck on a plateau at ``points[index]`` (see the module docstring), when they are a minority
-    that leaves at least two seeds; else none."""
+    """The seeds stuck on a plateau at ``points[index]``, when a minority that leaves at least two; else none."""
     now, earlier = runs[points[index]], runs[points[index - 2]] if index >= 2 else []
     if len(earlier) != len(now):
         return ()
@@ -286,10 +281,8 @@ def _failed_line(point: int, earlier: int, runs: dict[int, list[dict[str, Any]]]
 
 def _sampling_floor(accuracies: list[float], context: SearchContext) -> str:
     """Why no length resolves the allowed drop, or "": the seeds differ by no more than the validation set's own
-    sampling noise explains (``SearchContext.sampling_sd`` at the best seed's accuracy, known exactly;
-    ``noise.explained_by``), and even that noise would leave a margin over half the drop. Training longer
-    cannot make seeds agree more closely than that. Seeds further apart (one of them still learning: 91%, 91%
-    and 38%) may yet draw together, and their best accuracy, where the floor is read, may yet rise."""
+    sampling noise explains (at the best seed's accuracy), and even that noise would leave a margin over half the
+    drop. Seeds further apart (one still learning: 91%, 91% and 38%) may yet draw together."""
     sd = context.sampling_sd(max(accuracies))
     if not explained_by(accuracies, sd, context.budget.confidence):  # seeds further apart than sampling explains
         return ""

@@ -1,5 +1,4 @@
-"""What every step of a search shares: the data it trains on, the budget it picks by, and the context of one
-process (traced graph, cost model, space, the trainer that runs proxies, the calibrated proxy length)."""
+"""What every step of a search shares: the data, the budget it picks by, and one process's context."""
 
 from __future__ import annotations
 
@@ -49,9 +48,8 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class Budget:
-    """At most one of: ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction), and the
-    memory measure the search minimizes: ``peak`` (the default: the predicted peak of a training step,
-    ``CostModel.peak_bytes``) or ``bytes`` (the paper's: bytes of the assignable tensors)."""
+    """At most one of ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction), and the
+    memory measure the search minimizes: ``peak`` (of a training step, the default) or ``bytes`` (the paper's)."""
 
     max_memory: float | None = None
     max_accuracy_drop: float | None = None
@@ -90,8 +88,7 @@ class Budget:
 
 @dataclass
 class SearchContext:
-    """Everything one process needs to run trials: data, traced graph, cost model, space, budget, the
-    ``trainer`` (the real proxies unless one is injected)."""
+    """Everything one process needs to run trials; ``trainer`` runs the real proxies unless one is injected."""
 
     model: str
     space: SearchSpace
@@ -118,9 +115,7 @@ class SearchContext:
                proxy_seeds: int | None = 1, trainer: Trainer | None = None,
                compile: CompileOptions | None = None) -> SearchContext:
         """Load the data (unless given), build and trace the model at the proxy's batch and image size, once
-        ``check_fits`` found that they fit this machine. ``compile``: how runs compile their step (None:
-        eagerly); the proxies' graph saves float32 (``proxy_compile``), so that one compiled graph serves every
-        assignment."""
+        ``check_fits`` found that they fit this machine. ``compile``: how runs compile their step (None: eagerly)."""
         check_fits(model, space.proxy.batch_size, space.proxy.image_size)
         if data is None:
             data = data_spec.load(space.proxy.image_size, seed=0)
@@ -152,8 +147,8 @@ class SearchContext:
 
     @property
     def chance(self) -> float:
-        """The validation accuracy a network that learned nothing reaches by luck: the majority class's share
-        plus 3 binomial standard deviations over the validation set. An accuracy at or below it is no signal."""
+        """The validation accuracy a network that learned nothing reaches by luck: the majority class's share plus
+        3 binomial standard deviations."""
         labels = self.data[1].labels
         share = float(torch.bincount(labels).max()) / len(labels)
         return share + 3.0 * self.sampling_sd(share)
@@ -163,8 +158,7 @@ class SearchContext:
         return len(self.data[1].labels)
 
     def sampling_sd(self, accuracy: float) -> float:
-        """The binomial standard deviation of an accuracy measured on the validation set: the spread two
-        networks equally good at ``accuracy`` show from the validation sample alone, which no training shrinks."""
+        """The binomial sd of an accuracy measured on the validation set, which no training shrinks."""
         return math.sqrt(accuracy * (1.0 - accuracy) / self.validation_size)
 
     def decisions(self, params: Mapping[str, Any]) -> dict[str, str]:
@@ -174,14 +168,12 @@ class SearchContext:
         return assignment_key(assign(self.graph, self.space, self.decisions(params)))
 
     def memory(self, assignment: Mapping[str, str], promoted: Sequence[str] = ()) -> tuple[float, float]:
-        """(ratio to all-high in the budget's measure, bytes) of an assignment; promoted tensors count at the
-        high format."""
+        """(ratio to all-high in the budget's measure, bytes) of an assignment; promoted tensors count as high."""
         ratios, size = self.memories(assignment, promoted)
         return ratios[f"memory_{self.budget.memory}"], size
 
     def memories(self, assignment: Mapping[str, str], promoted: Sequence[str] = ()) -> tuple[dict[str, float], float]:
-        """Both measures as ratios to all-high (``memory_bytes``, ``memory_peak``) and the predicted step peak in
-        bytes (``peak_predicted``), and the bytes."""
+        """Both measures as ratios to all-high and the predicted step peak in bytes, and the bytes."""
         effective = dict(assignment)
         for tensor_id in promoted:
             if tensor_id in effective:
@@ -192,8 +184,7 @@ class SearchContext:
                 "peak_predicted": peak}, size
 
     def policy(self, assignment: Mapping[str, str], provenance: Mapping[str, Any]) -> Policy:
-        """The policy file for an assignment under this space's numerics (rounding, scaling, guard); the
-        policy's ``predicted`` comes from the cost model (``policy_from_assignment``)."""
+        """The policy file for an assignment under this space's numerics (rounding, scaling, guard)."""
         space = self.space
         return policy_from_assignment(
             self.graph, dict(assignment), model=self.model, high_format=space.high, rounding=dict(space.rounding),
@@ -215,8 +206,8 @@ class SearchContext:
         return constraints
 
     def checkpoint(self, key: str, seed: int) -> Path | None:
-        """Where the run of assignment ``key`` (or ``PLAIN_FP32``) on ``seed`` keeps its state: a run stopped
-        anywhere, or continued to a later point, goes on from there (the same key and seed: the same run)."""
+        """Where the run of assignment ``key`` on ``seed`` keeps its state, so that a run stopped anywhere, or
+        continued to a later point, goes on from there."""
         if self.checkpoints is None:
             return None
         return self.checkpoints / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{seed}.pt"
@@ -228,8 +219,8 @@ class SearchContext:
             path.unlink(missing_ok=True)
 
     def proxy_seed_list(self, count: int) -> list[int]:
-        """The seeds of a ``count``-seed proxy: the search seed and the ones after it (same for every trial
-        and for the all-high reference, so differences are not differences of seeds)."""
+        """The seeds of a ``count``-seed proxy, the same for every trial and the reference, so that differences
+        are not differences of seeds."""
         return [self.seed + index for index in range(count)]
 
     def train_seeds(self, policy: Policy | None, steps: int, seeds: Sequence[int]) -> list[ProxyResult]:
@@ -262,9 +253,8 @@ def proxy_compile(options: CompileOptions | None) -> CompileOptions | None:
 
 
 def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
-    """One result for proxies of the same policy under several seeds: mean accuracy and loss, the union of
-    promotions (memory counts every tensor any seed promoted), diverged if any seed diverged, worst overflow
-    and underflow, summed wall time and steps; the loss and accuracy curves are the first seed's."""
+    """One result for proxies of the same policy under several seeds: memory counts every tensor any seed
+    promoted, it diverged if any seed did, and the curves are the first seed's."""
     first = results[0]
     if len(results) == 1:
         return first

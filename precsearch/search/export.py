@@ -1,9 +1,6 @@
 """The run directory, rebuilt from the study alone: trials.csv, pareto.csv, policies/, calibration.csv,
-budget.csv, sensitivity.csv (with the sensitivity seeding) and best.json (each written atomically).
-
-best.json comes only from confirmed points (precsearch.search.confirmation), picked by
-precsearch.search.selection: until the confirmation runs are recorded there is no pick, and a pick of an
-earlier export that no longer holds is removed. This module decides nothing: it writes.
+budget.csv, sensitivity.csv and best.json (each written atomically). This module decides nothing: it writes.
+A pick of an earlier export that no longer holds is removed.
 """
 
 from __future__ import annotations
