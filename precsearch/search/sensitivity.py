@@ -76,8 +76,7 @@ class _Tap(torch.autograd.Function):
 
 
 class _Probe(fx.Interpreter):
-    """Runs the traced FX graph (the plain model's own modules) and taps the outputs the graph names:
-    node name -> {output position: tensor id}."""
+    """Runs the traced FX graph and taps the outputs ``wanted`` names: node name -> {output position: tensor id}."""
 
     def __init__(self, module: fx.GraphModule, wanted: Mapping[str, Mapping[int, str]]) -> None:
         super().__init__(module)
@@ -105,8 +104,8 @@ class _Probe(fx.Interpreter):
 
 
 def _gradient_scale(grads: Iterable[torch.Tensor], space: SearchSpace) -> float:
-    """The loss scale gradients are rounded at: none for ``none``, the initial scale otherwise, halved (for
-    ``dynamic``) until no rounded gradient overflows its low format, as a dynamic scaler would settle."""
+    """The loss scale gradients are rounded at: the initial scale, halved (for ``dynamic``) until no rounded
+    gradient overflows its low format, as a dynamic scaler would settle."""
     scaling = dict(space.loss_scaling)
     mode = scaling.get("mode", "none")
     if mode == "none":
@@ -133,8 +132,8 @@ def _element(fmt: str) -> FloatFormat:
 
 
 def _in_element(value: torch.Tensor, fmt: str) -> tuple[torch.Tensor, FloatFormat]:
-    """``value`` in the units its format's element holds (a scaled format's values divided by their own scales,
-    as ``_rounded`` scales them), and that element: what its overflow and underflow shares are of."""
+    """``value`` in the units its format's element holds (divided by its own scales, as ``_rounded`` scales it),
+    and that element: what its overflow and underflow shares are of."""
     if not is_scaled(fmt):
         return value, get_format(fmt)
     current = dataclasses.replace(get_scaled_format(fmt), history=0)
@@ -143,8 +142,8 @@ def _in_element(value: torch.Tensor, fmt: str) -> tuple[torch.Tensor, FloatForma
 
 
 def _rounded(value: torch.Tensor, fmt: str, overflow: str) -> torch.Tensor:
-    """``value`` held in ``fmt``; a scaled format with the scale of ``value`` itself (a delayed recipe's history
-    would hold the amaxes of the steps before: one value has none, so its current scale stands in)."""
+    """``value`` held in ``fmt``; a scaled format with the scale of ``value`` itself (one value has no history of
+    amaxes for a delayed recipe)."""
     if not is_scaled(fmt):
         return quantize(value, fmt, overflow=overflow)
     return quantize_scaled(value, dataclasses.replace(get_scaled_format(fmt), history=0))[0]
@@ -156,8 +155,7 @@ def _relative(error: torch.Tensor, value: torch.Tensor) -> float:
 
 
 def _spread_share(value: torch.Tensor) -> float:
-    """The share of ``value``'s energy that is not its per-channel mean (dim 1; the whole tensor's mean below
-    2 dims): what batch norm keeps of it. 1 for a centred tensor, small for a faint signal on a bright level."""
+    """The share of ``value``'s energy that is not its per-channel mean: what batch norm keeps of it."""
     energy = float(value.square().sum())
     if energy == 0:
         return 1.0
@@ -298,8 +296,8 @@ def measure_model(model_spec: str, space: SearchSpace, data: tuple[ImageDataset,
 
 
 def least_sensitive(scores: Mapping[str, float], saved: Mapping[str, float], need: float) -> set[str]:
-    """The units to demote: least summed score among the sets whose bytes saved reach ``need``, solved exactly
-    (a 0/1 integer program, scipy's HiGHS at zero gap). An unreachable ``need`` demotes every unit."""
+    """The units to demote: least summed score among the sets whose bytes saved reach ``need`` (every unit when
+    none does), solved exactly: a 0/1 integer program, scipy's HiGHS at zero gap."""
     names = list(scores)
     if need <= 0 or not names:
         return set()
@@ -317,8 +315,7 @@ def least_sensitive(scores: Mapping[str, float], saved: Mapping[str, float], nee
 
 def sensitivity_sweep(graph: TensorGraph, space: SearchSpace, table: pd.DataFrame,
                       rs: Iterable[float] = R_GRID) -> list[Candidate]:
-    """For each target r, the least sensitive units (``least_sensitive``) that save r of the bytes all-low
-    saves: the knapsack's answer along the paper's ladder of targets."""
+    """For each target r, the least sensitive units that save r of the bytes all-low saves."""
     summed = unit_table(table)
     scores = dict(zip(summed["unit"], summed["score"], strict=True))
     saved = dict(zip(summed["unit"], summed["bytes_saved"], strict=True))
@@ -332,8 +329,8 @@ def sensitivity_sweep(graph: TensorGraph, space: SearchSpace, table: pd.DataFram
 
 
 class SensitivitySeeding(Seeding):
-    """The knapsack's points (``sensitivity_sweep``) as seeds of a search, from a measured ``table``: without
-    one, ``prepared`` measures the model once per study (``measure_model``) and keeps the table in the study."""
+    """The knapsack's points as seeds of a search, from a measured ``table``, or one ``prepared`` measures once
+    per study and keeps in it."""
 
     name = "sensitivity"
 

@@ -1,15 +1,11 @@
 """Where a study lives: a PostgreSQL or SQLite URL or a journal file, opened with the heartbeat and retries
 every worker uses, repaired after a torn write, and locked across all processes that share it.
 
-A journal's records are chained by checksums (``JournalFile``): one edited, removed, duplicated or added by hand
-is refused on opening, naming its line. A PostgreSQL study's lock that a stopped or hung worker keeps is named
-in a WARNING (its host:pid) after a heartbeat, and ends the wait in one line after ``STORAGE_OUTAGE`` seconds.
-
-A PostgreSQL storage outlives a database restart or a dropped connection (``RetryingRDBStorage``): every
-call retries with backoff for up to ``STORAGE_OUTAGE`` seconds, so a worker goes on where it was (a trial it
-finished meanwhile is written when the server is back); past that it stops with one line that says how to
-continue. The heartbeat is not retried (the next beat is), and no trial is judged stale until the workers
-had a grace period to beat again after an outage.
+A journal's records are chained by checksums (``JournalFile``), so one changed by hand is refused on opening,
+naming its line. A PostgreSQL storage outlives a database restart or a dropped connection
+(``RetryingRDBStorage``): every call retries with backoff for up to ``STORAGE_OUTAGE`` seconds, so a worker goes
+on where it was; past that, or past as long a wait for a study lock a stopped worker keeps, it stops with one
+line that says how to continue.
 """
 
 from __future__ import annotations

@@ -219,26 +219,20 @@ def _first_last_gemm_operands(graph: TensorGraph) -> set[str]:
 
 
 def baseline(name: str, graph: TensorGraph) -> Policy:
-    """A prior-work policy for any traced model (a ``TensorGraph``), with the cost model's prediction
-    (precsearch.cost.policies.policy_for_graph).
+    """A prior-work policy for any traced model, with the cost model's prediction. No baseline enables the
+    promotion guard: they reproduce prior work, which had none.
 
-    * ``fp32``: everything fp32, no loss scaling.
-    * ``fp16`` / ``bf16`` / ``fp8``: the format alone: every weight, activation and gradient in it (``fp8`` is
-      ``fp8_e5m2``, IEEE-like with inf: the one 8-bit format with range enough for data and gradients), fp32
-      master weights, no loss scaling, IEEE overflow to inf.
+    * ``fp32``, ``fp16``, ``bf16``, ``fp8``: the format alone (``fp8`` is ``fp8_e5m2``, the one 8-bit format with
+      range enough for data and gradients), fp32 master weights, no loss scaling, IEEE overflow to inf.
     * ``mpt`` (Micikevicius et al. 2018): fp16 tensors, fp32 master weights, dynamic loss scaling from 2^16.
-    * ``hfp8`` (Sun et al. 2019, the paper's pi_op): every GEMM's operands low: weights and input activations
-      ``e4m3b4s``, the gradient of its output ``e5m2s``; weight gradients ``e6m9s``; the first and last GEMM
-      and every other tensor high (``e6m9s``); forward saturates, gradients overflow to inf; dynamic scaling.
-    * ``wang_fp8`` (Wang et al. 2018): weights, activations and activation gradients ``e5m2s``, weight
-      gradients ``e6m9s``, the first and last GEMM's operands 16-bit ``e6m9s``, stochastic rounding in the
-      weight update; dynamic scaling.
-    * ``torchao_fp8`` (torchao's float8 training, tensorwise recipe, applied to every Conv2d and Linear): every
-      GEMM's operands, the first and last GEMM's too, scaled fp8 (``TORCHAO_LOW``); biases (added after the
-      GEMM), weight gradients (a GEMM's output) and every other tensor ``bf16``; fp32 master weights, no loss
-      scaling (a current scale never overflows).
-
-    No baseline enables the promotion guard: they reproduce prior work, which had none.
+    * ``hfp8`` (Sun et al. 2019, the paper's pi_op): every GEMM's operands low (weights and input activations
+      ``e4m3b4s``, its output's gradient ``e5m2s``) but the first and last GEMM's; every other tensor ``e6m9s``;
+      forward saturates, gradients overflow to inf; dynamic scaling.
+    * ``wang_fp8`` (Wang et al. 2018): ``WANG_LOW``, but weight gradients and the first and last GEMM's operands
+      ``e6m9s``; stochastic rounding in the weight update; dynamic scaling.
+    * ``torchao_fp8`` (torchao's float8 training, tensorwise recipe): every GEMM's operands but biases scaled fp8
+      (``TORCHAO_LOW``), every other tensor ``bf16``; fp32 master weights, no loss scaling (a current scale
+      never overflows).
     """
     if name not in BASELINES:
         raise PrecsearchError(f"unknown baseline {name!r}; use one of {', '.join(BASELINES)}")
