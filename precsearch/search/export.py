@@ -50,15 +50,12 @@ class SearchResult:
 
 def _policy_for_row(row: pd.Series, study: optuna.Study, context: SearchContext, role: str) -> Policy:
     trial = study.get_trials(deepcopy=False)[int(row["number"])]
-    provenance = {
+    proxy = {"val_accuracy": float(row.get("proxy_accuracy", row["val_accuracy"])), "val_loss": float(row["val_loss"]),
+             "memory": float(row["memory"]), "promotions": int(row["promotions"])}
+    return policy_of(trial, context, {
         "strategy": str(row["origin"]), "role": role, "trial": int(row["number"]), "space": context.space.name,
-        "space_fingerprint": context.space.fingerprint(), "seed": context.seed,
-        "proxy_steps": _proxy_length(study), "data": context.data_spec.name,
-        "proxy": {"val_accuracy": float(row.get("proxy_accuracy", row["val_accuracy"])),
-                  "val_loss": float(row["val_loss"]), "memory": float(row["memory"]),
-                  "promotions": int(row["promotions"])},
-    }
-    return policy_of(trial, context, provenance)
+        "space_fingerprint": context.space.fingerprint(), "seed": context.seed, "proxy_steps": _proxy_length(study),
+        "data": context.data_spec.name, "proxy": proxy})
 
 
 def _proxy_length(study: optuna.Study) -> int | None:
@@ -109,10 +106,9 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path, decision:
     calibration, confirmation, reference = decision.calibration, decision.confirmation, decision.reference
     confirmed = confirmation.table() if confirmation is not None else None
     if confirmed is not None:
-        confirmed["confirmed_reading_flagged"] = [
-            flagged(accuracy, batch, context.budget.drop)
-            for accuracy, batch in zip(confirmed["confirmed_accuracy"], confirmed["confirmed_batch_stats_accuracy"],
-                                       strict=True)]
+        confirmed["confirmed_reading_flagged"] = [flagged(accuracy, batch, context.budget.drop) for accuracy, batch
+                                                  in zip(confirmed["confirmed_accuracy"],
+                                                         confirmed["confirmed_batch_stats_accuracy"], strict=True)]
         frame = frame.merge(confirmed, on="key", how="left") if not frame.empty else frame
         front = front.merge(confirmed, on="key", how="left").set_axis(front.index) if not front.empty else front
     atomic_write_text(out_dir / "trials.csv", frame.to_csv(index=False))

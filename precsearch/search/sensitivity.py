@@ -265,13 +265,11 @@ def _table(graph: TensorGraph, space: SearchSpace, per_tensor: Mapping[str, pd.S
                 return float(np.dot(weights, values) / total) if total > 0 else math.nan
 
             demoted = {**high, **{tid: space.low[kind] for tid in ids}}
-            records.append({
-                "unit": unit, "group": graph.tensors[ids[0]].group, "kind": kind, "tensors": len(ids),
-                "numel": int(numel.sum()), "bytes_saved": all_high - cost.bytes(demoted),
-                "score": float(sum(m["score"] for m in measured if m is not None)) if any(
-                    m is not None for m in measured) else math.nan,
-                "error": weighted("error"), "overflow": weighted("overflow"), "underflow": weighted("underflow"),
-            })
+            scores = [m["score"] for m in measured if m is not None]
+            records.append({"unit": unit, "group": graph.tensors[ids[0]].group, "kind": kind, "tensors": len(ids),
+                            "numel": int(numel.sum()), "bytes_saved": all_high - cost.bytes(demoted),
+                            "score": float(sum(scores)) if scores else math.nan, "error": weighted("error"),
+                            "overflow": weighted("overflow"), "underflow": weighted("underflow")})
     return pd.DataFrame(records, columns=list(COLUMNS))
 
 

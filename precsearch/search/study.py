@@ -197,17 +197,10 @@ def _adopt(study: optuna.Study, context: SearchContext, location: StudyLocation)
 
 def study_config(context: SearchContext) -> dict[str, Any]:
     """What must match for a resumed study to mean the same thing."""
-    return {
-        "search_format": SEARCH_FORMAT,
-        "model": context.model,
-        "space": context.space.to_dict(),
-        "data": dataclasses.asdict(context.data_spec),
-        "seed": context.seed,
-        "budget": dataclasses.asdict(context.budget),
-        "graph_fingerprint": context.graph.fingerprint(),
-        "proxy_seeds": context.proxy_seeds,
-        **context.settings,
-    }
+    return {"search_format": SEARCH_FORMAT, "model": context.model, "space": context.space.to_dict(),
+            "data": dataclasses.asdict(context.data_spec), "seed": context.seed,
+            "budget": dataclasses.asdict(context.budget), "graph_fingerprint": context.graph.fingerprint(),
+            "proxy_seeds": context.proxy_seeds, **context.settings}
 
 
 # -------------------------------------------------------------------------------------------- trial upkeep
@@ -231,9 +224,8 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     queued = 0
     for trial in trials:
         params, record = params_of(trial), TrialRecord.from_trial(trial)
-        if trial.state != TrialState.FAIL or not record.interrupted:
-            continue
-        if len(params) != len(context.units) or context.key(params) in pending:
+        if (trial.state != TrialState.FAIL or not record.interrupted or len(params) != len(context.units)
+                or context.key(params) in pending):
             continue
         pending.add(context.key(params))
         study.add_trial(retry_trial(params, {unit: CategoricalDistribution(context.levels) for unit in context.units},

@@ -201,17 +201,13 @@ def copies(frame: pd.DataFrame) -> pd.Series:
 
 
 def _row(record: TrialRecord, context: SearchContext, chance: float) -> dict[str, Any]:
-    params = record.params
+    params, values = record.params, record.val_accuracies
     accuracy = math.nan if record.val_accuracy is None else record.val_accuracy
-    return {
-        **record.cells(),
-        "val_error": 1.0 - accuracy,
-        "reading_flagged": flagged(accuracy, record.batch_stats_accuracy, context.budget.drop),
-        "failed_runs": sum(failed_run(value, max(record.val_accuracies), chance) for value in record.val_accuracies),
-        "feasible": record.feasible,
-        "key": record.key or (context.key(params) if len(params) == len(context.units) else ""),
-        "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
-    }
+    key = record.key or (context.key(params) if len(params) == len(context.units) else "")
+    return {**record.cells(), "val_error": 1.0 - accuracy,
+            "reading_flagged": flagged(accuracy, record.batch_stats_accuracy, context.budget.drop),
+            "failed_runs": sum(failed_run(value, max(values), chance) for value in values), "feasible": record.feasible,
+            "key": key, "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units)}
 
 
 def _level_code(level: str, context: SearchContext) -> str:
