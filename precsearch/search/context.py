@@ -232,13 +232,14 @@ class SearchContext:
                 break
         return results
 
-    def score(self, result: ProxyResult) -> float:
-        """The accuracy-side objective value (finite, so Optuna stores it even for a diverged proxy)."""
+    def score(self, result: ProxyResult | None) -> float:
+        """The accuracy-side objective value, finite so that Optuna stores it; the worst for an untrained proxy
+        (None)."""
         if self.space.accuracy_objective == "val_loss":
-            return min(result.val_loss, 1e6) if math.isfinite(result.val_loss) else 1e6
-        return result.val_error
+            return 1e6 if result is None or not math.isfinite(result.val_loss) else min(result.val_loss, 1e6)
+        return 1.0 if result is None else result.val_error
 
-    def values(self, memory: float, result: ProxyResult) -> list[float]:
+    def values(self, memory: float, result: ProxyResult | None) -> list[float]:
         if self.budget.max_memory is not None:
             return [self.score(result)]
         if self.budget.max_accuracy_drop is not None:

@@ -206,10 +206,7 @@ class Objective:
         context = self.context
         set_attrs(trial, TrialRecord(trained=False, reason=reason, memory=memory))
         set_constraints(trial, context.constraints(None, memory, None))
-        worst = 1e6 if context.space.accuracy_objective == "val_loss" else 1.0
-        if context.budget.max_memory is not None:
-            return [worst]
-        return [memory] if context.budget.max_accuracy_drop is not None else [memory, worst]
+        return context.values(memory, None)
 
 
 def _wait_while_running(study: optuna.Study, number: int) -> None:
