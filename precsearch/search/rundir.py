@@ -161,13 +161,10 @@ def remove_stale_journal_lock(journal: Path) -> None:
 
 def write_run_file(out_dir: Path, run_config: dict[str, Any], location: StudyLocation, study: optuna.Study) -> None:
     """run.json: the config, where the study lives, and the calibration and confirmation once recorded."""
-    attrs = study.user_attrs
-    calibration = recorded_calibration(attrs)
-    confirmation = recorded_confirmation(attrs)
+    calibration, confirmation = recorded_calibration(study.user_attrs), recorded_confirmation(study.user_attrs)
     extra: dict[str, Any] = {}
     if calibration is not None:
-        extra["proxy_length"] = calibration.length
-        extra["calibration"] = calibration.to_dict()
+        extra.update(proxy_length=calibration.length, calibration=calibration.to_dict())
     if confirmation is not None:
         extra["confirmation"] = confirmation.summary()
     atomic_write_text(out_dir / RUN_FILE, json.dumps(

@@ -111,22 +111,18 @@ def budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study,
     return stop
 
 
-def stop_on_signal(signals: StopSignals) -> Callable[[optuna.Study, FrozenTrial], None]:
-    """Stop before the next trial when a signal was recorded but not raised (it came inside Optuna's code)."""
-
+def _stop_when(condition: Callable[[], bool]) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """A callback that stops the study before its next trial once ``condition()`` holds."""
     def stop(study: optuna.Study, trial: FrozenTrial) -> None:
-        if signals.received is not None:
+        if condition():
             study.stop()
 
     return stop
 
 
-def _parent_watch(parent: int) -> Callable[[optuna.Study, FrozenTrial], None]:
-    def watch(study: optuna.Study, trial: FrozenTrial) -> None:
-        if os.getppid() != parent:
-            study.stop()
-
-    return watch
+def stop_on_signal(signals: StopSignals) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop before the next trial when a signal was recorded but not raised (it came inside Optuna's code)."""
+    return _stop_when(lambda: signals.received is not None)
 
 
 @dataclass(frozen=True)
@@ -210,9 +206,9 @@ def _optimize_trials(run: WorkerRun) -> None:
     reference = Reference.from_study(run.study)  # the parent recorded it before starting the workers
     objective = Objective(context, reference, setup.location, run.storage, setup.out_dir,
                           functools.partial(run.steps.record, run.index))
-    optimize(run.study, objective,
-             SAMPLER_REPEATS * setup.trials, [budget_callback(setup.trials, not setup.location.shared),
-                                              _parent_watch(run.parent), stop_on_signal(run.signals)])
+    optimize(run.study, objective, SAMPLER_REPEATS * setup.trials,
+             [budget_callback(setup.trials, not setup.location.shared),
+              _stop_when(lambda: os.getppid() != run.parent), stop_on_signal(run.signals)])
 
 
 TRIALS = WorkerPhase(_optimize_trials)
