@@ -139,10 +139,6 @@ class Calibration:
         """Training steps spent calibrating (decay branches included)."""
         return sum(run["steps_spent"] for runs in self.runs.values() for run in runs)
 
-    @property
-    def seeds(self) -> int:
-        return len(self.reference)
-
     def frame(self) -> pd.DataFrame:
         """calibration.csv: one row per (point, seed): the result of a proxy of that length."""
         rows = [{"length": point, "seed": run["seed"], "step": point, "val_accuracy": run["val_accuracy"],

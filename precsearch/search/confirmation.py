@@ -68,10 +68,9 @@ Decide = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool | None]  # 
 def race(train_point: Callable[[int], dict[str, Any]], train_reference: Callable[[int], dict[str, Any]],
          seeds: Sequence[int], reference_seeds: Sequence[int], decide: Decide, high_runs: Sequence[dict[str, Any]]
          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool | None]:
-    """A point's runs on ``seeds`` and all-high's on ``reference_seeds`` (``high_runs`` those it has already;
-    ``train_*(seed)`` a ``run_record``), a seed at a time while ``decide`` holds the point undecided: the side
-    with fewer runs gains the next seed, all-high at a tie (its runs serve every later point too). The
-    point's runs, all-high's, and the verdict (None: undecided on every seed)."""
+    """A point's runs on ``seeds`` and all-high's on ``reference_seeds`` (``high_runs`` those it has already), a
+    seed at a time while ``decide`` holds the point undecided: the side with fewer runs gains the next seed,
+    all-high at a tie (its runs serve every later point too); then the verdict (None: undecided)."""
     runs, high = [train_point(seeds[0])], list(high_runs)
     while (verdict := decide(runs, high)) is None:
         if len(high) < len(reference_seeds) and (len(high) <= len(runs) or len(runs) == len(seeds)):
@@ -85,9 +84,8 @@ def race(train_point: Callable[[int], dict[str, Any]], train_reference: Callable
 
 @dataclass(frozen=True)
 class Confirmation:
-    """Confirmation runs (``run_record``s) by assignment key, ``PLAIN_FP32`` for plain training, one per seed
-    trained: the ``reference`` key's on ``reference_seeds`` (calibration's, continued), every other key's on
-    the first of the fresh ``seeds``."""
+    """Confirmation runs (``run_record``s) by assignment key (``PLAIN_FP32`` for plain training): the
+    ``reference`` key's on ``reference_seeds`` (calibration's, continued), every other key's on fresh ``seeds``."""
 
     length: int
     runs: dict[str, list[dict[str, Any]]]
@@ -102,8 +100,7 @@ class Confirmation:
                 "runs": {key: len(runs) for key, runs in self.runs.items()}}
 
     def table(self) -> pd.DataFrame:
-        """One row per key: confirmed mean accuracy, sd (NaN for one seed), seeds, diverged, steps, and the mean
-        batch-statistics accuracy of the same runs (NaN for runs recorded before it was read)."""
+        """One row per key: confirmed mean accuracy, sd, seeds, diverged, steps, and batch-statistics accuracy."""
         rows = []
         for key, runs in self.runs.items():
             accuracies = [run["val_accuracy"] for run in runs]

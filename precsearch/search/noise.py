@@ -94,9 +94,8 @@ def failed_run(accuracy: float, best: float, chance: float) -> bool:
 
 def pooled_noise(frame: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
                  extra: Sequence[Sequence[float]] = ()) -> Noise:
-    """The pooled seed sd over rows with ``seeds >= 2`` (columns ``val_accuracy_sd`` and ``seeds``; rows whose
-    ``failed_runs`` column counts a failed run are left out) and over the ``extra`` groups of per-seed
-    accuracies (the all-high reference). One row per assignment key counts."""
+    """The pooled seed sd over a trials table's rows with ``seeds >= 2`` and no failed run (one per assignment key),
+    and over the ``extra`` groups of per-seed accuracies (the all-high reference)."""
     squares, df = 0.0, 0
     if not frame.empty and {"seeds", "val_accuracy_sd", "key"} <= set(frame.columns):
         rows = frame[(frame["seeds"] >= 2) & frame["val_accuracy_sd"].notna()]

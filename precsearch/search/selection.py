@@ -101,9 +101,8 @@ def race_settled(frame: pd.DataFrame, accuracies: Sequence[float], reference: Re
 
 def pick_pairwise(candidates: pd.DataFrame, budget: Budget, reference: float, reference_seeds: int,
                   reference_key: str, chance: float, noise_for: Callable[[str], Noise]) -> pd.Series | None:
-    """``choose_best`` under an accuracy-drop budget, each point held to the reference with the seed noise of
-    those two alone (``noise_for(key)``), least memory first: one point's scatter cannot sink another's pick,
-    as a noise pooled over every point would (seed noise differs from point to point)."""
+    """``choose_best`` under an accuracy-drop budget, least memory first, each point held to the reference with
+    the seed noise of those two alone (``noise_for(key)``): one point's scatter cannot sink another's pick."""
     ordered = candidates.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True])
     for _, row in ordered.iterrows():
         pair = candidates[candidates["key"].isin([row["key"], reference_key])]
@@ -144,16 +143,14 @@ def _least_memory_among_ties(ok: pd.DataFrame, noise: Noise) -> pd.Series | None
 
 
 def within_drop(mean: Any, seeds: Any, reference: float, reference_seeds: int, drop: float, noise: Noise) -> Any:
-    """The accuracy-drop rule: the one-sided bound on (mean - reference) is at least ``-drop`` (per row when
-    ``mean`` and ``seeds`` are Series)."""
+    """The accuracy-drop rule: the one-sided bound on (mean - reference) is at least ``-drop`` (per row of Series)."""
     return mean - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12
 
 
 def drop_verdict(accuracies: Sequence[float], reference: float, reference_seeds: int, drop: float,
                  noise: Noise) -> bool | None:
-    """Where the accuracy-drop rule stands on per-seed ``accuracies``: True (within the drop), False (its mean is
-    below the drop by more than the margin too: no seed more would let it pass), None (undecided: another
-    seed may tell). Racing adds seeds to a candidate, and confirmation to a point, only while it is None."""
+    """Where the accuracy-drop rule stands on per-seed ``accuracies``: True (within the drop), False (below it by
+    more than the margin: no seed more would let it pass), None (undecided: racing adds a seed)."""
     mean = float(np.mean(accuracies))
     if within_drop(mean, len(accuracies), reference, reference_seeds, drop, noise):
         return True
@@ -189,8 +186,8 @@ def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds
 
 
 def confirmable_front(frame: pd.DataFrame, budget: Budget, objective: str, chance: float) -> pd.DataFrame:
-    """The front points confirmation trains: within the memory budget, and neither diverged nor at chance (such a
-    point cannot be picked whatever its confirmation says)."""
+    """The front points confirmation trains: those that can be picked whatever their confirmation says (within the
+    memory budget, neither diverged nor at chance)."""
     front = pareto_front(frame, objective)
     if budget.max_memory is not None and not front.empty:
         front = front[front["memory"] <= budget.max_memory + 1e-12]
@@ -200,8 +197,8 @@ def confirmable_front(frame: pd.DataFrame, budget: Budget, objective: str, chanc
 
 
 def confirmation_rule(budget: Budget, chance: float) -> Decide | None:
-    """How confirmation decides a point: under an accuracy-drop rule seed by seed while ``confirmation_verdict``
-    is undecided; under a memory budget (whose pick compares the points with each other) on every seed (None)."""
+    """How confirmation decides a point: seed by seed under an accuracy-drop rule; under a memory budget, whose pick
+    compares the points with each other, on every seed (None)."""
     if budget.max_memory is not None:
         return None
     return lambda runs, high: confirmation_verdict(runs, high, budget, chance)

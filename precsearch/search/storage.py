@@ -47,9 +47,7 @@ STUDY_NAME = "precsearch"
 JOURNAL_NAME = "study.journal"
 POSTGRES_DRIVER = "postgresql+psycopg"
 MAX_RETRIES = 3  # times a trial whose worker died is queued again
-# seconds a worker keeps retrying a database it lost (a restart), or waiting for a study lock another worker keeps
-# (stopped or hung), before it stops
-STORAGE_OUTAGE = 120.0
+STORAGE_OUTAGE = 120.0  # seconds a worker retries a lost database, or waits for a lock a stopped worker keeps
 MAX_BACKOFF = 8.0  # seconds between two tries, at most
 
 T = TypeVar("T")

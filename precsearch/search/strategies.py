@@ -43,11 +43,8 @@ ORDERS: tuple[str, ...] = ("largest", "smallest", "random", "sensitivity")
 R_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
 ACCEPTANCE_WINDOW = 0.1  # the reference runs r only if the low share it reaches is at most r + 0.1
 WANG_LOW = "e5m2s"  # Wang et al. 2018: (1,5,2) weights, activations and activation gradients
-# torchao's float8 "tensorwise" recipe: a GEMM's forward operands e4m3fn, the gradient its backward multiplies
-# e5m2, each with a scale from its own amax (the formats of search_spaces/fp8_scaled.yaml).
-TORCHAO_LOW: dict[str, str] = {
-    "weight": "e4m3fn@tensor", "activation": "e4m3fn@tensor", "activation_grad": "e5m2@tensor",
-}
+# torchao's float8 "tensorwise" recipe, each tensor scaled by its own amax (as search_spaces/fp8_scaled.yaml)
+TORCHAO_LOW = {"weight": "e4m3fn@tensor", "activation": "e4m3fn@tensor", "activation_grad": "e5m2@tensor"}
 
 
 @dataclass(frozen=True)
