@@ -78,8 +78,7 @@ TIMED_STEPS = 5  # each torch row's step time: the median of this many steps, ta
 def _measured_steps(model_spec: str, train_set: ImageDataset, config: ProxyConfig, device: torch.device,
                     dtypes: tuple[torch.dtype | None, ...]) -> list[tuple[int, float]]:
     """(peak bytes, median seconds) of one proxy step of the plain model under ``torch.autocast`` of each of
-    ``dtypes`` (None: plain fp32): a fresh model and optimizer each, measured after two steps (momentum buffers
-    made), the times taken in turn (precsearch.cost.measured)."""
+    ``dtypes`` (None: plain fp32), each a fresh model measured after two steps (momentum buffers made)."""
     images = train_set.images[:config.batch_size].to(device)
     labels = train_set.labels[:config.batch_size].to(device)
     peaks, steps = [], []

@@ -157,8 +157,7 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
             front: Mapping[str, Policy], proxy_length: int, length: int, seeds: Sequence[int],
             report: Callable[[int, float], None], decide: Decide | None) -> Confirmation:
     """Continue the all-high reference's runs (key ``high``) to ``length`` steps, train plain fp32 and the
-    ``front`` points (in memory order; raced when ``decide`` is given, see the module docstring); the study
-    records which runs when all are done."""
+    ``front`` points in memory order (raced when ``decide`` is given); the study records which runs at the end."""
     recorded_before = recorded_confirmation(ledger.study.user_attrs)
     if recorded_before is not None:
         return recorded_before

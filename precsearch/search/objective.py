@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from precsearch.search.rungs import RungStop
 from precsearch.search.selection import race_settled, untrained_reason
 from precsearch.search.storage import StudyLocation, owner_id
 from precsearch.search.strategies import assign, assignment_key, low_share
-from precsearch.search.trials import TrialRecord, set_attrs, set_constraints, trials_frame
+from precsearch.search.trials import TrialRecord, fail_stale, set_attrs, set_constraints, trials_frame
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
@@ -210,11 +209,9 @@ class Objective:
 
 
 def _wait_while_running(study: optuna.Study, number: int) -> None:
-    """Poll until trial ``number`` leaves RUNNING; meanwhile fail trials whose worker stopped heartbeating
-    (Optuna does so only when a trial starts, and every live worker may be waiting here)."""
+    """Poll until trial ``number`` leaves RUNNING, failing meanwhile the trials whose worker died (Optuna does so
+    only when a trial starts, and every live worker may be waiting here)."""
     while any(t.number == number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
         time.sleep(0.5)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
+        fail_stale(study)
 

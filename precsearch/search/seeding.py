@@ -113,9 +113,8 @@ def seed_study(study: optuna.Study, context: SearchContext, seeding: Seeding, tr
 
 
 def seed_queue(context: SearchContext, trials: int, seeding: Seeding) -> list[tuple[dict[str, str], list[str]]]:
-    """What a new study queues, in order, as (decisions, origins): ``seeding``'s candidates, then, when the
-    space holds no more than ``trials`` assignments, every other one (a sampler would only propose them again
-    and again)."""
+    """What a new study queues, in order, as (decisions, origins): ``seeding``'s candidates, then every other
+    assignment of a space that holds no more than ``trials`` (a sampler would propose them again and again)."""
     seeded = seed_candidates(context.graph, context.space, seeding)
     queue = [(dict(candidate.decisions), list(origins)) for candidate, origins in seeded]
     if context.assignments > trials:

@@ -117,7 +117,6 @@ class StudyLocation:
             if importlib.util.find_spec("psycopg") is None:
                 raise PrecsearchError(f"study storage {self.shown} needs psycopg 3; install it with "
                                       "pip install 'precsearch[postgres]'")
-
             # the session names this worker (host:pid) in pg_stat_activity, so a held lock can be traced to it
             engine_kwargs["connect_args"] = {"connect_timeout": 10, "application_name": f"precsearch {owner_id()}"}
         kind = RetryingRDBStorage if backend == "postgresql" else RDBStorage  # SQLite has no server to lose
@@ -146,9 +145,8 @@ class StudyLocation:
 
     @contextlib.contextmanager
     def lock(self, storage: optuna.storages.BaseStorage) -> Iterator[None]:
-        """Exclusive among all processes using this study: on PostgreSQL an advisory lock held for one
-        transaction (the server releases it when a killed worker's connection drops), on SQLite and journal
-        files an flock on the file (they are shared on one host only)."""
+        """Exclusive among all processes using this study: on PostgreSQL an advisory lock held for one transaction
+        (released when a killed worker's connection drops), on SQLite and journal files (one host's) an flock."""
         if isinstance(storage, RetryingRDBStorage):
             connection = self._advisory_lock(storage)
             try:
@@ -250,8 +248,7 @@ def _dropped(error: BaseException) -> bool:
 class RetryingRDBStorage(RDBStorage):
     """Optuna's RDB storage whose every database call survives a server restart or a dropped connection (see
     the module docstring); past ``STORAGE_OUTAGE`` the storage is ``lost`` for good. For ``grace_period`` seconds
-    after an outage no trial is judged stale: the other workers, which lost the server too, must beat again first.
-    """
+    after an outage no trial is judged stale: the other workers, which lost the server too, must beat again first."""
 
     shown = "the study storage"  # the URL, password masked, for messages (StudyLocation.open sets it)
     lost: str | None = None  # why the storage was given up, once it was

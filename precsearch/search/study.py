@@ -54,7 +54,6 @@ import os
 import signal
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,7 +107,7 @@ from precsearch.search.seeding import seed_study
 from precsearch.search.selection import confirmable_front, confirmation_rule, pareto_front
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation, owner_id
-from precsearch.search.trials import TrialRecord, params_of, policy_of, retry_trial, trials_frame
+from precsearch.search.trials import TrialRecord, fail_stale, params_of, policy_of, retry_trial, trials_frame
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
     TRIALS,
@@ -253,9 +252,8 @@ def _reference_seeds(context: SearchContext) -> list[int]:
 
 
 def _reference(study: optuna.Study, context: SearchContext, calibration: Calibration) -> Reference:
-    """The reference every trial compares with, recorded once per study (whichever worker gets here first):
-    the calibrated all-high runs and the seeds per proxy (with ``proxy_seeds=None`` chosen from the noise the
-    reference shows, ``noise.seeds_for``)."""
+    """The reference every trial compares with, recorded once per study by whichever worker gets here first
+    (with ``proxy_seeds=None`` its seeds per proxy chosen from the noise it shows, ``noise.seeds_for``)."""
     recorded = Reference.from_study(study)
     if recorded is not None:
         return recorded
@@ -273,9 +271,7 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
     """Before confirmation (which freezes the front), wait for the trials other workers of a shared study
     are running, and run here the retries of those whose worker died (found stale by their heartbeat)."""
     while True:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
+        fail_stale(study)
         retries = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                    if TrialRecord.from_trial(t).retry_of is not None]
         if retries:
@@ -483,9 +479,8 @@ class _Run:
 
 
 def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> Decision:
-    """The search, top-down (see the module docstring), run by every worker of a study: the ledger runs each
-    setup and wrap-up step once. With ``--jobs N`` the workers train the runs (``_in_workers``) and this process
-    then reads what they recorded. It ends in the pick; ``run_search`` writes the files, after a stop too."""
+    """The search, top-down, run by every worker of a study (the ledger runs each setup and wrap-up step once);
+    with ``--jobs N`` the workers train the runs and this process reads what they recorded. It ends in the pick."""
     ledger = study_ledger(study, run.location, run.backend, run.run_id, pause_at=config.pause_at)
     run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
     if recorded_calibration(study.user_attrs) is None:
@@ -579,10 +574,7 @@ def _worker_setup(context: SearchContext, config: SearchConfig, run: _Run) -> Wo
 
 def _phase_progress(bar: _Progress, phase: str) -> Callable[[int, float], None]:
     """A ``report`` hook for calibration and confirmation runs: the bar shows the ``phase`` and the run's step."""
-    def show(step: int, loss: float) -> None:
-        bar.phase(f"{phase}: step {step}, loss {loss:.3f}")
-
-    return show
+    return lambda step, loss: bar.phase(f"{phase}: step {step}, loss {loss:.3f}")
 
 
 class SearchInterrupted(SignalStop):

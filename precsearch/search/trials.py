@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,8 @@ from precsearch.search.strategies import assign
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "params_of", "policy_of", "retry_trial", "set_attrs",
-           "set_constraints", "trials_frame"]
+__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "fail_stale", "params_of", "policy_of", "retry_trial",
+           "set_attrs", "set_constraints", "trials_frame"]
 
 RETRY_OF = "failed_trial"  # Optuna's system attr of a retried trial (its RetryFailedTrialCallback's name)
 OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
@@ -188,6 +189,13 @@ class RetryStaleTrial(RetryHeartbeatStaleTrialCallback):
         kept = copy.copy(trial)
         kept.user_attrs = TrialRecord(origin=TrialRecord.from_trial(trial).origin).to_attrs()
         super().__call__(study, kept)
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Fail (and queue again, ``RetryStaleTrial``) the trials whose worker stopped heartbeating."""
+    with warnings.catch_warnings():  # Optuna marks it experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
 
 
 def params_of(trial: FrozenTrial) -> dict[str, Any]:
