@@ -1,13 +1,10 @@
 """Where a search's training steps went, next to what it would have cost without rungs, and what the
 paper's procedure costs.
 
-Phases: calibration (the reference's continuing runs, decay branches included), each rung (the steps
-candidates trained between the previous rung and this one, on every seed they raced: a candidate stopped at
-a rung spends nothing after it), the candidates' decay branches (one per reading: at each rung a first seed
-reached, and at the end of each run that did not diverge), and confirmation (branches included). The two
-yardsticks: the same search with every trained candidate run to the full proxy length on all its seeds, read
-once there (its branch included; calibration and confirmation as they were), and the paper's procedure, which
-uses no proxies: one full run per sweep point, here at the confirmation length.
+Phases: calibration, each rung (the steps candidates trained between the previous rung and this one, on every
+seed they raced), the candidates' decay branches, and confirmation. The two yardsticks: the same search with
+every trained candidate run to the full proxy length on all its seeds, and the paper's procedure, which uses no
+proxies: one full run per sweep point, here at the confirmation length.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Prior-work baselines and the paper's sweep trained under the same proxies as a search, reusing what the
 search in the same run directory already trained; and torch's own mixed precision beside them.
 
-The torch rows (``TORCH_BASELINES``: ``autocast_bf16``, ``autocast_fp16``) train the plain model under
-``torch.autocast`` (precsearch.train.autocast), no policy file. They assign no formats, so the cost model has no
-figure for them: their ``memory``, ``bytes`` and ``peak_predicted`` are NaN (the demo's held baselines,
-``source == "baseline"``, never read them), and what they hold is measured: ``peak_bytes``, one proxy step's
-peak (the CPU allocator's events or CUDA's, precsearch.cost.measured, gradients set to None before it), and
+The torch rows (``TORCH_BASELINES``) train the plain model under ``torch.autocast`` (precsearch.train.autocast),
+with no policy file. They assign no formats, so the cost model has no figure for them (``memory``, ``bytes`` and
+``peak_predicted`` are NaN); what they hold is measured: ``peak_bytes``, one proxy step's peak, and
 ``step_time``, the median seconds of a step, each beside the plain fp32 model's step measured in the same call
-(``peak_x_fp32``, ``step_time_x_fp32``). The policy rows leave those columns empty; they hold the cost model's
-figures: both memory measures as ratios to all-high (``memory_peak``, ``memory_bytes``), the predicted step peak
-in bytes (``peak_predicted``), and ``memory``, the measure of the search in the run directory, else the default
-(the step's peak). fp16 autocast is CUDA's: on another device ``autocast_fp16`` is skipped with one INFO line
-(torch's CPU float16 autocast exists, but it is no recipe anyone trains with there), so the default list runs
-anywhere.
+(``peak_x_fp32``, ``step_time_x_fp32``). The policy rows hold the cost model's figures instead. fp16 autocast is
+CUDA's recipe: elsewhere ``autocast_fp16`` is skipped with one INFO line, so the default list runs anywhere.
 """
 
 from __future__ import annotations
@@ -37,11 +31,7 @@ from precsearch.files import atomic_write_text
 from precsearch.search.context import Budget, DataSpec, SearchContext, proxy_compile, torch_threads
 from precsearch.search.rundir import RUN_FILE
 from precsearch.search.settings import SearchConfig
-from precsearch.search.strategies import (
-    BASELINES,
-    baseline_policies,
-    sweep,
-)
+from precsearch.search.strategies import BASELINES, baseline_policies, sweep
 from precsearch.search.study import quiet, study_config
 from precsearch.train.autocast import AUTOCAST_DTYPES, autocast_scaler
 from precsearch.train.data import ImageDataset
@@ -88,8 +78,7 @@ TIMED_STEPS = 5  # each torch row's step time: the median of this many steps, ta
 def _measured_steps(model_spec: str, train_set: ImageDataset, config: ProxyConfig, device: torch.device,
                     dtypes: tuple[torch.dtype | None, ...]) -> list[tuple[int, float]]:
     """(peak bytes, median seconds) of one proxy step of the plain model under ``torch.autocast`` of each of
-    ``dtypes`` (None: plain fp32): a fresh model and optimizer each, measured after two steps (momentum buffers
-    made), the times taken in turn (precsearch.cost.measured)."""
+    ``dtypes`` (None: plain fp32), each a fresh model measured after two steps (momentum buffers made)."""
     images = train_set.images[:config.batch_size].to(device)
     labels = train_set.labels[:config.batch_size].to(device)
     peaks, steps = [], []
@@ -157,35 +146,17 @@ def _policy_row(source: str, name: str, policy: Policy, key: str, known: dict[st
     return row, str(path.relative_to(out_dir))
 
 
-def run_baselines(
-    model_spec: str,
-    space: SearchSpace | str | Path,
-    data: DataSpec | str = "digits",
-    out_dir: str | Path = "runs/baselines",
-    proxy_steps: int | None = None,
-    seed: int = 0,
-    device: str = "auto",
-    *,
-    names: tuple[str, ...] | list[str] = (*BASELINES, *TORCH_BASELINES),
-    ablations: bool = False,
-    batch_size: int | None = None,
-    image_size: int | None = None,
-    threads: int | None = None,
-    progress: bool = True,
-    compile: CompileOptions | None = None,
-    memory: str | None = None,
-) -> pd.DataFrame:
+def run_baselines(model_spec: str, space: SearchSpace | str | Path, data: DataSpec | str = "digits",
+                  out_dir: str | Path = "runs/baselines", proxy_steps: int | None = None, seed: int = 0,
+                  device: str = "auto", *, names: tuple[str, ...] | list[str] = (*BASELINES, *TORCH_BASELINES),
+                  ablations: bool = False, batch_size: int | None = None, image_size: int | None = None,
+                  threads: int | None = None, progress: bool = True, compile: CompileOptions | None = None,
+                  memory: str | None = None) -> pd.DataFrame:
     """Train the prior-work baselines, torch's autocast and the paper's sweep (plus its ablations) under the
-    same proxies.
-
-    Writes ``baselines.csv`` (rewritten after each proxy) and ``baselines/<source>_<name>.json`` policies (none for
-    the torch rows, see the module doc). In a search's run directory made with the same model, space, data and
-    seed, the proxies are as long as the search's (unless ``proxy_steps`` says otherwise), and sweep points the
-    search already trained are reused, not trained again; so are sweep points that coincide with each other.
-    ``compile``: how the proxies of policies compile their step (None: eagerly; ``proxy_compile``). ``memory``:
-    the measure of the ``memory`` column (``MEMORY_MEASURES``; None: the run directory's search's, else the
-    default, the step's peak).
-    """
+    same proxies: ``baselines.csv`` (rewritten after each proxy) and ``baselines/<source>_<name>.json``. In a
+    search's run directory made with the same model, space, data and seed, the proxies are as long as the
+    search's, and points it already trained are reused, as are sweep points that coincide. ``memory``: the
+    measure of the ``memory`` column (None: the run directory's search's, else the step's peak)."""
     if isinstance(space, str | Path):
         space = load_space(space)
     run_file = Path(out_dir) / RUN_FILE

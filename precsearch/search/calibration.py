@@ -3,44 +3,33 @@ its learning curve says how long a proxy must be to decide anything.
 
 A fixed proxy length is either blind (an easy task: every assignment within seed noise) or pessimistic (a
 hard one: at 150 steps even all-high is at chance on some seeds, while the same assignments reach 100% at
-450-600 steps). So the length comes from the reference's own learning curve. Each reference seed trains ONE
-continuing run (precsearch.train.continuing: every point of it is the result of a proxy of that length),
-read at the points ``start``, 2 x start, ... up to ``max_steps``; all seeds reach a point before the curve
-is judged there, and the runs go on from their checkpoints. The proxy length L is the first point where
+450-600 steps). So each reference seed trains ONE continuing run (precsearch.train.continuing: every point of
+it is the result of a proxy of that length), read at ``start``, 2 x start, ... up to ``max_steps``, every seed
+reaching a point before the curve is judged there. The proxy length L is the first point where
 
 * every seed is clearly above chance (``SearchContext.chance``) and none diverged (learned),
-* the mean gained no more than the seed noise allows (the one-sided margin at the budget's confidence, and
-  at least the allowed drop) since the previous point (flat: L is one doubling past where the reference
-  levels off, even at 100%, so that an assignment learning up to twice as slowly is judged where it too has
-  levelled off; on the demo task the reference read 100% on every seed at 200 steps, and the least memory
-  that proxies of 200 steps held within the drop was 0.63 of the all-high bytes, where proxies of 400 steps
-  find 0.52, confirmed), and
+* the mean gained no more than the seed noise allows (and at least the allowed drop) since the previous point
+  (flat: L is one doubling past where the reference levels off, even at 100%, so that an assignment learning
+  up to twice as slowly is judged where it too has levelled off; on the demo task proxies of 200 steps held
+  0.63 of the all-high bytes within the drop, where proxies of 400 steps found 0.52, confirmed), and
 * the seeds agree closely enough that proxies can resolve the allowed drop (``noise.resolves``): a mean
   that stopped rising over seeds that still disagree (99.8%, 74.5%, 64.2%) would hold every proxy to noise.
 
-A seed stuck on a plateau nearer chance than the best seed (it had left chance two doublings before, has gained no
-more than the allowed drop since, and is a ``noise.failed_run``: tiny_cnn's seed 0 on gratings at 38%, 38%, 30% at
-200, 400 and 800 steps while seeds 1 and 2 read 100%), or fallen back to chance without a flagged divergence
-(mobilenet_v2's seed 1 at 90%, 100%, 9.6% at 800, 1,600 and 3,200 steps, a spike of the constant rate it never
-came back from, while seeds 0 and 2 read 100%), is a failed run, not seed noise: a minority of such seeds is
-left out of the reference (``Calibration.failed``, one WARNING line names them) when the others agree. Held to a
-mean that counts it, proxies would pass at 77% against runs at 100%, and its spread would race every candidate to
-the most seeds; its checkpoint goes, and confirmation continues the other seeds only. Seeds that have learned and
-stopped rising but still disagree, and drew no closer over two doublings (seeds that click late draw together as
-they do), are not going to agree: calibration stops there. So it does where the seeds are apart by no more than the
-validation set's own sampling noise explains (binomial, at the best seed's accuracy) and that noise alone could not
-resolve the drop, which no length changes (an easy task validated on a few hundred images, at 98%), and at the cap;
-each time with one WARNING line (kept in the calibration, shown in the summary) saying what to change. A reference
-that reached within the allowed drop of 100% only in the doubling to the cap is taken at the cap, with one WARNING
-line (it cannot rise further, but slower assignments lose their doubling). A reference that has not learned or
-is still rising at the cap is refused: a one-line PrecsearchError, never a pick of noise.
-Steps per reference seed: L plus the decay branches of its points, 1.2 x L with doubling points. The runs'
-checkpoints stay: confirmation continues the same runs to its longer length (``REFERENCE_RUN``,
-``reference_policy``) instead of training the reference again.
+A minority of seeds stuck on a plateau nearer chance than the best seed (``_failed``: tiny_cnn's seed 0 on
+gratings at 38%, 38%, 30% at 200, 400 and 800 steps beside 100%; mobilenet_v2's seed 1 fallen from 100% to 9.6%
+without a flagged divergence) are failed runs, not seed noise: they are left out of the reference
+(``Calibration.failed``, one WARNING line), since a mean that counts them would pass proxies at 77% against runs
+at 100% and race every candidate to the most seeds. Calibration also stops, with one WARNING line saying what to
+change, where seeds that learned and stopped rising drew no closer over two doublings, where they are apart by
+no more than the validation set's sampling noise explains and that noise cannot resolve the drop
+(``_sampling_floor``: no length changes it), and at the cap; a reference that reached within the drop of 100%
+only in the doubling to the cap is taken there (``_late_plateau``). One that has not learned or is still rising
+at the cap is refused: a one-line PrecsearchError, never a pick of noise.
 
-Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it. With
-a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way (the
-rungs), with no test.
+The runs' checkpoints stay: confirmation continues them (``REFERENCE_RUN``) instead of training the reference
+again. Every (point, seed) is a step of the study's ``Ledger``, so a resumed or joining worker does not redo it.
+With a fixed length (``--proxy-steps N``) the reference trains once to N, read at N/8, N/4 and N/2 on the way
+(the rungs), with no test.
 """
 
 from __future__ import annotations
@@ -90,8 +79,7 @@ class CalibrationSettings:
                                   f"and at most half of --max-proxy-steps {self.max_steps}")
 
     def points(self) -> list[int]:
-        """Where the reference's run is read: the doubling schedule, or a fixed length and its halvings down to
-        an eighth (where rungs may stand)."""
+        """The doubling schedule, or a fixed length and its halvings down to an eighth (where rungs may stand)."""
         if self.fixed is not None:
             return sorted({self.fixed // 8, self.fixed // 4, self.fixed // 2, self.fixed} - {0})
         points = [self.start]
@@ -107,9 +95,8 @@ def run_record(result: ProxyResult, seed: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Calibration:
-    """The reference's runs read at each point (per-seed ``run_record``s, the result of a proxy of that length),
-    the chosen ``length``, ``warning``: what to change when its seeds could not be made to agree, and ``failed``:
-    the seeds left out as failed runs (stuck on a plateau near chance), whose runs stay on record only."""
+    """The reference's runs read at each point (per-seed ``run_record``s), the chosen ``length``, ``warning``: what
+    to change when its seeds could not be made to agree, and ``failed``: the seeds left out as failed runs."""
 
     length: int
     fixed: bool
@@ -142,9 +129,8 @@ class Calibration:
         return _learned(self._kept(self.runs.get(point, [])), chance)
 
     def noise(self, confidence: float) -> Noise:
-        """The seed noise the reference shows, pooled over every point up to the proxy length: seeds that click
-        at different steps are the noise a rung must allow, and a reference saturated at L (every seed at
-        100%) claims none on its own."""
+        """The seed noise pooled over every point up to the proxy length: seeds that click at different steps are
+        the noise a rung must allow, and a reference saturated at L claims none on its own."""
         return pooled_noise(pd.DataFrame(), confidence, extra=[self.at(point) for point in self.runs
                                                                  if point <= self.length])
 
@@ -152,10 +138,6 @@ class Calibration:
     def steps(self) -> int:
         """Training steps spent calibrating (decay branches included)."""
         return sum(run["steps_spent"] for runs in self.runs.values() for run in runs)
-
-    @property
-    def seeds(self) -> int:
-        return len(self.reference)
 
     def frame(self) -> pd.DataFrame:
         """calibration.csv: one row per (point, seed): the result of a proxy of that length."""
@@ -189,8 +171,7 @@ def recorded_calibration(attrs: Mapping[str, Any]) -> Calibration | None:
 
 def calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSettings, seeds: Sequence[int],
               report: Callable[[int, float], None]) -> Calibration:
-    """Train the all-high reference's runs until the curve decides the length (see the module docstring); the
-    study records the outcome."""
+    """Train the all-high reference's runs until the curve decides the length; the study records the outcome."""
     recorded_before = recorded_calibration(ledger.study.user_attrs)
     if recorded_before is not None:
         return recorded_before
@@ -259,22 +240,16 @@ def _calibrate(context: SearchContext, ledger: Ledger, settings: CalibrationSett
 def _advance(context: SearchContext, ledger: Ledger, policy: Policy, point: int, seeds: Sequence[int],
              report: Callable[[int, float], None]) -> list[dict[str, Any]]:
     """Every seed's run continued to ``point`` (each a ledger step)."""
-    names = {_step(point, seed): seed for seed in seeds}
+    def work(seed: int) -> dict[str, Any]:
+        return run_record(context.trainer(policy, point, seed, report=report,
+                                          checkpoint=context.checkpoint(REFERENCE_RUN, seed)), seed)
 
-    def work(name: str) -> dict[str, Any]:
-        seed = names[name]
-        result = context.trainer(policy, point, seed, report=report,
-                                 checkpoint=context.checkpoint(REFERENCE_RUN, seed))
-        return run_record(result, seed)
-
-    results = ledger.run(list(names), work)
-    return [results[name] for name in names]
+    return ledger.run_seeds(lambda seed: _step(point, seed), seeds, work)
 
 
 def _failed(runs: dict[int, list[dict[str, Any]]], points: list[int], index: int,
             context: SearchContext) -> tuple[int, ...]:
-    """The seeds stuck on a plateau at ``points[index]`` (see the module docstring), when they are a minority
-    that leaves at least two seeds; else none."""
+    """The seeds stuck on a plateau at ``points[index]``, when a minority that leaves at least two; else none."""
     now, earlier = runs[points[index]], runs[points[index - 2]] if index >= 2 else []
     if len(earlier) != len(now):
         return ()
@@ -302,10 +277,8 @@ def _failed_line(point: int, earlier: int, runs: dict[int, list[dict[str, Any]]]
 
 def _sampling_floor(accuracies: list[float], context: SearchContext) -> str:
     """Why no length resolves the allowed drop, or "": the seeds differ by no more than the validation set's own
-    sampling noise explains (``SearchContext.sampling_sd`` at the best seed's accuracy, known exactly;
-    ``noise.explained_by``), and even that noise would leave a margin over half the drop. Training longer
-    cannot make seeds agree more closely than that. Seeds further apart (one of them still learning: 91%, 91%
-    and 38%) may yet draw together, and their best accuracy, where the floor is read, may yet rise."""
+    sampling noise explains (at the best seed's accuracy), and even that noise would leave a margin over half the
+    drop. Seeds further apart (one still learning: 91%, 91% and 38%) may yet draw together."""
     sd = context.sampling_sd(max(accuracies))
     if not explained_by(accuracies, sd, context.budget.confidence):  # seeds further apart than sampling explains
         return ""

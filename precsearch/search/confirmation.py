@@ -3,29 +3,22 @@ continued to the same length, before any pick is written.
 
 Proxies earn their speed only by agreeing with longer runs, and their rank agreement is modest, so front points
 (within the memory budget, if any) are trained for ``factor`` times the proxy length (default 3) on seeds no
-proxy used, as many as the reference's at most. The all-high reference is calibration's own runs continued from
-their checkpoints to that length (one continuing run per reference seed: a run read at a length is a run of that
-length, precsearch.train.continuing), so it costs the steps past the proxy length only. Every confirmation run,
-the reference's, the points' and plain fp32's, holds the proxies' rate to the proxy length and then decays along
-one cosine to its end (``decay_start``): a longer run at the peak rate is not what a user trains, and a recipe
-that trains at L may blow up there whatever the precision (mobilenet_v2's reference and plain fp32 both did, at
-the constant rate past 2L). The reference was never selected by its accuracy, so its seeds need not be fresh,
-and the comparison with it is unpaired. ``best.json`` is then chosen from confirmed accuracies only
-(``selection.confirmed_front`` + ``choose_best``): a point whose proxy looked good but whose confirmation falls
-short is not picked, the next confirmed point is. A plain fp32 run (no policy) of the same length on the first
-fresh seed is the yardstick the report holds the pick against; it decides nothing, so it trains one seed, not
-the reference's. Workers take the runs in that order, none waiting while a run it could train is free: the
-reference's first runs, plain fp32, the points.
+proxy used, as many as the reference's at most. The reference is calibration's own runs continued from their
+checkpoints (precsearch.train.continuing), so it costs the steps past the proxy length only; it was never
+selected by its accuracy, so its seeds need not be fresh. Every confirmation run holds the proxies' rate to the
+proxy length and then decays along one cosine to its end (``decay_start``): a longer run at the peak rate is
+not what a user trains, and may blow up whatever the precision (mobilenet_v2's reference and plain fp32 both
+did, at the constant rate past 2L). ``best.json`` is chosen from confirmed accuracies only
+(precsearch.search.selection): a point whose confirmation falls short is not picked, the next confirmed one is.
+A plain fp32 run on the first fresh seed is the report's yardstick; it decides nothing, so it trains one seed.
 
 Under an accuracy-drop rule the pick is the least memory confirmed within the drop, so confirmation is
-sequential: the points in memory order, stopping at the first point confirmed, and seeds race (``race``): the
+sequential: the points in memory order, stopping at the first confirmed, and seeds race (``race``): the
 reference continues two of its runs first (the fewest that measure its noise), and the point or the reference
-gains a seed only while the rule is undecided on the point (``decide``, precsearch.search.selection). Under a
-memory budget every point and the reference train on every seed. Once an all-high run diverged, no
-point is trained (``reference_divergence``): nothing can be confirmed against a reference that does not train
-at that length. Each run is a step of the study's
-``Ledger``, so any worker may take it and none is run twice; the sequence follows from what is recorded, so a
-resumed or joining worker goes on where it stood.
+gains a seed only while the rule is undecided. Under a memory budget every point and the reference train on
+every seed. Once an all-high run diverged no point is trained (``reference_divergence``). Each run is a step of
+the study's ``Ledger``, taken in the order reference, plain fp32, points, so a resumed or joining worker goes on
+where it stood and none waits while a run it could train is free.
 """
 
 from __future__ import annotations
@@ -75,10 +68,9 @@ Decide = Callable[[list[dict[str, Any]], list[dict[str, Any]]], bool | None]  # 
 def race(train_point: Callable[[int], dict[str, Any]], train_reference: Callable[[int], dict[str, Any]],
          seeds: Sequence[int], reference_seeds: Sequence[int], decide: Decide, high_runs: Sequence[dict[str, Any]]
          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool | None]:
-    """A point's runs on ``seeds`` and all-high's on ``reference_seeds`` (``high_runs`` those it has already;
-    ``train_*(seed)`` a ``run_record``), a seed at a time while ``decide`` holds the point undecided: the side
-    with fewer runs gains the next seed, all-high at a tie (its runs serve every later point too). The
-    point's runs, all-high's, and the verdict (None: undecided on every seed)."""
+    """A point's runs on ``seeds`` and all-high's on ``reference_seeds`` (``high_runs`` those it has already), a
+    seed at a time while ``decide`` holds the point undecided: the side with fewer runs gains the next seed,
+    all-high at a tie (its runs serve every later point too); then the verdict (None: undecided)."""
     runs, high = [train_point(seeds[0])], list(high_runs)
     while (verdict := decide(runs, high)) is None:
         if len(high) < len(reference_seeds) and (len(high) <= len(runs) or len(runs) == len(seeds)):
@@ -92,9 +84,8 @@ def race(train_point: Callable[[int], dict[str, Any]], train_reference: Callable
 
 @dataclass(frozen=True)
 class Confirmation:
-    """Confirmation runs (``run_record``s) by assignment key, ``PLAIN_FP32`` for plain training, one per seed
-    trained: the ``reference`` key's on ``reference_seeds`` (calibration's, continued), every other key's on
-    the first of the fresh ``seeds``."""
+    """Confirmation runs (``run_record``s) by assignment key (``PLAIN_FP32`` for plain training): the
+    ``reference`` key's on ``reference_seeds`` (calibration's, continued), every other key's on fresh ``seeds``."""
 
     length: int
     runs: dict[str, list[dict[str, Any]]]
@@ -109,8 +100,7 @@ class Confirmation:
                 "runs": {key: len(runs) for key, runs in self.runs.items()}}
 
     def table(self) -> pd.DataFrame:
-        """One row per key: confirmed mean accuracy, sd (NaN for one seed), seeds, diverged, steps, and the mean
-        batch-statistics accuracy of the same runs (NaN for runs recorded before it was read)."""
+        """One row per key: confirmed mean accuracy, sd, seeds, diverged, steps, and batch-statistics accuracy."""
         rows = []
         for key, runs in self.runs.items():
             accuracies = [run["val_accuracy"] for run in runs]
@@ -125,8 +115,7 @@ class Confirmation:
 
     def noise(self, confidence: float, keys: Sequence[str] | None = None) -> Noise:
         """The seed noise of the confirmation runs of ``keys`` (default: every confirmed policy, not plain
-        fp32), pooled. A point is held against the reference with the noise of those two alone: seed noise
-        differs from point to point (one that learns on every seed does not scatter like one at the edge)."""
+        fp32), pooled."""
         chosen = [key for key in self.runs if key != PLAIN_FP32] if keys is None else keys
         return pooled_noise(pd.DataFrame(), confidence, extra=[[run["val_accuracy"] for run in self.runs[key]]
                                                                  for key in chosen])
@@ -151,9 +140,8 @@ def recorded_confirmation(attrs: Mapping[str, Any]) -> Confirmation | None:
 
 
 def reference_divergence(high: Sequence[Mapping[str, Any]]) -> str | None:
-    """Why nothing can be picked when one of all-high's confirmation runs (``run_record``s) diverged, or None.
-    The reference is the accuracy a point must keep; where high precision itself diverges at that length, no
-    point is confirmed against it, so ``confirm`` trains none and selection's ``confirmed_pick`` picks none."""
+    """Why nothing can be picked when one of all-high's confirmation runs (``run_record``s) diverged, or None:
+    no point is confirmed against a reference that does not train at that length."""
     run = next((run for run in high if run["diverged"]), None)
     if run is None:
         return None
@@ -168,11 +156,8 @@ def _step(key: str, seed: int) -> str:
 def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: Sequence[int],
             front: Mapping[str, Policy], proxy_length: int, length: int, seeds: Sequence[int],
             report: Callable[[int, float], None], decide: Decide | None) -> Confirmation:
-    """Continue the all-high reference's runs (key ``high``, calibration's ``reference_seeds``) to ``length`` steps,
-    decaying from ``proxy_length`` (``decay_start``), and train plain fp32 on the first of the fresh ``seeds``,
-    then the ``front`` points (in memory order): with ``decide`` sequentially, the reference's first two runs
-    continued and the rest raced (see the module docstring), else each point and the reference on every seed; the
-    study records which runs when all are done."""
+    """Continue the all-high reference's runs (key ``high``) to ``length`` steps, train plain fp32 and the
+    ``front`` points in memory order (raced when ``decide`` is given); the study records which runs at the end."""
     recorded_before = recorded_confirmation(ledger.study.user_attrs)
     if recorded_before is not None:
         return recorded_before
@@ -180,20 +165,16 @@ def confirm(context: SearchContext, ledger: Ledger, high: str, reference_seeds: 
     def trained(key: str, policy: Policy | None, chosen: Sequence[int], checkpoint_key: str | None = None,
                 wait: bool = True) -> list[dict[str, Any]]:
         """``key``'s runs on ``chosen`` seeds, each continuing its checkpoint under ``checkpoint_key`` (default
-        ``key``); with ``wait=False`` only those recorded once this worker has run what no other worker holds."""
-        names = {_step(key, seed): seed for seed in chosen}
+        ``key``); ``wait=False``: see ``Ledger.run``."""
         checkpoint_key = checkpoint_key or key
 
-        def work(name: str) -> dict[str, Any]:
-            seed = names[name]
-            checkpoint = context.checkpoint(checkpoint_key, seed)
-            result = context.trainer(policy, length, seed, report=report, checkpoint=checkpoint,
-                                     decay_from=decay_start(proxy_length, length))
+        def work(seed: int) -> dict[str, Any]:
+            result = context.trainer(policy, length, seed, report=report, decay_from=decay_start(proxy_length, length),
+                                     checkpoint=context.checkpoint(checkpoint_key, seed))
             context.drop_checkpoint(checkpoint_key, seed)
             return run_record(result, seed)
 
-        results = ledger.run(list(names), work, wait)
-        return [results[name] for name in names if name in results]
+        return ledger.run_seeds(lambda seed: _step(key, seed), chosen, work, wait)
 
     def reference(chosen: Sequence[int], wait: bool = True) -> list[dict[str, Any]]:
         return trained(high, reference_policy(context), chosen, REFERENCE_RUN, wait)

@@ -1,5 +1,4 @@
-"""What every step of a search shares: the data it trains on, the budget it picks by, and the context of one
-process (traced graph, cost model, space, the trainer that runs proxies, the calibrated proxy length)."""
+"""What every step of a search shares: the data, the budget it picks by, and one process's context."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,9 +48,8 @@ class DataSpec:
 
 @dataclass(frozen=True)
 class Budget:
-    """At most one of: ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction), and the
-    memory measure the search minimizes: ``peak`` (the default: the predicted peak of a training step,
-    ``CostModel.peak_bytes``) or ``bytes`` (the paper's: bytes of the assignable tensors)."""
+    """At most one of ``max_memory`` (ratio of all-high memory) or ``max_accuracy_drop`` (fraction), and the
+    memory measure the search minimizes: ``peak`` (of a training step, the default) or ``bytes`` (the paper's)."""
 
     max_memory: float | None = None
     max_accuracy_drop: float | None = None
@@ -90,8 +88,7 @@ class Budget:
 
 @dataclass
 class SearchContext:
-    """Everything one process needs to run trials: data, traced graph, cost model, space, budget, the
-    ``trainer`` (the real proxies unless one is injected)."""
+    """Everything one process needs to run trials; ``trainer`` runs the real proxies unless one is injected."""
 
     model: str
     space: SearchSpace
@@ -118,9 +115,7 @@ class SearchContext:
                proxy_seeds: int | None = 1, trainer: Trainer | None = None,
                compile: CompileOptions | None = None) -> SearchContext:
         """Load the data (unless given), build and trace the model at the proxy's batch and image size, once
-        ``check_fits`` found that they fit this machine. ``compile``: how runs compile their step (None:
-        eagerly); the proxies' graph saves float32 (``proxy_compile``), so that one compiled graph serves every
-        assignment."""
+        ``check_fits`` found that they fit this machine. ``compile``: how runs compile their step (None: eagerly)."""
         check_fits(model, space.proxy.batch_size, space.proxy.image_size)
         if data is None:
             data = data_spec.load(space.proxy.image_size, seed=0)
@@ -152,8 +147,8 @@ class SearchContext:
 
     @property
     def chance(self) -> float:
-        """The validation accuracy a network that learned nothing reaches by luck: the majority class's share
-        plus 3 binomial standard deviations over the validation set. An accuracy at or below it is no signal."""
+        """The validation accuracy a network that learned nothing reaches by luck: the majority class's share plus
+        3 binomial standard deviations."""
         labels = self.data[1].labels
         share = float(torch.bincount(labels).max()) / len(labels)
         return share + 3.0 * self.sampling_sd(share)
@@ -163,8 +158,7 @@ class SearchContext:
         return len(self.data[1].labels)
 
     def sampling_sd(self, accuracy: float) -> float:
-        """The binomial standard deviation of an accuracy measured on the validation set: the spread two
-        networks equally good at ``accuracy`` show from the validation sample alone, which no training shrinks."""
+        """The binomial sd of an accuracy measured on the validation set, which no training shrinks."""
         return math.sqrt(accuracy * (1.0 - accuracy) / self.validation_size)
 
     def decisions(self, params: Mapping[str, Any]) -> dict[str, str]:
@@ -174,14 +168,12 @@ class SearchContext:
         return assignment_key(assign(self.graph, self.space, self.decisions(params)))
 
     def memory(self, assignment: Mapping[str, str], promoted: Sequence[str] = ()) -> tuple[float, float]:
-        """(ratio to all-high in the budget's measure, bytes) of an assignment; promoted tensors count at the
-        high format."""
+        """(ratio to all-high in the budget's measure, bytes) of an assignment; promoted tensors count as high."""
         ratios, size = self.memories(assignment, promoted)
         return ratios[f"memory_{self.budget.memory}"], size
 
     def memories(self, assignment: Mapping[str, str], promoted: Sequence[str] = ()) -> tuple[dict[str, float], float]:
-        """Both measures as ratios to all-high (``memory_bytes``, ``memory_peak``) and the predicted step peak in
-        bytes (``peak_predicted``), and the bytes."""
+        """Both measures as ratios to all-high and the predicted step peak in bytes, and the bytes."""
         effective = dict(assignment)
         for tensor_id in promoted:
             if tensor_id in effective:
@@ -192,24 +184,14 @@ class SearchContext:
                 "peak_predicted": peak}, size
 
     def policy(self, assignment: Mapping[str, str], provenance: Mapping[str, Any]) -> Policy:
-        """The policy file for an assignment under this space's numerics (rounding, scaling, guard); the
-        policy's ``predicted`` comes from the cost model (``policy_from_assignment``)."""
+        """The policy file for an assignment under this space's numerics (rounding, scaling, guard)."""
         space = self.space
         return policy_from_assignment(
-            self.graph, dict(assignment),
-            model=self.model,
-            high_format=space.high,
-            rounding=dict(space.rounding),
-            overflow=dict(space.overflow),
-            loss_scaling=dict(space.loss_scaling),
-            promotion_threshold=space.promotion_threshold,
-            promotion_kinds=space.promotion_kinds,
-            gradient_rounding=space.gradient_rounding,
-            ties=space.ties,
-            master_weights=space.master_weights,
-            optimizer=dict(space.optimizer),
-            provenance=dict(provenance),
-        )
+            self.graph, dict(assignment), model=self.model, high_format=space.high, rounding=dict(space.rounding),
+            overflow=dict(space.overflow), loss_scaling=dict(space.loss_scaling),
+            promotion_threshold=space.promotion_threshold, promotion_kinds=space.promotion_kinds,
+            gradient_rounding=space.gradient_rounding, ties=space.ties, master_weights=space.master_weights,
+            optimizer=dict(space.optimizer), provenance=dict(provenance))
 
     def constraints(self, result: ProxyResult | None, memory: float, reference: float | None,
                     margin: float = 0.0) -> dict[str, float]:
@@ -224,8 +206,8 @@ class SearchContext:
         return constraints
 
     def checkpoint(self, key: str, seed: int) -> Path | None:
-        """Where the run of assignment ``key`` (or ``PLAIN_FP32``) on ``seed`` keeps its state: a run stopped
-        anywhere, or continued to a later point, goes on from there (the same key and seed: the same run)."""
+        """Where the run of assignment ``key`` on ``seed`` keeps its state, so that a run stopped anywhere, or
+        continued to a later point, goes on from there."""
         if self.checkpoints is None:
             return None
         return self.checkpoints / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}-{seed}.pt"
@@ -237,8 +219,8 @@ class SearchContext:
             path.unlink(missing_ok=True)
 
     def proxy_seed_list(self, count: int) -> list[int]:
-        """The seeds of a ``count``-seed proxy: the search seed and the ones after it (same for every trial
-        and for the all-high reference, so differences are not differences of seeds)."""
+        """The seeds of a ``count``-seed proxy, the same for every trial and the reference, so that differences
+        are not differences of seeds."""
         return [self.seed + index for index in range(count)]
 
     def train_seeds(self, policy: Policy | None, steps: int, seeds: Sequence[int]) -> list[ProxyResult]:
@@ -250,13 +232,14 @@ class SearchContext:
                 break
         return results
 
-    def score(self, result: ProxyResult) -> float:
-        """The accuracy-side objective value (finite, so Optuna stores it even for a diverged proxy)."""
+    def score(self, result: ProxyResult | None) -> float:
+        """The accuracy-side objective value, finite so that Optuna stores it; the worst for an untrained proxy
+        (None)."""
         if self.space.accuracy_objective == "val_loss":
-            return min(result.val_loss, 1e6) if math.isfinite(result.val_loss) else 1e6
-        return result.val_error
+            return 1e6 if result is None or not math.isfinite(result.val_loss) else min(result.val_loss, 1e6)
+        return 1.0 if result is None else result.val_error
 
-    def values(self, memory: float, result: ProxyResult) -> list[float]:
+    def values(self, memory: float, result: ProxyResult | None) -> list[float]:
         if self.budget.max_memory is not None:
             return [self.score(result)]
         if self.budget.max_accuracy_drop is not None:
@@ -271,35 +254,28 @@ def proxy_compile(options: CompileOptions | None) -> CompileOptions | None:
 
 
 def combine_seeds(results: list[ProxyResult]) -> ProxyResult:
-    """One result for proxies of the same policy under several seeds: mean accuracy and loss, the union of
-    promotions (memory counts every tensor any seed promoted), diverged if any seed diverged, worst overflow
-    and underflow, summed wall time and steps; the loss and accuracy curves are the first seed's."""
+    """One result for proxies of the same policy under several seeds: memory counts every tensor any seed
+    promoted, it diverged if any seed did, and the curves are the first seed's."""
     first = results[0]
     if len(results) == 1:
         return first
     diverged = [result for result in results if result.diverged]
+
+    def mean(name: str) -> float | None:  # None where a seed has none (a run read before batch-statistics readings)
+        values = [getattr(result, name) for result in results]
+        return None if None in values else sum(values) / len(values)
+
+    def total(name: str, combine: Callable[[Iterable[Any]], Any] = sum) -> Any:
+        return combine(getattr(result, name) for result in results)
+
     return dataclasses.replace(
-        first,
-        val_accuracy=sum(result.val_accuracy for result in results) / len(results),
-        val_loss=sum(result.val_loss for result in results) / len(results),
-        batch_stats_accuracy=_mean_or_none([result.batch_stats_accuracy for result in results]),
-        diverged=bool(diverged),
-        reason=diverged[0].reason if diverged else "",
-        steps_run=min(result.steps_run for result in results),
-        skipped_steps=max(result.skipped_steps for result in results),
-        promotions=sorted({tensor for result in results for tensor in result.promotions}),
-        overflow_max=max(result.overflow_max for result in results),
-        underflow_max=max(result.underflow_max for result in results),
-        underflow_mean=sum(result.underflow_mean for result in results) / len(results),
-        wall_time=sum(result.wall_time for result in results),
-        steps_spent=sum(result.steps_spent for result in results),
-        branch_steps=sum(result.branch_steps for result in results),
-    )
-
-
-def _mean_or_none(values: Sequence[float | None]) -> float | None:
-    """The mean of values every seed has, else None (a run read before batch-statistics readings existed)."""
-    return None if any(value is None for value in values) else sum(values) / len(values)
+        first, val_accuracy=mean("val_accuracy"), val_loss=mean("val_loss"),
+        batch_stats_accuracy=mean("batch_stats_accuracy"), diverged=bool(diverged),
+        reason=diverged[0].reason if diverged else "", steps_run=total("steps_run", min),
+        skipped_steps=total("skipped_steps", max), promotions=sorted({t for r in results for t in r.promotions}),
+        overflow_max=total("overflow_max", max), underflow_max=total("underflow_max", max),
+        underflow_mean=mean("underflow_mean"), wall_time=total("wall_time"), steps_spent=total("steps_spent"),
+        branch_steps=total("branch_steps"))
 
 
 def seed_record(accuracies: Sequence[float]) -> dict[str, Any]:

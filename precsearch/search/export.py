@@ -1,9 +1,6 @@
 """The run directory, rebuilt from the study alone: trials.csv, pareto.csv, policies/, calibration.csv,
-budget.csv, sensitivity.csv (with the sensitivity seeding) and best.json (each written atomically).
-
-best.json comes only from confirmed points (precsearch.search.confirmation), picked by
-precsearch.search.selection: until the confirmation runs are recorded there is no pick, and a pick of an
-earlier export that no longer holds is removed. This module decides nothing: it writes.
+budget.csv, sensitivity.csv and best.json (each written atomically). This module decides nothing: it writes.
+A pick of an earlier export that no longer holds is removed.
 """
 
 from __future__ import annotations
@@ -53,21 +50,14 @@ class SearchResult:
 
 def _policy_for_row(row: pd.Series, study: optuna.Study, context: SearchContext, role: str) -> Policy:
     trial = study.get_trials(deepcopy=False)[int(row["number"])]
-    provenance = {
+    calibration = recorded_calibration(study.user_attrs)
+    proxy = {"val_accuracy": float(row.get("proxy_accuracy", row["val_accuracy"])), "val_loss": float(row["val_loss"]),
+             "memory": float(row["memory"]), "promotions": int(row["promotions"])}
+    return policy_of(trial, context, {
         "strategy": str(row["origin"]), "role": role, "trial": int(row["number"]), "space": context.space.name,
         "space_fingerprint": context.space.fingerprint(), "seed": context.seed,
-        "proxy_steps": _proxy_length(study), "data": context.data_spec.name,
-        "proxy": {"val_accuracy": float(row.get("proxy_accuracy", row["val_accuracy"])),
-                  "val_loss": float(row["val_loss"]), "memory": float(row["memory"]),
-                  "promotions": int(row["promotions"])},
-    }
-    return policy_of(trial, context, provenance)
-
-
-def _proxy_length(study: optuna.Study) -> int | None:
-    """The calibrated proxy length (None before calibration is recorded)."""
-    calibration = recorded_calibration(study.user_attrs)
-    return calibration.length if calibration is not None else None
+        "proxy_steps": None if calibration is None else calibration.length, "data": context.data_spec.name,
+        "proxy": proxy})
 
 
 @dataclass(frozen=True)
@@ -112,10 +102,9 @@ def export(study: optuna.Study, context: SearchContext, out_dir: Path, decision:
     calibration, confirmation, reference = decision.calibration, decision.confirmation, decision.reference
     confirmed = confirmation.table() if confirmation is not None else None
     if confirmed is not None:
-        confirmed["confirmed_reading_flagged"] = [
-            flagged(accuracy, batch, context.budget.drop)
-            for accuracy, batch in zip(confirmed["confirmed_accuracy"], confirmed["confirmed_batch_stats_accuracy"],
-                                       strict=True)]
+        confirmed["confirmed_reading_flagged"] = [flagged(accuracy, batch, context.budget.drop) for accuracy, batch
+                                                  in zip(confirmed["confirmed_accuracy"],
+                                                         confirmed["confirmed_batch_stats_accuracy"], strict=True)]
         frame = frame.merge(confirmed, on="key", how="left") if not frame.empty else frame
         front = front.merge(confirmed, on="key", how="left").set_axis(front.index) if not front.empty else front
     atomic_write_text(out_dir / "trials.csv", frame.to_csv(index=False))
@@ -168,19 +157,18 @@ def _pick_provenance(pick: Pick, confirmation: Confirmation, high: str) -> dict[
     best, noise = pick.best, pick.noise
     table = confirmation.table().set_index("key")
 
-    def accuracy(key: str) -> float | None:
-        return float(table.loc[key, "confirmed_accuracy"]) if key in table.index else None
-
-    def seeds(key: str) -> int | None:
-        return int(table.loc[key, "confirmed_seeds"]) if key in table.index else None
+    def confirmed(key: str, column: str) -> float | int | None:  # a Python number, for JSON
+        return table.loc[key, column].item() if key in table.index else None
 
     statement = {**noise.to_dict(), "seeds": int(best["seeds"]), "pick_confidence": float(best["pick_confidence"]),
                  "statement": _pick_statement(best, noise)}
     record = {"steps": confirmation.length, "seeds": int(best["seeds"]),
               "proxy_accuracy": float(best["proxy_accuracy"]), "confirmed_accuracy": float(best["val_accuracy"]),
               "confirmed_sd": float(best["val_accuracy_sd"]),
-              "all_high_accuracy": accuracy(high), "all_high_seeds": seeds(high),
-              "plain_fp32_accuracy": accuracy(PLAIN_FP32), "plain_fp32_seeds": seeds(PLAIN_FP32), "note": pick.note}
+              "all_high_accuracy": confirmed(high, "confirmed_accuracy"),
+              "all_high_seeds": confirmed(high, "confirmed_seeds"),
+              "plain_fp32_accuracy": confirmed(PLAIN_FP32, "confirmed_accuracy"),
+              "plain_fp32_seeds": confirmed(PLAIN_FP32, "confirmed_seeds"), "note": pick.note}
     return {"noise": _no_nan(statement), "confirmation": _no_nan(record)}
 
 

@@ -1,14 +1,12 @@
 """Steps of a study's setup and wrap-up (queuing the seeds, calibration runs, confirmation runs) that any
 worker may take.
 
-Each step has a name. Its result is a study user attr ``step:<name>`` (so a resumed or joining worker never
-redoes a finished step); a worker about to run it first claims it (``claim:<name>``: worker, since when,
-last renewal) under the study's lock, and renews the claim every ``stale / 3`` seconds from a thread while
-the step runs: the claim is a lease. A claim not renewed for ``stale`` seconds belonged to a worker that
-died: the next worker that looks takes the step over and goes on from what the step recorded so far (a step
-that records as it goes checks under the lock that it still holds the claim, ``holding``). A claim the
-ledger's ``alive`` rule says no living worker can hold (one of an earlier process of a run that holds its run
-lock now) is taken over at once. Runs are seeded, so a step run twice gives the same numbers.
+A step's result is a study user attr ``step:<name>``, so a resumed or joining worker never redoes a finished
+step. A worker about to run it first claims it (``claim:<name>``) under the study's lock and renews the claim
+from a thread while the step runs: the claim is a lease. A claim not renewed for ``stale`` seconds belonged to
+a worker that died: the next worker takes the step over from what it recorded so far (a step that records as it
+goes checks that it still holds the claim, ``holding``). Runs are seeded, so a step run twice gives the same
+numbers.
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ class LeaseLost(Exception):
 
 class Ledger:
     """Named steps of one study; ``lock()`` is the study's cross-process lock, ``worker`` this process's name,
-    ``alive(other)`` whether the worker named ``other`` may still be running (if so, its claim is a lease that
-    lapses after ``stale`` seconds unrenewed; if not, its claim is taken over at once); ``pause_at`` the test
-    hook's setup point (``pause_point``): a step is ``claimed:<name>`` once claimed."""
+    ``alive(other)`` whether the worker named ``other`` may still be running (else its claim is taken over at
+    once); ``pause_at`` the test hook (``pause_point``): a step is ``claimed:<name>`` once claimed."""
 
     def __init__(self, study: optuna.Study, lock: Callable[[], contextlib.AbstractContextManager[Any]],
                  worker: str, stale: float, alive: Callable[[str], bool] = lambda other: True,
@@ -74,9 +71,8 @@ class Ledger:
     def run(self, names: Sequence[str], work: Callable[[str], dict[str, Any]], wait: bool = True
             ) -> dict[str, dict[str, Any]]:
         """The results of every step in ``names``: recorded ones as they are, the others run here by
-        ``work(name)`` or waited for while another worker runs them (taken over if it goes silent). With
-        ``wait=False`` one pass: the steps no other worker holds are run here, and the results recorded by then
-        are returned (a step another worker runs is left to it, so this worker can go on with other work)."""
+        ``work(name)`` or waited for while another worker runs them. With ``wait=False`` one pass: the steps no
+        other worker holds are run here, and the results recorded by then returned, so this worker goes on."""
         while True:
             missing = [name for name in names if self.result(name) is None]
             if not missing:
@@ -98,6 +94,13 @@ class Ledger:
                 return {name: done for name in names if (done := self.result(name)) is not None}
             if not ran:
                 time.sleep(POLL)
+
+    def run_seeds(self, step: Callable[[int], str], seeds: Sequence[int], work: Callable[[int], dict[str, Any]],
+                  wait: bool = True) -> list[dict[str, Any]]:
+        """``run`` with one step per seed (named ``step(seed)``, run by ``work(seed)``): the results in seed order."""
+        names = {step(seed): seed for seed in seeds}
+        results = self.run(list(names), lambda name: work(names[name]), wait)
+        return [results[name] for name in names if name in results]
 
     @contextlib.contextmanager
     def holding(self, name: str) -> Iterator[None]:
@@ -140,8 +143,7 @@ class Ledger:
 
     @contextlib.contextmanager
     def _renewed(self, name: str) -> Iterator[None]:
-        """Renew the claim on ``name`` every ``stale / 3`` seconds from a thread while the step runs (the step's
-        heartbeat, as Optuna's heartbeat thread is a trial's)."""
+        """Renew the claim on ``name`` every ``stale / 3`` seconds from a thread while the step runs: its heartbeat."""
         done = threading.Event()
 
         def renew() -> None:

@@ -4,20 +4,17 @@ A proxy's accuracy depends on its seed (model init, batch order, rounding draws)
 assignment: on the bundled digits data one 150-step proxy has a seed spread of 0.75 accuracy points, so two
 single-seed proxies differ by about 1.07 points of pure noise. Here that noise is measured and used:
 
-* ``Noise`` is the pooled standard deviation of one proxy's accuracy over seeds (pooled over every
-  assignment trained with at least two seeds, each contributing ``seeds - 1`` degrees of freedom), with the
-  confidence the decisions are taken at. An assignment with a failed run (``failed_run``: one seed stuck
-  nearer chance than its best seed, 21% beside 100%) adds none: it fails the drop rule through its own mean,
-  and its bimodal spread would widen every other candidate's margin (on tiny_cnn, one such pair raised the
-  pooled sd from 0 to 32 points: no candidate was within the drop, so none was skipped as beaten).
-* A difference of two means is judged with a one-sided bound from Student's t: ``a - b`` is "at least x"
-  at confidence c when ``(mean_a - mean_b) - t_c(df) * sd * sqrt(1/n_a + 1/n_b) >= x``. With the noise
-  unmeasured (every proxy ran one seed) the margin is zero, i.e. the plain comparison of means, and the
-  caller says so.
+* ``Noise`` is the pooled standard deviation of one proxy's accuracy over seeds (every assignment trained with
+  at least two seeds contributes ``seeds - 1`` degrees of freedom), with the confidence decisions are taken at.
+  An assignment with a failed run (``failed_run``) adds none: it fails the drop rule through its own mean, and
+  its bimodal spread would widen every other candidate's margin (on tiny_cnn one such pair raised the pooled sd
+  from 0 to 32 points, so no candidate was within the drop).
+* A difference of two means is judged with a one-sided bound from Student's t: ``a - b`` is "at least x" at
+  confidence c when ``(mean_a - mean_b) - t_c(df) * sd * sqrt(1/n_a + 1/n_b) >= x``. Unmeasured noise (one seed
+  per proxy) gives a margin of zero: the plain comparison of means, which the caller says.
 * ``seeds_for`` chooses how many seeds a proxy needs so that an assignment as accurate as all-high passes a
-  "within D of all-high" bound: the bound's margin must stay under half of D. The search's automatic choice
-  takes at least 2, so that every trial adds to the noise estimate (three seeds of all-high alone give it
-  2 degrees of freedom, and a saturated all-high, 100% on every seed, would claim no noise at all).
+  "within D of all-high" bound with a margin under half of D; the search takes at least 2, so that every trial
+  adds to the noise estimate (a saturated all-high, 100% on every seed, would claim no noise at all).
 * ``rank_correlations`` gives Spearman's and Kendall's coefficients with bootstrap intervals (explicit seed).
 """
 
@@ -71,8 +68,7 @@ class Noise:
         return self.quantile * self.standard_error(seeds_a, seeds_b)
 
     def probability_above(self, difference: float, bound: float, seeds_a: float, seeds_b: float) -> float:
-        """Confidence that the true difference exceeds ``bound`` given the observed ``difference``
-        (NaN when unmeasured)."""
+        """Confidence that the true difference exceeds ``bound`` given the observed ``difference`` (NaN: unmeasured)."""
         if not self.measured:
             return math.nan
         error = float(self.standard_error(seeds_a, seeds_b))
@@ -92,16 +88,14 @@ class Noise:
 
 def failed_run(accuracy: float, best: float, chance: float) -> bool:
     """Whether a run failed rather than scattered: it stands nearer chance than the best run of the same policy,
-    which learned (a stuck seed at 30% beside runs at 100%, with chance at 15%). Such a run is an outcome to count
-    against its policy, not seed noise to widen everyone's margin with."""
+    which learned. Such a run counts against its policy; it is not seed noise to widen everyone's margin with."""
     return best > chance and accuracy < (chance + best) / 2
 
 
 def pooled_noise(frame: pd.DataFrame, confidence: float = DEFAULT_CONFIDENCE,
                  extra: Sequence[Sequence[float]] = ()) -> Noise:
-    """The pooled seed sd over rows with ``seeds >= 2`` (columns ``val_accuracy_sd`` and ``seeds``; rows whose
-    ``failed_runs`` column counts a failed run are left out) and over the ``extra`` groups of per-seed
-    accuracies (the all-high reference). One row per assignment key counts."""
+    """The pooled seed sd over a trials table's rows with ``seeds >= 2`` and no failed run (one per assignment key),
+    and over the ``extra`` groups of per-seed accuracies (the all-high reference)."""
     squares, df = 0.0, 0
     if not frame.empty and {"seeds", "val_accuracy_sd", "key"} <= set(frame.columns):
         rows = frame[(frame["seeds"] >= 2) & frame["val_accuracy_sd"].notna()]
@@ -134,9 +128,8 @@ def resolves(noise: Noise, drop: float, reference_seeds: int, seeds: int = MAX_S
 
 def seeds_for(noise: Noise, drop: float, reference_seeds: int, max_seeds: int = MAX_SEEDS,
               min_seeds: int = 1) -> int:
-    """Fewest seeds (``min_seeds``..``max_seeds``) whose bound margin against a ``reference_seeds``-seed
-    reference is at most half the allowed ``drop``; ``max_seeds`` (with a warning) when even that is not
-    enough."""
+    """Fewest seeds (``min_seeds``..``max_seeds``) that ``resolves`` the allowed ``drop``; ``max_seeds``, with a
+    warning, when even that is not enough."""
     if not noise.measured:
         return min_seeds
     for seeds in range(min_seeds, max_seeds + 1):

@@ -1,28 +1,20 @@
 """The Optuna objective: decide a trial's assignment, price it, reuse a trial that already has it or train its
 proxy against the reference at the rungs, and record the result and constraints on the trial.
 
-Bookkeeping rules:
-
 * A write that finds the disk full stops the search (``files.DiskFull``) and leaves the trial RUNNING, so
   ``--resume`` runs it again; it is no failure of the trial.
 * A diverged proxy, or one stopped at a rung, is a COMPLETE trial whose constraint (``diverged``, ``stopped``)
-  is violated (``Trial.set_constraint``), so the sampler learns from it. A trial that raises is FAILED with
-  the error in its ``error`` user attr, and the study goes on.
-* Identical assignments are trained once, by every worker on every host: under a lock all workers share
-  (a PostgreSQL advisory lock, or an flock on a SQLite or journal file) a trial either copies the results of
-  a finished trial with its assignment key (``duplicate_of``), waits for the live trial that trains that
-  key, or marks itself as the one that trains it (``trains``). The trial budget counts distinct
-  assignments: a copy does not use it up.
+  is violated, so the sampler learns from it. A trial that raises is FAILED with the error in its ``error``
+  user attr, and the study goes on.
+* Identical assignments are trained once, by every worker on every host (``Objective._claim``); a copy
+  (``duplicate_of``) does not use up the trial budget.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,24 +29,18 @@ from precsearch.search.context import SearchContext, combine_seeds, seed_record
 from precsearch.search.reference import Reference, proxy_noise
 from precsearch.search.rungs import RungStop
 from precsearch.search.selection import race_settled, untrained_reason
-from precsearch.search.storage import StudyLocation
+from precsearch.search.storage import StudyLocation, owner_id
 from precsearch.search.strategies import assign, assignment_key, low_share
-from precsearch.search.trials import TrialRecord, set_attrs, set_constraints, trials_frame
+from precsearch.search.trials import TrialRecord, fail_stale, set_attrs, set_constraints, trials_frame
 from precsearch.train.continuing import branch_steps
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["FINISHED", "Objective", "TrialStep", "worker_name"]
+__all__ = ["FINISHED", "Objective", "TrialStep"]
 
 log = logging.getLogger(__name__)
 
 TRIAL_POLICIES = "trials"  # each worker's --out/trials/trial_NNNN.json: the policy each proxy it ran trained under
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-
-
-def worker_name() -> str:
-    """This process's name among a study's workers, ``host:pid``: asked when needed, so a forked or spawned
-    process names itself."""
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -71,13 +57,9 @@ class TrialStep:
 
 
 class Objective:
-    """Optuna objective: decide, price, reuse or train, record. One instance per worker process.
-
-    ``reference`` is the calibrated all-high reference every trial is held to (at the rungs and at its end);
-    ``location`` and ``storage`` are where the study lives (the decision lock is taken there);
-    ``out_dir`` is where this worker writes the policy of each proxy it trains; ``progress`` is told every
-    few steps where the proxy stands (a proxy of a slow model trains for most of an hour).
-    """
+    """Optuna objective: decide, price, reuse or train, record; one instance per worker process. Every trial is
+    held to ``reference``; the decision lock is taken in ``storage``; the policy of each proxy is written under
+    ``out_dir``; ``progress`` is told every few steps where the proxy stands."""
 
     def __init__(self, context: SearchContext, reference: Reference, location: StudyLocation,
                  storage: optuna.storages.BaseStorage, out_dir: Path,
@@ -110,7 +92,7 @@ class Objective:
         assignment = assign(context.graph, context.space, decisions)
         key = assignment_key(assignment)
         planned, _ = context.memory(assignment)
-        set_attrs(trial, TrialRecord(key=key, memory_planned=planned, worker=worker_name(),
+        set_attrs(trial, TrialRecord(key=key, memory_planned=planned, worker=owner_id(),
                                      low_share=low_share(context.graph, context.space, decisions)))
         study = trial.study
         previous = self._claim(trial, key)
@@ -145,7 +127,7 @@ class Objective:
         path = self.out_dir / TRIAL_POLICIES / f"trial_{trial.number:04d}.json"
         path.parent.mkdir(exist_ok=True)
         proxy = {"val_accuracy": result.val_accuracy, "memory": memory, "diverged": result.diverged}
-        policy.replace(provenance={**policy.provenance, "worker": worker_name(), "proxy": proxy}).save(path)
+        policy.replace(provenance={**policy.provenance, "worker": owner_id(), "proxy": proxy}).save(path)
         set_attrs(trial, TrialRecord.from_result(
             result, memory=memory, bytes=size, trained=True, policy=str(path.resolve()), **measures,
             **seed_record(accuracies), seed_steps=tuple(seed_steps), branch_steps=branches,
@@ -163,10 +145,9 @@ class Objective:
 
     def _race(self, study: optuna.Study, policy: Policy, key: str, number: int
               ) -> tuple[RungStop | None, list[ProxyResult]]:
-        """Train a candidate seed by seed, the first through the rungs, adding a seed only while the budget's
-        decision on it depends on one (``selection.race_settled``), up to the reference's ``proxy_seeds``; each run
-        continues from its checkpoint if a stopped process left one (``_run`` removes them once the trial is
-        recorded). A rung's stop ends it."""
+        """Train a candidate seed by seed, the first through the rungs (whose stop ends it), adding a seed only
+        while the budget's decision on it depends on one (``selection.race_settled``); each run continues the
+        checkpoint a stopped process left, if any."""
         context = self.context
         results: list[ProxyResult] = []
         for seed in context.proxy_seed_list(self.reference.proxy_seeds):
@@ -185,21 +166,16 @@ class Objective:
         return None, results
 
     def _reporter(self, number: int, seed: int) -> Callable[[int, float], None] | None:
-        """The trainer's ``report`` hook for trial ``number``'s run on ``seed``: it tells ``progress``."""
         progress, steps = self.progress, self.reference.length
         if progress is None:
             return None
         return lambda step, loss: progress(TrialStep(number, seed, step, steps))
 
     def _claim(self, trial: optuna.Trial, key: str) -> TrialRecord | None:
-        """Decide, under the study's lock, whether this trial trains the assignment ``key``.
-
-        A finished trial with the key is returned for reuse. A live trial already training it is waited
-        for, then the decision is taken again (it may have finished, or failed by heartbeat: then this
-        trial trains). Otherwise this trial marks itself as the one training the key (``trains`` holds its
-        own number, so the marker a retried copy inherits from a dead trial claims nothing). Every worker
-        on every host takes the same lock, so no two trials ever train the same assignment.
-        """
+        """Decide, under the study's lock (every worker's), whether this trial trains the assignment ``key``: a
+        finished trial with the key is returned for reuse; a live one training it is waited for, then the decision
+        is taken again; else this trial claims the key (``trains`` holds its own number, so the marker a retried
+        copy inherits from a dead trial claims nothing)."""
         study = trial.study
         while True:
             with self.location.lock(self.storage):
@@ -229,18 +205,13 @@ class Objective:
         context = self.context
         set_attrs(trial, TrialRecord(trained=False, reason=reason, memory=memory))
         set_constraints(trial, context.constraints(None, memory, None))
-        worst = 1e6 if context.space.accuracy_objective == "val_loss" else 1.0
-        if context.budget.max_memory is not None:
-            return [worst]
-        return [memory] if context.budget.max_accuracy_drop is not None else [memory, worst]
+        return context.values(memory, None)
 
 
 def _wait_while_running(study: optuna.Study, number: int) -> None:
-    """Poll until trial ``number`` leaves RUNNING; meanwhile fail trials whose worker stopped heartbeating
-    (Optuna does so only when a trial starts, and every live worker may be waiting here)."""
+    """Poll until trial ``number`` leaves RUNNING, failing meanwhile the trials whose worker died (Optuna does so
+    only when a trial starts, and every live worker may be waiting here)."""
     while any(t.number == number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
         time.sleep(0.5)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
+        fail_stale(study)
 

@@ -1,10 +1,9 @@
 """The pick's step peak, measured once: the memory a user's device will show, beside plain fp32 and torch.autocast.
 
-The search prices assignments with the cost model (``CostModel.peak_bytes``, or the paper's bytes); what a user
-runs out of is the peak of a training step. Once the pick is known, one SGD-momentum step of it is measured at
-the proxy's batch on the search's device (``precsearch.cost.measured.measure_peak``: the CPU allocator's events, or
-CUDA's ``max_memory_allocated``), and so are plain fp32 and ``torch.autocast(bfloat16)`` of the same model and
-batch: best.json records the three and the prediction, and the summaries print them.
+The search prices assignments with the cost model; what a user runs out of is the peak of a training step. So
+once the pick is known, one SGD-momentum step of it is measured at the proxy's batch on the search's device
+(``precsearch.cost.measured.measure_peak``), as are plain fp32 and ``torch.autocast(bfloat16)`` of the same model
+and batch: best.json records the three and the prediction.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The all-high reference every trial is measured against, as one value the steps of a search hand each other.
-
-Calibration (precsearch.search.calibration) gives the proxy length and the reference's runs; the reference
-adds its key, its seeds' accuracies and combined result at that length, and the seeds each proxy trains
-(chosen from the noise the reference shows when ``proxy_seeds`` is auto). A study keeps it as user attrs,
-so a resumed run, a worker process or a worker on another host reads it back: those attrs are named,
-written and read here only.
+"""The all-high reference every trial is measured against, as one value the steps of a search hand each other:
+calibration's runs, the all-high key, its seeds' accuracies and combined result at the proxy length, and the
+seeds each proxy trains. A study keeps it as user attrs (named, written and read here only), so a resumed run or
+a worker on another host reads it back.
 """
 
 from __future__ import annotations
@@ -73,13 +70,12 @@ class Reference:
         return None if self.result.diverged else float(self.result.val_accuracy)
 
     def rung_steps(self, chance: float) -> list[int]:
-        """Where the rungs stand: the points of the reference's curve before the proxy length whose previous
-        point (half the steps) has every reference seed above chance (precsearch.search.rungs)."""
+        """Where the rungs stand (precsearch.search.rungs)."""
         return list(self._rung_points(chance))
 
     def rung_rule(self, budget: Budget, chance: float) -> RungRule:
-        """The rule that stops a proxy at a rung: at each rung step, the reference's accuracies at the curve's
-        previous point (where a candidate learning twice as slowly would stand), and its noise."""
+        """The rule that stops a proxy at a rung: the reference's accuracies at the curve's previous point (where a
+        candidate learning twice as slowly would stand), and its noise."""
         calibration = self.calibration
         return RungRule({step: calibration.at(previous) for step, previous in self._rung_points(chance).items()},
                         calibration.noise(budget.confidence), budget.drop, chance)

@@ -2,15 +2,10 @@
 
 ``RunLock`` is an exclusive ``flock`` on ``.precsearch.lock`` in the run directory, holding the owner's host
 and pid for the refusal message. The kernel drops the lock when its owner dies however it dies (kill -9
-included), so a lock left by a dead process is recognised as stale by simply being free, with no pid guess.
-The worker processes of ``--jobs`` hold a shared lock on ``.precsearch.workers.lock`` for as long as they
-live, so a new search is refused while the workers of a killed parent still train.
-
-A stopped search's Optuna records are quieted (``quiet_optuna_interrupts``); the signals themselves are
-``precsearch.stopping``'s.
-
-``check_resume`` decides whether a search may use --out (new, resumed, or a shared study's worker coming
-back); ``run.json`` records the config and where the study lives (``write_run_file``).
+included), so a stale lock is simply free, with no pid guess. The worker processes of ``--jobs`` hold a shared
+lock on ``.precsearch.workers.lock`` for as long as they live, so a new search is refused while the workers of a
+killed parent still train. ``check_resume`` decides whether a search may use --out; ``run.json`` records the
+config and where the study lives (``write_run_file``).
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ from precsearch.search.confirmation import recorded_confirmation
 from precsearch.search.storage import StudyLocation, owner_id
 
 __all__ = ["CHECKPOINTS", "LOCK_FILES", "RUN_FILE", "SEARCH_FORMAT", "RunLock", "check_journal_kept", "check_resume",
-           "earlier_search", "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files", "owned",
+           "earlier_search", "hold_worker_lock", "lost_study", "make_run_dir", "missing_lock_files",
            "quiet_optuna_interrupts", "remove_new_run_dir", "remove_stale_journal_lock", "remove_temporaries",
            "write_run_file"]
 
@@ -68,7 +63,8 @@ def _try_flock(fd: int, mode: int) -> bool:
 
 
 class RunLock:
-    """Exclusive ownership of a run directory by this process (see the module docstring)."""
+    """Exclusive ownership of a run directory by this process (see the module docstring). A process refused the
+    lock removes nothing, not even a folder it created a moment ago: the owner got in first and writes there."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
@@ -120,9 +116,8 @@ def hold_worker_lock(out_dir: Path) -> int:
 
 
 def remove_temporaries(out_dir: Path) -> list[Path]:
-    """Delete the ``.<name>.*.tmp`` files an atomic write left when its process was killed mid-write.
-
-    Called only under the run lock, when no other process of this run can be writing."""
+    """Delete the ``.<name>.*.tmp`` files an atomic write left when its process was killed mid-write (under the
+    run lock: no other process of this run can be writing)."""
     removed = []
     for folder in (out_dir, out_dir / "policies", out_dir / "trials", out_dir / CHECKPOINTS):
         for temp in folder.glob(f".*{TEMP_SUFFIX}") if folder.is_dir() else ():
@@ -135,9 +130,8 @@ def remove_temporaries(out_dir: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def quiet_optuna_interrupts() -> Iterator[None]:
-    """Optuna logs a trial stopped by Ctrl-C as a failure with its full traceback (and then its value); the
-    search reports the interruption in one line instead, so those records are dropped. Other failures are
-    still logged."""
+    """Drop Optuna's records of a trial stopped by Ctrl-C (a failure with its full traceback, then its value): the
+    search reports the interruption in one line."""
     logger = logging.getLogger("optuna.study._optimize")
     interrupted: set[str] = set()
 
@@ -157,9 +151,8 @@ def quiet_optuna_interrupts() -> Iterator[None]:
 
 
 def remove_stale_journal_lock(journal: Path) -> None:
-    """Optuna's journal lock (``<journal>.lock``, a symlink) left by a process killed while holding it would
-    make the next process wait 30 s and then break it. Called only under the run lock, with no worker alive,
-    so nobody can hold it."""
+    """Optuna's journal lock (``<journal>.lock``) left by a killed process would make the next one wait 30 s and
+    then break it; under the run lock, with no worker alive, nobody can hold it."""
     lock = journal.with_name(journal.name + ".lock")
     if lock.is_symlink() or lock.exists():
         lock.unlink()
@@ -168,13 +161,10 @@ def remove_stale_journal_lock(journal: Path) -> None:
 
 def write_run_file(out_dir: Path, run_config: dict[str, Any], location: StudyLocation, study: optuna.Study) -> None:
     """run.json: the config, where the study lives, and the calibration and confirmation once recorded."""
-    attrs = study.user_attrs
-    calibration = recorded_calibration(attrs)
-    confirmation = recorded_confirmation(attrs)
+    calibration, confirmation = recorded_calibration(study.user_attrs), recorded_confirmation(study.user_attrs)
     extra: dict[str, Any] = {}
     if calibration is not None:
-        extra["proxy_length"] = calibration.length
-        extra["calibration"] = calibration.to_dict()
+        extra.update(proxy_length=calibration.length, calibration=calibration.to_dict())
     if confirmation is not None:
         extra["confirmation"] = confirmation.summary()
     atomic_write_text(out_dir / RUN_FILE, json.dumps(
@@ -191,18 +181,6 @@ def make_run_dir(out_dir: Path) -> bool:
             raise PrecsearchError(f"--out {out_dir} is not a directory; give a folder") from None
         return False
     return True
-
-
-@contextlib.contextmanager
-def owned(out_dir: Path) -> Iterator[None]:
-    """The run directory's lock for the block. A process refused the lock removes nothing, not even a
-    folder it created a moment ago: the owner got in first and writes there."""
-    lock = RunLock(out_dir)
-    lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def missing_lock_files(out_dir: Path) -> list[Path]:

@@ -1,22 +1,17 @@
 """Rungs: where a candidate's proxy is looked at before its end, and the rule that stops it there.
 
 A candidate's run passes its rungs without starting again (precsearch.train.continuing): it is read at the points
-of the all-high reference's curve (precsearch.search.calibration, doubling points: L/8, L/4, L/2 when the reference
-learns early) before the proxy length L, and at L. At a rung of step s it is compared with where the reference
-stood at s/2, the curve's previous point, and stopped only on clear failure: it diverged (the proxy stops itself),
-or it is behind the reference's s/2 accuracy by more than the allowed drop plus what the seed noise allows at the
-budget's confidence, or it is still at chance where every reference seed had left chance at s/2. So a candidate
-that learns up to twice as slowly as the slowest reference seed is never stopped: assignments click later than
-all-high, and one that is still at chance where every reference seed has left it can reach the reference by L
-(tiny_cnn on gratings: a candidate at 10.5% at step 200, where the reference's seeds stood at 27-41%, reached 100%
-by 400). A rung stands only where every reference seed had left chance at its previous point; the noise there is
-the larger of those seeds' spread and their pooled noise, so seeds that "click" at different steps widen it. That
-margin alone would never stop a candidate behind a reference with a stuck seed (tiny_cnn's all-high at 38%, 100%
-and 34% at step 200: a margin of 59 points), so the chance test stands beside it: a candidate that has not left
-chance in twice the steps the slowest reference seed took is the clear failure. With a single reference seed the
-noise is unknown, so only divergence and the chance test stop a candidate. Optuna's pruners are not used: they
-serve single-objective studies only, and their automatic minimum resource would stop every candidate that has not
-yet left chance.
+of the all-high reference's curve before the proxy length L (doubling points: L/8, L/4, L/2 when the reference
+learns early), and at L. At a rung of step s it is compared with where the reference stood at s/2, the curve's
+previous point, and stopped only on clear failure: it diverged, or it is behind the reference's s/2 accuracy by
+more than the allowed drop plus what the seed noise allows, or it is still at chance where every reference seed
+had left chance at s/2. So a candidate that learns up to twice as slowly as the slowest reference seed is never
+stopped: assignments click later than all-high (tiny_cnn on gratings: a candidate at 10.5% at step 200, where the
+reference's seeds stood at 27-41%, reached 100% by 400). A rung stands only where every reference seed had left
+chance at its previous point; the noise there is the larger of those seeds' spread and their pooled noise. That
+margin alone would never stop a candidate behind a reference with a stuck seed (a margin of 59 points on
+tiny_cnn), hence the chance test beside it. Optuna's pruners are not used: they serve single-objective studies
+only, and their automatic minimum resource would stop every candidate that has not yet left chance.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The search's starting points: each ``Seeding`` is one source of them, as Optuna's samplers are one class
-each, and ``SearchConfig.seeding`` holds the one a search queues first. ``PAPER_SEEDING`` (the default) is
-all-high, the paper's sweep (precsearch.search.strategies) and all-low; a new kind of starting point is one
-subclass, passed in the config (precsearch.search.sensitivity's ``SENSITIVITY_SEEDING`` is one).
-``seed_study`` queues them in a study, once, whichever worker takes the step (``seed_queue``: in what order).
+each, and ``SearchConfig.seeding`` holds the one a search queues first (``PAPER_SEEDING`` by default: all-high,
+the paper's sweep and all-low). ``seed_study`` queues them in a study, once, whichever worker takes the step.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ __all__ = ["PAPER_SEEDING", "AllHigh", "AllLow", "PaperSweep", "Seeding", "Seedi
 
 
 class Seeding(ABC):
-    """One source of the search's starting points, as Optuna's samplers are one class each: a new one is a
-    subclass with a ``name`` and ``candidates``; the search enqueues the candidates of the seeding its
-    ``SearchConfig.seeding`` holds (``seed_candidates``) without knowing it by name."""
+    """One source of the search's starting points: a subclass with a ``name`` and ``candidates``, which the search
+    enqueues without knowing it by name."""
 
     name: str
 
@@ -87,11 +84,8 @@ PAPER_SEEDING = Seedings("paper", [AllHigh(), PaperSweep(), AllLow()])  # the se
 
 def seed_candidates(graph: Any, space: SearchSpace, seeding: Seeding = PAPER_SEEDING
                     ) -> list[tuple[Candidate, list[str]]]:
-    """The search's starting points: ``seeding``'s candidates, each assignment once.
-
-    Returns (candidate, origins) pairs; origins name every seed that produced the same assignment
-    (e.g. ["all-high", "paper r=0.0"]) so the report can mark the sweep even where points coincide.
-    """
+    """``seeding``'s candidates, each assignment once with the origins of every seed that produced it
+    (["all-high", "paper r=0.0"]), so the report can mark the sweep even where points coincide."""
     seen: dict[str, tuple[Candidate, list[str]]] = {}
     for candidate, origin in seeding.candidates(graph, space):
         seen.setdefault(candidate.key, (candidate, []))[1].append(origin)
@@ -99,9 +93,8 @@ def seed_candidates(graph: Any, space: SearchSpace, seeding: Seeding = PAPER_SEE
 
 
 def seed_study(study: optuna.Study, context: SearchContext, seeding: Seeding, trials: int, ledger: Ledger) -> None:
-    """Queue ``seeding``'s candidates (``seed_queue``) as the study's ``seeds`` step: a worker that takes the step
-    over from a dead one reuses what the seeding measured (``Seeding.prepared``) and queues only what is not
-    queued yet, each under the lease (``Ledger.holding``), so no assignment is queued twice."""
+    """Queue ``seeding``'s candidates (``seed_queue``) as the study's ``seeds`` step, each under the lease
+    (``Ledger.holding``): a worker that takes the step over queues only what is not queued yet."""
 
     def work(name: str) -> dict[str, Any]:
         prepared = seeding.prepared(context, study)
@@ -120,9 +113,8 @@ def seed_study(study: optuna.Study, context: SearchContext, seeding: Seeding, tr
 
 
 def seed_queue(context: SearchContext, trials: int, seeding: Seeding) -> list[tuple[dict[str, str], list[str]]]:
-    """What a new study queues, in order, as (decisions, origins): ``seeding``'s candidates, then, when the
-    space holds no more than ``trials`` assignments, every other one (a sampler would only propose them again
-    and again)."""
+    """What a new study queues, in order, as (decisions, origins): ``seeding``'s candidates, then every other
+    assignment of a space that holds no more than ``trials`` (a sampler would propose them again and again)."""
     seeded = seed_candidates(context.graph, context.space, seeding)
     queue = [(dict(candidate.decisions), list(origins)) for candidate, origins in seeded]
     if context.assignments > trials:

@@ -1,10 +1,7 @@
 """The pick: the Pareto front of a trials table, and the point a budget picks from it, never on a
-difference smaller than the seed noise allows.
-
-The search picks from CONFIRMED accuracies (precsearch.search.confirmation): ``confirmed_front`` puts a
-front point's confirmed mean, sd and seed count where ``choose_best`` reads accuracies, so the same
-noise-aware rule decides on runs at the confirmation length, and a point whose proxy looked good but whose
-confirmation failed is never the pick. ``confirmed_pick`` is that decision (best.json is written from it).
+difference smaller than the seed noise allows. The search picks from confirmed accuracies
+(precsearch.search.confirmation, ``confirmed_pick``), so a point whose proxy looked good but whose confirmation
+failed is never the pick.
 """
 
 from __future__ import annotations
@@ -53,19 +50,12 @@ def pareto_front(frame: pd.DataFrame, objective: str = "val_error") -> pd.DataFr
 def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, noise: Noise | None = None,
                 reference_seeds: int = 1, reference_key: str | None = None, chance: float = 0.0
                 ) -> pd.Series | None:
-    """The point the budget picks among ``usable`` trials above ``chance`` accuracy (None when none
-    qualifies, or when the all-high ``reference`` is None or itself at chance level), never on a difference of
-    means smaller than the seed ``noise`` allows at the budget's confidence.
-
-    ``max_memory``: within the memory bound, the least memory among the trials whose accuracy is not
-    distinguishably below the best mean (``_least_memory_among_ties``). Otherwise least memory among the
-    trials whose accuracy is within the allowed drop (default 1 point) of the ``reference_seeds``-seed
-    all-high mean ``reference`` with the budget's confidence (``_confidently_within_drop``), then best
-    accuracy; the all-high assignment itself (``reference_key``) always qualifies, so too much noise picks
-    all-high rather than nothing. The row gets ``pick_confidence``: the confidence that its true accuracy is
-    within the drop (accuracy-drop rule) or no worse than the best mean (memory rule); NaN when the noise is
-    unmeasured or the pick is the reference itself.
-    """
+    """The point the budget picks among ``usable`` trials above ``chance`` accuracy (None when none qualifies,
+    or the all-high ``reference`` is None or at chance), never on a difference of means smaller than the seed
+    ``noise`` allows: under ``max_memory`` ``_least_memory_among_ties``, else ``_confidently_within_drop``, where
+    all-high itself (``reference_key``) always qualifies, so too much noise picks all-high rather than nothing.
+    The row gets ``pick_confidence``: the confidence that the rule holds for its true accuracy (NaN when the
+    noise is unmeasured or the pick is the reference itself)."""
     if frame.empty:
         return None
     noise = noise or Noise(math.nan, 0, budget.confidence)
@@ -80,9 +70,7 @@ def choose_best(frame: pd.DataFrame, budget: Budget, reference: float | None, no
 def untrained_reason(frame: pd.DataFrame, budget: Budget, reference: Reference, key: str, planned: float,
                      chance: float) -> str | None:
     """Why a candidate with assignment ``key`` and ``planned`` memory is not trained (None: it is): it is over the
-    memory budget, or a trained point of the trials table ``frame`` makes training it pointless: the
-    accuracy-drop pick among the proxies so far (least memory within the drop of all-high) has at most its
-    memory (under a memory budget, whose pick wants accuracy, not memory, no point does)."""
+    memory budget, or the accuracy-drop pick among the proxies of ``frame`` so far has at most its memory."""
     if budget.max_memory is not None:
         return "over the memory budget" if planned > budget.max_memory else None
     if key == reference.key or frame.empty or reference.accuracy is None:
@@ -97,10 +85,9 @@ def untrained_reason(frame: pd.DataFrame, budget: Budget, reference: Reference, 
 
 def race_settled(frame: pd.DataFrame, accuracies: Sequence[float], reference: Reference, budget: Budget) -> bool:
     """Whether a candidate's seeds so far (``accuracies``) settle the accuracy-drop rule (``drop_verdict``), so
-    racing adds no seed; under a memory budget, whose pick compares candidates with each other, every seed is
-    trained. A noise of zero (a reference at the same accuracy on every seed, 100% say) settles nothing until the
-    candidates of the trials table ``frame`` have measured ``CANDIDATE_DF`` degrees of freedom of their own: low
-    precision may scatter where all-high does not."""
+    racing adds no seed (never under a memory budget, whose pick compares candidates with each other). A noise of
+    zero (all-high at 100% on every seed, say) settles nothing until the candidates of ``frame`` have measured
+    ``CANDIDATE_DF`` degrees of freedom of their own: low precision may scatter where all-high does not."""
     if budget.max_memory is not None or reference.accuracy is None:
         return False
     noise = proxy_noise(frame, reference, budget.confidence)
@@ -114,9 +101,8 @@ def race_settled(frame: pd.DataFrame, accuracies: Sequence[float], reference: Re
 
 def pick_pairwise(candidates: pd.DataFrame, budget: Budget, reference: float, reference_seeds: int,
                   reference_key: str, chance: float, noise_for: Callable[[str], Noise]) -> pd.Series | None:
-    """``choose_best`` under an accuracy-drop budget, each point held to the reference with the seed noise of
-    those two alone (``noise_for(key)``), least memory first: one point's scatter cannot sink another's pick,
-    as a noise pooled over every point would (seed noise differs from point to point)."""
+    """``choose_best`` under an accuracy-drop budget, least memory first, each point held to the reference with
+    the seed noise of those two alone (``noise_for(key)``): one point's scatter cannot sink another's pick."""
     ordered = candidates.sort_values(["memory", "val_accuracy", "number"], ascending=[True, False, True])
     for _, row in ordered.iterrows():
         pair = candidates[candidates["key"].isin([row["key"], reference_key])]
@@ -127,9 +113,8 @@ def pick_pairwise(candidates: pd.DataFrame, budget: Budget, reference: float, re
 
 
 def confirmed_front(front: pd.DataFrame, confirmed: pd.DataFrame) -> pd.DataFrame:
-    """The front points that were confirmed, with their confirmed mean, sd and seeds as ``val_accuracy``,
-    ``val_accuracy_sd`` and ``seeds`` (the proxy's kept as ``proxy_accuracy``), and ``diverged`` when a
-    confirmation run diverged."""
+    """The front points that were confirmed, their confirmed figures in the columns ``choose_best`` reads (the
+    proxy's accuracy kept as ``proxy_accuracy``)."""
     rows = front[front["key"].isin(confirmed["key"])].copy()
     table = confirmed.set_index("key")
     rows["proxy_accuracy"] = rows["val_accuracy"]
@@ -158,16 +143,14 @@ def _least_memory_among_ties(ok: pd.DataFrame, noise: Noise) -> pd.Series | None
 
 
 def within_drop(mean: Any, seeds: Any, reference: float, reference_seeds: int, drop: float, noise: Noise) -> Any:
-    """The accuracy-drop rule: the one-sided bound on (mean - reference) is at least ``-drop`` (per row when
-    ``mean`` and ``seeds`` are Series)."""
+    """The accuracy-drop rule: the one-sided bound on (mean - reference) is at least ``-drop`` (per row of Series)."""
     return mean - noise.margin(seeds, reference_seeds) >= reference - drop - 1e-12
 
 
 def drop_verdict(accuracies: Sequence[float], reference: float, reference_seeds: int, drop: float,
                  noise: Noise) -> bool | None:
-    """Where the accuracy-drop rule stands on per-seed ``accuracies``: True (within the drop), False (its mean is
-    below the drop by more than the margin too: no seed more would let it pass), None (undecided: another
-    seed may tell). Racing adds seeds to a candidate, and confirmation to a point, only while it is None."""
+    """Where the accuracy-drop rule stands on per-seed ``accuracies``: True (within the drop), False (below it by
+    more than the margin: no seed more would let it pass), None (undecided: racing adds a seed)."""
     mean = float(np.mean(accuracies))
     if within_drop(mean, len(accuracies), reference, reference_seeds, drop, noise):
         return True
@@ -178,9 +161,8 @@ def drop_verdict(accuracies: Sequence[float], reference: float, reference_seeds:
 
 def confirmation_verdict(runs: Sequence[Mapping[str, Any]], high: Sequence[Mapping[str, Any]], budget: Budget,
                          chance: float) -> bool | None:
-    """``drop_verdict`` on a point's confirmation runs (``run_record``s) against all-high's, with the seed noise
-    of those two alone, as ``confirmed_pick`` holds them; a point that diverged or sits at chance fails, and so
-    does every point once all-high diverged (``reference_divergence``)."""
+    """``drop_verdict`` on a point's confirmation runs against all-high's, with the seed noise of those two alone;
+    a point that diverged or sits at chance fails, and so does every point once all-high diverged."""
     accuracies = [run["val_accuracy"] for run in runs]
     if any(run["diverged"] for run in runs) or np.mean(accuracies) <= chance or reference_divergence(high):
         return False
@@ -191,8 +173,7 @@ def confirmation_verdict(runs: Sequence[Mapping[str, Any]], high: Sequence[Mappi
 
 def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds: int, drop: float,
                              noise: Noise, reference_key: str | None) -> pd.Series | None:
-    """Least memory (then best accuracy) among trials whose one-sided bound on (mean - reference) is at
-    least ``-drop`` (``within_drop``), and the reference assignment itself."""
+    """Least memory (then best accuracy) among the trials ``within_drop``, and the reference assignment itself."""
     seeds = _seeds_of(ok)
     itself = ok["key"] == reference_key
     ok = ok[itself | within_drop(ok["val_accuracy"], seeds, reference, reference_seeds, drop, noise)]
@@ -205,8 +186,8 @@ def _confidently_within_drop(ok: pd.DataFrame, reference: float, reference_seeds
 
 
 def confirmable_front(frame: pd.DataFrame, budget: Budget, objective: str, chance: float) -> pd.DataFrame:
-    """The front points confirmation trains: within the memory budget, and neither diverged nor at chance (such a
-    point cannot be picked whatever its confirmation says)."""
+    """The front points confirmation trains: those that can be picked whatever their confirmation says (within the
+    memory budget, neither diverged nor at chance)."""
     front = pareto_front(frame, objective)
     if budget.max_memory is not None and not front.empty:
         front = front[front["memory"] <= budget.max_memory + 1e-12]
@@ -216,8 +197,8 @@ def confirmable_front(frame: pd.DataFrame, budget: Budget, objective: str, chanc
 
 
 def confirmation_rule(budget: Budget, chance: float) -> Decide | None:
-    """How confirmation decides a point: under an accuracy-drop rule seed by seed while ``confirmation_verdict``
-    is undecided; under a memory budget (whose pick compares the points with each other) on every seed (None)."""
+    """How confirmation decides a point: seed by seed under an accuracy-drop rule; under a memory budget, whose pick
+    compares the points with each other, on every seed (None)."""
     if budget.max_memory is not None:
         return None
     return lambda runs, high: confirmation_verdict(runs, high, budget, chance)
@@ -225,8 +206,7 @@ def confirmation_rule(budget: Budget, chance: float) -> Decide | None:
 
 def mark_ties(front: pd.DataFrame, noise: Noise) -> pd.DataFrame:
     """The front with ``within_noise_of``: for each point, the cheapest front point (trial number) it is not
-    distinguishably more accurate than at the noise's confidence, or -1 when it is distinguishable from every
-    cheaper point (the extra memory buys measurable accuracy)."""
+    distinguishably more accurate than, or -1 (the extra memory buys measurable accuracy)."""
     front = front.sort_values("memory").copy()
     seeds = _seeds_of(front)
     marks = []

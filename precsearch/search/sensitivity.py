@@ -2,28 +2,24 @@
 
 Inference tools score layers before they search (NVIDIA ModelOpt's auto_quantize: the gradient-weighted
 quantization error sum((dL/dY)^2 (Q(Y) - Y)^2)); ``measure`` does the same for every tensor kind a policy
-assigns, in the space's decision units, from a few seeded plain-fp32 SGD steps on the task's data:
+assigns, per unit of the space, from a few seeded plain-fp32 SGD steps on the task's data:
 
 - forward tensors (activations, the input included, and weights): ``score`` = sum(g^2 (Q_low(v) - Q_high(v))^2),
-  with g the loss gradient of the tensor (the Fisher estimate of the loss change the rounding causes), divided
-  by the share of the tensor's energy that is not its per-channel mean. A few steps into training the loss
-  does not yet depend on a signal the network has not learned, so the gradient alone misses rounding that
-  erases a faint signal on a bright level (the ``gratings`` input); measured against the spread batch norm
-  keeps, that error is as large as the signal itself.
-- gradients, measured on the update they make (lr x gradient): a weight gradient's rounding error moves the
-  weight by lr x error, scored like a weight: lr^2 sum(g^2 error^2); an activation gradient's relative error
-  is carried, in proportion, into the updates of every weight it flows back to (its op and the ops before it):
-  relative error x lr^2 sum(g^4) over those weights. Gradients are rounded at the loss scale a dynamic scaler
-  settles on (the space's initial scale, halved until nothing overflows), as the runtime rounds them.
+  g the tensor's loss gradient, divided by the share of its energy that is not its per-channel mean: early in
+  training the gradient alone misses rounding that erases a faint signal on a bright level (the ``gratings``
+  input), which against the spread batch norm keeps is as large as the signal itself.
+- gradients, on the update they make: a weight gradient's rounding error moves the weight by lr x error, scored
+  like a weight (lr^2 sum(g^2 error^2)); an activation gradient's relative error is carried into the updates of
+  every weight it flows back to (relative error x lr^2 sum(g^4) over those weights). Gradients are rounded at
+  the loss scale a dynamic scaler settles on, as the runtime rounds them.
 
-Every error is the low format's against the high one (a kind whose low format is the high one scores 0), so
-scores add up over a unit's tensors. ``error`` is the squared error relative to the tensor's spread (forward
-tensors) or its energy (gradients), ``overflow`` and ``underflow`` the
-shares of values outside the low format's range (precsearch.formats.kernels.stats). The rounding is nearest,
-per tensor, once per step; the runtime's promotion guard and stochastic rounding are not modelled.
+Every error is the low format's against the high one, so scores add up over a unit's tensors. ``error`` is the
+squared error relative to the tensor's spread (forward) or energy (gradients), ``overflow`` and ``underflow``
+the shares of values outside the low format's range. The rounding is nearest, per tensor, once per step; the
+promotion guard and stochastic rounding are not modelled.
 
 ``least_sensitive`` solves the knapsack exactly (scipy's MILP): demote the units of least summed score whose
-bytes saved reach a target; ``sensitivity_sweep`` does it for the paper's ladder of targets, and
+bytes saved reach a target; ``sensitivity_sweep`` does it along the paper's ladder of targets, and
 ``SensitivitySeeding`` hands those points to the search as seeds (``SENSITIVITY_SEEDING``: ahead of the paper's).
 """
 
@@ -54,7 +50,7 @@ from precsearch.graph.types import TensorGraph
 from precsearch.search.context import SearchContext
 from precsearch.search.seeding import PAPER_SEEDING, Seeding, Seedings
 from precsearch.search.sensitivity_table import COLUMNS, keep_table, recorded_table, unit_table
-from precsearch.search.strategies import R_GRID, Candidate, assign, low_share, units
+from precsearch.search.strategies import R_GRID, Candidate, candidate, units
 from precsearch.train.data import ImageDataset, make_loader
 from precsearch.train.trainer import build_model, seeded
 
@@ -62,7 +58,6 @@ __all__ = ["DEFAULT_BATCHES", "SENSITIVITY_SEEDING", "SensitivitySeeding", "leas
            "measure_model", "sensitivity_sweep"]
 
 DEFAULT_BATCHES = 4
-
 
 
 class _Tap(torch.autograd.Function):
@@ -81,8 +76,7 @@ class _Tap(torch.autograd.Function):
 
 
 class _Probe(fx.Interpreter):
-    """Runs the traced FX graph (the plain model's own modules) and taps the outputs the graph names:
-    node name -> {output position: tensor id}."""
+    """Runs the traced FX graph and taps the outputs ``wanted`` names: node name -> {output position: tensor id}."""
 
     def __init__(self, module: fx.GraphModule, wanted: Mapping[str, Mapping[int, str]]) -> None:
         super().__init__(module)
@@ -110,8 +104,8 @@ class _Probe(fx.Interpreter):
 
 
 def _gradient_scale(grads: Iterable[torch.Tensor], space: SearchSpace) -> float:
-    """The loss scale gradients are rounded at: none for ``none``, the initial scale otherwise, halved (for
-    ``dynamic``) until no rounded gradient overflows its low format, as a dynamic scaler would settle."""
+    """The loss scale gradients are rounded at: the initial scale, halved (for ``dynamic``) until no rounded
+    gradient overflows its low format, as a dynamic scaler would settle."""
     scaling = dict(space.loss_scaling)
     mode = scaling.get("mode", "none")
     if mode == "none":
@@ -138,8 +132,8 @@ def _element(fmt: str) -> FloatFormat:
 
 
 def _in_element(value: torch.Tensor, fmt: str) -> tuple[torch.Tensor, FloatFormat]:
-    """``value`` in the units its format's element holds (a scaled format's values divided by their own scales,
-    as ``_rounded`` scales them), and that element: what its overflow and underflow shares are of."""
+    """``value`` in the units its format's element holds (divided by its own scales, as ``_rounded`` scales it),
+    and that element: what its overflow and underflow shares are of."""
     if not is_scaled(fmt):
         return value, get_format(fmt)
     current = dataclasses.replace(get_scaled_format(fmt), history=0)
@@ -148,8 +142,8 @@ def _in_element(value: torch.Tensor, fmt: str) -> tuple[torch.Tensor, FloatForma
 
 
 def _rounded(value: torch.Tensor, fmt: str, overflow: str) -> torch.Tensor:
-    """``value`` held in ``fmt``; a scaled format with the scale of ``value`` itself (a delayed recipe's history
-    would hold the amaxes of the steps before: one value has none, so its current scale stands in)."""
+    """``value`` held in ``fmt``; a scaled format with the scale of ``value`` itself (one value has no history of
+    amaxes for a delayed recipe)."""
     if not is_scaled(fmt):
         return quantize(value, fmt, overflow=overflow)
     return quantize_scaled(value, dataclasses.replace(get_scaled_format(fmt), history=0))[0]
@@ -161,8 +155,7 @@ def _relative(error: torch.Tensor, value: torch.Tensor) -> float:
 
 
 def _spread_share(value: torch.Tensor) -> float:
-    """The share of ``value``'s energy that is not its per-channel mean (dim 1; the whole tensor's mean below
-    2 dims): what batch norm keeps of it. 1 for a centred tensor, small for a faint signal on a bright level."""
+    """The share of ``value``'s energy that is not its per-channel mean: what batch norm keeps of it."""
     energy = float(value.square().sum())
     if energy == 0:
         return 1.0
@@ -190,9 +183,8 @@ def _upstream_weights(graph: TensorGraph) -> dict[str, list[str]]:
 
 def measure(graph: TensorGraph, model: nn.Module, space: SearchSpace, batches: Iterable[tuple[torch.Tensor,
             torch.Tensor]]) -> pd.DataFrame:
-    """The sensitivity table (``COLUMNS``, one row per unit and tensor kind, scores averaged over the steps)
-    of ``model`` traced as ``graph`` (by ``precsearch.graph.tracing.trace``, which shares its modules), from
-    one plain SGD step (the space's proxy recipe) per batch of ``batches``."""
+    """The sensitivity table (``COLUMNS``, one row per unit and tensor kind, scores averaged over the steps) of
+    ``model`` traced as ``graph`` (whose modules it shares), from one plain SGD step per batch of ``batches``."""
     if graph.graph_module is None:
         raise PrecsearchError(f"sensitivity runs the FX graph, and {graph.model_name} was traced with module "
                               "hooks; make the model FX-traceable")
@@ -273,13 +265,11 @@ def _table(graph: TensorGraph, space: SearchSpace, per_tensor: Mapping[str, pd.S
                 return float(np.dot(weights, values) / total) if total > 0 else math.nan
 
             demoted = {**high, **{tid: space.low[kind] for tid in ids}}
-            records.append({
-                "unit": unit, "group": graph.tensors[ids[0]].group, "kind": kind, "tensors": len(ids),
-                "numel": int(numel.sum()), "bytes_saved": all_high - cost.bytes(demoted),
-                "score": float(sum(m["score"] for m in measured if m is not None)) if any(
-                    m is not None for m in measured) else math.nan,
-                "error": weighted("error"), "overflow": weighted("overflow"), "underflow": weighted("underflow"),
-            })
+            scores = [m["score"] for m in measured if m is not None]
+            records.append({"unit": unit, "group": graph.tensors[ids[0]].group, "kind": kind, "tensors": len(ids),
+                            "numel": int(numel.sum()), "bytes_saved": all_high - cost.bytes(demoted),
+                            "score": float(sum(scores)) if scores else math.nan, "error": weighted("error"),
+                            "overflow": weighted("overflow"), "underflow": weighted("underflow")})
     return pd.DataFrame(records, columns=list(COLUMNS))
 
 
@@ -304,8 +294,8 @@ def measure_model(model_spec: str, space: SearchSpace, data: tuple[ImageDataset,
 
 
 def least_sensitive(scores: Mapping[str, float], saved: Mapping[str, float], need: float) -> set[str]:
-    """The units to demote: least summed score among the sets whose bytes saved reach ``need``, solved exactly
-    (a 0/1 integer program, scipy's HiGHS at zero gap). An unreachable ``need`` demotes every unit."""
+    """The units to demote: least summed score among the sets whose bytes saved reach ``need`` (every unit when
+    none does), solved exactly: a 0/1 integer program, scipy's HiGHS at zero gap."""
     names = list(scores)
     if need <= 0 or not names:
         return set()
@@ -323,8 +313,7 @@ def least_sensitive(scores: Mapping[str, float], saved: Mapping[str, float], nee
 
 def sensitivity_sweep(graph: TensorGraph, space: SearchSpace, table: pd.DataFrame,
                       rs: Iterable[float] = R_GRID) -> list[Candidate]:
-    """For each target r, the least sensitive units (``least_sensitive``) that save r of the bytes all-low
-    saves: the knapsack's answer along the paper's ladder of targets."""
+    """For each target r, the least sensitive units that save r of the bytes all-low saves."""
     summed = unit_table(table)
     scores = dict(zip(summed["unit"], summed["score"], strict=True))
     saved = dict(zip(summed["unit"], summed["bytes_saved"], strict=True))
@@ -333,15 +322,13 @@ def sensitivity_sweep(graph: TensorGraph, space: SearchSpace, table: pd.DataFram
     for r in rs:
         demoted = least_sensitive(scores, saved, r * total)
         decisions = {unit: "low" if unit in demoted else "high" for unit in units(graph, space)}
-        candidates.append(Candidate(strategy="sensitivity", decisions=decisions,
-                                    assignment=assign(graph, space, decisions),
-                                    low_share=low_share(graph, space, decisions), r=r))
+        candidates.append(candidate(graph, space, "sensitivity", decisions, r))
     return candidates
 
 
 class SensitivitySeeding(Seeding):
-    """The knapsack's points (``sensitivity_sweep``) as seeds of a search, from a measured ``table``: without
-    one, ``prepared`` measures the model once per study (``measure_model``) and keeps the table in the study."""
+    """The knapsack's points as seeds of a search, from a measured ``table``, or one ``prepared`` measures once
+    per study and keeps in it."""
 
     name = "sensitivity"
 
@@ -350,8 +337,8 @@ class SensitivitySeeding(Seeding):
         self.rs = tuple(rs)
 
     def prepared(self, context: SearchContext, study: optuna.Study) -> Seeding:
-        """The table a worker of the study measured before (one taking its step over reuses it), else measured
-        here on the CPU; read back from the study, so every worker seeds from the same numbers."""
+        """The table kept in the study, measured here on the CPU first if no worker did: every worker seeds from
+        the same numbers."""
         if self.table is not None:
             return self
         if recorded_table(study.user_attrs) is None:

@@ -29,18 +29,12 @@ DEFAULT_HEARTBEAT = 20  # seconds between heartbeats; a trial silent for 3x this
 class SearchConfig:
     """A search of ``model`` in ``space`` (a space, or a YAML file) on ``data``; outputs go to ``out_dir``.
 
-    ``proxy_steps``: ``"auto"`` (the default) calibrates the proxy length from the all-high reference's learning
-    curve (precsearch.search.calibration, doubling from ``calibration_start`` up to ``max_proxy_steps``); an
-    integer keeps that fixed length; rungs stand on the reference's curve (precsearch.search.rungs).
-    ``confirm_factor``: the confirmation runs' length as a multiple of the proxy
-    length (precsearch.search.confirmation). ``proxy_seeds``: seeds per proxy and for the reference (None:
-    chosen from the noise, see ``noise.seeds_for``). ``study_name`` joins the shared study of that name in
+    ``proxy_steps``: ``"auto"`` calibrates the proxy length (precsearch.search.calibration, doubling from
+    ``calibration_start`` up to ``max_proxy_steps``); an integer fixes it. ``confirm_factor``: the confirmation
+    runs' length as a multiple of the proxy length. ``proxy_seeds``: seeds per proxy and for the reference (None:
+    chosen from the noise, ``noise.seeds_for``). ``study_name`` joins the shared study of that name in
     ``storage`` (``trials`` is then the study's total); ``sampler`` replaces the space's Optuna sampler.
-    ``seeding``: the search's first trials (precsearch.search.strategies.Seeding): ``PAPER_SEEDING`` queues
-    all-high, the paper's sweep and all-low; precsearch.search.sensitivity's ``SENSITIVITY_SEEDING`` measures
-    each unit's sensitivity before the first trial and queues the knapsack's points ahead of those.
-    ``pause_at`` is a test hook, None in every real search: the named setup point where the process (and each of
-    its workers) stops itself, so that a test can kill it there (precsearch.search.ledger.pause_point).
+    ``seeding``: the search's first trials (precsearch.search.seeding).
     """
 
     model: str
@@ -116,8 +110,8 @@ class SearchConfig:
 
 
 def usable_jobs(jobs: int, trials: int) -> int:
-    """Worker processes a search of ``trials`` trials can use on this machine: no more than its trials, nor than its
-    CPUs (each worker is a process of its own, on a GPU too)."""
+    """Worker processes a search of ``trials`` trials can use: no more than its trials, nor than the CPUs (each
+    worker is a process of its own, on a GPU too)."""
     return max(1, min(jobs, trials, os.cpu_count() or 1))
 
 

@@ -1,15 +1,11 @@
 """Where a study lives: a PostgreSQL or SQLite URL or a journal file, opened with the heartbeat and retries
 every worker uses, repaired after a torn write, and locked across all processes that share it.
 
-A journal's records are chained by checksums (``JournalFile``): one edited, removed, duplicated or added by hand
-is refused on opening, naming its line. A PostgreSQL study's lock that a stopped or hung worker keeps is named
-in a WARNING (its host:pid) after a heartbeat, and ends the wait in one line after ``STORAGE_OUTAGE`` seconds.
-
-A PostgreSQL storage outlives a database restart or a dropped connection (``RetryingRDBStorage``): every
-call retries with backoff for up to ``STORAGE_OUTAGE`` seconds, so a worker goes on where it was (a trial it
-finished meanwhile is written when the server is back); past that it stops with one line that says how to
-continue. The heartbeat is not retried (the next beat is), and no trial is judged stale until the workers
-had a grace period to beat again after an outage.
+A journal's records are chained by checksums (``JournalFile``), so one changed by hand is refused on opening,
+naming its line. A PostgreSQL storage outlives a database restart or a dropped connection
+(``RetryingRDBStorage``): every call retries with backoff for up to ``STORAGE_OUTAGE`` seconds, so a worker goes
+on where it was; past that, or past as long a wait for a study lock a stopped worker keeps, it stops with one
+line that says how to continue.
 """
 
 from __future__ import annotations
@@ -51,9 +47,7 @@ STUDY_NAME = "precsearch"
 JOURNAL_NAME = "study.journal"
 POSTGRES_DRIVER = "postgresql+psycopg"
 MAX_RETRIES = 3  # times a trial whose worker died is queued again
-# seconds a worker keeps retrying a database it lost (a restart), or waiting for a study lock another worker keeps
-# (stopped or hung), before it stops
-STORAGE_OUTAGE = 120.0
+STORAGE_OUTAGE = 120.0  # seconds a worker retries a lost database, or waits for a lock a stopped worker keeps
 MAX_BACKOFF = 8.0  # seconds between two tries, at most
 
 T = TypeVar("T")
@@ -61,14 +55,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StudyLocation:
-    """Where a study lives: a storage (URL or journal file path), the study's name in it, and the heartbeat.
-
-    A ``shared`` study (``--study-name``) is joined by name from any number of processes on any number of
-    hosts: the first creates it, the others load it, and any of them sets it up (precsearch.search.study); only
-    Optuna's heartbeat decides that a RUNNING trial is dead. On an RDB storage every trial records a heartbeat each
-    ``heartbeat`` seconds; a trial silent for ``3 x heartbeat`` seconds is failed and its assignment queued
-    again (``trials.RetryStaleTrial``), by whichever worker notices first.
-    """
+    """Where a study lives: a storage (URL or journal file path), the study's name in it, and the heartbeat. A
+    ``shared`` study (``--study-name``) is joined by name from any number of processes on any number of hosts,
+    so only Optuna's heartbeat decides that a RUNNING trial is dead: one silent for ``3 x heartbeat`` seconds is
+    failed and queued again (``trials.RetryStaleTrial``) by whichever worker notices first."""
 
     target: str
     study_name: str = STUDY_NAME
@@ -127,7 +117,6 @@ class StudyLocation:
             if importlib.util.find_spec("psycopg") is None:
                 raise PrecsearchError(f"study storage {self.shown} needs psycopg 3; install it with "
                                       "pip install 'precsearch[postgres]'")
-
             # the session names this worker (host:pid) in pg_stat_activity, so a held lock can be traced to it
             engine_kwargs["connect_args"] = {"connect_timeout": 10, "application_name": f"precsearch {owner_id()}"}
         kind = RetryingRDBStorage if backend == "postgresql" else RDBStorage  # SQLite has no server to lose
@@ -156,9 +145,8 @@ class StudyLocation:
 
     @contextlib.contextmanager
     def lock(self, storage: optuna.storages.BaseStorage) -> Iterator[None]:
-        """Exclusive among all processes using this study: on PostgreSQL an advisory lock held for one
-        transaction (the server releases it when a killed worker's connection drops), on SQLite and journal
-        files an flock on the file (they are shared on one host only)."""
+        """Exclusive among all processes using this study: on PostgreSQL an advisory lock held for one transaction
+        (released when a killed worker's connection drops), on SQLite and journal files (one host's) an flock."""
         if isinstance(storage, RetryingRDBStorage):
             connection = self._advisory_lock(storage)
             try:
@@ -176,13 +164,10 @@ class StudyLocation:
             yield
 
     def _advisory_lock(self, storage: RetryingRDBStorage) -> sqlalchemy.Connection:
-        """The study's advisory lock, on a connection of its own, in a transaction the caller ends.
-
-        Workers hold it for a moment (a decision, a claim), so a worker waits for it in the server's queue
-        ``LOCK_POLL`` seconds at a time and in between looks who holds it (``_lock_holder``): a holder that kept it
-        a heartbeat is named in a WARNING, once per holder. A stopped process keeps its connection, and the lock
-        with it, for ever: a holder that kept it ``STORAGE_OUTAGE`` seconds (the patience for a study out of
-        reach) ends the wait in a PrecsearchError naming it."""
+        """The study's advisory lock, on a connection of its own, in a transaction the caller ends. Workers hold it
+        for a moment, so a waiter looks who holds it every ``LOCK_POLL`` seconds: a holder that kept it a heartbeat
+        is named in a WARNING; a stopped process keeps it for ever, so one that kept it ``STORAGE_OUTAGE`` seconds
+        ends the wait in a PrecsearchError naming it."""
         lock_id = int(hashlib.sha1(self.study_name.encode()).hexdigest()[:15], 16)
         warned: str | None = None
         while True:
@@ -233,10 +218,8 @@ def _try_lock(storage: RetryingRDBStorage, lock_id: int) -> sqlalchemy.Connectio
 
 
 def _lock_holder(storage: RetryingRDBStorage, lock_id: int) -> tuple[str, int, float] | None:
-    """Who holds the advisory lock ``lock_id`` (its session's application name, which names the precsearch
-    worker, its backend pid and client address), that backend's pid, and for how many seconds (since its
-    transaction began: a worker begins it at most ``LOCK_POLL`` s before it takes the lock); None when nobody
-    does."""
+    """Who holds the advisory lock ``lock_id`` (its session's application name, backend pid and client address),
+    that backend's pid, and for how many seconds (since its transaction began); None when nobody does."""
     query = sqlalchemy.text(
         "SELECT a.pid, a.application_name, host(a.client_addr), "
         "EXTRACT(EPOCH FROM clock_timestamp() - a.xact_start) FROM pg_locks l "
@@ -263,15 +246,9 @@ def _dropped(error: BaseException) -> bool:
 
 
 class RetryingRDBStorage(RDBStorage):
-    """Optuna's RDB storage whose every database call survives a server restart or a dropped connection.
-
-    A call that fails for a lost connection is tried again (``pool_pre_ping`` replaces dead pooled
-    connections) with backoff for up to ``STORAGE_OUTAGE`` seconds; then the storage is ``lost`` for good and
-    every call raises the one-line PrecsearchError that says how to continue. A heartbeat that fails is
-    skipped (the heartbeat thread beats again a heartbeat later), and for ``grace_period`` seconds after an
-    outage no trial is judged stale, so that the other workers, which lost the server too, can beat again
-    before anyone fails their trials.
-    """
+    """Optuna's RDB storage whose every database call survives a server restart or a dropped connection (see
+    the module docstring); past ``STORAGE_OUTAGE`` the storage is ``lost`` for good. For ``grace_period`` seconds
+    after an outage no trial is judged stale: the other workers, which lost the server too, must beat again first."""
 
     shown = "the study storage"  # the URL, password masked, for messages (StudyLocation.open sets it)
     lost: str | None = None  # why the storage was given up, once it was
@@ -355,16 +332,12 @@ for _name in _RETRIED:
 class JournalFile(JournalFileBackend):
     """Optuna's journal file, whose records are chained by a checksum and whose appends never leave a torn record.
 
-    Every record precsearch appends ends in a ``"precsearch_sum"`` field: a hash of the record and of the record
-    before it (``_checksum``), computed under the journal's lock, so a record edited, removed, duplicated, added or
-    moved by hand breaks the chain at that line, and ``check`` refuses the journal naming the line before Optuna
-    replays it (Optuna would accept any well-formed record, and a trial would then hold another trial's origin or
-    a changed accuracy). It guards against accidents and hand edits, not against someone recomputing the chain.
-    Records of an older precsearch, without the field, are accepted only before the first one with it.
-
-    An append that fails (a full disk, a file-size limit) is cut back to where it began, under the journal's
-    lock, so that whatever is appended later (by any process, once there is space) starts on a line of its own.
-    Its OSError names the journal."""
+    Every record precsearch appends ends in a ``"precsearch_sum"`` field, a hash of it and of the record before
+    it, so a record edited, removed, duplicated, added or moved by hand breaks the chain, and ``check`` refuses
+    the journal naming the line (Optuna would replay any well-formed record). It guards against accidents, not
+    against someone recomputing the chain. Records of an older precsearch, without the field, are accepted only
+    before the first one with it. A failed append (a full disk) is cut back to where it began, so that what is
+    appended later starts on a line of its own; its OSError names the journal."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -392,10 +365,9 @@ class JournalFile(JournalFileBackend):
             self.append_lock.release()
 
     def check(self) -> None:
-        """Drop a torn last line (a write cut by kill -9) so appends after it stay readable, and refuse a journal
-        with a line that is not a record, or not the record precsearch wrote there, naming the line (Optuna's
-        error names neither file nor line, or there is none). Under the journal's lock, so that a record another
-        worker is appending is not taken for a torn one."""
+        """Drop a torn last line (a write cut by kill -9), and refuse a journal with a line that is not the record
+        precsearch wrote there, naming the line; under the journal's lock, so that a record another worker is
+        appending is not taken for a torn one."""
         self.append_lock.acquire()
         try:
             _check_journal(self.path)
@@ -431,8 +403,7 @@ def _stated_checksum(line: bytes) -> tuple[str, bytes] | None:
 
 
 def _last_checksum(fd: int, end: int) -> str:
-    """The checksum of the last record of the journal open as ``fd`` (which ends at byte ``end``), or "" when it
-    has none."""
+    """The checksum of the journal open as ``fd``'s last record (ending at byte ``end``), or "" without one."""
     tail = os.pread(fd, min(end, 64), max(0, end - 64))
     stated = _stated_checksum(tail[:-1]) if tail.endswith(b"\n") else None
     return "" if stated is None else stated[0]

@@ -2,18 +2,13 @@
 
 An assignment maps every assignable tensor id (weights, activations and their gradients) to a format spec.
 Strategies speak in *decisions*: one level name ("high", "low", or a categorical choice of the space) per
-decision unit. A unit is a group (``g<index>``, the paper's granularity, also used by categorical spaces)
-or a single tensor (its id) for ``granularity: tensor``. ``assign`` turns decisions into an assignment.
+decision unit, a group (``g<index>``, the paper's granularity) or, for ``granularity: tensor``, a single tensor.
 
 The paper's technique (Lee, Sharma, Aiken, TMLR 2023) for a memory-saving target ``r`` in [0, 1]: order the
-groups by their share of tensor memory (of the assignable tensors, all at the high format), largest first
-with ties broken by execution order, and demote whole groups to the low formats until the low share reaches
-``r``; the reference code accepts the result only if its low share lies in ``[r, r + 0.1]``
-(``ACCEPTANCE_WINDOW``; r = 0 and 1 always), which ``sweep(..., window=...)`` applies. Its divergence
-guard (promote a tensor to high once its overflow fraction passes a threshold) is the policy's
-``promotion_threshold`` and stays on. The ablations order the groups smallest first or randomly.
-
-The search starts from these points (all-high, the paper's sweep, all-low): precsearch.search.seeding.
+groups by their share of tensor memory, largest first (ties in execution order), and demote whole groups to the
+low formats until the low share reaches ``r``; the reference code accepts the result only if its low share lies
+in ``[r, r + 0.1]`` (``ACCEPTANCE_WINDOW``; r = 0 and 1 always), which ``sweep(..., window=...)`` applies. Its
+divergence guard is the policy's ``promotion_threshold`` and stays on.
 """
 
 from __future__ import annotations
@@ -38,7 +33,8 @@ from precsearch.graph.types import OpInfo, TensorGraph
 
 __all__ = [
     "ACCEPTANCE_WINDOW", "ORDERS", "R_GRID", "TORCHAO_LOW", "WANG_LOW", "Candidate", "assign", "assignment_key",
-    "baseline", "baseline_policies", "group_sizes", "low_share", "paper_assignment", "sweep", "uniform", "units",
+    "baseline", "baseline_policies", "candidate", "group_sizes", "low_share", "paper_assignment", "sweep", "uniform",
+    "units",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,11 +43,8 @@ ORDERS: tuple[str, ...] = ("largest", "smallest", "random", "sensitivity")
 R_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
 ACCEPTANCE_WINDOW = 0.1  # the reference runs r only if the low share it reaches is at most r + 0.1
 WANG_LOW = "e5m2s"  # Wang et al. 2018: (1,5,2) weights, activations and activation gradients
-# torchao's float8 "tensorwise" recipe: a GEMM's forward operands e4m3fn, the gradient its backward multiplies
-# e5m2, each with a scale from its own amax (the formats of search_spaces/fp8_scaled.yaml).
-TORCHAO_LOW: dict[str, str] = {
-    "weight": "e4m3fn@tensor", "activation": "e4m3fn@tensor", "activation_grad": "e5m2@tensor",
-}
+# torchao's float8 "tensorwise" recipe, each tensor scaled by its own amax (as search_spaces/fp8_scaled.yaml)
+TORCHAO_LOW = {"weight": "e4m3fn@tensor", "activation": "e4m3fn@tensor", "activation_grad": "e5m2@tensor"}
 
 
 @dataclass(frozen=True)
@@ -135,8 +128,9 @@ def _unit_decisions(graph: Any, space: SearchSpace, group_levels: Mapping[int, s
     return {f"g{group}": level for group, level in group_levels.items()}
 
 
-def _candidate(graph: Any, space: SearchSpace, strategy: str, decisions: dict[str, str],
-               r: float | None = None) -> Candidate:
+def candidate(graph: Any, space: SearchSpace, strategy: str, decisions: dict[str, str],
+              r: float | None = None) -> Candidate:
+    """The candidate ``decisions`` make, with its assignment and low share."""
     return Candidate(strategy=strategy, decisions=decisions, assignment=assign(graph, space, decisions),
                      low_share=low_share(graph, space, decisions), r=r)
 
@@ -144,10 +138,8 @@ def _candidate(graph: Any, space: SearchSpace, strategy: str, decisions: dict[st
 def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "largest",
                      seed: int = 0, scores: Mapping[int, float] | None = None) -> Candidate:
     """The paper's technique at memory-saving target ``r``: demote whole groups, in ``order``, until the low
-    share reaches ``r``. ``order`` "largest" is the paper; "smallest" and "random" (seeded) are its ablations;
-    "sensitivity" demotes the groups of least ``scores`` (group -> sensitivity per byte saved,
-    precsearch.search.sensitivity.group_order) first, ties in execution order.
-    """
+    share reaches ``r``. "largest" is the paper; "smallest" and "random" (seeded) its ablations; "sensitivity"
+    demotes the groups of least ``scores`` (``sensitivity_table.group_order``) first, ties in execution order."""
     if not 0.0 <= r <= 1.0:
         raise PrecsearchError(f"r={r} must lie in [0, 1]")
     if order not in ORDERS:
@@ -177,7 +169,7 @@ def paper_assignment(graph: Any, r: float, space: SearchSpace, order: str = "lar
         levels[group] = "low"
         demoted += sizes[group]
     name = "paper" if order == "largest" else f"paper-{order}"
-    return _candidate(graph, space, name, _unit_decisions(graph, space, levels), r=r)
+    return candidate(graph, space, name, _unit_decisions(graph, space, levels), r=r)
 
 
 def sweep(graph: Any, space: SearchSpace, rs: Iterable[float] = R_GRID, order: str = "largest",
@@ -197,17 +189,15 @@ def sweep(graph: Any, space: SearchSpace, rs: Iterable[float] = R_GRID, order: s
 def uniform(graph: Any, space: SearchSpace, level: str) -> Candidate:
     """Every unit at one level: ``uniform(graph, space, "high")`` is all-high, ``"low"`` all-low."""
     decisions = dict.fromkeys(units(graph, space), level)
-    return _candidate(graph, space, f"all-{level}", decisions, r=None)
+    return candidate(graph, space, f"all-{level}", decisions, r=None)
 
 
 # ------------------------------------------------------------------------------------------- baselines
 
 
 def _gemm_operands(graph: TensorGraph, op: OpInfo) -> set[str]:
-    """The tensors a GEMM op multiplies: its weights, its input activations and its output's gradient.
-
-    Forward computes Y = X W; backward computes dX = dY W and dW = X dY, so X, W and dY are its operands.
-    """
+    """The tensors a GEMM op multiplies: Y = X W forward, dX = dY W and dW = X dY backward, so its weights, its
+    input activations and its output's gradient."""
     ids = {info.id for info in graph.tensors.values() if info.kind == "weight" and info.op == op.name}
     ids |= {str(TensorId(name, "activation")) for name in op.inputs}
     ids.add(str(TensorId(op.name, "activation_grad")))
@@ -226,26 +216,20 @@ def _first_last_gemm_operands(graph: TensorGraph) -> set[str]:
 
 
 def baseline(name: str, graph: TensorGraph) -> Policy:
-    """A prior-work policy for any traced model (a ``TensorGraph``), with the cost model's prediction
-    (precsearch.cost.policies.policy_for_graph).
+    """A prior-work policy for any traced model, with the cost model's prediction. No baseline enables the
+    promotion guard: they reproduce prior work, which had none.
 
-    * ``fp32``: everything fp32, no loss scaling.
-    * ``fp16`` / ``bf16`` / ``fp8``: the format alone: every weight, activation and gradient in it (``fp8`` is
-      ``fp8_e5m2``, IEEE-like with inf: the one 8-bit format with range enough for data and gradients), fp32
-      master weights, no loss scaling, IEEE overflow to inf.
+    * ``fp32``, ``fp16``, ``bf16``, ``fp8``: the format alone (``fp8`` is ``fp8_e5m2``, the one 8-bit format with
+      range enough for data and gradients), fp32 master weights, no loss scaling, IEEE overflow to inf.
     * ``mpt`` (Micikevicius et al. 2018): fp16 tensors, fp32 master weights, dynamic loss scaling from 2^16.
-    * ``hfp8`` (Sun et al. 2019, the paper's pi_op): every GEMM's operands low: weights and input activations
-      ``e4m3b4s``, the gradient of its output ``e5m2s``; weight gradients ``e6m9s``; the first and last GEMM
-      and every other tensor high (``e6m9s``); forward saturates, gradients overflow to inf; dynamic scaling.
-    * ``wang_fp8`` (Wang et al. 2018): weights, activations and activation gradients ``e5m2s``, weight
-      gradients ``e6m9s``, the first and last GEMM's operands 16-bit ``e6m9s``, stochastic rounding in the
-      weight update; dynamic scaling.
-    * ``torchao_fp8`` (torchao's float8 training, tensorwise recipe, applied to every Conv2d and Linear): every
-      GEMM's operands, the first and last GEMM's too, scaled fp8 (``TORCHAO_LOW``); biases (added after the
-      GEMM), weight gradients (a GEMM's output) and every other tensor ``bf16``; fp32 master weights, no loss
-      scaling (a current scale never overflows).
-
-    No baseline enables the promotion guard: they reproduce prior work, which had none.
+    * ``hfp8`` (Sun et al. 2019, the paper's pi_op): every GEMM's operands low (weights and input activations
+      ``e4m3b4s``, its output's gradient ``e5m2s``) but the first and last GEMM's; every other tensor ``e6m9s``;
+      forward saturates, gradients overflow to inf; dynamic scaling.
+    * ``wang_fp8`` (Wang et al. 2018): ``WANG_LOW``, but weight gradients and the first and last GEMM's operands
+      ``e6m9s``; stochastic rounding in the weight update; dynamic scaling.
+    * ``torchao_fp8`` (torchao's float8 training, tensorwise recipe): every GEMM's operands but biases scaled fp8
+      (``TORCHAO_LOW``), every other tensor ``bf16``; fp32 master weights, no loss scaling (a current scale
+      never overflows).
     """
     if name not in BASELINES:
         raise PrecsearchError(f"unknown baseline {name!r}; use one of {', '.join(BASELINES)}")

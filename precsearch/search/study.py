@@ -4,27 +4,19 @@ and worth are measured, not assumed.
 ``run_search(SearchConfig(...))`` traces the model once and runs four phases, each a step of the shared study
 (any worker may take it; none is done twice, precsearch.search.ledger):
 
-1. Calibration (precsearch.search.calibration): the all-high reference trains ONE continuing run per seed
-   (precsearch.train.continuing: a constant rate read off short decay branches, so every point of it is a
-   proxy of that length), read at doubling points until every seed is clearly above chance, the mean
-   stopped rising and the seeds agree closely enough to resolve the allowed drop; that point L is the proxy
-   length (``--proxy-steps N`` fixes it instead). Its learning curve is recorded (calibration.csv) and
-   places the rungs; with its key, accuracies and the seeds per proxy it is the ``Reference`` every trial is
-   held to (precsearch.search.reference).
-2. Trials: the study is seeded with the config's ``seeding`` (precsearch.search.seeding; by default the
-   paper's technique at r = 0, 0.1, ..., 1 plus all-high and all-low, ``enqueue_trial``), and every
-   assignment of the space when it has no more than ``trials`` of them; a sampler (TPE by default) proposes
-   the rest. Each trial decides one level per unit of the space, prices it with ``cost.CostModel`` (no
-   training), and trains a continuing proxy of L steps through the rungs (the reference curve's points from
-   where every reference seed learned), where it is stopped only on clear failure against the reference at
-   the same step (precsearch.search.rungs). It starts on one seed and gains seeds only while the budget's
-   decision on it is open (racing). A candidate that a known point already beats (less memory and within
-   the allowed drop) is not trained.
-3. Confirmation (precsearch.search.confirmation): the reference's runs continued to a multiple of L (and plain
-   fp32, a yardstick, on one seed), then the Pareto front in memory order, trained at that length on fresh seeds,
-   every run decaying its rate from L to its end, sequentially under an accuracy-drop rule (the point's and the
-   reference's seeds racing while undecided, stopping at the first point confirmed); best.json comes only from
-   confirmed points, picked by precsearch.search.selection.
+1. Calibration (precsearch.search.calibration): the all-high reference's continuing runs, read at doubling
+   points until its learning curve says how long a proxy must be (L; ``--proxy-steps N`` fixes it). With its
+   key, accuracies and the seeds per proxy it is the ``Reference`` every trial is held to
+   (precsearch.search.reference).
+2. Trials: the study is seeded with the config's ``seeding`` (precsearch.search.seeding), and with every
+   assignment of a space that holds no more than ``trials``; a sampler (TPE by default) proposes the rest. Each
+   trial decides one level per unit, prices it with ``cost.CostModel`` (no training) and trains a continuing
+   proxy of L steps, stopped only on clear failure against the reference at a rung (precsearch.search.rungs);
+   it gains seeds only while the budget's decision on it is open (racing), and a candidate that a known point
+   already beats is not trained (precsearch.search.objective).
+3. Confirmation (precsearch.search.confirmation): the Pareto front trained longer on fresh seeds, against the
+   reference's runs continued to the same length; best.json comes only from confirmed points
+   (precsearch.search.selection).
 4. Accounting (precsearch.search.accounting): training steps per phase and rung, next to the same search
    with every trial at full length and the paper's one run per sweep point (budget.csv).
 
@@ -37,29 +29,17 @@ accuracy is within D (a fraction: 0.01 = 1 point) of all-high.
 
 Bookkeeping rules:
 
-* How a trial is recorded, and how identical assignments are trained once: precsearch.search.objective.
 * Storage is a PostgreSQL or SQLite URL, or a journal file (the default: ``study.journal`` in the run
-  directory), so ``resume=True`` continues an interrupted search without losing a completed trial or
-  calibration or confirmation run; a trial a killed process (or a full disk, or a cut journal) left RUNNING
-  goes back to the queue as it is, first in line and marked ``interrupted``, and a trial failed as
-  ``interrupted`` (Ctrl-C) is queued again as a retry the trial budget waits for. ``jobs=N`` runs N worker
-  processes on the same study (on CUDA, one per visible GPU): for the trials, and for calibration's and
-  confirmation's runs, which they share out as the ledger's steps (a worker that finds a run taken takes the
-  next; plain fp32 in confirmation blocks none), so those phases use every worker too.
-* A shared study (``study_name``) is joined by any number of workers on any number of hosts: the first
-  creates it and records its config, and a worker with another model, graph, space, data, seed, budget or
-  search setting is refused. The rest of setup (queuing the seeds, calibration) and the wrap-up
-  (confirmation) are leased steps any worker takes (precsearch.search.ledger). A worker that dies stops
-  heartbeating; its trial is failed after ``3 x heartbeat`` seconds and queued again (its origin only:
-  ``trials.RetryStaleTrial``), and its setup step or calibration or confirmation run is taken
-  over by another worker from what it recorded, so only that run's work is lost, whichever worker died. A
-  run keeps a checkpoint in ``checkpoints/`` of its run directory while it trains (removed once recorded):
-  --resume, or a worker of the same run directory, continues it from there; a worker on another host
-  trains it again, to the same numbers. A PostgreSQL restart is ridden out
-  (precsearch.search.storage.RetryingRDBStorage).
-* The outputs are written atomically from the storage once the search ends or stops
-  (precsearch.search.export); the policy each proxy trained under is in ``trials/`` of the worker that ran it.
-  ``export_study`` rebuilds all of it from the storage alone, any time.
+  directory), so ``resume=True`` continues an interrupted search without losing a finished trial or run
+  (``_requeue_interrupted``). ``jobs=N`` runs N worker processes (on CUDA, one per visible GPU) for the
+  trials and for calibration's and confirmation's runs (precsearch.search.workers).
+* A shared study (``study_name``) is joined by any number of workers on any number of hosts (``join_study``).
+  A worker that dies stops heartbeating: its trial is failed after ``3 x heartbeat`` seconds and queued again
+  (``trials.RetryStaleTrial``), and another worker takes over its setup step or run from what it recorded. A
+  run keeps a checkpoint in ``checkpoints/`` while it trains, which --resume or a worker of the same run
+  directory continues; a PostgreSQL restart is ridden out (precsearch.search.storage.RetryingRDBStorage).
+* The outputs are written atomically from the storage once the search ends or stops (precsearch.search.export);
+  ``export_study`` rebuilds them from the storage alone, any time.
 """
 
 from __future__ import annotations
@@ -74,7 +54,6 @@ import os
 import signal
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,20 +83,20 @@ from precsearch.search.context import Budget, DataSpec, SearchContext, torch_thr
 from precsearch.search.export import Decision, SearchResult, decide, export, pick_policy
 from precsearch.search.ledger import Ledger, pause_point
 from precsearch.search.noise import pooled_noise, seeds_for
-from precsearch.search.objective import FINISHED, Objective, worker_name
+from precsearch.search.objective import FINISHED, Objective
 from precsearch.search.peaks import PICK_PEAK, measure_step_peaks
 from precsearch.search.reference import Reference
 from precsearch.search.rundir import (
     CHECKPOINTS,
     RUN_FILE,
     SEARCH_FORMAT,
+    RunLock,
     check_journal_kept,
     check_resume,
     earlier_search,
     lost_study,
     make_run_dir,
     missing_lock_files,
-    owned,
     quiet_optuna_interrupts,
     remove_new_run_dir,
     remove_stale_journal_lock,
@@ -127,8 +106,16 @@ from precsearch.search.rundir import (
 from precsearch.search.seeding import seed_study
 from precsearch.search.selection import confirmable_front, confirmation_rule, pareto_front
 from precsearch.search.settings import SearchConfig
-from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation
-from precsearch.search.trials import TrialRecord, params_of, policy_of, reopened_attrs, retry_trial, trials_frame
+from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation, owner_id
+from precsearch.search.trials import (
+    TrialRecord,
+    fail_stale,
+    params_of,
+    policy_of,
+    reopened_attrs,
+    retry_trial,
+    trials_frame,
+)
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
     TRIALS,
@@ -152,16 +139,8 @@ from precsearch.train.continuing import check_checkpoints
 from precsearch.train.proxy import Trainer
 from precsearch.train.trainer import resolve_device
 
-__all__ = [
-    "SearchInterrupted",
-    "SearchResult",
-    "export_study",
-    "join_study",
-    "quiet",
-    "run_search",
-    "study_config",
-    "study_ledger",
-]
+__all__ = ["SearchInterrupted", "SearchResult", "export_study", "join_study", "quiet", "run_search", "study_config",
+           "study_ledger"]
 
 log = logging.getLogger(__name__)
 
@@ -194,15 +173,10 @@ def _check_same_config(study: optuna.Study, context: SearchContext, location: St
 def join_study(context: SearchContext, storage: optuna.storages.BaseStorage, location: StudyLocation,
                pause_at: str | None = None) -> optuna.Study:
     """Create a shared study or join it; refuse one made for another model, graph, space, data, seed, budget
-    or search setting, or one that is not a precsearch study.
-
-    The database decides who creates it: study names are unique, so of any number of workers starting at
-    once exactly one ``create_study`` succeeds, and it records the config under the study's lock, so a worker
-    that gets the lock next sees either the config or a creator that died before writing it (then the
-    empty study is taken over). The rest of setup is leased steps any worker takes (``calibrate``,
-    ``seed_study``): no worker's death loses the study. ``pause_at``: the test hook's setup point
-    (``ledger.pause_point``): ``join``, ``created`` or ``config``.
-    """
+    or search setting, or one that is not a precsearch study. Study names are unique, so exactly one of the
+    workers starting at once creates it, and it records the config under the study's lock: the next worker sees
+    the config, or an empty study whose creator died, which it takes over. ``pause_at``: the test hook's setup
+    point (``ledger.pause_point``): ``join``, ``created`` or ``config``."""
     pause_point(pause_at, "join")
     with location.lock(storage):
         try:
@@ -230,31 +204,20 @@ def _adopt(study: optuna.Study, context: SearchContext, location: StudyLocation)
 
 def study_config(context: SearchContext) -> dict[str, Any]:
     """What must match for a resumed study to mean the same thing."""
-    return {
-        "search_format": SEARCH_FORMAT,
-        "model": context.model,
-        "space": context.space.to_dict(),
-        "data": dataclasses.asdict(context.data_spec),
-        "seed": context.seed,
-        "budget": dataclasses.asdict(context.budget),
-        "graph_fingerprint": context.graph.fingerprint(),
-        "proxy_seeds": context.proxy_seeds,
-        **context.settings,
-    }
+    return {"search_format": SEARCH_FORMAT, "model": context.model, "space": context.space.to_dict(),
+            "data": dataclasses.asdict(context.data_spec), "seed": context.seed,
+            "budget": dataclasses.asdict(context.budget), "graph_fingerprint": context.graph.fingerprint(),
+            "proxy_seeds": context.proxy_seeds, **context.settings}
 
 
 # -------------------------------------------------------------------------------------------- trial upkeep
 
 
 def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage, context: SearchContext) -> int:
-    """Queue again what a dead process left unfinished; the number of trials queued.
-
-    A trial left RUNNING (kill -9, a full disk, a journal cut before its end) goes back to WAITING as it is,
-    params included: the queue is taken in trial order, so it runs next, once, under its own number, and the
-    budget counts it once. A trial failed as interrupted (Ctrl-C) cannot be reopened; its assignment is queued
-    as a retry marked like Optuna's (``failed_trial``), which the budget waits for (``budget_callback``).
-    Called only when resuming, before any worker starts, so every RUNNING trial belongs to a dead process.
-    """
+    """Queue again what a dead process left unfinished (called on --resume before any worker starts, so every
+    RUNNING trial is a dead process's); the number of trials queued. A RUNNING trial goes back to WAITING as it
+    is: taken in trial order, it runs next, once, under its own number. A trial failed as interrupted (Ctrl-C)
+    cannot be reopened: its assignment is queued as a retry, which the budget waits for (``budget_callback``)."""
     study_id = storage.get_study_id_from_name(study.study_name)
     reopened = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     for trial in reopened:
@@ -268,9 +231,8 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     queued = 0
     for trial in trials:
         params, record = params_of(trial), TrialRecord.from_trial(trial)
-        if trial.state != TrialState.FAIL or not record.interrupted:
-            continue
-        if len(params) != len(context.units) or context.key(params) in pending:
+        if (trial.state != TrialState.FAIL or not record.interrupted or len(params) != len(context.units)
+                or context.key(params) in pending):
             continue
         pending.add(context.key(params))
         study.add_trial(retry_trial(params, {unit: CategoricalDistribution(context.levels) for unit in context.units},
@@ -279,23 +241,15 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     return len(reopened) + queued
 
 
-def _trial_budget(context: SearchContext, trials: int) -> int:
-    """Distinct assignments the study trains or judges: ``trials``, or every assignment of a smaller space."""
-    return min(trials, context.assignments)
-
-
 def study_ledger(study: optuna.Study, location: StudyLocation, storage: optuna.storages.BaseStorage,
                  run_id: str = "", index: int = 0, pause_at: str | None = None) -> Ledger:
-    """This process's ledger of ``study``'s steps. Workers of a shared study are told apart by ``worker_name``: a
-    dead one's claim on a step is taken over after the heartbeat timeout. A study of one run is used by the
-    processes of the run ``run_id`` that holds its run lock: the parent (``index`` 0) takes steps only while none
-    of its ``--jobs`` workers (1, 2, ...) runs, and the workers honour each other's claims as leases. So a step
-    that a killed (or stopped by a full disk) process of an earlier run claimed is taken up at once by --resume,
-    and the parent takes up at once what a worker of its own left. ``pause_at``: the test hook's setup point
-    (``ledger.pause_point``)."""
+    """This process's ledger of ``study``'s steps. In a shared study a dead worker's claim is taken over after the
+    heartbeat timeout. A study of one run is used only by the processes of run ``run_id``, which holds its run
+    lock: the parent (``index`` 0) takes steps only while none of its workers (1, 2, ...) runs, and the workers
+    honour each other's claims as leases, so a step an earlier run's process claimed is taken up at once."""
     lock = functools.partial(location.lock, storage)
     if location.shared:
-        return Ledger(study, lock, worker_name(), stale=3.0 * location.heartbeat, pause_at=pause_at)
+        return Ledger(study, lock, owner_id(), stale=3.0 * location.heartbeat, pause_at=pause_at)
     ours = f"run {run_id}/"
     return Ledger(study, lock, f"{ours}{index}", stale=3.0 * location.heartbeat,
                   alive=lambda other: index > 0 and other.startswith(ours), pause_at=pause_at)
@@ -306,9 +260,8 @@ def _reference_seeds(context: SearchContext) -> list[int]:
 
 
 def _reference(study: optuna.Study, context: SearchContext, calibration: Calibration) -> Reference:
-    """The reference every trial compares with, recorded once per study (whichever worker gets here first):
-    the calibrated all-high runs and the seeds per proxy (with ``proxy_seeds=None`` chosen from the noise the
-    reference shows, ``noise.seeds_for``)."""
+    """The reference every trial compares with, recorded once per study by whichever worker gets here first
+    (with ``proxy_seeds=None`` its seeds per proxy chosen from the noise it shows, ``noise.seeds_for``)."""
     recorded = Reference.from_study(study)
     if recorded is not None:
         return recorded
@@ -326,9 +279,7 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
     """Before confirmation (which freezes the front), wait for the trials other workers of a shared study
     are running, and run here the retries of those whose worker died (found stale by their heartbeat)."""
     while True:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
+        fail_stale(study)
         retries = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                    if TrialRecord.from_trial(t).retry_of is not None]
         if retries:
@@ -341,12 +292,8 @@ def _settle(study: optuna.Study, objective: Objective) -> None:
 
 def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, ledger: Ledger,
              confirm_factor: float, report: Callable[[int, float], None]) -> Confirmation:
-    """Continue all-high's runs (and train plain fp32 on one seed), then the front's points (within the memory
-    budget) in memory order, to the confirmation length, the points on fresh seeds
-    (precsearch.search.confirmation): under an accuracy-drop rule sequentially, as
-    ``selection.confirmation_verdict`` decides. A front point whose proxy
-    diverged or stayed at chance cannot be picked whatever its confirmation says, so it is not trained again
-    (``selection.confirmable_front``)."""
+    """Confirm the front's points that can be picked (``selection.confirmable_front``), in memory order, on
+    fresh seeds against all-high's runs continued (precsearch.search.confirmation)."""
     budget = context.budget
     front = confirmable_front(trials_frame(study, context), budget, context.space.accuracy_objective, context.chance)
     trials = study.get_trials(deepcopy=False)
@@ -363,10 +310,8 @@ def _confirm(study: optuna.Study, context: SearchContext, reference: Reference, 
 
 def export_study(storage: str, out_dir: str | Path, study_name: str = STUDY_NAME,
                  trust_model: str | None = None) -> SearchResult:
-    """Rebuild a run directory (run.json, trials.csv, pareto.csv, policies/, best.json) from a study in
-    ``storage``, e.g. a shared study that workers on several hosts filled. The model is traced again from
-    the study's config (a model factory only when ``trust_model`` names it: ``check_trusted``); a graph that no
-    longer matches its fingerprint is an error."""
+    """Rebuild a run directory from a study in ``storage`` (a shared study that workers on several hosts
+    filled, say), tracing the model again from its config (a factory only when ``trust_model`` names it)."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     location = StudyLocation.of(storage, out_dir, study_name)
@@ -413,9 +358,8 @@ PHASE_REFRESH_S = 1.0  # a run reports every few steps; the bar shows it at most
 
 
 class _Progress:
-    """A tqdm bar of counted trials; its postfix holds the size of the proxy front (no pick before confirmation)
-    and what trains now: a trial's proxy, calibration's or confirmation's run. Those runs are long, a slow
-    model's proxy most of an hour, so the bar would otherwise stand still for them."""
+    """A tqdm bar of counted trials; its postfix holds the size of the proxy front and what trains now: runs are
+    long (a slow model's proxy most of an hour), and the bar would otherwise stand still for them."""
 
     def __init__(self, total: int, done: int, enabled: bool) -> None:
         self.bar = tqdm(total=total, initial=min(done, total), desc="search", unit="trial", disable=not enabled,
@@ -451,13 +395,9 @@ class _Progress:
 
 def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> SearchResult:
     """Run the search ``config`` describes; outputs go to its ``out_dir`` (see the module docstring).
-
-    Everything a user can get wrong (model, data, space, storage, budget, settings) is checked before
-    ``out_dir`` is created, so a bad call leaves nothing behind. Ctrl-C stops after the running trial is
-    marked interrupted; completed trials and runs are kept and written out, and ``resume=True`` picks up
-    from there. ``trainer`` replaces the real proxies (tests inject scripted learning curves; only with
-    ``jobs=1``, since worker processes build their own).
-    """
+    Everything a user can get wrong is checked before ``out_dir`` is created, so a bad call leaves nothing
+    behind. Ctrl-C stops after the running trial is marked interrupted; what finished is written out, and
+    ``resume=True`` picks up from there. ``trainer`` replaces the real proxies (tests; ``jobs=1`` only)."""
     start = time.perf_counter()
     space = config.resolved_space()
     data_spec, budget, jobs = config.data_spec, config.budget, config.jobs
@@ -480,7 +420,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
         backend = location.open() if config.storage is not None else None  # fail on a bad URL before writing
         created = make_run_dir(out_dir)
         new_locks = missing_lock_files(out_dir)
-        with quiet(), torch_threads(config.threads), owned(out_dir):
+        with quiet(), torch_threads(config.threads), RunLock(out_dir):
             try:
                 check_resume(out_dir, config.resume, run_config, location.shared)
                 check_journal_kept(out_dir, location, config.resume)
@@ -497,7 +437,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
                 for path in new_locks:  # a folder this search may not use is left as it was
                     path.unlink(missing_ok=True)
                 raise
-            trials = _trial_budget(context, config.trials)
+            trials = min(config.trials, context.assignments)  # or every assignment of a smaller space
             run = _Run(out_dir, run_config, location, backend, signals,
                        _Progress(trials, trials_done(study), config.progress), trials, gpus, uuid.uuid4().hex[:8])
             stopped_by: int | None = None
@@ -529,8 +469,7 @@ def run_search(config: SearchConfig, *, trainer: Trainer | None = None) -> Searc
 
 @dataclass(frozen=True)
 class _Run:
-    """Where this process searches: its run directory and run.json's config, the study's location and
-    storage, the stop signals, the progress bar, the trial budget and the GPU of each worker process."""
+    """Where this process searches, and with what: what every phase of ``_search`` reads."""
 
     out_dir: Path
     config: dict[str, Any]
@@ -548,12 +487,8 @@ class _Run:
 
 
 def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, run: _Run) -> Decision:
-    """The search, top-down: calibrate the proxy length on the all-high reference and record the reference,
-    seed the study, run the trials (each proxy held to the reference at the rungs), confirm the front. Every
-    worker of a study runs it; the ledger runs each setup and wrap-up step once. With ``--jobs N`` the N worker
-    processes train calibration's, the trials' and confirmation's runs (``_in_workers``), and this process then
-    reads what they recorded. It ends in the pick (``decide``); ``run_search`` then writes the files once, after
-    a stop too (``export``)."""
+    """The search, top-down, run by every worker of a study (the ledger runs each setup and wrap-up step once);
+    with ``--jobs N`` the workers train the runs and this process reads what they recorded. It ends in the pick."""
     ledger = study_ledger(study, run.location, run.backend, run.run_id, pause_at=config.pause_at)
     run.signals.check()  # each phase starts with the stop a signal recorded meanwhile (or before the search)
     if recorded_calibration(study.user_attrs) is None:
@@ -620,9 +555,8 @@ CONFIRMATION = WorkerPhase(_confirm_in_worker, replayed=True)
 
 def _trials(study: optuna.Study, context: SearchContext, objective: Objective, config: SearchConfig,
             run: _Run) -> None:
-    """The trial budget's trials, here (``jobs=1``) or in worker processes, no more than trials are wanted (each
-    worker starts a trial before any budget check); in a shared study, then those other workers still run
-    (``_settle``)."""
+    """The trial budget's trials, here (``jobs=1``) or in no more worker processes than trials are wanted (each
+    starts one before any budget check); in a shared study, then those other workers still run (``_settle``)."""
     wanted = trials_wanted(study, run.trials, not run.location.shared)
     if wanted > 0 and config.jobs == 1:
         def after(study: optuna.Study, trial: FrozenTrial) -> None:
@@ -648,10 +582,7 @@ def _worker_setup(context: SearchContext, config: SearchConfig, run: _Run) -> Wo
 
 def _phase_progress(bar: _Progress, phase: str) -> Callable[[int, float], None]:
     """A ``report`` hook for calibration and confirmation runs: the bar shows the ``phase`` and the run's step."""
-    def show(step: int, loss: float) -> None:
-        bar.phase(f"{phase}: step {step}, loss {loss:.3f}")
-
-    return show
+    return lambda step, loss: bar.phase(f"{phase}: step {step}, loss {loss:.3f}")
 
 
 class SearchInterrupted(SignalStop):
@@ -664,10 +595,8 @@ class SearchInterrupted(SignalStop):
 
 def _create_study(context: SearchContext, location: StudyLocation, backend: optuna.storages.BaseStorage,
                   resume: bool, out_dir: Path, pause_at: str | None) -> optuna.Study:
-    """A shared study is joined (``join_study``, ``pause_at`` its test hook); a study of one run is created, or
-    loaded with --resume after failing and queueing again what a killed process left RUNNING. --resume never
-    starts a new study: one that is missing (a deleted, emptied or cut journal) would overwrite the results left
-    of the old one."""
+    """A shared study is joined (``join_study``); a study of one run is created, or loaded with --resume, which
+    never starts a new one: a missing study (a deleted or cut journal) would overwrite the old one's results."""
     if location.shared:
         return join_study(context, backend, location, pause_at)
     names = {summary.study_name for summary in optuna.get_all_study_summaries(backend)}

@@ -1,10 +1,7 @@
 """Trial records: every attribute a trial of the study carries, named once (``TrialRecord``), how it is stored
-on an Optuna trial and read back, and the trials table (trials.csv, pareto.csv) built from it; the policy a
-trial's assignment makes.
-
-Adding an attribute is one field of ``TrialRecord``: the objective sets it, a copy of the trial takes it (a
-result; the trial's own fields are not copied), and trials.csv and pareto.csv show it. Optuna's own bookkeeping
-(fixed params, constraints, the retry marker) is read and written here only.
+on an Optuna trial and read back, and the trials table (trials.csv, pareto.csv) built from it. Adding an
+attribute is one field of ``TrialRecord``; Optuna's own bookkeeping (fixed params, constraints, the retry
+marker) is read and written here only.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +29,8 @@ from precsearch.search.strategies import assign
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "params_of", "policy_of", "reopened_attrs", "retry_trial",
-           "set_attrs", "set_constraints", "trials_frame"]
+__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "fail_stale", "params_of", "policy_of", "reopened_attrs",
+           "retry_trial", "set_attrs", "set_constraints", "trials_frame"]
 
 RETRY_OF = "failed_trial"  # Optuna's system attr of a retried trial (its RetryFailedTrialCallback's name)
 OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
@@ -48,8 +46,8 @@ def _blank(value: int | None) -> Any:
 
 
 def _field(kind: str, default: Any = None, cell: Any = _same) -> Any:
-    """A field of ``kind``: "result" (a measurement: a trial of the same assignment copies it), "own" (this
-    trial's own) or "optuna" (Optuna's record of the trial: no user attr). ``cell``: its table cell (None: none)."""
+    """A field of ``kind``: "result" (a trial of the same assignment copies it), "own" or "optuna" (Optuna's
+    record of the trial: no user attr). ``cell``: its table cell (None: none)."""
     return field(default=default, metadata={"kind": kind, "cell": cell})
 
 
@@ -117,7 +115,7 @@ class TrialRecord:
 
     @classmethod
     def from_trial(cls, trial: FrozenTrial) -> TrialRecord:
-        """The record of a trial as the storage holds it (a trial that trained one seed has ``seeds`` 1)."""
+        """The record of a trial as the storage holds it."""
         names = {item.name for item in _fields(cls, ("own", "result"))}
         attrs = {name: tuple(value) if isinstance(value, list) else value
                  for name, value in trial.user_attrs.items() if name in names}
@@ -136,7 +134,7 @@ class TrialRecord:
         return dataclasses.replace(cls(**measured), **values)
 
     def copied(self) -> TrialRecord:
-        """What a trial of the same assignment records instead of training it: these results."""
+        """What a trial of the same assignment records instead of training it."""
         return type(self)(duplicate_of=self.number,
                           **{item.name: getattr(self, item.name) for item in _fields(self, ("result",))})
 
@@ -163,9 +161,8 @@ def set_attrs(trial: optuna.Trial, record: TrialRecord) -> None:
 
 
 def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> None:
-    """Optuna keeps the first value of a trial's constraint (warning at a second). A trial reopened by --resume
-    may have set them before its end was lost (precsearch.search.study): those are written over, so the values
-    are this run's."""
+    """Optuna keeps the first value of a trial's constraint; a trial reopened by --resume may have set them before
+    its end was lost, so those are written over."""
     recorded = trial.storage.get_trial_system_attrs(trial._trial_id)
     for name, value in constraints.items():
         key = f"{OPTUNA_CONSTRAINTS}:{name}"
@@ -194,15 +191,21 @@ def retry_trial(params: Mapping[str, Any], distributions: dict[str, BaseDistribu
 
 
 class RetryStaleTrial(RetryHeartbeatStaleTrialCallback):
-    """Optuna's retry of a trial its heartbeat failed (a dead worker's), at most ``max_retry`` times an assignment,
-    carrying the trial's origin only, as ``retry_trial``'s do. Optuna's would copy every user attr: the dead
-    trial's claim, and whatever results it recorded before it died, which the retry's own record could not set
-    back to their defaults (``to_attrs`` writes only the fields that differ from them)."""
+    """Optuna's retry of a dead worker's trial, carrying the trial's origin only. Optuna's would copy every user
+    attr: the dead trial's claim and its partial results, which the retry could not set back to their defaults
+    (``to_attrs`` writes only the fields that differ from them)."""
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         kept = copy.copy(trial)
         kept.user_attrs = TrialRecord(origin=TrialRecord.from_trial(trial).origin).to_attrs()
         super().__call__(study, kept)
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Fail (and queue again, ``RetryStaleTrial``) the trials whose worker stopped heartbeating."""
+    with warnings.catch_warnings():  # Optuna marks it experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
 
 
 def params_of(trial: FrozenTrial) -> dict[str, Any]:
@@ -211,23 +214,18 @@ def params_of(trial: FrozenTrial) -> dict[str, Any]:
 
 
 def copies(frame: pd.DataFrame) -> pd.Series:
-    """Rows of a trials table whose results were copied (from a trial of the same assignment, or all-high's from
-    the reference), not trained by the trial."""
+    """Rows of a trials table whose results were copied (from a trial of the same assignment, or the reference)."""
     return frame["duplicate_of"].notna() | frame["reference_copy"].astype(bool)
 
 
 def _row(record: TrialRecord, context: SearchContext, chance: float) -> dict[str, Any]:
-    params = record.params
+    params, values = record.params, record.val_accuracies
     accuracy = math.nan if record.val_accuracy is None else record.val_accuracy
-    return {
-        **record.cells(),
-        "val_error": 1.0 - accuracy,
-        "reading_flagged": flagged(accuracy, record.batch_stats_accuracy, context.budget.drop),
-        "failed_runs": sum(failed_run(value, max(record.val_accuracies), chance) for value in record.val_accuracies),
-        "feasible": record.feasible,
-        "key": record.key or (context.key(params) if len(params) == len(context.units) else ""),
-        "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units),
-    }
+    key = record.key or (context.key(params) if len(params) == len(context.units) else "")
+    return {**record.cells(), "val_error": 1.0 - accuracy,
+            "reading_flagged": flagged(accuracy, record.batch_stats_accuracy, context.budget.drop),
+            "failed_runs": sum(failed_run(value, max(values), chance) for value in values), "feasible": record.feasible,
+            "key": key, "decisions": "".join(_level_code(params.get(unit, "high"), context) for unit in context.units)}
 
 
 def _level_code(level: str, context: SearchContext) -> str:

@@ -1,7 +1,6 @@
-"""Worker processes of one study (``--jobs``): each loads the study and runs one phase of the search, until
-the phase is done, its parent dies or a stop signal arrives: the trials (its own sampler, until the trial budget
-is used up), or calibration's or confirmation's runs, which are ledger steps the workers share out
-(precsearch.search.ledger), so that each core trains a run of its own."""
+"""Worker processes of one study (``--jobs``): each loads the study and runs one phase of the search (the
+trials, or calibration's or confirmation's runs, which are ledger steps the workers share out), until the phase is
+done, its parent dies or a stop signal arrives."""
 
 from __future__ import annotations
 
@@ -31,33 +30,15 @@ from precsearch.search.calibration import CalibrationSettings
 from precsearch.search.context import Budget, DataSpec, SearchContext
 from precsearch.search.objective import FINISHED, Objective, TrialStep
 from precsearch.search.reference import Reference
-from precsearch.search.rundir import (
-    CHECKPOINTS,
-    hold_worker_lock,
-    quiet_optuna_interrupts,
-)
+from precsearch.search.rundir import CHECKPOINTS, hold_worker_lock, quiet_optuna_interrupts
 from precsearch.search.samplers import make_sampler
 from precsearch.search.storage import StudyLocation
 from precsearch.search.trials import TrialRecord
 from precsearch.stopping import StopSignals, stop_signals
 
-__all__ = [
-    "SAMPLER_REPEATS",
-    "TRIALS",
-    "WorkerPhase",
-    "WorkerRun",
-    "WorkerSetup",
-    "WorkerSteps",
-    "budget_callback",
-    "load_study",
-    "optimize",
-    "run_worker",
-    "sampler",
-    "stop_on_signal",
-    "trials_done",
-    "worker_disk_full",
-    "worker_gpus",
-]
+__all__ = ["SAMPLER_REPEATS", "TRIALS", "WorkerPhase", "WorkerRun", "WorkerSetup", "WorkerSteps", "budget_callback",
+           "load_study", "optimize", "run_worker", "sampler", "stop_on_signal", "trials_done", "worker_disk_full",
+           "worker_gpus"]
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +59,8 @@ def load_study(context: SearchContext, storage: optuna.storages.BaseStorage, loc
 
 
 def _counted(trial: FrozenTrial) -> bool:
-    """A trial that used up budget: a distinct assignment finished (a copy of another trial's results does
-    not count), or a trial failed by its own error (not by an interruption or a dead worker's missing
-    heartbeat: those are queued again)."""
+    """A trial that used up budget: a distinct assignment finished, or a trial failed by its own error (not an
+    interruption or a dead worker's: those are queued again)."""
     record = TrialRecord.from_trial(trial)
     if trial.state in FINISHED:
         return record.duplicate_of is None
@@ -93,12 +73,8 @@ def trials_done(study: optuna.Study) -> int:
 
 def optimize(study: optuna.Study, objective: Objective, n_trials: int,
              callbacks: list[Callable[[optuna.Study, FrozenTrial], None]]) -> None:
-    """``study.optimize`` that goes on when a trial this process trained was finished by another meanwhile.
-
-    A worker paused (suspended, stopped) for longer than 3 heartbeats has its trial failed and queued again
-    by another worker; when it wakes, Optuna refuses to record its result ("Cannot tell a FAIL trial"). The
-    retry trains that assignment, so this result is dropped, with a WARNING, and the worker carries on.
-    """
+    """``study.optimize`` that goes on when a trial this process trained was failed by another worker meanwhile
+    (it was paused for over 3 heartbeats): the retry trains that assignment, so this result is dropped."""
     while True:
         try:
             study.optimize(objective, n_trials=n_trials, catch=(Exception,), callbacks=callbacks)
@@ -111,11 +87,9 @@ def optimize(study: optuna.Study, objective: Objective, n_trials: int,
 
 
 def trials_wanted(study: optuna.Study, trials: int, count_running: bool) -> int:
-    """How many more trials to start: what the budget of ``trials`` has left (``_counted``), and at least every
-    queued retry of an interrupted trial, which must run whatever the budget says. With ``count_running`` (the
-    workers of one run, all alive) the trials running now count against the budget, so that N workers do not
-    start N - 1 trials past it; a shared study may hold RUNNING trials of dead hosts until their heartbeat
-    times out, so there they do not count."""
+    """How many more trials to start: what the budget of ``trials`` has left, and at least every queued retry. With
+    ``count_running`` (the workers of one run, all alive) the running trials count, so that N workers do not
+    start N - 1 past the budget; a shared study's may be dead hosts' until their heartbeat times out."""
     queued = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if count_running else []
     retries = sum(TrialRecord.from_trial(t).retry_of is not None for t in queued)
@@ -137,30 +111,24 @@ def budget_callback(trials: int, count_running: bool) -> Callable[[optuna.Study,
     return stop
 
 
-def stop_on_signal(signals: StopSignals) -> Callable[[optuna.Study, FrozenTrial], None]:
-    """Stop before the next trial when a signal was recorded but not raised (it came inside Optuna's code)."""
-
+def _stop_when(condition: Callable[[], bool]) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """A callback that stops the study before its next trial once ``condition()`` holds."""
     def stop(study: optuna.Study, trial: FrozenTrial) -> None:
-        if signals.received is not None:
+        if condition():
             study.stop()
 
     return stop
 
 
-def _parent_watch(parent: int) -> Callable[[optuna.Study, FrozenTrial], None]:
-    def watch(study: optuna.Study, trial: FrozenTrial) -> None:
-        if os.getppid() != parent:
-            study.stop()
-
-    return watch
+def stop_on_signal(signals: StopSignals) -> Callable[[optuna.Study, FrozenTrial], None]:
+    """Stop before the next trial when a signal was recorded but not raised (it came inside Optuna's code)."""
+    return _stop_when(lambda: signals.received is not None)
 
 
 @dataclass(frozen=True)
 class WorkerSetup:
-    """What a worker process rebuilds its context from (``SearchContext.create``'s model, space, data spec,
-    budget and seed; the device is the worker's own), where it runs, and the search's settings its phases read;
-    ``run_id`` tells this run's processes from an earlier run's in the ledger's claims; ``pause_at`` is the
-    search's test hook (``SearchConfig.pause_at``)."""
+    """What a worker process rebuilds its context from (``SearchContext.create``'s first arguments), where it
+    runs, and the search's settings its phases read."""
 
     context: tuple[str, SearchSpace, DataSpec, Budget, int]
     settings: dict[str, Any]
@@ -180,8 +148,7 @@ class WorkerSetup:
 
 @dataclass(frozen=True)
 class WorkerRun:
-    """A worker process's view of the search: the study, its own context and storage, its index (from 1) and
-    the hook its runs report their steps to."""
+    """A worker process's view of the search: the study, its own context and storage, its index (from 1)."""
 
     setup: WorkerSetup
     index: int
@@ -199,18 +166,16 @@ class WorkerRun:
 
 @dataclass(frozen=True)
 class WorkerPhase:
-    """What a worker process runs: ``run``, a module-level function (the spawned process imports it by name).
-    A ``replayed`` phase is run again by the parent once its workers are done (a no-op on what they recorded),
-    so the parent reports the phase's errors, and a worker only logs them at DEBUG."""
+    """What a worker process runs: ``run``, a module-level function (a spawned process imports it by name). A
+    ``replayed`` phase is run again by the parent (a no-op on what the workers recorded), which reports its errors."""
 
     run: Callable[[WorkerRun], None]
     replayed: bool = False
 
 
 class WorkerSteps:
-    """Where each local worker stands: a trial's proxy (``TrialStep``) or a calibration or confirmation run (its
-    phase and step), in memory shared with the parent, which shows it on its bar. Each worker writes only its
-    own slot; a reading torn by a write is redrawn within a second."""
+    """Where each local worker stands, in memory shared with the parent's bar: each writes only its own slot, and
+    a reading torn by a write is redrawn within a second."""
 
     PHASES = ("", "trial", "calibrating", "confirming")  # a slot's first value: none yet, a trial, a named run
 
@@ -241,9 +206,9 @@ def _optimize_trials(run: WorkerRun) -> None:
     reference = Reference.from_study(run.study)  # the parent recorded it before starting the workers
     objective = Objective(context, reference, setup.location, run.storage, setup.out_dir,
                           functools.partial(run.steps.record, run.index))
-    optimize(run.study, objective,
-             SAMPLER_REPEATS * setup.trials, [budget_callback(setup.trials, not setup.location.shared),
-                                              _parent_watch(run.parent), stop_on_signal(run.signals)])
+    optimize(run.study, objective, SAMPLER_REPEATS * setup.trials,
+             [budget_callback(setup.trials, not setup.location.shared),
+              _stop_when(lambda: os.getppid() != run.parent), stop_on_signal(run.signals)])
 
 
 TRIALS = WorkerPhase(_optimize_trials)
@@ -251,9 +216,8 @@ TRIALS = WorkerPhase(_optimize_trials)
 
 def run_worker(setup: WorkerSetup, index: int, gpu: str | None, parent: int, steps: WorkerSteps,
                phase: WorkerPhase) -> None:
-    """One ``--jobs`` worker process running ``phase``: its own context on the study; ``gpu`` (an entry of the
-    parent's CUDA_VISIBLE_DEVICES) becomes the only GPU it sees; ``steps`` is where it says how far it has
-    trained."""
+    """One ``--jobs`` worker process running ``phase`` with its own context; ``gpu`` (an entry of the parent's
+    CUDA_VISIBLE_DEVICES) becomes the only GPU it sees."""
     device = setup.device
     if gpu is not None:  # before anything initializes CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
@@ -303,8 +267,7 @@ def _stop_when_orphaned(parent: int) -> None:
 
 
 def worker_gpus(jobs: int, cuda: bool) -> list[str | None]:
-    """The GPU each of ``jobs`` workers sees: the visible GPUs (CUDA_VISIBLE_DEVICES, else every device)
-    one per worker, in turn when there are more workers than GPUs; None for every worker on the CPU."""
+    """The GPU each of ``jobs`` workers sees: the visible GPUs in turn; None for every worker on the CPU."""
     if not cuda:
         return [None] * jobs
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
