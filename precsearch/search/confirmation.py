@@ -114,8 +114,7 @@ class Confirmation:
                                            "confirmed_sd", "confirmed_seeds", "confirmed_diverged", "confirmed_steps"])
 
     def noise(self, confidence: float, keys: Sequence[str] | None = None) -> Noise:
-        """The seed noise of the confirmation runs of ``keys`` (default: every confirmed policy, not plain
-        fp32), pooled."""
+        """The pooled seed noise of the confirmation runs of ``keys`` (default: every confirmed policy, not fp32)."""
         chosen = [key for key in self.runs if key != PLAIN_FP32] if keys is None else keys
         return pooled_noise(pd.DataFrame(), confidence, extra=[[run["val_accuracy"] for run in self.runs[key]]
                                                                  for key in chosen])

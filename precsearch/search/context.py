@@ -233,8 +233,7 @@ class SearchContext:
         return results
 
     def score(self, result: ProxyResult | None) -> float:
-        """The accuracy-side objective value, finite so that Optuna stores it; the worst for an untrained proxy
-        (None)."""
+        """The accuracy-side objective value, finite so that Optuna stores it; the worst for None (untrained)."""
         if self.space.accuracy_objective == "val_loss":
             return 1e6 if result is None or not math.isfinite(result.val_loss) else min(result.val_loss, 1e6)
         return 1.0 if result is None else result.val_error

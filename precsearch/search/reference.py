@@ -88,7 +88,6 @@ class Reference:
 
 
 def proxy_noise(frame: pd.DataFrame, reference: Reference | None, confidence: float) -> Noise:
-    """The pooled seed noise of the trained trials in ``frame`` and the reference (counted once: all-high
-    is also a trial that copies it)."""
+    """The pooled seed noise of the trained trials in ``frame`` and the reference (once: all-high copies it)."""
     counted = reference is None or (not frame.empty and reference.key in set(frame["key"]))
     return pooled_noise(frame, confidence, extra=[] if counted else [list(reference.accuracies)])

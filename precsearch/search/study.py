@@ -107,15 +107,7 @@ from precsearch.search.seeding import seed_study
 from precsearch.search.selection import confirmable_front, confirmation_rule, pareto_front
 from precsearch.search.settings import SearchConfig
 from precsearch.search.storage import JOURNAL_NAME, STUDY_NAME, StudyLocation, owner_id
-from precsearch.search.trials import (
-    TrialRecord,
-    fail_stale,
-    params_of,
-    policy_of,
-    reopened_attrs,
-    retry_trial,
-    trials_frame,
-)
+from precsearch.search.trials import TrialRecord, fail_stale, params_of, policy_of, reopen, retry_trial, trials_frame
 from precsearch.search.workers import (
     SAMPLER_REPEATS,
     TRIALS,
@@ -221,10 +213,7 @@ def _requeue_interrupted(study: optuna.Study, storage: optuna.storages.BaseStora
     study_id = storage.get_study_id_from_name(study.study_name)
     reopened = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     for trial in reopened:
-        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
-        for name, value in reopened_attrs(trial).items():
-            storage.set_trial_user_attr(trial_id, name, value)
-        storage.set_trial_state_values(trial_id, TrialState.WAITING)
+        reopen(storage, storage.get_trial_id_from_study_id_trial_number(study_id, trial.number), trial)
     trials = study.get_trials(deepcopy=False)
     pending = {context.key(params_of(t)) for t in trials
                if t.state in (*FINISHED, TrialState.WAITING) and len(params_of(t)) == len(context.units)}

@@ -18,7 +18,7 @@ from typing import Any
 import optuna
 import pandas as pd
 from optuna.distributions import BaseDistribution
-from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.storages import BaseStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from precsearch.config.policy import Policy
@@ -29,8 +29,8 @@ from precsearch.search.strategies import assign
 from precsearch.train.reading import flagged
 from precsearch.train.trainer import ProxyResult
 
-__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "fail_stale", "params_of", "policy_of", "reopened_attrs",
-           "retry_trial", "set_attrs", "set_constraints", "trials_frame"]
+__all__ = ["RetryStaleTrial", "TrialRecord", "copies", "fail_stale", "params_of", "policy_of", "reopen", "retry_trial",
+           "set_attrs", "set_constraints", "trials_frame"]
 
 RETRY_OF = "failed_trial"  # Optuna's system attr of a retried trial (its RetryFailedTrialCallback's name)
 OPTUNA_CONSTRAINTS = "constraints"  # Optuna's system attr of a constraint is "constraints:<name>"
@@ -172,20 +172,20 @@ def set_constraints(trial: optuna.Trial, constraints: Mapping[str, float]) -> No
             trial.set_constraint(name, value)
 
 
-def reopened_attrs(trial: FrozenTrial) -> dict[str, Any]:
-    """The user attrs a trial reopened by --resume writes over its own: every attr its dead run recorded back to
-    its default, its origin kept, marked interrupted. What it records when it runs again is then its own, even
-    where that is a default ``to_attrs`` does not write (an untrained rerun of a trial that had trained)."""
+def reopen(storage: BaseStorage, trial_id: int, trial: FrozenTrial) -> None:
+    """Put a dead run's RUNNING trial back to WAITING with its origin alone (and marked interrupted): every attr
+    the dead run recorded goes back to its default, so a rerun that leaves one at its default cannot keep it."""
     defaults = {item.name: list(item.default) if isinstance(item.default, tuple) else item.default
                 for item in _fields(TrialRecord, ("own", "result")) if item.name in trial.user_attrs}
     kept = TrialRecord(origin=TrialRecord.from_trial(trial).origin, interrupted=True)
-    return defaults | kept.to_attrs()
+    for name, value in (defaults | kept.to_attrs()).items():
+        storage.set_trial_user_attr(trial_id, name, value)
+    storage.set_trial_state_values(trial_id, TrialState.WAITING)
 
 
 def retry_trial(params: Mapping[str, Any], distributions: dict[str, BaseDistribution], origin: tuple[str, ...],
                 number: int) -> FrozenTrial:
-    """A WAITING trial that runs interrupted trial ``number``'s assignment again, marked as Optuna marks a retry
-    (the trial budget waits for it)."""
+    """A WAITING trial running interrupted trial ``number``'s assignment again, marked as Optuna marks a retry."""
     return optuna.trial.create_trial(state=TrialState.WAITING, params=dict(params), distributions=distributions,
                                      user_attrs=TrialRecord(origin=origin).to_attrs(), system_attrs={RETRY_OF: number})
 
