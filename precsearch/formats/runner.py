@@ -193,12 +193,10 @@ class KernelSettings:
 
 class KernelRunner:
     """Runs kernels on flat tensors: compiled (``compile(kernel)``, a ``Compiled`` by default, made once per
-    kernel), or eagerly when compiling is off, the tensor is small, or the kernel's compilation failed.
-
-    On CPU a kernel is first compiled for a tensor of ``min_numel`` elements (a compilation costs seconds, which a
-    few small tensors do not repay); once compiled, it serves every size (a compiled call on a thousand values
-    costs a fifth of the eager one), sizes 0 and 1 excepted (they would need a compilation of their own).
-    ``ready`` and ``failed`` hold the labels of the kernels compiled and of those whose compilation failed."""
+    kernel), or eagerly when compiling is off, the tensor is small, or the kernel's compilation failed. On CPU a
+    kernel is first compiled for a tensor of ``min_numel`` elements (a compilation costs seconds, which a few small
+    tensors do not repay); once compiled, it serves every size (a fifth of the eager cost on a thousand values)
+    but 0 and 1 (which would need a compilation of their own). ``ready`` and ``failed`` hold kernel labels."""
 
     def __init__(self, settings: KernelSettings = KernelSettings(),
                  compile: Callable[[Callable], Callable] = Compiled) -> None:
@@ -251,15 +249,14 @@ class CompiledGraphs:
 
 
 class Runtime:
-    """What the runs of a process share: the runner of the format kernels (``kernels``: their compiled code and
-    its settings) and the compiled training steps (``graphs``). ``apply_policy``, ``train`` and a search's
-    workers are handed one; ``default_runtime()`` is the process's unless a ``with runtime.as_default():`` block
-    makes another one the default.
+    """What the runs of a process share: the format kernels' runner (``kernels``) and the compiled training steps
+    (``graphs``). ``apply_policy``, ``train`` and a search's workers are handed one; ``default_runtime()`` is the
+    process's unless a ``with runtime.as_default():`` block makes another the default.
 
-    The format kernels run on the default runtime's runner wherever they are called: inside torch ops, whose
-    arguments are tensors, numbers and strings, not a runner, and in autograd's backward threads, which a
-    thread-local default would not reach; so the default is one per process (as torch.compile's own caches are),
-    not one per thread, and ``train`` makes the runtime it is given the default while it runs."""
+    The format kernels run on the default runtime's runner wherever they are called: inside torch ops (whose
+    arguments cannot be a runner) and in autograd's backward threads (which a thread-local default would not
+    reach); so the default is one per process, as torch.compile's caches are, and ``train`` makes its runtime the
+    default while it runs."""
 
     def __init__(self, kernels: KernelRunner | None = None) -> None:
         self.kernels = KernelRunner() if kernels is None else kernels

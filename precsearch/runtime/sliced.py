@@ -1,13 +1,11 @@
 """Sliced backwards: layers over a packed tensor whose backward decodes its codes a slice at a time.
 
-A ``Conv2d`` or training ``BatchNorm2d`` reading a low activation, and an ``nn.ReLU`` making one, are called
-through autograd Functions (``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``, ``_ReluOfPackedOutput``) whose
-backward decodes the codes a slice of samples at a time (``SlicedBackward.rows``), so the step never holds a
-float32 copy of a whole saved tensor; a conv whose weight outsizes its input decodes its input, and rounds its
-weight again from the master, a group of input channels at a time instead (``SlicedBackward.channels_per_group``).
-Which layers have such a backward is the site plan's (precsearch.runtime.sites: ``OpSites.reads_codes``,
-``OpSites.relu_output``), from the op rules (precsearch.graph.op_rules: a layer's ``OpRule.sliced``), which also
-size its slices; ``PACKED_INPUT`` names each layer type's Function.
+A ``Conv2d`` or training ``BatchNorm2d`` reading a low activation, and an ``nn.ReLU`` making one, run through
+autograd Functions whose backward decodes the codes a slice of samples at a time (``SlicedBackward.rows``), so the
+step never holds a float32 copy of a whole saved tensor (a conv whose weight outsizes its input: a group of input
+channels at a time, ``SlicedBackward.channels_per_group``). Which layers do is the site plan's
+(``OpSites.reads_codes``, ``OpSites.relu_output``), from the op rules (``OpRule.sliced``), which also size the
+slices; ``PACKED_INPUT`` names each layer type's Function.
 """
 
 from __future__ import annotations
