@@ -1,15 +1,12 @@
 """The real peak memory of a training step, measured: on CUDA the caching allocator's counters, on CPU the
 allocator's own events recorded by torch.profiler (a tracker of every live allocation, in CI).
 
-Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``: its forward pre-hooks register
-post-accumulate-grad hooks on each module's parameters, and under a ``PrecisionModel`` those are, during the
-forward, the rounded weights ``torch.func.functional_call`` swaps in (non-leaf tensors), so it fails with
-"post accumulate grad hooks cannot be registered on non-leaf tensors". A ``TorchDispatchMode`` tracker of
-output storages was the other candidate; under any dispatch mode ``torch.compile`` falls back to eager, so it
-would measure the eager quantizer's temporaries instead of the fused kernels the runtime really runs. The
-profiler's allocation events see every allocation of the CPU allocator, compiled code and kernel
-workspaces included (the CPU counterpart of ``torch.cuda.max_memory_allocated``), and its event tree names
-the op that made each one, which gives the timeline (``trace_step``).
+Why not torch's ``MemTracker``: it registers post-accumulate-grad hooks on each module's parameters, which under a
+``PrecisionModel`` are, during the forward, the rounded non-leaf weights ``functional_call`` swaps in, so it fails.
+Nor a ``TorchDispatchMode`` tracker: under any dispatch mode ``torch.compile`` falls back to eager, so it would
+measure the eager quantizer's temporaries, not the fused kernels the runtime runs. The profiler's allocation events
+see every allocation of the CPU allocator, compiled code and kernel workspaces included (the CPU counterpart of
+``torch.cuda.max_memory_allocated``), and its event tree names the op that made each one (``trace_step``).
 
 ``measure_peak(step)`` is the peak of the bytes allocated during ``step`` minus those it freed: memory above
 what was live before it. Blocks allocated before and freed during the step are invisible to the profiler,
@@ -77,8 +74,7 @@ class StepMemory:
             groups.setdefault((block.phase, block.op), []).append(block.nbytes)
         rows = sorted(groups.items(), key=lambda item: -sum(item[1]))[:top]
         lines = [f"peak {self.peak:,d} bytes, reached in {at.phase if at else '?'} by {at.op if at else '?'}"]
-        lines += [f"  {sum(sizes):>14,d}  {len(sizes):4d} block(s)  {phase:42.42s} {op}"
-                  for (phase, op), sizes in rows]
+        lines += [f"  {sum(sizes):>14,d}  {len(sizes):4d} block(s)  {phase:42.42s} {op}" for (phase, op), sizes in rows]
         return "\n".join(lines)
 
 

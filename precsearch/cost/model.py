@@ -1,19 +1,16 @@
 """Memory of a precision assignment, from a TensorGraph, and autograd's saved bytes, predicted and measured.
 
 Two countings of activation memory, which differ and are both reported:
-- the paper's: every op's output is an activation tensor (`CostModel.bytes(..., kinds=("activation",))`,
-  i.e. `activation_bytes`); it prices what an assignment holds, tensor by tensor, at numel x bits / 8.
-- autograd's: only what backward needs is kept (`saved_activation_bytes`): conv saves its input, ReLU its
-  output, add/cat/flatten nothing, max-pool its input plus int64 indices, an in-place ReLU6 a clone of its
-  input, ... each storage once, stored at the whole bytes of its format's storage dtype. What each op saves
-  is derived, not guessed: `precsearch.graph.tracing.trace` records it (saved_tensors_hooks) while it runs the FX
-  graph, and the op rules' `saves` (`precsearch.graph.op_rules`, the graph's `rules`) are only the fallback for
-  graphs traced with module hooks.
-  `measure_saved_bytes` measures the same on a real forward.
-- which format a saved storage is in, the rule the runtime's packer follows: a saved activation is stored at
-  the format of the tensor whose value was saved, the last rounding of that storage (an in-place ReLU after
-  a high BN is stored at the ReLU's format, not the BN's); a storage autograd or an op made itself (a clone,
-  BN statistics, masks, indices, the values inside a leaf function) is never rounded and stays at its dtype.
+- the paper's (`activation_bytes`): every op's output is an activation tensor, priced at numel x bits / 8.
+- autograd's (`saved_activation_bytes`): only what backward needs (conv its input, ReLU its output, add/cat/
+  flatten nothing, max-pool its input plus int64 indices, an in-place ReLU6 a clone of its input, ...), each
+  storage once, at the whole bytes of its format's storage dtype. What each op saves is recorded while tracing
+  (`precsearch.graph.tracing.trace`, saved_tensors_hooks); the op rules' `saves` are only the fallback for graphs
+  traced with module hooks. `measure_saved_bytes` measures the same on a real forward.
+- a saved storage's format, the runtime packer's rule: a saved activation is stored at the format of the tensor
+  whose value was saved, the last rounding of that storage (an in-place ReLU after a high BN at the ReLU's
+  format); a storage autograd or an op made itself (a clone, BN statistics, masks, indices, values inside a leaf
+  function) is never rounded and stays at its dtype.
 For ResNet-18 the paper's counting is larger, because BN outputs and residual sums are never saved.
 
 Weight-update memory (fp32 masters, Kahan buffers, optimizer state) depends on the training configuration:
@@ -64,6 +61,7 @@ log = logging.getLogger(__name__)
 MIB = 2**20
 FP32 = get_format("fp32")
 Spec = str | FloatFormat | ScaledFormat
+
 
 @dataclass(frozen=True)
 class Held:
@@ -207,14 +205,9 @@ class CostModel:
         """The paper's activation memory: every op output (BN, ReLU, add, pool, cat included) at its format."""
         return self.bytes(assignment, kinds=("activation",))
 
-    def breakdown(
-        self,
-        assignment: Mapping[str, Spec] | None = None,
-        optimizer: str | None = None,
-        config: UpdateConfig | Mapping[str, Any] | None = None,
-        momentum: bool = True,
-        amsgrad: bool = False,
-    ) -> pd.DataFrame:
+    def breakdown(self, assignment: Mapping[str, Spec] | None = None, optimizer: str | None = None,
+                  config: UpdateConfig | Mapping[str, Any] | None = None, momentum: bool = True,
+                  amsgrad: bool = False) -> pd.DataFrame:
         """MiB by group (rows, plus a `total` row) and by kind (columns, plus a `total` column).
 
         Without `optimizer`, master weights and momentum are fp32. With it, the `master_weight`,
@@ -238,33 +231,20 @@ class CostModel:
         frame.loc["total"] = frame.sum(axis=0)
         return frame
 
-    def update_bytes(
-        self,
-        optimizer: str = "sgd",
-        config: UpdateConfig | Mapping[str, Any] | None = None,
-        weight_formats: Mapping[str, Spec] | None = None,
-        momentum: bool = True,
-        amsgrad: bool = False,
-    ) -> dict[str, float]:
-        """Bytes of every trainable parameter's `weight`, fp32 `master_weight`, Kahan `compensation` buffer
-        and `optimizer_state` (the keys of `precsearch.runtime.optim.update_bytes_per_param`) when training with
-        `optimizer` ("sgd", "adam", "adamw") under `config` (an `UpdateConfig` or a policy's optimizer dict,
-        master_weights included).
-
-        Each weight is in `config`'s weight_format, or with `weight_formats` (an assignment; other kinds
-        ignored) in its format there, fp32 where unnamed, as `LowPrecisionOptimizer` treats a format mapping.
-        `momentum` (SGD) and `amsgrad` (Adam/AdamW) say which state tensors exist."""
+    def update_bytes(self, optimizer: str = "sgd", config: UpdateConfig | Mapping[str, Any] | None = None,
+                     weight_formats: Mapping[str, Spec] | None = None, momentum: bool = True,
+                     amsgrad: bool = False) -> dict[str, float]:
+        """Bytes of every trainable parameter's `weight`, fp32 `master_weight`, Kahan `compensation` buffer and
+        `optimizer_state` (optim's `update_bytes_per_param` keys) when training with `optimizer` ("sgd", "adam",
+        "adamw") under `config` (an `UpdateConfig` or a policy's optimizer dict). Each weight is in `config`'s
+        weight_format or, with `weight_formats` (an assignment), in its format there, fp32 where unnamed, as
+        `LowPrecisionOptimizer` treats a format mapping."""
         per_tensor = self._update_table(optimizer, config, weight_formats, momentum, amsgrad)
         return {kind: float(values.sum()) for kind, values in per_tensor.items()}
 
-    def _update_table(
-        self,
-        optimizer: str,
-        config: UpdateConfig | Mapping[str, Any] | None,
-        weight_formats: Mapping[str, Spec] | None,
-        momentum: bool,
-        amsgrad: bool,
-    ) -> dict[str, np.ndarray]:
+    def _update_table(self, optimizer: str, config: UpdateConfig | Mapping[str, Any] | None,
+                      weight_formats: Mapping[str, Spec] | None, momentum: bool,
+                      amsgrad: bool) -> dict[str, np.ndarray]:
         """Update kind -> bytes of each trainable parameter (in `_trainable` order), by optim's rule."""
         cfg = config if isinstance(config, UpdateConfig) else UpdateConfig.from_dict(config or {})
         default = get_format(cfg.weight_format)
@@ -299,27 +279,21 @@ class CostModel:
         return max((sum(b.nbytes for b in blocks if b.start <= time <= b.end) for time in times), default=0)
 
     def peak_timeline(self, assignment: Mapping[str, Spec] | None = None) -> list[Held]:
-        """Every block the step holds, replayed on the graph: saved tensors in their formats until the
-        backward of their first saver; float32 forward values until their last forward use; activation
-        gradients (float32) from the backward of their last consumer to that of their producer; weight
-        gradients (float32) from their op's backward to the optimizer; kernel workspaces. Where a tensor is
-        low, the runtime's transients too: the raw float32 value beside its rounded copy (not where the rounding
-        writes over the op's output: ``graph.makes_fresh_output``, not saved by its producer), packed codes, the
-        decoded float32 copy kept from the first to the last unpack, a rounded copy of each gradient (not where
-        the rounding writes over it: ``graph.gradient_arrives_fresh``, the activation low too, or
-        ``graph.gradient_passes_from``, the add's output gradient in the same format), a sliced backward's
-        workspace (``OpRules.sliced_saved_tensor``: a conv, batch norm or ReLU whose codes are never decoded
-        whole),
-        a float32 copy of each low weight during its layer's call (for the whole forward in a model rounded
-        through module hooks) and again during its layer's backward, which rounds the fp32 master again rather
-        than keep the weight's codes (nearest rounding; a weight rounded stochastically, as by the stochastic
-        weight update, keeps its codes between the two, which this model does not count; a scaled one keeps its
-        codes and scales, which it counts), a rounded copy of
-        each low weight gradient as it arrives, and, where its format fits 16 bits, its codes from then to the
-        end of the backward (``.grad`` decoded then).
-        The optimizer holds one gradient-sized
-        temporary (SGD's weight decay). The input batch is not counted (it exists before the step) unless
-        packed."""
+        """Every block the step holds, replayed on the graph: saved tensors in their formats until the backward
+        of their first saver; float32 forward values until their last forward use; activation gradients (float32)
+        from the backward of their last consumer to that of their producer; weight gradients (float32) from their
+        op's backward to the optimizer; kernel workspaces. Where a tensor is low, the runtime's transients too: the
+        raw float32 value beside its rounded copy (not where the rounding writes over the op's output:
+        ``graph.makes_fresh_output``, not saved by its producer), packed codes, the decoded float32 copy kept from
+        the first to the last unpack, a rounded copy of each gradient (not where the rounding writes over it:
+        ``graph.gradient_arrives_fresh``, the activation low too, or ``graph.gradient_passes_from``, the add's
+        output gradient in the same format), a sliced backward's workspace (``OpRules.sliced_saved_tensor``), a
+        float32 copy of each low weight during its layer's call (the whole forward under module hooks) and again
+        in its layer's backward, which rounds the fp32 master again rather than keep the codes (a stochastically
+        rounded weight keeps its codes between the two, which this model does not count; a scaled one keeps codes
+        and scales, which it counts), a rounded copy of each low weight gradient as it arrives and, where its
+        format fits 16 bits, its codes to the end of the backward (``.grad`` decoded then). The optimizer holds
+        one gradient-sized temporary (SGD's weight decay). The input batch is not counted unless packed."""
         step = _StepReplay(self.graph, self._formats(assignment), self._scaled(assignment))
         saved_fp32, reads_kept = self._hold_saved(step, assignment)
         self._hold_values_and_gradients(step, saved_fp32)
@@ -475,14 +449,6 @@ class CostModel:
         return [s.numel * (s.itemsize or _storage_bytes(formats.get(s.tensor, FP32)))
                 + (_stored_scales(scaled.get(s.tensor), self.graph.tensors[s.tensor].shape) if s.tensor else 0)
                 for s in self.saved]
-
-    def saved_dataframe(self, assignment: Mapping[str, Spec] | None = None) -> pd.DataFrame:
-        """One row per predicted saved storage: key, tensor, numel, bytes, saved_by."""
-        import pandas as pd
-
-        rows = [{"key": s.key, "tensor": s.tensor, "numel": s.numel, "saved_by": s.saved_by, "bytes": size}
-                for s, size in zip(self.saved, self._saved_bytes(assignment), strict=True)]
-        return pd.DataFrame(rows, columns=["key", "tensor", "numel", "bytes", "saved_by"])
 
 
 def low_share(numel: Any, low: Any) -> Any:
@@ -659,17 +625,16 @@ def _rule_items(item: str, op: OpInfo, graph: TensorGraph, trainable: bool) -> l
     return []
 
 
-def measure_saved_bytes(model: nn.Module, example_input: torch.Tensor, include_parameters: bool = False) -> int:
+def measure_saved_bytes(model: nn.Module, example_input: torch.Tensor) -> int:
     """Bytes autograd really keeps for backward after one training-mode forward of `model` on `example_input`:
     every tensor passed to `torch.autograd.graph.saved_tensors_hooks`, deduplicated by untyped storage, the
-    model's parameter storages excluded unless `include_parameters`. The model's modes, buffers and torch's
-    RNG state are restored afterwards."""
+    model's parameter storages excluded. The model's modes, buffers and torch's RNG state are restored after."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if include_parameters or storage.data_ptr() not in parameters:
+        if storage.data_ptr() not in parameters:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 

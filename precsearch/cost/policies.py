@@ -29,36 +29,25 @@ def prediction(policy: Policy, graph: TensorGraph) -> dict[str, Any]:
     cost = CostModel(graph)
     assignment = policy.assignment(graph)
     total, fp32 = cost.bytes(assignment), cost.bytes({})
-    return {
-        "bytes": int(total),
-        "fp32_bytes": int(fp32),
-        "ratio": float(total) / float(fp32) if fp32 else 1.0,
-        "low_share": float(cost.low_share(assignment)),
-        "saved_activation_bytes": int(cost.saved_activation_bytes(assignment)),
-        "peak_bytes": int(cost.peak_bytes(assignment)),
-        "fp32_peak_bytes": int(cost.peak_bytes(None)),
-    }
+    return {"bytes": int(total), "fp32_bytes": int(fp32), "ratio": float(total) / float(fp32) if fp32 else 1.0,
+            "low_share": float(cost.low_share(assignment)),
+            "saved_activation_bytes": int(cost.saved_activation_bytes(assignment)),
+            "peak_bytes": int(cost.peak_bytes(assignment)), "fp32_peak_bytes": int(cost.peak_bytes(None))}
 
 
 def policy_for_graph(graph: TensorGraph, **fields: Any) -> Policy:
     """A policy with ``fields`` for the model ``graph`` was traced from: its identity comes from the graph (``fields``
     may override it) and ``predicted`` from the cost model."""
-    identity = {
-        "model": graph.model_name,
-        "graph_fingerprint": graph.fingerprint(),
-        "input_shape": tuple(graph.input_shape) if graph.input_shape is not None else None,
-        "batch_size": graph.batch_size,
-    }
+    identity = {"model": graph.model_name, "graph_fingerprint": graph.fingerprint(),
+                "input_shape": tuple(graph.input_shape) if graph.input_shape is not None else None,
+                "batch_size": graph.batch_size}
     policy = Policy(**{**identity, **fields})
     return policy.replace(predicted=prediction(policy, graph))
 
 
 def policy_from_assignment(graph: TensorGraph, assignment: Mapping[str, Any], **fields: Any) -> Policy:
-    """A compact policy for ``graph`` giving exactly ``assignment`` (ids not named are fp32), with its prediction.
-
-    Each kind's most common format becomes its default and the rest become exact-id overrides; ``fields`` set
-    any other field (``policy_for_graph``).
-    """
+    """A compact policy for ``graph`` giving exactly ``assignment`` (ids not named are fp32), with its prediction:
+    each kind's most common format becomes its default, the rest exact-id overrides; ``fields`` set any other."""
     unknown = sorted(set(assignment) - set(graph.assignable_ids()))
     if unknown:
         raise PrecsearchError(f"assignment names {len(unknown)} id(s) the graph lacks, e.g. {unknown[0]!r}; "

@@ -3,17 +3,15 @@ overflow mode, for every path that rounds (precsearch.formats.kernels' public fu
 ops, the compiled step's sites).
 
 A format, its rounding and its overflow mode are one small int32 tensor (``format_row``), so a compiled kernel or
-graph taking rows as inputs serves every assignment (a search of 40 trials compiles once, not 40 times), and fp32
-is a row too (its values kept, nothing counted). ``round_values`` rounds by a row: in float32 arithmetic for round
-to nearest (``round_nearest``, which Inductor compiles to vector code), on float32 bit patterns otherwise
-(``round_with``). Stochastic rounding is unbiased: one of the two neighbours, rounding up with probability
-proportional to the distance from the lower one, driven by a counter-based hash of the element index and a seed
-tensor, so results are reproducible and need no large random tensor.
+graph taking rows as inputs serves every assignment (a search of 40 trials compiles once, not 40 times); fp32 is
+a row too (values kept, nothing counted). ``round_values`` rounds in float32 arithmetic for round to nearest
+(``round_nearest``, vector code under Inductor), on float32 bit patterns otherwise (``round_with``). Stochastic
+rounding is unbiased (up with probability proportional to the distance from the lower neighbour), driven by a
+counter-based hash of the element index and a seed tensor: reproducible, and no large random tensor.
 
-``encode_patterns`` and ``decode_patterns`` turn rounded values into the format's bit patterns (int32) and back;
-``encode_codes`` and ``decode_codes`` store them in bytes (``code_bytes``: one uint8 plane up to 8 bits; two,
-stacked first, up to 16: Inductor's CPU code converts int16 element by element), the layout a compiled step
-saves for the backward.
+``encode_patterns`` / ``decode_patterns`` turn rounded values into bit patterns (int32) and back; ``encode_codes``
+/ ``decode_codes`` store them in bytes (``code_bytes``: one uint8 plane up to 8 bits; two, stacked first, up to
+16, as Inductor's CPU code converts int16 element by element), the layout a compiled step saves for the backward.
 """
 
 from __future__ import annotations
@@ -107,11 +105,7 @@ def round_with(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
     """``x`` (float32) rounded as ``row`` says, on its bit patterns, and how many of its values overflow (at or
     past ``overflow_threshold``; NaN excluded; int64). ``seed`` (an int64 tensor) drives stochastic rounding:
     the hash reads it, the caller advances it. ``rounding`` (the row's) is a constant of the graph: only its own
-    arithmetic is computed.
-
-    Normal range: add an increment (the noise, half a step, or half a step less one plus the kept part's last
-    bit: ties to even), drop the low bits (a carry into the exponent is the correct rounding up). Below the min
-    normal: a count of min-subnormal quanta, rounded the same three ways."""
+    arithmetic is computed."""
     bits = x.view(torch.int32)
     sign = bits & ~0x7FFFFFFF
     mag = bits & 0x7FFFFFFF
@@ -124,7 +118,8 @@ def round_with(x: torch.Tensor, row: torch.Tensor, seed: torch.Tensor,
     def pick(stochastic: Callable, away: Callable, to_even: Callable) -> torch.Tensor:
         return {"stochastic": stochastic, "nearest_away": away, "nearest": to_even}[rounding]()
 
-    # normal range: add an increment, drop the low bits (a carry into the exponent is the correct rounding up)
+    # normal range: add an increment (the noise, half a step, or half a step less one plus the kept part's last
+    # bit), drop the low bits (a carry into the exponent is the correct rounding up)
     increment = pick(lambda: noise & mask, lambda: (mask + 1) >> 1,  # ties to even; with M = 23 nothing to drop
                      lambda: (mask >> 1) + (((mag >> drop) ^ (row[_TIE] >> 1)) & row[_TIE] & 1))
     normal = (mag + increment) & ~mask

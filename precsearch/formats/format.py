@@ -1,12 +1,10 @@
 """Floating-point formats of any (E, M, bias, specials) as small value objects, and the grammar that names them.
 
-Plain Python, no torch: a policy or a search space names formats, and configuration code checks those names
-without loading the training stack. The kernels that round to a format are precsearch.formats.kernels.
+Plain Python, no torch: configuration code checks format names without loading the training stack.
 
-Every format is simulated inside float32 (``precsearch.formats.kernels.quantize`` returns float32 tensors whose
-values all lie in the format). That needs every value of the format to be a float32, so a format's normal
-range must sit inside float32's normal range (min normal >= 2**-126, max <= float32 max); ``get_format``
-rejects the others.
+Every format is simulated inside float32 (precsearch.formats.kernels' ``quantize`` returns float32 tensors whose
+values all lie in the format), so a format's normal range must sit inside float32's (min normal >= 2**-126, max
+<= float32 max); ``get_format`` rejects the others.
 
 Special codes come in three families:
 
@@ -15,13 +13,12 @@ Special codes come in three families:
 * ``none``: every code is finite (QPyTorch and the Lee et al. reference code; also OCP's fp6/fp4, whose
   ``fn`` names mean "finite, no NaN").
 
-Overflow semantics (``OVERFLOWS``) apply to finite values that round above the format's max:
-``"inf"`` gives +-inf, ``"saturate"`` gives +-max, ``"nan"`` gives NaN. The default is ``"inf"`` for formats
-with inf and ``"saturate"`` otherwise (torch 2.13's float8_e4m3fn cast saturates; 2.11's and ml_dtypes give NaN: pass
-``overflow="nan"`` for that). Infinite inputs stay infinite in formats that have inf; in the others they
-follow the overflow mode. NaN stays NaN. Since the result is float32, ``"inf"`` and ``"nan"`` may be used
-with any format (the Lee et al. reference lets gradients overflow to inf so the loss scaler reacts), but
-``encode`` accepts only values the format can represent.
+Overflow semantics (``OVERFLOWS``) apply to finite values that round above the format's max: ``"inf"`` gives
++-inf, ``"saturate"`` +-max, ``"nan"`` NaN. The default is ``"inf"`` for formats with inf, else ``"saturate"``
+(torch 2.13's float8_e4m3fn cast saturates; 2.11's and ml_dtypes give NaN: pass ``overflow="nan"``). Infinite
+inputs stay infinite in formats that have inf, else follow the overflow mode; NaN stays NaN. Since the result is
+float32, ``"inf"`` and ``"nan"`` suit any format (the Lee et al. reference lets gradients overflow to inf so the
+loss scaler reacts), but ``encode`` accepts only values the format can represent.
 
 Rounding modes (``ROUNDINGS``): round-half-to-even (``"nearest"``, IEEE, as every hardware cast),
 round-half-away-from-zero (``"nearest_away"``: QPyTorch's and so the Lee et al. reference code's ties, to
@@ -42,20 +39,8 @@ from precsearch.errors import PrecsearchError, echo
 
 T = TypeVar("T")
 
-__all__ = [
-    "FloatFormat",
-    "GRAMMAR",
-    "NAMED_FORMATS",
-    "OVERFLOWS",
-    "ROUNDINGS",
-    "SPECIALS",
-    "check_modes",
-    "float32_bits",
-    "get_format",
-    "overflow_threshold",
-    "parsed",
-    "spec_name",
-]
+__all__ = ["FloatFormat", "GRAMMAR", "NAMED_FORMATS", "OVERFLOWS", "ROUNDINGS", "SPECIALS", "check_modes",
+           "float32_bits", "get_format", "overflow_threshold", "parsed", "spec_name"]
 
 SPECIALS: tuple[str, ...] = ("ieee", "fn", "none")
 ROUNDINGS: tuple[str, ...] = ("nearest", "nearest_away", "stochastic")
@@ -64,6 +49,7 @@ GRAMMAR = "e<E>m<M>[b<shift>][fn|s], 1 <= E <= 8, 0 <= M <= 23 (e.g. e5m2, e4m3b
 
 _FP32_MAX = (2.0 - 2.0**-23) * 2.0**127
 _FP32_MIN_NORMAL = 2.0**-126
+
 
 @dataclass(frozen=True)
 class FloatFormat:
@@ -87,10 +73,9 @@ class FloatFormat:
         if not self.name:
             object.__setattr__(self, "name", self._spec())
         if self.min_normal < _FP32_MIN_NORMAL or self.max > _FP32_MAX:
-            raise PrecsearchError(
-                f"format {self.name}: its range (min normal {self.min_normal:.3g}, max {self.max:.3g}) leaves "
-                "float32's normal range, so it cannot be simulated in float32; lower the bias shift or E"
-            )
+            raise PrecsearchError(f"format {self.name}: its range (min normal {self.min_normal:.3g}, max "
+                                  f"{self.max:.3g}) leaves float32's normal range, so it cannot be simulated in "
+                                  "float32; lower the bias shift or E")
 
     def _spec(self) -> str:
         shift = self.bias - (2 ** (self.exp - 1) - 1)
@@ -199,21 +184,11 @@ def _standard(exp: int, man: int, special: str = "ieee", name: str = "", shift: 
     return FloatFormat(exp, man, 2 ** (exp - 1) - 1 + shift, special, name)
 
 
-NAMED_FORMATS: dict[str, FloatFormat] = {
-    fmt.name: fmt
-    for fmt in (
-        _standard(8, 23, name="fp32"),
-        _standard(5, 10, name="fp16"),
-        _standard(8, 7, name="bf16"),
-        _standard(5, 2, name="fp8_e5m2"),
-        _standard(4, 3, "fn", name="fp8_e4m3fn"),
-        _standard(4, 3, name="fp8_e4m3"),
-        _standard(3, 4, name="fp8_e3m4"),
-        _standard(3, 2, "none", name="fp6_e3m2fn"),
-        _standard(2, 3, "none", name="fp6_e2m3fn"),
-        _standard(2, 1, "none", name="fp4_e2m1fn"),
-    )
-}
+NAMED_FORMATS: dict[str, FloatFormat] = {fmt.name: fmt for fmt in (
+    _standard(8, 23, name="fp32"), _standard(5, 10, name="fp16"), _standard(8, 7, name="bf16"),
+    _standard(5, 2, name="fp8_e5m2"), _standard(4, 3, "fn", name="fp8_e4m3fn"), _standard(4, 3, name="fp8_e4m3"),
+    _standard(3, 4, name="fp8_e3m4"), _standard(3, 2, "none", name="fp6_e3m2fn"),
+    _standard(2, 3, "none", name="fp6_e2m3fn"), _standard(2, 1, "none", name="fp4_e2m1fn"))}
 
 _SPEC_RE = re.compile(r"e(\d+)m(\d+)(?:b([+-]?\d+))?(fn|s)?")
 
@@ -225,9 +200,8 @@ def _parse(spec: str) -> FloatFormat:
         return NAMED_FORMATS[key]
     match = _SPEC_RE.fullmatch(key)
     if not match:
-        raise PrecsearchError(
-            f"unknown float format {echo(spec)}: use a name ({', '.join(NAMED_FORMATS)}) or a spec {GRAMMAR}"
-        )
+        raise PrecsearchError(f"unknown float format {echo(spec)}: use a name ({', '.join(NAMED_FORMATS)}) or a spec "
+                              f"{GRAMMAR}")
     exp, man, shift, suffix = int(match[1]), int(match[2]), int(match[3] or 0), match[4]
     if not (1 <= exp <= 8 and 0 <= man <= 23):
         raise PrecsearchError(f"format {echo(spec)}: E must be in 1..8 and M in 0..23 ({GRAMMAR})")
@@ -251,10 +225,8 @@ def parsed(spec: object, kind: type[T], parse: Callable[[str], T], what: str) ->
 
 
 def spec_name(value: object, where: str) -> str:
-    """``value`` as a lower-case spec string after checking that it names a format; errors start with ``where``.
-
-    For config files (policies, search spaces) that store formats as the strings their users wrote.
-    """
+    """``value`` as a lower-case spec string after checking that it names a format; errors start with ``where``
+    (config files store formats as the strings their users wrote)."""
     if isinstance(value, FloatFormat):
         return value.name
     if not isinstance(value, str):

@@ -1,11 +1,9 @@
 """Rounding, bit packing and range statistics for any ``FloatFormat`` (precsearch.formats.format), on torch tensors.
 
-``quantize`` rounds to a format and returns float32 (see precsearch.formats.format for the formats, their
-special codes, and the overflow and rounding modes); ``encode`` and ``decode`` turn values into the format's bit
-patterns and back; ``round_and_count`` is the eager runtime's one pass over a tensor: the rounded values, the
-count of values that overflow the format and of results it has no code for, and optionally the codes of the
-result (for packed storage), all on the device, so that a training step needs no host synchronisation per
-tensor.
+``quantize`` rounds to a format and returns float32 (precsearch.formats.format says the special codes, overflow and
+rounding modes); ``encode`` and ``decode`` turn values into bit patterns and back; ``round_and_count`` is the eager
+runtime's one pass: the rounded values, the counts of values that overflow and of results the format has no code
+for, and optionally the codes (for packed storage), all on the device: no host synchronisation per tensor.
 
 The arithmetic is precsearch.formats.as_data's, the format a row of data; each kernel here is one pass over a
 flat tensor for any format, run by precsearch.formats.runner's ``run_kernel`` (compiled by the default runtime's
@@ -26,16 +24,8 @@ from precsearch.formats.as_data import decode_patterns, encode_patterns, format_
 from precsearch.formats.format import FloatFormat, check_modes, get_format, overflow_threshold
 from precsearch.formats.runner import labelled, run_kernel
 
-__all__ = [
-    "decode",
-    "encode",
-    "overflow_threshold",
-    "quantize",
-    "round_and_count",
-    "round_and_count_fn",
-    "stats",
-    "storage_dtype",
-]
+__all__ = ["decode", "encode", "overflow_threshold", "quantize", "round_and_count", "round_and_count_fn", "stats",
+           "storage_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +156,7 @@ def round_and_count(x: torch.Tensor, fmt: str | FloatFormat, rounding: str = "ne
     tensor ``[overflowed, unencodable]`` on ``x``'s device: how many values of ``x`` lie at or past
     ``overflow_threshold`` (NaN excluded), and how many results the format has no code for (inf or NaN in a
     format without them). One kernel when compiled, and no host synchronisation. ``seed`` (an int64 tensor
-    on ``x``'s device) drives stochastic rounding; nearest ignores it.
-    """
+    on ``x``'s device) drives stochastic rounding; nearest ignores it."""
     x = _check_tensor(x)
     fmt = get_format(fmt)
     return round_and_count_fn(fmt.name, rounding, overflow or fmt.default_overflow, with_codes)(x, seed)
@@ -176,8 +165,7 @@ def round_and_count(x: torch.Tensor, fmt: str | FloatFormat, rounding: str = "ne
 def quantize(x: torch.Tensor, fmt: str | FloatFormat, rounding: str = "nearest", overflow: str | None = None,
              generator: torch.Generator | None = None) -> torch.Tensor:
     """Round ``x`` to the nearest value of ``fmt`` (or stochastically, the seed drawn from ``generator``),
-    returned as float32. fp32 returns ``x`` itself (float32 input) so that high-precision tensors are untouched.
-    """
+    returned as float32. fp32 returns ``x`` itself (float32 input) so that high-precision tensors are untouched."""
     fmt = get_format(fmt)
     x = _check_tensor(x)
     overflow = overflow or fmt.default_overflow
@@ -192,12 +180,9 @@ def quantize(x: torch.Tensor, fmt: str | FloatFormat, rounding: str = "nearest",
 
 
 def encode(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
-    """Bit patterns of ``x`` in ``fmt`` (``storage_dtype``: uint8 per element for <= 8 bits, int16 for <= 16,
-    else int32).
-
-    ``x`` is rounded to nearest first (with the format's default overflow), in the same pass; values the
-    format cannot hold (inf without an inf code, NaN without a NaN code) raise ``PrecsearchError``.
-    """
+    """Bit patterns of ``x`` in ``fmt`` (``storage_dtype``: uint8 per element for <= 8 bits, int16 for <= 16, else
+    int32), rounded to nearest first (the format's default overflow) in the same pass; values the format cannot
+    hold (inf without an inf code, NaN without a NaN code) raise ``PrecsearchError``."""
     fmt = get_format(fmt)
     x = _check_tensor(x)
     device, dtype = x.device, storage_dtype(fmt)
@@ -206,9 +191,8 @@ def encode(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     kernel = _round_kernel("nearest", nearest_in_floats(fmt), _kernel_dtype(dtype, device), False)
     _, codes = run_kernel(kernel, x.reshape(-1), row, _zero_seed(device), counts)
     if counts[1].item():
-        raise PrecsearchError(
-            f"cannot encode inf/NaN in {fmt.name}, which has no such code: clamp or quantize the values first"
-        )
+        raise PrecsearchError(f"cannot encode inf/NaN in {fmt.name}, which has no such code: clamp or quantize the "
+                              "values first")
     return codes.to(dtype).view(x.shape)
 
 
@@ -227,11 +211,8 @@ def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
 
 
 def stats(x: torch.Tensor, fmt: str | FloatFormat) -> dict[str, float]:
-    """Fractions of ``x`` that overflow ``fmt``, underflow to zero, or land on a subnormal, under nearest rounding.
-
-    ``overflow`` counts finite values that round above max plus infinite values; ``underflow`` counts nonzero
-    values that round to zero; ``subnormal`` counts values that round to a nonzero subnormal; ``nan`` counts NaN.
-    """
+    """Fractions of ``x`` that overflow ``fmt`` (finite values that round above max, and infinite ones), underflow
+    (nonzero values that round to zero), land on a nonzero subnormal, or are NaN, under nearest rounding."""
     fmt = get_format(fmt)
     x = _check_tensor(x)
     n = max(x.numel(), 1)
@@ -239,10 +220,6 @@ def stats(x: torch.Tensor, fmt: str | FloatFormat) -> dict[str, float]:
         return {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "nan": float(x.isnan().sum()) / n}
     mag = quantize(x.abs(), fmt, overflow="inf")
     absx = x.abs()
-    counts = {
-        "overflow": (mag == math.inf).sum(),
-        "underflow": ((mag == 0) & (absx > 0)).sum(),
-        "subnormal": ((mag > 0) & (mag < fmt.min_normal)).sum(),
-        "nan": x.isnan().sum(),
-    }
+    counts = {"overflow": (mag == math.inf).sum(), "underflow": ((mag == 0) & (absx > 0)).sum(),
+              "subnormal": ((mag > 0) & (mag < fmt.min_normal)).sum(), "nan": x.isnan().sum()}
     return {key: float(value) / n for key, value in counts.items()}

@@ -1,15 +1,10 @@
 """Running the format kernels under ``torch.compile``: one fused pass each, called straight through Inductor's code.
 
-A ``KernelRunner`` runs a kernel compiled for tensors of at least ``min_numel`` elements on CPU and for every
-tensor on an accelerator. A kernel whose compilation fails runs eagerly from then on, that kernel alone,
-with one WARNING naming it and the reason. ``with runner.configured(enabled=False):`` (the CLI's
-``--eager-kernels``) runs every kernel eagerly for that scope, and the caller's setting is back after it;
-``runner.settings`` is that setting as a value, which a worker process is handed. A ``Runtime`` holds a runner
-and the compiled training steps (``CompiledGraphs``): what ``apply_policy``, ``train`` and a search's workers are
-handed; ``default_runtime()`` is the process's. The kernels hold no integer constant outside int32 (Triton
-types scalar literals as int32). After the call that compiles a kernel, later calls run Inductor's code
-directly, without TorchDynamo's per-call frame evaluation (``Compiled``): a training step makes hundreds of
-calls, most on small tensors.
+A ``KernelRunner`` runs a kernel compiled for tensors of at least ``min_numel`` elements on CPU, every tensor on
+an accelerator; a kernel whose compilation fails runs eagerly from then on, alone, with one WARNING.
+``runner.configured(enabled=False)`` (the CLI's ``--eager-kernels``) runs every kernel eagerly for a scope. A
+``Runtime`` holds a runner and the compiled training steps (``CompiledGraphs``); ``default_runtime()`` is the
+process's. The kernels hold no integer constant outside int32 (Triton types scalar literals as int32).
 
 A kernel is a function of a flat float32 tensor and further tensors, with a ``label`` (``labelled``) that names
 it in warnings; precsearch.formats.kernels builds them.
@@ -168,11 +163,8 @@ def _unflattener(result: object, leaves: list, spec: object):
         return lambda outputs: outputs[0]
     is_none = [leaf is None for leaf in leaves]
     if isinstance(result, tuple) and len(result) == len(leaves):
-        slots = []
-        filled = 0
-        for none in is_none:
-            slots.append(None if none else filled)
-            filled += not none
+        positions = iter(range(len(leaves)))
+        slots = [None if none else next(positions) for none in is_none]
         return lambda outputs: tuple(None if slot is None else outputs[slot] for slot in slots)
 
     def unflatten(outputs: list) -> object:
@@ -201,17 +193,14 @@ class KernelSettings:
 
 class KernelRunner:
     """Runs kernels on flat tensors: compiled (``compile(kernel)``, a ``Compiled`` by default, made once per
-    kernel), or eagerly when compiling is off, the tensor is small, or the kernel's compilation failed.
-
-    On CPU a kernel is first compiled for a tensor of ``min_numel`` elements (a compilation costs seconds, which a
-    few small tensors do not repay); once compiled, it serves every size (a compiled call on a thousand values
-    costs a fifth of the eager one), sizes 0 and 1 excepted (they would need a compilation of their own).
-    ``ready`` and ``failed`` hold the labels of the kernels compiled and of those whose compilation failed."""
+    kernel), or eagerly when compiling is off, the tensor is small, or the kernel's compilation failed. On CPU a
+    kernel is first compiled for a tensor of ``min_numel`` elements (a compilation costs seconds, which a few small
+    tensors do not repay); once compiled, it serves every size (a fifth of the eager cost on a thousand values)
+    but 0 and 1 (which would need a compilation of their own). ``ready`` and ``failed`` hold kernel labels."""
 
     def __init__(self, settings: KernelSettings = KernelSettings(),
                  compile: Callable[[Callable], Callable] = Compiled) -> None:
-        self.enabled = settings.enabled
-        self.min_numel = settings.min_numel
+        self.enabled, self.min_numel = settings.enabled, settings.min_numel
         self.ready: set[str] = set()
         self.failed: set[str] = set()
         self.compiled = functools.lru_cache(maxsize=192)(compile)
@@ -243,10 +232,9 @@ class KernelRunner:
             return result
         except Exception as error:  # any compiler failure: this kernel runs eagerly, visibly, from now on
             self.failed.add(kernel.label)
-            reason = first_line(error)
             log.warning("torch.compile failed for the %s kernel (%s): it runs eagerly from now on, several times "
                         "slower (a dozen passes over the tensor instead of one); other kernels stay compiled",
-                        kernel.label, reason[:300])
+                        kernel.label, first_line(error)[:300])
             return kernel(flat, *args)
 
 
@@ -261,15 +249,14 @@ class CompiledGraphs:
 
 
 class Runtime:
-    """What the runs of a process share: the runner of the format kernels (``kernels``: their compiled code and
-    its settings) and the compiled training steps (``graphs``). ``apply_policy``, ``train`` and a search's
-    workers are handed one; ``default_runtime()`` is the process's unless a ``with runtime.as_default():`` block
-    makes another one the default.
+    """What the runs of a process share: the format kernels' runner (``kernels``) and the compiled training steps
+    (``graphs``). ``apply_policy``, ``train`` and a search's workers are handed one; ``default_runtime()`` is the
+    process's unless a ``with runtime.as_default():`` block makes another the default.
 
-    The format kernels run on the default runtime's runner wherever they are called: inside torch ops, whose
-    arguments are tensors, numbers and strings, not a runner, and in autograd's backward threads, which a
-    thread-local default would not reach; so the default is one per process (as torch.compile's own caches are),
-    not one per thread, and ``train`` makes the runtime it is given the default while it runs."""
+    The format kernels run on the default runtime's runner wherever they are called: inside torch ops (whose
+    arguments cannot be a runner) and in autograd's backward threads (which a thread-local default would not
+    reach); so the default is one per process, as torch.compile's caches are, and ``train`` makes its runtime the
+    default while it runs."""
 
     def __init__(self, kernels: KernelRunner | None = None) -> None:
         self.kernels = KernelRunner() if kernels is None else kernels

@@ -1,30 +1,29 @@
 """Scaled formats: an element format whose values are stored with a power-of-two scale per tensor, row or block.
 
-This is how current GPUs train in 8 bits: torchao's float8 "tensorwise" and "rowwise" recipes, Transformer
-Engine's delayed scaling, and OCP's MX formats (Microscaling v1.0: one e8m0 exponent per 32 elements). A value
-``v`` of a group with scale ``s`` is stored as ``q = round(v / s)`` in the element format and means ``q * s``.
+How current GPUs train in 8 bits: torchao's float8 "tensorwise" and "rowwise" recipes, Transformer Engine's
+delayed scaling, OCP's MX formats (Microscaling v1.0: one e8m0 exponent per 32 elements). A value ``v`` of a group
+with scale ``s`` is stored as ``q = round(v / s)`` in the element format and means ``q * s``.
 
 Grammar (``SCALED_GRAMMAR``): ``<element>@<granularity>[:<recipe>]``.
 
 * ``e4m3fn@tensor``: one scale per tensor, from this tensor's amax (current scaling).
-* ``e4m3fn@tensor:delayed16``: one scale per tensor, from the largest amax of the last 16 calls (Transformer
-  Engine's delayed scaling: the scale needs no pass over the tensor before it is cast); this call's amax is
-  recorded after use, in an ``AmaxHistory`` that the caller keeps (and checkpoints: ``state_dict``).
-* ``e4m3fn@row``: one scale per row of the 2-D view ``x.reshape(x.shape[0], -1)`` (per output channel of a Linear
-  or Conv weight); a tensor of fewer than 2 dimensions is one row.
-* ``e2m1fn@block32``: MX, one scale per block of 32 consecutive elements along each row of that same 2-D view
-  (a row whose length is no multiple of 32 ends in a shorter block).
+* ``e4m3fn@tensor:delayed16``: from the largest amax of the last 16 calls (Transformer Engine's delayed scaling:
+  no pass over the tensor before the cast); this call's amax is recorded after use, in an ``AmaxHistory`` the
+  caller keeps (and checkpoints).
+* ``e4m3fn@row``: one scale per row of the 2-D view ``x.reshape(x.shape[0], -1)`` (per output channel of a
+  weight); a tensor of fewer than 2 dimensions is one row.
+* ``e2m1fn@block32``: MX, one scale per block of 32 consecutive elements along each row of that view (a row whose
+  length is no multiple of 32 ends in a shorter block).
 
 The element is any ``get_format`` name, except that the OCP MX names ``e2m3fn``, ``e3m2fn`` and ``e2m1fn`` mean
-OCP's fp6/fp4 (``fp6_e2m3fn``...: every code finite, fp4's max 6), not the grammar's fn family (a NaN code).
-This module's grammar part is plain Python (torch is imported only where a tensor is rounded), so configuration
-code checks scaled names without torch, as with precsearch.formats.format.
+OCP's fp6/fp4 (every code finite, fp4's max 6), not the grammar's fn family (a NaN code). The grammar part is
+plain Python (torch is imported only where a tensor is rounded), so configuration code checks names without torch.
 
-Scale rule. Every scale is a power of two ``2**k``, ``-127 <= k <= 127`` (an e8m0 byte): MX mandates it,
-torchao offers it (``round_scales_to_power_of_2``), and then ``x / s`` and ``q * s`` are exact (for elements of
-up to 8 bits; wider ones may round where a value falls among float32's subnormals), so scaled rounding is exactly
-the element format's rounding of the shifted value (``precsearch.formats.kernels.quantize``), stored as its
-codes plus one byte per scale. (A rounded value past float32's max, for an amax within a step of it, is inf.)
+Scale rule. Every scale is a power of two ``2**k``, ``-127 <= k <= 127`` (an e8m0 byte): MX mandates it, torchao
+offers it (``round_scales_to_power_of_2``), and then ``x / s`` and ``q * s`` are exact (for elements of up to 8
+bits; wider ones may round among float32's subnormals), so scaled rounding is exactly the element's rounding of
+the shifted value, stored as its codes plus one byte per scale. (A rounded value past float32's max, for an amax
+within a step of it, is inf.)
 
 * tensor and row: ``k = ceil(log2(amax / max))``, the smallest scale with ``amax / s <= max``, so current
   scaling never overflows; a stale delayed scale can.
@@ -275,14 +274,12 @@ def expand_scales(scales: torch.Tensor, spec: str | ScaledFormat, shape: Sequenc
 
 def scaled_values(x: torch.Tensor, fmt: ScaledFormat, history: torch.Tensor | None = None,
                   in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` divided by its scales, shaped as ``x`` (exact: powers of two; inf turned NaN where the element has
-    no inf): a new float32 tensor, or with ``in_place`` ``x`` itself where it is contiguous and needs no
-    padding; the scales and the groups' amaxes (both ``ScaledFormat.scales_shape``). A group's amax is over its
-    finite values (a block's: over all, so that a block holding inf or NaN gets the NaN scale); with a delayed
-    ``history`` (an ``AmaxHistory``'s amaxes), the scale comes from its largest, and the caller records this
-    amax (``recorded``): the history is read, never written, here. One float32 temporary (the magnitudes), freed
-    before the result is made, so the eager runtime's peak is the rounding's own; pure torch ops otherwise, so
-    the compiled step traces the same function."""
+    """``x`` divided by its scales, shaped as ``x`` (exact; inf turned NaN where the element has no inf): a new
+    float32 tensor, or with ``in_place`` ``x`` itself where contiguous and unpadded; the scales and the groups'
+    amaxes (both ``scales_shape``). A group's amax is over its finite values (a block's over all, so inf or NaN
+    gives the NaN scale); a delayed ``history``'s largest amax gives the scale, and the caller records this amax
+    (``recorded``): the history is never written here. One float32 temporary (the magnitudes), freed before the
+    result is made, so the eager peak is the rounding's own; pure torch ops, so the compiled step traces it."""
     import torch
     import torch.nn.functional as F
 
@@ -313,11 +310,8 @@ def quantize_scaled(x: torch.Tensor, spec: str | ScaledFormat, rounding: str = "
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` rounded to ``spec`` (float32, shaped as ``x``), its scales (float32 powers of two, shaped by
     ``ScaledFormat.scales_shape``) and how many finite values rounded past the element's max after scaling and
-    were saturated (an int64 0-d tensor on ``x``'s device: no host synchronisation).
-
-    ``history`` is required by a delayed spec (an ``AmaxHistory`` of its length, which this call updates) and
-    refused by the others; ``generator`` drives stochastic rounding.
-    """
+    were saturated (an int64 0-d tensor on ``x``'s device: no host synchronisation). ``history`` is required by a
+    delayed spec (an ``AmaxHistory`` of its length, which this call updates) and refused by the others."""
     import torch
 
     from precsearch.formats.kernels import _check_tensor, overflow_threshold, quantize

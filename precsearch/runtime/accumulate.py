@@ -1,25 +1,22 @@
 """Simulated low-precision GEMM accumulation with chunk-based sums (Wang et al. 2018), forward and backward.
 
-``chunked_matmul(a, b, acc_format, chunk)`` splits the reduction dimension K into chunks of length ``chunk``
-(the paper's CL, default 64). Inside a chunk the products are added one after another, the running sum
-rounded to ``acc_format`` after every add; then the chunk sums are added one after another, again rounded
-after every add. ``chunk=None`` (or ``chunk >= K``) is plain sequential accumulation, whose error chunking
-fixes: once the running sum is large, each small addend is below half its ulp and is lost ("swamping").
+``chunked_matmul(a, b, acc_format, chunk)`` splits the reduction dimension K into chunks of length ``chunk`` (the
+paper's CL, default 64): inside a chunk the products are added one after another, the running sum rounded to
+``acc_format`` after every add; then the chunk sums likewise. ``chunk=None`` (or ``>= K``) is plain sequential
+accumulation, whose error chunking fixes: once the sum is large, each small addend is below half its ulp and is
+lost ("swamping").
 
-Exactness: products are formed in float32, exact for inputs of at most 12 significant bits (any 8-bit or
-16-bit format of the papers). Each add is a float32 add rounded to the format (round half to even); that
-equals a correctly rounded add unless the float32 sum is itself inexact and lands on a midpoint of the
-format, which needs operands more than 2**(23 - M) apart in magnitude.
+Exactness: products are formed in float32, exact for inputs of at most 12 significant bits (any 8- or 16-bit
+format of the papers); each add is a float32 add rounded to the format (half to even), which equals a correctly
+rounded add unless the float32 sum is inexact and lands on a format midpoint (operands more than 2**(23 - M)
+apart).
 
-Vectorized, not fast: the k-th element of every chunk is added at once, so Python loops over CL steps and
-then K/CL steps, each a full elementwise pass over an (M, K/CL, N) tensor plus a rounding. Expect one to two
-orders of magnitude over the plain layer on CPU (``benchmarks/bench_accumulate.py`` measures it).
+Vectorized, not fast: Python loops over CL steps, then K/CL steps, each a pass over an (M, K/CL, N) tensor plus a
+rounding: one to two orders of magnitude over the plain layer on CPU (``benchmarks/bench_accumulate.py``).
 
-``ChunkedLinear`` and ``ChunkedConv2d`` use it for all three GEMMs of training: the output, the input
-gradient and the weight gradient (with bias and bias gradient summed the same way). Conv2d is unfold +
-GEMM; its input gradient folds the column gradients back with ``F.fold`` (an fp32 scatter-add of at most
-kh*kw overlapping terms per pixel) and rounds that sum once to the accumulation format.
-``swap_chunked_layers(model, names_or_filter, acc_format, chunk)`` swaps them into a model in place.
+``ChunkedLinear`` and ``ChunkedConv2d`` use it for all three GEMMs of training (bias sums alike). Conv2d is unfold
++ GEMM; its input gradient folds the column gradients back with ``F.fold`` (an fp32 scatter-add of at most kh*kw
+terms per pixel) and rounds that sum once. ``swap_chunked_layers`` swaps them into a model in place.
 """
 
 from __future__ import annotations
@@ -52,10 +49,8 @@ def _check_chunk(chunk: int | None) -> None:
         raise PrecsearchError(f"chunk length {chunk!r}: must be an integer >= 1, or None for sequential sums")
 
 
-def chunked_matmul(
-    a: torch.Tensor, b: torch.Tensor, acc_format: FormatSpec = ACCUMULATION_FORMAT,
-    chunk: int | None = ACCUMULATION_CHUNK,
-) -> torch.Tensor:
+def chunked_matmul(a: torch.Tensor, b: torch.Tensor, acc_format: FormatSpec = ACCUMULATION_FORMAT,
+                   chunk: int | None = ACCUMULATION_CHUNK) -> torch.Tensor:
     """``a @ b`` (shapes ``(..., M, K)`` and ``(..., K, N)``, batch dims broadcast) with sums in ``acc_format``."""
     _check_chunk(chunk)
     fmt = get_format(acc_format)
@@ -69,8 +64,7 @@ def chunked_matmul(
     n_chunks = -(-k // cl)
     pad = n_chunks * cl - k
     if pad:  # zero products leave every partial sum unchanged
-        a = F.pad(a, (0, pad))
-        b = F.pad(b, (0, 0, 0, pad))
+        a, b = F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad))
     a = a.unflatten(-1, (n_chunks, cl)).unsqueeze(-1)  # (..., M, C, CL, 1)
     b = b.unflatten(-2, (n_chunks, cl)).unsqueeze(-4)  # (..., 1, C, CL, N)
     acc = quantize(a[..., 0, :] * b[..., 0, :], fmt)  # (..., M, C, N): running sums of every chunk
@@ -82,9 +76,8 @@ def chunked_matmul(
     return total
 
 
-def chunked_sum(
-    x: torch.Tensor, acc_format: FormatSpec = ACCUMULATION_FORMAT, chunk: int | None = ACCUMULATION_CHUNK
-) -> torch.Tensor:
+def chunked_sum(x: torch.Tensor, acc_format: FormatSpec = ACCUMULATION_FORMAT,
+                chunk: int | None = ACCUMULATION_CHUNK) -> torch.Tensor:
     """Sum of a (N, F) tensor over its first dimension, accumulated like ``chunked_matmul``."""
     return chunked_matmul(x.new_ones(1, x.shape[0]), x, acc_format, chunk).squeeze(0)
 
@@ -169,8 +162,7 @@ class ChunkedLinear(nn.Linear):
                  **factory: Any) -> None:
         super().__init__(in_features, out_features, bias, **factory)
         _check_chunk(chunk)
-        self.acc_format = get_format(acc_format)
-        self.chunk = chunk
+        self.acc_format, self.chunk = get_format(acc_format), chunk
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, acc_format: FormatSpec = ACCUMULATION_FORMAT,
@@ -195,12 +187,9 @@ class ChunkedConv2d(nn.Conv2d):
         super().__init__(*args, **kwargs)
         _check_chunk(chunk)
         if self.padding_mode != "zeros" or isinstance(self.padding, str):
-            raise PrecsearchError(
-                f"ChunkedConv2d supports numeric zero padding only, not padding={self.padding!r} "
-                f"padding_mode={self.padding_mode!r}: give explicit padding sizes"
-            )
-        self.acc_format = get_format(acc_format)
-        self.chunk = chunk
+            raise PrecsearchError(f"ChunkedConv2d supports numeric zero padding only, not padding={self.padding!r} "
+                                  f"padding_mode={self.padding_mode!r}: give explicit padding sizes")
+        self.acc_format, self.chunk = get_format(acc_format), chunk
 
     @classmethod
     def from_conv(cls, layer: nn.Conv2d, acc_format: FormatSpec = ACCUMULATION_FORMAT,
@@ -225,21 +214,16 @@ class ChunkedConv2d(nn.Conv2d):
 CHUNKED_LAYERS: tuple[type[nn.Module], ...] = (ChunkedLinear, ChunkedConv2d)
 
 
-def swap_chunked_layers(
-    model: nn.Module,
-    names_or_filter: Iterable[str] | Callable[[str, nn.Module], bool] | None = None,
-    acc_format: FormatSpec = ACCUMULATION_FORMAT,
-    chunk: int | None = ACCUMULATION_CHUNK,
-) -> list[str]:
-    """Replace Linear/Conv2d layers of ``model`` in place by chunked ones; returns the swapped names.
-
-    ``names_or_filter``: qualified names or glob patterns over them (``"layer1.*"``), a predicate
-    ``(name, module) -> bool``, or None for every Linear/Conv2d. The new layers share the old Parameters.
-    """
+def swap_chunked_layers(model: nn.Module,
+                        names_or_filter: Iterable[str] | Callable[[str, nn.Module], bool] | None = None,
+                        acc_format: FormatSpec = ACCUMULATION_FORMAT,
+                        chunk: int | None = ACCUMULATION_CHUNK) -> list[str]:
+    """Replace Linear/Conv2d layers of ``model`` in place by chunked ones (sharing the old Parameters); returns the
+    swapped names. ``names_or_filter``: qualified names or glob patterns over them (``"layer1.*"``), a predicate
+    ``(name, module) -> bool``, or None for every Linear/Conv2d."""
     _check_chunk(chunk)
     get_format(acc_format)
-    layers = {name: m for name, m in model.named_modules()
-              if type(m) in CHUNKABLE_LAYERS and name}
+    layers = {name: m for name, m in model.named_modules() if type(m) in CHUNKABLE_LAYERS and name}
     if names_or_filter is None:
         chosen = list(layers)
     elif callable(names_or_filter):
@@ -254,12 +238,9 @@ def swap_chunked_layers(
     for name in chosen:
         layer = layers[name]
         parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        if isinstance(layer, nn.Linear):
-            new = ChunkedLinear.from_linear(layer, acc_format, chunk)
-        else:
-            new = ChunkedConv2d.from_conv(layer, acc_format, chunk)
+        new = (ChunkedLinear.from_linear(layer, acc_format, chunk) if isinstance(layer, nn.Linear)
+               else ChunkedConv2d.from_conv(layer, acc_format, chunk))
         new.train(layer.training)
-        setattr(parent, attr, new)
+        setattr(model.get_submodule(parent_name), attr, new)
     log.debug("chunked accumulation (%s, CL=%s) in %d layers", acc_format, chunk, len(chosen))
     return chosen

@@ -1,72 +1,41 @@
 """The compiled training step: rounding written into the model's FX graph, compiled once per model structure and
 code widths.
 
-The eager runtime (precsearch.runtime.instrument_fx and friends) rounds through the format kernels and packs what
-autograd saves as codes, bookkeeping TorchDynamo cannot trace. Here every site of the plan
-(precsearch.runtime.sites) becomes a rounding of the graph whose format, rounding and overflow mode are read from
-a table of rows (precsearch.formats.as_data), one row per tensor id, so the graph does not depend on the formats
-themselves:
+The eager runtime rounds through the format kernels and packs what autograd saves as codes, bookkeeping
+TorchDynamo cannot trace. Here every site of the plan (precsearch.runtime.sites) becomes a rounding whose format,
+rounding and overflow mode are read from a table of rows (precsearch.formats.as_data), one per tensor id, so the
+graph does not depend on the formats themselves. What each piece keeps as the eager runtime keeps it:
 
-* a weight is rounded before the forward, its gradient in the backward by the weight gradient's row; where the
-  eager runtime would hold that gradient as codes to the end of the backward (precsearch.runtime.gradients),
-  the backward hands it out as those codes, the gradient of a leaf of no storage standing for the weight
-  (``gradient_carrier``), whose hook decodes it into ``.grad``; a post-grad pass (``_HoldGradientsEarly``)
-  rounds it right after the op that makes it, where autograd's order would leave it float32 to the end;
-* an activation is rounded after the op that makes it, its gradient in the backward by its gradient's row (after
-  a ReLU, masked by the rounded output, as the eager ReLU backward reads its packed output, and the ReLU itself
-  passes the gradient on: ``_ReluMaskedByItsSite``; with ``gradient_rounding: per_use``, each consumer's
-  gradient of a value with several, before they are summed; where the gradient is an add's, rounded alike there
-  (``OpSites.gradient_from``), only counted: ``count_overflows``, as the eager runtime rounds it over itself);
-* each rounding is one opaque op, ``round_site`` (precsearch.runtime.compiled_ops): one compiled pass over the
-  tensor, as the eager runtime's kernels, that writes the rounded values (or their codes) and counts what
-  overflowed. Inductor fuses the model's own ops around it; fused into them, the rounding and its counts made
-  Inductor hold the values before and after each op as float32 buffers of their own (ResNet-18 width 0.25:
-  0.61x plain fp32's peak against the eager step's 0.38x);
-* with ``CompileOptions.saves_codes`` (the default), a rounded weight or activation leaves its site as its
-  format's codes (1 byte up to 8 bits, 2 up to 16), decoded (``decode_codes``, exact) for the forward's use,
-  the decode marked for recomputation (``_RecomputeDecodes``): AOTAutograd's partitioner then saves the codes
-  for the backward, where the decode runs again, as the eager runtime saves packed codes; a convolution or
-  training batch norm whose backward the site plan says reads its input's codes (``OpSites.reads_codes``) and
-  whose input has codes is called through ``_ConvOfCodes`` or ``_batch_norm_of_codes``: its backward is an opaque op
-  (``conv_backward_of_codes``, ``batch_norm_backward_of_codes``) that runs the eager runtime's sliced backward
-  (precsearch.runtime.sliced) over the codes, a slice at a time;
-* a scaled format (precsearch.formats.scaled: a power-of-two scale per tensor, row or MX block, from this
-  step's amax) is rounded as ``quantize_scaled`` rounds it, in one opaque op (``round_scaled_site``) whose
-  kernel fuses the amax reduction with the rounding; its codes are the element's codes of the scaled-down
-  values, saved with the scales as the eager runtime holds them (e8m0 bytes: one per tensor, row or block of
-  32) and decoded times them; the sites' scaled formats are part of the graph (``precsearch_scaled``, by name),
-  so an assignment that scales other rows compiles its own graph. A delayed format's scale comes from its amax
-  history (``Site.history``), which the step passes in as tensors (``precsearch_histories``) and takes out with
-  this step's amax recorded: a value's as outputs of the forward, a gradient's as the gradient of a leaf of its
-  own (``_history_input``), whose hook keeps it in the slot, as the counters leave; nothing is written inside
-  the graph, and the eager runtime's slot holds the history between steps (checkpoints, evaluation, statistics
-  steps);
-* overflow counts, and counts of values a format has no code for (the eager runtime's "unencodable": inf or
-  NaN in a format without them; the step is then skipped, as eagerly, but the compiled forward goes on with the
-  code's value, the format's largest magnitude, so batch-norm running statistics stay finite), leave the graph
-  as tensors, never by writes: the forward's as an output, the backward's as the gradients of float64 leaves,
-  one per site (``counters``); ``TensorState`` reads them once a step with the rest, for promotions and the
-  loss scaler. Element counts come from the traced shapes, not from the device.
+* a weight is rounded before the forward, its gradient in the backward; a gradient the eager runtime holds as
+  codes (precsearch.runtime.gradients) leaves the backward as codes (``gradient_carrier``,
+  ``_HoldGradientsEarly``);
+* an activation is rounded after its op, its gradient in the backward (after a ReLU, masked by the rounded
+  output: ``_ReluMaskedByItsSite``; per consumer with ``gradient_rounding: per_use``; only counted where it
+  arrives rounded alike, ``OpSites.gradient_from``);
+* each rounding is one opaque op (precsearch.runtime.compiled_ops): fused into the model's ops, the rounding and
+  its counts made Inductor hold float32 buffers around each op (ResNet-18 width 0.25: 0.61x plain fp32's peak
+  against the eager step's 0.38x);
+* with ``CompileOptions.saves_codes`` (the default) rounded values leave their site as codes, which the backward
+  decodes again (``_RecomputeDecodes``) or reads a slice at a time (``_ConvOfCodes``, ``_batch_norm_of_codes``);
+* a scaled format (precsearch.formats.scaled) rounds as ``quantize_scaled`` does, its codes saved with e8m0
+  scales; the sites' scaled formats are part of the graph, and a delayed format's amax history enters and
+  leaves as tensors (``Site.history``, ``_history_input``), the eager slot keeping it between steps;
+* overflow and unencodable counts leave as tensors, never by writes (``counters``), read once a step by
+  ``TensorState``; an unencodable value skips the step as eagerly, but the forward goes on with the format's
+  largest magnitude, so batch-norm running statistics stay finite.
 
-``RoundingGraph`` is built, and compiled (``torch.compile(fullgraph=True)``), once per traced structure, the
-roundings of its tensor kinds (constants of the graph: nearest rounding computes no hash) and the code width of
-each weight and activation row (a dtype is a constant of a graph), and shared by every model of that structure
-trained in the same runtime (``Runtime.graphs``, precsearch.formats.runner): trials change only the table and
-the parameters (passed through ``functional_call``). A promotion is a row update, and a new graph where it widens
-a code (compiled on its first step). A search's proxies save float32 (``saves_codes=False``), so that one graph
-serves every assignment and a search compiles its step once per worker.
+``RoundingGraph`` is built and compiled (``fullgraph=True``) once per traced structure, roundings per tensor kind
+(constants: nearest rounding computes no hash) and code width per row, and shared by the runtime's models of that
+structure (``Runtime.graphs``): trials change only the table and the parameters (``functional_call``). A
+promotion is a row update, and a new graph where it widens a code. A search's proxies save float32
+(``saves_codes=False``) so one graph serves every assignment.
 
-What the compiled step does not do: gather underflow statistics (a step that gathers them, every
-``stats_every``-th, runs eagerly); and, said where it is chosen (``unsupported``), chunked accumulation, adaptive
-per-layer loss scaling, nearest rounding to a format without a mantissa bit, delayed scaling of activation
-gradients rounded per use (each consumer's amax recorded in the order autograd's engine picks) and models whose
-own forward FX cannot trace, which train eagerly (a submodule FX cannot trace is one op of the graph,
-``TensorGraph.opaque_modules``: the step compiles around it, TorchDynamo's graph broken there). Its stochastic
-rounding draws from the same hash with other seeds (per site and step, not per call; the elements in memory
-order). With ``backend="aot_eager"`` the graph runs the eager runtime's float32 ops in the same order and trains
-bit for bit as it does with nearest rounding (its partitioner ignores the recomputation marks and saves float32);
-Inductor sums some float32 reductions (batch norm) in another order, so its values differ in the last bits, and
-where that flips an 8-bit rounding, by an ulp of the format (tests/test_compiled_step.py states both).
+Not compiled: steps that gather underflow statistics (every ``stats_every``-th runs eagerly), and what
+``unsupported`` names. Stochastic rounding draws from the same hash with other seeds (per site and step, elements
+in memory order). With ``backend="aot_eager"`` (its partitioner ignores the recomputation marks) the step trains
+bit for bit as the eager one with nearest rounding; Inductor sums some reductions (batch norm) in another order,
+so values differ in the last bits, by an ulp of the format where that flips an 8-bit rounding
+(tests/test_compiled_step.py states both).
 """
 
 from __future__ import annotations
@@ -92,13 +61,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from precsearch.config.compiling import CompileOptions
 from precsearch.config.policy import Policy
 from precsearch.config.spec import ACTIVATION_GRAD, WEIGHT, WEIGHT_GRAD
-from precsearch.formats.as_data import (
-    code_bytes,
-    decode_codes,
-    format_row,
-    nearest_in_floats,
-    patterns_of,
-)
+from precsearch.formats.as_data import code_bytes, decode_codes, format_row, nearest_in_floats, patterns_of
 from precsearch.formats.kernels import storage_dtype
 from precsearch.formats.runner import CompiledGraphs
 from precsearch.formats.scaled import ScaledFormat, e8m0_decode, e8m0_encode, expand_scales, recorded
@@ -126,12 +89,10 @@ HELD = {"precsearch": "held"}  # the annotation of the ops that round a weight g
 
 class _RecomputeDecodes(CustomGraphPass):
     """Inductor's joint-graph pass that marks every decode (``DECODE``) MUST_RECOMPUTE, as selective activation
-    checkpointing marks its ops: the min-cut partitioner then saves the codes a decode reads (the smallest
-    tensors of its chain) and decodes them again in the backward, where the op that reads the value needs
-    it. Its own heuristics would not: a decoded value feeds a convolution's backward ("materialized"), its
-    chain is long and leaves the allowlist, and its comparisons read more bytes than they write; turned off
-    for the whole graph, those heuristics recompute long chains of the forward (batch norm, ReLU, rounding)
-    in the backward and raise its peak above plain fp32's (measured on narrow_cnn)."""
+    checkpointing does: the min-cut partitioner then saves the codes and decodes them again in the backward. Its
+    own heuristics would not (a decoded value feeds a convolution's backward, its chain leaves the allowlist);
+    turned off for the whole graph, they recompute long forward chains (batch norm, ReLU, rounding) in the
+    backward and raise its peak above plain fp32's (measured on narrow_cnn)."""
 
     def __call__(self, graph: fx.Graph) -> None:
         for node in graph.nodes:
@@ -144,10 +105,9 @@ class _RecomputeDecodes(CustomGraphPass):
 
 class _HoldGradientsEarly(CustomGraphPass):
     """Inductor's post-grad pass that moves each held weight gradient's rounding (``HELD``) to right after the op
-    that makes the gradient, as the eager runtime rounds it in the hook after the layer's backward. The
-    partitioner orders the backward as autograd's engine would, and there a weight's rounding, the first op of
-    the forward, runs after every other op of the backward: each weight gradient would stay float32 to the
-    end."""
+    that makes the gradient, as the eager hook does. The partitioner orders the backward as autograd's engine
+    would, where a weight's rounding (the forward's first op) runs last: each weight gradient would stay float32
+    to the end."""
 
     def __call__(self, graph: fx.Graph) -> None:
         held = [node for node in graph.nodes if node.meta.get("custom", {}).get("precsearch") == HELD["precsearch"]]
@@ -215,15 +175,13 @@ def _record(history: torch.Tensor | None, amax: torch.Tensor) -> torch.Tensor | 
 
 
 class _Round(torch.autograd.Function):
-    """Forward: ``x`` rounded by the site's row of ``rows`` (passed through its codes where the site has a
-    code dtype), and [how many values overflowed, how many had no code] (float64, not differentiable).
-    Backward: the gradient rounded by the site's gradient row; how many of its values overflowed is the
-    gradient of ``counter`` (a float64 leaf of its own, exact to 2**53). A delayed format's amax history
-    (``history``, ``gradient_history``) scales the rounding and leaves with its amax recorded: the forward's as
-    an output after the counts, the backward's as the gradient of ``gradient_history`` (a leaf). After a ReLU
-    (``relu_output``) the rounded gradient is also masked by the rounded output, as the eager runtime's ReLU
-    backward reads its packed, rounded output (precsearch.runtime.sliced): a positive value that rounds to 0
-    passes no gradient."""
+    """Forward: ``x`` rounded by the site's row of ``rows`` (through its codes where the site has a code dtype),
+    and [overflowed, unencodable] (float64, not differentiable). Backward: the gradient rounded by the gradient
+    row, its overflow count the gradient of ``counter`` (a float64 leaf, exact to 2**53). A delayed format's
+    amax history (``history``, ``gradient_history``) leaves with its amax recorded: the forward's as an output
+    after the counts, the backward's as the gradient of ``gradient_history``. After a ReLU (``relu_output``) the
+    rounded gradient is masked by the rounded output, as the eager ReLU backward reads its packed output: a
+    positive value that rounds to 0 passes no gradient."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor | None,
@@ -284,10 +242,9 @@ def _backward_counts(overflowed: torch.Tensor) -> torch.Tensor:
 
 
 class _ReluMaskedByItsSite(torch.autograd.Function):
-    """A ReLU whose rounding site masks its gradient (``Site.relu_output``): the site's mask, where the rounded
-    output is positive, lies inside the ReLU's own (a value that rounds to a positive one was positive), so the
-    ReLU passes the gradient on as it is, bit for bit what masking again gives, and autograd saves nothing
-    for it (its own mask would be one more tensor of the activation's size)."""
+    """A ReLU whose rounding site masks its gradient (``Site.relu_output``): that mask lies inside the ReLU's own
+    (a value that rounds positive was positive), so passing the gradient on as it is gives bit for bit what
+    masking again gives, and autograd saves no mask of the activation's size for it."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -358,10 +315,8 @@ def _round_site(value: torch.Tensor, rows: torch.Tensor, seed: torch.Tensor, cou
 def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[torch.Tensor],
            sites: tuple[tuple[int, Site, int | None], ...], formats: _HeldByGraph,
            histories: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """``value`` (a tensor, or a tuple of them) with each (position, site, counter index) of ``sites``
-    rounded, the forward's overflow counts, the codes (and scales) of the sites that have them, and the amax
-    histories recorded, in order; ``formats``: the scaled formats the sites name; ``histories``: the delayed
-    formats' amax histories (``Site.history``)."""
+    """``value`` (a tensor, or a tuple of them) with each (position, site, counter index) of ``sites`` rounded,
+    the forward's counts, the codes (and scales) of the sites that have them, and the amax histories recorded."""
     counts, codes, kept = [], [], []
     items = output_leaves(value)  # positions as the tracer numbered them, nested tuples flattened
     for position, site, counter in sites:
@@ -370,20 +325,14 @@ def _round(value: Any, rows: torch.Tensor, seed: torch.Tensor, counters: list[to
         counts.append(counted)
         kept += site_kept
         codes += code
-    rounded = with_leaves(value, items)
-    return rounded, counts, codes, kept
-
-
-def _stack(*counts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([count for group in counts for count in group])
+    return with_leaves(value, items), counts, codes, kept
 
 
 class _ConvOfCodes(torch.autograd.Function):
-    """A convolution of a site's rounded values that saves their codes for a backward that decodes them a slice
-    at a time (``conv_backward_of_codes``), and its weight's fp32 master, a parameter held anyway, which the
-    backward rounds again by the weight's site (the same values: the same row, seed and element order), as the
-    eager runtime does (``packing._RoundedFromMaster``): no copy of the weight, codes or float32, is held from
-    the layer's forward to its backward."""
+    """A convolution of a site's rounded values that saves their codes for a backward decoding them a slice at a
+    time (``conv_backward_of_codes``), and its weight's fp32 master (held anyway), which the backward rounds again
+    by the weight's site (same row, seed and element order: the same values), as ``packing._RoundedFromMaster``
+    does: no copy of the weight is held from the layer's forward to its backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, codes: torch.Tensor,
@@ -409,8 +358,7 @@ class _ConvOfCodes(torch.autograd.Function):
             list(geometry.padding), list(geometry.dilation), geometry.groups, ctx.site.code, ctx.slice_rows,
             ctx.channels, need_input, need_weight)
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
-        return (grad_input if need_input else None, grad_weight if need_weight else None, grad_bias,
-                *[None] * 12)
+        return grad_input if need_input else None, grad_weight if need_weight else None, grad_bias, *[None] * 12
 
 
 class _BatchNormGradOfCodes(torch.autograd.Function):
@@ -617,21 +565,16 @@ def _round_at_sites(fx_graph: fx.Graph, plan: SitePlan, numbering: _SiteNumberin
 
 
 class RoundingGraph:
-    """The model's FX graph with a rounding site at every assignable tensor, and its compiled step.
-
-    ``run(model, x, rows, seed, counters)`` returns the model's output and the forward's overflow counts, one
-    per site; ``rows`` has one row per assignable tensor id (``graph.assignable_ids()`` order, the state's
-    rows), ``counters`` one float64 leaf per site whose gradient is rounded (``counters()``); ``counts``
-    turns both into (overflowed, elements, roundings, unencodable) per row.
-    """
+    """The model's FX graph with a rounding site at every assignable tensor, and its compiled step: ``run`` gives
+    the output and the forward's counts per site; ``rows`` has one row per assignable tensor id (the state's rows,
+    ``graph.assignable_ids()`` order); ``counts`` turns those and the ``counters()``' gradients into (overflowed,
+    elements, roundings, unencodable) per row."""
 
     def __init__(self, graph: TensorGraph, plan: SitePlan, roundings: dict[str, str], codes: tuple[int | None, ...],
                  scaled: tuple[ScaledFormat | None, ...], backend: str = "inductor",
                  arrive_rounded: frozenset[str] = frozenset()) -> None:
         rows = {tensor_id: row for row, tensor_id in enumerate(graph.assignable_ids())}
-        self.n_rows = len(rows)
-        self.backend = backend
-        self.batch_size = graph.batch_size
+        self.n_rows, self.backend, self.batch_size = len(rows), backend, graph.batch_size
         source = graph.graph_module
         # over a copy of the traced modules: every model of this structure passes its own tensors (functional_call)
         gm = fx.GraphModule(copy.deepcopy(source), copy.deepcopy(source.graph), f"{graph.model_name}Rounded")
@@ -648,9 +591,8 @@ class RoundingGraph:
         output.args = ((output.args[0], tuple(forward_counts), tuple(kept)),)
         gm.graph.lint()
         gm.recompile()
-        self.graph_module = gm
         weight_sites.update({site.param: numbering.add(site.value, site.gradient, False) for site in plan.weights})
-        self.weight_sites = weight_sites
+        self.graph_module, self.weight_sites = gm, weight_sites
         self.sites, self._counters = numbering.sites, numbering.counters
         self._set_up_step(graph)
 
@@ -678,12 +620,10 @@ class RoundingGraph:
             return backend(graph_module, example_inputs)
         with torch._inductor.config.patch(joint_custom_pre_pass=_RecomputeDecodes()):  # read as it partitions
             if self.backend == "inductor":
-                # buffer reuse off: Inductor holds a dead buffer until a later one of its size takes it, which kept
-                # 6 float32 activation gradients alive in ResNet-18's backward (1.11x the eager step's peak); the
-                # backward is lowered later, outside this block, so the patch travels with the compile
-                # layout optimization off: it lays every 4-d tensor upstream of a convolution out channels-last, and
-                # so saved each weight's master (``_ConvOfCodes``) as a channels-last float32 copy
-                # and each held weight gradient rounded as soon as it is made (``_HoldGradientsEarly``)
+                # buffer reuse off: Inductor holds a dead buffer until a later one of its size takes it (6 float32
+                # activation gradients alive in ResNet-18's backward, 1.11x the eager peak); the backward is lowered
+                # outside this block, so the patch travels with the compile. Layout optimization off: it saved each
+                # weight's master (``_ConvOfCodes``) as a channels-last float32 copy
                 return compile_fx(graph_module, example_inputs,
                                   config_patches={"allow_buffer_reuse": False, "layout_optimization": False,
                                                   "post_grad_custom_post_pass": _HoldGradientsEarly()})
@@ -786,10 +726,9 @@ def _history_input(slot: Slot, gradient: bool, training: bool, device: torch.dev
 
 def gradient_carrier(param: torch.Tensor, nbytes: int, slot: Slot) -> torch.Tensor:
     """A leaf of no storage (stride 0) whose gradient in the compiled backward is the bytes of ``param``'s rounded
-    gradient (``_held_bytes``: ``nbytes`` a value, and the scales of ``slot``'s format), which its hook decodes
-    into ``param.grad`` (the same values: rounded values are exactly the format's): the backward holds each
-    weight gradient as codes until it ends, as the eager runtime does (precsearch.runtime.gradients), not as
-    float32. A later backward accumulates into ``param.grad`` as autograd would."""
+    gradient (``_held_bytes``), which its hook decodes into ``param.grad`` (the same values): the backward holds
+    each weight gradient as codes, as the eager runtime does, not float32. A later backward accumulates into
+    ``param.grad`` as autograd would."""
     scaled, fmt = slot.scaled, slot.fmt
     n_codes = param.numel() * nbytes
     n_scales = 0 if scaled is None else math.prod(scaled.scales_shape(param.shape))
@@ -822,14 +761,14 @@ def _step(gm: fx.GraphModule, weight_sites: dict[str, tuple[Site, int | None]], 
         weight_counts.append(counted)
         weight_kept += kept
     output, counts, kept = torch.func.functional_call(gm, tensors, (x, rows, seed, counters, params, histories))
-    return output, _stack(*counts, weight_counts), [*(amaxes for group in kept for amaxes in group), *weight_kept]
+    counted = torch.cat([count for group in (*counts, weight_counts) for count in group])
+    return output, counted, [*(amaxes for group in kept for amaxes in group), *weight_kept]
 
 
 class CompiledStep:
-    """One wrapped model's use of the shared ``RoundingGraph``s: its graph (found again when the state's
-    promotions, which may change a site's code width, or whether weight gradients may be held as codes,
-    ``may_hold``, changed), its table of rows, a seed per step, and the counts handed to its state (a training
-    forward's only, as the eager path counts)."""
+    """One wrapped model's use of the shared ``RoundingGraph``s: its graph (found again when promotions or
+    ``may_hold`` may change a code width), its table of rows, a seed per step, and the counts handed to its state
+    (a training forward's only, as the eager path counts)."""
 
     def __init__(self, find_graph: Callable[[bool], RoundingGraph], state: TensorState,
                  may_hold: Callable[[], bool]) -> None:
@@ -892,10 +831,9 @@ def _code_width(slot: Slot, options: CompileOptions, holds: bool) -> int | None:
 
 def rounding_graph(graph: TensorGraph, plan: SitePlan, state: TensorState, options: CompileOptions,
                    built: CompiledGraphs, holds: bool) -> RoundingGraph:
-    """The ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per tensor kind and (with
-    ``options.saves_codes``) the code width of each row's format now (``_code_width``), and the outputs whose
-    gradients arrive rounded alike now, built (and its step compiled, on first use) once in ``built`` for the runs
-    that share it."""
+    """The ``RoundingGraph`` for ``graph``'s structure and sites, ``state``'s roundings per kind, each row's code
+    width now and the outputs whose gradients arrive rounded alike now: built once in ``built`` for the runs that
+    share it (its step compiled on first use)."""
     roundings: dict[str, str] = {}
     for slot in state.slots.values():
         roundings.setdefault(slot.kind, slot.rounding)

@@ -76,19 +76,29 @@ class _CodesInSlices:
         return batch_passes(self.slicer(), self.shape[0], rows)
 
 
+def _coded(values: torch.Tensor, overflowed: torch.Tensor, row: torch.Tensor,
+           nbytes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rounded ``values``, or (``nbytes``) their codes; and [values that overflowed, values the format has no code
+    for] (int32)."""
+    unencodable = torch.zeros_like(overflowed)
+    if nbytes is not None:
+        values, unencodable = encode_codes(values, row, nbytes)
+    return values, torch.stack([overflowed.to(torch.int32), unencodable.to(torch.int32)])
+
+
+def _what(nbytes: int | None) -> str:
+    return "rounded" if nbytes is None else f"rounded to {nbytes}-byte codes"
+
+
 def _site_kernel(rounding: str, nbytes: int | None):
-    """One pass over a flat tensor: its values rounded by ``row`` (``rounding`` a constant), or (``nbytes``)
-    their codes; and [values that overflowed, values the format has no code for] (int32)."""
+    """One pass over a flat tensor: its values rounded by ``row`` (``rounding`` a constant), or their codes, and
+    its counts (``_coded``)."""
 
     def round_site(flat: torch.Tensor, row: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values, overflowed = round_values(flat, row, seed, rounding, in_floats=True)  # compiled.unsupported: M > 0
-        unencodable = torch.zeros_like(overflowed)
-        if nbytes is not None:
-            values, unencodable = encode_codes(values, row, nbytes)
-        return values, torch.stack([overflowed.to(torch.int32), unencodable.to(torch.int32)])
+        # in floats: compiled.unsupported refuses nearest rounding to a format of no mantissa bit
+        return _coded(*round_values(flat, row, seed, rounding, in_floats=True), row, nbytes)
 
-    what = "rounded" if nbytes is None else f"rounded to {nbytes}-byte codes"
-    return labelled(f"site {what} ({rounding})", round_site)
+    return labelled(f"site {_what(nbytes)} ({rounding})", round_site)
 
 
 _SITE_KERNELS = {(rounding, nbytes): _site_kernel(rounding, nbytes)
@@ -169,15 +179,11 @@ def _scaled_site_kernel(name: str, nbytes: int | None, rows: int, padded: bool):
     def round_scaled_site(flat: torch.Tensor, row: torch.Tensor,
                           history: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         values, scales, amax, overflowed = _scaled_rounded(flat, row, fmt, rows, history)
-        unencodable = torch.zeros_like(overflowed)
-        if nbytes is not None:
-            values, unencodable = encode_codes(values, row, nbytes)
-        counts = torch.stack([overflowed.to(torch.int32), unencodable.to(torch.int32)])
+        values, counts = _coded(values, overflowed, row, nbytes)
         return (values.reshape(-1) if nbytes != 2 else values.reshape(2, -1), scales.reshape(-1), counts,
                 amax.reshape(-1))
 
-    what = "rounded" if nbytes is None else f"rounded to {nbytes}-byte codes"
-    return labelled(f"scaled site ({name}) {what}" + (" in padded rows" if padded else ""), round_scaled_site)
+    return labelled(f"scaled site ({name}) {_what(nbytes)}" + (" in padded rows" if padded else ""), round_scaled_site)
 
 
 @torch.library.custom_op("precsearch::round_scaled_site", mutates_args=(), tags=(torch.Tag.flexible_layout,))

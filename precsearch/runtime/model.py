@@ -15,32 +15,26 @@ It traces the model (precsearch.graph.tracing), checks that the policy was made 
 Each step in its own module of precsearch.runtime, each given what it needs explicitly:
 
 * ``state``: per tensor id, its format now, its overflow counts, promotion (the divergence guard).
-* ``norm_statistics``: batch norm's running statistics put back when the loss scaler skips a step (the forward
-  that overflowed or saturated must not leave its batch in them).
+* ``norm_statistics``: batch norm's running statistics put back when the loss scaler skips a step.
 * ``packing``: tensors autograd saves for backward held as the codes of their format, once per storage.
-* ``rounding``: the autograd Functions and the modules inserted to round weights, activations and their
-  gradients.
+* ``rounding``: the autograd Functions and modules that round weights, activations and their gradients.
 * ``instrument_fx`` (torch.ao's prepare_fx, rounding modules for observers), or ``instrument_hooks`` for
   untraceable models (function-call ops then not enforced and listed in ``unenforced``).
 * ``sliced``: Conv2d, BatchNorm2d and ReLU backwards decoding packed tensors a slice at a time.
 * ``gradients``: weight gradients rounded as they arrive and held as codes until the end of the backward.
 * ``weights``: pure low-precision weights (``master_weights=False``) and the optimizers keeping them.
-* op knowledge (which ops return no tensor, which outputs and gradients a rounding may write over, which layers
-  slice their backward and how) is the op rules' the graph was traced with (``TensorGraph.rules``, from
-  ``apply_policy(rules=...)``; precsearch.graph.op_rules): the runtime keeps no table of its own.
-* statistics: overflow fractions always (per step); underflow / subnormal / NaN fractions when
-  ``stats_every`` is set (every n-th step; they cost a few passes and a host read per tensor).
-* accumulation: with ``policy.accumulation`` the layers it names are swapped, in the user's model, for
-  precsearch.runtime.accumulate's chunked Linear/Conv2d (same Parameters), whose forward and backward GEMMs sum in
-  the accumulation format; ``accumulation_layers`` lists them and ``unwrap`` puts the plain layers back. The
-  model is traced before the swap, so the graph, its fingerprint and ``module_types`` rules (``"Conv2d"``)
-  are those of the plain model; the swap is a change of arithmetic, not of what tensors are stored.
+* op knowledge is the op rules' the graph was traced with (``TensorGraph.rules``): the runtime keeps no table.
+* statistics: overflow fractions always; underflow / subnormal / NaN fractions every ``stats_every``-th step
+  (they cost a few passes and a host read per tensor).
+* accumulation: ``policy.accumulation``'s layers are swapped, in the user's model, for
+  precsearch.runtime.accumulate's chunked Linear/Conv2d (same Parameters; ``unwrap`` puts them back). The model is
+  traced before the swap, so the graph, its fingerprint and rules are the plain model's: the swap changes
+  arithmetic, not what tensors are stored.
 
-Everything is simulated in float32 (models must be float32) and is device-agnostic. On CUDA, report
-``torch.cuda.max_memory_allocated()`` as the memory figure; on CPU use ``saved_bytes()``. Known limit: adaptive
-loss scaling scales a GEMM's gradient after the rounding of that gradient (the scaler's points are the GEMM
-nodes), so it protects the products the GEMM's backward forms, as in Zhao et al., not the rounding of its own
-output gradient.
+Everything is simulated in float32 (models must be float32), on any device. On CUDA, report
+``torch.cuda.max_memory_allocated()`` as the memory figure; on CPU ``saved_bytes()``. Known limit: adaptive loss scaling
+scales a GEMM's gradient after that gradient's rounding (its points are the GEMM nodes), so it protects the
+products the GEMM's backward forms, as in Zhao et al., not the rounding of its own output gradient.
 """
 
 from __future__ import annotations
@@ -95,7 +89,9 @@ class PrecisionModel(nn.Module):
         self.accumulation_layers = list(self._plain_layers)
         self.state = make_state(graph, policy, seed)
         self._packer = Packer(model)
-        self.scaler, self._handles = _policy_scaler(self, policy, graph, self.state, steps_per_epoch)
+        self.scaler, self._handles = _scaler_of(self, policy, graph, self.state, steps_per_epoch)
+        self.scaler.watch(self.state)  # the state's counts ride the scaler's one host read a step
+        keep_running_statistics(model, self.scaler, self.state)
         self.sites = plan_sites(graph, policy.gradient_rounding == "per_use", chunked=self.accumulation_layers)
         weights = low_weights(model, self.sites, self.state)
         self._optimizers = Optimizers(policy, weights, self._generator)
@@ -200,10 +196,6 @@ class PrecisionModel(nn.Module):
         self.state.flush()
         return {tensor_id: slot.name for tensor_id, slot in self.state.slots.items()}
 
-    def track_stats(self, every: int | None = 1) -> None:
-        """Gather underflow / subnormal / NaN fractions every ``every`` steps (None: only overflow counts)."""
-        self.stats_every = every
-
     def reset_stats(self) -> None:
         self.state.reset()
 
@@ -240,16 +232,6 @@ def _swap_accumulation(model: nn.Module, policy: Policy) -> dict[str, nn.Module]
     log.info("chunked %s accumulation (CL=%s) in %d layer(s)", policy.accumulation.format,
              policy.accumulation.chunk, len(names))
     return {name: before[name] for name in names}
-
-
-def _policy_scaler(wrapper: PrecisionModel, policy: Policy, graph: TensorGraph, state: TensorState,
-                   steps_per_epoch: int | None) -> tuple[LossScaler, list[Any]]:
-    """The loss scaler ``policy.loss_scaling`` names (``_scaler_of``), reading the state's counts in its one host
-    read a step and putting batch norm's statistics back when it skips a step; and the handles of its hooks."""
-    scaler, handles = _scaler_of(wrapper, policy, graph, state, steps_per_epoch)
-    scaler.watch(state)
-    keep_running_statistics(wrapper.module, scaler, state)
-    return scaler, handles
 
 
 def _scaler_of(wrapper: PrecisionModel, policy: Policy, graph: TensorGraph, state: TensorState,
@@ -302,24 +284,19 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                  compile: bool | CompileOptions = False, runtime: Runtime | None = None) -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
-    ``example_input`` (default: zeros of the policy's input shape) is used to trace the model at the
-    policy's batch size; a policy made for another graph raises unless ``strict=False``. ``seed`` seeds
-    stochastic rounding; ``stats_every`` turns on underflow statistics every n-th step; ``steps_per_epoch``
-    resolves a loss scale ``growth_interval`` of ``"epoch"`` (the paper's schedule). The layers of
-    ``policy.accumulation`` are swapped in ``model`` itself (``accumulation_layers`` names them). ``rules``: the
-    op rules to trace and train with (precsearch.graph.op_rules). Two memory-saving steps can be switched off, for
-    a user chasing a difference: ``hold_gradients`` (called in each backward) says whether low weight gradients
-    may be held as codes until the end of the backward (by default: while no process group is up, as DDP reads
-    ``.grad`` during the backward), and ``round_in_place=False`` rounds every activation and activation gradient
-    into a new tensor, never over the op's own output or the gradient it receives.
+    ``example_input`` (default: zeros of the policy's input shape) traces the model at the policy's batch size; a
+    policy made for another graph raises unless ``strict=False``. ``seed`` seeds stochastic rounding;
+    ``stats_every`` turns on underflow statistics every n-th step; ``steps_per_epoch`` resolves a loss scale
+    ``growth_interval`` of ``"epoch"``. ``policy.accumulation``'s layers are swapped in ``model`` itself. ``rules``:
+    the op rules to trace and train with. Two memory-saving steps can be switched off, for a user chasing a
+    difference: ``hold_gradients`` (called in each backward) says whether low weight gradients may be held as
+    codes until the end of the backward (by default: while no process group is up, as DDP reads ``.grad`` during
+    the backward), and ``round_in_place=False`` rounds every activation and activation gradient into a new tensor.
 
-    ``compile=True`` (or a ``CompileOptions``: the backend, whether saved tensors are held as codes) trains
-    with the compiled step (precsearch.runtime.compiled: the rounding fused into the model's own kernels by
-    ``torch.compile``, compiled once per model structure and code widths in ``runtime``; ``True`` is
-    ``CompileOptions()``), where the policy allows it (else one WARNING per runtime says why, and the step runs
-    eagerly). Forwards without gradients (evaluation) run eagerly. ``runtime``
-    (precsearch.formats.runner.Runtime; default: ``default_runtime()``) holds the compiled steps that models
-    wrapped in it share; the format kernels run on the default runtime's runner (``train`` makes its runtime the
+    ``compile=True`` (or a ``CompileOptions``) trains with the compiled step (precsearch.runtime.compiled),
+    compiled once per model structure and code widths in ``runtime`` (default: ``default_runtime()``), where the
+    policy allows it (else one WARNING per runtime says why, and the step runs eagerly); forwards without
+    gradients run eagerly. The format kernels run on the default runtime's runner (``train`` makes its runtime the
     default while it runs).
     """
     if not isinstance(policy, Policy):

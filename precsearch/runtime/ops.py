@@ -1,20 +1,17 @@
 """The runtime's tensor operations as ``torch.library`` ops: one dispatch each, traceable by ``torch.compile``.
 
-Each op is one call into precsearch.formats.kernels' fused kernels (one kernel when compiled), so a training step
-dispatches one op per rounded or unpacked tensor, and overflow counts stay on the device: the kernel's own
-pass adds them to ``counts``, an int64 tensor of 2 holding ``[overflowed, unencodable]`` for one tensor id,
-which the runtime reads once per step. The ops are defined with ``torch.library.Library`` (its
-dispatch to a Python kernel measured about 18 us a call on a 2-core CPU, ``torch.library.custom_op``'s about
-95 us) and have
-fake implementations, so ``torch.compile`` can trace through them. Their autograd formulas are the runtime's
-autograd Functions (precsearch.runtime.rounding and .sliced), which call these ops in forward and backward.
+Each op is one call into precsearch.formats.kernels' fused kernels, so a step dispatches one op per rounded or
+unpacked tensor, and overflow counts stay on the device: the kernel's pass adds them to ``counts``, an int64
+``[overflowed, unencodable]`` per tensor id, read once per step. Defined with ``torch.library.Library`` (its
+dispatch measured about 18 us a call on a 2-core CPU, ``custom_op``'s about 95 us), with fake implementations so
+``torch.compile`` traces through them. Their autograd formulas are the runtime's autograd Functions
+(precsearch.runtime.rounding and .sliced).
 
-* ``precsearch::round(x, counts, fmt, rounding, overflow, seed, with_codes) -> (rounded, codes)``:
-  ``x`` rounded to ``fmt``; ``codes`` are the format's bit patterns of the result (for packed storage; an
-  empty tensor without ``with_codes``). ``seed`` (an int64 tensor, advanced in place) drives stochastic
-  rounding.
-* ``precsearch::round_(x, counts, fmt, rounding, overflow, seed, with_codes) -> codes``: the same, written
-  over ``x`` in the same pass (weight gradients, and activations whose float32 values nothing else reads).
+* ``precsearch::round(x, counts, fmt, rounding, overflow, seed, with_codes) -> (rounded, codes)``: ``x`` rounded
+  to ``fmt``; ``codes`` its bit patterns (empty without ``with_codes``). ``seed`` (int64, advanced in place)
+  drives stochastic rounding.
+* ``precsearch::round_(...) -> codes``: the same, written over ``x`` in the same pass (weight gradients, and
+  activations whose float32 values nothing else reads).
 * ``precsearch::decode(codes, fmt, size, stride, offset) -> Tensor``: the float32 values of packed codes,
   viewed with the geometry of the tensor that was saved.
 

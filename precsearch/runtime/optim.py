@@ -1,14 +1,13 @@
 """Weight updates that survive low precision: fp32 master weights, or low-precision weights updated with
 nearest rounding, stochastic rounding or Kahan summation, and optimizer state held in a chosen format.
 
-``LowPrecisionOptimizer`` wraps an ordinary torch optimizer (SGD, Adam, AdamW). The inner optimizer always
-computes its update in float32 on the weight values; the wrapper decides what the model keeps:
+``LowPrecisionOptimizer`` wraps a torch SGD, Adam or AdamW, which computes its update in float32 on the weight
+values; the wrapper decides what the model keeps:
 
-* ``master_weights=True`` (Micikevicius et al. 2018): an fp32 master copy receives the update and the model
-  parameter holds ``quantize(master, weight_format)`` (rounded stochastically with ``update="stochastic"``).
-* ``master_weights=False`` (pure 16-bit training, Zamirai et al., "Revisiting BFloat16 Training"): the
-  parameter itself is the low-precision weight. The update ``u = quantize(new - old)`` (a low-precision
-  tensor, as pure 16-bit arithmetic would produce) is applied with ``update=``
+* ``master_weights=True`` (Micikevicius et al. 2018): an fp32 master receives the update and the parameter holds
+  ``quantize(master, weight_format)`` (rounded stochastically with ``update="stochastic"``).
+* ``master_weights=False`` (pure 16-bit training, Zamirai et al.): the parameter is the low-precision weight, and
+  the update ``u = quantize(new - old)`` (as pure 16-bit arithmetic would produce it) is applied with ``update=``
 
   - ``"nearest"``: ``w = Q(w + u)``; updates under half an ulp of ``w`` are lost;
   - ``"stochastic"``: ``w = SR(w + u)``, unbiased, so small updates survive on average;
@@ -18,15 +17,13 @@ computes its update in float32 on the weight values; the wrapper decides what th
 Sums are formed in float32 and rounded once to the format, so a result differs from a correctly rounded
 low-precision add only when the float32 sum itself was inexact and lands on a midpoint of the format.
 
-Optimizer state (momentum, Adam moments) is rounded to ``state_format`` after every step. Range rule: a state
-holding gradient-sized values needs at least 5 exponent bits (fp16's range, the narrowest the seed papers
-use for gradients); Adam's second moments hold squared gradients, whose exponents span twice the range, so
-they need at least 8 (bf16/fp32). ``state_format`` may name one format or map state names to formats.
+Optimizer state (momentum, Adam moments) is rounded to ``state_format`` (one format, or one per state name)
+after every step. Range rule: gradient-sized state needs at least 5 exponent bits (fp16's range, the narrowest
+the seed papers use for gradients); Adam's second moments hold squared gradients, twice the exponent range, so 8.
 
-Memory per parameter (``update_bytes_per_param``, bits / 8 so sub-byte formats count as packed):
-``weight = bits(weight_format)/8``, ``master_weight = 4 if master_weights``,
-``compensation = bits(compensation_format)/8 if kahan``, ``optimizer_state = sum over the optimizer's state
-tensors of bits(state format or fp32)/8`` (SGD: 1 tensor with momentum, else 0; Adam/AdamW: 2, 3 with amsgrad).
+Memory per parameter (``update_bytes_per_param``, bits / 8 so sub-byte formats count as packed): the weight's
+bits, 4 bytes of master with ``master_weights``, the compensation format's bits with kahan, and each optimizer
+state tensor's format (or fp32) bits (SGD: 1 tensor with momentum, else 0; Adam/AdamW: 2, 3 with amsgrad).
 """
 
 from __future__ import annotations
@@ -42,21 +39,12 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
 from precsearch.formats.kernels import quantize
 
-__all__ = [
-    "SUPPORTED_OPTIMIZERS",
-    "LowPrecisionOptimizer",
-    "apply_update",
-    "update_bytes_per_param",
-    "from_config",
-]
+__all__ = ["SUPPORTED_OPTIMIZERS", "LowPrecisionOptimizer", "apply_update", "update_bytes_per_param", "from_config"]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-}
+SUPPORTED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+                                                                 "adamw": torch.optim.AdamW}
 FormatSpec = str | FloatFormat
 
 
@@ -71,10 +59,8 @@ def _optimizer_kind(optimizer: torch.optim.Optimizer | str | type) -> str:
             if cls is supported:
                 return kind
     name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", type(optimizer).__name__)
-    raise PrecsearchError(
-        f"optimizer {name} is not supported by LowPrecisionOptimizer: use torch.optim "
-        + ", ".join(cls.__name__ for cls in SUPPORTED_OPTIMIZERS.values())
-    )
+    raise PrecsearchError(f"optimizer {name} is not supported by LowPrecisionOptimizer: use torch.optim "
+                          + ", ".join(cls.__name__ for cls in SUPPORTED_OPTIMIZERS.values()))
 
 
 def _state_names(kind: str, group: Mapping[str, Any]) -> list[str]:
@@ -89,65 +75,38 @@ def _check_state_range(kind: str, specs: Mapping[str, str]) -> None:
         fmt = get_format(spec)
         relevant = name == "momentum_buffer" if kind == "sgd" else name != "momentum_buffer"
         if relevant and fmt.exp < STATE_MIN_EXP[name]:
-            raise PrecsearchError(
-                f"state format {fmt} has {fmt.exp} exponent bits, too few for {name} (needs >= "
-                f"{STATE_MIN_EXP[name]}): use e.g. {'bf16' if STATE_MIN_EXP[name] == 8 else 'fp16 or bf16'}"
-            )
+            raise PrecsearchError(f"state format {fmt} has {fmt.exp} exponent bits, too few for {name} (needs >= "
+                                  f"{STATE_MIN_EXP[name]}): use e.g. "
+                                  f"{'bf16' if STATE_MIN_EXP[name] == 8 else 'fp16 or bf16'}")
 
 
-def _bytes_per_param(
-    kind: str,
-    weight: FloatFormat,
-    update: str,
-    master_weights: bool,
-    state_specs: Mapping[str, str],
-    compensation: FloatFormat | None,
-    group: Mapping[str, Any],
-) -> dict[str, float]:
+def _bytes_per_param(kind: str, weight: FloatFormat, update: str, master_weights: bool, state_specs: Mapping[str, str],
+                     compensation: FloatFormat | None, group: Mapping[str, Any]) -> dict[str, float]:
     low = not weight.is_fp32
     state_bits = sum(get_format(state_specs.get(name, "fp32")).bits for name in _state_names(kind, group))
-    return {
-        "weight": weight.bits / 8,
-        "master_weight": 4.0 if master_weights and low else 0.0,
-        "compensation": (compensation or weight).bits / 8 if update == "kahan" and low else 0.0,
-        "optimizer_state": state_bits / 8,
-    }
+    return {"weight": weight.bits / 8, "master_weight": 4.0 if master_weights and low else 0.0,
+            "compensation": (compensation or weight).bits / 8 if update == "kahan" and low else 0.0,
+            "optimizer_state": state_bits / 8}
 
 
-def update_bytes_per_param(
-    optimizer: torch.optim.Optimizer | str | type,
-    config: UpdateConfig | Mapping[str, Any],
-    momentum: bool = True,
-    amsgrad: bool = False,
-) -> dict[str, float]:
-    """Bytes per parameter of the weight, its fp32 master, its Kahan buffer and its optimizer state.
-
-    ``momentum`` (SGD) and ``amsgrad`` (Adam/AdamW) say which state tensors exist; the cost model multiplies
-    these by each parameter's element count.
-    """
+def update_bytes_per_param(optimizer: torch.optim.Optimizer | str | type, config: UpdateConfig | Mapping[str, Any],
+                           momentum: bool = True, amsgrad: bool = False) -> dict[str, float]:
+    """Bytes per parameter of the weight, its fp32 master, its Kahan buffer and its optimizer state; ``momentum``
+    (SGD) and ``amsgrad`` (Adam/AdamW) say which state tensors exist."""
     kind = _optimizer_kind(optimizer)
     cfg = config if isinstance(config, UpdateConfig) else UpdateConfig.from_dict(config)
     comp = None if cfg.compensation_format is None else get_format(cfg.compensation_format)
     group = {"momentum": 1.0 if momentum else 0.0, "amsgrad": amsgrad}
     specs = state_specs(cfg.state_format)
     _check_state_range(kind, specs)  # price only what LowPrecisionOptimizer accepts
-    return _bytes_per_param(kind, get_format(cfg.weight_format), cfg.update, cfg.master_weights, specs,
-                            comp, group)
+    return _bytes_per_param(kind, get_format(cfg.weight_format), cfg.update, cfg.master_weights, specs, comp, group)
 
 
-def apply_update(
-    weight: torch.Tensor,
-    delta: torch.Tensor,
-    fmt: FormatSpec,
-    update: str = "nearest",
-    compensation: torch.Tensor | None = None,
-    compensation_format: FormatSpec | None = None,
-    generator: torch.Generator | None = None,
-) -> None:
-    """Add ``delta`` to the low-precision ``weight`` in place, by ``update`` rule (see the module docstring).
-
-    ``compensation`` (Kahan only) is a buffer like ``weight``, zero at the start, updated in place.
-    """
+def apply_update(weight: torch.Tensor, delta: torch.Tensor, fmt: FormatSpec, update: str = "nearest",
+                 compensation: torch.Tensor | None = None, compensation_format: FormatSpec | None = None,
+                 generator: torch.Generator | None = None) -> None:
+    """Add ``delta`` to the low-precision ``weight`` in place, by ``update`` rule (see the module docstring);
+    ``compensation`` (Kahan only) is a buffer like ``weight``, zero at the start, updated in place."""
     if update not in UPDATES:
         raise PrecsearchError(f"unknown weight update {update!r}: use one of {', '.join(UPDATES)}")
     u = quantize(delta, fmt)
@@ -174,16 +133,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     and loss scalers work on either.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        weight_format: FormatSpec | Mapping[torch.Tensor, FormatSpec] = "bf16",
-        update: str = "nearest",
-        master_weights: bool = True,
-        state_format: str | Mapping[str, str] | None = None,
-        generator: torch.Generator | None = None,
-        compensation_format: FormatSpec | None = None,
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 weight_format: FormatSpec | Mapping[torch.Tensor, FormatSpec] = "bf16", update: str = "nearest",
+                 master_weights: bool = True, state_format: str | Mapping[str, str] | None = None,
+                 generator: torch.Generator | None = None, compensation_format: FormatSpec | None = None) -> None:
         self._kind = _optimizer_kind(optimizer)
         formats = weight_format if isinstance(weight_format, Mapping) else None
         comp_spec = None if compensation_format is None else str(get_format(compensation_format))
@@ -192,14 +145,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                          compensation_format=comp_spec)  # validates the combination for every weight format
         self._state_specs = state_specs(state_format)
         _check_state_range(self._kind, self._state_specs)
-        self.optimizer = optimizer
-        self.update = update
-        self.master_weights = master_weights
-        self.generator = generator
+        self.optimizer, self.update, self.master_weights, self.generator = optimizer, update, master_weights, generator
         self._compensation_format = None if compensation_format is None else get_format(compensation_format)
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
+        self.param_groups, self.state = optimizer.param_groups, optimizer.state
         self._format: dict[torch.Tensor, FloatFormat] = {}
         self._master: dict[torch.Tensor, torch.Tensor] = {}
         self._compensation: dict[torch.Tensor, torch.Tensor] = {}
@@ -210,7 +159,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     continue
                 self._format[p] = fmt
                 if master_weights:
-                    self._master[p] = p.detach().clone(memory_format=torch.preserve_format).float()
+                    self._master[p] = _fp32_copy(p)
                     p.copy_(self._round(self._master[p], fmt))
                 else:
                     p.copy_(quantize(p.detach().float(), fmt))
@@ -285,7 +234,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                      compensation_format=None if self._compensation_format is None else str(self._compensation_format))
         self._format[param] = fmt
         if self.master_weights:
-            master = self._master.setdefault(param, param.detach().clone(memory_format=torch.preserve_format).float())
+            master = self._master.setdefault(param, _fp32_copy(param))
             param.copy_(self._round(master, fmt))
             return
         param.copy_(quantize(param.detach().float(), fmt))
@@ -310,12 +259,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         params = self._params()
-        return {
-            "inner": self.optimizer.state_dict(),
-            "master": {i: self._master[p].clone() for i, p in enumerate(params) if p in self._master},
-            "compensation": {i: self._compensation[p].clone() for i, p in enumerate(params) if p in self._compensation},
-            "formats": {i: self._format[p].name for i, p in enumerate(params) if p in self._format},
-        }
+        return {"inner": self.optimizer.state_dict(),
+                "master": {i: self._master[p].clone() for i, p in enumerate(params) if p in self._master},
+                "compensation": {i: self._compensation[p].clone() for i, p in enumerate(params)
+                                 if p in self._compensation},
+                "formats": {i: self._format[p].name for i, p in enumerate(params) if p in self._format}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = sorted({"inner", "master", "compensation"} - set(state_dict))
@@ -347,7 +295,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 continue
             self._format[p] = get_format(formats[i])
             if self.master_weights:
-                self._master.setdefault(p, p.detach().clone(memory_format=torch.preserve_format).float())
+                self._master.setdefault(p, _fp32_copy(p))
             elif self.update == "kahan":
                 self._compensation.setdefault(p, torch.zeros_like(p))
 
@@ -356,25 +304,19 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 f"master_weights={self.master_weights}, state={self._state_specs or 'fp32'})")
 
 
-def from_config(
-    optimizer: torch.optim.Optimizer,
-    config: Mapping[str, Any],
-    weight_format: FormatSpec | Mapping[torch.Tensor, FormatSpec] | None = None,
-    generator: torch.Generator | None = None,
-) -> LowPrecisionOptimizer:
-    """A ``LowPrecisionOptimizer`` from a policy's ``optimizer`` dict (keys: ``UpdateConfig``'s fields).
-
-    ``weight_format`` (e.g. the runtime's per-parameter formats from the policy) overrides the config's.
-    """
+def from_config(optimizer: torch.optim.Optimizer, config: Mapping[str, Any],
+                weight_format: FormatSpec | Mapping[torch.Tensor, FormatSpec] | None = None,
+                generator: torch.Generator | None = None) -> LowPrecisionOptimizer:
+    """A ``LowPrecisionOptimizer`` from a policy's ``optimizer`` dict (keys: ``UpdateConfig``'s fields);
+    ``weight_format`` (e.g. the runtime's per-parameter formats from the policy) overrides the config's."""
     cfg = UpdateConfig.from_dict(config)
     if generator is None and cfg.seed is not None:
         generator = torch.Generator().manual_seed(cfg.seed)
-    return LowPrecisionOptimizer(
-        optimizer,
-        weight_format=cfg.weight_format if weight_format is None else weight_format,
-        update=cfg.update,
-        master_weights=cfg.master_weights,
-        state_format=cfg.state_format,
-        generator=generator,
-        compensation_format=cfg.compensation_format,
-    )
+    return LowPrecisionOptimizer(optimizer, weight_format=cfg.weight_format if weight_format is None else weight_format,
+                                 update=cfg.update, master_weights=cfg.master_weights, state_format=cfg.state_format,
+                                 generator=generator, compensation_format=cfg.compensation_format)
+
+
+def _fp32_copy(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's fp32 master, laid out as the parameter."""
+    return p.detach().clone(memory_format=torch.preserve_format).float()

@@ -1,12 +1,11 @@
 """Saved-tensor packing: tensors autograd saves for backward are held as the codes of their format.
 
-``Packer.forward()`` is the ``saved_tensors_hooks`` context of one forward. A rounding registers its result
-and codes (``register``; the round op makes the codes in the same pass; a scaled format's come with its e8m0
-scales, ``ops.Codes``); saves of that storage are then held
-as its codes, once per storage, however many ops save it. An op that saved its own output before the rounding
-ran (ReLU saves its result) is switched to the rounded codes too, as low-precision hardware would store them.
-A weight rounded to nearest is saved as its fp32 master and rounded again in the backward
-(``register_weight``). ``last`` reports what the last forward kept (``SavedBytes``).
+``Packer.forward()`` is the ``saved_tensors_hooks`` context of one forward. A rounding registers its result and
+codes (``register``; the round op makes the codes in the same pass; a scaled format's come with its e8m0 scales,
+``ops.Codes``); saves of that storage are then held as its codes, once per storage, however many ops save it. An
+op that saved its own output before the rounding ran (ReLU saves its result) is switched to the rounded codes too,
+as low-precision hardware would store them. A weight rounded to nearest is saved as its fp32 master and rounded
+again in the backward (``register_weight``). ``last`` reports what the last forward kept (``SavedBytes``).
 """
 
 from __future__ import annotations
@@ -154,8 +153,7 @@ class _RoundedFromMaster(_Packed):
         return whole if geometry == (whole.shape, whole.stride(), 0) else whole.as_strided(*geometry)
 
     def _part(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self.state.round_again(self._master().narrow(dim, start, length).contiguous(), self.args,
-                                      in_place=True)
+        return self.state.round_again(self._master().narrow(dim, start, length).contiguous(), self.args, in_place=True)
 
 
 class Stored:

@@ -1,16 +1,14 @@
 """Rounding in the forward and backward: the autograd Functions, and the modules the instrumentation inserts.
 
-* weights: the forward computes with ``round(param)`` through ``RoundWeight``, whose backward passes the
-  gradient straight through, so the parameters stay fp32 masters for any optimizer (Micikevicius et al.); a
-  layer's backward rounds its master again (precsearch.runtime.packing: the same values, no copy of the weight
-  held in between; a weight rounded stochastically keeps its codes instead).
-* activations: rounded by the module after their op (``Rounder``, through ``RoundActivation``); its backward
-  rounds the activation's gradient, on the loss-scaled values. With ``gradient_rounding: per_use`` (the
-  paper's reference), an activation with several consumers gets a ``GradUse`` before each, which rounds that
-  consumer's gradient, and autograd sums the rounded gradients in float32.
+* weights: the forward computes with ``round(param)`` through ``RoundWeight``, whose backward passes the gradient
+  straight through, so the parameters stay fp32 masters for any optimizer (Micikevicius et al.); a layer's
+  backward rounds its master again (precsearch.runtime.packing; a stochastically rounded weight keeps codes).
+* activations: rounded by the module after their op (``Rounder``, through ``RoundActivation``), whose backward
+  rounds the (loss-scaled) gradient. With ``gradient_rounding: per_use`` (the paper's reference) a ``GradUse``
+  before each consumer rounds that consumer's gradient, and autograd sums the rounded gradients in float32.
 
-Every inserted module is given the ``Rounding`` (state, packer, low weights) it rounds with at construction;
-none refers to the wrapper.
+Every inserted module is given the ``Rounding`` (state, packer, low weights) it rounds with; none refers to the
+wrapper.
 """
 
 from __future__ import annotations
@@ -116,13 +114,12 @@ class RoundActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: TensorState, act: Slot, grad: Slot | None,
                 with_codes: bool, in_place: bool, grad_in_place: bool) -> Any:
-        ctx.state, ctx.grad, ctx.count = state, grad, state.counting  # an evaluation's backward counts nothing
-        ctx.grad_in_place = grad_in_place
+        # an evaluation's backward counts nothing
+        ctx.state, ctx.grad, ctx.count, ctx.grad_in_place = state, grad, state.counting, grad_in_place
         return _round_forward(ctx, x, state, act, with_codes, in_place)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor | None, None, None, None, None,
-                                                                  None, None]:
+    def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor | None, None, ...]:
         if ctx.grad is not None and g is not None:
             if ctx.grad_in_place and g.is_contiguous():
                 ctx.state.round_(g, ctx.grad, count=ctx.count)
@@ -147,18 +144,15 @@ class RoundWeight(torch.autograd.Function):
 
 class Rounder(nn.Module):
     """The module inserted after an op: rounds each output position that has a slot (act, grad). With
-    ``in_place`` (set by ``instrument_fx`` where the plan says ``OpSites.fresh_output``) it may write
-    the rounded values over the op's output (``Packer.fresh`` says when). It rounds the output's gradient over
-    itself, unless a backward hook of the reading module may keep it, with ``grad_in_place`` (the gradient
-    arrives as a new tensor, ``OpSites.fresh_gradient``) and where the gradient is an add's output
-    gradient that ``grad_source`` rounded exactly as this one rounds (``OpSites.gradient_from``): the values do
-    not change then, so the add's other input, which holds the same tensor, sees no difference."""
+    ``in_place`` (``OpSites.fresh_output``) it may write the rounded values over the op's output (``Packer.fresh``
+    says when). It rounds the gradient over itself with ``grad_in_place`` (it arrives as a new tensor,
+    ``OpSites.fresh_gradient``) and where it is an add's output gradient that ``grad_source`` rounded exactly so
+    (``OpSites.gradient_from``: the values do not change, so the add's other input, holding the same tensor, sees
+    no difference); never where a backward hook of the reading module may keep it."""
 
     def __init__(self, rounding: Rounding, slots: dict[int, tuple[Slot, Slot | None]], op: str) -> None:
         super().__init__()
-        self.op = op
-        self.rounding = rounding
-        self.slots = slots
+        self.op, self.rounding, self.slots = op, rounding, slots
         self.in_place = self.grad_in_place = False
         self.grad_source: Slot | None = None  # the add's output gradient this one's is (``OpSites.gradient_from``)
         self.__dict__["reader"] = None  # the module reading the output, when its gradient may be rounded over
@@ -195,8 +189,7 @@ class Alias(nn.Module):
 
     def __init__(self, rounding: Rounding, slot: Slot) -> None:
         super().__init__()
-        self.rounding = rounding
-        self.slot = slot
+        self.rounding, self.slot = rounding, slot
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -210,8 +203,7 @@ class GradUse(nn.Module):
 
     def __init__(self, rounding: Rounding, slot: Slot) -> None:
         super().__init__()
-        self.rounding = rounding
-        self.slot = slot
+        self.rounding, self.slot = rounding, slot
 
     def forward(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or not value.requires_grad or not self.slot.is_low:
@@ -240,8 +232,7 @@ class RoundedWeight(nn.Module):
 
     def __init__(self, rounding: Rounding, qualified: str) -> None:
         super().__init__()
-        self.rounding = rounding
-        self.qualified = qualified
+        self.rounding, self.qualified = rounding, qualified
 
     def forward(self, param: torch.Tensor) -> torch.Tensor:
         return self.rounding.weight(self.qualified)

@@ -1,25 +1,19 @@
 """Loss scaling for low-precision gradients: static, dynamic (GradScaler semantics) and adaptive per layer.
 
-All scalers share torch.amp.GradScaler's surface so a training loop (or the runtime wrapper) can hold any of
-them: ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``, plus ``unscale_``,
-``get_scale``, ``state_dict`` / ``load_state_dict`` and the counters ``steps`` and ``skipped_steps``.
+All scalers share torch.amp.GradScaler's surface (``scale``, ``unscale_``, ``step``, ``update``, ``get_scale``,
+``state_dict`` / ``load_state_dict``, counters ``steps`` and ``skipped_steps``), so a loop can hold any of them.
 
-Overflow test. A step overflowed when a (still scaled) gradient of the optimizer holds inf/NaN, or, when an
-``overflow_format`` is given, a magnitude >= that format's max: a saturating format (no inf code, like the
-paper's ``e5m2s``) turns every overflow into +-max, so without this test the scaler would never react.
-``overflow_check`` (a callable on each gradient tensor) replaces the format test for anything else, and the
-runtime can flag an overflow it saw elsewhere (e.g. in an activation gradient) with ``record_overflow()``.
+A step overflowed when a (still scaled) gradient holds inf/NaN or, with ``overflow_format``, a magnitude >= that
+format's max: a saturating format (no inf code, like ``e5m2s``) turns every overflow into +-max, which the scaler
+would otherwise never see. ``overflow_check`` (a callable per gradient) replaces the format test, and the runtime
+flags an overflow seen elsewhere (an activation gradient) with ``record_overflow()``.
 
-Host synchronisation: the gradients' test is computed on the device (one inf-norm per gradient, in one
-foreach call) and read once per optimizer step, together with what ``watch``-ed step checks (the runtime's
-overflow counts) have pending, in a single transfer. ``overflow_check`` callables return Python bools, so
-they cost a synchronisation per gradient.
+The gradients' test runs on the device (one foreach inf-norm) and is read once per optimizer step together with
+the ``watch``-ed checks' pending values (the runtime's overflow counts), in one transfer; an ``overflow_check``
+returns Python bools, so it costs a synchronisation per gradient.
 
-Adaptive loss scaling (Zhao et al. 2019) lives in ``AdaptiveLossScaler``; its docstring says exactly what it
-computes.
-
-Each scaler takes its defaults from precsearch.config.loss_scaling's ``OPTIONS`` and checks its arguments with
-its ``check_option``, so a policy file and a Python call are held to the same ranges with the same words.
+Defaults and ranges come from precsearch.config.loss_scaling (``OPTIONS``, ``check_option``), so a policy file
+and a Python call are held to the same ranges in the same words.
 """
 
 from __future__ import annotations
@@ -40,17 +34,8 @@ from precsearch.errors import PrecsearchError
 from precsearch.formats.format import FloatFormat, get_format
 from precsearch.graph.op_rules import OP_RULES
 
-__all__ = [
-    "LossScaler",
-    "NoLossScaler",
-    "StaticLossScaler",
-    "DynamicLossScaler",
-    "AdaptiveLossScaler",
-    "LayerScale",
-    "SCALERS",
-    "epoch_growth",
-    "make_scaler",
-]
+__all__ = ["LossScaler", "NoLossScaler", "StaticLossScaler", "DynamicLossScaler", "AdaptiveLossScaler", "LayerScale",
+           "SCALERS", "epoch_growth", "make_scaler"]
 
 log = logging.getLogger(__name__)
 
@@ -93,23 +78,13 @@ class _Schedule:
         return value, tracker
 
 
-def _params_with_grad(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-
 class LossScaler:
     """A fixed loss scale that skips the optimizer step when a gradient overflowed (base of all scalers)."""
 
     _kind = "static"
 
-    def __init__(
-        self,
-        init_scale: float,
-        *,
-        overflow_format: str | FloatFormat | None = None,
-        overflow_check: OverflowCheck | None = None,
-        skip_on_overflow: bool = True,
-    ) -> None:
+    def __init__(self, init_scale: float, *, overflow_format: str | FloatFormat | None = None,
+                 overflow_check: OverflowCheck | None = None, skip_on_overflow: bool = True) -> None:
         if overflow_format is not None and overflow_check is not None:
             raise PrecsearchError("give either overflow_format or overflow_check to a loss scaler, not both")
         self._scale = check_option("init_scale", init_scale, "init_scale")
@@ -150,7 +125,7 @@ class LossScaler:
         key = id(optimizer)
         if key in self._found:
             raise PrecsearchError("unscale_() was already called on this optimizer since the last update()")
-        grads = _params_with_grad(optimizer)
+        grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self._found[key] = self._read(self._overflow_flag([p.grad for p in grads]))
         by_divisor: dict[float, list[torch.Tensor]] = {}
         for p in grads:
@@ -200,19 +175,9 @@ class LossScaler:
         self._recorded_overflow = False
         self._skip_requested = False
 
-    @property
-    def found_overflow(self) -> bool:
-        """Whether the current iteration has overflowed so far."""
-        return self._recorded_overflow or any(self._found.values())
-
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self._kind,
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-        }
+        return {"kind": self._kind, "scale": self._scale, "growth_tracker": self._growth_tracker,
+                "steps": self.steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = sorted(set(self.state_dict()) - set(state))
@@ -249,13 +214,8 @@ class LossScaler:
 class StaticLossScaler(LossScaler):
     """A fixed loss scale (Micikevicius et al. 2018 used e.g. 8 or 128 per model); steps skipped on overflow."""
 
-    def __init__(
-        self,
-        init_scale: float,
-        *,
-        overflow_format: str | FloatFormat | None = None,
-        overflow_check: OverflowCheck | None = None,
-    ) -> None:
+    def __init__(self, init_scale: float, *, overflow_format: str | FloatFormat | None = None,
+                 overflow_check: OverflowCheck | None = None) -> None:
         super().__init__(init_scale, overflow_format=overflow_format, overflow_check=overflow_check)
 
 
@@ -335,15 +295,15 @@ def _reduction_fan(module: nn.Module) -> int:
 class AdaptiveLossScaler(LossScaler):
     """Adaptive layer-wise loss scaling (Zhao et al. 2019), computed during backward with autograd hooks.
 
-    ``attach(model)`` marks scaled points: every layer with a weight of rank >= 2 (Linear, Conv) and the model
-    output. When the backward pass reaches a point, the gradient ``g`` arriving at it (already carrying the
-    cumulative scale ``s`` of its path) is multiplied by a factor ``alpha`` computed from statistics:
+    ``attach(model)`` marks scaled points: every GEMM layer (Linear, Conv) and the model output. When the backward
+    reaches a point, the gradient ``g`` arriving there (carrying its path's cumulative scale ``s``) is multiplied
+    by a factor ``alpha`` computed from statistics:
 
-    * the products ``p = g * w`` of the layer's input-gradient GEMM: ``g`` and ``w`` are modelled as
-      independent zero-mean Gaussians with standard deviations ``rms(g)`` and ``rms(w)``, so
-      ``p / (rms(g) * rms(w))`` has the product-normal density ``K0(|z|) / pi``. (The authors' code treats
-      ``p`` itself as Gaussian with ``sigma_p = rms(g) * rms(w)``; that misses the product's log-singular
-      mass near zero and lets several times the target rate underflow, as tests/test_scaling.py measures.)
+    * the products ``p = g * w`` of the layer's input-gradient GEMM: ``g`` and ``w`` are modelled as independent
+      zero-mean Gaussians of standard deviations ``rms(g)`` and ``rms(w)``, so ``p / (rms(g) * rms(w))`` has the
+      product-normal density ``K0(|z|) / pi``. (The authors' code treats ``p`` as Gaussian with ``sigma_p =
+      rms(g) * rms(w)``, which misses the product's log-singular mass near zero and lets several times the
+      target rate underflow, as tests/test_scaling.py measures.)
     * underflow bound: the smallest ``alpha`` with ``P(|alpha * p| < u) <= underflow_rate`` where ``u`` is
       the gradient format's min subnormal: ``alpha_u = u / (t * rms(g) * rms(w))`` with ``t`` the
       ``underflow_rate`` quantile of ``|z|``, never below 1. At the model output the gradient itself is
@@ -356,33 +316,27 @@ class AdaptiveLossScaler(LossScaler):
     * ``alpha = 2 ** floor(log2(min(alpha_u, alpha_o, max_scale / s))))``: a power of two (exact to apply and
       to divide out), and the cumulative scale is capped by ``max_scale``.
 
-    The gradient then carries ``s * alpha`` into the layer's backward, so its weight gradient and the input
-    gradient it passes on are scaled by it. Scales travel with gradients through every autograd node; where
-    branches meet (a residual add, a tensor used twice), the later contribution is rescaled by a power of two
-    to the scale of the first, so sums never mix scales. Each parameter's gradient is divided by its own
-    cumulative scale in ``unscale_`` before the update. An overflow still skips the step (inf/NaN or the
-    ``overflow_format`` test); ``max_scale`` then follows GradScaler's rule (backoff on overflow, growth after
+    The gradient then carries ``s * alpha`` into the layer's backward (its weight gradient and the input gradient
+    it passes on). Scales travel with gradients through every autograd node; where branches meet (a residual add,
+    a tensor used twice), the later contribution is rescaled by a power of two to the first's scale, so sums never
+    mix scales. ``unscale_`` divides each parameter's gradient by its own cumulative scale. An overflow still
+    skips the step; ``max_scale`` then follows GradScaler's rule (backoff on overflow, growth after
     ``growth_interval`` clean steps, never above its initial value).
 
-    Call ``optimizer.zero_grad()`` between iterations: a gradient left over from an earlier iteration carries
-    an unknown scale. Per-layer formats: ``attach(model, grad_formats={"layer1.conv": "e5m2"})``.
+    Call ``optimizer.zero_grad()`` between iterations: a leftover gradient carries an unknown scale. Per-layer
+    formats: ``attach(model, grad_formats={"layer1.conv": "e5m2"})``.
     """
 
     _kind = "adaptive"
 
-    def __init__(
-        self,
-        grad_format: str | FloatFormat = OPTIONS["adaptive"]["grad_format"],
-        underflow_rate: float = OPTIONS["adaptive"]["underflow_rate"],
-        init_scale: float = OPTIONS["adaptive"]["init_scale"],
-        max_scale: float = OPTIONS["adaptive"]["max_scale"],
-        growth_factor: float = OPTIONS["adaptive"]["growth_factor"],
-        backoff_factor: float = OPTIONS["adaptive"]["backoff_factor"],
-        growth_interval: int = OPTIONS["adaptive"]["growth_interval"],
-        *,
-        overflow_format: str | FloatFormat | None = None,
-        overflow_check: OverflowCheck | None = None,
-    ) -> None:
+    def __init__(self, grad_format: str | FloatFormat = OPTIONS["adaptive"]["grad_format"],
+                 underflow_rate: float = OPTIONS["adaptive"]["underflow_rate"],
+                 init_scale: float = OPTIONS["adaptive"]["init_scale"],
+                 max_scale: float = OPTIONS["adaptive"]["max_scale"],
+                 growth_factor: float = OPTIONS["adaptive"]["growth_factor"],
+                 backoff_factor: float = OPTIONS["adaptive"]["backoff_factor"],
+                 growth_interval: int = OPTIONS["adaptive"]["growth_interval"], *,
+                 overflow_format: str | FloatFormat | None = None, overflow_check: OverflowCheck | None = None) -> None:
         super().__init__(init_scale, overflow_format=overflow_format, overflow_check=overflow_check)
         self.grad_format = get_format(grad_format)
         self.underflow_rate = check_option("underflow_rate", underflow_rate, "underflow_rate")
@@ -400,13 +354,9 @@ class AdaptiveLossScaler(LossScaler):
 
     # -- registration ---------------------------------------------------------------------------------
 
-    def attach(
-        self,
-        model: nn.Module,
-        layers: LayerSelector | None = None,
-        grad_formats: dict[str, str | FloatFormat] | None = None,
-        include_output: bool = True,
-    ) -> list[torch.utils.hooks.RemovableHandle]:
+    def attach(self, model: nn.Module, layers: LayerSelector | None = None,
+               grad_formats: dict[str, str | FloatFormat] | None = None,
+               include_output: bool = True) -> list[torch.utils.hooks.RemovableHandle]:
         """Mark scaled points in ``model``: its GEMM layers (or those named / accepted by ``layers``) and, with
         ``include_output``, the model output. Returns the forward-hook handles (``.remove()`` detaches)."""
         modules = dict(model.named_modules())
@@ -418,9 +368,8 @@ class AdaptiveLossScaler(LossScaler):
             chosen = list(layers)
             unknown = [name for name in chosen if name not in modules or not OP_RULES.module(modules[name]).gemm]
             if unknown:
-                raise PrecsearchError(
-                    f"adaptive loss scaling: {', '.join(unknown)} not GEMM layers of the model; name Linear/Conv layers"
-                )
+                raise PrecsearchError(f"adaptive loss scaling: {', '.join(unknown)} not GEMM layers of the model; "
+                                      "name Linear/Conv layers")
         for name, spec in (grad_formats or {}).items():
             self._formats[name] = get_format(spec)
         handles = [modules[name].register_forward_hook(self._forward_hook(name)) for name in chosen]
@@ -449,16 +398,14 @@ class AdaptiveLossScaler(LossScaler):
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         scaled = super().scale(loss)
         points, self._pending = self._pending, {}
-        self._calls = {}
-        self._node_scale = {}
+        self._calls, self._node_scale = {}, {}
         if scaled.grad_fn is not None:
             self._node_scale[scaled.grad_fn] = self._scale
             self._install(scaled.grad_fn, points)
         return scaled
 
     def _install(self, root: Any, points: dict[Any, _Point]) -> None:
-        seen = {root}
-        stack = [root]
+        seen, stack = {root}, [root]
         while stack:
             node = stack.pop()
             if node in points:

@@ -1,13 +1,11 @@
 """Sliced backwards: layers over a packed tensor whose backward decodes its codes a slice at a time.
 
-A ``Conv2d`` or training ``BatchNorm2d`` reading a low activation, and an ``nn.ReLU`` making one, are called
-through autograd Functions (``_ConvOfPackedInput``, ``_BatchNormOfPackedInput``, ``_ReluOfPackedOutput``) whose
-backward decodes the codes a slice of samples at a time (``SlicedBackward.rows``), so the step never holds a
-float32 copy of a whole saved tensor; a conv whose weight outsizes its input decodes its input, and rounds its
-weight again from the master, a group of input channels at a time instead (``SlicedBackward.channels_per_group``).
-Which layers have such a backward is the site plan's (precsearch.runtime.sites: ``OpSites.reads_codes``,
-``OpSites.relu_output``), from the op rules (precsearch.graph.op_rules: a layer's ``OpRule.sliced``), which also
-size its slices; ``PACKED_INPUT`` names each layer type's Function.
+A ``Conv2d`` or training ``BatchNorm2d`` reading a low activation, and an ``nn.ReLU`` making one, run through
+autograd Functions whose backward decodes the codes a slice of samples at a time (``SlicedBackward.rows``), so the
+step never holds a float32 copy of a whole saved tensor (a conv whose weight outsizes its input: a group of input
+channels at a time, ``SlicedBackward.channels_per_group``). Which layers do is the site plan's
+(``OpSites.reads_codes``, ``OpSites.relu_output``), from the op rules (``OpRule.sliced``), which also size the
+slices; ``PACKED_INPUT`` names each layer type's Function.
 """
 
 from __future__ import annotations
@@ -91,15 +89,13 @@ def _channel_slicer(stored: Stored) -> Callable[[int, int], torch.Tensor]:
 
 
 class _ConvOfPackedInput(torch.autograd.Function):
-    """A Conv2d whose input autograd would hold as codes. Its backward, in one pass over slices of samples, makes
-    each slice's input gradient and the weight gradient as a sum over slices, from the slice of the decoded
-    input, so no float32 copy of the whole input, nor oneDNN's reordered copies of it, is made. One slice
-    (``SlicedBackward.rows``: a weight larger than the input): groups of input channels instead
-    (``SlicedBackward.channels_per_group``), one call each, from that group's slices of the input, decoded from
-    its codes, and of the weight, rounded again from the master or decoded where it keeps codes (a group's input
-    gradient needs only its weight slice, its weight gradient only its input slice), written into the whole
-    gradients: no float32 copy of the whole weight, nor oneDNN's reordered copy of it. The weight comes as its
-    save (``weight_stored``, from ``Packer.save_packed``) where it is low."""
+    """A Conv2d whose input autograd would hold as codes. Its backward makes each slice of samples' input gradient,
+    and the weight gradient as a sum over slices, from that slice decoded: no float32 copy of the whole input, nor
+    oneDNN's reordered copies of it. With one slice (a weight larger than the input): groups of input channels
+    instead (``SlicedBackward.channels_per_group``), from that group's slices of the input and of the weight
+    (rounded again from the master, or decoded; a group's input gradient needs only its weight slice, its weight
+    gradient only its input slice): no float32 copy of the whole weight either. The weight comes as its save
+    (``weight_stored``, from ``Packer.save_packed``) where it is low."""
 
     slices_weight = True  # the caller passes the weight's save
 
@@ -111,8 +107,7 @@ class _ConvOfPackedInput(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stored: list[Stored], layer: nn.Conv2d, slicing: Slicing, weight_stored: Stored | None) -> torch.Tensor:
         ctx.stored, ctx.layer, ctx.input_shape, ctx.has_bias = stored, layer, x.shape, bias is not None
-        ctx.slicing = slicing
-        ctx.weight_shape, ctx.weight_stored = weight.shape, weight_stored
+        ctx.slicing, ctx.weight_shape, ctx.weight_stored = slicing, weight.shape, weight_stored
         if weight_stored is None:  # not packed: autograd keeps it (and checks that nothing changed it)
             ctx.save_for_backward(weight)
         return layer._conv_forward(x, weight, bias)

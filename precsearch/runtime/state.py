@@ -1,29 +1,24 @@
 """What the runtime knows about each tensor id of the graph: its format now, how it rounds, what was seen of it.
 
-``TensorState`` is a plain object, made once by ``apply_policy`` and passed explicitly to everything that
-rounds. Every rounding is one ``precsearch::round`` op (precsearch.runtime.ops: one fused kernel when compiled)
-that also adds the number of overflowing values to the tensor's row of a counts tensor on the device. The
-counts are read once per step, together with the loss scaler's own overflow test (``LossScaler.watch``:
-``pending``/``settle``; or ``flush`` at the next training forward when the loop does not call
-``scaler.step``): a training step makes one host synchronisation, however many tensors it rounds. Only
-training forwards (``counting``) count, so evaluation never promotes. Nor does evaluation draw: a forward outside
-training rounds stochastically from a copy of the stochastic-rounding counter taken as it starts, so it computes
-with the weights the next training forward will draw (a stochastic weight update's working copy), gives the same
-values every time, and leaves training's draws as they were.
+``TensorState`` is made once by ``apply_policy`` and passed explicitly to everything that rounds. Every rounding is
+one ``precsearch::round`` op (precsearch.runtime.ops) that also adds its overflow count to the tensor's row of a
+device counts tensor, read once per step with the loss scaler's own test (``LossScaler.watch``:
+``pending``/``settle``; or ``flush`` at the next training forward when the loop does not call ``scaler.step``):
+one host synchronisation a step, however many tensors are rounded. Only training forwards (``counting``) count, so
+evaluation never promotes. Nor does it draw: a forward outside training rounds stochastically from a copy of the
+counter taken as it starts, so it sees the weights the next training forward will draw, the same every time, and
+leaves training's draws as they were.
 
-Divergence guard (Lee et al.): when a tensor of a kind in ``promotion_kinds`` has an overflow fraction in a
-step that reaches ``threshold``, it is promoted to the high format for the rest of training, logged and
-listed in ``promotions``, and that step is skipped (its values overflowed). An overflow in a gradient is
-reported to the loss scaler as an overflow (a saturating format hides it from the scaler's inf test). A saved
-tensor that holds inf/NaN in a format without such codes cannot be packed faithfully: that step is skipped
-too, with a WARNING.
+Divergence guard (Lee et al.): a tensor of a kind in ``promotion_kinds`` whose overflow fraction in a step reaches
+``threshold`` is promoted to the high format for the rest of training (logged, listed in ``promotions``) and that
+step is skipped. A gradient's overflow is reported to the loss scaler (a saturating format hides it from the
+scaler's inf test). A saved tensor holding inf/NaN in a format without such codes cannot be packed faithfully:
+that step is skipped too, with a WARNING.
 
-A scaled format (``e4m3fn@tensor``, precsearch.formats.scaled) is rounded here too, the one place that decides
-how a slot rounds (``TensorState.round``/``round_``), as ``quantize_scaled`` rounds: its overflow count is the values
-a stale delayed scale saturated (current scaling never overflows; an MX block's floor rule may), and its codes
-are the element's codes plus e8m0 scales. A delayed recipe's ``AmaxHistory`` lives in its slot, is updated by
-training forwards only, and is part of ``state_dict``. Scaled formats round to nearest only (stochastic
-rounding is not wired for them), and a scaled weight needs fp32 master weights.
+Scaled formats (precsearch.formats.scaled) are rounded here too, as ``quantize_scaled`` rounds: the overflow count
+is what a stale delayed scale saturated (current scaling never overflows; an MX block's floor rule may), the codes
+are the element's plus e8m0 scales. A delayed recipe's ``AmaxHistory`` lives in its slot, is updated by training
+forwards only and is part of ``state_dict``. They round to nearest only, and a scaled weight needs fp32 masters.
 """
 
 from __future__ import annotations
@@ -40,14 +35,7 @@ from precsearch.config.spec import GRAD_KINDS
 from precsearch.errors import PrecsearchError
 from precsearch.formats import kernels
 from precsearch.formats.format import FloatFormat, get_format
-from precsearch.formats.scaled import (
-    AmaxHistory,
-    ScaledFormat,
-    any_format,
-    e8m0_encode,
-    expand_scales,
-    scaled_values,
-)
+from precsearch.formats.scaled import AmaxHistory, ScaledFormat, any_format, e8m0_encode, expand_scales, scaled_values
 from precsearch.graph.types import TensorGraph
 from precsearch.runtime import ops
 
@@ -64,8 +52,6 @@ class Promotion(NamedTuple):
     fraction: float
     from_format: str
     to_format: str
-
-
 
 
 class Slot:
@@ -128,18 +114,12 @@ class Slot:
 
 
 class TensorState:
-    """What the runtime knows about each tensor id: format, promotion, statistics, and the device counters.
-
-    ``round`` rounds a tensor and counts its overflow on the device; ``pending``/``settle`` are the loss
-    scaler's once-a-step read of those counts (``LossScaler.watch``); ``flush`` reads them itself.
-    """
+    """What the runtime knows about each tensor id: format, promotion, statistics, and the device counters that
+    ``round`` adds to and ``pending``/``settle`` (the scaler's once-a-step read) or ``flush`` read."""
 
     def __init__(self, slots: dict[str, Slot], high: FloatFormat, threshold: float | None, seed: int,
                  promotion_kinds: tuple[str, ...]) -> None:
-        self.slots = slots
-        self.high = high
-        self.threshold = threshold
-        self.promotion_kinds = promotion_kinds
+        self.slots, self.high, self.threshold, self.promotion_kinds = slots, high, threshold, promotion_kinds
         self.promotions: list[Promotion] = []
         self.step = 0
         self.counting = False  # this forward is a training forward: count and gather statistics
@@ -199,10 +179,8 @@ class TensorState:
         rounded, codes = ops.round(x, counts, *slot.args(), seeds, with_codes)
         return rounded, ops.Codes(codes, slot.fmt.name) if codes.numel() else None
 
-    def round_(self, x: torch.Tensor, slot: Slot, with_codes: bool = False, count: bool = True
-               ) -> ops.Codes | None:
-        """Round ``x`` in place, counting its overflow (``count``); its codes (``with_codes``, when the format
-        fits 16 bits)."""
+    def round_(self, x: torch.Tensor, slot: Slot, with_codes: bool = False, count: bool = True) -> ops.Codes | None:
+        """``round`` in place: its codes only."""
         counts, seeds = self._op_state(x, slot, count)
         if slot.scaled is not None:
             return self._round_scaled(x, slot, counts, with_codes, count, in_place=True)[1]
@@ -211,12 +189,11 @@ class TensorState:
 
     def _round_scaled(self, x: torch.Tensor, slot: Slot, counts: torch.Tensor, with_codes: bool, count: bool,
                       in_place: bool) -> tuple[torch.Tensor, ops.Codes | None]:
-        """``round``/``round_`` of a scaled slot, as ``quantize_scaled`` rounds: ``x`` divided by its scales
-        (``scaled_values``, over ``x`` itself with ``in_place``) goes through the element's one-pass kernel in
-        place (its overflow and unencodable counts added to ``counts``, its codes), then times its scales, so
-        that the step holds what an unscaled rounding holds. The kernel counts an inf input as an overflow, which
-        ``quantize_scaled`` does not (a scale cannot saturate it): those are taken back. A forward that counts
-        nothing (evaluation) reads a delayed scale but records no amax."""
+        """``round``/``round_`` of a scaled slot, as ``quantize_scaled`` rounds: ``x`` divided by its scales (over
+        ``x`` itself with ``in_place``) goes through the element's one-pass kernel in place, then times its scales,
+        so the step holds what an unscaled rounding holds. The kernel counts an inf input as an overflow, which
+        ``quantize_scaled`` does not (no scale saturates it): those are taken back. A forward that counts nothing
+        (evaluation) reads a delayed scale but records no amax."""
         history = slot.history
         scaled, scales, amax = scaled_values(x, slot.scaled, None if history is None else history.amaxes, in_place)
         if history is not None and count:
@@ -272,8 +249,7 @@ class TensorState:
         elements, roundings, unencodable) per row, the forward's and, once the backward ran, the backward's; read
         with the others."""
         self.flush()
-        self._compiled = counts
-        self._dirty = True
+        self._compiled, self._dirty = counts, True
 
     def seed_tensor(self, device: torch.device) -> torch.Tensor:
         """The stochastic-rounding seed on ``device`` (an int64 tensor, advanced by whoever rounds with it)."""
@@ -296,8 +272,7 @@ class TensorState:
         """Take this step's counts (``pending``): update statistics, promote, and say whether a gradient
         overflowed and whether the step must be skipped (a promotion, a saved tensor the format could not hold,
         or an inf or NaN gradient held as codes, which hold neither)."""
-        overflowed = skip = False
-        unencodable = 0
+        overflowed, skip, unencodable = False, False, 0
         compiled = values[2 * len(self.slots):]
         for slot in self.slots.values():
             over, bad = values[2 * slot.row], values[2 * slot.row + 1]
@@ -329,8 +304,7 @@ class TensorState:
                             self.step, unencodable)
         if self._counts:
             torch._foreach_zero_(self._counts)
-        self._compiled = None
-        self._dirty = False
+        self._compiled, self._dirty = None, False
         return overflowed, skip
 
     def flush(self) -> None:
@@ -344,8 +318,7 @@ class TensorState:
                 or slot.kind not in self.promotion_kinds):
             return False
         old = slot.name
-        slot.fmt, slot.scaled = self.high, None
-        slot.promoted = True
+        slot.fmt, slot.scaled, slot.promoted = self.high, None, True
         for callback in self.on_promote:
             callback(slot)
         self.promotions.append(Promotion(slot.id, self.step, fraction, old, self.high.name))
@@ -414,7 +387,6 @@ class TensorState:
                 slot.fmt, slot.scaled, slot.promoted = get_format(promotion.to_format), None, True
                 promoted.append(slot)
         return promoted
-
 
 
 def make_state(graph: TensorGraph, policy: Policy, seed: int) -> TensorState:
