@@ -147,10 +147,15 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
                              "1 is fastest for small proxies")
 
 
-def add_space_arguments(parser: argparse.ArgumentParser, calibrated: bool = False) -> None:
-    """MODEL, --space, --proxy-steps (``calibrated``: auto, the default, or a number; else a number)."""
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """MODEL: a zoo model with its options, or a factory."""
     parser.add_argument("model", metavar="MODEL",
                         help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
+
+
+def add_space_arguments(parser: argparse.ArgumentParser, calibrated: bool = False) -> None:
+    """MODEL, --space, --proxy-steps (``calibrated``: auto, the default, or a number; else a number)."""
+    add_model_argument(parser)
     parser.add_argument("--space", type=path, default=None, metavar="YAML",
                         help="search space file (see search_spaces/README.md; default: the paper's HFP8 space, "
                              "as search_spaces/hfp8.yaml)")

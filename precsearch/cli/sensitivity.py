@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import argparse
 
-from precsearch.cli._arguments import add_data_arguments, count, path, space_argument
+from precsearch.cli._arguments import add_data_arguments, add_model_argument, count, path, space_argument
 from precsearch.search.sensitivity import DEFAULT_BATCHES
 
 HELP = "measure how much the low format hurts each group and tensor kind"
-DESCRIPTION = ("Run a few seeded plain-fp32 SGD steps of MODEL on the data and score, per decision unit and tensor "
-               "kind, the error the space's low format would introduce (gradient-weighted for activations and "
-               "weights, on the update for gradients) with its overflow and underflow shares; prints the units "
-               "least sensitive per byte saved first and writes sensitivity.csv into --out.")
+DESCRIPTION = ("Score, per decision unit and tensor kind, the error the space's low format would add in a few "
+               "seeded fp32 SGD steps of MODEL (gradient-weighted; on the update for gradients) and its overflow and "
+               "underflow shares; list the units least sensitive per byte saved first; write sensitivity.csv to --out.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL",
-                        help="zoo model with options (tiny_cnn, resnet18:width=0.25, ...) or package.module:factory")
+    add_model_argument(parser)
     parser.add_argument("--space", type=path, default=None, metavar="YAML",
                         help="search space file (default: the paper's HFP8 space)")
     parser.add_argument("--batches", type=count, default=DEFAULT_BATCHES, metavar="N",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from precsearch.cli._arguments import count, input_shape, path
+from precsearch.cli._arguments import add_model_argument, count, input_shape, path
 
 DEFAULT_BATCH = 128
 EXAMPLE_BATCH = 2
@@ -19,8 +19,7 @@ DESCRIPTION = "Trace MODEL into its tensor graph and print its groups, tensors, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL",
-                        help="zoo name with options (resnet18, resnet18:width=0.25) or package.module:factory")
+    add_model_argument(parser)
     parser.add_argument("--batch-size", type=count, default=DEFAULT_BATCH, metavar="N",
                         help=f"training batch size the shapes are given at (default {DEFAULT_BATCH})")
     parser.add_argument("--input-shape", type=input_shape, default=None, metavar="C,H,W",

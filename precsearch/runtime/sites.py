@@ -39,17 +39,30 @@ from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_fr
 from precsearch.graph.op_rules import OpRules, call_name
 from precsearch.graph.types import TensorGraph, grad_id
 
-__all__ = ["AliasSite", "OpSites", "OutputSite", "SitePlan", "WeightSite", "plan_sites", "reads_packed_input",
+__all__ = ["AliasSite", "OpSites", "OutputSite", "Site", "SitePlan", "WeightSite", "plan_sites", "reads_packed_input",
            "reads_rounded_output"]
 
 
 @dataclass(frozen=True)
-class OutputSite:
-    """One output of an op: which (``position``), its tensor id, and its gradient's id (None: not assignable)."""
+class Site:
+    """A tensor the policy may hold low: its id, and its gradient's id (None: not assignable)."""
 
-    position: int
     value: str
     gradient: str | None
+
+
+@dataclass(frozen=True)
+class OutputSite(Site):
+    """One output of an op, at ``position`` among its outputs."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class WeightSite(Site):
+    """A parameter, by its qualified name."""
+
+    param: str
 
 
 @dataclass(frozen=True)
@@ -65,15 +78,6 @@ class OpSites:
     fresh_output: bool  # its outputs are new tensors its backward does not read: a rounding may write over them
     fresh_gradient: bool  # its one output's gradient arrives as a new tensor nothing else holds: likewise
     gradient_from: str | None = None  # the add whose rounded output gradient this one output's gradient is
-
-
-@dataclass(frozen=True)
-class WeightSite:
-    """A parameter the policy may hold low: its qualified name, tensor id and gradient's id."""
-
-    param: str
-    value: str
-    gradient: str | None
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -
     fresh_gradients = gradient_arrives_fresh(graph)
     ops = {}
     for op in graph.ops:
-        outputs = tuple(OutputSite(TensorId.parse(tensor_id).index, tensor_id, gradient_of(tensor_id))
+        outputs = tuple(OutputSite(tensor_id, gradient_of(tensor_id), TensorId.parse(tensor_id).index)
                         for tensor_id in op.outputs if tensor_id in assignable)
         if outputs:
             single = len(outputs) == 1 and outputs[0].position == 0 and outputs[0].gradient is not None
@@ -125,7 +129,7 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -
     for name, add in gradient_passes_from(graph).items():
         if name in ops and add in ops and _one_rounded_gradient(ops[name]) and _one_rounded_gradient(ops[add]):
             ops[name] = replace(ops[name], gradient_from=add)
-    weights = tuple(WeightSite(info.param, tensor_id, gradient_of(tensor_id))
+    weights = tuple(WeightSite(tensor_id, gradient_of(tensor_id), info.param)
                     for tensor_id, info in graph.tensors.items()
                     if tensor_id in assignable and info.kind == WEIGHT)
     return SitePlan(tuple(ops.values()), weights, _aliases(graph, ops.values()))
