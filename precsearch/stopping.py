@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-__all__ = ["SignalStop", "StopSignals", "raise_recorded_stop", "stop_signals"]
+__all__ = ["SignalStop", "StopSignals", "raise_recorded_stop", "signals_in_force", "stop_signals"]
 
 
 class SignalStop(KeyboardInterrupt):
@@ -123,6 +123,11 @@ def stop_signals() -> Iterator[StopSignals]:
             yield signals
         finally:
             _in_force.pop()
+
+
+def signals_in_force() -> bool:
+    """Whether a ``stop_signals`` block runs in this process (its handlers installed)."""
+    return bool(_in_force)
 
 
 def raise_recorded_stop() -> None:

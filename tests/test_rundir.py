@@ -260,7 +260,7 @@ def test_twenty_sigints_at_random_moments_each_stop_the_search_with_130_and_cons
         """SIGINT ``delay`` s after the CLI's own handler is in force: a signal landing before ``main`` entered
         it, or after ``main`` returned for another reason, raised KeyboardInterrupt out of the test and
         ended pytest itself (CI, under load); now a ``main`` that returns unstopped fails the assertion."""
-        while not stopping._in_force and inside.is_set():
+        while not stopping.signals_in_force() and inside.is_set():
             time.sleep(0.001)
         time.sleep(delay)
         if inside.is_set():
