@@ -1,12 +1,12 @@
 """Can an activation gradient travel between autograd nodes as its 8-bit codes? (issue 67, item 1's mechanism)
 
 A chain of ``--layers`` elementwise layers (y = 2x) after a broadcast of one row of weights, each a
-``torch.autograd.Function`` whose backward reads its output gradient ``--rows`` samples at a time, runs one
-backward twice: the gradients in flight as float32 (today's runtime), and as ``GradientCodes``, a tensor autograd
-sees as float32 whose storage is the e5m2 codes of the gradient (torch's own cast, round-half-to-even), written and
-read a slice at a time. It prints the backward's peak by the CPU allocator's events and checks that both give the
-same input gradient (every value here is exact in e5m2, so codes lose nothing). A gradient read twice (a residual branch) reaches the engine's sum, which decodes
-it (``__torch_dispatch__``): correct, not smaller.
+``torch.autograd.Function`` whose backward reads its output gradient ``--rows`` samples at a time, runs one backward
+twice: the gradients in flight as float32 (today's runtime), and as ``GradientCodes``, a tensor autograd sees as
+float32 whose storage is the e5m2 codes of the gradient (torch's own cast, round-half-to-even), written and read a
+slice at a time. It prints the backward's peak by the CPU allocator's events and checks that both give the same
+input gradient (every value here is exact in e5m2, so codes lose nothing). A gradient read twice (a residual branch)
+reaches the engine's sum, which decodes it (``__torch_dispatch__``): correct, not smaller.
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/gradient_codes_probe.py --batch 64 --features 65536 --layers 4
 """
