@@ -148,10 +148,12 @@ def _aliases(graph: TensorGraph, ops: Iterable[OpSites]) -> tuple[AliasSite, ...
     carried = {sites.node: (sites.op, {out.position: out.position for out in sites.outputs}) for sites in ops}
     for node in gm.graph.nodes if gm is not None else ():
         source = carried.get(node.all_input_nodes[0].name) if node.all_input_nodes else None
+        if source is None or node.target is getattr:  # getattr: x.shape, no tensor
+            continue
         rule = (graph.rules.module(gm.get_submodule(node.target)) if node.op == "call_module"
                 else graph.rules.function(call_name(node.target)[0]))
-        if source is None or node.target is getattr or not rule.pass_through or rule.no_tensor:
-            continue  # getattr: x.shape, no tensor
+        if not rule.pass_through or rule.no_tensor:
+            continue
         op, positions = source
         if node.target is operator.getitem and isinstance(node.args[1], int):  # it picks one position
             positions = {0: positions[node.args[1]]} if node.args[1] in positions else {}
