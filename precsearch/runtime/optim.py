@@ -234,7 +234,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                      compensation_format=None if self._compensation_format is None else str(self._compensation_format))
         self._format[param] = fmt
         if self.master_weights:
-            master = self._master.setdefault(param, _fp32_copy(param))
+            if param not in self._master:  # copied once, not at every change of its format
+                self._master[param] = _fp32_copy(param)
+            master = self._master[param]
             param.copy_(self._round(master, fmt))
             return
         param.copy_(quantize(param.detach().float(), fmt))
@@ -295,7 +297,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 continue
             self._format[p] = get_format(formats[i])
             if self.master_weights:
-                self._master.setdefault(p, _fp32_copy(p))
+                if p not in self._master:
+                    self._master[p] = _fp32_copy(p)
             elif self.update == "kahan":
                 self._compensation.setdefault(p, torch.zeros_like(p))
 
