@@ -52,6 +52,7 @@ from precsearch.graph.op_rules import ASSUMED_SAVES
 from precsearch.graph.runs import forward_error, training_mode
 from precsearch.graph.types import OpInfo, TensorGraph, grad_id
 from precsearch.runtime.optim import update_bytes_per_param
+from precsearch.runtime.sites import plan_sites
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -151,6 +152,8 @@ class CostModel:
         self._fresh_gradients = gradient_arrives_fresh(graph)  # outputs whose gradient is rounded over itself
         by_name = {op.name: op for op in graph.ops}  # and those that are so where an add's is rounded alike:
         self._gradient_sources = {name: by_name[add] for name, add in gradient_passes_from(graph).items()}
+        # ops whose rounded output gradient travels as codes (the site plan's ``OpSites.gradient_codes``)
+        self._gradient_codes = {sites.op for sites in plan_sites(graph, per_use=False).ops if sites.gradient_codes}
 
     # ------------------------------------------------------------------------------------------ memory
 
@@ -294,7 +297,7 @@ class CostModel:
         and scales, which it counts), a rounded copy of each low weight gradient as it arrives and, where its
         format fits 16 bits, its codes to the end of the backward (``.grad`` decoded then). The optimizer holds
         one gradient-sized temporary (SGD's weight decay). The input batch is not counted unless packed."""
-        step = _StepReplay(self.graph, self._formats(assignment), self._scaled(assignment))
+        step = _StepReplay(self.graph, self._formats(assignment), self._scaled(assignment), self._gradient_codes)
         saved_fp32, reads_kept = self._hold_saved(step, assignment)
         self._hold_values_and_gradients(step, saved_fp32)
         channel_sliced = _hold_workspaces(step, reads_kept)
@@ -345,9 +348,17 @@ class CostModel:
                 add = self._passes_alike(step, tid)
                 grad_format = step.format(grad_id(tid))
                 alike = add is not None
-                if not alike or self._holds_shared_gradient(step, tid, add):
-                    arrives = step.bwd(max(users)) if users else 4.0 * step.n
+                arrives = step.bwd(max(users)) if users else 4.0 * step.n
+                codes = step.gradient_codes(add.outputs[0] if alike else tid)  # what the op's backward reads
+                if alike and self._holds_shared_gradient(step, tid, add):  # the add's gradient, as it came
+                    step.hold(4 * numel if codes is None else codes, arrives, step.bwd(i), f"gradient {tid}")
+                elif not alike and codes is not None:  # float32 to its rounding, then as codes
+                    step.hold(4 * numel, arrives, step.bwd(i) - 1, f"gradient {tid}")
+                    step.hold(codes, step.bwd(i) - 1, step.bwd(i), f"gradient codes {tid}")
+                elif not alike:
                     step.hold(4 * numel, arrives, step.bwd(i), f"gradient {tid}")
+                if codes is not None and not rules.op_type(ops[i].module_type).passes_gradient:
+                    step.hold(step.gradient_decode(i, tid), step.bwd(i), step.bwd(i), f"decoded gradient {tid}")
                 rounded_over = alike or (ops[i].name in self._fresh_gradients and not step.format(tid).is_fp32)
                 if not grad_format.is_fp32 and not rounded_over:
                     step.hold(4 * numel, step.bwd(i) - 1, step.bwd(i) - 1, f"rounded gradient {tid}")
@@ -509,8 +520,9 @@ class _StepReplay:
     """A training step replayed on a graph under one assignment (``CostModel.peak_timeline``): when each op's
     forward and backward run, the forward's lifetimes, and the blocks held so far."""
 
-    def __init__(self, graph: TensorGraph, formats: dict[str, FloatFormat], scaled: dict[str, ScaledFormat]) -> None:
-        self.graph, self.formats, self.scaled = graph, formats, scaled
+    def __init__(self, graph: TensorGraph, formats: dict[str, FloatFormat], scaled: dict[str, ScaledFormat],
+                 codes_ops: set[str]) -> None:
+        self.graph, self.formats, self.scaled, self.codes_ops = graph, formats, scaled, codes_ops
         self.n = len(graph.ops)
         self.index = {op.name: i for i, op in enumerate(graph.ops)}
         self.producer, self.root, self.needs_grad, self.last_use = _forward_lifetimes(graph)
@@ -530,6 +542,30 @@ class _StepReplay:
 
     def format(self, tid: str) -> FloatFormat:
         return self.formats.get(tid, FP32)
+
+    def gradient_codes(self, tid: str) -> int | None:
+        """Bytes of the codes activation ``tid``'s rounded gradient travels as (the site plan's
+        ``OpSites.gradient_codes``, a low format with codes: ``Slot.holds_codes``), or None where it travels
+        float32."""
+        fmt, scaled = self.format(grad_id(tid)), self.scaled.get(grad_id(tid))
+        op = self.graph.ops[self.producer[tid]]
+        if op.name not in self.codes_ops or (fmt.is_fp32 and scaled is None) or not fmt.packs:
+            return None
+        info = self.graph.tensors[tid]
+        return info.numel * _storage_bytes(fmt) + _stored_scales(scaled, info.shape)
+
+    def gradient_decode(self, i: int, tid: str) -> int:
+        """Float32 bytes op ``i``'s backward decodes of its output ``tid``'s gradient codes: a slice of samples
+        where it reads its saved tensor in several, else the whole gradient."""
+        shape = self.graph.tensors[tid].shape
+        if i in self.sliced:
+            op = self.graph.ops[i]
+            saved = self.graph.tensors[self.sliced[i]].shape
+            weight = max((self.graph.tensors[p].numel for p in op.params), default=0)
+            rows = self.graph.rules.op_type(op.module_type).sliced.rows(saved, weight)
+            if rows < saved[0]:
+                return 4 * rows * math.prod(shape[1:])
+        return 4 * math.prod(shape)
 
     def hold(self, nbytes: float, start: float, end: float, what: str) -> None:
         self.blocks.append(Held(int(nbytes), start, end, what))

@@ -80,7 +80,8 @@ class PrecisionModel(nn.Module):
     def __init__(self, model: nn.Module, policy: Policy, graph: TensorGraph, seed: int = 0,
                  stats_every: int | None = None, steps_per_epoch: int | None = None,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 compile: CompileOptions | None = None, graphs: CompiledGraphs | None = None) -> None:
+                 gradient_codes: bool = True, compile: CompileOptions | None = None,
+                 graphs: CompiledGraphs | None = None) -> None:
         super().__init__()
         self.module, self.policy, self.graph = model, policy, graph
         self.stats_every, self.steps_per_epoch = stats_every, steps_per_epoch
@@ -92,7 +93,8 @@ class PrecisionModel(nn.Module):
         self.scaler, self._handles = _scaler_of(self, policy, graph, self.state, steps_per_epoch)
         self.scaler.watch(self.state)  # the state's counts ride the scaler's one host read a step
         keep_running_statistics(model, self.scaler, self.state)
-        self.sites = plan_sites(graph, policy.gradient_rounding == "per_use", chunked=self.accumulation_layers)
+        self.sites = plan_sites(graph, policy.gradient_rounding == "per_use", chunked=self.accumulation_layers,
+                                gradient_codes=gradient_codes)
         weights = low_weights(model, self.sites, self.state)
         self._optimizers = Optimizers(policy, weights, self._generator)
         if not policy.master_weights:
@@ -281,17 +283,20 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                  strict: bool = True, seed: int = 0, stats_every: int | None = None,
                  steps_per_epoch: int | None = None, rules: OpRules = OP_RULES,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 compile: bool | CompileOptions = False, runtime: Runtime | None = None) -> PrecisionModel:
+                 gradient_codes: bool = True, compile: bool | CompileOptions = False,
+                 runtime: Runtime | None = None) -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
     ``example_input`` (default: zeros of the policy's input shape) traces the model at the policy's batch size; a
     policy made for another graph raises unless ``strict=False``. ``seed`` seeds stochastic rounding;
     ``stats_every`` turns on underflow statistics every n-th step; ``steps_per_epoch`` resolves a loss scale
     ``growth_interval`` of ``"epoch"``. ``policy.accumulation``'s layers are swapped in ``model`` itself. ``rules``:
-    the op rules to trace and train with. Two memory-saving steps can be switched off, for a user chasing a
+    the op rules to trace and train with. Three memory-saving steps can be switched off, for a user chasing a
     difference: ``hold_gradients`` (called in each backward) says whether low weight gradients may be held as
     codes until the end of the backward (by default: while no process group is up, as DDP reads ``.grad`` during
-    the backward), and ``round_in_place=False`` rounds every activation and activation gradient into a new tensor.
+    the backward), ``round_in_place=False`` rounds every activation and activation gradient into a new tensor, and
+    ``gradient_codes=False`` hands every rounded activation gradient on as float32, not as its codes
+    (``OpSites.gradient_codes``). None changes a value.
 
     ``compile=True`` (or a ``CompileOptions``) trains with the compiled step (precsearch.runtime.compiled),
     compiled once per model structure and code widths in ``runtime`` (default: ``default_runtime()``), where the
@@ -311,6 +316,6 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                   leaf_modules=CHUNKED_LAYERS, rules=rules)
     verify_policy(policy, graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
-                          hold_gradients=hold_gradients, round_in_place=round_in_place,
+                          hold_gradients=hold_gradients, round_in_place=round_in_place, gradient_codes=gradient_codes,
                           compile=CompileOptions() if compile is True else compile or None,
                           graphs=(runtime or default_runtime()).graphs)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from precsearch.graph.raw_ops import output_leaves, with_leaves
+from precsearch.runtime.gradient_codes import GradientCodes, decoded
 from precsearch.runtime.packing import Packer
 from precsearch.runtime.sites import OpSites, SitePlan
 from precsearch.runtime.state import Slot, TensorState
@@ -36,13 +37,15 @@ class Rounding:
         self.at_use: set[str] = set()  # weights rounded where the FX graph reads them: not before the forward
 
     def activation(self, t: torch.Tensor, act: Slot, grad: Slot | None, in_place: bool = False,
-                   grad_in_place: bool = False) -> torch.Tensor:
-        """``t`` rounded by ``act`` (its saves packed), its gradient by ``grad`` in the backward."""
+                   grad_in_place: bool = False, grad_codes: bool = False) -> torch.Tensor:
+        """``t`` rounded by ``act`` (its saves packed), its gradient by ``grad`` in the backward, handed on as its
+        codes with ``grad_codes`` (``OpSites.gradient_codes``) where its format has codes and is unscaled."""
         grad = grad if grad is not None and grad.is_low and t.requires_grad else None
         if act.is_low:
             in_place = in_place and self.packer.fresh(t)
+            grad_codes = grad_codes and self.packer.active
             rounded, codes = RoundActivation.apply(t, self.state, act, grad, self.packer.active, in_place,
-                                                   grad_in_place)
+                                                   grad_in_place, grad_codes)
             self.packer.register(t, rounded, codes, act.kind)
             return rounded
         if grad is not None:
@@ -90,7 +93,11 @@ def rounder_for(sites: OpSites | None, rounding: Rounding) -> Rounder | None:
         low_grad = grad if grad is not None and grad.is_low else None
         if act.is_low or low_grad is not None:
             found[site.position] = (act, low_grad)
-    return Rounder(rounding, found, sites.op) if found else None
+    if not found:
+        return None
+    rounder = Rounder(rounding, found, sites.op)
+    rounder.grad_codes = sites.gradient_codes
+    return rounder
 
 
 def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: Slot, with_codes: bool,
@@ -113,21 +120,33 @@ class RoundActivation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: TensorState, act: Slot, grad: Slot | None,
-                with_codes: bool, in_place: bool, grad_in_place: bool) -> Any:
+                with_codes: bool, in_place: bool, grad_in_place: bool, grad_codes: bool = False) -> Any:
         # an evaluation's backward counts nothing
         ctx.state, ctx.grad, ctx.count, ctx.grad_in_place = state, grad, state.counting, grad_in_place
+        ctx.grad_codes = grad_codes
         return _round_forward(ctx, x, state, act, with_codes, in_place)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _codes: Any) -> tuple[torch.Tensor | None, None, ...]:
-        if ctx.grad is not None and g is not None:
-            if ctx.grad_in_place and g.is_contiguous():
-                ctx.state.round_(g, ctx.grad, count=ctx.count)
-            else:
-                if ctx.grad_in_place:
-                    ctx.state.warn_gradient_copied(ctx.grad)
-                g = ctx.state.round(g, ctx.grad, count=ctx.count)[0]
-        return g, None, None, None, None, None, None
+        slot, state = ctx.grad, ctx.state
+        if slot is None or g is None:
+            return g, None, None, None, None, None, None, None
+        if isinstance(g, GradientCodes):
+            if g.args == slot.args() and slot.scaled is None:  # rounding it again changes no value: counted alone
+                state.count_unchanged(g, slot, count=ctx.count)
+                return g, None, None, None, None, None, None, None
+            g = decoded(g)
+        in_place = ctx.grad_in_place and g.is_contiguous()
+        if ctx.grad_in_place and not in_place:
+            state.warn_gradient_copied(slot)
+        codes_now = ctx.grad_codes and slot.holds_codes
+        if in_place:
+            codes = state.round_(g, slot, codes_now, count=ctx.count)
+        else:
+            g, codes = state.round(g, slot, codes_now, count=ctx.count)
+        if codes_now:
+            g = GradientCodes(codes, slot.args())
+        return g, None, None, None, None, None, None, None
 
 
 class RoundWeight(torch.autograd.Function):
@@ -153,7 +172,7 @@ class Rounder(nn.Module):
     def __init__(self, rounding: Rounding, slots: dict[int, tuple[Slot, Slot | None]], op: str) -> None:
         super().__init__()
         self.op, self.rounding, self.slots = op, rounding, slots
-        self.in_place = self.grad_in_place = False
+        self.in_place = self.grad_in_place = self.grad_codes = False
         self.grad_source: Slot | None = None  # the add's output gradient this one's is (``OpSites.gradient_from``)
         self.__dict__["reader"] = None  # the module reading the output, when its gradient may be rounded over
 
@@ -172,7 +191,8 @@ class Rounder(nn.Module):
         grad = pair[1]
         rounded_alike = grad is not None and grad.rounds_again_as(self.grad_source)
         grad_in_place = (self.grad_in_place or rounded_alike) and not keeps_input_gradients(self.reader)
-        return self.rounding.activation(t, *pair, in_place=self.in_place, grad_in_place=grad_in_place)
+        return self.rounding.activation(t, *pair, in_place=self.in_place, grad_in_place=grad_in_place,
+                                        grad_codes=self.grad_codes)
 
     def extra_repr(self) -> str:
         return self.op

@@ -17,7 +17,11 @@ op rules it was traced with, and read by every lowering (``instrument_fx``, ``in
   add's rounding rounded it as this output's gradient rounds (``Slot.rounds_again_as``), rounding it again
   changes no value, so a lowering may round it over itself (eager) or only count it (compiled);
 * a layout op holding an op's rounded output as it is, from its first input (``AliasSite``), may copy it: the
-  eager lowering packs the copy as that output's codes (``Alias``).
+  eager lowering packs the copy as that output's codes (``Alias``);
+* an output's rounded gradient travels as its codes (``OpSites.gradient_codes``, precsearch.runtime.gradient_codes)
+  where its op's backward hands it on (an add: it waits for the other branch as codes) or reads it a slice at a
+  time (a sliced layer whose saved tensor makes several slices); elsewhere a whole decode beside the codes would
+  hold more than the float32 gradient. The eager lowerings carry it out; the compiled step keeps float32.
 
 The plan is structural: which formats are low is the state's (``TensorState``), read by each lowering as it
 rounds; so is which weight gradients are held as codes to the end of the backward (``Slot.holds_codes``, a
@@ -37,7 +41,7 @@ from torch import nn
 from precsearch.config.spec import WEIGHT, TensorId
 from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
 from precsearch.graph.op_rules import OpRules, call_name
-from precsearch.graph.types import TensorGraph, grad_id
+from precsearch.graph.types import OpInfo, TensorGraph, grad_id
 
 __all__ = ["AliasSite", "OpSites", "OutputSite", "Site", "SitePlan", "WeightSite", "plan_sites", "reads_packed_input",
            "reads_rounded_output"]
@@ -78,6 +82,7 @@ class OpSites:
     fresh_output: bool  # its outputs are new tensors its backward does not read: a rounding may write over them
     fresh_gradient: bool  # its one output's gradient arrives as a new tensor nothing else holds: likewise
     gradient_from: str | None = None  # the add whose rounded output gradient this one output's gradient is
+    gradient_codes: bool = False  # its outputs' rounded gradients travel as codes where their formats have codes
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,11 @@ class SitePlan:
         return self._by_node.get(node)
 
 
-def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -> SitePlan:
+def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = (), gradient_codes: bool = True
+               ) -> SitePlan:
     """The rounding sites of ``graph``; ``per_use``: the policy's ``gradient_rounding == "per_use"``; ``chunked``:
-    the layers swapped for chunked accumulation (precsearch.runtime.accumulate), whose backward is their own."""
+    the layers swapped for chunked accumulation (precsearch.runtime.accumulate), whose backward is their own;
+    ``gradient_codes=False``: every rounded gradient travels float32 (``OpSites.gradient_codes`` off)."""
     assignable = set(graph.assignable_ids())
 
     def gradient_of(tensor_id: str) -> str | None:
@@ -123,9 +130,12 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -
                         for tensor_id in op.outputs if tensor_id in assignable)
         if outputs:
             single = len(outputs) == 1 and outputs[0].position == 0 and outputs[0].gradient is not None
-            ops[op.name] = OpSites(op.name, op.node, outputs, per_use and single and nodes.readers.get(op.node, 0) > 1,
-                                   op.node in nodes.relus, op.node in nodes.read_codes,
-                                   makes_fresh_output(op, graph.rules), op.name in fresh_gradients)
+            rounds_per_use = per_use and single and nodes.readers.get(op.node, 0) > 1
+            ops[op.name] = OpSites(op.name, op.node, outputs, rounds_per_use, op.node in nodes.relus,
+                                   op.node in nodes.read_codes, makes_fresh_output(op, graph.rules),
+                                   op.name in fresh_gradients,
+                                   gradient_codes=gradient_codes and not rounds_per_use
+                                   and _reads_gradient_codes(graph, op, nodes))
     for name, add in gradient_passes_from(graph).items():
         if name in ops and add in ops and _one_rounded_gradient(ops[name]) and _one_rounded_gradient(ops[add]):
             ops[name] = replace(ops[name], gradient_from=add)
@@ -133,6 +143,22 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = ()) -
                     for tensor_id, info in graph.tensors.items()
                     if tensor_id in assignable and info.kind == WEIGHT)
     return SitePlan(tuple(ops.values()), weights, _aliases(graph, ops.values()))
+
+
+def _reads_gradient_codes(graph: TensorGraph, op: OpInfo, nodes: _FxNodes) -> bool:
+    """Whether ``op``'s backward gains from reading its output's rounded gradient as codes: it hands the gradient on
+    to its inputs (an add: where one input's backward waits for another's, it waits as codes), or it reads it a
+    slice at a time (a sliced layer, ``OpSites.reads_codes`` or ``OpSites.relu_output``, whose saved tensor makes
+    more than one slice on CPU). Elsewhere its whole decode would be held beside the codes."""
+    rule = graph.rules.op_type(op.module_type)
+    if rule.passes_gradient:
+        return True
+    saved = graph.rules.sliced_saved_tensor(op)
+    if saved is None or not (op.node in nodes.read_codes or op.node in nodes.relus):
+        return False
+    shape = graph.tensors[saved].shape
+    weight = max((graph.tensors[p].numel for p in op.params), default=0)
+    return rule.sliced.rows(shape, weight) < shape[0]
 
 
 def _one_rounded_gradient(sites: OpSites) -> bool:

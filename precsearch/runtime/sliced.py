@@ -20,6 +20,7 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.graph.op_rules import OpRules
+from precsearch.runtime.gradient_codes import decoded, gradient_rows, new_gradient
 from precsearch.runtime.packing import Packer, Stored
 from precsearch.runtime.rounding import RoundedWeightsCall, Rounding
 
@@ -152,6 +153,7 @@ def conv_backward_in_slices(grad_out: torch.Tensor, packed: Slices, saved_weight
     batch = input_shape[0]
     grad_input = grad_weight = None
     if rows >= batch and channels < input_shape[1]:
+        grad_out = decoded(grad_out)  # read by every group
         grad_input = grad_out.new_empty(input_shape) if need_input else None
         grad_weight = grad_out.new_empty(weight_shape) if need_weight else None
         input_slice, weight_slice = packed.slicer(1), _channel_slicer(saved_weight)
@@ -168,18 +170,19 @@ def conv_backward_in_slices(grad_out: torch.Tensor, packed: Slices, saved_weight
             backward_group(start, min(channels, input_shape[1] - start))
     elif rows >= batch:
         (_, x), = packed.batch_slices(rows)()
-        grad_input, grad_weight, _ = conv_backward(grad_out, x, saved_weight.unpack(), [need_input, need_weight, False])
+        grad_input, grad_weight, _ = conv_backward(decoded(grad_out), x, saved_weight.unpack(),
+                                                   [need_input, need_weight, False])
     else:
         weight = saved_weight.unpack()
-        grad_input = grad_out.new_empty(input_shape) if need_input else None
+        grad_input = new_gradient(grad_out, input_shape) if need_input else None
         for start, x in packed.batch_slices(rows)() if need_input or need_weight else ():
-            g = grad_out[start:start + rows]
+            g = gradient_rows(grad_out, start, rows)
             part, grad = conv_backward(g, x, weight, [need_input, need_weight, False])[:2]
             if need_input:
                 grad_input[start:start + rows].copy_(part)
             if need_weight:
                 grad_weight = grad if grad_weight is None else grad_weight.add_(grad)
-            del x, part, grad  # the next slice and its gradients are made beside none of these
+            del x, g, part, grad  # the next slice and its gradients are made beside none of these
     return grad_input, grad_weight
 
 
@@ -225,25 +228,25 @@ def batch_norm_backward_in_slices(grad_out: torch.Tensor, packed: Slices, weight
     passes = packed.batch_slices(rows)
     if rows >= batch:
         (_, x), = passes()
-        return tuple(torch.ops.aten.native_batch_norm_backward(grad_out, x, weight, None, None, mean, invstd, True,
-                                                               eps, list(need)))
+        return tuple(torch.ops.aten.native_batch_norm_backward(decoded(grad_out), x, weight, None, None, mean, invstd,
+                                                               True, eps, list(need)))
     channel, dims = (1, -1, 1, 1), (0, 2, 3)
     sum_dy = dot = 0  # per channel: sums of grad_out and of grad_out * (x - mean), slice sums added in float64
     for start, x in passes():
-        g = grad_out[start:start + rows]
+        g = gradient_rows(grad_out, start, rows)
         sum_dy = sum_dy + g.sum(dims).double()
         dot = dot + (x - mean.view(channel)).mul_(g).sum(dims).double()
-        del x  # the next slice is decoded beside none other, and the last not kept into the second pass
+        del x, g  # the next slice is decoded beside none other, and the last not kept into the second pass
     grad_input = None
     if need[0]:
         count = grad_out.numel() // grad_out.shape[1]
         k = (dot * invstd.double().square() / count).float().view(channel)
         mean_dy = (sum_dy / count).float().view(channel)
         scale = (invstd if weight is None else invstd * weight).view(channel)
-        grad_input = torch.empty_like(grad_out)
+        grad_input = new_gradient(grad_out)
         for start, x in passes():
             out = grad_input[start:start + rows]
-            torch.sub(grad_out[start:start + rows], (x - mean.view(channel)).mul_(k), out=out)
+            torch.sub(gradient_rows(grad_out, start, rows), (x - mean.view(channel)).mul_(k), out=out)
             out.sub_(mean_dy).mul_(scale)
     grad_weight = (dot * invstd.double()).float() if need[1] else None
     grad_bias = sum_dy.float() if need[2] else None
@@ -270,9 +273,9 @@ class _ReluOfPackedOutput(torch.autograd.Function):
         if stored.packed is None:  # not rounded after all (a promoted slot): the output itself
             return torch.ops.aten.threshold_backward(grad_out, stored.tensor, 0), None, None, None
         rows = ctx.slicing.rows(ctx.input_shape, grad_out.device, "ReLU")
-        grad_input = torch.empty_like(grad_out)
+        grad_input = new_gradient(grad_out)
         for start, out in stored.packed.batch_slices(rows)():
-            torch.ops.aten.threshold_backward.grad_input(grad_out[start:start + rows], out, 0,
+            torch.ops.aten.threshold_backward.grad_input(gradient_rows(grad_out, start, rows), out, 0,
                                                          grad_input=grad_input[start:start + rows])
         return grad_input, None, None, None
 

@@ -230,6 +230,12 @@ class TensorState:
             log.warning("the gradient %s arrived non-contiguous (a channels_last model?): such gradients are "
                         "rounded into a new tensor (one more float32 block each), not over themselves", slot.id)
 
+    def count_unchanged(self, x: torch.Tensor, slot: Slot, count: bool = True) -> None:
+        """Count ``x``, already rounded as unscaled ``slot`` rounds, as rounding it again would: its elements and
+        statistics, no overflow (each value has its code)."""
+        if count and x.numel() > 0:
+            self._account(x, slot)
+
     def _account(self, x: torch.Tensor, slot: Slot) -> None:
         slot.calls += 1
         slot.pending += x.numel()
