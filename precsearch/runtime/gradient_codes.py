@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 
 from precsearch.runtime import ops
 
-__all__ = ["GradientCodes", "decoded", "gradient_rows", "new_gradient"]
+__all__ = ["GradientCodes", "decoded", "gradient_rows", "new_gradient", "slices_on"]
 
 
 class GradientCodes(torch.Tensor):
@@ -43,6 +43,12 @@ class GradientCodes(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"GradientCodes({tuple(self.shape)}, {self.args[0]})"
+
+
+def slices_on(device: torch.device) -> bool:
+    """Whether the sliced backwards read their tensors a slice at a time on ``device``: on CPU, where their slices
+    were measured (elsewhere they decode whole)."""
+    return device.type == "cpu"
 
 
 def decoded(t: Any) -> Any:

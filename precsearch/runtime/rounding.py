@@ -4,7 +4,8 @@
   straight through, so the parameters stay fp32 masters for any optimizer (Micikevicius et al.); a layer's
   backward rounds its master again (precsearch.runtime.packing; a stochastically rounded weight keeps codes).
 * activations: rounded by the module after their op (``Rounder``, through ``RoundActivation``), whose backward
-  rounds the (loss-scaled) gradient. With ``gradient_rounding: per_use`` (the paper's reference) a ``GradUse``
+  rounds the (loss-scaled) gradient and, where the site plan says so, hands it on as its codes
+  (precsearch.runtime.gradient_codes). With ``gradient_rounding: per_use`` (the paper's reference) a ``GradUse``
   before each consumer rounds that consumer's gradient, and autograd sums the rounded gradients in float32.
 
 Every inserted module is given the ``Rounding`` (state, packer, low weights) it rounds with; none refers to the
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from precsearch.graph.raw_ops import output_leaves, with_leaves
-from precsearch.runtime.gradient_codes import GradientCodes, decoded
+from precsearch.runtime.gradient_codes import GradientCodes, decoded, slices_on
 from precsearch.runtime.packing import Packer
 from precsearch.runtime.sites import OpSites, SitePlan
 from precsearch.runtime.state import Slot, TensorState
@@ -37,13 +38,13 @@ class Rounding:
         self.at_use: set[str] = set()  # weights rounded where the FX graph reads them: not before the forward
 
     def activation(self, t: torch.Tensor, act: Slot, grad: Slot | None, in_place: bool = False,
-                   grad_in_place: bool = False, grad_codes: bool = False) -> torch.Tensor:
+                   grad_in_place: bool = False, grad_codes: str | None = None) -> torch.Tensor:
         """``t`` rounded by ``act`` (its saves packed), its gradient by ``grad`` in the backward, handed on as its
-        codes with ``grad_codes`` (``OpSites.gradient_codes``) where its format has codes and is unscaled."""
+        codes where ``grad_codes`` says why (``OpSites.gradient_codes``) and its format has codes."""
         grad = grad if grad is not None and grad.is_low and t.requires_grad else None
         if act.is_low:
             in_place = in_place and self.packer.fresh(t)
-            grad_codes = grad_codes and self.packer.active
+            grad_codes = grad_codes if self.packer.active else None
             rounded, codes = RoundActivation.apply(t, self.state, act, grad, self.packer.active, in_place,
                                                    grad_in_place, grad_codes)
             self.packer.register(t, rounded, codes, act.kind)
@@ -116,11 +117,13 @@ def _round_forward(ctx: Any, x: torch.Tensor, state: TensorState, slot: Slot, wi
 class RoundActivation(torch.autograd.Function):
     """Forward: the activation rounded to its format (and its codes), over the op's own output with
     ``in_place``. Backward: its gradient rounded, over the gradient itself with ``grad_in_place`` (a new
-    tensor only this rounding reads: the site plan's ``OpSites.fresh_gradient``)."""
+    tensor only this rounding reads: the site plan's ``OpSites.fresh_gradient``), and handed on as its codes
+    (a ``GradientCodes``) where ``grad_codes`` says why and its format has codes (``Slot.holds_codes``). A
+    gradient that arrives as codes of this rounding's arguments (an add's, passed on) is handed on as it is."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: TensorState, act: Slot, grad: Slot | None,
-                with_codes: bool, in_place: bool, grad_in_place: bool, grad_codes: bool = False) -> Any:
+                with_codes: bool, in_place: bool, grad_in_place: bool, grad_codes: str | None = None) -> Any:
         # an evaluation's backward counts nothing
         ctx.state, ctx.grad, ctx.count, ctx.grad_in_place = state, grad, state.counting, grad_in_place
         ctx.grad_codes = grad_codes
@@ -139,7 +142,8 @@ class RoundActivation(torch.autograd.Function):
         in_place = ctx.grad_in_place and g.is_contiguous()
         if ctx.grad_in_place and not in_place:
             state.warn_gradient_copied(slot)
-        codes_now = ctx.grad_codes and slot.holds_codes
+        sliced = ctx.grad_codes == "slices" and slices_on(g.device)  # else its reader decodes it whole
+        codes_now = slot.holds_codes and (ctx.grad_codes == "waits" or sliced)
         if in_place:
             codes = state.round_(g, slot, codes_now, count=ctx.count)
         else:
@@ -172,7 +176,8 @@ class Rounder(nn.Module):
     def __init__(self, rounding: Rounding, slots: dict[int, tuple[Slot, Slot | None]], op: str) -> None:
         super().__init__()
         self.op, self.rounding, self.slots = op, rounding, slots
-        self.in_place = self.grad_in_place = self.grad_codes = False
+        self.in_place = self.grad_in_place = False
+        self.grad_codes: str | None = None  # why its gradients travel as codes (``OpSites.gradient_codes``)
         self.grad_source: Slot | None = None  # the add's output gradient this one's is (``OpSites.gradient_from``)
         self.__dict__["reader"] = None  # the module reading the output, when its gradient may be rounded over
 

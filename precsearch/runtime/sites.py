@@ -43,8 +43,8 @@ from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_fr
 from precsearch.graph.op_rules import OpRules, call_name
 from precsearch.graph.types import OpInfo, TensorGraph, grad_id
 
-__all__ = ["AliasSite", "OpSites", "OutputSite", "Site", "SitePlan", "WeightSite", "plan_sites", "reads_packed_input",
-           "reads_rounded_output"]
+__all__ = ["GRADIENT_CODES", "AliasSite", "OpSites", "OutputSite", "Site", "SitePlan", "WeightSite", "plan_sites",
+           "reads_packed_input", "reads_rounded_output"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,12 @@ class WeightSite(Site):
     param: str
 
 
+# why an op's rounded output gradient travels as its codes (``OpSites.gradient_codes``): its backward hands it on
+# to its inputs, where one waits for another's backward ("waits": an add), or reads it a slice at a time, on a
+# device where the sliced backwards slice ("slices": a sliced layer whose saved tensor makes several slices)
+GRADIENT_CODES = ("waits", "slices")
+
+
 @dataclass(frozen=True)
 class OpSites:
     """The rounded outputs of one op (``node``: its FX node, empty for a hook trace)."""
@@ -82,7 +88,7 @@ class OpSites:
     fresh_output: bool  # its outputs are new tensors its backward does not read: a rounding may write over them
     fresh_gradient: bool  # its one output's gradient arrives as a new tensor nothing else holds: likewise
     gradient_from: str | None = None  # the add whose rounded output gradient this one output's gradient is
-    gradient_codes: bool = False  # its outputs' rounded gradients travel as codes where their formats have codes
+    gradient_codes: str | None = None  # why its outputs' rounded gradients travel as codes (``GRADIENT_CODES``)
 
 
 @dataclass(frozen=True)
@@ -134,8 +140,8 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = (), g
             ops[op.name] = OpSites(op.name, op.node, outputs, rounds_per_use, op.node in nodes.relus,
                                    op.node in nodes.read_codes, makes_fresh_output(op, graph.rules),
                                    op.name in fresh_gradients,
-                                   gradient_codes=gradient_codes and not rounds_per_use
-                                   and _reads_gradient_codes(graph, op, nodes))
+                                   gradient_codes=_reads_gradient_codes(graph, op, nodes)
+                                   if gradient_codes and not rounds_per_use else None)
     for name, add in gradient_passes_from(graph).items():
         if name in ops and add in ops and _one_rounded_gradient(ops[name]) and _one_rounded_gradient(ops[add]):
             ops[name] = replace(ops[name], gradient_from=add)
@@ -145,20 +151,18 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = (), g
     return SitePlan(tuple(ops.values()), weights, _aliases(graph, ops.values()))
 
 
-def _reads_gradient_codes(graph: TensorGraph, op: OpInfo, nodes: _FxNodes) -> bool:
-    """Whether ``op``'s backward gains from reading its output's rounded gradient as codes: it hands the gradient on
-    to its inputs (an add: where one input's backward waits for another's, it waits as codes), or it reads it a
-    slice at a time (a sliced layer, ``OpSites.reads_codes`` or ``OpSites.relu_output``, whose saved tensor makes
-    more than one slice on CPU). Elsewhere its whole decode would be held beside the codes."""
+def _reads_gradient_codes(graph: TensorGraph, op: OpInfo, nodes: _FxNodes) -> str | None:
+    """Why ``op``'s backward gains from reading its output's rounded gradient as codes (``GRADIENT_CODES``), or
+    None: elsewhere its whole decode would be held beside the codes."""
     rule = graph.rules.op_type(op.module_type)
     if rule.passes_gradient:
-        return True
+        return "waits"
     saved = graph.rules.sliced_saved_tensor(op)
     if saved is None or not (op.node in nodes.read_codes or op.node in nodes.relus):
-        return False
+        return None
     shape = graph.tensors[saved].shape
     weight = max((graph.tensors[p].numel for p in op.params), default=0)
-    return rule.sliced.rows(shape, weight) < shape[0]
+    return "slices" if rule.sliced.rows(shape, weight) < shape[0] else None
 
 
 def _one_rounded_gradient(sites: OpSites) -> bool:

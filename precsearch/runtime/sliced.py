@@ -20,7 +20,7 @@ from torch import nn
 
 from precsearch.errors import PrecsearchError
 from precsearch.graph.op_rules import OpRules
-from precsearch.runtime.gradient_codes import decoded, gradient_rows, new_gradient
+from precsearch.runtime.gradient_codes import decoded, gradient_rows, new_gradient, slices_on
 from precsearch.runtime.packing import Packer, Stored
 from precsearch.runtime.rounding import RoundedWeightsCall, Rounding
 
@@ -51,7 +51,7 @@ class Slicing:
         """``SlicedBackward.rows`` of ``module_type``'s rule over a saved tensor of ``shape`` on CPU; the whole
         batch elsewhere (slicing not measured off CPU) or where the rules slice no backward of that type."""
         sliced = self.rules.op_type(module_type).sliced
-        if device.type != "cpu" or sliced is None:
+        if not slices_on(device) or sliced is None:
             return shape[0]
         return sliced.rows(shape, weight_numel)
 
@@ -59,7 +59,7 @@ class Slicing:
         """``SlicedBackward.channels_per_group`` of Conv2d's rule on CPU; all channels elsewhere (not measured off
         CPU) or where the rules slice no Conv2d backward."""
         sliced = self.rules.op_type("Conv2d").sliced
-        if device.type != "cpu" or sliced is None:
+        if not slices_on(device) or sliced is None:
             return shape[1]
         return sliced.channels_per_group(shape, weight_shape)
 
