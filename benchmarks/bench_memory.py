@@ -19,10 +19,12 @@ at least N slices of the batch (``OpRules.with_min_slices``: less memory, more t
 with those rules. ``--float32-grads``: each eager policy again with its weight gradients kept float32 in ``.grad``
 through the backward (``hold_gradients`` off), the step as it was before gradients in formats of 16 bits without
 inf or NaN codes (e6m9s) were held as codes: an A/B of memory and (with ``--time``) time in one run.
+``--float32-activation-grads``: each eager policy again with its rounded activation gradients handed on float32
+(``apply_policy(gradient_codes=False)``), the step as it was before they travelled as codes: the same A/B.
 
 Usage: python benchmarks/bench_memory.py [--model resnet18] [--width W] [--image-size 32] [--batch 128]
        [--device cpu|cuda] [--policies all-high,hfp8,all-low,pick] [--compiled hfp8,all-low] [--time 5] [--suite]
-       [--min-slices 4] [--float32-grads]
+       [--min-slices 4] [--float32-grads] [--float32-activation-grads]
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ BASELINE_ROWS = ("fp32", "fp16", "bf16", "hfp8")
 SPACES = Path(__file__).resolve().parent.parent / "search_spaces"
 SPACE_ALL_LOW = {"fp8-all-low": SPACES / "fp8_e4m3_e5m2.yaml", "fp8-scaled-all-low": SPACES / "fp8_scaled.yaml"}
 FLOAT32_GRADS = "weight gradients float32"  # a row's suffix: apply_policy(hold_gradients=...) off
+FLOAT32_ACTIVATION_GRADS = "activation gradients float32"  # a row's suffix: apply_policy(gradient_codes=False)
 POLICY_NAMES = (*BASELINE_ROWS, "all-high", "all-low", "pick", *SPACE_ALL_LOW)
 
 
@@ -132,6 +135,8 @@ def setting_rows(spec: str, image_size: int, batch_size: int, device: torch.devi
     plan += [(name, every[name], None, None) for name in chosen]
     plan += [(f"{name}, {args.min_slices} slices", every[name], None, None) for name in chosen if args.min_slices > 1]
     plan += [(f"{name}, {FLOAT32_GRADS}", every[name], None, None) for name in chosen if args.float32_grads]
+    plan += [(f"{name}, {FLOAT32_ACTIVATION_GRADS}", every[name], None, None) for name in chosen
+             if args.float32_activation_grads]
     plan += [("plain fp32, torch.compile", None, "plain fp32", None)] if compiled else []
     plan += [(f"{name}, compiled", every[name], name, None) for name in compiled]
     sliced_rules = OP_RULES.with_min_slices(args.min_slices)
@@ -143,11 +148,12 @@ def setting_rows(spec: str, image_size: int, batch_size: int, device: torch.devi
         hold = (lambda: False) if name.endswith(FLOAT32_GRADS) else no_process_group
         if policy is not None:  # the paper's space grows its loss scale once per "epoch": any length will do
             model = apply_policy(model, policy, compile=eager is not None, steps_per_epoch=100, rules=row_rules,
-                                 hold_gradients=hold)
+                                 hold_gradients=hold, gradient_codes=not name.endswith(FLOAT32_ACTIVATION_GRADS))
         elif eager is not None:
             model = torch.compile(model, fullgraph=True)
-        predicted = None if autocast or name.endswith(FLOAT32_GRADS) else row_cost.peak_bytes(
-            None if policy is None else policy.assignment(graph))  # the cost model prices held gradients
+        unpriced = autocast or name.endswith((FLOAT32_GRADS, FLOAT32_ACTIVATION_GRADS))  # the cost model prices
+        predicted = None if unpriced else row_cost.peak_bytes(  # held gradients, and gradients as codes
+            None if policy is None else policy.assignment(graph))
         rows.append(measure_row(name, model, batch, device, predicted, eager, autocast, args.timeline))
     return rows
 
@@ -190,6 +196,9 @@ def main() -> int:
     parser.add_argument("--float32-grads", action="store_true",
                         help="also each eager policy with its weight gradients kept in .grad as float32 during the "
                              "backward (hold_gradients off: the step before they were held as codes), for an A/B")
+    parser.add_argument("--float32-activation-grads", action="store_true",
+                        help="also each eager policy with its rounded activation gradients handed on float32 "
+                             "(gradient_codes off: the step before they travelled as codes), for an A/B")
     parser.add_argument("--min-slices", type=int, default=1, metavar="N",
                         help="also each eager policy with its sliced backwards in at least N slices of the batch "
                              "(OpRules.with_min_slices)")

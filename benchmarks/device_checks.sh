@@ -5,10 +5,11 @@
 # so a hang costs one check, not the run; the whole script took about 6 minutes on one H200 before the runtime
 # and memory benchmarks gained their compiled rows (eager and compiled side by side, the compiled step saving
 # codes; their compiles not yet timed on a GPU: each compiled memory row compiles a graph of its own). The checks
-# run in the order of what they decide (the compiled step on CUDA first) and their limits add up to 900 s, within
+# run in the order of what they decide (the compiled step on CUDA first) and their limits add up to 960 s, within
 # a lent GPU's 15 minutes only if the machine starts quickly: what is cut is the last. memory_settings: the
 # device allocator's peak of every setting of bench_memory's suite (ResNet-18 w1.0 32 px b128 and w0.25 16 px b64
-# among them), eager, torch.autocast(bfloat16) beside the policies (issue 67).
+# among them), eager, torch.autocast(bfloat16) beside the policies (issue 67); gradient_codes: the same step with
+# activation gradients handed on as codes (off CPU: an add's only) and float32, peak and time.
 #
 #   make device-wheels                   # here: optuna and what it needs, as wheels in .whl/ (for a GPU machine
 #                                        # without them; Python 3.12, x86-64)
@@ -45,6 +46,8 @@ check cuda_tests 150 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider tests
 check memory 300 "$PYTHON" benchmarks/bench_memory.py --device cuda --width 1.0 --batch 128 \
     --compiled fp16,hfp8,all-low
 check memory_settings 90 "$PYTHON" benchmarks/bench_memory.py --device cuda --suite
+check gradient_codes 60 "$PYTHON" benchmarks/bench_memory.py --device cuda --width 0.25 --image-size 16 --batch 64 \
+    --policies all-high,all-low --float32-activation-grads --time 5
 check runtime 240 "$PYTHON" benchmarks/bench_runtime.py --device cuda --width 1.0 --batch 128 --steps 10 --warmup 3
 check search 120 "$PYTHON" -m precsearch search resnet18:width=0.25 --trials 8 --proxy-steps 100 --device cuda \
     --out /tmp/precsearch-device-search --no-progress

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from precsearch.cost.policies import policy_from_assignment
+from precsearch.errors import PrecsearchError
 from precsearch.graph.op_rules import OP_RULES
 from precsearch.graph.tracing import trace
 from precsearch.models import build
@@ -59,6 +60,50 @@ def test_a_gradient_held_as_codes_reads_as_torchs_own_rounding_whole_and_by_rows
     assert torch.equal(codes * 1.0, expected) and type(codes * 1.0) is torch.Tensor  # any op: plain values
     assert torch.equal(torch.cat([gradient_rows(codes, start, 7) for start in range(0, 20, 7)]), expected)
     assert (expected != 0).any() and (expected.abs() < 2.0 ** -14).any()  # subnormals among them
+
+
+def test_a_write_into_a_gradient_held_as_codes_is_refused():
+    """A write would reach a decoded copy, not the codes: refused in one line naming the fix, never lost."""
+    codes = GradientCodes(Codes(torch.ones(4).to(torch.float8_e5m2).view(torch.uint8), "e5m2"),
+                          ("e5m2", "nearest", "saturate"))
+    with pytest.raises(PrecsearchError, match="add_.Tensor would write into a gradient held as its codes"):
+        codes.add_(1.0)
+    with pytest.raises(PrecsearchError, match="gradient_codes=False"):
+        torch.mul(torch.ones(4), 2.0, out=codes)
+    assert torch.equal(decoded(codes), torch.ones(4))
+
+
+class AddsLeaves(nn.Module):
+    """An add of a parameter, and one of the model's input: their gradients reach a leaf's ``.grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.offset = nn.Parameter(torch.zeros(1, 3, 8, 8))
+        self.fc = nn.Linear(3 * 64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x) + self.offset
+        return self.fc((torch.relu(y) + x).flatten(1))
+
+
+def test_an_add_that_reads_a_leaf_hands_its_gradient_on_float32_and_gradients_accumulate():
+    """The plan sends no add's gradient as codes where it would reach a leaf's ``.grad`` (a parameter or an input
+    that requires a gradient): two backwards without ``zero_grad`` accumulate ``.grad`` bit for bit as with every
+    gradient float32."""
+    torch.manual_seed(0)
+    model, (x, y) = AddsLeaves(), _batch(8, 4)
+    policy = _all_low(model, x, FP8)
+    grads = []
+    for on in (True, False):
+        wrapped = apply_policy(copy.deepcopy(model), policy, gradient_codes=on)
+        assert not [sites.op for sites in wrapped.sites.ops if sites.gradient_codes == "waits"]
+        leaf = x.clone().requires_grad_()
+        for _ in range(2):
+            F.cross_entropy(wrapped(leaf), y).backward()
+        assert type(wrapped.module.offset.grad) is torch.Tensor and type(leaf.grad) is torch.Tensor
+        grads.append([wrapped.module.offset.grad, leaf.grad, wrapped.module.conv.weight.grad])
+    assert all(torch.equal(one, other) for one, other in zip(*grads, strict=True))
 
 
 def _in_flight(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -136,3 +181,21 @@ def test_gradients_as_codes_train_bit_for_bit_as_float32_gradients(spec, size, b
         for name in codes[part]:
             assert torch.equal(codes[part][name], floats[part][name]), name
     assert codes[3] == floats[3] and any(calls for calls, _, _ in codes[3].values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available here")
+def test_on_cuda_an_adds_gradient_travels_as_codes_and_a_sliced_layers_as_float32():
+    """The sliced backwards decode whole off CPU, so there only the add's gradient (which waits) is handed on as
+    codes; the step trains bit for bit as with every gradient float32."""
+    torch.manual_seed(0)
+    model, (x, y) = Residual().cuda(), tuple(t.cuda() for t in _batch(8, 16))
+    policy = _all_low(model, x, FP8, FOUR_SLICES)
+    wrapped = apply_policy(copy.deepcopy(model), policy, rules=FOUR_SLICES)
+    as_codes = [g for g in _in_flight(wrapped, x, y) if isinstance(g, GradientCodes)]
+    # the add's, which bn2's rounding (the same format) hands on as it is
+    assert len(as_codes) == 2 and as_codes[0] is as_codes[1] and as_codes[0].codes.codes.nbytes == as_codes[0].numel()
+    codes, floats = (_train(model, policy, x, y, on, FOUR_SLICES) for on in (True, False))
+    for part in (1, 2):
+        for name in codes[part]:
+            assert torch.equal(codes[part][name], floats[part][name]), name

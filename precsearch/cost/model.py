@@ -284,7 +284,10 @@ class CostModel:
     def peak_timeline(self, assignment: Mapping[str, Spec] | None = None) -> list[Held]:
         """Every block the step holds, replayed on the graph: saved tensors in their formats until the backward
         of their first saver; float32 forward values until their last forward use; activation gradients (float32)
-        from the backward of their last consumer to that of their producer; weight gradients (float32) from their
+        from the backward of their last consumer to that of their producer, as codes from their rounding on where
+        the site plan hands them on so (``OpSites.gradient_codes``: an add's, held until the backward of the
+        last input it reaches, and a sliced layer's, which that layer decodes a slice at a time; elsewhere
+        whole); weight gradients (float32) from their
         op's backward to the optimizer; kernel workspaces. Where a tensor is low, the runtime's transients too: the
         raw float32 value beside its rounded copy (not where the rounding writes over the op's output:
         ``graph.makes_fresh_output``, not saved by its producer), packed codes, the decoded float32 copy kept from

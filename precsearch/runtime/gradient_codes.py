@@ -6,7 +6,8 @@ op see as float32, whose storage is the codes of the rounded values (``ops.Codes
 values are bit for bit the rounded float32 ones). It waits in the engine's buffers at code width, and a backward
 that reads its output gradient a slice at a time (precsearch.runtime.sliced) decodes it a slice at a time
 (``gradient_rows``). Any other op, the engine's sum of two gradients included, is given the decoded values
-(``__torch_dispatch__``): correct, a float32 copy for that op's call.
+(``__torch_dispatch__``): correct, a float32 copy for that op's call. An op that would write into it (``add_``) is
+refused: the write would reach a decoded copy, not the codes. The site plan never hands one to a leaf's ``.grad``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from precsearch.errors import PrecsearchError
 from precsearch.runtime import ops
 
 __all__ = ["GradientCodes", "decoded", "gradient_rows", "new_gradient", "slices_on"]
@@ -39,7 +41,14 @@ class GradientCodes(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*tree_map(decoded, args), **tree_map(decoded, kwargs or {}))
+        kwargs = kwargs or {}
+        for index, argument in enumerate(func._schema.arguments):
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            if isinstance(value, GradientCodes) and argument.alias_info is not None and argument.alias_info.is_write:
+                raise PrecsearchError(f"{func.__name__} would write into a gradient held as its codes, which a "
+                                      "write cannot reach; write into a copy (g = g.clone()), or train with "
+                                      "apply_policy(..., gradient_codes=False)")
+        return func(*tree_map(decoded, args), **tree_map(decoded, kwargs))
 
     def __repr__(self) -> str:
         return f"GradientCodes({tuple(self.shape)}, {self.args[0]})"

@@ -155,8 +155,8 @@ def _reads_gradient_codes(graph: TensorGraph, op: OpInfo, nodes: _FxNodes) -> st
     """Why ``op``'s backward gains from reading its output's rounded gradient as codes (``GRADIENT_CODES``), or
     None: elsewhere its whole decode would be held beside the codes."""
     rule = graph.rules.op_type(op.module_type)
-    if rule.passes_gradient:
-        return "waits"
+    if rule.passes_gradient:  # not where it would reach a leaf's .grad (a parameter or input added)
+        return None if op.node in nodes.reads_leaves else "waits"
     saved = graph.rules.sliced_saved_tensor(op)
     if saved is None or not (op.node in nodes.read_codes or op.node in nodes.relus):
         return None
@@ -219,17 +219,20 @@ class _FxNodes(NamedTuple):
     readers: dict[str, int]  # node name -> how many nodes read it
     relus: frozenset[str]  # the calls of a ReLU whose backward reads its rounded output
     read_codes: frozenset[str]  # the calls of a layer, on one value, whose backward may read that value's codes
+    reads_leaves: frozenset[str]  # the nodes reading a graph input or a parameter as it is
 
 
 def _fx_nodes(graph: TensorGraph, chunked: frozenset[str]) -> _FxNodes:
-    """The readers of each FX node of ``graph``, its ReLUs that read their rounded output, and its calls of a
-    layer (not ``chunked``) that may read their one input's codes."""
+    """The readers of each FX node of ``graph``, its ReLUs that read their rounded output, its calls of a layer
+    (not ``chunked``) that may read their one input's codes, and its nodes that read a graph input or parameter."""
     if graph.graph_module is None:
-        return _FxNodes({}, frozenset(), frozenset())
+        return _FxNodes({}, frozenset(), frozenset(), frozenset())
     calls = {node: graph.graph_module.get_submodule(node.target)
              for node in graph.graph_module.graph.nodes if node.op == "call_module"}
     return _FxNodes({node.name: len(node.users) for node in graph.graph_module.graph.nodes},
                     frozenset(node.name for node, layer in calls.items() if reads_rounded_output(graph.rules, layer)),
                     frozenset(node.name for node, layer in calls.items()
                               if len(node.args) == 1 and not node.kwargs and node.target not in chunked
-                              and reads_packed_input(graph.rules, layer)))
+                              and reads_packed_input(graph.rules, layer)),
+                    frozenset(node.name for node in graph.graph_module.graph.nodes
+                              if any(read.op in ("placeholder", "get_attr") for read in node.all_input_nodes)))
