@@ -19,12 +19,14 @@ at least N slices of the batch (``OpRules.with_min_slices``: less memory, more t
 with those rules. ``--float32-grads``: each eager policy again with its weight gradients kept float32 in ``.grad``
 through the backward (``hold_gradients`` off), the step as it was before gradients in formats of 16 bits without
 inf or NaN codes (e6m9s) were held as codes: an A/B of memory and (with ``--time``) time in one run.
-``--float32-activation-grads``: each eager policy again with its rounded activation gradients handed on float32
+``--finer-slices``: each eager policy again with the sliced backwards at its predicted peak in more slices
+(``CostModel.finer_slices``, ``apply_policy(slices=...)``), predicted with them. ``--float32-activation-grads``: each
+eager policy again with its rounded activation gradients handed on float32
 (``apply_policy(gradient_codes=False)``), the step as it was before they travelled as codes: the same A/B.
 
 Usage: python benchmarks/bench_memory.py [--model resnet18] [--width W] [--image-size 32] [--batch 128]
        [--device cpu|cuda] [--policies all-high,hfp8,all-low,pick] [--compiled hfp8,all-low] [--time 5] [--suite]
-       [--min-slices 4] [--float32-grads] [--float32-activation-grads]
+       [--min-slices 4] [--finer-slices] [--float32-grads] [--float32-activation-grads]
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ SPACES = Path(__file__).resolve().parent.parent / "search_spaces"
 SPACE_ALL_LOW = {"fp8-all-low": SPACES / "fp8_e4m3_e5m2.yaml", "fp8-scaled-all-low": SPACES / "fp8_scaled.yaml"}
 FLOAT32_GRADS = "weight gradients float32"  # a row's suffix: apply_policy(hold_gradients=...) off
 FLOAT32_ACTIVATION_GRADS = "activation gradients float32"  # a row's suffix: apply_policy(gradient_codes=False)
+FINER = "finer slices"  # a row's suffix: apply_policy(slices=CostModel.finer_slices(...))
 POLICY_NAMES = (*BASELINE_ROWS, "all-high", "all-low", "pick", *SPACE_ALL_LOW)
 
 
@@ -137,6 +140,7 @@ def setting_rows(spec: str, image_size: int, batch_size: int, device: torch.devi
     plan += [(f"{name}, {FLOAT32_GRADS}", every[name], None, None) for name in chosen if args.float32_grads]
     plan += [(f"{name}, {FLOAT32_ACTIVATION_GRADS}", every[name], None, None) for name in chosen
              if args.float32_activation_grads]
+    plan += [(f"{name}, {FINER}", every[name], None, None) for name in chosen if args.finer_slices]
     plan += [("plain fp32, torch.compile", None, "plain fp32", None)] if compiled else []
     plan += [(f"{name}, compiled", every[name], name, None) for name in compiled]
     sliced_rules = OP_RULES.with_min_slices(args.min_slices)
@@ -146,14 +150,16 @@ def setting_rows(spec: str, image_size: int, batch_size: int, device: torch.devi
         model = copy.deepcopy(plain)
         row_rules, row_cost = (sliced_rules, sliced_cost) if name.endswith(" slices") else (OP_RULES, cost)
         hold = (lambda: False) if name.endswith(FLOAT32_GRADS) else no_process_group
+        slices = row_cost.finer_slices(policy.assignment(graph)) if name.endswith(FINER) else None
         if policy is not None:  # the paper's space grows its loss scale once per "epoch": any length will do
             model = apply_policy(model, policy, compile=eager is not None, steps_per_epoch=100, rules=row_rules,
-                                 hold_gradients=hold, gradient_codes=not name.endswith(FLOAT32_ACTIVATION_GRADS))
+                                 hold_gradients=hold, gradient_codes=not name.endswith(FLOAT32_ACTIVATION_GRADS),
+                                 slices=slices)
         elif eager is not None:
             model = torch.compile(model, fullgraph=True)
         unpriced = autocast or name.endswith((FLOAT32_GRADS, FLOAT32_ACTIVATION_GRADS))  # the cost model prices
         predicted = None if unpriced else row_cost.peak_bytes(  # held gradients, and gradients as codes
-            None if policy is None else policy.assignment(graph))
+            None if policy is None else policy.assignment(graph), slices)
         rows.append(measure_row(name, model, batch, device, predicted, eager, autocast, args.timeline))
     return rows
 
@@ -196,6 +202,9 @@ def main() -> int:
     parser.add_argument("--float32-grads", action="store_true",
                         help="also each eager policy with its weight gradients kept in .grad as float32 during the "
                              "backward (hold_gradients off: the step before they were held as codes), for an A/B")
+    parser.add_argument("--finer-slices", action="store_true",
+                        help="also each eager policy with the sliced backwards at its predicted peak in more slices "
+                             "(CostModel.finer_slices)")
     parser.add_argument("--float32-activation-grads", action="store_true",
                         help="also each eager policy with its rounded activation gradients handed on float32 "
                              "(gradient_codes off: the step before they travelled as codes), for an A/B")

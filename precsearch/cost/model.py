@@ -52,7 +52,7 @@ from precsearch.graph.op_rules import ASSUMED_SAVES
 from precsearch.graph.runs import forward_error, training_mode
 from precsearch.graph.types import OpInfo, TensorGraph, grad_id
 from precsearch.runtime.optim import update_bytes_per_param
-from precsearch.runtime.sites import plan_sites
+from precsearch.runtime.sites import SitePlan, plan_sites
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -152,8 +152,6 @@ class CostModel:
         self._fresh_gradients = gradient_arrives_fresh(graph)  # outputs whose gradient is rounded over itself
         by_name = {op.name: op for op in graph.ops}  # and those that are so where an add's is rounded alike:
         self._gradient_sources = {name: by_name[add] for name, add in gradient_passes_from(graph).items()}
-        # ops whose rounded output gradient travels as codes (the site plan's ``OpSites.gradient_codes``)
-        self._gradient_codes = {sites.op for sites in plan_sites(graph, per_use=False).ops if sites.gradient_codes}
 
     # ------------------------------------------------------------------------------------------ memory
 
@@ -273,15 +271,33 @@ class CostModel:
 
     # ------------------------------------------------------------------------------ step peak
 
-    def peak_bytes(self, assignment: Mapping[str, Spec] | None = None) -> int:
+    def peak_bytes(self, assignment: Mapping[str, Spec] | None = None, slices: Mapping[str, int] | None = None) -> int:
         """Predicted peak of one training step (forward, backward, optimizer) above the parameters and
         optimizer state, under `assignment` as `precsearch.runtime` trains it, eagerly or through its compiled
-        step, which holds what the eager step holds (see `peak_timeline`)."""
-        blocks = self.peak_timeline(assignment)
-        times = sorted({time for block in blocks for time in (block.start, block.end)})
-        return max((sum(b.nbytes for b in blocks if b.start <= time <= b.end) for time in times), default=0)
+        step, which holds what the eager step holds (see `peak_timeline`); `slices` as `apply_policy`'s."""
+        return _peak(self.peak_timeline(assignment, slices))[1]
 
-    def peak_timeline(self, assignment: Mapping[str, Spec] | None = None) -> list[Held]:
+    def finer_slices(self, assignment: Mapping[str, Spec] | None = None, most: int = 16) -> dict[str, int]:
+        """Op name -> slices for the sliced backwards that set the step's peak (`apply_policy(..., slices=...)`):
+        while the predicted peak is a sliced backward's, that layer's slices doubled (up to `most`), kept where
+        the peak falls. Only the layers at the peak slice finer, so the step pays their smaller kernels alone."""
+        slices: dict[str, int] = {}
+        blocks = self.peak_timeline(assignment)
+        while True:
+            time, peak = _peak(blocks)
+            n = len(self.graph.ops)
+            backward = 2 * n < time <= 4 * n and time % 2 == 0  # the backward of an op (``_StepReplay.bwd``)
+            op = self.graph.ops[int(4 * n - time) // 2] if backward else None
+            if op is None or self.graph.rules.sliced_saved_tensor(op) is None or slices.get(op.name, 1) >= most:
+                return slices
+            trial = {**slices, op.name: 2 * slices.get(op.name, 1)}
+            trial_blocks = self.peak_timeline(assignment, trial)
+            if _peak(trial_blocks)[1] >= peak:
+                return slices
+            slices, blocks = trial, trial_blocks
+
+    def peak_timeline(self, assignment: Mapping[str, Spec] | None = None,
+                      slices: Mapping[str, int] | None = None) -> list[Held]:
         """Every block the step holds, replayed on the graph: saved tensors in their formats until the backward
         of their first saver; float32 forward values until their last forward use; activation gradients (float32)
         from the backward of their last consumer to that of their producer, as codes from their rounding on where
@@ -300,7 +316,8 @@ class CostModel:
         and scales, which it counts), a rounded copy of each low weight gradient as it arrives and, where its
         format fits 16 bits, its codes to the end of the backward (``.grad`` decoded then). The optimizer holds
         one gradient-sized temporary (SGD's weight decay). The input batch is not counted unless packed."""
-        step = _StepReplay(self.graph, self._formats(assignment), self._scaled(assignment), self._gradient_codes)
+        step = _StepReplay(self.graph, self._formats(assignment), self._scaled(assignment),
+                           plan_sites(self.graph, per_use=False, slices=slices))
         saved_fp32, reads_kept = self._hold_saved(step, assignment)
         self._hold_values_and_gradients(step, saved_fp32)
         channel_sliced = _hold_workspaces(step, reads_kept)
@@ -362,6 +379,9 @@ class CostModel:
                     step.hold(4 * numel, arrives, step.bwd(i), f"gradient {tid}")
                 if codes is not None and not rules.op_type(ops[i].module_type).passes_gradient:
                     step.hold(step.gradient_decode(i, tid), step.bwd(i), step.bwd(i), f"decoded gradient {tid}")
+                for user in sorted(set(users))[:-1]:  # each later reader's part, made beside the sum so far
+                    if not rules.op_type(ops[user].module_type).passes_gradient:
+                        step.hold(4 * numel, step.bwd(user), step.bwd(user), f"gradient part {tid}")
                 rounded_over = alike or (ops[i].name in self._fresh_gradients and not step.format(tid).is_fp32)
                 if not grad_format.is_fp32 and not rounded_over:
                     step.hold(4 * numel, step.bwd(i) - 1, step.bwd(i) - 1, f"rounded gradient {tid}")
@@ -465,6 +485,14 @@ class CostModel:
                 for s in self.saved]
 
 
+def _peak(blocks: list[Held]) -> tuple[float, int]:
+    """The time of a timeline's peak (its first) and the bytes held then."""
+    times = sorted({time for block in blocks for time in (block.start, block.end)})
+    held = [(sum(b.nbytes for b in blocks if b.start <= time <= b.end), -time) for time in times]
+    nbytes, time = max(held, default=(0, 0.0))
+    return -time, nbytes
+
+
 def low_share(numel: Any, low: Any) -> Any:
     """The paper's low-precision ratio, the one definition: the share of elements held low. ``numel`` is per
     tensor (or group) and ``low`` 0/1 over them, or a matrix with one row per candidate (one share each);
@@ -524,8 +552,10 @@ class _StepReplay:
     forward and backward run, the forward's lifetimes, and the blocks held so far."""
 
     def __init__(self, graph: TensorGraph, formats: dict[str, FloatFormat], scaled: dict[str, ScaledFormat],
-                 codes_ops: set[str]) -> None:
-        self.graph, self.formats, self.scaled, self.codes_ops = graph, formats, scaled, codes_ops
+                 plan: SitePlan) -> None:
+        self.graph, self.formats, self.scaled = graph, formats, scaled
+        self.codes_ops = {sites.op for sites in plan.ops if sites.gradient_codes}  # ``OpSites.gradient_codes``
+        self.at_least = {sites.op: sites.slices for sites in plan.ops if sites.slices > 1}  # ``OpSites.slices``
         self.n = len(graph.ops)
         self.index = {op.name: i for i, op in enumerate(graph.ops)}
         self.producer, self.root, self.needs_grad, self.last_use = _forward_lifetimes(graph)
@@ -565,7 +595,7 @@ class _StepReplay:
             op = self.graph.ops[i]
             saved = self.graph.tensors[self.sliced[i]].shape
             weight = max((self.graph.tensors[p].numel for p in op.params), default=0)
-            rows = self.graph.rules.op_type(op.module_type).sliced.rows(saved, weight)
+            rows = self.graph.rules.op_type(op.module_type).sliced.rows(saved, weight, self.at_least.get(op.name, 1))
             if rows < saved[0]:
                 return 4 * rows * math.prod(shape[1:])
         return 4 * math.prod(shape)
@@ -593,9 +623,10 @@ def _hold_workspaces(step: _StepReplay, reads_kept: set[int]) -> set[str]:
             shape, slicing = graph.tensors[step.sliced[i]].shape, rule.sliced
             weight_info = max((graph.tensors[p] for p in op.params), key=lambda info: info.numel, default=None)
             sample, weight = math.prod(shape[1:]), 0 if weight_info is None else weight_info.numel
-            rows = slicing.rows(shape, weight)
+            at_least = step.at_least.get(op.name, 1)
+            rows = slicing.rows(shape, weight, at_least)
             decodes = i not in reads_kept
-            channels = (slicing.channels_per_group(shape, weight_info.shape) if slicing.channels is not None
+            channels = (slicing.channels_per_group(shape, weight_info.shape, at_least) if slicing.channels is not None
                         else shape[1])
             if channels < shape[1]:  # one slice of samples in groups of input channels
                 channel_sliced.add(weight_info.id)

@@ -58,19 +58,20 @@ class SlicedBackward:
     channels: ChannelSlices | None = None
     min_slices: int = 1  # at least this many slices of a batch (``OpRules.with_min_slices``)
 
-    def rows(self, shape: Sequence[int], weight_numel: int = 0) -> int:
+    def rows(self, shape: Sequence[int], weight_numel: int = 0, at_least: int = 1) -> int:
         """Samples per slice over a saved tensor of ``shape``: slices of ``slice_bytes``, and at least
-        ``min_slices`` of them."""
+        ``min_slices`` of them (``at_least`` for this one layer: a peak-directed choice, ``CostModel.finer_slices``)."""
         if self.weight_blocks and weight_numel >= math.prod(shape):
             return shape[0]
-        return max(1, min(self.slice_bytes // (4 * math.prod(shape[1:])), -(-shape[0] // self.min_slices)))
+        slices = max(self.min_slices, at_least)
+        return max(1, min(self.slice_bytes // (4 * math.prod(shape[1:])), -(-shape[0] // slices)))
 
-    def channels_per_group(self, shape: Sequence[int], weight_shape: Sequence[int]) -> int:
+    def channels_per_group(self, shape: Sequence[int], weight_shape: Sequence[int], at_least: int = 1) -> int:
         """Input channels per group of a backward over an input of ``shape`` with a weight of ``weight_shape``
         that runs as one slice of samples: weight slices of ``channels.slice_bytes``; all channels (one group)
         for an op sliced by samples, one without channel slices, or a grouped conv (each output channel reads
         some input channels only: its weight has fewer input channels than its input)."""
-        if (self.channels is None or self.rows(shape, math.prod(weight_shape)) < shape[0]
+        if (self.channels is None or self.rows(shape, math.prod(weight_shape), at_least) < shape[0]
                 or weight_shape[1] != shape[1]):
             return shape[1]
         per_channel = 4 * math.prod(weight_shape) // weight_shape[1]

@@ -126,7 +126,8 @@ def _replace_layer_calls(gm: fx.GraphModule, plan: SitePlan, module: nn.Module, 
             sites = plan.of_node(node.name)
             low_input = sites is not None and sites.reads_codes and bool(carried.get(node.args[0]))
             low_output = sites is not None and sites.relu_output and node.name in low
-            inserted = _layer_call(module, rounding, slicing, node.target, names, low_input, low_output)
+            inserted = _layer_call(module, rounding, slicing, node.target, names, low_input, low_output,
+                                   sites.slices if sites is not None else 1)
             if inserted is not None:
                 name = f"precsearch_weights_{node.target.replace('.', '_')}"
                 if not hasattr(gm, name):
@@ -155,20 +156,20 @@ def _round_per_use(gm: fx.GraphModule, node: fx.Node, inserted: Rounder, roundin
 
 
 def _layer_call(module: nn.Module, rounding: Rounding, slicing: Slicing, target: str,
-                names: list[str] | None, low_input: bool, low_output: bool) -> nn.Module | None:
+                names: list[str] | None, low_input: bool, low_output: bool, slices: int = 1) -> nn.Module | None:
     """What replaces a layer call (``names``: its parameters) or a parameter read (``names`` None): a read of a
     low weight becomes its rounding; a layer whose backward reads the codes of the low activation it reads
     (``low_input``) a ``PackedInputCall``, a ReLU whose backward reads the low activation it makes
-    (``low_output``) a ``PackedOutputRelu``, and another call with low weights a ``RoundedWeightsCall``; None when
-    none applies."""
+    (``low_output``) a ``PackedOutputRelu`` (either in at least ``slices`` slices: ``OpSites.slices``), and another
+    call with low weights a ``RoundedWeightsCall``; None when none applies."""
     if names is None:
         rounding.at_use.add(target)
         return RoundedWeight(rounding, target) if target in rounding.weights else None
     layer = module.get_submodule(target)
     if low_output:
-        return PackedOutputRelu(rounding.packer, slicing, layer, target)
+        return PackedOutputRelu(rounding.packer, slicing, layer, target, slices)
     params = {name: f"{target}.{name}" for name in names if f"{target}.{name}" in rounding.weights}
     rounding.at_use.update(params.values())
     if low_input:
-        return PackedInputCall(rounding, slicing, layer, target, params, PACKED_INPUT[type(layer)])
+        return PackedInputCall(rounding, slicing, layer, target, params, PACKED_INPUT[type(layer)], slices)
     return RoundedWeightsCall(rounding, layer, params) if params else None

@@ -80,8 +80,8 @@ class PrecisionModel(nn.Module):
     def __init__(self, model: nn.Module, policy: Policy, graph: TensorGraph, seed: int = 0,
                  stats_every: int | None = None, steps_per_epoch: int | None = None,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 gradient_codes: bool = True, compile: CompileOptions | None = None,
-                 graphs: CompiledGraphs | None = None) -> None:
+                 gradient_codes: bool = True, slices: Mapping[str, int] | None = None,
+                 compile: CompileOptions | None = None, graphs: CompiledGraphs | None = None) -> None:
         super().__init__()
         self.module, self.policy, self.graph = model, policy, graph
         self.stats_every, self.steps_per_epoch = stats_every, steps_per_epoch
@@ -94,7 +94,7 @@ class PrecisionModel(nn.Module):
         self.scaler.watch(self.state)  # the state's counts ride the scaler's one host read a step
         keep_running_statistics(model, self.scaler, self.state)
         self.sites = plan_sites(graph, policy.gradient_rounding == "per_use", chunked=self.accumulation_layers,
-                                gradient_codes=gradient_codes)
+                                gradient_codes=gradient_codes, slices=slices)
         weights = low_weights(model, self.sites, self.state)
         self._optimizers = Optimizers(policy, weights, self._generator)
         if not policy.master_weights:
@@ -283,8 +283,8 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                  strict: bool = True, seed: int = 0, stats_every: int | None = None,
                  steps_per_epoch: int | None = None, rules: OpRules = OP_RULES,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 gradient_codes: bool = True, compile: bool | CompileOptions = False,
-                 runtime: Runtime | None = None) -> PrecisionModel:
+                 gradient_codes: bool = True, slices: Mapping[str, int] | None = None,
+                 compile: bool | CompileOptions = False, runtime: Runtime | None = None) -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
     ``example_input`` (default: zeros of the policy's input shape) traces the model at the policy's batch size; a
@@ -296,7 +296,9 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     codes until the end of the backward (by default: while no process group is up, as DDP reads ``.grad`` during
     the backward), ``round_in_place=False`` rounds every activation and activation gradient into a new tensor, and
     ``gradient_codes=False`` hands every rounded activation gradient on as float32, not as its codes
-    (``OpSites.gradient_codes``). None changes a value.
+    (``OpSites.gradient_codes``). None changes a value. ``slices`` (op name -> count, e.g.
+    ``CostModel(graph).finer_slices(policy.assignment(graph))``) runs those layers' sliced backwards in at least
+    that many slices on CPU: less memory at the step's peak for more time, float32 sums in another order.
 
     ``compile=True`` (or a ``CompileOptions``) trains with the compiled step (precsearch.runtime.compiled),
     compiled once per model structure and code widths in ``runtime`` (default: ``default_runtime()``), where the
@@ -317,5 +319,6 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     verify_policy(policy, graph, strict=strict)
     return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
                           hold_gradients=hold_gradients, round_in_place=round_in_place, gradient_codes=gradient_codes,
+                          slices=slices,
                           compile=CompileOptions() if compile is True else compile or None,
                           graphs=(runtime or default_runtime()).graphs)

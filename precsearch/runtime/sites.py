@@ -32,13 +32,14 @@ position is a change here or in the op rules, not in a lowering.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from torch import nn
 
 from precsearch.config.spec import WEIGHT, TensorId
+from precsearch.errors import PrecsearchError, echo
 from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
 from precsearch.graph.op_rules import OpRules, call_name
 from precsearch.graph.types import OpInfo, TensorGraph, grad_id
@@ -89,6 +90,7 @@ class OpSites:
     fresh_gradient: bool  # its one output's gradient arrives as a new tensor nothing else holds: likewise
     gradient_from: str | None = None  # the add whose rounded output gradient this one output's gradient is
     gradient_codes: str | None = None  # why its outputs' rounded gradients travel as codes (``GRADIENT_CODES``)
+    slices: int = 1  # its sliced backward runs in at least this many slices of the batch (``plan_sites``' slices)
 
 
 @dataclass(frozen=True)
@@ -118,11 +120,17 @@ class SitePlan:
         return self._by_node.get(node)
 
 
-def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = (), gradient_codes: bool = True
-               ) -> SitePlan:
+def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = (), gradient_codes: bool = True,
+               slices: Mapping[str, int] | None = None) -> SitePlan:
     """The rounding sites of ``graph``; ``per_use``: the policy's ``gradient_rounding == "per_use"``; ``chunked``:
     the layers swapped for chunked accumulation (precsearch.runtime.accumulate), whose backward is their own;
-    ``gradient_codes=False``: every rounded gradient travels float32 (``OpSites.gradient_codes`` off)."""
+    ``gradient_codes=False``: every rounded gradient travels float32 (``OpSites.gradient_codes`` off); ``slices``:
+    op name -> at least this many slices in its sliced backward (``CostModel.finer_slices``)."""
+    slices = dict(slices or {})
+    unknown = sorted(set(slices) - {op.name for op in graph.ops if graph.rules.sliced_saved_tensor(op)})
+    if unknown or any(not isinstance(n, int) or n < 1 for n in slices.values()):
+        raise PrecsearchError(f"slices must map layers with a sliced backward to counts >= 1; got "
+                              f"{echo(unknown[0]) if unknown else echo(slices)}")
     assignable = set(graph.assignable_ids())
 
     def gradient_of(tensor_id: str) -> str | None:
@@ -137,11 +145,12 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = (), g
         if outputs:
             single = len(outputs) == 1 and outputs[0].position == 0 and outputs[0].gradient is not None
             rounds_per_use = per_use and single and nodes.readers.get(op.node, 0) > 1
+            at_least = slices.get(op.name, 1)
             ops[op.name] = OpSites(op.name, op.node, outputs, rounds_per_use, op.node in nodes.relus,
                                    op.node in nodes.read_codes, makes_fresh_output(op, graph.rules),
                                    op.name in fresh_gradients,
-                                   gradient_codes=_reads_gradient_codes(graph, op, nodes)
-                                   if gradient_codes and not rounds_per_use else None)
+                                   gradient_codes=_reads_gradient_codes(graph, op, nodes, at_least)
+                                   if gradient_codes and not rounds_per_use else None, slices=at_least)
     for name, add in gradient_passes_from(graph).items():
         if name in ops and add in ops and _one_rounded_gradient(ops[name]) and _one_rounded_gradient(ops[add]):
             ops[name] = replace(ops[name], gradient_from=add)
@@ -151,7 +160,7 @@ def plan_sites(graph: TensorGraph, per_use: bool, chunked: Iterable[str] = (), g
     return SitePlan(tuple(ops.values()), weights, _aliases(graph, ops.values()))
 
 
-def _reads_gradient_codes(graph: TensorGraph, op: OpInfo, nodes: _FxNodes) -> str | None:
+def _reads_gradient_codes(graph: TensorGraph, op: OpInfo, nodes: _FxNodes, at_least: int) -> str | None:
     """Why ``op``'s backward gains from reading its output's rounded gradient as codes (``GRADIENT_CODES``), or
     None: elsewhere its whole decode would be held beside the codes."""
     rule = graph.rules.op_type(op.module_type)
@@ -162,7 +171,7 @@ def _reads_gradient_codes(graph: TensorGraph, op: OpInfo, nodes: _FxNodes) -> st
         return None
     shape = graph.tensors[saved].shape
     weight = max((graph.tensors[p].numel for p in op.params), default=0)
-    return "slices" if rule.sliced.rows(shape, weight) < shape[0] else None
+    return "slices" if rule.sliced.rows(shape, weight, at_least) < shape[0] else None
 
 
 def _one_rounded_gradient(sites: OpSites) -> bool:

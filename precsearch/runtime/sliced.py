@@ -47,21 +47,24 @@ class Slicing:
         self.rules = rules
         self._warned: set[str] = set()
 
-    def rows(self, shape: Sequence[int], device: torch.device, module_type: str, weight_numel: int = 0) -> int:
-        """``SlicedBackward.rows`` of ``module_type``'s rule over a saved tensor of ``shape`` on CPU; the whole
-        batch elsewhere (slicing not measured off CPU) or where the rules slice no backward of that type."""
+    def rows(self, shape: Sequence[int], device: torch.device, module_type: str, weight_numel: int = 0,
+             at_least: int = 1) -> int:
+        """``SlicedBackward.rows`` of ``module_type``'s rule over a saved tensor of ``shape`` on CPU (``at_least``
+        slices: the layer's ``OpSites.slices``); the whole batch elsewhere (slicing not measured off CPU) or where
+        the rules slice no backward of that type."""
         sliced = self.rules.op_type(module_type).sliced
         if not slices_on(device) or sliced is None:
             return shape[0]
-        return sliced.rows(shape, weight_numel)
+        return sliced.rows(shape, weight_numel, at_least)
 
-    def channels(self, shape: Sequence[int], weight_shape: Sequence[int], device: torch.device) -> int:
+    def channels(self, shape: Sequence[int], weight_shape: Sequence[int], device: torch.device,
+                 at_least: int = 1) -> int:
         """``SlicedBackward.channels_per_group`` of Conv2d's rule on CPU; all channels elsewhere (not measured off
         CPU) or where the rules slice no Conv2d backward."""
         sliced = self.rules.op_type("Conv2d").sliced
         if not slices_on(device) or sliced is None:
             return shape[1]
-        return sliced.channels_per_group(shape, weight_shape)
+        return sliced.channels_per_group(shape, weight_shape, at_least)
 
     def warn(self, name: str, why: str) -> None:
         """Once per reason: the layer ``name`` of a packed tensor runs its backward over the whole tensor."""
@@ -105,10 +108,10 @@ class _ConvOfPackedInput(torch.autograd.Function):
         return True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                stored: list[Stored], layer: nn.Conv2d, slicing: Slicing, weight_stored: Stored | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stored: list[Stored],
+                layer: nn.Conv2d, slicing: Slicing, at_least: int, weight_stored: Stored | None) -> torch.Tensor:
         ctx.stored, ctx.layer, ctx.input_shape, ctx.has_bias = stored, layer, x.shape, bias is not None
-        ctx.slicing, ctx.weight_shape, ctx.weight_stored = slicing, weight.shape, weight_stored
+        ctx.slicing, ctx.at_least, ctx.weight_shape, ctx.weight_stored = slicing, at_least, weight.shape, weight_stored
         if weight_stored is None:  # not packed: autograd keeps it (and checks that nothing changed it)
             ctx.save_for_backward(weight)
         return layer._conv_forward(x, weight, bias)
@@ -124,10 +127,10 @@ class _ConvOfPackedInput(torch.autograd.Function):
         geometry = ConvGeometry(layer.stride, layer.padding, layer.dilation, layer.groups)
         grad_input, grad_weight = conv_backward_in_slices(
             grad_out, packed, saved_weight, geometry, shape, ctx.weight_shape,
-            ctx.slicing.rows(shape, device, "Conv2d", math.prod(ctx.weight_shape)),
-            ctx.slicing.channels(shape, ctx.weight_shape, device), need_input, need_weight)
+            ctx.slicing.rows(shape, device, "Conv2d", math.prod(ctx.weight_shape), ctx.at_least),
+            ctx.slicing.channels(shape, ctx.weight_shape, device, ctx.at_least), need_input, need_weight)
         grad_bias = grad_out.sum((0, 2, 3)) if need_bias and ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 class ConvGeometry(NamedTuple):
@@ -200,11 +203,11 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                stored: list[Stored], layer: nn.BatchNorm2d, slicing: Slicing) -> torch.Tensor:
+                stored: list[Stored], layer: nn.BatchNorm2d, slicing: Slicing, at_least: int) -> torch.Tensor:
         layer.num_batches_tracked.add_(1)  # nn.BatchNorm2d's own training forward, for a set momentum
         out, mean, invstd = torch.native_batch_norm(x, weight, bias, layer.running_mean, layer.running_var, True,
                                                     layer.momentum, layer.eps)
-        ctx.stored, ctx.input_shape, ctx.eps, ctx.slicing = stored, x.shape, layer.eps, slicing
+        ctx.stored, ctx.input_shape, ctx.eps, ctx.slicing, ctx.at_least = stored, x.shape, layer.eps, slicing, at_least
         # the running statistics too, unused: what torch's batch norm saves, so that saved bytes stay its own
         ctx.save_for_backward(weight, mean, invstd, layer.running_mean, layer.running_var)
         return out
@@ -213,10 +216,10 @@ class _BatchNormOfPackedInput(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         packed, (weight, mean, invstd, _, _) = _take_stored(ctx).packed, ctx.saved_tensors
-        rows = ctx.slicing.rows(ctx.input_shape, grad_out.device, "BatchNorm2d")
+        rows = ctx.slicing.rows(ctx.input_shape, grad_out.device, "BatchNorm2d", at_least=ctx.at_least)
         grads = batch_norm_backward_in_slices(grad_out, packed, weight, mean, invstd, ctx.eps, rows,
                                               ctx.needs_input_grad[:3])
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def batch_norm_backward_in_slices(grad_out: torch.Tensor, packed: Slices, weight: torch.Tensor | None,
@@ -259,25 +262,27 @@ class _ReluOfPackedOutput(torch.autograd.Function):
     time into torch's own ReLU backward, so no float32 copy of the whole output is made."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, stored: list[Stored], inplace: bool, slicing: Slicing) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, stored: list[Stored], inplace: bool, slicing: Slicing,
+                at_least: int) -> torch.Tensor:
         out = torch.relu_(x) if inplace else torch.relu(x)
         if inplace:
             ctx.mark_dirty(x)
-        ctx.stored, ctx.input_shape, ctx.slicing = stored, out.shape, slicing  # the caller saves the output
+        ctx.stored, ctx.input_shape, ctx.slicing, ctx.at_least = stored, out.shape, slicing, at_least  # the caller
+        # saves the output
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         stored = _take_stored(ctx)
         if stored.packed is None:  # not rounded after all (a promoted slot): the output itself
-            return torch.ops.aten.threshold_backward(grad_out, stored.tensor, 0), None, None, None
-        rows = ctx.slicing.rows(ctx.input_shape, grad_out.device, "ReLU")
+            return torch.ops.aten.threshold_backward(grad_out, stored.tensor, 0), None, None, None, None
+        rows = ctx.slicing.rows(ctx.input_shape, grad_out.device, "ReLU", at_least=ctx.at_least)
         grad_input = new_gradient(grad_out)
         for start, out in stored.packed.batch_slices(rows)():
             torch.ops.aten.threshold_backward.grad_input(gradient_rows(grad_out, start, rows), out, 0,
                                                          grad_input=grad_input[start:start + rows])
-        return grad_input, None, None, None
+        return grad_input, None, None, None, None
 
 
 # the Function that computes the backward of a layer the site plan says reads its input's codes
@@ -290,9 +295,9 @@ class PackedOutputRelu(nn.Module):
     """Calls an ``nn.ReLU`` whose output is a low activation through ``_ReluOfPackedOutput`` in a training
     forward, else as the module itself (and with hooks other than forward hooks, one WARNING)."""
 
-    def __init__(self, packer: Packer, slicing: Slicing, layer: nn.ReLU, name: str) -> None:
+    def __init__(self, packer: Packer, slicing: Slicing, layer: nn.ReLU, name: str, at_least: int = 1) -> None:
         super().__init__()
-        self.packer, self.slicing, self.name = packer, slicing, name
+        self.packer, self.slicing, self.name, self.at_least = packer, slicing, name, at_least
         self.__dict__["layer"] = layer  # the user's module, called as it is: not a child of this one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -303,7 +308,7 @@ class PackedOutputRelu(nn.Module):
         if not packer.active:
             return self.layer(x)
         stored: list[Stored] = []
-        out = _ReluOfPackedOutput.apply(x, stored, self.layer.inplace, self.slicing)
+        out = _ReluOfPackedOutput.apply(x, stored, self.layer.inplace, self.slicing, self.at_least)
         stored.append(packer.pack(out))  # after the call: an in-place ReLU's output has its final version now
         return _after_forward_hooks(self.layer, x, out)
 
@@ -315,9 +320,9 @@ class PackedInputCall(RoundedWeightsCall):
     called as itself (one WARNING)."""
 
     def __init__(self, rounding: Rounding, slicing: Slicing, layer: nn.Module, name: str, params: dict[str, str],
-                 function: type[torch.autograd.Function]) -> None:
+                 function: type[torch.autograd.Function], at_least: int = 1) -> None:
         super().__init__(rounding, layer, params)
-        self.slicing, self.name, self.function = slicing, name, function
+        self.slicing, self.name, self.function, self.at_least = slicing, name, function, at_least
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if _runs_as_itself(self.layer):
@@ -336,7 +341,7 @@ class PackedInputCall(RoundedWeightsCall):
         weight = weights.get("weight", self.layer.weight)
         weight_stored = (packer.save_packed(weight),) if self.function.slices_weight else ()
         out = self.function.apply(x, weight, weights.get("bias", self.layer.bias), [stored], self.layer,
-                                  self.slicing, *weight_stored)
+                                  self.slicing, self.at_least, *weight_stored)
         return _after_forward_hooks(self.layer, x, out)
 
 
