@@ -211,13 +211,14 @@ def test_rounding_over_the_ops_own_output_trains_as_rounding_into_a_new_tensor(n
     tensor), and activation gradients that arrive as new tensors (``graph.gradient_arrives_fresh``) or as an
     add's gradient rounded alike (``graph.gradient_passes_from``) over themselves; three steps give
     bit-identical losses and weights to rounding into new tensors, and the in-place rounds really ran
-    (counted)."""
+    (counted). Gradients are handed on float32 (``gradient_codes=False``): an add's, handed on as its codes, is
+    passed on by the roundings after it, not rounded over itself (tests/test_gradient_codes.py)."""
     plain, graph, x, y = _setup(name)
     policy = _paper_policy(graph)
 
     def three_steps(in_place: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Counter[str]]:
         model = copy.deepcopy(plain)
-        step = _stepper(apply_policy(model, policy, round_in_place=in_place), x, y)
+        step = _stepper(apply_policy(model, policy, round_in_place=in_place, gradient_codes=False), x, y)
         losses = [step() for _ in range(2)]
         with DispatchCounter() as counter:
             losses.append(step())
