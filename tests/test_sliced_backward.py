@@ -393,3 +393,16 @@ def test_finer_slices_slice_the_layers_at_the_predicted_peak_and_the_runtime_hol
     assert peaks["finer"] < peaks["default"], peaks
     with pytest.raises(PrecsearchError, match="slices must map layers with a sliced backward"):
         apply_policy(copy.deepcopy(model), policy, slices={"fc": 2})
+
+
+def test_finer_slices_with_the_compiled_step_say_once_that_they_apply_to_eager_steps_only(caplog):
+    """The compiled step keeps the op rules' slices: a ``slices=`` it does not honour is named in one WARNING."""
+    model, policy, x, _ = _setup(batch=64)
+    graph = trace(model, x[:2], batch_size=64)
+    from precsearch.cost.model import CostModel
+
+    slices = CostModel(graph).finer_slices(policy.assignment(graph))
+    with caplog.at_level(logging.WARNING, logger="precsearch.runtime"):
+        wrapped = apply_policy(copy.deepcopy(model), policy, slices=slices, compile=True)
+    said = [r.getMessage() for r in caplog.records if "slices= applies to eager steps only" in r.getMessage()]
+    assert wrapped.compiled_step and len(said) == 1

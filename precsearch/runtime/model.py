@@ -102,6 +102,9 @@ class PrecisionModel(nn.Module):
         self.clipped_at_start = [] if policy.master_weights else round_pure_weights(weights, self.state)
         self.compiled_step = compile and compiled_step(policy, graph, self.sites, self.state, compile, graphs,
                                                        hold_gradients)
+        if self.compiled_step and slices:
+            log.warning("the compiled step runs its sliced backwards in the op rules' slices: slices= applies to "
+                        "eager steps only; pass compile=False for the finer slices")
         self._handles += hook_weight_gradients(model, self.sites, self.state, hold_gradients)
         self._rounding = Rounding(self.state, self._packer, weights)
         self._hooks: HookInstrument | None = None
