@@ -593,10 +593,8 @@ class _StepReplay:
         shape = self.graph.tensors[tid].shape
         if i in self.sliced:
             op = self.graph.ops[i]
-            saved = self.graph.tensors[self.sliced[i]].shape
-            weight = max((self.graph.tensors[p].numel for p in op.params), default=0)
-            rows = self.graph.rules.op_type(op.module_type).sliced.rows(saved, weight, self.at_least.get(op.name, 1))
-            if rows < saved[0]:
+            rows = self.graph.rules.sliced_rows(op, self.graph.tensors, self.at_least.get(op.name, 1))
+            if rows < self.graph.tensors[self.sliced[i]].shape[0]:
                 return 4 * rows * math.prod(shape[1:])
         return 4 * math.prod(shape)
 

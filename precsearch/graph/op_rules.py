@@ -173,6 +173,12 @@ class OpRules:
         below FX: the rounding points of a GEMM."""
         return name in self.aten_gemms or "scaled_dot_product" in name
 
+    def sliced_rows(self, op: Any, tensors: Mapping[str, Any], at_least: int = 1) -> int:
+        """Samples per slice of graph op ``op``'s sliced backward (``SlicedBackward.rows`` over its
+        ``sliced_saved_tensor``, its largest parameter the weight; ``tensors``: the graph's)."""
+        weight = max((tensors[p].numel for p in op.params), default=0)
+        return self.op_type(op.module_type).sliced.rows(tensors[self.sliced_saved_tensor(op)].shape, weight, at_least)
+
     def sliced_saved_tensor(self, op: Any) -> str | None:
         """The tensor whose codes the runtime's backward of graph op ``op`` reads in slices, where it is low (a
         traced ``nn.Conv2d``'s or ``nn.BatchNorm2d``'s one input, an ``nn.ReLU``'s output), else None."""

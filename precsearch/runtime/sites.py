@@ -169,9 +169,7 @@ def _reads_gradient_codes(graph: TensorGraph, op: OpInfo, nodes: _FxNodes, at_le
     saved = graph.rules.sliced_saved_tensor(op)
     if saved is None or not (op.node in nodes.read_codes or op.node in nodes.relus):
         return None
-    shape = graph.tensors[saved].shape
-    weight = max((graph.tensors[p].numel for p in op.params), default=0)
-    return "slices" if rule.sliced.rows(shape, weight, at_least) < shape[0] else None
+    return "slices" if graph.rules.sliced_rows(op, graph.tensors, at_least) < graph.tensors[saved].shape[0] else None
 
 
 def _one_rounded_gradient(sites: OpSites) -> bool:
