@@ -102,9 +102,6 @@ class PrecisionModel(nn.Module):
         self.clipped_at_start = [] if policy.master_weights else round_pure_weights(weights, self.state)
         self.compiled_step = compile and compiled_step(policy, graph, self.sites, self.state, compile, graphs,
                                                        hold_gradients)
-        if self.compiled_step and slices:
-            log.warning("the compiled step runs its sliced backwards in the op rules' slices: slices= applies to "
-                        "eager steps only; pass compile=False for the finer slices")
         self._handles += hook_weight_gradients(model, self.sites, self.state, hold_gradients)
         self._rounding = Rounding(self.state, self._packer, weights)
         self._hooks: HookInstrument | None = None
@@ -282,6 +279,13 @@ def _hidden_gemms(graph: TensorGraph) -> list[str]:
     return list(hidden)
 
 
+def _warn_compiled_slices(compiled: bool, slices: Mapping[str, int] | None) -> None:
+    """Once per model: the compiled step keeps the op rules' slices, so ``slices`` reaches its eager steps only."""
+    if compiled and slices:
+        log.warning("the compiled step runs its sliced backwards in the op rules' slices: slices= applies to "
+                    "eager steps only; pass compile=False for the finer slices")
+
+
 def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor | None = None, *,
                  strict: bool = True, seed: int = 0, stats_every: int | None = None,
                  steps_per_epoch: int | None = None, rules: OpRules = OP_RULES,
@@ -320,8 +324,10 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     graph = trace(model, example_input, batch_size=policy.batch_size or example_input.shape[0],
                   leaf_modules=CHUNKED_LAYERS, rules=rules)
     verify_policy(policy, graph, strict=strict)
-    return PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
-                          hold_gradients=hold_gradients, round_in_place=round_in_place, gradient_codes=gradient_codes,
-                          slices=slices,
-                          compile=CompileOptions() if compile is True else compile or None,
-                          graphs=(runtime or default_runtime()).graphs)
+    wrapped = PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
+                             hold_gradients=hold_gradients, round_in_place=round_in_place,
+                             gradient_codes=gradient_codes, slices=slices,
+                             compile=CompileOptions() if compile is True else compile or None,
+                             graphs=(runtime or default_runtime()).graphs)
+    _warn_compiled_slices(bool(wrapped.compiled_step), slices)
+    return wrapped
