@@ -146,11 +146,14 @@ def test_predicted_peak_within_10_percent_of_measured(zoo, name, batch, policy_n
 
 
 
-def test_the_forward_rounds_out_of_place_exactly_where_the_cost_model_holds_a_float32_copy():
-    """A training forward under the all-low policy rounds into a new float32 tensor (``precsearch::round``,
-    counted by the dispatcher) once per low weight use, for the input batch, and for each activation the cost
-    model gives an ``unrounded`` block (a ReLU's output, which it saved itself); GEMM, normalization, sum and
-    pooling outputs are rounded over themselves (``precsearch::round_``), and the model holds no copy of them."""
+@pytest.mark.parametrize("activations", ["all-low", "e8m10"])
+def test_the_forward_rounds_out_of_place_exactly_where_the_cost_model_holds_a_float32_copy(activations):
+    """A training forward rounds into a new float32 tensor (``precsearch::round``, counted by the dispatcher)
+    once per low weight use, for the input batch, and for each activation the cost model gives an ``unrounded``
+    block; every other output is rounded over itself (``precsearch::round_``). GEMM, normalization, sum and
+    pooling outputs always are; a ReLU's output, which its backward reads through its save, is where that save
+    becomes the rounding's codes (all-low's 8-bit formats) and is not where the format has none (e8m10, 19 bits:
+    the save keeps the raw output, a hand table of ``FloatFormat.packs``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
@@ -167,7 +170,9 @@ def test_the_forward_rounds_out_of_place_exactly_where_the_cost_model_holds_a_fl
     model = build("resnet18", width=0.125)
     x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     graph = trace(model, x[:2], batch_size=4)
-    policy = _policy("all-low", graph)
+    policy = _policy("all-low", graph) if activations == "all-low" else policy_from_assignment(
+        graph, {tid: "e8m10" if graph.tensors[tid].kind == "activation" else ALL_LOW[graph.tensors[tid].kind]
+                for tid in graph.assignable_ids()}, high_format="fp32")
     wrapped = apply_policy(model, policy)
     with Counter() as counter:
         wrapped(x)
@@ -176,9 +181,10 @@ def test_the_forward_rounds_out_of_place_exactly_where_the_cost_model_holds_a_fl
     weight_uses = sum(b.what.startswith("rounded ") and not b.what.startswith(("rounded gradient", "rounded weight"))
                       for b in blocks)
     fresh = sum(op.role == "gemm" or op.module_type in ("BatchNorm2d", "add", "AdaptiveAvgPool2d") for op in graph.ops)
-    assert unrounded == sum(op.module_type == "ReLU" for op in graph.ops)
+    relus = sum(op.module_type == "ReLU" for op in graph.ops)
+    assert unrounded == (0 if activations == "all-low" else relus)
     assert counter.calls["precsearch.round"] == weight_uses + 1 + unrounded  # + 1: the input batch
-    assert counter.calls["precsearch.round_"] == fresh
+    assert counter.calls["precsearch.round_"] == fresh + relus - unrounded
 
 
 @pytest.mark.slow  # compiles a step

@@ -303,11 +303,11 @@ class CostModel:
         from the backward of their last consumer to that of their producer, as codes from their rounding on where
         the site plan hands them on so (``OpSites.gradient_codes``: an add's, held until the backward of the
         last input it reaches, and a sliced layer's, which that layer decodes a slice at a time; elsewhere
-        whole); weight gradients (float32) from their
-        op's backward to the optimizer; kernel workspaces. Where a tensor is low, the runtime's transients too: the
-        raw float32 value beside its rounded copy (not where the rounding writes over the op's output:
-        ``graph.makes_fresh_output``, not saved by its producer), packed codes, the decoded float32 copy kept from
-        the first to the last unpack, a rounded copy of each gradient (not where the rounding writes over it:
+        whole); weight gradients (float32) from their op's backward to the optimizer; kernel workspaces. Where a
+        tensor is low, the runtime's transients too: the raw float32 value beside its rounded copy (not where the
+        rounding writes over the op's output: ``graph.makes_fresh_output``, not saved by its producer or saved as
+        the rounding's codes), packed codes, the decoded float32 copy kept from the first to the last unpack, a
+        rounded copy of each gradient (not where the rounding writes over it:
         ``graph.gradient_arrives_fresh``, the activation low too, or ``graph.gradient_passes_from``, the add's
         output gradient in the same format), a sliced backward's workspace (``OpRules.sliced_saved_tensor``), a
         float32 copy of each low weight during its layer's call (the whole forward under module hooks) and again
@@ -360,7 +360,7 @@ class CostModel:
             if ops[i].role != "input" and step.root[tid] == tid:
                 if tid not in saved_fp32:
                     step.hold(4 * numel, step.fwd(i), step.fwd(step.last_use.get(tid, i)), f"float32 {tid}")
-                in_place = makes_fresh_output(ops[i], rules) and tid not in self_saved
+                in_place = makes_fresh_output(ops[i], rules) and (tid not in self_saved or step.format(tid).packs)
                 if not step.format(tid).is_fp32 and not in_place:
                     step.hold(4 * numel, step.fwd(i), step.fwd(i), f"unrounded {tid}")
             if step.needs_grad[tid]:

@@ -13,9 +13,13 @@ from precsearch.graph.types import OpInfo, TensorGraph
 
 
 def makes_fresh_output(op: OpInfo, rules: OpRules) -> bool:
-    """Whether ``op`` makes new output tensors that its backward does not read (a GEMM, a normalization, a
-    pooling, an out-of-place sum or product), so a rounding after it may overwrite them."""
-    return not op.attrs.get("inplace") and (op.role == "gemm" or rules.op_type(op.module_type).fresh_output)
+    """Whether ``op`` makes new output tensors that a rounding after it may overwrite: its backward does not read
+    them (a GEMM, a normalization, a pooling, an out-of-place sum or product), or reads only its own output (a
+    ReLU, a sigmoid), whose save the runtime switches to the codes of that rounding, so the raw output has no
+    reader after it (where the format has codes: else the save keeps the raw output, and the rounding is made beside
+    it)."""
+    rule = rules.op_type(op.module_type)
+    return not op.attrs.get("inplace") and (op.role == "gemm" or rule.fresh_output or rule.saves == ("output",))
 
 
 def _sole_readers(graph: TensorGraph) -> Iterator[tuple[OpInfo, OpInfo, int]]:

@@ -192,6 +192,11 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (None for an inference tensor, which has none, and which nothing saves)."""
+    return None if t.is_inference() else t._version
+
+
 def _whole_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` is its storage, laid out contiguously from offset 0 (so its codes map 1:1)."""
     return (t.is_contiguous() and t.storage_offset() == 0
@@ -224,14 +229,15 @@ class Packer:
             self.last = self._measure()
             self._live, self._pending, self._all_pending, self._plain = {}, {}, [], {}
 
-    def register(self, raw: torch.Tensor, rounded: torch.Tensor, codes: ops.Codes | None, kind: str) -> None:
-        """``codes`` hold the values of ``rounded``: saves of it are packed, and earlier saves of ``raw`` switch
-        to it."""
+    def register(self, raw: torch.Tensor, rounded: torch.Tensor, codes: ops.Codes | None, kind: str,
+                 raw_version: int | None) -> None:
+        """``codes`` hold the values of ``rounded``: saves of it are packed, and earlier saves of ``raw`` as it was
+        before the rounding (``raw_version``; a rounding over it moves it on) switch to it."""
         if not self.active or codes is None:
             return
         packed = self._hold(rounded, _Packed(kind, rounded, codes))
         pending = self._pending.get(_storage(raw))
-        if pending is not None and pending.version == raw._version and _whole_storage(raw):
+        if pending is not None and pending.version == raw_version and _whole_storage(raw):
             del self._pending[_storage(raw)]
             for stored in pending.stored:
                 stored.attach(packed, self._codes)
@@ -248,13 +254,17 @@ class Packer:
         weakref.finalize(rounded, self._forget, _storage(rounded), id(packed))
         return packed
 
-    def fresh(self, t: torch.Tensor) -> bool:
+    def fresh(self, t: torch.Tensor, makes_codes: bool) -> bool:
         """Whether the rounding may write over ``t`` in this (training) forward: an op's own new output, no
-        view, that nothing saved and that is no parameter, buffer or tensor rounded before."""
+        view, that is no parameter, buffer or tensor rounded before, and that nothing saved, or (``makes_codes``:
+        the rounding registers its codes) whose saves so far are of ``t`` as it is, which then switch to those
+        codes (``register``): the raw values have no reader left."""
         if not self.active or t.grad_fn is None or t._base is not None or not _whole_storage(t):
             return False
         ptr = _storage(t)
-        return not (ptr in self._live or ptr in self._pending or ptr in self._params or ptr in self._buffers)
+        pending = self._pending.get(ptr)
+        return (not (ptr in self._live or ptr in self._params or ptr in self._buffers)
+                and (pending is None or (makes_codes and pending.version == t._version)))
 
     def save_packed(self, t: torch.Tensor) -> Stored | None:
         """A save of ``t`` held as the codes of its storage, when ``t`` is a whole packed storage in the batch's
@@ -272,16 +282,17 @@ class Packer:
 
     def alias(self, t: torch.Tensor, slot: Slot, state: TensorState) -> None:
         """``t`` is a fresh copy of rounded values (a layout op's output): pack its saves in the slot's format
-        too (its overflow was counted where it was rounded). Not for a scaled format: its scales, taken again
-        over the copy's rows or blocks, need not give back the same values; the copy is saved as float32."""
-        if (not self.active or not slot.is_low or slot.scaled is not None or t.dtype != torch.float32
+        too (its overflow was counted where it was rounded). Not for a format without codes (nothing to pack), nor
+        for a scaled one: its scales, taken again over the copy's rows or blocks, need not give back the same
+        values; the copy is saved as float32."""
+        if (not self.active or not slot.holds_codes or slot.scaled is not None or t.dtype != torch.float32
                 or not _whole_storage(t)):
             return
         known = self._live.get(_storage(t))
         if known is None or known.storage.expired():  # a view of a known storage is no copy
             with torch.no_grad():  # no graph: its saves would be held to the forward's end
                 _, codes = state.round(t, slot, with_codes=True, count=False)
-            self.register(t, t, codes, slot.kind)
+            self.register(t, t, codes, slot.kind, version_of(t))
 
     def pack(self, t: torch.Tensor) -> Stored:
         stored = Stored(t)

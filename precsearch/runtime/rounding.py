@@ -21,7 +21,7 @@ from torch import nn
 
 from precsearch.graph.raw_ops import output_leaves, with_leaves
 from precsearch.runtime.gradient_codes import GradientCodes, decoded, slices_on
-from precsearch.runtime.packing import Packer
+from precsearch.runtime.packing import Packer, version_of
 from precsearch.runtime.sites import OpSites, SitePlan
 from precsearch.runtime.state import Slot, TensorState
 
@@ -43,11 +43,11 @@ class Rounding:
         codes where ``grad_codes`` says why (``OpSites.gradient_codes``) and its format has codes."""
         grad = grad if grad is not None and grad.is_low and t.requires_grad else None
         if act.is_low:
-            in_place = in_place and self.packer.fresh(t)
+            in_place, version = in_place and self.packer.fresh(t, act.holds_codes), version_of(t)
             grad_codes = grad_codes if self.packer.active else None
             rounded, codes = RoundActivation.apply(t, self.state, act, grad, self.packer.active, in_place,
                                                    grad_in_place, grad_codes)
-            self.packer.register(t, rounded, codes, act.kind)
+            self.packer.register(t, rounded, codes, act.kind, version)
             return rounded
         if grad is not None:
             self.gradient_of(t, grad)
@@ -65,7 +65,7 @@ class Rounding:
             return param
         if not slot.rounds_alike_again:  # stochastic, or scaled: its saves hold codes
             rounded, codes = RoundWeight.apply(param, self.state, slot, self.packer.active)
-            self.packer.register(param, rounded, codes, "weight")
+            self.packer.register(param, rounded, codes, "weight", version_of(param))
         else:
             rounded, _ = RoundWeight.apply(param, self.state, slot, False)
             self.packer.register_weight(param, rounded, slot, self.state)

@@ -10,9 +10,10 @@ op rules it was traced with, and read by every lowering (``instrument_fx``, ``in
 * a Conv2d or BatchNorm2d called on one value, whose rule slices its backward over its input
   (``OpSites.reads_codes``: ``reads_packed_input``), runs its backward over that input's codes, a slice at a time,
   where the input is a rounded value held as codes; a layer swapped for chunked accumulation does not;
-* a rounding may write over an op's output where the op makes it new and its backward does not read it
-  (``OpSites.fresh_output``), and over the output's gradient where that reaches it as a new tensor nothing else
-  holds (``OpSites.fresh_gradient``; precsearch.graph.in_place): the eager lowering does, unless told not to;
+* a rounding may write over an op's output where the op makes it new and its backward does not read it, or reads
+  it through a save that becomes the rounding's codes (``OpSites.fresh_output``), and over the output's gradient
+  where that reaches it as a new tensor nothing else holds (``OpSites.fresh_gradient``; precsearch.graph.in_place):
+  the eager lowering does, unless told not to;
 * an output an add alone reads (``OpSites.gradient_from``) receives the add's output gradient itself: where the
   add's rounding rounded it as this output's gradient rounds (``Slot.rounds_again_as``), rounding it again
   changes no value, so a lowering may round it over itself (eager) or only count it (compiled);
@@ -86,7 +87,7 @@ class OpSites:
     per_use: bool  # the gradient is rounded before each consumer, not at the value (one output, several readers)
     relu_output: bool  # a ReLU whose backward reads its rounded output
     reads_codes: bool  # a layer whose backward reads its one input's codes, where that input has them
-    fresh_output: bool  # its outputs are new tensors its backward does not read: a rounding may write over them
+    fresh_output: bool  # its outputs are new tensors its backward does not read (or reads as the rounding's codes)
     fresh_gradient: bool  # its one output's gradient arrives as a new tensor nothing else holds: likewise
     gradient_from: str | None = None  # the add whose rounded output gradient this one output's gradient is
     gradient_codes: str | None = None  # why its outputs' rounded gradients travel as codes (``GRADIENT_CODES``)
