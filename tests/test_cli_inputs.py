@@ -135,6 +135,12 @@ ROWS = [
     ("train-factory-classes", ["train", f"{USER_MODULE}:four_classes", *FAST, "--metrics", "{tmp}/m.csv"],
      "outputs (2, 4) for a batch of the data of shape (2, 3, 8, 8), but the data has 10 classes", ("m.csv",)),
     ("train-compress", [*TRAIN, "--compress", "adacomp"], "needs --nproc", ()),
+    ("train-finer-plain", [*TRAIN, "--finer-slices", "--metrics", "{tmp}/m.csv"],
+     "--finer-slices needs --policy FILE", ("m.csv",)),
+    ("train-finer-compile", [*TRAIN, "--finer-slices", "--policy", "{files}/policy16.json", "--compile"],
+     "--finer-slices needs no --compile", ()),
+    ("train-finer-nproc", [*TRAIN, "--finer-slices", "--policy", "{files}/policy16.json", "--nproc", "2"],
+     "--finer-slices needs no --nproc", ()),
     # search
     ("search-batch-0", [*SEARCH, "--batch-size", "0"], "--batch-size: '0'", ("run",)),
     ("search-batch-neg", [*SEARCH, "--batch-size", "-5"], "--batch-size: '-5': give an integer >= 1", ("run",)),
@@ -287,6 +293,34 @@ def test_train_honours_the_batch_size_steps_eval_interval_and_class_count_given(
     assert [int(row["step"]) for row in rows] == [1, 2]  # evaluated every step, as asked
     per_epoch = len(load_dataset("digits", image_size=8)[0]) // 3  # batches of 3 in an epoch
     assert [float(row["epoch"]) for row in rows] == [round(step / per_epoch, 3) for step in (1, 2)]
+    assert "2 steps" in capsys.readouterr().out
+
+
+def test_train_honours_finer_slices_with_the_slices_the_cost_model_names(tmp_path, capsys, monkeypatch):
+    """``--finer-slices`` trains the policy's model with ``slices=finer_slices``: the layers ``CostModel.finer_slices``
+    names run in that many slices (the site plan the wrapped model trains with)."""
+    from precsearch.config.spec import PAPER_LOW
+    from precsearch.cost.model import CostModel
+    from precsearch.cost.policies import policy_from_assignment
+    from precsearch.graph.tracing import trace
+    from precsearch.models import build
+    from precsearch.train import trainer
+
+    images = load_dataset("digits", image_size=8)[0].images[:2]
+    graph = trace(build("tiny_cnn"), images, batch_size=64)
+    policy = policy_from_assignment(graph, {tid: PAPER_LOW[graph.tensors[tid].kind] for tid in graph.assignable_ids()})
+    policy.save(tmp_path / "policy.json")
+    expected = CostModel(graph).finer_slices(policy.assignment(graph))
+    trained, original = [], trainer.apply_policy
+
+    def recording(*args, **kwargs):
+        trained.append(original(*args, **kwargs))
+        return trained[-1]
+
+    monkeypatch.setattr(trainer, "apply_policy", recording)
+    assert main([*TRAIN, "--policy", str(tmp_path / "policy.json"), "--steps", "2", "--recipe", "proxy",
+                 "--finer-slices"]) == 0
+    assert expected and {sites.op: sites.slices for sites in trained[0].sites.ops if sites.slices > 1} == expected
     assert "2 steps" in capsys.readouterr().out
 
 

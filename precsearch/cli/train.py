@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=count, default=None, metavar="N",
                         help="evaluate every N steps (default: every epoch)")
     parser.add_argument("--metrics", type=path, default=None, metavar="CSV", help="write metrics to this CSV file")
+    parser.add_argument("--finer-slices", action="store_true",
+                        help="run the policy's sliced backwards that set the step's predicted peak in more slices "
+                             "(CostModel.finer_slices): a lower peak for a slower step (README, 'Peak memory'); "
+                             "an eager step on a CPU, in one process")
     add_data_arguments(parser)
 
 
@@ -59,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from precsearch.config.policy import Policy
+    from precsearch.cost.model import finer_slices
     from precsearch.models import check_fits, is_spec, same_model
     from precsearch.train.data import load_dataset
     from precsearch.train.trainer import PAPER_RECIPE, resolve_device, train_policy
 
-    resolve_device(args.device)  # before the data is loaded
+    device = resolve_device(args.device)  # before the data is loaded
+    _check_finer_slices(args, device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.compress is not None and args.nproc is None:
@@ -87,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_data_parallel(args, policy, data, steps, config)
     result = train_policy(args.model, policy, data, steps, seed=args.seed, device=args.device, config=config,
                           compile=choose_compile(args, steps), eval_every=args.eval_every, metrics=args.metrics,
-                          recipe=PAPER_RECIPE if args.recipe == "paper" else None)
+                          recipe=PAPER_RECIPE if args.recipe == "paper" else None,
+                          slices=finer_slices if args.finer_slices else None)
     status = f"diverged ({result.reason})" if result.diverged else "trained"
     status += "" if policy is not None else " in plain fp32 (no policy)"
     print(f"{status}: {result.steps_run} steps in {result.wall_time:.1f} s; validation accuracy "
@@ -95,6 +102,19 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics:
         print(f"metrics: {args.metrics}")
     return 0
+
+
+def _check_finer_slices(args: argparse.Namespace, device: Any) -> None:
+    """``--finer-slices`` slices a policy's eager backward on a CPU, in one process: anything else is refused."""
+    if not args.finer_slices:
+        return
+    refused = {"--policy FILE (plain fp32 has no sliced backwards)": args.policy is None,
+               "no --compile (the compiled step keeps the op rules' slices)": args.compile,
+               "no --nproc (one process)": args.nproc is not None,
+               "--device cpu (the backwards slice on a CPU only)": device.type != "cpu"}
+    for needs, refuse in refused.items():
+        if refuse:
+            raise PrecsearchError(f"--finer-slices needs {needs}")
 
 
 def _given_or(given: Any, *defaults: Any) -> Any:

@@ -45,6 +45,7 @@ from torch import nn
 from precsearch.config.optimizer import UpdateConfig
 from precsearch.config.spec import ASSIGNABLE_KINDS, KINDS, PAPER_HIGH, PAPER_LOW
 from precsearch.errors import PrecsearchError
+from precsearch.formats import kernels
 from precsearch.formats.format import FloatFormat, get_format
 from precsearch.formats.scaled import ScaledFormat, any_format, scale_bytes
 from precsearch.graph.in_place import gradient_arrives_fresh, gradient_passes_from, makes_fresh_output
@@ -56,6 +57,8 @@ from precsearch.runtime.sites import SitePlan, plan_sites
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from precsearch.config.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +378,8 @@ class CostModel:
                 elif not alike and codes is not None:  # float32 to its rounding, then as codes
                     step.hold(4 * numel, arrives, step.bwd(i) - 1, f"gradient {tid}")
                     step.hold(codes, step.bwd(i) - 1, step.bwd(i), f"gradient codes {tid}")
+                    step.hold(numel * _written_codes_bytes(grad_format), step.bwd(i) - 1, step.bwd(i) - 1,
+                              f"gradient codes as written {tid}")
                 elif not alike:
                     step.hold(4 * numel, arrives, step.bwd(i), f"gradient {tid}")
                 if codes is not None and not rules.op_type(ops[i].module_type).passes_gradient:
@@ -483,6 +488,13 @@ class CostModel:
         return [s.numel * (s.itemsize or _storage_bytes(formats.get(s.tensor, FP32)))
                 + (_stored_scales(scaled.get(s.tensor), self.graph.tensors[s.tensor].shape) if s.tensor else 0)
                 for s in self.saved]
+
+
+
+def finer_slices(graph: TensorGraph, policy: Policy) -> dict[str, int]:
+    """``CostModel(graph).finer_slices`` of ``policy``'s assignment: what ``apply_policy(..., slices=finer_slices)``
+    and ``precsearch train --finer-slices`` run."""
+    return CostModel(graph).finer_slices(policy.assignment(graph))
 
 
 def _peak(blocks: list[Held]) -> tuple[float, int]:
@@ -602,6 +614,15 @@ class _StepReplay:
         self.blocks.append(Held(int(nbytes), start, end, what))
 
 
+def _written_codes_bytes(fmt: FloatFormat) -> int:
+    """Bytes per element of the wider codes a CPU kernel writes ``fmt``'s in before narrowing them, or reads them
+    in after widening them (int32 for 16-bit codes, ``kernels.kernel_codes_dtype``), held for a moment beside
+    the codes or the values; 0 where it takes them at their width."""
+    kept = kernels.storage_dtype(fmt)
+    written = kernels.kernel_codes_dtype(kept, torch.device("cpu"))
+    return 0 if written == kept else written.itemsize
+
+
 def _hold_workspaces(step: _StepReplay, reads_kept: set[int]) -> set[str]:
     """Kernel workspaces: oneDNN's forward, each backward's, and a sliced backward's slices; returns the
     weights whose conv's backward decodes them a channel slice at a time."""
@@ -624,6 +645,7 @@ def _hold_workspaces(step: _StepReplay, reads_kept: set[int]) -> set[str]:
             at_least = step.at_least.get(op.name, 1)
             rows = slicing.rows(shape, weight, at_least)
             decodes = i not in reads_kept
+            widened = decodes * _written_codes_bytes(step.format(step.sliced[i]))  # beside a slice as it decodes
             channels = (slicing.channels_per_group(shape, weight_info.shape, at_least) if slicing.channels is not None
                         else shape[1])
             if channels < shape[1]:  # one slice of samples in groups of input channels
@@ -636,12 +658,12 @@ def _hold_workspaces(step: _StepReplay, reads_kept: set[int]) -> set[str]:
                 step.hold(work, step.bwd(i), step.bwd(i), f"channel slice workspace {op.name}")
             elif rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (an
                 # op with weight blocks whose weight outsizes its input: oneDNN's reordered weight)
-                work = max(kernel * inputs, 4 * weight if slicing.weight_blocks else 0)
+                work = max(kernel * inputs, 4 * weight if slicing.weight_blocks else 0, widened * sample * shape[0])
                 step.hold(decodes * 4 * sample * shape[0] + work, step.bwd(i), step.bwd(i), f"workspace {op.name}")
             else:
                 summed = slicing.weight_blocks * 4 * weight
-                slices = slicing.workspace - (not decodes)
-                step.hold(slices * 4 * rows * sample + summed, step.bwd(i), step.bwd(i), f"slice workspace {op.name}")
+                slices = max(4 * (slicing.workspace - (not decodes)), 4 + widened)
+                step.hold(slices * rows * sample + summed, step.bwd(i), step.bwd(i), f"slice workspace {op.name}")
         elif kernel:
             step.hold(kernel * inputs, step.bwd(i), step.bwd(i), f"workspace {op.name}")
     return channel_sliced

@@ -24,8 +24,8 @@ from precsearch.formats.as_data import decode_patterns, encode_patterns, format_
 from precsearch.formats.format import FloatFormat, check_modes, get_format, overflow_threshold
 from precsearch.formats.runner import labelled, run_kernel
 
-__all__ = ["decode", "encode", "overflow_threshold", "quantize", "round_and_count", "round_and_count_fn", "stats",
-           "storage_dtype"]
+__all__ = ["decode", "encode", "kernel_codes_dtype", "overflow_threshold", "quantize", "round_and_count",
+           "round_and_count_fn", "stats", "storage_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,10 @@ def _check_tensor(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def _kernel_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
+def kernel_codes_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
     """The dtype a kernel writes codes of ``dtype`` in: int32 for int16 on a CPU, narrowed by aten afterwards
-    (Inductor's C++ conversions between int16 and int32 are not vectorized: six times a uint8 one; aten's are)."""
+    (Inductor's C++ conversions between int16 and int32 are not vectorized: six times a uint8 one; aten's are),
+    so a 16-bit rounding with codes holds an int32 tensor of its size for a moment (the cost model's too)."""
     return torch.int32 if dtype == torch.int16 and device.type == "cpu" else dtype
 
 
@@ -129,7 +130,7 @@ def round_and_count_fn(fmt: str, rounding: str, overflow: str, with_codes: bool,
         kernel_row = prepared.get((device, written))
         if kernel_row is None:
             kernel_row = prepared[device, written] = (
-                _round_kernel(rounding, in_floats, _kernel_dtype(dtype, device), written),
+                _round_kernel(rounding, in_floats, kernel_codes_dtype(dtype, device), written),
                 _row(spec, rounding, overflow, device))
         kernel, row = kernel_row
         rounded, codes = run_kernel(kernel, x.view(-1) if written else x.reshape(-1), row, seed, counts)
@@ -188,7 +189,7 @@ def encode(x: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     device, dtype = x.device, storage_dtype(fmt)
     row = _row(fmt, "nearest", fmt.default_overflow, device)
     counts = torch.zeros(2, dtype=torch.int64, device=device)
-    kernel = _round_kernel("nearest", nearest_in_floats(fmt), _kernel_dtype(dtype, device), False)
+    kernel = _round_kernel("nearest", nearest_in_floats(fmt), kernel_codes_dtype(dtype, device), False)
     _, codes = run_kernel(kernel, x.reshape(-1), row, _zero_seed(device), counts)
     if counts[1].item():
         raise PrecsearchError(f"cannot encode inf/NaN in {fmt.name}, which has no such code: clamp or quantize the "
@@ -202,7 +203,7 @@ def decode(codes: torch.Tensor, fmt: str | FloatFormat) -> torch.Tensor:
     if codes.dtype != storage_dtype(fmt):
         raise TypeError(f"{fmt.name} codes must be {storage_dtype(fmt)}, got {codes.dtype}")
     flat = codes.reshape(-1)
-    flat = flat.to(torch.int32) if _kernel_dtype(codes.dtype, flat.device) != codes.dtype else flat
+    flat = flat.to(torch.int32) if kernel_codes_dtype(codes.dtype, flat.device) != codes.dtype else flat
     row = _row(fmt, "nearest", fmt.default_overflow, flat.device)
     return run_kernel(_decode_kernel(flat.dtype), flat, row).view(codes.shape)
 

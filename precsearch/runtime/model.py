@@ -72,6 +72,9 @@ __all__ = ["PrecisionModel", "apply_policy"]
 
 log = logging.getLogger(__name__)
 
+# a function of the traced graph and the policy giving the slices apply_policy runs (op name -> count)
+ChooseSlices = Callable[[TensorGraph, Policy], Mapping[str, int]]
+
 
 class PrecisionModel(nn.Module):
     """A model training under a policy; build it with ``apply_policy``. The user's model is ``.module``;
@@ -290,7 +293,7 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
                  strict: bool = True, seed: int = 0, stats_every: int | None = None,
                  steps_per_epoch: int | None = None, rules: OpRules = OP_RULES,
                  hold_gradients: Callable[[], bool] = no_process_group, round_in_place: bool = True,
-                 gradient_codes: bool = True, slices: Mapping[str, int] | None = None,
+                 gradient_codes: bool = True, slices: Mapping[str, int] | ChooseSlices | None = None,
                  compile: bool | CompileOptions = False, runtime: Runtime | None = None) -> PrecisionModel:
     """Wrap ``model`` so that it trains under ``policy`` (see the module docstring).
 
@@ -303,9 +306,10 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     codes until the end of the backward (by default: while no process group is up, as DDP reads ``.grad`` during
     the backward), ``round_in_place=False`` rounds every activation and activation gradient into a new tensor, and
     ``gradient_codes=False`` hands every rounded activation gradient on as float32, not as its codes
-    (``OpSites.gradient_codes``). None changes a value. ``slices`` (op name -> count, e.g.
-    ``CostModel(graph).finer_slices(policy.assignment(graph))``) runs those layers' sliced backwards in at least
-    that many slices on CPU: less memory at the step's peak for more time, float32 sums in another order.
+    (``OpSites.gradient_codes``). None changes a value. ``slices`` (op name -> count, or a function of the traced
+    graph and the policy giving them, e.g. ``precsearch.cost.model.finer_slices``) runs those layers' sliced
+    backwards in at least that many slices on CPU: less memory at the step's peak for more time, float32 sums in
+    another order.
 
     ``compile=True`` (or a ``CompileOptions``) trains with the compiled step (precsearch.runtime.compiled),
     compiled once per model structure and code widths in ``runtime`` (default: ``default_runtime()``), where the
@@ -324,6 +328,8 @@ def apply_policy(model: nn.Module, policy: Policy, example_input: torch.Tensor |
     graph = trace(model, example_input, batch_size=policy.batch_size or example_input.shape[0],
                   leaf_modules=CHUNKED_LAYERS, rules=rules)
     verify_policy(policy, graph, strict=strict)
+    if callable(slices):
+        slices = slices(graph, policy)
     wrapped = PrecisionModel(model, policy, graph, seed=seed, stats_every=stats_every, steps_per_epoch=steps_per_epoch,
                              hold_gradients=hold_gradients, round_in_place=round_in_place,
                              gradient_codes=gradient_codes, slices=slices,

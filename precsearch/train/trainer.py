@@ -40,7 +40,7 @@ from precsearch.config.spec import ProxyConfig
 from precsearch.errors import PrecsearchError, run_user_code
 from precsearch.files import atomic_write_text
 from precsearch.formats.runner import Runtime, default_runtime
-from precsearch.runtime.model import apply_policy
+from precsearch.runtime.model import ChooseSlices, apply_policy
 from precsearch.runtime.scaling import LossScaler, NoLossScaler
 from precsearch.stopping import raise_recorded_stop
 from precsearch.train.autocast import CountingGradScaler, autocast_scaler, autocasting
@@ -289,7 +289,8 @@ def train(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, Imag
           evaluate_at: Collection[int] = (), recipe: Recipe | None = None, deterministic: bool = True,
           compile: CompileOptions | None = None, runtime: Runtime | None = None,
           on_start: Callable[[], None] | None = None, continuing: bool = False, checkpoint: Path | None = None,
-          decay_from: int | None = None, autocast: torch.dtype | None = None) -> ProxyResult:
+          decay_from: int | None = None, autocast: torch.dtype | None = None,
+          slices: ChooseSlices | None = None) -> ProxyResult:
     """Train ``model_spec`` under ``policy`` (None: plain fp32, no wrapper and no loss scaling) for ``steps``
     SGD steps and evaluate on the validation split. ``autocast`` (with no policy): the plain model's forward,
     loss and readings under ``torch.autocast(dtype)``, float16 through a GradScaler (precsearch.train.autocast).
@@ -304,9 +305,10 @@ def train(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, Imag
     propagates). ``stop_on_divergence=False`` keeps training after a divergence and records it all the same.
     ``deterministic`` runs it under ``determinism`` (the search relies on a seed giving the same numbers).
     ``compile`` trains with the compiled step (precsearch.runtime.compiled; None: eagerly); ``runtime`` (default:
-    ``default_runtime()``) holds its compiled graphs and is the default runtime for the call. The result's
-    ``wall_time`` counts from when the model is built (a user factory's own time is not training time);
-    ``on_start()`` is called then.
+    ``default_runtime()``) holds its compiled graphs and is the default runtime for the call; ``slices`` (with a
+    policy) chooses its sliced backwards' slices (``apply_policy``'s: e.g. ``precsearch.cost.model.finer_slices``).
+    The result's ``wall_time`` counts from when the model is built (a user factory's own time is not training
+    time); ``on_start()`` is called then.
 
     ``continuing`` trains at a constant rate and reads every evaluation off a short decay branch, so that the
     run's result at any step is that of a run of that length (precsearch.train.continuing); ``checkpoint``
@@ -315,24 +317,27 @@ def train(model_spec: str, policy: Policy | None, data: tuple[ImageDataset, Imag
     the result is read at the end as it is (confirmation: a checkpoint at ``decay_from`` is a reading's state).
     """
     config = config or ProxyConfig()
-    _check_request(policy, data[0], steps, config, continuing, checkpoint, decay_from, autocast)
+    _check_request(policy, data[0], steps, config, continuing, checkpoint, decay_from, autocast, slices)
     torch_device = resolve_device(device)
     checked = determinism(torch_device) if deterministic else contextlib.nullcontext()
     runtime = runtime or default_runtime()
     with runtime.as_default(), checked, seeded(seed, torch_device):
         run = _TrainingRun(model_spec, policy, data, steps, seed, torch_device, config, recipe=recipe, compile=compile,
                            runtime=runtime, on_start=on_start, continuing=continuing, checkpoint=checkpoint,
-                           decay_from=decay_from, autocast=autocast, evaluate_at=evaluate_at)
+                           decay_from=decay_from, autocast=autocast, evaluate_at=evaluate_at, slices=slices)
         run.loop(stop_on_divergence, report, eval_every, on_eval)
         reading = run.evaluate(run.steps_run, final=True, on_eval=on_eval)
     return run.result(reading)
 
 
 def _check_request(policy: Policy | None, train_set: ImageDataset, steps: int, config: ProxyConfig, continuing: bool,
-                   checkpoint: Path | None, decay_from: int | None, autocast: torch.dtype | None) -> None:
+                   checkpoint: Path | None, decay_from: int | None, autocast: torch.dtype | None,
+                   slices: ChooseSlices | None) -> None:
     """``train``'s arguments agree with each other and with the data, before anything is built."""
     if policy is not None and autocast is not None:
         raise ValueError("train under a policy or under torch.autocast, not both")
+    if slices is not None and policy is None:
+        raise ValueError("slices choose a policy's sliced backwards: train under a policy")
     if checkpoint is not None and not continuing:
         raise ValueError("a checkpoint continues only a continuing run (a cosine schedule spans its own length)")
     if decay_from is not None and not (continuing and 0 <= decay_from < steps):
@@ -353,7 +358,7 @@ class _TrainingRun:
                  seed: int, device: torch.device, config: ProxyConfig, *, recipe: Recipe | None,
                  compile: CompileOptions | None, runtime: Runtime, on_start: Callable[[], None] | None,
                  continuing: bool, checkpoint: Path | None, decay_from: int | None, autocast: torch.dtype | None,
-                 evaluate_at: Collection[int]) -> None:
+                 evaluate_at: Collection[int], slices: ChooseSlices | None) -> None:
         self.policy, self.data, self.train_set, self.steps, self.seed = policy, data, data[0], steps, seed
         self.device, self.config, self.autocast = device, config, autocast
         self.continuing, self.checkpoint = continuing, checkpoint
@@ -368,7 +373,7 @@ class _TrainingRun:
         if policy is not None:  # traced on real images, as the search traced it: a branch zeros skip is kept
             self.model = apply_policy(self.model, policy, self.train_set.images[:2].to(device), seed=seed,
                                       stats_every=config.stats_every, steps_per_epoch=self.per_epoch,
-                                      compile=compile or False, runtime=runtime)
+                                      compile=compile or False, runtime=runtime, slices=slices)
         self.model.train()
         self._set_up_optimizer(recipe)
         self._continue_from_checkpoint()
