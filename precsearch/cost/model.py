@@ -630,13 +630,13 @@ def _hold_workspaces(step: _StepReplay, reads_kept: set[int]) -> set[str]:
     channel_sliced = set()
     for i, op in enumerate(graph.ops):
         inputs = 4 * sum(graph.tensors[tid].numel for tid in op.input_tensors)
+        outputs = 4 * sum(graph.tensors[tid].numel for tid in op.outputs)
         rule = rules.op_type(op.module_type)
-        kernel = rule.backward_workspace + (rule.input_gradient_workspace
-                                            if any(step.needs_grad[tid] for tid in op.input_tensors) else 0)
+        grad_units = rule.input_gradient_workspace if any(step.needs_grad[tid] for tid in op.input_tensors) else 0
+        kernel = (rule.backward_workspace + max(grad_units - 1, 0)) * inputs + (grad_units > 0) * max(inputs, outputs)
         if rule.forward_workspace:  # oneDNN's forward: the reordered input and weight beside the blocked
             # output, then that beside the output's plain copy (the output's own block)
             params = 4 * sum(graph.tensors[p].numel for p in op.params)
-            outputs = 4 * sum(graph.tensors[tid].numel for tid in op.outputs)
             step.hold(max(inputs + params, outputs), step.fwd(i), step.fwd(i), f"forward workspace {op.name}")
         if i in step.sliced:
             shape, slicing = graph.tensors[step.sliced[i]].shape, rule.sliced
@@ -658,14 +658,14 @@ def _hold_workspaces(step: _StepReplay, reads_kept: set[int]) -> set[str]:
                 step.hold(work, step.bwd(i), step.bwd(i), f"channel slice workspace {op.name}")
             elif rows >= shape[0]:  # one slice: the whole tensor decoded, and the kernel's own workspace (an
                 # op with weight blocks whose weight outsizes its input: oneDNN's reordered weight)
-                work = max(kernel * inputs, 4 * weight if slicing.weight_blocks else 0, widened * sample * shape[0])
+                work = max(kernel, 4 * weight if slicing.weight_blocks else 0, widened * sample * shape[0])
                 step.hold(decodes * 4 * sample * shape[0] + work, step.bwd(i), step.bwd(i), f"workspace {op.name}")
             else:
                 summed = slicing.weight_blocks * 4 * weight
-                slices = max(4 * (slicing.workspace - (not decodes)), 4 + widened)
+                slices = max(4 * (slicing.workspace - (not decodes)), decodes * (4 + widened))
                 step.hold(slices * rows * sample + summed, step.bwd(i), step.bwd(i), f"slice workspace {op.name}")
         elif kernel:
-            step.hold(kernel * inputs, step.bwd(i), step.bwd(i), f"workspace {op.name}")
+            step.hold(kernel, step.bwd(i), step.bwd(i), f"workspace {op.name}")
     return channel_sliced
 
 

@@ -101,8 +101,9 @@ class OpRule:
       its output gradient to its inputs as it is (a sum), so an input's gradient is that gradient itself.
     - ``forward_workspace``: its forward holds its reordered input and weight beside its blocked output, then
       that beside the output (oneDNN's conv). ``backward_workspace``: float32 copies of its inputs its backward
-      kernel holds; ``input_gradient_workspace`` more where its input needs a gradient (torch 2.13's CPU
-      kernels: oneDNN conv a reordered input gradient and input, batch norm one temporary).
+      kernel holds; ``input_gradient_workspace`` more where its input needs a gradient, the last of them of the
+      output's size where that is larger (torch 2.13's CPU kernels: oneDNN's conv a reordered input and a
+      reordered output gradient, which a 1x1 conv widening its channels shows; batch norm one temporary).
     - ``sliced``: the runtime's backward reads its low saved tensor in slices (``SlicedBackward``)."""
 
     gemm: bool = False
