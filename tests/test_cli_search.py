@@ -77,8 +77,9 @@ def test_search_prints_its_front_and_writes_outputs(search_run):
 
 def test_best_json_records_the_picks_predicted_peak_and_its_measured_one_beside_fp32_and_autocast(search_run):
     """The memory a user runs out of: best.json's ``predicted`` has the cost model's step peak, and ``peak`` the
-    pick's step measured once at the proxy's batch beside plain fp32's and torch.autocast(bf16)'s, each measured
-    again here by the allocator's events of the same kind of step."""
+    pick's step measured once at the proxy's batch beside plain fp32's and torch.autocast(bf16)'s, and with the
+    finer slices ``precsearch train --finer-slices`` runs, each measured again here by the allocator's events of
+    the same kind of step."""
     import copy
 
     from precsearch.cost.measured import sgd_step, trace_step
@@ -110,8 +111,13 @@ def test_best_json_records_the_picks_predicted_peak_and_its_measured_one_beside_
     assert peak["autocast_bf16"] == measured(copy.deepcopy(plain), torch.bfloat16)
     assert peak["measured"] == measured(apply_policy(copy.deepcopy(plain), best, data.images[:2], steps_per_epoch=1))
     assert abs(peak["measured"] - peak["predicted"]) <= 0.02 * peak["measured"]
+    slices = CostModel(graph).finer_slices(best.assignment(graph))  # what train --finer-slices runs
+    assert slices and peak["finer_predicted"] == CostModel(graph).peak_bytes(best.assignment(graph), slices)
+    assert peak["finer_measured"] == measured(apply_policy(copy.deepcopy(plain), best, data.images[:2],
+                                                            steps_per_epoch=1, slices=slices))
+    assert peak["finer_measured"] < peak["measured"]
     assert any(line.startswith("  step peak ") and "x plain fp32" in line and "torch.autocast(bf16)" in line
-               for line in printed.splitlines())
+               and "with train --finer-slices" in line for line in printed.splitlines())
 
 
 def test_best_json_trains_under_precsearch_train(searched, tmp_path, capsys):

@@ -510,15 +510,17 @@ def _search(study: optuna.Study, context: SearchContext, config: SearchConfig, r
 
 def _measure_pick(study: optuna.Study, context: SearchContext, best: pd.Series | None) -> None:
     """The pick's step peak beside plain fp32's and torch.autocast's, measured once on the proxy's batch
-    (precsearch.search.peaks), for best.json and the summary."""
+    (precsearch.search.peaks), with finer slices too, for best.json and the summary."""
     recorded = study.user_attrs.get(PICK_PEAK)
     if best is None or (recorded is not None and recorded["key"] == best["key"]):
         return
     policy = pick_policy(study, context, best)
     train_set, batch = context.data[0], context.space.proxy.batch_size
-    predicted = context.cost.peak_bytes(policy.assignment(context.graph))
+    assignment = policy.assignment(context.graph)
+    slices = context.cost.finer_slices(assignment)
     peaks = measure_step_peaks(context.model, policy, train_set.images[:batch], train_set.labels[:batch],
-                               train_set.num_classes, predicted, context.device, context.seed)
+                               train_set.num_classes, context.cost.peak_bytes(assignment), context.device,
+                               context.seed, (slices, context.cost.peak_bytes(assignment, slices)) if slices else None)
     log.info("the pick's %s", peaks.describe())
     study.set_user_attr(PICK_PEAK, {"key": best["key"], "peaks": peaks.to_dict()})
 
