@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+import torch
 from scripted import ScriptedTrainer
 
 from precsearch.cli.demo import DATA, MODEL, PROXY, held_baselines, held_text
@@ -45,8 +46,13 @@ def test_a_baseline_near_the_pick_is_confirmed_seed_by_seed_and_named_when_in(tm
     hfp8 (0.865) holds more than 1/0.9 of the pick's memory: not trained, and the claim is held against it."""
     context = SearchContext.create(MODEL, paper_space(proxy=PROXY), DataSpec(DATA), Budget(max_accuracy_drop=0.01),
                                    0, "cpu")
-    trainer = ScriptedTrainer(lambda name, step, length, seed: wang_accuracy, context,
-                              batch_stats=lambda name, step, length, seed: wang_batch_stats)
+    threads_seen = []
+
+    def accuracy(name, step, length, seed):
+        threads_seen.append(torch.get_num_threads())
+        return wang_accuracy
+
+    trainer = ScriptedTrainer(accuracy, context, batch_stats=lambda name, step, length, seed: wang_batch_stats)
     context = dataclasses.replace(context, trainer=trainer)
     policies = baseline_policies(context.graph, ("fp8", "wang_fp8", "hfp8"))
     rows = []
@@ -57,7 +63,13 @@ def test_a_baseline_near_the_pick_is_confirmed_seed_by_seed_and_named_when_in(tm
     high_runs = [_record(1.0, seed) for seed in (0, 1, 2)]
     result = SimpleNamespace(out_dir=tmp_path, confirmation=Confirmation(LENGTH, {context.all_high.key: high_runs},
                                                                            SEEDS, context.all_high.key, (0, 1, 2)))
-    held = held_baselines(pd.DataFrame(rows), {"memory": 0.522}, result, context)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the demo's own process: torch's default on 2 cores
+    try:
+        held = held_baselines(pd.DataFrame(rows), {"memory": 0.522}, result, context)
+    finally:
+        torch.set_num_threads(before)
+    assert threads_seen and set(threads_seen) == {1}  # as the search's workers train: the sums' order theirs
     shown = held_text(held, {"memory": 0.522})
     assert [(call["length"], call["seed"]) for call in trainer.calls] == [(LENGTH, seed)
                                                                            for seed in SEEDS[:trained_seeds]]

@@ -63,9 +63,19 @@ def _clear_previous_demo(out: Path) -> None:
 
 
 HELD_FILE = "held_baselines.csv"
+THREADS = 1  # torch's threads in every process of the demo: a CPU's float sums depend on them
 
 
-def held_baselines(baselines, best, result, context) -> Any:
+def held_baselines(baselines, best, result, context, threads: int = THREADS) -> Any:
+    """``_held_rows`` trained on ``threads`` of torch's, as the search's workers train: a CPU's float sums, and a
+    borderline baseline's reading with them, depend on the thread count."""
+    from precsearch.search.context import torch_threads
+
+    with torch_threads(threads):
+        return _held_rows(baselines, best, result, context)
+
+
+def _held_rows(baselines, best, result, context) -> Any:
     """Hold every prior-work baseline that holds less memory than the pick, or less than 10% more, to all-high as
     the pick was held: one that diverged at the proxy length is out; the others train on the confirmation's
     seeds at its length, seed by seed while the drop rule is undecided (``selection.confirmation_verdict``
@@ -182,9 +192,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"precsearch demo: {MODEL} on {DATA} ({space.proxy.image_size}x{space.proxy.image_size}), space "
           f"{space.name}, {args.trials} trials of calibrated proxies on {jobs} worker(s)")
     result = run_search(SearchConfig(MODEL, space, DATA, trials=args.trials, out_dir=out, jobs=args.jobs, seed=0,
-                                     device=args.device, threads=1, proxy_seeds=None, compile=compile))
+                                     device=args.device, threads=THREADS, proxy_seeds=None, compile=compile))
     search_time = time.perf_counter() - start
-    baselines = run_baselines(MODEL, space, DATA, out_dir=out, seed=0, device=args.device, threads=1, compile=compile)
+    baselines = run_baselines(MODEL, space, DATA, out_dir=out, seed=0, device=args.device, threads=THREADS,
+                              compile=compile)
     png, md = write_report(out)
     trials = result.trials
     high = trials[trials["decisions"].str.fullmatch("H+")]
