@@ -317,8 +317,10 @@ class CostModel:
         in its layer's backward, which rounds the fp32 master again rather than keep the codes (a stochastically
         rounded weight keeps its codes between the two, which this model does not count; a scaled one keeps codes
         and scales, which it counts), a rounded copy of each low weight gradient as it arrives and, where its
-        format fits 16 bits, its codes to the end of the backward (``.grad`` decoded then). The optimizer holds
-        one gradient-sized temporary (SGD's weight decay). The input batch is not counted unless packed."""
+        format fits 16 bits, its codes to the end of the backward (``.grad`` decoded then); the int32 a CPU kernel
+        writes 16-bit codes in, or reads them in, for the moment of a gradient's rounding or a slice's decode. The
+        optimizer holds one gradient-sized temporary (SGD's weight decay). The input batch is not counted unless
+        packed."""
         step = _StepReplay(self.graph, self._formats(assignment), self._scaled(assignment),
                            plan_sites(self.graph, per_use=False, slices=slices))
         saved_fp32, reads_kept = self._hold_saved(step, assignment)
@@ -488,7 +490,6 @@ class CostModel:
         return [s.numel * (s.itemsize or _storage_bytes(formats.get(s.tensor, FP32)))
                 + (_stored_scales(scaled.get(s.tensor), self.graph.tensors[s.tensor].shape) if s.tensor else 0)
                 for s in self.saved]
-
 
 
 def finer_slices(graph: TensorGraph, policy: Policy) -> dict[str, int]:
