@@ -644,7 +644,7 @@ def _hold_workspaces(step: _StepReplay, reads_kept: set[int]) -> set[str]:
             weight_info = max((graph.tensors[p] for p in op.params), key=lambda info: info.numel, default=None)
             sample, weight = math.prod(shape[1:]), 0 if weight_info is None else weight_info.numel
             at_least = step.at_least.get(op.name, 1)
-            rows = slicing.rows(shape, weight, at_least)
+            rows = rules.sliced_rows(op, graph.tensors, at_least)
             decodes = i not in reads_kept
             widened = decodes * _written_codes_bytes(step.format(step.sliced[i]))  # beside a slice as it decodes
             channels = (slicing.channels_per_group(shape, weight_info.shape, at_least) if slicing.channels is not None
